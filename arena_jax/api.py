@@ -1,0 +1,237 @@
+"""The public operations: validate on the host, then one jitted pure function each.
+
+Ops that change the cache take it donated: its arena is updated in place, and the cache
+passed in must not be used again (keep the returned one). Called inside your own jitted
+step they simply inline, and the step's donation is what keeps the arena in place.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from arena_jax import allocator
+from arena_jax.state import KVCache
+from arena_jax.validate import check_counts, check_kv, check_layer, check_q, check_slots, concrete
+from pallas_kernels.reference import append_reference, paged_attention_reference, token_positions
+
+__all__ = ["reserve", "append", "attend", "release", "fork", "truncate", "default_backend", "BACKENDS", "BACKEND_ENV"]
+
+BACKENDS = ("pallas", "reference")
+BACKEND_ENV = "ARENA_JAX_BACKEND"
+
+
+def default_backend() -> str:
+    """`$ARENA_JAX_BACKEND` if set, else Pallas on GPU and the jnp reference elsewhere."""
+    chosen = os.environ.get(BACKEND_ENV, "").strip().lower()
+    if chosen:
+        if chosen not in BACKENDS:
+            raise ValueError(f"{BACKEND_ENV}={chosen!r}; expected one of {BACKENDS}")
+        return chosen
+    return "pallas" if jax.default_backend() == "gpu" else "reference"
+
+
+def _resolve_backend(backend: str | None) -> str:
+    if backend is None:
+        return default_backend()
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}; expected one of {BACKENDS}")
+    return backend
+
+
+def _check_cache(cache):
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"cache must be a KVCache (from arena_jax.create), got {type(cache).__name__}")
+    return cache.layout
+
+
+# ---- allocator ---------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _reserve(cache, slots, num_tokens):
+    return allocator.reserve_impl(cache, slots, num_tokens)
+
+
+def reserve(cache: KVCache, slots, num_tokens) -> tuple[KVCache, jax.Array]:
+    """Grow each slot by `num_tokens` (scalar or i32[B]), popping pages as needed.
+
+    A slot whose last page is partly filled and shared first gets a private copy of it
+    (copy-on-write, all layers), so `append` never allocates. Rows are served first come,
+    first served in batch order; a row that cannot be served (pages, or its copy-on-write
+    page) is left unchanged and its `ok` is False. PAD_SLOT rows are ignored (ok True).
+    Returns (cache, ok bool[B]).
+    """
+    layout = _check_cache(cache)
+    slots = check_slots(layout, slots)
+    num_tokens = check_counts(layout, num_tokens, slots.shape[0], "num_tokens")
+    slot_values, token_values = concrete(slots), concrete(num_tokens)
+    lengths = concrete(cache.table.lengths) if slot_values is not None and token_values is not None else None
+    if lengths is not None:
+        live = slot_values >= 0
+        grown = lengths[slot_values[live]] + token_values[live]
+        if grown.size and grown.max() > layout.max_seq_len:
+            raise ValueError(
+                f"num_tokens would grow slot {int(slot_values[live][grown.argmax()])} to {int(grown.max())} tokens, "
+                f"beyond max_pages_per_seq * page_size = {layout.max_seq_len}"
+            )
+    return _reserve(cache, slots, num_tokens)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _release(cache, slots):
+    return allocator.release_impl(cache, slots)
+
+
+def release(cache: KVCache, slots) -> KVCache:
+    """Drop the slots; pages whose refcount reaches 0 return to the free stack."""
+    layout = _check_cache(cache)
+    return _release(cache, check_slots(layout, slots))
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _fork(cache, src, dst):
+    return allocator.fork_impl(cache, src, dst)
+
+
+def fork(cache: KVCache, src, dst) -> KVCache:
+    """Each dst[b] shares src[b]'s pages (refcount + 1, no data moved). A dst in use is released first."""
+    layout = _check_cache(cache)
+    src = check_slots(layout, src, "src", unique=False)
+    dst = check_slots(layout, dst, "dst")
+    if src.shape != dst.shape:
+        raise ValueError(f"src and dst must have the same length, got {src.shape[0]} and {dst.shape[0]}")
+    s, d = concrete(src), concrete(dst)
+    if s is not None and d is not None:
+        clash = set(s[s >= 0].tolist()) & set(d[d >= 0].tolist())
+        if clash:
+            raise ValueError(f"dst and src overlap in slots {sorted(clash)}: a slot cannot be forked onto itself")
+        active = concrete(cache.table.active)
+        idle = [int(x) for x in s[s >= 0] if not active[x]]
+        if idle:
+            raise ValueError(f"src slots {idle} are not in use: nothing to fork")
+    return _fork(cache, src, dst)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _truncate(cache, slots, lengths):
+    return allocator.truncate_impl(cache, slots, lengths)
+
+
+def truncate(cache: KVCache, slots, lengths) -> KVCache:
+    """Roll slots back to `lengths` (scalar or i32[B]); whole pages past the end are released."""
+    layout = _check_cache(cache)
+    slots = check_slots(layout, slots)
+    lengths = check_counts(layout, lengths, slots.shape[0], "lengths")
+    s, n = concrete(slots), concrete(lengths)
+    if s is not None and n is not None:
+        held = concrete(cache.table.lengths)
+        live = s >= 0
+        longer = n[live] > held[s[live]]
+        if longer.any():
+            i = int(np.argmax(longer))
+            raise ValueError(
+                f"lengths[{i}]={int(n[live][i])} is longer than slot {int(s[live][i])}'s {int(held[s[live][i]])} tokens: "
+                "truncate only shortens (use reserve to grow)"
+            )
+    return _truncate(cache, slots, lengths)
+
+
+# ---- data path -----------------------------------------------------------------------------
+
+
+def _rows(cache: KVCache, slots, num_tokens):
+    """Per batch row: page_map i32[B, M], lengths i32[B], num_tokens i32[B] (0 on padded rows)."""
+    valid, idx = allocator.valid_rows(cache.table, slots)
+    page_map = jnp.where(valid[:, None], cache.table.page_map[idx], -1)
+    lengths = jnp.where(valid, cache.table.lengths[idx], 0)
+    return page_map, lengths, jnp.where(valid, num_tokens, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("backend",), donate_argnames=("cache",))
+def _append(cache, layer, slots, k, v, num_tokens, backend):
+    page_map, lengths, n = _rows(cache, slots, num_tokens)
+    # Write only into reserved positions of private pages: a row whose reservation failed
+    # (or whose target page is still shared) writes nothing and is counted, never spilling
+    # into another sequence's page.
+    pos, live = token_positions(lengths, n, k.shape[1])
+    page = jnp.take_along_axis(page_map, jnp.clip(pos // cache.k.shape[3], 0, page_map.shape[1] - 1), axis=1)
+    private = (page >= 0) & (cache.table.refcount[jnp.maximum(page, 0)] == 1)
+    writable = (n <= lengths) & jnp.all(private | ~live, axis=1)
+    written = jnp.where(writable, n, 0)
+    if backend == "pallas":
+        from pallas_kernels.append import paged_append
+
+        k_arena, v_arena = paged_append(cache.k, cache.v, layer, k, v, page_map, lengths, written)
+    else:
+        k_arena, v_arena = append_reference(cache.k, cache.v, layer, k, v, page_map, lengths, written)
+    stats = cache.stats.bump(
+        tokens_written=jnp.where(layer == 0, jnp.sum(written), 0),
+        dropped_writes=jnp.sum((n > 0) & ~writable),
+    )
+    return cache.replace(k=k_arena, v=v_arena, stats=stats)
+
+
+def append(cache: KVCache, layer, slots, k, v, *, num_tokens=None, backend: str | None = None) -> KVCache:
+    """Write `k, v: [batch, tokens, num_kv_heads, head_dim]` into each slot's last reserved positions.
+
+    `num_tokens` (i32[B], default all `tokens`) lets rows of one batch carry different counts:
+    row b's first num_tokens[b] tokens go to its last num_tokens[b] reserved positions.
+    Rows whose positions are not reserved and private (e.g. a failed reservation) write nothing
+    and are counted in `stats.dropped_writes`.
+    """
+    layout = _check_cache(cache)
+    slots = check_slots(layout, slots)
+    layer = check_layer(layout, layer)
+    check_kv(layout, k, v, slots.shape[0])
+    tokens = k.shape[1]
+    num_tokens = check_counts(layout, tokens if num_tokens is None else num_tokens, slots.shape[0], "num_tokens")
+    n = concrete(num_tokens)
+    if n is not None and n.size and n.max() > tokens:
+        raise ValueError(f"num_tokens={int(n.max())} exceeds the {tokens} tokens given in k and v")
+    return _append(cache, layer, slots, k, v, num_tokens, _resolve_backend(backend))
+
+
+@functools.partial(jax.jit, static_argnames=("backend", "sliding_window", "sm_scale"))
+def _attend(q, cache, layer, slots, num_tokens, backend, sliding_window, sm_scale):
+    page_map, lengths, n = _rows(cache, slots, num_tokens)
+    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window)
+    if backend == "pallas":
+        from pallas_kernels.paged_attention import paged_attention
+
+        return paged_attention(q, cache.k, cache.v, layer, page_map, lengths, n, **kwargs)
+    return paged_attention_reference(q, cache.k, cache.v, layer, page_map, lengths, n, **kwargs)
+
+
+def attend(
+    q,
+    cache: KVCache,
+    layer,
+    slots,
+    *,
+    num_tokens=None,
+    sliding_window: int | None = None,
+    sm_scale: float | None = None,
+    backend: str | None = None,
+):
+    """Attention of `q: [batch, q_tokens, num_q_heads, head_dim]` over each slot's pages.
+
+    The q tokens are the slot's last `num_tokens` (default `q_tokens`) positions, already
+    appended; they attend causally to everything before them (within `sliding_window` tokens,
+    counting themselves, if given). Padded rows and tokens give zeros. Returns q's shape/dtype.
+    """
+    layout = _check_cache(cache)
+    slots = check_slots(layout, slots)
+    layer = check_layer(layout, layer)
+    check_q(layout, q, slots.shape[0])
+    tokens = q.shape[1]
+    num_tokens = check_counts(layout, tokens if num_tokens is None else num_tokens, slots.shape[0], "num_tokens")
+    n = concrete(num_tokens)
+    if n is not None and n.size and n.max() > tokens:
+        raise ValueError(f"num_tokens={int(n.max())} exceeds the {tokens} query tokens given in q")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    return _attend(q, cache, layer, slots, num_tokens, _resolve_backend(backend), sliding_window, sm_scale)

@@ -1,0 +1,48 @@
+"""`health(cache)`: a host-side report of how the arena is used (reads the state back once)."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from arena_jax.state import KVCache
+
+__all__ = ["health"]
+
+
+def health(cache: KVCache) -> dict:
+    """Utilization, waste, free pages and the counters, as plain Python numbers.
+
+    utilization = token positions filled in allocated pages / their capacity (a shared page's
+    positions count once); logical_tokens counts each sequence's tokens (shared ones per holder).
+    """
+    layout = cache.layout
+    t = cache.table
+    page_map, lengths, active = np.asarray(t.page_map), np.asarray(t.lengths), np.asarray(t.active)
+    refcount, num_free = np.asarray(t.refcount), int(t.num_free)
+    size = layout.page_size
+
+    filled = np.zeros(layout.num_pages, np.int64)  # positions of each physical page holding a token
+    for s in np.flatnonzero(active):
+        n_pages = -(-int(lengths[s]) // size)
+        pages = page_map[s, :n_pages]
+        fill = np.minimum(size, int(lengths[s]) - np.arange(n_pages) * size)
+        np.maximum.at(filled, pages, fill)
+    pages_in_use = int(np.count_nonzero(refcount))
+    capacity = pages_in_use * size
+    tokens_held = int(filled.sum())
+    counters = {f.name: int(getattr(cache.stats, f.name)) for f in dataclasses.fields(cache.stats)}
+    return {
+        "active_sequences": int(active.sum()),
+        "logical_tokens": int(lengths[active].sum()),
+        "tokens_held": tokens_held,
+        "pages_in_use": pages_in_use,
+        "shared_pages": int(np.count_nonzero(refcount > 1)),
+        "free_pages": num_free,
+        "num_pages": layout.num_pages,
+        "utilization": tokens_held / capacity if capacity else 1.0,
+        "internal_waste_tokens": capacity - tokens_held,
+        "bytes_in_use": pages_in_use * layout.page_bytes,
+        "arena_bytes": layout.arena_bytes,
+        **counters,
+    }

@@ -1,0 +1,191 @@
+"""`KVLayout`: the static geometry of an arena (a hashable jit static argument)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Mapping
+
+import numpy as np
+
+__all__ = ["KVLayout", "PAGE_ALIGN_BYTES"]
+
+# One page of one head (page_size * head_dim * itemsize) is a multiple of this, so
+# the pages that decode attention streams start on aligned addresses.
+PAGE_ALIGN_BYTES = 256
+
+_HF_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16", "float": "float32", "half": "float16"}
+
+
+def _canonical_dtype(dtype) -> np.dtype:
+    import jax.numpy as jnp  # local: keeps `layout` importable for pure arithmetic
+
+    try:
+        return np.dtype(jnp.dtype(dtype))
+    except TypeError as exc:
+        raise ValueError(f"dtype={dtype!r} is not a floating dtype JAX knows") from exc
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+    """Arena geometry. Only KV heads are stored: GQA/MQA size by `num_kv_heads`.
+
+    Arena buffers `k`, `v` are each `[num_layers, num_kv_heads, num_pages, page_size, head_dim]`.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    num_pages: int
+    max_seqs: int
+    max_pages_per_seq: int
+    dtype: Any = "bfloat16"
+
+    def __post_init__(self):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "page_size", "num_pages", "max_seqs", "max_pages_per_seq"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            object.__setattr__(self, name, int(value))
+        dtype = _canonical_dtype(self.dtype)
+        if not np.issubdtype(dtype, np.floating) and dtype.name != "bfloat16":
+            raise ValueError(f"dtype must be a floating dtype, got {dtype}")
+        object.__setattr__(self, "dtype", dtype)
+        head_page = self.page_size * self.head_dim * dtype.itemsize
+        if head_page % PAGE_ALIGN_BYTES:
+            raise ValueError(
+                f"page_size * head_dim * itemsize = {self.page_size}*{self.head_dim}*{dtype.itemsize} = {head_page} bytes "
+                f"must be a multiple of {PAGE_ALIGN_BYTES} bytes (one page of one head); raise page_size"
+            )
+        if self.num_pages >= np.iinfo(np.int32).max or self.max_pages_per_seq * self.page_size >= np.iinfo(np.int32).max:
+            raise ValueError("num_pages and max_pages_per_seq * page_size must fit in int32")
+
+    # ---- derived sizes -------------------------------------------------------------
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token across all layers and KV heads."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def page_bytes(self) -> int:
+        """One page id spans all layers and heads, K and V."""
+        return self.bytes_per_token * self.page_size
+
+    @property
+    def arena_bytes(self) -> int:
+        return self.page_bytes * self.num_pages
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.max_pages_per_seq * self.page_size
+
+    @property
+    def token_capacity(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def arena_shape(self) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, self.num_kv_heads, self.num_pages, self.page_size, self.head_dim)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-int(num_tokens) // self.page_size)
+
+    # ---- constructors --------------------------------------------------------------
+    @classmethod
+    def for_memory_budget(
+        cls,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        budget_bytes: int,
+        page_size: int = 16,
+        max_seqs: int = 256,
+        max_seq_len: int = 8192,
+        dtype: Any = "bfloat16",
+    ) -> "KVLayout":
+        """As many pages as `budget_bytes` holds (K and V, all layers)."""
+        per_page = 2 * num_layers * num_kv_heads * head_dim * _canonical_dtype(dtype).itemsize * page_size
+        num_pages = int(budget_bytes) // per_page
+        if num_pages < 1:
+            raise ValueError(f"budget_bytes={budget_bytes} holds no page: one page needs {per_page} bytes")
+        return cls(
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            page_size=page_size,
+            num_pages=num_pages,
+            max_seqs=max_seqs,
+            max_pages_per_seq=-(-max_seq_len // page_size),
+            dtype=dtype,
+        )
+
+    @classmethod
+    def from_hf_config(
+        cls,
+        config: Mapping[str, Any] | str | os.PathLike,
+        *,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        budget_bytes: int | None = None,
+        max_seqs: int = 256,
+        max_seq_len: int | None = None,
+        dtype: Any = None,
+    ) -> "KVLayout":
+        """Geometry from a Hugging Face `config.json` (a dict, the file, or its folder).
+
+        KV heads: `num_key_value_heads`, else `num_attention_heads`.
+        head_dim: `head_dim`, else `hidden_size // num_attention_heads`.
+        Give exactly one of `num_pages` and `budget_bytes`.
+        """
+        cfg = _read_hf_config(config)
+        if (num_pages is None) == (budget_bytes is None):
+            raise ValueError("give exactly one of num_pages and budget_bytes")
+        try:
+            num_layers = int(cfg["num_hidden_layers"])
+            num_q_heads = int(cfg["num_attention_heads"])
+        except KeyError as exc:
+            raise ValueError(f"config lacks {exc.args[0]!r}") from exc
+        num_kv_heads = int(cfg.get("num_key_value_heads") or num_q_heads)
+        head_dim = cfg.get("head_dim") or int(cfg["hidden_size"]) // num_q_heads
+        if dtype is None:
+            dtype = _HF_DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"), "bfloat16")
+        if max_seq_len is None:
+            max_seq_len = int(cfg.get("max_position_embeddings", 8192))
+        if budget_bytes is not None:
+            return cls.for_memory_budget(
+                num_layers,
+                num_kv_heads,
+                int(head_dim),
+                budget_bytes=budget_bytes,
+                page_size=page_size,
+                max_seqs=max_seqs,
+                max_seq_len=max_seq_len,
+                dtype=dtype,
+            )
+        return cls(
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=int(head_dim),
+            page_size=page_size,
+            num_pages=num_pages,
+            max_seqs=max_seqs,
+            max_pages_per_seq=math.ceil(max_seq_len / page_size),
+            dtype=dtype,
+        )
+
+
+def _read_hf_config(config) -> Mapping[str, Any]:
+    if isinstance(config, Mapping):
+        return config
+    path = os.fspath(config)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    with open(path) as f:
+        return json.load(f)

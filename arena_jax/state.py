@@ -1,0 +1,92 @@
+"""Cache state: immutable pytrees, all arrays, updated with `.replace` inside jit."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from arena_jax.layout import KVLayout
+
+__all__ = ["PageTable", "CacheStats", "KVCache", "PAD_SLOT", "create"]
+
+# A batch row whose slot is PAD_SLOT asks for nothing, writes nothing and attends to nothing.
+# It is an explicit sentinel: it is never used as an index (no -1 wrap-around into the last slot).
+PAD_SLOT = -1
+
+
+@struct.dataclass
+class PageTable:
+    page_map: jax.Array  # i32[max_seqs, max_pages_per_seq], physical page per logical page, -1 unmapped
+    lengths: jax.Array  # i32[max_seqs], tokens held per slot
+    active: jax.Array  # bool[max_seqs], slot in use
+    free_stack: jax.Array  # i32[num_pages], entries [0, num_free) are free; top = num_free - 1 (LIFO)
+    num_free: jax.Array  # i32[]
+    refcount: jax.Array  # i32[num_pages], 0 free, 1 owned, >1 shared
+
+    @classmethod
+    def empty(cls, layout: KVLayout) -> "PageTable":
+        # The stack's top is reused first; page 0 on top gives a fresh arena pages 0, 1, 2, ...
+        return cls(
+            page_map=jnp.full((layout.max_seqs, layout.max_pages_per_seq), -1, jnp.int32),
+            lengths=jnp.zeros((layout.max_seqs,), jnp.int32),
+            active=jnp.zeros((layout.max_seqs,), bool),
+            free_stack=jnp.arange(layout.num_pages - 1, -1, -1, dtype=jnp.int32),
+            num_free=jnp.asarray(layout.num_pages, jnp.int32),
+            refcount=jnp.zeros((layout.num_pages,), jnp.int32),
+        )
+
+
+@struct.dataclass
+class CacheStats:
+    """Counters updated inside the jitted ops (int32: they wrap after 2**31 events)."""
+
+    tokens_written: jax.Array  # tokens appended (counted once, at layer 0)
+    pages_allocated: jax.Array  # pages popped from the free stack (new pages and copy-on-write targets)
+    pages_recycled: jax.Array  # pages returned to the free stack by release / truncate / fork-over
+    metadata_ops: jax.Array  # forks, truncations and reservations served without a new page
+    cow_copies: jax.Array  # copy-on-write page copies (the only data-moving allocator operation)
+    failed_reservations: jax.Array  # reservation rows refused for lack of pages
+    dropped_writes: jax.Array  # append rows refused because their positions were not reserved and private
+
+    @classmethod
+    def zeros(cls) -> "CacheStats":
+        return cls(**{f.name: jnp.zeros((), jnp.int32) for f in cls.__dataclass_fields__.values()})
+
+    def bump(self, **deltas) -> "CacheStats":
+        return self.replace(**{k: getattr(self, k) + jnp.asarray(v, jnp.int32) for k, v in deltas.items()})
+
+
+@struct.dataclass
+class KVCache:
+    k: jax.Array  # [num_layers, num_kv_heads, num_pages, page_size, head_dim]
+    v: jax.Array  # [num_layers, num_kv_heads, num_pages, page_size, head_dim]
+    table: PageTable
+    stats: CacheStats
+
+    @property
+    def layout(self) -> KVLayout:
+        """The geometry, read back from the shapes (works on tracers and ShapeDtypeStructs)."""
+        num_layers, num_kv_heads, num_pages, page_size, head_dim = self.k.shape
+        max_seqs, max_pages_per_seq = self.table.page_map.shape
+        return KVLayout(
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            page_size=page_size,
+            num_pages=num_pages,
+            max_seqs=max_seqs,
+            max_pages_per_seq=max_pages_per_seq,
+            dtype=self.k.dtype,
+        )
+
+
+def create(layout: KVLayout) -> KVCache:
+    """Allocate the arena once (zeros) with every page free. Jittable; use `jax.eval_shape` to size it."""
+    if not isinstance(layout, KVLayout):
+        raise ValueError(f"layout must be a KVLayout, got {type(layout).__name__}")
+    return KVCache(
+        k=jnp.zeros(layout.arena_shape, layout.dtype),
+        v=jnp.zeros(layout.arena_shape, layout.dtype),
+        table=PageTable.empty(layout),
+        stats=CacheStats.zeros(),
+    )

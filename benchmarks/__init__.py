@@ -1,0 +1,1 @@
+"""`arena-bench`: memory efficiency, capacity, kernel bandwidth and decode throughput."""
