@@ -1,4 +1,13 @@
-"""Pallas kernels for the paged KV cache, each with a plain-jnp reference."""
+"""Pallas kernels for the paged KV cache, each with a plain-jnp reference.
+
+    paged_append(k_arena, v_arena, layer, k, v, page_map, lengths, num_tokens) -> (k_arena, v_arena)
+    paged_attention(q, k_arena, v_arena, layer, page_map, lengths, num_tokens) -> out
+
+Contract (shapes, masking, sliding window): `pallas_kernels.reference`.
+"""
+from pallas_kernels._common import BlockSizes
+from pallas_kernels.append import paged_append
+from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.reference import append_reference, paged_attention_reference
 
-__all__ = ["append_reference", "paged_attention_reference"]
+__all__ = ["paged_append", "paged_attention", "BlockSizes", "append_reference", "paged_attention_reference"]

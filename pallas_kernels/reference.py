@@ -50,7 +50,8 @@ def append_reference(k_arena, v_arena, layer, k, v, page_map, lengths, num_token
     pos, valid = token_positions(lengths, num_tokens, tokens)  # [B, T]
     logical = jnp.clip(pos // page_size, 0, page_map.shape[1] - 1)
     page = jnp.take_along_axis(page_map, logical, axis=1)  # [B, T]
-    ok = valid & (page >= 0) & (pos >= 0)
+    # Positions past the page table (pos >= M * page_size) are dropped, not clipped onto the last page.
+    ok = valid & (page >= 0) & (pos >= 0) & (pos < page_map.shape[1] * page_size)
     # An explicit out-of-range sentinel plus mode="drop": padded tokens write nothing.
     page = jnp.where(ok, page, num_pages)
     offset = jnp.where(ok, pos % page_size, 0)

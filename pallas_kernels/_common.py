@@ -1,0 +1,242 @@
+"""Shared pieces of the Pallas kernels: version shims, tile sizes, argument checks.
+
+Version notes (the kernels use the Triton lowering of `pl.pallas_call`):
+- JAX >= 0.7 exposes masked loads/stores as `plgpu.load(ref.at[idx], mask=, other=)` /
+  `plgpu.store(ref.at[idx], val, mask=)` (`jax.experimental.pallas.triton`); older JAX had
+  `pl.load(ref, idx, ...)` / `pl.store(ref, idx, ...)`.
+- The compiler params class is `plgpu.CompilerParams` (JAX >= 0.6); older JAX called it
+  `plgpu.TritonCompilerParams` / `pl.TritonCompilerParams`.
+- Interpret mode (`interpret=True`) discharges every kernel into plain XLA on any backend.
+  There, an indexer that mixes slices with integer arrays is not supported, so the kernels
+  index every axis with (broadcast) integer arrays; the Triton lowering turns the same
+  indexers into pointer arithmetic with `make_range`, which keeps loads contiguous.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+try:  # the Triton-specific Pallas API
+    from jax.experimental.pallas import triton as plgpu
+except ImportError:  # pragma: no cover - very old JAX
+    plgpu = None
+
+__all__ = ["BlockSizes", "masked_load", "masked_store", "compiler_params", "resolve_interpret"]
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+# Triton's tensor dims must be powers of two, and tl.dot needs every dim >= 16.
+MIN_TILE = 16
+MAX_HEAD_DIM = 256
+
+
+# ---- version shims ---------------------------------------------------------------------------
+
+
+def masked_load(ref_view, *, mask, other):
+    """`ref_view` is `ref.at[idx]`; lanes where `mask` is False read `other` and touch no memory."""
+    if plgpu is not None and hasattr(plgpu, "load"):
+        return plgpu.load(ref_view, mask=mask, other=other)
+    return pl.load(ref_view, (), mask=mask, other=other)  # pragma: no cover - JAX < 0.7
+
+
+def masked_store(ref_view, value, *, mask):
+    """`ref_view` is `ref.at[idx]`; lanes where `mask` is False write nothing."""
+    if plgpu is not None and hasattr(plgpu, "store"):
+        return plgpu.store(ref_view, value, mask=mask)
+    return pl.store(ref_view, (), value, mask=mask)  # pragma: no cover - JAX < 0.7
+
+
+def compiler_params(num_warps: int, num_stages: int):
+    """Triton compiler params; passing them also selects the Triton lowering on GPU."""
+    for owner, name in ((plgpu, "CompilerParams"), (plgpu, "TritonCompilerParams"), (pl, "TritonCompilerParams")):
+        cls = getattr(owner, name, None) if owner is not None else None
+        if cls is not None:
+            return cls(num_warps=num_warps, num_stages=num_stages)
+    raise ImportError("this JAX has no Pallas Triton CompilerParams")  # pragma: no cover
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+    """None: interpret on CPU (no Pallas GPU lowering there), compile on GPU."""
+    if interpret is None:
+        return jax.default_backend() == "cpu"
+    return bool(interpret)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def cdiv(a, b):
+    """Ceil division of non-negative ints (python or traced int32)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return -(-a // b)
+    return lax.div(a + (b - 1), b)
+
+
+def num_sms() -> int:
+    """Streaming multiprocessors of the default device (132 on an H100 SXM when unknown)."""
+    dev = jax.devices()[0]
+    return int(getattr(dev, "core_count", 0) or 132)
+
+
+# ---- tile sizes --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes for the Pallas kernels; None fields take a default chosen from the shapes.
+
+    pages_per_block: pages streamed per inner-loop step (tokens per step =
+        pages_per_block * page_size; must be a power of two >= 16).
+    num_splits: programs that split one row's context (split-K / flash-decoding; their
+        partial results are merged with a log-sum-exp). Decode default: enough programs to
+        fill the device twice over; prefill default: 1.
+    block_tokens: query tokens per program (prefill), new tokens per program (append); a
+        power of two. In attention a program holds block_tokens x group rows (the query heads
+        of one KV head, padded to a power of two; at least 16 rows in all).
+    num_warps, num_stages: Triton launch parameters.
+    """
+
+    pages_per_block: int | None = None
+    num_splits: int | None = None
+    block_tokens: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"BlockSizes.{field.name} must be a positive int or None, got {value!r}")
+        if self.block_tokens is not None and not is_pow2(self.block_tokens):
+            raise ValueError(f"BlockSizes.block_tokens must be a power of two, got {self.block_tokens}")
+
+    @classmethod
+    def for_attention(
+        cls, *, batch: int, tokens: int, num_kv_heads: int, group: int, page_size: int, head_dim: int, max_pages: int
+    ) -> "BlockSizes":
+        """Defaults per shape: decode streams ~128 tokens per step and splits the context until
+        the device holds about two waves of programs; prefill uses 64-row query tiles."""
+        decode = tokens == 1
+        target_block_k = (128 if head_dim <= 128 else 64) if decode else 64
+        pages_per_block = max(1, target_block_k // page_size, cdiv(MIN_TILE, page_size))
+        block_k = pages_per_block * page_size
+        if decode:
+            programs = batch * num_kv_heads
+            max_blocks = max(1, cdiv(max_pages * page_size, block_k))
+            num_splits = max(1, min(64, max_blocks, cdiv(2 * num_sms(), programs)))
+            block_tokens = 1
+        else:
+            num_splits = 1
+            block_tokens = min(next_pow2(tokens), max(1, 64 // next_pow2(group)))
+        rows = block_tokens * max(next_pow2(group), 1)
+        return cls(
+            pages_per_block=pages_per_block,
+            num_splits=num_splits,
+            block_tokens=block_tokens,
+            num_warps=4 if rows * head_dim <= 64 * 128 else 8,
+            num_stages=2 if decode else 2,
+        )
+
+    @classmethod
+    def for_append(cls, *, tokens: int, head_dim: int) -> "BlockSizes":
+        """Append: up to 64 tokens x head_dim per program."""
+        return cls(block_tokens=min(next_pow2(tokens), 64), num_warps=4 if head_dim <= 128 else 8, num_stages=1)
+
+    def filled(self, defaults: "BlockSizes") -> "BlockSizes":
+        """Self with None fields taken from `defaults`."""
+        return dataclasses.replace(
+            self, **{f.name: getattr(defaults, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is None}
+        )
+
+
+# ---- argument checks ---------------------------------------------------------------------------
+
+
+def check_arena(k_arena, v_arena):
+    """Returns (L, Hkv, P, S, D) after checking both arenas."""
+    for name, arr in (("k_arena", k_arena), ("v_arena", v_arena)):
+        if getattr(arr, "ndim", None) != 5:
+            raise ValueError(f"{name} must be 5-D [layers, kv_heads, pages, page_size, head_dim], got shape {getattr(arr, 'shape', None)}")
+        if jnp.dtype(arr.dtype) not in SUPPORTED_DTYPES:
+            raise ValueError(f"{name}.dtype must be one of bfloat16/float16/float32, got {arr.dtype}")
+    if k_arena.shape != v_arena.shape or k_arena.dtype != v_arena.dtype:
+        raise ValueError(f"k_arena {k_arena.shape} {k_arena.dtype} and v_arena {v_arena.shape} {v_arena.dtype} must match")
+    head_dim = k_arena.shape[4]
+    if not is_pow2(head_dim) or not MIN_TILE <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim={head_dim} must be a power of two in [{MIN_TILE}, {MAX_HEAD_DIM}] (Triton tile limits)")
+    return tuple(k_arena.shape)
+
+
+def check_layer(layer, num_layers: int):
+    """A python int must lie in [0, num_layers); a traced one must be an integer scalar."""
+    if isinstance(layer, bool):
+        raise ValueError(f"layer must be an int, got {layer!r}")
+    if isinstance(layer, int):
+        if not 0 <= layer < num_layers:
+            raise ValueError(f"layer={layer} out of range [0, {num_layers})")
+        return jnp.full((1,), layer, jnp.int32)
+    layer = jnp.asarray(layer)
+    if layer.shape != () or not jnp.issubdtype(layer.dtype, jnp.integer):
+        raise ValueError(f"layer must be an integer scalar, got shape {layer.shape} dtype {layer.dtype}")
+    return layer.astype(jnp.int32).reshape(1)
+
+
+def check_rows(page_map, lengths, num_tokens, batch: int):
+    """page_map i32[batch, M], lengths / num_tokens i32[batch]; returns int32 copies."""
+    if getattr(page_map, "ndim", None) != 2 or page_map.shape[0] != batch:
+        raise ValueError(f"page_map must be [batch={batch}, max_pages_per_seq], got shape {getattr(page_map, 'shape', None)}")
+    if page_map.shape[1] < 1:
+        raise ValueError("page_map must have at least one column (max_pages_per_seq >= 1)")
+    out = [page_map]
+    for name, arr in (("lengths", lengths), ("num_tokens", num_tokens)):
+        arr = jnp.asarray(arr)
+        if arr.shape != (batch,):
+            raise ValueError(f"{name} must have shape ({batch},) (the batch), got {arr.shape}")
+        out.append(arr)
+    for name, arr in zip(("page_map", "lengths", "num_tokens"), out):
+        if not jnp.issubdtype(arr.dtype, jnp.integer):
+            raise ValueError(f"{name} must be an integer array, got {arr.dtype}")
+    return tuple(jnp.asarray(a).astype(jnp.int32) for a in out)
+
+
+def check_tokens(name: str, x, *, batch: int | None, heads: int | None, head_dim: int):
+    """x: [batch, tokens, heads, head_dim] in a supported float dtype."""
+    if getattr(x, "ndim", None) != 4:
+        raise ValueError(f"{name} must be 4-D [batch, tokens, heads, head_dim], got shape {getattr(x, 'shape', None)}")
+    if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
+        raise ValueError(f"{name}.dtype must be one of bfloat16/float16/float32, got {x.dtype}")
+    b, t, h, d = x.shape
+    if batch is not None and b != batch:
+        raise ValueError(f"{name} batch {b} != {batch}")
+    if t < 1:
+        raise ValueError(f"{name} must hold at least one token, got tokens={t}")
+    if heads is not None and h != heads:
+        raise ValueError(f"{name} has {h} heads, the arena holds {heads} KV heads")
+    if d != head_dim:
+        raise ValueError(f"{name} head_dim {d} != arena head_dim {head_dim}")
+
+
+def check_block_k(pages_per_block: int, page_size: int) -> int:
+    block_k = pages_per_block * page_size
+    if not is_pow2(block_k) or block_k < MIN_TILE:
+        raise ValueError(
+            f"pages_per_block * page_size = {pages_per_block} * {page_size} = {block_k} must be a power of two "
+            f">= {MIN_TILE} (Triton tile limits)"
+        )
+    return block_k
+
+
+def index_of(*idx):
+    """Broadcast integer index arrays (and scalars) to one common shape, as interpret mode needs."""
+    shape = jnp.broadcast_shapes(*(jnp.shape(i) for i in idx))
+    return tuple(jnp.broadcast_to(i, shape) for i in idx)
+

@@ -1,0 +1,148 @@
+"""Paged append: write new K/V tokens into their pages, in place.
+
+One program per (batch row, KV head, block of new tokens). Each token looks up its own
+physical page (`page_map[b, pos // page_size]`), so a block may straddle page boundaries.
+The arena is updated through `input_output_aliases`: under a jit that donates the arena only
+the new tokens' bytes move. Masked lanes (padding tokens, rows with num_tokens == 0,
+unmapped pages, positions past the page table) are pointed at the out-of-range page
+`num_pages` and masked, so they neither write on GPU nor collide with a live lane when
+interpret mode discharges the store into a scatter (which drops out-of-range indices).
+Contract: `pallas_kernels.reference.append_reference`.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels._common import (
+    BlockSizes,
+    cdiv,
+    check_arena,
+    check_layer,
+    check_rows,
+    check_tokens,
+    compiler_params,
+    index_of,
+    masked_load,
+    masked_store,
+    resolve_interpret,
+)
+from pallas_kernels.reference import append_reference
+
+__all__ = ["paged_append", "append_reference"]
+
+
+def _append_kernel(
+    # inputs
+    layer_ref,  # i32[1]
+    lengths_ref,  # i32[batch]
+    num_tokens_ref,  # i32[batch]
+    page_map_ref,  # i32[batch, max_pages]
+    k_ref,  # [batch, tokens, kv_heads, head_dim]
+    v_ref,  # [batch, tokens, kv_heads, head_dim]
+    k_arena_in_ref,  # [layers, kv_heads, pages, page_size, head_dim] (aliased to k_arena_ref)
+    v_arena_in_ref,  # [layers, kv_heads, pages, page_size, head_dim] (aliased to v_arena_ref)
+    # outputs
+    k_arena_ref,  # [layers, kv_heads, pages, page_size, head_dim]
+    v_arena_ref,  # [layers, kv_heads, pages, page_size, head_dim]
+    *,
+    block_tokens: int,
+):
+    del k_arena_in_ref, v_arena_in_ref  # same buffers as the outputs
+    b, h, tb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    num_layers, _, num_pages, page_size, head_dim = k_arena_ref.shape
+    _, tokens, _, _ = k_ref.shape
+    max_pages = page_map_ref.shape[1]
+
+    layer = layer_ref[0]
+    length = lengths_ref[b]
+    n_new = num_tokens_ref[b]
+    n_valid = jnp.clip(n_new, 0, tokens)
+
+    t = tb * block_tokens + jnp.arange(block_tokens, dtype=jnp.int32)  # [block_tokens]
+    pos = length - n_new + t  # position of each new token in its sequence
+    pos_c = jnp.maximum(pos, 0)
+    logical = lax.div(pos_c, page_size)
+    live = (t < n_valid) & (pos >= 0) & (logical < max_pages) & (layer >= 0) & (layer < num_layers)
+    (pm_b, pm_l) = index_of(b, jnp.minimum(logical, max_pages - 1))
+    page = masked_load(page_map_ref.at[pm_b, pm_l], mask=live, other=-1)  # [block_tokens]
+    live &= (page >= 0) & (page < num_pages)
+    # Dead lanes aim at page `num_pages` (out of range): masked on GPU, dropped in interpret.
+    page = jnp.where(live, page, num_pages)
+    offset = jnp.where(live, lax.rem(pos_c, page_size), 0)
+    layer = jnp.clip(layer, 0, num_layers - 1)
+
+    d = jnp.arange(head_dim, dtype=jnp.int32)[None, :]  # [1, head_dim]
+    mask = jnp.broadcast_to(live[:, None], (block_tokens, head_dim))
+    src = index_of(b, jnp.minimum(t, tokens - 1)[:, None], h, d)  # [block_tokens, head_dim] each
+    dst = index_of(layer, h, page[:, None], offset[:, None], d)
+    for x_ref, arena_ref in ((k_ref, k_arena_ref), (v_ref, v_arena_ref)):
+        x = masked_load(x_ref.at[src], mask=mask, other=0)  # [block_tokens, head_dim]
+        masked_store(arena_ref.at[dst], x.astype(arena_ref.dtype), mask=mask)
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
+def _paged_append_call(k_arena, v_arena, layer, k, v, page_map, lengths, num_tokens, *, block_sizes, interpret):
+    num_layers, num_kv_heads, num_pages, page_size, head_dim = k_arena.shape
+    batch, tokens, _, _ = k.shape
+    block_tokens = block_sizes.block_tokens
+    grid = (batch, num_kv_heads, cdiv(tokens, block_tokens))
+    kernel = functools.partial(_append_kernel, block_tokens=block_tokens)
+    arena_shape = jax.ShapeDtypeStruct(k_arena.shape, k_arena.dtype)
+    # No BlockSpecs: every ref is the whole array (the kernel gathers by page itself).
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        out_shape=(arena_shape, arena_shape),
+        input_output_aliases={6: 0, 7: 1},
+        compiler_params=compiler_params(block_sizes.num_warps, block_sizes.num_stages),
+        interpret=interpret,
+        name=f"paged_append_bt{block_tokens}",
+    )(layer, lengths, num_tokens, page_map, k, v, k_arena, v_arena)
+
+
+def paged_append(
+    k_arena,
+    v_arena,
+    layer,
+    k,
+    v,
+    page_map,
+    lengths,
+    num_tokens,
+    *,
+    interpret: bool | None = None,
+    block_sizes: BlockSizes | None = None,
+):
+    """Write `k, v: [B, T, Hkv, D]` into the last `num_tokens[b]` positions of each row, in place.
+
+    k_arena, v_arena: [L, Hkv, P, S, D] (bf16/fp16/fp32; k, v are cast to the arena dtype);
+    layer: int or traced i32 scalar; page_map: i32[B, M] (-1 unmapped); lengths, num_tokens:
+    i32[B] (lengths counts the new tokens). Returns the updated (k_arena, v_arena). Call it
+    inside a jit that donates the arena: the aliasing then updates it in place (called
+    eagerly, XLA copies the arena first, leaving the input intact).
+    """
+    num_layers, num_kv_heads, _, page_size, head_dim = check_arena(k_arena, v_arena)
+    check_tokens("k", k, batch=None, heads=num_kv_heads, head_dim=head_dim)
+    check_tokens("v", v, batch=k.shape[0], heads=num_kv_heads, head_dim=head_dim)
+    if k.shape != v.shape:
+        raise ValueError(f"k {k.shape} and v {v.shape} must have the same shape")
+    layer = check_layer(layer, num_layers)
+    page_map, lengths, num_tokens = check_rows(page_map, lengths, num_tokens, k.shape[0])
+    block_sizes = (block_sizes or BlockSizes()).filled(BlockSizes.for_append(tokens=k.shape[1], head_dim=head_dim))
+    return _paged_append_call(
+        k_arena,
+        v_arena,
+        layer,
+        k,
+        v,
+        page_map,
+        lengths,
+        num_tokens,
+        block_sizes=block_sizes,
+        interpret=resolve_interpret(interpret),
+    )

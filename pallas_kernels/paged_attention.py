@@ -1,0 +1,288 @@
+"""Paged attention straight from the arena: decode (flash-decoding) and (chunked) prefill.
+
+One kernel family. A program owns (batch row b, KV head h, query-token block, split) and
+holds `block_tokens x group_pad` query rows: every query head of the KV group (GQA, packed
+so K/V are read once per group) for `block_tokens` new tokens; row r is token
+`r // group_pad`, head `r % group_pad`. Rows are padded up to Triton's 16-row minimum for
+`dot`: decode (one token) pads the group; prefill packs tokens.
+
+The program streams the row's K/V `block_k = pages_per_block * page_size` tokens at a time;
+each token finds its own page (`page_map[b, pos // page_size]`), so page tables may be
+scrambled. Online softmax in float32. The key range is bounded by loop limits, not masks:
+it starts at the page holding the earliest key any of the program's queries may see
+(sliding window) and ends at the last query's position; split `s` of `num_splits` takes
+a contiguous share of those blocks. Inside a block, keys past the length, in unmapped pages,
+in the future (causal) or out of the window are masked with `where` before the softmax, and
+masked K/V lanes are never loaded (masked loads, `other=0`) and V is selected to zero, so
+stale or NaN page contents never reach the output.
+
+With one split the kernel normalizes and writes the output; with several it writes
+unnormalized partials plus the running max / sum per row, merged afterwards by a
+log-sum-exp in plain jnp (`_merge_splits`).
+Contract: `pallas_kernels.reference.paged_attention_reference`.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels._common import (
+    MIN_TILE,
+    BlockSizes,
+    cdiv,
+    check_arena,
+    check_block_k,
+    check_layer,
+    check_rows,
+    check_tokens,
+    compiler_params,
+    index_of,
+    masked_load,
+    masked_store,
+    next_pow2,
+    resolve_interpret,
+)
+from pallas_kernels.reference import paged_attention_reference, token_positions
+
+__all__ = ["paged_attention", "paged_attention_reference", "BlockSizes"]
+
+
+def _dot(a, b, *, transpose_b: bool):
+    """a @ b (or a @ b.T) accumulated in float32; fp32 inputs use full (IEEE) precision."""
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    contract = (((1,), (1,)) if transpose_b else ((1,), (0,)), ((), ()))
+    return lax.dot_general(a, b, contract, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _attention_kernel(
+    # inputs
+    layer_ref,  # i32[1]
+    lengths_ref,  # i32[batch]
+    num_tokens_ref,  # i32[batch]
+    page_map_ref,  # i32[batch, max_pages]
+    q_ref,  # [batch, tokens, q_heads, head_dim]
+    k_ref,  # [layers, kv_heads, pages, page_size, head_dim]
+    v_ref,  # [layers, kv_heads, pages, page_size, head_dim]
+    # outputs: normalized (num_splits == 1) or partial (num_splits > 1)
+    *out_refs,  # o_ref [batch, tokens, q_heads, head_dim] (q dtype)
+    #           | o_ref [batch, splits, tokens, q_heads, head_dim] f32, m_ref, l_ref [batch, splits, tokens, q_heads] f32
+    sm_scale: float,
+    sliding_window: int | None,
+    block_tokens: int,
+    group: int,
+    group_pad: int,
+    block_k: int,
+    num_splits: int,
+):
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    tb, split = lax.div(j, num_splits), lax.rem(j, num_splits)
+    num_layers, _, _, page_size, head_dim = k_ref.shape
+    _, tokens, _, _ = q_ref.shape
+    max_pages = page_map_ref.shape[1]
+    rows = block_tokens * group_pad
+
+    layer = jnp.clip(layer_ref[0], 0, num_layers - 1)
+    length = lengths_ref[b]
+    n_new = num_tokens_ref[b]
+    n_valid = jnp.clip(n_new, 0, tokens)
+    start = length - n_new  # position of new token 0
+
+    r = jnp.arange(rows, dtype=jnp.int32)
+    t = tb * block_tokens + lax.div(r, group_pad)  # [rows] token of each row
+    g = lax.rem(r, group_pad)  # [rows] head within the group
+    row_live = (t < n_valid) & (g < group)
+    q_pos = start + t  # [rows]
+    head = h * group + jnp.minimum(g, group - 1)
+    d = jnp.arange(head_dim, dtype=jnp.int32)[None, :]  # [1, head_dim]
+    row_mask = jnp.broadcast_to(row_live[:, None], (rows, head_dim))
+    q_idx = index_of(b, jnp.minimum(t, tokens - 1)[:, None], head[:, None], d)
+    q = masked_load(q_ref.at[q_idx], mask=row_mask, other=0)  # [rows, head_dim]
+    q = q.astype(k_ref.dtype)  # tl.dot needs one element type; q may be wider than the arena
+
+    # Keys any row of this program may see: [lo, hi), then whole blocks from lo's page.
+    t_first = tb * block_tokens
+    t_last = jnp.minimum(t_first + block_tokens, n_valid) - 1
+    hi = jnp.clip(jnp.minimum(start + t_last + 1, length), 0, max_pages * page_size)
+    hi = jnp.where(t_first < n_valid, hi, 0)
+    lo = jnp.zeros_like(hi) if sliding_window is None else jnp.maximum(start + t_first - sliding_window + 1, 0)
+    lo = jnp.minimum(lo, hi)
+    kv_start = lax.div(lo, page_size) * page_size
+    n_blocks = cdiv(hi - kv_start, block_k)
+    per_split = cdiv(n_blocks, num_splits)
+    blk_lo = jnp.minimum(split * per_split, n_blocks)
+    blk_hi = jnp.minimum(blk_lo + per_split, n_blocks)
+
+    kk = jnp.arange(block_k, dtype=jnp.int32)
+
+    def body(i, carry):
+        acc, m_prev, l_prev = carry  # [rows, head_dim], [rows], [rows]
+        tok = kv_start + i * block_k + kk  # [block_k] key positions
+        logical = lax.div(tok, page_size)
+        in_range = (tok < hi) & (logical < max_pages)
+        pm_idx = index_of(b, jnp.minimum(logical, max_pages - 1))
+        page = masked_load(page_map_ref.at[pm_idx], mask=in_range, other=-1)  # [block_k]
+        live = in_range & (page >= 0)
+        kv_idx = index_of(layer, h, jnp.maximum(page, 0)[:, None], lax.rem(tok, page_size)[:, None], d)
+        kv_mask = jnp.broadcast_to(live[:, None], (block_k, head_dim))
+        k = masked_load(k_ref.at[kv_idx], mask=kv_mask, other=0)  # [block_k, head_dim]
+        v = masked_load(v_ref.at[kv_idx], mask=kv_mask, other=0)  # [block_k, head_dim]
+        v = jnp.where(kv_mask, v, jnp.zeros_like(v))  # stale V must never meet a zero weight
+
+        s = _dot(q, k, transpose_b=True) * sm_scale  # [rows, block_k] f32
+        mask = live[None, :] & (tok[None, :] <= q_pos[:, None])
+        if sliding_window is not None:
+            mask &= tok[None, :] > q_pos[:, None] - sliding_window
+        s = jnp.where(mask, s, -jnp.inf)
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # rows that saw no key yet
+        alpha = jnp.exp(m_prev - m_safe)
+        p = jnp.where(mask, jnp.exp(s - m_safe[:, None]), 0.0)
+        l_next = alpha * l_prev + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, transpose_b=False)
+        return acc, m_next, l_next
+
+    acc = jnp.zeros((rows, head_dim), jnp.float32)
+    m_i = jnp.full((rows,), -jnp.inf, jnp.float32)
+    l_i = jnp.zeros((rows,), jnp.float32)
+    acc, m_i, l_i = lax.fori_loop(blk_lo, blk_hi, body, (acc, m_i, l_i))
+
+    # Rows outside [0, tokens) x [0, group) aim at token `tokens` (out of range): masked on
+    # GPU, dropped when interpret mode discharges the store into a scatter.
+    out_live = (t < tokens) & (g < group)
+    t_out = jnp.where(out_live, t, tokens)
+    out_mask = jnp.broadcast_to(out_live[:, None], (rows, head_dim))
+    if len(out_refs) == 1:
+        (o_ref,) = out_refs
+        out = jnp.where((row_live & (l_i > 0))[:, None], acc / jnp.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+        o_idx = index_of(b, t_out[:, None], head[:, None], d)
+        masked_store(o_ref.at[o_idx], out.astype(o_ref.dtype), mask=out_mask)
+    else:
+        o_ref, m_ref, l_ref = out_refs
+        masked_store(o_ref.at[index_of(b, split, t_out[:, None], head[:, None], d)], acc, mask=out_mask)
+        ml_idx = index_of(b, split, t_out, head)
+        masked_store(m_ref.at[ml_idx], m_i, mask=out_live)
+        masked_store(l_ref.at[ml_idx], l_i, mask=out_live)
+
+
+def _merge_splits(o, m, l, valid, dtype):
+    """Log-sum-exp merge of split partials.
+
+    o: f32[B, splits, T, Hq, D]; m, l: f32[B, splits, T, Hq]; valid: bool[B, T] -> [B, T, Hq, D].
+    """
+    m_max = jnp.max(m, axis=1, keepdims=True)
+    m_max = jnp.where(jnp.isfinite(m_max), m_max, 0.0)
+    w = jnp.exp(m - m_max)  # 0 for splits that saw no key (m = -inf)
+    l_sum = jnp.sum(w * l, axis=1)  # [B, T, Hq]
+    o_sum = jnp.sum(w[..., None] * o, axis=1)  # [B, T, Hq, D]
+    out = o_sum / jnp.where(l_sum > 0, l_sum, 1.0)[..., None]
+    live = valid[:, :, None] & (l_sum > 0)
+    return jnp.where(live[..., None], out, 0.0).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "block_sizes", "interpret"))
+def _paged_attention_call(
+    q, k_arena, v_arena, layer, page_map, lengths, num_tokens, *, sm_scale, sliding_window, block_sizes, interpret
+):
+    batch, tokens, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, _, page_size, _ = k_arena.shape
+    group = num_q_heads // num_kv_heads
+    block_tokens = block_sizes.block_tokens
+    num_splits = block_sizes.num_splits
+    block_k = check_block_k(block_sizes.pages_per_block, page_size)
+    group_pad = max(next_pow2(group), MIN_TILE // block_tokens, 1)  # >= 16 rows for tl.dot
+    grid = (batch, num_kv_heads, cdiv(tokens, block_tokens) * num_splits)
+    kernel = functools.partial(
+        _attention_kernel,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        block_tokens=block_tokens,
+        group=group,
+        group_pad=group_pad,
+        block_k=block_k,
+        num_splits=num_splits,
+    )
+    if num_splits == 1:
+        out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    else:
+        out_shape = (
+            jax.ShapeDtypeStruct((batch, num_splits, tokens, num_q_heads, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch, num_splits, tokens, num_q_heads), jnp.float32),
+            jax.ShapeDtypeStruct((batch, num_splits, tokens, num_q_heads), jnp.float32),
+        )
+    # No BlockSpecs: every ref is the whole array; the kernel gathers pages itself, and the
+    # arena is passed whole with the layer as data (slicing a layer out would copy it).
+    out = pl.pallas_call(
+        kernel,
+        grid=grid,
+        out_shape=out_shape,
+        compiler_params=compiler_params(block_sizes.num_warps, block_sizes.num_stages),
+        interpret=interpret,
+        name=f"paged_attention_bt{block_tokens}_g{group_pad}_bk{block_k}_s{num_splits}",
+    )(layer, lengths, num_tokens, page_map, q, k_arena, v_arena)
+    if num_splits == 1:
+        return out
+    _, valid = token_positions(lengths, num_tokens, tokens)
+    return _merge_splits(*out, valid, q.dtype)
+
+
+def paged_attention(
+    q,
+    k_arena,
+    v_arena,
+    layer,
+    page_map,
+    lengths,
+    num_tokens,
+    *,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    interpret: bool | None = None,
+    block_sizes: BlockSizes | None = None,
+):
+    """Attention of `q: [B, T, Hq, D]` (the last num_tokens[b] positions of each row) over its pages.
+
+    k_arena, v_arena: [L, Hkv, P, S, D], Hq a multiple of Hkv; layer: int or traced i32 scalar;
+    page_map: i32[B, M] (-1 unmapped); lengths, num_tokens: i32[B]. Causal within the new
+    tokens; `sliding_window` W lets position p see keys j with p - W < j <= p. Padded tokens
+    (t >= num_tokens[b]) give zeros. Returns [B, T, Hq, D] in q's dtype.
+    """
+    num_layers, num_kv_heads, _, page_size, head_dim = check_arena(k_arena, v_arena)
+    check_tokens("q", q, batch=None, heads=None, head_dim=head_dim)
+    batch, tokens, num_q_heads, _ = q.shape
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"q has {num_q_heads} heads, not a multiple of the arena's {num_kv_heads} KV heads")
+    layer = check_layer(layer, num_layers)
+    page_map, lengths, num_tokens = check_rows(page_map, lengths, num_tokens, batch)
+    if sliding_window is not None and (not isinstance(sliding_window, int) or isinstance(sliding_window, bool) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    if sm_scale is None:
+        sm_scale = head_dim**-0.5
+    sm_scale = float(sm_scale)
+    defaults = BlockSizes.for_attention(
+        batch=batch,
+        tokens=tokens,
+        num_kv_heads=num_kv_heads,
+        group=num_q_heads // num_kv_heads,
+        page_size=page_size,
+        head_dim=head_dim,
+        max_pages=page_map.shape[1],
+    )
+    block_sizes = (block_sizes or BlockSizes()).filled(defaults)
+    check_block_k(block_sizes.pages_per_block, page_size)
+    return _paged_attention_call(
+        q,
+        k_arena,
+        v_arena,
+        layer,
+        page_map,
+        lengths,
+        num_tokens,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        block_sizes=block_sizes,
+        interpret=resolve_interpret(interpret),
+    )

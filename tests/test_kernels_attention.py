@@ -1,0 +1,223 @@
+"""Pallas paged attention == `paged_attention_reference` on fresh random inputs.
+
+Each kernel test class runs twice where a GPU exists (compiled and interpret=True); on CPU
+only the interpret class runs. Shapes are tiny (interpret mode compiles a loop over the grid
+per shape and static config), and cases reuse shapes so that compilations are shared.
+Oracles: the jnp reference (itself checked against dense attention over a contiguous
+cache), chunked prefill == one-shot prefill, NaN-filled stale pages == a clean arena.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import BlockSizes, append_reference, paged_append, paged_attention, paged_attention_reference
+
+ON_GPU = jax.default_backend() == "gpu"
+NUM_PAGES = 64  # one pool size for every test: the permutation compiles once
+HEAD_DIM = 16  # 16 * page_size(8/16/32) * itemsize is a multiple of 256 bytes
+
+# Tolerances vs the float32 reference, keyed by dtype. float32: the kernel and the reference
+# differ only in summation order (online softmax, split merge). fp16/bf16: the kernel rounds
+# the softmax weights to the input dtype before the P @ V matmul (as flash attention does)
+# and rounds the output once; bf16 keeps 8 mantissa bits (2^-8 ~ 4e-3 relative per term),
+# fp16 11 bits; outputs are O(1), so absolute and relative bounds are the same scale.
+TOLERANCES = {
+    jnp.dtype(jnp.float32): dict(atol=2e-5, rtol=2e-5),
+    jnp.dtype(jnp.float16): dict(atol=4e-3, rtol=4e-3),
+    jnp.dtype(jnp.bfloat16): dict(atol=3e-2, rtol=3e-2),
+}
+
+fill_ref = jax.jit(append_reference)
+attention_ref = jax.jit(paged_attention_reference, static_argnames=("sm_scale", "sliding_window"))
+
+
+def scrambled_page_map(seed, lengths, page_size, max_pages):
+    """Each row's pages drawn from a random permutation of the pool; -1 beyond its length."""
+    perm = jax.random.permutation(jax.random.PRNGKey(seed), NUM_PAGES)[: len(lengths) * max_pages]
+    needed = -(-np.asarray(lengths) // page_size)
+    pm = np.where(np.arange(max_pages)[None, :] < needed[:, None], np.asarray(perm).reshape(-1, max_pages), -1)
+    return jnp.asarray(pm, jnp.int32)
+
+
+def make_case(*, seed, lengths, num_tokens, tokens, q_heads, kv_heads, page_size, dtype=jnp.float32,
+              layers=2, layer=1, max_pages=None, stale=np.nan):
+    """A filled arena (live positions random, every other position `stale`) plus queries.
+
+    Returns dict(q, k_arena, v_arena, layer, page_map, lengths, num_tokens)."""
+    rng = np.random.default_rng(seed)
+    lengths = np.asarray(lengths)
+    batch = len(lengths)
+    max_pages = max_pages or int(max(1, -(-lengths.max() // page_size)))
+    page_map = scrambled_page_map(seed, lengths, page_size, max_pages)
+    shape = (layers, kv_heads, NUM_PAGES, page_size, HEAD_DIM)
+    arena = jnp.full(shape, stale, dtype)
+    n_max = int(max(lengths.max(), 1))
+    k_seq, v_seq = (jnp.asarray(rng.standard_normal((batch, n_max, kv_heads, HEAD_DIM)), dtype) for _ in range(2))
+    lens = jnp.asarray(lengths, jnp.int32)
+    k_arena, v_arena = fill_ref(arena, arena, layer, k_seq, v_seq, page_map, lens, lens)
+    q = jnp.asarray(rng.standard_normal((batch, tokens, q_heads, HEAD_DIM)), dtype)
+    return dict(q=q, k_arena=k_arena, v_arena=v_arena, layer=layer, page_map=page_map, lengths=lens,
+                num_tokens=jnp.asarray(num_tokens, jnp.int32))
+
+
+def assert_close(got, want, dtype):
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **TOLERANCES[jnp.dtype(dtype)])
+
+
+def padded_rows_are_zero(out, num_tokens):
+    t = np.arange(out.shape[1])[None, :]
+    pad = t >= np.asarray(num_tokens)[:, None]
+    return np.all(np.asarray(out, np.float32)[pad] == 0)
+
+
+class _AttentionTest:
+    interpret: bool
+
+    def attend(self, case, **kwargs):
+        return paged_attention(**case, interpret=self.interpret, **kwargs)
+
+    # Decode: lengths 1, S-1, S, S+1, long, and a padded row; GQA ratios 1, 4, 8, 32/8; default
+    # tiles (several splits on these shapes) and two explicit ones.
+    @pytest.mark.parametrize(
+        "q_heads,kv_heads,page_size,dtype,block_sizes",
+        [
+            (2, 2, 8, jnp.float32, BlockSizes(num_splits=1, pages_per_block=4)),  # group 1, one split
+            (8, 2, 16, jnp.bfloat16, None),  # group 4
+            (8, 1, 8, jnp.float16, BlockSizes(num_splits=16, pages_per_block=2)),  # group 8, more splits than blocks
+            (32, 8, 16, jnp.bfloat16, None),  # Mistral-shaped heads (small head_dim)
+        ],
+    )
+    def test_decode(self, q_heads, kv_heads, page_size, dtype, block_sizes):
+        s = page_size
+        case = make_case(seed=q_heads + s, lengths=(1, s - 1, s, s + 1, 5 * s + 3, 7), num_tokens=(1, 1, 1, 1, 1, 0),
+                         tokens=1, q_heads=q_heads, kv_heads=kv_heads, page_size=s, dtype=dtype)
+        got = self.attend(case, block_sizes=block_sizes)
+        assert_close(got, attention_ref(**case), dtype)
+        assert padded_rows_are_zero(got, case["num_tokens"])
+
+    def test_prefill_ragged_with_nan_stale_pages(self):
+        """Several new tokens per row, ragged (incl. a padded row), causal over prefix + themselves.
+        NaN in unwritten positions, in pages past the length and behind unmapped page-table
+        entries gives finite output, bit-equal to the same run over a zero-filled arena."""
+        kwargs = dict(seed=2, lengths=(8, 20, 33, 5), num_tokens=(8, 3, 6, 0), tokens=8, q_heads=8, kv_heads=2,
+                      page_size=8, dtype=jnp.float16, max_pages=6)
+        dirty, clean = make_case(**kwargs, stale=np.nan), make_case(**kwargs, stale=0.0)
+        got = self.attend(dirty, sm_scale=0.3)
+        assert np.all(np.isfinite(np.asarray(got, np.float32)))
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(self.attend(clean, sm_scale=0.3)))
+        assert_close(got, attention_ref(**clean, sm_scale=0.3), jnp.float16)
+        assert padded_rows_are_zero(got, dirty["num_tokens"])
+
+    @pytest.mark.parametrize("tokens,window", [(1, 5), (6, 1000)])
+    def test_sliding_window(self, tokens, window):
+        """Windows smaller and larger than the context (prefill windows smaller than the context
+        are covered by the chunked-prefill test)."""
+        case = make_case(seed=3 + tokens, lengths=(1, 17, 40, 64), num_tokens=(1, tokens, tokens, 0), tokens=tokens,
+                         q_heads=4, kv_heads=1, page_size=8, dtype=jnp.bfloat16)
+        got = self.attend(case, sliding_window=window)
+        assert_close(got, attention_ref(**case, sliding_window=window), jnp.bfloat16)
+
+    def test_chunked_prefill_equals_one_shot(self):
+        """Append + attend chunk by chunk (Pallas both) == one-shot prefill, for chunks of 1 (token
+        by token decode) and 5 tokens, rows of different lengths, a 10-token sliding window
+        (smaller than the context, larger than a chunk), stale NaN everywhere unwritten."""
+        n = np.array([19, 13, 0])
+        window = 10
+        rng = np.random.default_rng(11)
+        q_heads, kv_heads, page_size, n_max = 8, 2, 8, int(n.max())
+        k, v, q = (rng.standard_normal((3, n_max, h, HEAD_DIM)).astype(np.float32) for h in (kv_heads, kv_heads, q_heads))
+        page_map = scrambled_page_map(11, np.full(3, n_max), page_size, 3)
+        arena = jnp.full((1, kv_heads, NUM_PAGES, page_size, HEAD_DIM), jnp.nan, jnp.float32)
+        lens = jnp.asarray(n, jnp.int32)
+
+        ka, va = paged_append(arena, arena, 0, k, v, page_map, lens, lens, interpret=self.interpret)
+        one_shot = paged_attention(q, ka, va, 0, page_map, lens, lens, sliding_window=window, interpret=self.interpret)
+        assert_close(one_shot, attention_ref(q, ka, va, 0, page_map, lens, lens, sliding_window=window), jnp.float32)
+        one_shot = np.asarray(one_shot)
+
+        for chunk in (1, 5):
+            ka, va = arena, arena
+            for start in range(0, n_max, chunk):
+                take = np.clip(n - start, 0, chunk)
+                lens, cnt = jnp.asarray(start + take, jnp.int32), jnp.asarray(take, jnp.int32)
+                pad = ((0, 0), (0, max(0, start + chunk - n_max)), (0, 0), (0, 0))
+                kc, vc, qc = (np.pad(x[:, start : start + chunk], pad) for x in (k, v, q))
+                ka, va = paged_append(ka, va, 0, kc, vc, page_map, lens, cnt, interpret=self.interpret)
+                out = np.asarray(paged_attention(qc, ka, va, 0, page_map, lens, cnt, sliding_window=window,
+                                                 interpret=self.interpret))
+                for b in range(3):
+                    assert_close(out[b, : take[b]], one_shot[b, start : start + take[b]], jnp.float32)
+                assert padded_rows_are_zero(out, take)
+
+
+class TestAttentionInterpret(_AttentionTest):
+    interpret = True
+
+
+@pytest.mark.skipif(not ON_GPU, reason="compiled Pallas (Triton) kernels need a GPU; interpret class covers CPU")
+class TestAttentionCompiled(_AttentionTest):
+    interpret = False
+
+
+def test_reference_matches_dense_attention():
+    """The oracle itself: paged reference == dense causal attention over a contiguous cache."""
+    s, n = 8, 21
+    case = make_case(seed=7, lengths=(n,), num_tokens=(n,), tokens=n, q_heads=4, kv_heads=2, page_size=s)
+    rng = np.random.default_rng(7)  # make_case draws k, v, then q from the same stream
+    k, v = (jnp.asarray(rng.standard_normal((1, n, 2, HEAD_DIM)), jnp.float32) for _ in range(2))
+    q = case["q"]
+    dense = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    np.testing.assert_allclose(np.asarray(attention_ref(**case)), np.asarray(dense), atol=1e-5, rtol=1e-5)
+
+
+class TestAttentionValidation:
+    """Bad arguments raise ValueError naming the argument and the limit (no kernel runs)."""
+
+    @pytest.mark.parametrize(
+        "change,match",
+        [
+            (dict(q=jnp.zeros((2, 1, 6, HEAD_DIM))), "not a multiple of the arena's 4 KV heads"),
+            (dict(q=jnp.zeros((2, 1, 8, 32))), "q head_dim 32"),
+            (dict(q=jnp.zeros((2, 1, 8, HEAD_DIM), jnp.int32)), "q.dtype"),
+            (dict(q=jnp.zeros((2, 8, HEAD_DIM))), "q must be 4-D"),
+            (dict(layer=5), r"layer=5 out of range \[0, 2\)"),
+            (dict(layer=jnp.zeros((2,), jnp.int32)), "layer must be an integer scalar"),
+            (dict(page_map=jnp.zeros((3, 2), jnp.int32)), "page_map must be"),
+            (dict(lengths=jnp.zeros((2, 1), jnp.int32)), r"lengths must have shape \(2,\)"),
+            (dict(sliding_window=0), "sliding_window must be a positive int"),
+            (dict(block_sizes=BlockSizes(pages_per_block=1)), r"pages_per_block \* page_size = 1 \* 8"),
+        ],
+    )
+    def test_value_errors(self, change, match):
+        arena = jnp.zeros((2, 4, NUM_PAGES, 8, HEAD_DIM))
+        args = dict(q=jnp.zeros((2, 1, 8, HEAD_DIM)), k_arena=arena, v_arena=arena, layer=0,
+                    page_map=jnp.zeros((2, 2), jnp.int32), lengths=jnp.ones(2, jnp.int32), num_tokens=jnp.ones(2, jnp.int32))
+        args.update(change)
+        with pytest.raises(ValueError, match=match):
+            paged_attention(**args, interpret=True)
+
+
+def _lower_for_cuda(fn, *args):
+    from jax import export
+
+    checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    return export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
+
+
+@pytest.mark.parametrize("tokens,dtype,window", [(1, jnp.bfloat16, None), (64, jnp.float16, 128), (3, jnp.float32, None)])
+def test_triton_lowering_on_any_host(tokens, dtype, window):
+    """The kernels lower to Triton IR for CUDA (Mistral-shaped: 32 q / 8 kv heads, head_dim 128,
+    page 16), on any host: this checks the Triton lowering rules (power-of-two tiles, dot
+    shapes, masked gathers/scatters, in-place aliasing). PTX compilation itself needs a GPU."""
+    sds = jax.ShapeDtypeStruct
+    arena = sds((2, 8, 256, 16, 128), dtype)
+    q, kv = sds((4, tokens, 32, 128), dtype), sds((4, tokens, 8, 128), dtype)
+    rows = [sds((4, 16), jnp.int32), sds((4,), jnp.int32), sds((4,), jnp.int32)]
+    layer = sds((), jnp.int32)
+    txt = _lower_for_cuda(lambda *a: paged_attention(*a, sliding_window=window, interpret=False), q, arena, arena, layer, *rows)
+    assert txt.count("__gpu$xla.gpu.triton") == 1
+    txt = _lower_for_cuda(lambda *a: paged_append(*a, interpret=False), arena, arena, layer, kv, kv, *rows)
+    assert txt.count("__gpu$xla.gpu.triton") == 1 and "output_operand_aliases" in txt
