@@ -71,6 +71,10 @@ def reserve_impl(cache: KVCache, slots, num_tokens):
     demand = jnp.where(valid & fits, need - have + cow, 0)
     ok_pages = (demand == 0) | (jnp.cumsum(demand) <= table.num_free)
     ok = valid & fits & ok_pages
+    # The keeper writes into a page its co-holders hold until they get their copies: it is
+    # served only if every co-holder in the batch is (else it would write into a shared page).
+    copier_refused = cow & ~ok
+    ok &= ~(wants_cow & keeper & jnp.any(same & copier_refused[None, :], axis=1))
     granted = jnp.where(ok, demand, 0)
     first = jnp.cumsum(granted) - granted  # this row's first pop, counted from the stack top
     total = jnp.sum(granted)
