@@ -1,0 +1,58 @@
+"""Flax NNX Llama / Mistral on the arena_jax paged KV cache.
+
+    import models
+    model, tokenizer = models.load_pretrained("path/to/checkpoint", dtype=jnp.bfloat16)
+    result = models.generate(model, [[1, 2, 3]], max_new_tokens=32)
+
+or a random-weight model: `models.init_random(models.LlamaConfig.tiny(), seed=0)` (fast: one
+numpy draw on CPU, one jitted call elsewhere) or `models.Llama(config, rngs=nnx.Rngs(0))`.
+`prefill` / `decode_step` are the jitted steps (see models.steps); `models.dense_baseline`
+runs the same model with a conventional dense KV cache for comparison.
+"""
+from models.config import LlamaConfig, RopeScaling
+from models.dense_baseline import DenseCache, dense_decode, dense_generate, dense_prefill, init_dense_cache
+from models.generate import Generation, default_layout, generate
+from models.layers import MLP, Attention, Embedder, RMSNorm, apply_rope, rope_frequencies
+from models.llama import Block, Llama, init_random, token_positions
+from models.loading import Pretrained, TensorSpec, export_hf_tensors, hf_tensor_map, load_pretrained, load_tokenizer
+from models.sampling import GREEDY, Sampling, SamplingParams, filter_logits, sample
+from models.steps import TRACE_COUNTS, StepOutput, decode_step, prefill, release_rows
+
+__all__ = [
+    "LlamaConfig",
+    "RopeScaling",
+    "Llama",
+    "Block",
+    "init_random",
+    "Attention",
+    "MLP",
+    "RMSNorm",
+    "Embedder",
+    "apply_rope",
+    "rope_frequencies",
+    "token_positions",
+    "load_pretrained",
+    "load_tokenizer",
+    "hf_tensor_map",
+    "export_hf_tensors",
+    "TensorSpec",
+    "Pretrained",
+    "prefill",
+    "decode_step",
+    "release_rows",
+    "StepOutput",
+    "TRACE_COUNTS",
+    "generate",
+    "Generation",
+    "default_layout",
+    "DenseCache",
+    "init_dense_cache",
+    "dense_prefill",
+    "dense_decode",
+    "dense_generate",
+    "Sampling",
+    "SamplingParams",
+    "GREEDY",
+    "sample",
+    "filter_logits",
+]

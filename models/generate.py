@@ -1,0 +1,305 @@
+"""`generate`: continuous batching over a fixed number of batch rows on the paged cache.
+
+    result = generate(model, [[1, 5, 9], [2, 7]], max_new_tokens=32, batch_size=4)
+    result.tokens          # list[list[int]] generated tokens per prompt (a stop token included)
+
+Each iteration the host (1) admits waiting prompts into free rows, (2) runs ONE `prefill`
+call for rows with more than one token to feed (a fixed `chunk_size`, so long prompts take
+several calls and one compiled function), (3) runs ONE `decode_step` for rows with exactly
+one token to feed. A finished sequence releases its pages at once and its row takes the
+next prompt. Shapes never change, so nothing recompiles as sequences come and go.
+
+Memory pressure: when `reserve` cannot serve a row (ok False), the most recently admitted
+running sequence is preempted: its pages are released and it is requeued first, to be
+recomputed from prompt + tokens generated so far (recompute preemption). A new prompt is
+admitted only while the free pages cover it plus one page per running sequence, so the
+oldest sequences always make progress. Greedy tokens equal those of a run with ample
+memory; sampled tokens too (randomness is keyed by sequence and position).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import arena_jax as aj
+from models.llama import Llama
+from models.sampling import Sampling
+from models.steps import decode_step, prefill, release_rows
+
+__all__ = ["Generation", "generate", "default_layout"]
+
+
+@dataclasses.dataclass
+class Generation:
+    """What `generate` returns."""
+
+    tokens: list[list[int]]  # generated tokens per prompt, in prompt order
+    logits: list[np.ndarray] | None  # per prompt f32[num_generated, V]: the logits each token was drawn from
+    cache: aj.KVCache  # the cache afterwards (every page released); reusable
+    preemptions: int = 0
+    prefill_calls: int = 0
+    decode_calls: int = 0
+    seconds: float = 0.0
+
+    @property
+    def num_generated(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_generated / self.seconds if self.seconds > 0 else float("nan")
+
+
+@dataclasses.dataclass
+class _Seq:
+    index: int  # position in the prompt list; also keys its random draws
+    prompt: list[int]
+    generated: list[int] = dataclasses.field(default_factory=list)
+    logits: list[np.ndarray] = dataclasses.field(default_factory=list)
+    fed: int = 0  # tokens of prompt + generated whose K/V are in the cache
+    admitted: int = -1  # admission order (for last-in-first-out preemption)
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt + self.generated
+
+    @property
+    def pending(self) -> int:
+        return len(self.prompt) + len(self.generated) - self.fed
+
+
+def default_layout(model: Llama, batch_size: int, max_total_len: int, *, page_size: int = 16, dtype=None) -> aj.KVLayout:
+    """Enough pages for `batch_size` sequences of `max_total_len` tokens each."""
+    pages_per_seq = -(-max_total_len // page_size)
+    return model.config.kv_layout(
+        page_size=page_size,
+        num_pages=batch_size * pages_per_seq,
+        max_seqs=batch_size,
+        max_seq_len=pages_per_seq * page_size,
+        dtype=model.dtype if dtype is None else dtype,
+    )
+
+
+def generate(
+    model: Llama,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    batch_size: int = 4,
+    chunk_size: int = 32,
+    layout: aj.KVLayout | None = None,
+    cache: aj.KVCache | None = None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    stop_tokens: Sequence[int] = (),
+    return_logits: bool = False,
+) -> Generation:
+    """Generate up to `max_new_tokens` for each prompt (lists of token ids).
+
+    `batch_size` rows run at once (row r uses cache slot r); give `layout` (or a `cache`,
+    reused and returned) to bound the arena, else it holds every row at full length.
+    temperature 0 is greedy; top_k / top_p filter; `seed` makes sampling reproducible.
+    A sequence stops after a token in `stop_tokens` (kept in its output).
+    """
+    sampling = Sampling(temperature, top_k, top_p)
+    prompts = [[int(t) for t in p] for p in prompts]
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    vocab = model.config.vocab_size
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompts[{i}] is empty")
+        if min(p) < 0 or max(p) >= vocab:
+            raise ValueError(f"prompts[{i}] has token ids outside [0, vocab_size={vocab})")
+    if top_k is not None and top_k > vocab:
+        raise ValueError(f"top_k={top_k} exceeds vocab_size={vocab}")
+    longest = max((len(p) for p in prompts), default=1) + max_new_tokens
+    if cache is not None:
+        layout = cache.layout
+        if bool(np.asarray(cache.table.active).any()) or int(cache.table.num_free) != layout.num_pages:
+            raise ValueError("cache must hold no sequences (release them first): generate owns every slot and page")
+    elif layout is None:
+        layout = default_layout(model, batch_size, longest)
+    cfg = model.config
+    for field, want in (("num_layers", cfg.num_layers), ("num_kv_heads", cfg.num_kv_heads), ("head_dim", cfg.head_dim)):
+        if getattr(layout, field) != want:
+            raise ValueError(f"the layout's {field}={getattr(layout, field)} does not match the model's {want}")
+    if batch_size > layout.max_seqs:
+        raise ValueError(f"batch_size={batch_size} exceeds the layout's max_seqs={layout.max_seqs}")
+    chunk_size = min(chunk_size, layout.max_seq_len)  # no sequence is longer: a longer chunk is pure padding
+    for i, p in enumerate(prompts):
+        total = len(p) + max_new_tokens
+        if total > layout.max_seq_len or layout.pages_for(total) > layout.num_pages:
+            raise ValueError(
+                f"prompts[{i}] ({len(p)} tokens) + max_new_tokens={max_new_tokens} = {total} tokens does not fit "
+                f"the arena (max_seq_len={layout.max_seq_len}, {layout.num_pages} pages of {layout.page_size})"
+            )
+    if cache is None:
+        cache = aj.create(layout)
+
+    seqs = [_Seq(i, p) for i, p in enumerate(prompts)]
+    runner = _Runner(
+        model, cache, layout, batch_size, chunk_size, sampling, seed, set(stop_tokens), max_new_tokens, return_logits
+    )
+    start = time.perf_counter()
+    if max_new_tokens > 0:
+        runner.run(seqs)
+    seconds = time.perf_counter() - start
+    logits = None
+    if return_logits:
+        logits = [np.stack(s.logits) if s.logits else np.zeros((0, vocab), np.float32) for s in seqs]
+    return Generation(
+        tokens=[s.generated for s in seqs],
+        logits=logits,
+        cache=runner.cache,
+        preemptions=runner.preemptions,
+        prefill_calls=runner.prefill_calls,
+        decode_calls=runner.decode_calls,
+        seconds=seconds,
+    )
+
+
+class _Runner:
+    """The host-side scheduler: rows, queue, page accounting. Device work is the jitted steps."""
+
+    def __init__(self, model, cache, layout, batch_size, chunk_size, sampling, seed, stop, max_new, return_logits):
+        self.graphdef, self.state = nnx.split(model)
+        self.cache, self.layout = cache, layout
+        self.batch, self.chunk = batch_size, chunk_size
+        self.sampling = sampling.rows(batch_size)  # arrays: greedy and sampled runs share one compile
+        self.seed = jnp.asarray(seed, jnp.int32)
+        self.stop, self.max_new, self.return_logits = stop, max_new, return_logits
+        self.rows: list[_Seq | None] = [None] * batch_size
+        self.preemptions = self.prefill_calls = self.decode_calls = 0
+        self._admissions = 0
+        self._to_release: list[int] = []
+
+    # ---- bookkeeping --------------------------------------------------------------------
+    def _free_pages(self) -> int:
+        """Pages not claimed by running sequences, each counted at its full length to be fed
+        (a row still prefilling will take them; a decoding row its next token's page)."""
+        used = sum(self.layout.pages_for(len(s.ids)) for s in self.rows if s is not None)
+        return self.layout.num_pages - used
+
+    def _admit(self, waiting: collections.deque) -> None:
+        for r in range(self.batch):
+            if not waiting:
+                return
+            if self.rows[r] is not None:
+                continue
+            seq = waiting[0]
+            running = sum(s is not None for s in self.rows)
+            # Watermark: room for this sequence plus one page of growth per running sequence.
+            if self.layout.pages_for(len(seq.ids) + 1) + running > self._free_pages() and running:
+                return
+            waiting.popleft()
+            seq.fed, seq.admitted = 0, self._admissions
+            self._admissions += 1
+            self.rows[r] = seq
+
+    def _vacate(self, r: int) -> None:
+        self.rows[r] = None
+        self._to_release.append(r)
+
+    def _flush_releases(self) -> None:
+        if self._to_release:
+            slots = np.full((self.batch,), aj.PAD_SLOT, np.int32)
+            slots[self._to_release] = self._to_release
+            self.cache = release_rows(self.cache, jnp.asarray(slots))
+            self._to_release = []
+
+    def _preempt(self, waiting: collections.deque) -> None:
+        """Release the most recently admitted running sequence and requeue it first."""
+        r = max((r for r, s in enumerate(self.rows) if s is not None), key=lambda r: self.rows[r].admitted)
+        seq = self.rows[r]
+        seq.fed = 0
+        self._vacate(r)
+        self._flush_releases()
+        waiting.appendleft(seq)
+        self.preemptions += 1
+
+    def _accept(self, r: int, token: int, logits) -> None:
+        seq = self.rows[r]
+        seq.generated.append(token)
+        if logits is not None:
+            seq.logits.append(logits)
+        if token in self.stop or len(seq.generated) >= self.max_new:
+            self._vacate(r)
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def run(self, seqs: list[_Seq]) -> None:
+        waiting = collections.deque(seqs)
+        while waiting or any(s is not None for s in self.rows):
+            self._flush_releases()
+            self._admit(waiting)
+            if not any(s is not None for s in self.rows):
+                raise RuntimeError("no sequence could be admitted")  # excluded by generate's size checks
+            failed = False
+            if any(s is not None and s.pending > 1 for s in self.rows):
+                failed |= self._prefill()
+            if any(s is not None and s.pending == 1 for s in self.rows):
+                failed |= self._decode()
+            if failed:
+                self._preempt(waiting)
+        self._flush_releases()
+
+    def _prefill(self) -> bool:
+        tokens = np.zeros((self.batch, self.chunk), np.int32)
+        slots = np.full((self.batch,), aj.PAD_SLOT, np.int32)
+        counts = np.zeros((self.batch,), np.int32)
+        seq_ids = np.zeros((self.batch,), np.int32)
+        for r, s in enumerate(self.rows):
+            if s is not None and s.pending > 1:
+                piece = s.ids[s.fed : s.fed + self.chunk]
+                tokens[r, : len(piece)] = piece
+                slots[r], counts[r], seq_ids[r] = r, len(piece), s.index
+        out = prefill(
+            self.graphdef, self.state, self.cache, jnp.asarray(tokens), jnp.asarray(slots), jnp.asarray(counts),
+            jnp.asarray(seq_ids), self.seed, self.sampling,
+        )  # fmt: skip
+        self.cache = out.cache
+        self.prefill_calls += 1
+        return self._collect(out, slots, counts)
+
+    def _decode(self) -> bool:
+        tokens = np.zeros((self.batch,), np.int32)
+        slots = np.full((self.batch,), aj.PAD_SLOT, np.int32)
+        seq_ids = np.zeros((self.batch,), np.int32)
+        for r, s in enumerate(self.rows):
+            if s is not None and s.pending == 1:
+                tokens[r], slots[r], seq_ids[r] = s.ids[-1], r, s.index
+        out = decode_step(
+            self.graphdef, self.state, self.cache, jnp.asarray(tokens), jnp.asarray(slots), jnp.asarray(seq_ids),
+            self.seed, sampling=self.sampling,
+        )  # fmt: skip
+        self.cache = out.cache
+        self.decode_calls += 1
+        return self._collect(out, slots, (slots >= 0).astype(np.int32))
+
+    def _collect(self, out, slots, counts) -> bool:
+        """Advance the rows the step served; True when some row was refused for lack of pages."""
+        ok, next_tokens = jax.device_get((out.ok, out.tokens))
+        logits = jax.device_get(out.logits) if self.return_logits else None
+        failed = False
+        for r in np.flatnonzero(slots >= 0):
+            seq = self.rows[r]
+            if not ok[r]:
+                failed = True
+                continue
+            seq.fed += int(counts[r])
+            if seq.pending == 0:  # the whole sequence is in the cache: the sample is its next token
+                self._accept(r, int(next_tokens[r]), None if logits is None else logits[r])
+        return failed

@@ -1,0 +1,106 @@
+"""Token sampling inside the jitted steps: greedy, temperature, top-k, top-p.
+
+`Sampling` is the host-side, validated choice; `Sampling.rows(batch)` turns it into
+`SamplingParams`, per-row arrays that the steps take as ordinary (traced) arguments. So
+any mix of sampling settings, per request, runs through ONE compiled step; a batch whose
+rows are all greedy takes a `lax.cond` branch that is a plain argmax (no sort).
+
+Randomness is keyed per sequence and per position
+(`fold_in(fold_in(key(seed), seq_id), position)`), so a sequence draws the same tokens
+whichever batch row it runs in, and again after being preempted and recomputed.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+__all__ = ["Sampling", "SamplingParams", "GREEDY", "sample", "filter_logits"]
+
+
+@struct.dataclass
+class SamplingParams:
+    """Per-row sampling settings (a pytree of arrays: changing them never recompiles)."""
+
+    temperature: jax.Array  # f32[B], 0 = greedy
+    top_k: jax.Array  # i32[B], 0 = off
+    top_p: jax.Array  # f32[B], 1 = off
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """temperature 0 is greedy; top_k keeps the k largest logits; top_p the smallest set of
+    most likely tokens whose probability reaches p (after temperature and top-k)."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self):
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        object.__setattr__(self, "temperature", float(self.temperature))
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1):
+            raise ValueError(f"top_k must be a positive int or None, got {self.top_k!r}")
+        if self.top_p is not None:
+            if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+                raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p!r}")
+            object.__setattr__(self, "top_p", float(self.top_p))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def rows(self, batch: int) -> SamplingParams:
+        """The same setting for every one of `batch` rows."""
+        return SamplingParams(
+            temperature=jnp.full((batch,), self.temperature, jnp.float32),
+            top_k=jnp.full((batch,), self.top_k or 0, jnp.int32),
+            top_p=jnp.full((batch,), 1.0 if self.top_p is None else self.top_p, jnp.float32),
+        )
+
+
+GREEDY = Sampling()
+
+
+def filter_logits(logits, params: SamplingParams | Sampling):
+    """Temperature, then top-k, then top-p on f32[B, V]; removed entries become -inf.
+
+    Rows with temperature 0 are returned unscaled (they are sampled greedily)."""
+    if isinstance(params, Sampling):
+        params = params.rows(logits.shape[0])
+    vocab = logits.shape[-1]
+    temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
+    logits = logits.astype(jnp.float32) / temperature
+    ordered = -jnp.sort(-logits, axis=-1)  # [B, V] descending
+    k = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab)[:, None]  # [B, 1]
+    kth = jnp.take_along_axis(ordered, k - 1, axis=-1)
+    ordered = jnp.where(jnp.arange(vocab)[None, :] < k, ordered, -jnp.inf)
+    probs = jax.nn.softmax(ordered, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
+    keep = before < params.top_p[:, None]  # the most likely token is always kept
+    cutoff = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where((logits < kth) | (logits < cutoff), -jnp.inf, logits)
+
+
+def sample(logits, params: SamplingParams | Sampling | None, seed, seq_ids, positions):
+    """Next tokens i32[B] from logits f32[B, V].
+
+    params None means greedy. seed: i32[]; seq_ids, positions: i32[B] (the sequence's id and
+    the index the new token will have in it) key each row's draw.
+    """
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if params is None:
+        return greedy
+    if isinstance(params, Sampling):
+        params = params.rows(logits.shape[0])
+
+    def draw(_):
+        base = jax.random.key(seed)
+        keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.fold_in(base, s), p))(seq_ids, positions)
+        drawn = jax.vmap(jax.random.categorical)(keys, filter_logits(logits, params)).astype(jnp.int32)
+        return jnp.where(params.temperature > 0, drawn, greedy)
+
+    return jax.lax.cond(jnp.any(params.temperature > 0), draw, lambda _: greedy, None)

@@ -1,0 +1,107 @@
+"""The two jitted steps: `prefill` and `decode_step`. Each is ONE compiled call that
+reserves the new tokens' pages, runs every layer (append + attend) and samples, with the
+cache donated (its arena is updated in place: keep the returned cache).
+
+    graphdef, state = nnx.split(model)
+    out = prefill(graphdef, state, cache, tokens, slots, num_tokens, seq_ids, seed)   # tokens i32[B, T]
+    cache = out.cache                      # out.tokens i32[B], out.logits f32[B, V], out.ok bool[B]
+    out = decode_step(graphdef, state, cache, out.tokens, slots, seq_ids, seed)      # tokens i32[B]
+
+Rows: `slots[b]` is the cache slot of batch row b, or `aj.PAD_SLOT` for an empty row. In
+prefill, row b's real tokens are its FIRST `num_tokens[b]` tokens of the [B, T] chunk; they
+take the slot's next positions. A row whose reservation fails (arena full) is run as a
+padded row (nothing written) and reported with `ok[b] = False`; its slot is unchanged, so
+the host can free pages (preempt) and retry the same tokens.
+
+Shapes and the static arguments (graphdef, all_logits) are the only things that compile
+(sampling settings are arrays): sequences joining and leaving change values only.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import arena_jax as aj
+from models.llama import token_positions
+from models.sampling import SamplingParams, sample
+
+__all__ = ["StepOutput", "prefill", "decode_step", "TRACE_COUNTS"]
+
+# Incremented each time a step is traced (= compiled): tests use it to check that nothing
+# recompiles once shapes are warm.
+TRACE_COUNTS: collections.Counter = collections.Counter()
+
+
+class StepOutput(NamedTuple):
+    cache: aj.KVCache
+    tokens: jax.Array  # i32[B] sampled next token per row (meaningless where ok is False or the row is padded)
+    logits: jax.Array  # f32[B, V] at each row's last real token, or f32[B, T, V] with all_logits=True
+    ok: jax.Array  # bool[B] the row's pages were reserved (True for PAD_SLOT rows)
+
+
+def _step(graphdef, state, cache, tokens, slots, num_tokens, seq_ids, seed, sampling, all_logits):
+    model = nnx.merge(graphdef, state)
+    batch, width = tokens.shape
+    slots = slots.astype(jnp.int32)
+    num_tokens = jnp.where(slots >= 0, num_tokens.astype(jnp.int32), 0)
+    cache, ok = aj.reserve(cache, slots, num_tokens)
+    slots = jnp.where(ok, slots, aj.PAD_SLOT)  # a refused row writes and reads nothing this step
+    positions = token_positions(cache, slots, num_tokens, width)
+    x, cache = model.hidden(tokens, positions, cache, slots, num_tokens)  # [B, T, E]
+    last = jnp.maximum(num_tokens - 1, 0)
+    if all_logits:
+        every = model.logits(x)  # [B, T, V]
+        logits = jnp.take_along_axis(every, last[:, None, None], axis=1)[:, 0]
+    else:
+        logits = model.logits(jnp.take_along_axis(x, last[:, None, None], axis=1))[:, 0]  # [B, V]
+        every = logits
+    new_position = jnp.take_along_axis(positions, last[:, None], axis=1)[:, 0] + 1
+    seq_ids = slots if seq_ids is None else seq_ids
+    next_tokens = sample(logits, sampling, seed, seq_ids, new_position)
+    return StepOutput(cache=cache, tokens=next_tokens, logits=every, ok=ok)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "all_logits"), donate_argnames=("cache",))
+def prefill(
+    graphdef,
+    state,
+    cache: aj.KVCache,
+    tokens,
+    slots,
+    num_tokens,
+    seq_ids=None,
+    seed=0,
+    sampling: SamplingParams | None = None,
+    *,
+    all_logits: bool = False,
+) -> StepOutput:
+    """Feed a chunk: tokens i32[B, T], slots i32[B], num_tokens i32[B] (0..T).
+
+    `sampling` (per-row `SamplingParams`, e.g. `Sampling(0.8, top_k=40).rows(B)`; None =
+    greedy), seq_ids i32[B] and seed i32[] choose the next tokens (seq_ids default to the
+    slot ids). Returns a StepOutput whose `tokens` are sampled at each row's last real token.
+    """
+    TRACE_COUNTS["prefill"] += 1
+    return _step(graphdef, state, cache, tokens, slots, num_tokens, seq_ids, seed, sampling, all_logits)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+def decode_step(
+    graphdef, state, cache: aj.KVCache, tokens, slots, seq_ids=None, seed=0, sampling: SamplingParams | None = None
+) -> StepOutput:
+    """Feed one token per row (tokens i32[B]) and sample the next; PAD_SLOT rows do nothing."""
+    TRACE_COUNTS["decode_step"] += 1
+    num_tokens = (slots >= 0).astype(jnp.int32)
+    return _step(graphdef, state, cache, tokens[:, None], slots, num_tokens, seq_ids, seed, sampling, False)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def release_rows(cache: aj.KVCache, slots) -> aj.KVCache:
+    """`aj.release` with a fixed-shape i32[B] (PAD_SLOT rows ignored): one compile for any subset."""
+    TRACE_COUNTS["release_rows"] += 1
+    return aj.release(cache, slots)

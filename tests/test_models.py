@@ -1,0 +1,362 @@
+"""models: config, full-size shapes (eval_shape only), loading, generation (continuous
+batching, preemption, sampling, stop tokens, no recompilation), the dense baseline, the CLI.
+
+Every generation test shares one tiny model and one deliberately small arena (6 pages of
+16 tokens for 4 rows of up to 64 tokens), so the jitted steps compile once for the module.
+"""
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+import arena_jax as aj
+import models
+from models.dense_baseline import dense_generate
+
+BATCH, CHUNK, NEW = 4, 8, 24
+
+# Jitted once per shape: op-by-op eager dispatch would compile every primitive separately.
+_filter = jax.jit(models.filter_logits)
+_sample = jax.jit(models.sample)
+PROMPT_LENS = (3, 17, 9, 25, 1, 12)
+
+
+def _tiny_model(seed=0, **overrides):
+    """Tiny random Llama with weights ~0.2 (not 0.02) so logits are well separated."""
+    return models.init_random(models.LlamaConfig.tiny(**overrides), seed=seed, std=0.2)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _tiny_model()
+
+
+@pytest.fixture(scope="module")
+def small_layout(model):
+    # 6 pages hold 96 tokens; 4 rows of up to 48 fed tokens would need 12: preemption is certain.
+    return model.config.kv_layout(page_size=16, num_pages=6, max_seqs=BATCH, max_seq_len=64, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 128, n).tolist() for n in PROMPT_LENS]
+
+
+def _run(model, layout, prompts, **kwargs):
+    new = kwargs.pop("max_new_tokens", NEW)
+    return models.generate(model, prompts, new, batch_size=BATCH, chunk_size=CHUNK, layout=layout, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def greedy(model, small_layout, prompts):
+    return _run(model, small_layout, prompts, return_logits=True)
+
+
+# ---- config ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(num_heads=4, num_kv_heads=3), "num_kv_heads"),
+        (dict(vocab_size=0), "vocab_size"),
+        (dict(head_dim=15), "head_dim"),
+        (dict(hidden_size=66, head_dim=None), "hidden_size"),
+        (dict(sliding_window=0), "sliding_window"),
+        (dict(rope_theta=-1.0), "rope_theta"),
+        (dict(rms_norm_eps=0), "rms_norm_eps"),
+    ],
+)
+def test_config_validation_names_the_field(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        models.LlamaConfig.tiny(**overrides)
+
+
+def test_rope_scaling_validation():
+    with pytest.raises(ValueError, match="high_freq_factor"):
+        models.RopeScaling(factor=8.0, low_freq_factor=4.0, high_freq_factor=1.0)
+    with pytest.raises(ValueError, match="rope_scaling"):
+        models.LlamaConfig.tiny(rope_scaling={"rope_type": "llama3"})
+
+
+def test_from_hf_both_spellings(tmp_path):
+    v4 = {
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": False,
+    }
+    assert models.LlamaConfig.from_hf(v4) == models.LlamaConfig.llama3_8b()
+    v5 = {k: v for k, v in v4.items() if k not in ("rope_theta", "rope_scaling")}
+    v5["rope_parameters"] = dict(v4["rope_scaling"], rope_theta=500000.0)
+    (tmp_path / "config.json").write_text(json.dumps(v5))
+    assert models.LlamaConfig.from_hf(tmp_path) == models.LlamaConfig.llama3_8b()
+    assert models.LlamaConfig.from_hf(tmp_path / "config.json") == models.LlamaConfig.llama3_8b()
+    mistral = models.LlamaConfig.mistral_7b()
+    assert models.LlamaConfig.from_hf(mistral.to_hf()) == mistral
+    with pytest.raises(ValueError, match="model_type"):
+        models.LlamaConfig.from_hf(dict(v4, model_type="gpt2"))
+    with pytest.raises(ValueError, match="rope_type"):
+        models.LlamaConfig.from_hf(dict(v4, rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        models.LlamaConfig.from_hf({k: v for k, v in v4.items() if k != "num_hidden_layers"})
+
+
+def test_presets_and_kv_layout():
+    assert models.LlamaConfig.llama3_8b().num_params() == 8_030_261_248
+    assert models.LlamaConfig.llama3_70b().num_params() == 70_553_706_496
+    assert models.LlamaConfig.mistral_7b().num_params() == 7_241_732_096
+    layout = models.LlamaConfig.llama3_70b().kv_layout(budget_bytes=1 << 30, max_seqs=4, max_seq_len=4096)
+    assert layout.num_kv_heads == 8 and layout.head_dim == 128  # sized by KV heads, never 64 query heads
+    assert layout.bytes_per_token == 2 * 80 * 8 * 128 * 2
+    assert layout.num_pages == (1 << 30) // layout.page_bytes and layout.max_pages_per_seq == 256
+    with pytest.raises(ValueError, match="num_pages and budget_bytes"):
+        models.LlamaConfig.tiny().kv_layout()
+
+
+@pytest.mark.parametrize("preset", ["mistral_7b", "llama3_8b"])
+def test_full_size_models_eval_shape(preset):
+    """The full models, their arenas and a whole decode step, traced abstractly (never allocated)."""
+    cfg = getattr(models.LlamaConfig, preset)()
+    abstract = nnx.eval_shape(lambda: models.Llama(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state)) == cfg.num_params()
+    layout = cfg.kv_layout(page_size=16, budget_bytes=16 << 30, max_seqs=8, max_seq_len=8192)
+    cache = jax.eval_shape(lambda: aj.create(layout))
+    assert cache.k.shape == (32, 8, layout.num_pages, 16, 128) and cache.k.dtype == jnp.bfloat16
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    out = jax.eval_shape(lambda s, c, t, sl: models.decode_step(graphdef, s, c, t, sl), state, cache, i32(8), i32(8))
+    assert out.logits.shape == (8, cfg.vocab_size) and out.tokens.shape == (8,)
+    assert out.cache.k.shape == cache.k.shape and out.ok.dtype == jnp.bool_
+    out = jax.eval_shape(
+        lambda s, c, t, sl, n: models.prefill(graphdef, s, c, t, sl, n), state, cache, i32(8, 64), i32(8), i32(8)
+    )
+    assert out.logits.shape == (8, cfg.vocab_size)
+
+
+# ---- loading -----------------------------------------------------------------------------------
+
+
+def _save(path, model, tensors=None, shards=1):
+    tensors = models.export_hf_tensors(model) if tensors is None else tensors
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text(json.dumps(model.config.to_hf()))
+    if shards == 1:
+        save_file(tensors, str(path / "model.safetensors"))
+        return
+    names = sorted(tensors)
+    weight_map = {}
+    for i in range(shards):
+        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[i::shards]}
+        save_file(part, str(path / fname))
+        weight_map.update({n: fname for n in part})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def _same_params(a, b):
+    la, lb = jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b))
+    return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
+
+
+def test_load_round_trip_sharded_and_bf16(tmp_path, model):
+    _save(tmp_path / "single", model)
+    loaded, tokenizer = models.load_pretrained(tmp_path / "single", dtype=jnp.float32)
+    assert tokenizer is None and loaded.config == model.config and _same_params(loaded, model)
+    _save(tmp_path / "sharded", model, shards=3)
+    assert _same_params(models.load_pretrained(tmp_path / "sharded", dtype=jnp.float32).model, model)
+    # bfloat16 on disk: numpy has no bf16, the loader reads the raw bytes.
+    bf16 = {k: v.astype(jnp.bfloat16) for k, v in models.export_hf_tensors(model).items()}
+    _save(tmp_path / "bf16", model, bf16)
+    loaded = models.load_pretrained(tmp_path / "bf16", dtype=jnp.bfloat16).model
+    want = jax.tree.map(lambda x: np.asarray(x).astype(jnp.bfloat16), jax.tree.leaves(nnx.state(model)))
+    assert all(np.array_equal(np.asarray(x), y) for x, y in zip(jax.tree.leaves(nnx.state(loaded)), want))
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(nnx.state(loaded)))
+    tied = _tiny_model(tie_word_embeddings=True)
+    _save(tmp_path / "tied", tied)
+    assert "lm_head.weight" not in load_file(str(tmp_path / "tied" / "model.safetensors"))
+    assert _same_params(models.load_pretrained(tmp_path / "tied", dtype=jnp.float32).model, tied)
+
+
+def test_load_errors_name_the_tensor(tmp_path, model):
+    tensors = models.export_hf_tensors(model)
+    missing = dict(tensors)
+    del missing["model.layers.1.mlp.up_proj.weight"]
+    _save(tmp_path / "missing", model, missing)
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*\(128, 64\)"):
+        models.load_pretrained(tmp_path / "missing", dtype=jnp.float32)
+    wrong = dict(tensors)
+    wrong["model.layers.0.self_attn.k_proj.weight"] = np.zeros((64, 64), np.float32)  # 4 KV heads, config says 2
+    _save(tmp_path / "wrong", model, wrong)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight.*\(64, 64\).*\(32, 64\)"):
+        models.load_pretrained(tmp_path / "wrong", dtype=jnp.float32)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text(json.dumps(model.config.to_hf()))
+    with pytest.raises(ValueError, match="safetensors"):
+        models.load_pretrained(tmp_path / "empty")
+
+
+def test_tokenizer_json_is_loaded(tmp_path, model):
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {w: i for i, w in enumerate(["[UNK]", "hello", "arena", "pages"])}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    _save(tmp_path, model)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    _, loaded = models.load_pretrained(tmp_path, dtype=jnp.float32)
+    assert loaded.encode("hello pages").ids == [1, 3]
+
+
+# ---- generation --------------------------------------------------------------------------------
+
+
+def test_preemption_matches_ample_memory(model, small_layout, prompts, greedy):
+    assert greedy.preemptions > 0  # the arena cannot hold every row at once
+    for i, p in enumerate(prompts):  # alone, a sequence never lacks pages
+        alone = _run(model, small_layout, [p])
+        assert alone.preemptions == 0
+        assert greedy.tokens[i] == alone.tokens[0], f"prompt {i}"
+    assert all(len(t) == NEW for t in greedy.tokens)
+    health = aj.health(greedy.cache)
+    assert health["free_pages"] == small_layout.num_pages and health["active_sequences"] == 0
+    assert health["dropped_writes"] == 0  # refused rows were run as padding, never written
+
+
+def test_no_recompilation_as_sequences_come_and_go(model, small_layout, prompts, greedy):
+    before = dict(models.TRACE_COUNTS)
+    has_size = hasattr(models.prefill, "_cache_size")  # a private jit attribute: checked only where present
+    sizes = (models.prefill._cache_size(), models.decode_step._cache_size()) if has_size else None
+    rng = np.random.default_rng(5)
+    more = [rng.integers(0, 128, int(n)).tolist() for n in rng.integers(1, 40, 9)]
+    result = _run(model, small_layout, more, max_new_tokens=12, stop_tokens=(7, 9))
+    _run(model, small_layout, prompts[:2], max_new_tokens=5)
+    assert result.prefill_calls > 0 and result.decode_calls > 0
+    assert dict(models.TRACE_COUNTS) == before  # nothing traced, so nothing compiled
+    if sizes is not None:
+        assert (models.prefill._cache_size(), models.decode_step._cache_size()) == sizes
+
+
+def test_stop_tokens(model, small_layout, prompts, greedy):
+    base = greedy.tokens
+    stop = base[1][4]
+    stopped = _run(model, small_layout, prompts, stop_tokens=[stop])
+    for want, got in zip(base, stopped.tokens):
+        cut = want.index(stop) + 1 if stop in want else len(want)
+        assert got == want[:cut]  # the stop token is kept, nothing after it
+    assert aj.health(stopped.cache)["free_pages"] == small_layout.num_pages
+
+
+def test_greedy_logits_are_returned(greedy):
+    for toks, logits in zip(greedy.tokens, greedy.logits):
+        assert logits.shape == (len(toks), 128) and np.array_equal(logits.argmax(-1), toks)
+
+
+def test_sampling_seeded_and_filtered(model, small_layout, prompts):
+    before = dict(models.TRACE_COUNTS)
+    kw = dict(temperature=0.8, top_k=5, top_p=0.9, return_logits=True)
+    a = _run(model, small_layout, prompts, seed=1, **kw)
+    b = _run(model, small_layout, prompts, seed=1, **kw)
+    c = _run(model, small_layout, prompts, seed=2, **kw)
+    assert a.tokens == b.tokens and a.tokens != c.tokens
+    sampling = models.Sampling(0.8, 5, 0.9)
+    for toks, logits in zip(a.tokens, a.logits):
+        kept = np.isfinite(np.asarray(_filter(jnp.asarray(logits), sampling.rows(len(toks)))))  # [steps, V]
+        assert kept.sum(-1).max() <= 5
+        assert kept[np.arange(len(toks)), toks].all()  # every draw is inside top-k and the nucleus
+    assert dict(models.TRACE_COUNTS) == before  # sampling settings are arrays: the greedy steps serve them
+
+
+def test_per_row_sampling_params():
+    """Rows of one batch may sample differently; a greedy row stays argmax."""
+    logits = jnp.log(jnp.tile(jnp.asarray([[0.5, 0.3, 0.1, 0.06, 0.04]], jnp.float32), (64, 1)))
+    params = models.SamplingParams(
+        temperature=jnp.where(jnp.arange(64) % 2 == 0, 1.0, 0.0),
+        top_k=jnp.full((64,), 3, jnp.int32),
+        top_p=jnp.ones((64,), jnp.float32),
+    )
+    ids = jnp.arange(64, dtype=jnp.int32)
+    draws = np.asarray(_sample(logits, params, 0, ids, ids))
+    assert (draws[1::2] == 0).all() and set(draws[::2].tolist()) <= {0, 1, 2} and len(set(draws[::2].tolist())) > 1
+
+
+def test_filter_logits_and_sample():
+    logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.1, 0.06, 0.04]], jnp.float32))
+    kept = lambda s: np.isfinite(np.asarray(_filter(logits, s.rows(1))))[0].tolist()  # noqa: E731
+    assert kept(models.Sampling(1.0, top_k=2)) == [True, True, False, False, False]
+    assert kept(models.Sampling(1.0, top_p=0.75)) == [True, True, False, False, False]  # 0.5 < 0.75 <= 0.8
+    assert kept(models.Sampling(1.0, top_p=0.5)) == [True, False, False, False, False]
+    assert kept(models.Sampling(1.0, top_p=1.0)) == [True] * 5
+    rows = jnp.tile(logits, (64, 1))
+    ids = jnp.arange(64, dtype=jnp.int32)
+    draws = np.asarray(_sample(rows, models.Sampling(1.0, top_k=3).rows(64), 0, ids, ids))
+    assert set(draws.tolist()) <= {0, 1, 2} and len(set(draws.tolist())) > 1
+    assert np.asarray(_sample(rows, models.GREEDY.rows(64), 0, ids, ids)).tolist() == [0] * 64
+
+
+def test_generate_validation(model, small_layout):
+    with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
+        models.generate(model, [[1], []], 4)
+    with pytest.raises(ValueError, match="vocab_size"):
+        models.generate(model, [[1, 500]], 4)
+    with pytest.raises(ValueError, match="does not fit"):
+        models.generate(model, [[1] * 60], 10, layout=small_layout)
+    with pytest.raises(ValueError, match="max_seqs"):
+        models.generate(model, [[1]], 4, batch_size=8, layout=small_layout)
+    with pytest.raises(ValueError, match="top_p"):
+        models.generate(model, [[1]], 4, temperature=1.0, top_p=1.5)
+    with pytest.raises(ValueError, match="temperature"):
+        models.Sampling(temperature=-1.0)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        models.generate(model, [[1]], 4, layout=models.LlamaConfig.tiny(num_kv_heads=4).kv_layout(num_pages=4))
+    assert models.generate(model, [[1, 2]], 0, layout=small_layout).tokens == [[]]
+
+
+def test_dense_baseline_matches_paged(model, prompts, greedy):
+    assert dense_generate(model, prompts, NEW) == greedy.tokens
+
+
+# ---- CLI ---------------------------------------------------------------------------------------
+
+
+def test_cli_tiny_model(capsys):
+    from models.cli import main
+
+    # Same shapes as the fixtures above (4 rows, 6 pages, chunk 8, max 64 tokens): no new compile.
+    args = ["--prompt", "hello arena", "--max-new-tokens", "6", "--batch", "4", "--num-pages", "6", "--no-compile-cache"]
+    assert main(args + ["--chunk-size", "8", "--max-seq-len", "64", "--num-prompts", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens/s" in out and out.startswith("[0] ")
+
+
+@pytest.mark.parametrize(
+    "argv", [["--batch", "0"], ["--max-new-tokens", "x"], ["--bogus"], ["--top-p", "2"], ["--model-dir", "/nonexistent/dir"]]
+)
+def test_cli_bad_flags(argv, capsys):
+    from models.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv + ["--no-compile-cache"])  # never touch the user's cache from a test
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "Traceback" not in err

@@ -1,0 +1,199 @@
+"""Oracle: our Llama / Mistral on the paged cache == Hugging Face `transformers` on the same
+random weights (torch on CPU, float32, eager attention).
+
+Each case saves a tiny random `LlamaForCausalLM` / `MistralForCausalLM` with
+`save_pretrained(safe_serialization=True)`, loads it with `models.load_pretrained`, then
+compares (1) chunked, ragged prefill logits at every prompt position, (2) 24 decode-step
+logits, (3) greedy tokens, and (4) `models.generate` (continuous batching, 4 prompts on
+3 rows) against Hugging Face's greedy continuation.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import arena_jax as aj  # noqa: E402
+import models  # noqa: E402
+
+# Both sides compute in float32; they differ only in summation order (XLA einsums vs torch
+# matmuls, softmax reductions), which moves logits by ~1e-6 of their scale. 1e-4 of the
+# logits' norm (and elementwise, of their largest magnitude) leaves ~100x headroom while
+# any real mistake (a wrong RoPE frequency, mask or weight layout) is orders larger.
+RTOL = 1e-4
+
+B = 3  # batch rows: fixed so every step compiles once per case
+CHUNK = 8  # prefill chunk: prompts longer than it are prefilled in several calls
+PROMPT_LENS = (5, 13, 20)  # ragged rows; 20 > sliding window 8 and > CHUNK
+DECODE_STEPS = 24
+EXTRA_PROMPT_LEN = 11  # a 4th prompt for generate: it waits for a free row
+
+CASES = {
+    # GQA 4 query / 2 KV heads, Llama 3.1 rope scaling (original context 16 < sequence), tied embeddings.
+    "llama_gqa_rope3_tied": dict(
+        arch="llama",
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    ),
+    # Multi-head attention (4 / 4), untied head, plain RoPE.
+    "llama_mha": dict(arch="llama", num_key_value_heads=4, tie_word_embeddings=False),
+    # Mistral: GQA with a sliding window shorter than every long sequence here.
+    "mistral_swa": dict(arch="mistral", num_key_value_heads=2, sliding_window=8),
+}
+
+
+def _hf_model(case: dict):
+    kwargs = dict(case)
+    arch = kwargs.pop("arch")
+    common = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        # Larger than the default 0.02 so attention is far from uniform and logits spread out:
+        # masks, positions and weight layouts then change the numbers visibly.
+        initializer_range=0.2,
+        attn_implementation="eager",
+    )
+    common.update(kwargs)
+    if arch == "llama":
+        config, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
+    else:
+        config, cls = transformers.MistralConfig(**common), transformers.MistralForCausalLM
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    with torch.no_grad():  # norms start at ones: perturb them so their loading is checked too
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.3 * torch.randn_like(param))
+    return model
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def pair(request, tmp_path_factory):
+    hf = _hf_model(CASES[request.param])
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path, safe_serialization=True)
+    model, tokenizer = models.load_pretrained(path, dtype=jnp.float32)
+    assert tokenizer is None  # no tokenizer.json saved
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 128, n).tolist() for n in PROMPT_LENS + (EXTRA_PROMPT_LEN,)]
+    return request.param, hf, model, prompts
+
+
+def _layout(model):
+    # f32, head_dim 16, page 16: one head's page is 1 KiB (a multiple of 256 B).
+    return model.config.kv_layout(page_size=16, num_pages=16, max_seqs=B, max_seq_len=64, dtype="float32")
+
+
+def _hf_logits(hf, tokens) -> np.ndarray:
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0].numpy()  # [T, V]
+
+
+def _hf_greedy(hf, prompt, steps):
+    tokens = list(prompt)
+    for _ in range(steps):
+        tokens.append(int(_hf_logits(hf, tokens)[-1].argmax()))
+    return tokens[len(prompt) :]
+
+
+def _rel_err(got, want) -> float:
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def _assert_close(got, want, what):
+    rel = _rel_err(got, want)
+    worst = float(np.abs(got - want).max() / np.abs(want).max())
+    assert rel <= RTOL and worst <= RTOL, f"{what}: norm-relative error {rel:.2e}, max-relative {worst:.2e} > {RTOL}"
+    return max(rel, worst)
+
+
+def test_prefill_and_decode_logits_match_hf(pair):
+    name, hf, model, prompts = pair
+    prompts = prompts[:B]
+    graphdef, state = nnx.split(model)
+    cache = aj.create(_layout(model))
+    slots = jnp.arange(B, dtype=jnp.int32)
+    seq_ids = slots
+    greedy = models.GREEDY.rows(B)  # the arrays `generate` passes: the decode step compiles once per case
+
+    # Chunked, ragged prefill: every row feeds up to CHUNK tokens per call; short rows run out early.
+    got = [[] for _ in range(B)]
+    fed = [0] * B
+    next_tokens = np.zeros(B, np.int32)
+    while any(fed[b] < len(prompts[b]) for b in range(B)):
+        tokens = np.zeros((B, CHUNK), np.int32)
+        counts = np.zeros(B, np.int32)
+        for b, p in enumerate(prompts):
+            piece = p[fed[b] : fed[b] + CHUNK]
+            tokens[b, : len(piece)], counts[b] = piece, len(piece)
+        out = models.prefill(
+            graphdef, state, cache, jnp.asarray(tokens), slots, jnp.asarray(counts), seq_ids, 0, greedy, all_logits=True
+        )
+        cache = out.cache
+        assert np.asarray(out.ok).all()
+        logits, sampled = np.asarray(out.logits), np.asarray(out.tokens)
+        for b in range(B):
+            if counts[b]:
+                got[b].append(logits[b, : counts[b]])
+                fed[b] += int(counts[b])
+                next_tokens[b] = sampled[b]
+    worst = 0.0
+    for b, p in enumerate(prompts):
+        ref = _hf_logits(hf, p)
+        worst = max(worst, _assert_close(np.concatenate(got[b]), ref, f"{name} prefill row {b}"))
+        assert next_tokens[b] == ref[-1].argmax()
+
+    # Greedy decode, all rows at once (different lengths), then one HF pass over each full sequence.
+    generated = [[int(next_tokens[b])] for b in range(B)]
+    step_logits = [[] for _ in range(B)]
+    tokens = jnp.asarray(next_tokens)
+    for _ in range(DECODE_STEPS):
+        out = models.decode_step(graphdef, state, cache, tokens, slots, seq_ids, 0, greedy)
+        cache, tokens = out.cache, out.tokens
+        logits, sampled = np.asarray(out.logits), np.asarray(out.tokens)
+        for b in range(B):
+            step_logits[b].append(logits[b])
+            generated[b].append(int(sampled[b]))
+    for b, p in enumerate(prompts):
+        full = p + generated[b]
+        ref = _hf_logits(hf, full[:-1])  # position i predicts token i + 1
+        decode_ref = ref[len(p) : len(p) + DECODE_STEPS]
+        worst = max(worst, _assert_close(np.stack(step_logits[b]), decode_ref, f"{name} decode row {b}"))
+        assert generated[b] == ref[len(p) - 1 :].argmax(-1).tolist(), f"{name} row {b}: greedy tokens differ"
+    print(f"{name}: max relative logit error {worst:.2e}")
+
+
+def test_generate_matches_hf_greedy(pair):
+    """Continuous batching (4 prompts, 3 rows), chunked prefill, per-step logits."""
+    name, hf, model, prompts = pair
+    if name == "llama_mha":  # the scheduler is architecture-blind; two cases suffice (each costs compiles)
+        pytest.skip("generate is covered by the GQA and sliding-window cases")
+    steps = 20
+    result = models.generate(
+        model, prompts, steps, batch_size=B, chunk_size=CHUNK, layout=_layout(model), return_logits=True
+    )
+    assert result.prefill_calls >= 3  # the 20-token prompt needs 3 chunks
+    for i, p in enumerate(prompts):
+        want = _hf_greedy(hf, p, steps)
+        assert result.tokens[i] == want, f"{name} prompt {i}"
+        ref = _hf_logits(hf, p + want[:-1])[len(p) - 1 :]
+        _assert_close(result.logits[i], ref, f"{name} generate logits prompt {i}")
+    assert aj.health(result.cache)["free_pages"] == _layout(model).num_pages  # every page came back
