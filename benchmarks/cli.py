@@ -1,19 +1,477 @@
-"""arena-bench (placeholder until the benchmark CLI lands): the layout report of built-in configs."""
+"""`arena-bench`: the KV layout of real models, allocator capacity under a memory budget,
+end-to-end decode against a dense cache, and the Pallas kernels.
+
+    arena-bench                       a quick tour on a tiny built-in model (< 2 min on a CPU)
+    arena-bench layout                bytes per token and pages for a budget, per model
+    arena-bench capacity              arena vs contiguous allocators serving one workload
+    arena-bench decode                tokens/s and step latency, paged arena vs dense cache
+    arena-bench kernels               append / paged-attention kernel timings (GPU)
+
+Every subcommand takes --json PATH (results + device, JAX version, date, arguments);
+capacity, decode and kernels take --plot PATH (PNG).
+"""
 from __future__ import annotations
 
-import arena_jax as aj
+import argparse
+import math
+import os
+import sys
+import time
 
-PRESETS = {
-    "mistral-7b": dict(num_layers=32, num_kv_heads=8, head_dim=128),
-    "llama3-8b": dict(num_layers=32, num_kv_heads=8, head_dim=128),
-    "llama3-70b": dict(num_layers=80, num_kv_heads=8, head_dim=128),
-}
+from benchmarks.compile_cache import CACHE_ENV, cached_compiles, init_compile_cache
+
+__all__ = ["main", "build_parser", "CACHE_ENV"]
+
+GIB = 2**30
+
+
+# ---- argument types (errors become argparse messages, exit status 2) ---------------------------
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text}")
+    return value
+
+
+def _headroom(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
+    return value
+
+
+def _rate(text: str):
+    if text == "auto":
+        return "auto"
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or requests per step >= 0, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or requests per step >= 0, got {text}")
+    return value
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
+
+
+# ---- parser -----------------------------------------------------------------------------------------
+
+
+def _models():
+    from benchmarks.presets import PRESETS
+
+    return list(PRESETS)
+
+
+def _add_capacity_args(p: argparse.ArgumentParser, defaults: dict) -> None:
+    g = p.add_argument_group("capacity")
+    g.add_argument("--model", choices=[m for m in _models() if m != "tiny"], default="mistral-7b",
+                   help="preset whose KV bytes per token size the budget (mistral-7b: 131,072 B/token)")  # fmt: skip
+    g.add_argument("--budget-gib", type=_positive_float, default=defaults["budget_gib"], help="KV memory budget in GiB")
+    g.add_argument("--requests", type=_positive_int, default=defaults["requests"], help="requests in the synthetic workload")
+    g.add_argument("--lengths", metavar="FILE",
+                   help="replay request lengths: CSV 'prompt_len,output_len[,arrival]' or JSON lines "
+                        '{"prompt_len": P, "output_len": O}; default: seeded log-normal chat-like mix')  # fmt: skip
+    g.add_argument("--rate", type=_rate, default="auto",
+                   help="arrivals per step (Poisson); 0 = all at step 0; auto = 1.5x what the budget serves "
+                        "if every sequence held exactly its tokens (an overload, so allocators run at capacity)")  # fmt: skip
+    g.add_argument("--max-seq-len", type=_positive_int, default=2048, help="longest sequence = the max-length slab")
+    g.add_argument("--page-size", type=_positive_int, default=16, help="arena page size in tokens")
+    g.add_argument("--max-seqs", type=_positive_int, default=128, help="sequence slots (all allocators)")
+    g.add_argument("--headroom", type=_headroom, default=0.25, help="growth allocator's headroom")
+    g.add_argument("--watermark", type=_fraction, default=0.01, help="budget fraction admissions leave free for growth")
+    g.add_argument("--seed", type=int, default=0, help="workload seed")
+    g.add_argument("--host-scheduler", action="store_true",
+                   help="drive the arena one jitted call per step from the host (slower; same figures)")  # fmt: skip
+
+
+def _add_decode_args(p: argparse.ArgumentParser, defaults: dict) -> None:
+    g = p.add_argument_group("decode")
+    g.add_argument("--model", choices=_models(), default="tiny", help="preset with random weights")
+    g.add_argument("--model-dir", help="a Hugging Face Llama/Mistral checkpoint folder instead of random weights")
+    g.add_argument("--num-layers", type=_positive_int, help="override the preset's depth (e.g. llama3-8b geometry on a CPU)")
+    g.add_argument("--batch", type=_positive_int, default=defaults["batch"], help="sequences decoded together")
+    g.add_argument("--prompt-len", type=_positive_int, default=defaults["prompt_len"], help="random prompt tokens per sequence")
+    g.add_argument("--new-tokens", type=_positive_int, default=defaults["new_tokens"], help="tokens generated per sequence (>= 2)")
+    g.add_argument("--repeats", type=_positive_int, default=defaults["repeats"], help="timed repeats (median reported)")
+    g.add_argument("--warmup", type=_positive_int, default=1, help="untimed warm-up runs (compile)")
+    g.add_argument("--page-size", type=_positive_int, default=16, help="arena page size in tokens")
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="None: float32 for tiny, else bfloat16")
+    g.add_argument("--seed", type=int, default=0, help="weights and prompts")
+
+
+CAPACITY_DEFAULTS = {"budget_gib": 1.0, "requests": 100}
+TOUR_CAPACITY = {"budget_gib": 1.0, "requests": 100, "max_seq_len": 2048, "max_seqs": 128}
+DECODE_DEFAULTS = {"batch": 4, "prompt_len": 32, "new_tokens": 32, "repeats": 5}
+TOUR_DECODE = {"batch": 4, "prompt_len": 32, "new_tokens": 32, "repeats": 3, "num_layers": None}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", metavar="PATH", help="write the results (and device, JAX version, date, arguments) as JSON")
+    common.add_argument("--no-progress", action="store_true", help="no progress bar")
+    plot = argparse.ArgumentParser(add_help=False)
+    plot.add_argument("--plot", metavar="PATH", help="write a PNG plot")
+
+    parser = argparse.ArgumentParser(
+        prog="arena-bench",
+        description=__doc__.split("\n\n")[0].replace("\n", " "),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="With no subcommand: the tour (`arena-bench --json tour.json` works too).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{tour,layout,capacity,decode,kernels}")
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+
+    p = sub.add_parser("tour", formatter_class=fmt, parents=[common], help="layout report + small capacity run + tiny-model decode (default)")
+    p.set_defaults(command="tour")
+
+    p = sub.add_parser("layout", formatter_class=fmt, parents=[common], help="KV bytes per token and pages for a budget (Mistral-7B, Llama-3)")
+    p.add_argument("--budget-gib", type=_positive_float, default=40.0, help="KV budget in GiB")
+    p.add_argument("--page-size", type=_positive_int, default=16, help="page size in tokens")
+
+    p = sub.add_parser("capacity", formatter_class=fmt, parents=[common, plot], help="arena vs contiguous allocators under one KV budget")
+    _add_capacity_args(p, CAPACITY_DEFAULTS)
+
+    p = sub.add_parser("decode", formatter_class=fmt, parents=[common, plot], help="end-to-end decode: paged arena vs dense cache")
+    _add_decode_args(p, DECODE_DEFAULTS)
+
+    p = sub.add_parser("kernels", formatter_class=fmt, parents=[common, plot], help="Pallas append / paged-attention timings (needs a GPU)")
+    p.add_argument("--batches", type=_int_list, default=None, help="comma-separated batch sizes")
+    p.add_argument("--contexts", type=_int_list, default=None, help="comma-separated context lengths")
+    p.add_argument("--page-size", type=_positive_int, default=None)
+    p.add_argument("--repeats", type=_positive_int, default=None)
+    p.add_argument("--num-q-heads", type=_positive_int, default=None)
+    p.add_argument("--num-kv-heads", type=_positive_int, default=None)
+    p.add_argument("--head-dim", type=_positive_int, default=None)
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None)
+    parser.subcommands = sub.choices  # name -> subparser, to report errors per subcommand
+    return parser
+
+
+def _writable(path: str) -> bool:
+    folder = os.path.dirname(os.path.abspath(path)) or "."
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(folder, os.W_OK) and not os.path.isdir(path)
+
+
+# ---- subcommands ---------------------------------------------------------------------------------
+
+
+class _Fail(Exception):
+    """A user-facing error found after parsing: printed as `arena-bench <cmd>: error: ...`, exit 2."""
+
+
+def _cmd_layout(args, console) -> dict:
+    from benchmarks import report
+    from benchmarks.presets import layout_report
+
+    budget = int(args.budget_gib * GIB)
+    rows = layout_report(budget, page_size=args.page_size)
+    console.print(report.layout_table(rows, budget, args.page_size))
+    console.print(
+        "  Only KV heads are stored (GQA): sizing by query heads would need the right-hand column's bytes per token."
+    )
+    return {"budget_bytes": budget, "page_size": args.page_size, "models": rows}
+
+
+def _capacity_settings(args):
+    from benchmarks.capacity import CapacitySettings
+    from benchmarks.presets import preset
+
+    layout = preset(args.model).kv_layout(num_pages=1, max_seqs=1, max_seq_len=16, dtype="bfloat16")
+    return CapacitySettings(
+        model=args.model,
+        bytes_per_token=layout.bytes_per_token,
+        budget_bytes=int(args.budget_gib * GIB),
+        page_size=args.page_size,
+        max_seq_len=args.max_seq_len,
+        max_seqs=args.max_seqs,
+        headroom=args.headroom,
+        watermark=args.watermark,
+    )
+
+
+def _auto_rate(lengths, budget_tokens: int) -> float:
+    """1.5x the arrival rate the budget could serve if each sequence held exactly its tokens."""
+    import numpy as np
+
+    p = np.array([x[0] for x in lengths], float)
+    o = np.array([x[1] for x in lengths], float)
+    concurrent = budget_tokens / np.mean(p + o / 2)
+    return 1.5 * concurrent / np.mean(o + 1)
+
+
+def _cmd_capacity(args, console, progress) -> dict:
+    from benchmarks import report, workload
+    from benchmarks.capacity import run_capacity
+
+    settings = _capacity_settings(args)
+    try:
+        settings.validate()
+        if args.lengths:
+            rows = workload.load_lengths(args.lengths)
+            lengths = [(min(p, args.max_seq_len - 1), o) for p, o, _ in rows]
+        else:
+            probe = workload.synthetic(args.requests, seed=args.seed, rate=0, max_seq_len=args.max_seq_len)
+            lengths = [(r.prompt_len, r.output_len) for r in probe.requests]
+        rate = _auto_rate(lengths, settings.budget_tokens) if args.rate == "auto" else float(args.rate)
+        if args.lengths:
+            wl = workload.from_rows(rows, args.lengths, seed=args.seed, rate=rate, max_seq_len=args.max_seq_len)
+        else:
+            wl = workload.synthetic(args.requests, seed=args.seed, rate=rate, max_seq_len=args.max_seq_len)
+    except ValueError as exc:  # WorkloadError is a ValueError
+        raise _Fail(str(exc)) from None
+    console.print(f"[bold]capacity[/bold]: serving {len(wl.requests)} requests (arrival rate {rate:.3g}/step) with three allocators ...")
+    t0 = time.perf_counter()
+    with cached_compiles():
+        result = run_capacity(wl, settings, progress, host_scheduler=args.host_scheduler)
+    result["arrival_rate"] = rate
+    result["wall_s"] = time.perf_counter() - t0
+    for t in report.capacity_tables(result):
+        console.print(t)
+    for line in report.capacity_notes(result) + report.goal_lines(result):
+        console.print(f"  {line}", soft_wrap=True)
+    console.print(f"  ({result['wall_s']:.1f} s)")
+    return result
+
+
+def _decode_settings(args):
+    from benchmarks.decode import DecodeSettings
+
+    if args.model_dir and not os.path.isdir(args.model_dir):
+        raise _Fail(f"--model-dir {args.model_dir!r} is not a folder")
+    if args.new_tokens < 2:
+        raise _Fail("--new-tokens must be >= 2 (one token from prefill, at least one decode step)")
+    return DecodeSettings(
+        model=args.model,
+        model_dir=args.model_dir,
+        batch=args.batch,
+        prompt_len=args.prompt_len,
+        new_tokens=args.new_tokens,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        page_size=args.page_size,
+        dtype=args.dtype,
+        num_layers=args.num_layers,
+        seed=args.seed,
+    )
+
+
+def _cmd_decode(args, console, progress) -> dict:
+    from benchmarks import report
+    from benchmarks.decode import ModelTooLarge, run_decode
+
+    settings = _decode_settings(args)
+    console.print(f"[bold]decode[/bold]: {settings.model_dir or settings.model}, paged arena vs dense cache (compiling first) ...")
+    t0 = time.perf_counter()
+    try:
+        result = run_decode(settings, progress)
+    except (ModelTooLarge, OSError, ValueError) as exc:  # too large, unreadable or invalid checkpoint, bad sizes
+        raise _Fail(str(exc)) from None
+    result["wall_s"] = time.perf_counter() - t0
+    console.print(report.decode_table(result))
+    a = result["arena"]
+    console.print(
+        f"  arena / dense decode tokens/s: [bold]{result['speedup_tokens_per_s']:.2f}x[/bold] "
+        f"on {result['device']}, attention backend {result['settings']['arena_layout']['backend']!r}"
+    )
+    if result["same_tokens"]:
+        console.print(f"  greedy tokens: [green]match[/green] (arena == dense on every run; first tokens {result['tokens_sample']})")
+    else:
+        m = result["first_mismatch"]
+        console.print(f"  greedy tokens: [red]MISMATCH[/red] (first at row {m['row']}, token {m['token_index']}: arena {m['arena']} vs dense {m['dense']})" if m else "  greedy tokens: [red]MISMATCH[/red]")
+    console.print(
+        f"  arena held {a['pages_in_use']} pages ({a['utilization']:.1%} of their positions filled); "
+        f"dense cache sized to prompt + new tokens = {result['settings']['dense_max_len']} per row (its best case)"
+    )
+    console.print(f"  ({result['wall_s']:.1f} s)")
+    return result
+
+
+def _cmd_kernels(args, console, progress) -> dict:
+    import inspect
+
+    from benchmarks import report
+
+    try:
+        from benchmarks.kernels import run_kernel_benchmark
+    except ImportError as exc:
+        raise _Fail(f"the kernel benchmark is not available in this checkout ({exc})") from None
+    wanted = {
+        "batches": args.batches,
+        "contexts": args.contexts,
+        "page_size": args.page_size,
+        "repeats": args.repeats,
+        "num_q_heads": args.num_q_heads,
+        "num_kv_heads": args.num_kv_heads,
+        "head_dim": args.head_dim,
+        "dtype": args.dtype,
+    }
+    params = inspect.signature(run_kernel_benchmark).parameters
+    kwargs = {k: v for k, v in wanted.items() if v is not None}
+    unknown = [k for k in kwargs if k not in params and not any(p.kind == p.VAR_KEYWORD for p in params.values())]
+    if unknown:
+        raise _Fail(f"this kernel benchmark does not take {', '.join('--' + k.replace('_', '-') for k in unknown)}")
+    if "progress" in params:
+        kwargs["progress"] = progress
+    console.print("[bold]kernels[/bold]: paged decode attention and append ...")
+    try:
+        result = run_kernel_benchmark(**kwargs)
+    except ValueError as exc:  # e.g. q heads not a multiple of KV heads
+        raise _Fail(str(exc)) from None
+    if not isinstance(result, dict):
+        result = {"rows": list(result)}
+    meta = result.get("metadata") or {k: v for k, v in result.items() if not k.endswith("rows")}
+    if meta.get("note"):
+        console.print(f"  [yellow bold]NOTE: {meta['note']}[/yellow bold]")
+    head = [f"{k}: {meta[k]}" for k in ("device", "backend", "timing", "dtype") if meta.get(k) is not None]
+    if meta.get("copy_bandwidth_gbps"):
+        head.append(f"copy bandwidth (read + write): {meta['copy_bandwidth_gbps']:,.0f} GB/s")
+    if meta.get("ratio"):
+        head.append(f"ratio = {meta['ratio']}")
+    console.print("  " + "; ".join(head))
+    if meta.get("workload"):
+        console.print(f"  workload: {meta['workload']}")
+    for key, title in (("rows", "decode attention"), ("append_rows", "append")):
+        rows = result.get(key) or []
+        if not rows:
+            continue
+        numeric = [{k: v for k, v in r.items() if not isinstance(v, str)} for r in rows]
+        console.print(report.generic_table(numeric, title))
+        for r in rows:
+            notes = [f"{k}: {v}" for k, v in r.items() if isinstance(v, str)]
+            if notes:
+                console.print(f"  batch {r.get('batch')}, context {r.get('context', r.get('tokens'))}: " + "; ".join(notes))
+    return result
+
+
+def _tour(args, console, progress) -> dict:
+    from benchmarks import report
+
+    t0 = time.perf_counter()
+    console.rule("[bold]arena-bench tour[/bold]")
+    ns = argparse.Namespace
+    layout = _cmd_layout(ns(budget_gib=40.0, page_size=16), console)
+    console.print()
+    cap_args = ns(model="mistral-7b", lengths=None, rate="auto", page_size=16, headroom=0.25, watermark=0.01, seed=0,
+                  host_scheduler=False, **TOUR_CAPACITY)  # fmt: skip
+    capacity = _cmd_capacity(cap_args, console, progress)
+    console.print()
+    dec_args = ns(model="tiny", model_dir=None, warmup=1, page_size=16, dtype=None, seed=0, **TOUR_DECODE)
+    decode = _cmd_decode(dec_args, console, progress)
+    console.print()
+    g = capacity["goals"]
+    a, cm = capacity["allocators"]["arena"], capacity["allocators"]["contiguous_max"]
+    by = {r["model"]: r for r in layout["models"]}
+    console.rule("[bold]summary[/bold]")
+    lines = [
+        f"KV per token (bf16): Mistral-7B {by['mistral-7b']['bytes_per_token']:,} B, Llama-3-8B "
+        f"{by['llama3-8b']['bytes_per_token']:,} B, Llama-3-70B {by['llama3-70b']['bytes_per_token']:,} B (KV heads only)",
+        f"capacity ({report.fmt_bytes(capacity['settings']['budget_bytes'])}, {capacity['workload']['requests']} requests): "
+        f"arena utilization {g['arena_utilization']:.1%} vs {cm['utilization_mean']:.1%} for max-length slabs; "
+        f"peak {a['peak_concurrent']} vs {cm['peak_concurrent']} concurrent sequences ({g['capacity_ratio_peak']:.1f}x; "
+        f"{g['capacity_ratio_saturated']:.1f}x on average while requests wait); "
+        f"goals {'met' if g['arena_utilization_met'] and g['capacity_ratio_met'] else 'NOT all met'}",
+        f"decode (tiny model, {decode['device']}): arena {decode['arena']['tokens_per_s']:,.0f} tok/s vs dense "
+        f"{decode['dense']['tokens_per_s']:,.0f} tok/s ({decode['speedup_tokens_per_s']:.2f}x); greedy tokens "
+        f"{'match' if decode['same_tokens'] else 'MISMATCH'}",
+        f"tour finished in {time.perf_counter() - t0:.0f} s. Next: arena-bench capacity --plot capacity.png, "
+        "arena-bench decode --model llama3-8b (GPU), arena-bench kernels (GPU)",
+    ]
+    for line in lines:
+        console.print(f"  {line}", soft_wrap=True)
+    return {"layout": layout, "capacity": capacity, "decode": decode}
+
+
+# ---- main ------------------------------------------------------------------------------------------
 
 
 def main(argv=None) -> int:
-    budget = 40 * 2**30
-    print(f"{'model':<12} {'bytes/token':>12} {'pages (40 GiB, 16 tok)':>24} {'tokens':>12}")
-    for name, geo in PRESETS.items():
-        layout = aj.KVLayout.for_memory_budget(**geo, budget_bytes=budget, page_size=16)
-        print(f"{name:<12} {layout.bytes_per_token:>12,} {layout.num_pages:>24,} {layout.token_capacity:>12,}")
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        argv = ["tour", *argv]  # bare `arena-bench [--json PATH ...]`: the tour
+    args = parser.parse_args(argv)
+    command = args.command
+    sub_parser = parser.subcommands[command]
+    for flag in ("json", "plot"):
+        path = getattr(args, flag, None)
+        if path and not _writable(path):
+            sub_parser.error(f"--{flag} {path}: cannot write there")
+
+    from benchmarks import report
+
+    init_compile_cache()
+    console = report.make_console()
+    arguments = {k: v for k, v in vars(args).items()}
+    arguments["command"] = command
+    try:
+        with report.BenchProgress(console, enabled=not args.no_progress) as progress:
+            if command == "layout":
+                results = _cmd_layout(args, console)
+            elif command == "capacity":
+                results = _cmd_capacity(args, console, progress)
+            elif command == "decode":
+                results = _cmd_decode(args, console, progress)
+            elif command == "kernels":
+                results = _cmd_kernels(args, console, progress)
+            else:
+                results = _tour(args, console, progress)
+    except _Fail as exc:
+        sub_parser.error(str(exc))  # exits 2
+    except KeyboardInterrupt:
+        report.eprint("arena-bench: interrupted")
+        return 130
+
+    if getattr(args, "plot", None):
+        wrote = True
+        if command == "capacity":
+            report.plot_capacity(results, args.plot)
+        elif command == "decode":
+            report.plot_decode(results, args.plot)
+        elif command == "kernels":
+            wrote = report.plot_kernels(results.get("rows") or [], args.plot)
+        console.print(f"  plot: {args.plot}" if wrote else "  (no plot: the rows have no context/time columns)")
+    if args.json:
+        report.write_json(args.json, {**report.metadata(command, arguments), "results": results})
+        console.print(f"  json: {args.json}")
     return 0

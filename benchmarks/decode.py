@@ -1,0 +1,262 @@
+"""`arena-bench decode`: greedy generation on the paged arena vs the same model on a dense cache.
+
+Both paths run in one process on one model with the same weights and the same random
+prompts, as one static batch: one prefill call over the prompts, then `new_tokens - 1`
+decode steps. Paged: `models.prefill` / `models.decode_step` (reserve + every layer's
+append/attend + greedy sampling in one jitted call each). Dense: `models.dense_baseline`
+(`[layers, batch, max_len, kv_heads, head_dim]` written with dynamic_update_slice).
+
+Timing: each call is followed by `jax.block_until_ready` before the clock is read. The first
+(warm-up) runs compile and are excluded; compile time is reported separately as the first
+calls' time minus the median warm call. Arena and dense repeats alternate, so drift on a
+shared machine hits both. Tokens/s is the median over repeats of batch * decode steps /
+decode time; step latencies p50/p99 are over all timed steps.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import arena_jax as aj
+import models
+from models import dense_baseline
+from benchmarks.presets import preset
+
+__all__ = ["DecodeSettings", "run_decode", "build_model", "ModelTooLarge"]
+
+
+class ModelTooLarge(ValueError):
+    """The random-weight model would not fit in memory (the CLI turns it into a clean error)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSettings:
+    model: str = "tiny"
+    model_dir: str | None = None
+    batch: int = 4
+    prompt_len: int = 32
+    new_tokens: int = 32
+    repeats: int = 5
+    warmup: int = 1
+    page_size: int = 16
+    dtype: str | None = None  # default: float32 for tiny, bfloat16 otherwise
+    num_layers: int | None = None  # override the preset's depth (random weights only)
+    seed: int = 0
+
+
+def _memory_limit() -> int | None:
+    dev = jax.devices()[0]
+    try:
+        stats = dev.memory_stats() or {}
+    except (AttributeError, NotImplementedError, RuntimeError):  # backends without memory stats
+        stats = {}
+    if stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def build_model(s: DecodeSettings):
+    """(model, description of the weights). Random weights from the preset unless model_dir."""
+    if s.model_dir:
+        dtype = jnp.dtype(s.dtype or "bfloat16")
+        model, _tok = models.load_pretrained(s.model_dir, dtype=dtype)
+        return model, f"checkpoint {s.model_dir}"
+    cfg = preset(s.model)
+    if s.num_layers:
+        cfg = dataclasses.replace(cfg, num_layers=s.num_layers)
+    dtype = jnp.dtype(s.dtype or ("float32" if s.model == "tiny" else "bfloat16"))
+    need = cfg.num_params() * dtype.itemsize
+    limit = _memory_limit()
+    if limit is not None and need > 0.6 * limit:
+        raise ModelTooLarge(
+            f"{s.model} with random weights needs {need / 2**30:.1f} GiB of parameters in {dtype.name}, more than 60% of "
+            f"this {jax.default_backend()} device's {limit / 2**30:.1f} GiB; pass --num-layers N to shrink it "
+            "(same per-layer geometry and KV bytes per layer)"
+        )
+    model = models.Llama(cfg, dtype=dtype, rngs=nnx.Rngs(s.seed))
+    depth = f", {cfg.num_layers} of {preset(s.model).num_layers} layers" if s.num_layers else ""
+    return model, f"random weights{depth}"
+
+
+def _device_name() -> str:
+    kind, backend = jax.devices()[0].device_kind, jax.default_backend()
+    return backend if kind.lower() == backend else f"{kind} ({backend})"
+
+
+def _block(x):
+    return jax.block_until_ready(x)
+
+
+class _ArenaRun:
+    def __init__(self, model, s: DecodeSettings, prompts: np.ndarray):
+        self.graphdef, self.state = nnx.split(model)
+        total = s.prompt_len + s.new_tokens
+        self.layout = models.default_layout(model, s.batch, total, page_size=s.page_size)
+        self.cache = aj.create(self.layout)
+        self.tokens = jnp.asarray(prompts)
+        self.slots = jnp.arange(s.batch, dtype=jnp.int32)
+        self.counts = jnp.full((s.batch,), s.prompt_len, jnp.int32)
+        self.steps = s.new_tokens - 1
+        self.health = None
+
+    def run(self):
+        """(tokens i32[B, new_tokens], prefill seconds, [decode step seconds])."""
+        t0 = time.perf_counter()
+        out = models.prefill(self.graphdef, self.state, self.cache, self.tokens, self.slots, self.counts, self.slots, 0)
+        _block(out)
+        prefill_s = time.perf_counter() - t0
+        if not bool(np.all(jax.device_get(out.ok))):
+            raise RuntimeError("the arena refused the prompts' pages (layout too small)")
+        toks, steps = [out.tokens], []
+        for _ in range(self.steps):
+            t0 = time.perf_counter()
+            out = models.decode_step(self.graphdef, self.state, out.cache, out.tokens, self.slots, self.slots, 0)
+            _block(out)
+            steps.append(time.perf_counter() - t0)
+            toks.append(out.tokens)
+        self.health = aj.health(out.cache)
+        self.cache = models.release_rows(out.cache, self.slots)
+        return np.stack(jax.device_get(toks), axis=1), prefill_s, steps
+
+
+class _DenseRun:
+    def __init__(self, model, s: DecodeSettings, prompts: np.ndarray):
+        self.graphdef, self.state = nnx.split(model)
+        self.config, self.dtype = model.config, model.dtype
+        self.batch, self.max_len = s.batch, s.prompt_len + s.new_tokens
+        self.tokens = jnp.asarray(prompts)
+        self.counts = jnp.full((s.batch,), s.prompt_len, jnp.int32)
+        self.steps = s.new_tokens - 1
+        self.reserved = 0
+
+    def run(self):
+        cache = dense_baseline.init_dense_cache(self.config, self.batch, self.max_len, self.dtype)
+        self.reserved = cache.k.nbytes + cache.v.nbytes
+        _block(cache)
+        t0 = time.perf_counter()
+        nxt, cache = dense_baseline.dense_prefill(self.graphdef, self.state, cache, self.tokens, self.counts)
+        _block((nxt, cache))
+        prefill_s = time.perf_counter() - t0
+        toks, steps = [nxt], []
+        for _ in range(self.steps):
+            t0 = time.perf_counter()
+            nxt, cache = dense_baseline.dense_decode(self.graphdef, self.state, cache, nxt)
+            _block((nxt, cache))
+            steps.append(time.perf_counter() - t0)
+            toks.append(nxt)
+        return np.stack(jax.device_get(toks), axis=1), prefill_s, steps
+
+
+def _summary(prefills, step_lists, batch, first_prefill, first_steps) -> dict:
+    steps_ms = np.concatenate([np.asarray(x) for x in step_lists]) * 1e3
+    per_repeat_tps = [batch * len(x) / sum(x) for x in step_lists]
+    med_prefill = float(np.median(prefills))
+    med_step = float(np.median(steps_ms)) / 1e3
+    compile_s = max(0.0, first_prefill - med_prefill) + max(0.0, (first_steps[0] if first_steps else 0.0) - med_step)
+    return {
+        "tokens_per_s": float(np.median(per_repeat_tps)),
+        "tokens_per_s_repeats": per_repeat_tps,
+        "step_ms_p50": float(np.percentile(steps_ms, 50)),
+        "step_ms_p99": float(np.percentile(steps_ms, 99)),
+        "step_ms": steps_ms.tolist(),
+        "prefill_ms": med_prefill * 1e3,
+        "compile_s": compile_s,
+    }
+
+
+def run_decode(s: DecodeSettings, progress=None) -> dict:
+    if s.new_tokens < 2:
+        raise ValueError("new_tokens must be >= 2 (one from prefill, at least one decode step)")
+    model, weights = build_model(s)
+    cfg = model.config
+    if s.prompt_len + s.new_tokens > cfg.max_position_embeddings:
+        raise ValueError(
+            f"prompt_len + new_tokens = {s.prompt_len + s.new_tokens} exceeds the model's "
+            f"max_position_embeddings={cfg.max_position_embeddings}"
+        )
+    rng = np.random.default_rng(s.seed)
+    prompts = rng.integers(0, cfg.vocab_size, size=(s.batch, s.prompt_len), dtype=np.int32)
+    arena, dense = _ArenaRun(model, s, prompts), _DenseRun(model, s, prompts)
+
+    advance = progress.add_task("decode: warm-up + repeats", total=2 * (s.warmup + s.repeats)) if progress else None
+    results = {"arena": ([], [], []), "dense": ([], [], [])}  # tokens, prefills, step lists
+    first = {}
+    for i in range(s.warmup + s.repeats):
+        for name, runner in (("arena", arena), ("dense", dense)):
+            toks, pre, steps = runner.run()
+            if i == 0:
+                first[name] = (pre, steps)
+            if i >= s.warmup:
+                results[name][0].append(toks)
+                results[name][1].append(pre)
+                results[name][2].append(steps)
+            elif i == 0:
+                results[name][0].append(toks)  # the warm-up's tokens are compared too
+            if advance:
+                advance(1)
+    if progress:
+        progress.finish_task()
+
+    arena_tokens, dense_tokens = results["arena"][0], results["dense"][0]
+    same = all(np.array_equal(a, d) for a, d in zip(arena_tokens, dense_tokens))
+    mismatch = None
+    if not same:
+        a, d = arena_tokens[0], dense_tokens[0]
+        diff = np.argwhere(a != d)
+        if diff.size:
+            b, t = diff[0]
+            mismatch = {"row": int(b), "token_index": int(t), "arena": int(a[b, t]), "dense": int(d[b, t])}
+    deterministic = all(np.array_equal(arena_tokens[0], x) for x in arena_tokens[1:])
+
+    bpt = arena.layout.bytes_per_token
+    held = s.batch * (s.prompt_len + s.new_tokens - 1)  # K/V written: prompt + fed-back tokens
+    h = arena.health
+    a_sum = _summary(results["arena"][1], results["arena"][2], s.batch, *first["arena"])
+    d_sum = _summary(results["dense"][1], results["dense"][2], s.batch, *first["dense"])
+    a_sum.update(
+        kv_bytes_per_token=bpt,
+        kv_bytes_reserved=h["bytes_in_use"],
+        kv_bytes_reserved_per_token=h["bytes_in_use"] / max(h["logical_tokens"], 1),
+        arena_bytes=arena.layout.arena_bytes,
+        pages_in_use=h["pages_in_use"],
+        utilization=h["utilization"],
+    )
+    dense_bpt = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(model.dtype).itemsize
+    d_sum.update(
+        kv_bytes_per_token=dense_bpt,
+        kv_bytes_reserved=dense.reserved,
+        kv_bytes_reserved_per_token=dense.reserved / held,
+    )
+    return {
+        "settings": {
+            **dataclasses.asdict(s),
+            "weights": weights,
+            "dtype": jnp.dtype(model.dtype).name,
+            "config": dataclasses.asdict(cfg),
+            "arena_layout": {
+                "page_size": arena.layout.page_size,
+                "num_pages": arena.layout.num_pages,
+                "max_seqs": arena.layout.max_seqs,
+                "max_seq_len": arena.layout.max_seq_len,
+                "backend": aj.default_backend(),
+            },
+            "dense_max_len": dense.max_len,
+        },
+        "device": _device_name(),
+        "arena": a_sum,
+        "dense": d_sum,
+        "speedup_tokens_per_s": a_sum["tokens_per_s"] / d_sum["tokens_per_s"],
+        "same_tokens": bool(same),
+        "first_mismatch": mismatch,
+        "arena_deterministic_across_repeats": bool(deterministic),
+        "tokens_sample": arena_tokens[0][0, : min(16, s.new_tokens)].tolist(),
+    }

@@ -1,0 +1,42 @@
+"""Model presets known to `arena-bench` and the KV layout report built from them."""
+from __future__ import annotations
+
+from models.config import LlamaConfig
+
+__all__ = ["PRESETS", "LAYOUT_MODELS", "preset", "layout_report"]
+
+PRESETS = {
+    "tiny": LlamaConfig.tiny,
+    "mistral-7b": LlamaConfig.mistral_7b,
+    "llama3-8b": LlamaConfig.llama3_8b,
+    "llama3-70b": LlamaConfig.llama3_70b,
+}
+LAYOUT_MODELS = ("mistral-7b", "llama3-8b", "llama3-70b")
+
+
+def preset(name: str) -> LlamaConfig:
+    return PRESETS[name]()
+
+
+def layout_report(budget_bytes: int, *, page_size: int = 16, dtype: str = "bfloat16", models=LAYOUT_MODELS) -> list[dict]:
+    """Per model: the `arena_jax.KVLayout` for `budget_bytes` of KV (bf16 by default)."""
+    rows = []
+    for name in models:
+        cfg = preset(name)
+        layout = cfg.kv_layout(page_size=page_size, budget_bytes=budget_bytes, max_seqs=256, max_seq_len=8192, dtype=dtype)
+        rows.append(
+            {
+                "model": name,
+                "layers": cfg.num_layers,
+                "q_heads": cfg.num_heads,
+                "kv_heads": cfg.num_kv_heads,
+                "head_dim": cfg.head_dim,
+                "bytes_per_token": layout.bytes_per_token,
+                # What a cache sized by query heads would need: the GQA factor wasted.
+                "bytes_per_token_if_q_heads": layout.bytes_per_token * cfg.num_heads // cfg.num_kv_heads,
+                "page_bytes": layout.page_bytes,
+                "num_pages": layout.num_pages,
+                "token_capacity": layout.token_capacity,
+            }
+        )
+    return rows

@@ -1,0 +1,412 @@
+"""Output for `arena-bench`: rich tables, a live progress bar, JSON with metadata, PNG plots."""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+
+import numpy as np
+from rich import box
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+__all__ = [
+    "make_console",
+    "BenchProgress",
+    "metadata",
+    "write_json",
+    "layout_table",
+    "capacity_tables",
+    "capacity_notes",
+    "goal_lines",
+    "decode_table",
+    "generic_table",
+    "plot_capacity",
+    "plot_decode",
+    "plot_kernels",
+    "fmt_bytes",
+    "eprint",
+]
+
+
+def make_console() -> Console:
+    """Writes to the current sys.stdout (so tests can capture it); 120 columns when not a terminal."""
+    console = Console(highlight=False, soft_wrap=True)
+    if not console.is_terminal:
+        console = Console(highlight=False, soft_wrap=True, width=120)
+    return console
+
+
+class BenchProgress:
+    """A rich progress bar on the console (drawn only on a terminal; a no-op when disabled)."""
+
+    def __init__(self, console: Console, enabled: bool = True):
+        self.enabled = enabled and console.is_terminal
+        self._progress = None
+        self._task = None
+        if self.enabled:
+            self._progress = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=console,
+                transient=True,
+            )
+
+    def __enter__(self):
+        if self._progress is not None:
+            self._progress.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self._progress is not None:
+            self._progress.stop()
+        return False
+
+    def add_task(self, description: str, total: int):
+        """Returns advance(n): n more units done."""
+        if self._progress is None:
+            return lambda n=1: None
+        self._task = self._progress.add_task(description, total=total)
+        task = self._task
+        return lambda n=1: self._progress.advance(task, n)
+
+    def finish_task(self) -> None:
+        if self._progress is not None and self._task is not None:
+            self._progress.remove_task(self._task)
+            self._task = None
+
+
+# ---- JSON --------------------------------------------------------------------------------------
+
+
+def metadata(command: str, arguments: dict) -> dict:
+    import jax
+    import jaxlib
+
+    devices = jax.devices()
+    return {
+        "tool": "arena-bench",
+        "command": command,
+        "arguments": arguments,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "jax_version": jax.__version__,
+        "jaxlib_version": getattr(jaxlib, "__version__", None),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "device": {
+            "backend": jax.default_backend(),
+            "kind": devices[0].device_kind,
+            "count": len(devices),
+            "name": str(devices[0]),
+        },
+        "host_cpus": os.cpu_count(),
+    }
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (np.floating, float)):
+        x = float(x)
+        return x if math.isfinite(x) else None
+    if isinstance(x, np.bool_):
+        return bool(x)
+    if isinstance(x, np.ndarray):
+        return _jsonable(x.tolist())
+    if x is None or isinstance(x, (bool, int, str)):
+        return x
+    return str(x)
+
+
+def write_json(path: str, payload: dict) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(_jsonable(payload), f, indent=2)
+        f.write("\n")
+
+
+# ---- formatting --------------------------------------------------------------------------------
+
+
+def fmt_bytes(n: float) -> str:
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f}"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _fmt(value) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, (int, np.integer)):
+        return f"{int(value):,}"
+    if isinstance(value, (float, np.floating)):
+        v = float(value)
+        if not math.isfinite(v):
+            return "-"
+        if v == 0:
+            return "0"
+        if abs(v) >= 100:
+            return f"{v:,.0f}"
+        if abs(v) >= 1:
+            return f"{v:.2f}"
+        return f"{v:.3g}"
+    if value is None:
+        return "-"
+    return str(value)
+
+
+# ---- tables --------------------------------------------------------------------------------------
+
+
+def layout_table(rows: list[dict], budget_bytes: int, page_size: int) -> Table:
+    t = Table(
+        title=f"KV layout per model (arena_jax.KVLayout, bf16, {fmt_bytes(budget_bytes)} budget, {page_size}-token pages)",
+        box=box.SIMPLE_HEAVY,
+    )
+    for col in ("model", "layers", "q / kv heads", "head_dim", "bytes/token", "if sized by q heads", "page", "pages", "tokens"):
+        t.add_column(col, justify="left" if col == "model" else "right")
+    for r in rows:
+        t.add_row(
+            r["model"],
+            str(r["layers"]),
+            f"{r['q_heads']} / {r['kv_heads']}",
+            str(r["head_dim"]),
+            f"{r['bytes_per_token']:,}",
+            f"{r['bytes_per_token_if_q_heads']:,}",
+            fmt_bytes(r["page_bytes"]),
+            f"{r['num_pages']:,}",
+            f"{r['token_capacity']:,}",
+        )
+    return t
+
+
+_CAPACITY_ROWS = [
+    ("peak concurrent sequences", "peak_concurrent", _fmt),
+    ("mean concurrent sequences", "mean_concurrent", lambda v: f"{v:.1f}"),
+    ("  same, while requests wait", "mean_concurrent_saturated", lambda v: f"{v:.1f}"),
+    ("utilization, mean", "utilization_mean", _pct),
+    ("utilization, p5", "utilization_p5", _pct),
+    ("budget holding tokens, mean", "budget_held_mean", _pct),
+    ("internal waste / sequence", "waste_tokens_per_seq", lambda v: f"{v:,.1f} tok"),
+    ("  same, in bytes", "waste_bytes_per_seq", fmt_bytes),
+    ("requests that waited", "requests_waited", _fmt),
+    ("mean wait (steps)", "mean_wait_steps", lambda v: f"{v:,.0f}"),
+    ("preemptions (recompute)", "preemptions", _fmt),
+    ("growth stalls (sequence-steps)", "growth_stalls", _fmt),
+    ("total steps", "total_steps", _fmt),
+]
+
+
+def capacity_tables(result: dict) -> list:
+    s, w, allocs = result["settings"], result["workload"], result["allocators"]
+    keys = list(allocs)
+    t = Table(
+        title=(
+            f"capacity: {w['requests']} requests, {fmt_bytes(s['budget_bytes'])} KV budget "
+            f"= {s['budget_tokens']:,} tokens of {s['model']} ({s['bytes_per_token']:,} B/token)"
+        ),
+        box=box.SIMPLE_HEAVY,
+    )
+    t.add_column("")
+    for k in keys:
+        t.add_column(allocs[k]["allocator"], justify="right")
+    for label, key, fmt in _CAPACITY_ROWS:
+        t.add_row(label, *(fmt(allocs[k][key]) for k in keys))
+    recycled = []
+    for k in keys:
+        a = allocs[k]
+        if "pages_recycled" in a:
+            recycled.append(f"{a['pages_recycled']:,} pages")
+        else:
+            recycled.append(f"{a['slabs_freed']:,} slabs")
+    t.add_row("memory recycled", *recycled)
+    copies = []
+    for k in keys:
+        a = allocs[k]
+        if "copies" in a:
+            copies.append(f"{a['copies']:,} ({fmt_bytes(a['tokens_copied'] * s['bytes_per_token'])})")
+        elif "cow_copies" in a:
+            copies.append(f"{a['cow_copies']:,}")
+        else:
+            copies.append("0")
+    t.add_row("copies (regrowth / COW)", *copies)
+    return [t]
+
+
+def capacity_notes(result: dict) -> list[str]:
+    s, w = result["settings"], result["workload"]
+    al = s["arena_layout"]
+    notes = [
+        f"workload: {w['source']}, prompt mean {w['prompt_len_mean']:.0f} / p50 {w['prompt_len_p50']:.0f} / "
+        f"max {w['prompt_len_max']}, output mean {w['output_len_mean']:.0f} / p50 {w['output_len_p50']:.0f} / "
+        f"max {w['output_len_max']}, arrivals over {w['last_arrival_step']:,} steps"
+        + (f", {w['clipped_to_max_seq_len']} clipped to max_seq_len {s['max_seq_len']}" if w["clipped_to_max_seq_len"] else ""),
+        f"arena: real aj.reserve / aj.release on a KVLayout with the budget's page count ({al['num_pages']:,} pages of "
+        f"{al['page_size']} tokens) but {al['num_layers']} layer x {al['num_kv_heads']} KV head x head_dim {al['head_dim']} "
+        f"({fmt_bytes(al['arena_bytes'])}): the allocator state is what is measured; "
+        f"{result['health_checks']} step samples cross-checked with aj.health",
+        f"contiguous: slabs in a token-granular first-fit free list over the same {s['budget_tokens']:,} tokens; "
+        f"max-length slab = {s['max_seq_len']} tokens; growth slab = context + {s['headroom']:.0%}, regrown by "
+        f"{s['headroom']:.0%} (in place if the next block is free, else copied)",
+        f"policy (all three): FCFS admission (<= {s['max_admit']} per step, {s['max_seqs']} slots), leaving "
+        f"{s['watermark']:.0%} of the budget free for growth ({s['watermark_pages']} pages; none for max-length slabs, "
+        "which never grow); when growth is refused the newest refused sequence is preempted (recomputed later) and the "
+        "others stall a step",
+    ]
+    return notes
+
+
+def goal_lines(result: dict) -> list[str]:
+    g = result["goals"]
+    allocs = result["allocators"]
+    mark = lambda ok: "[green]met[/green]" if ok else "[red]NOT met[/red]"  # noqa: E731
+    return [
+        f"goal: arena utilization >= {g['arena_utilization_goal']:.0%}: measured {g['arena_utilization']:.1%} "
+        f"(p5 {allocs['arena']['utilization_p5']:.1%}) -> {mark(g['arena_utilization_met'])}",
+        f"goal: arena concurrency >= {g['capacity_ratio_goal']:.0f}x contiguous max-length: peak "
+        f"{allocs['arena']['peak_concurrent']} vs {allocs['contiguous_max']['peak_concurrent']} = "
+        f"{g['capacity_ratio_peak']:.2f}x (mean while requests wait {g['capacity_ratio_saturated']:.2f}x, "
+        f"mean over all busy steps {g['capacity_ratio_mean']:.2f}x) -> {mark(g['capacity_ratio_met'])}",
+    ]
+
+
+def decode_table(result: dict) -> Table:
+    a, d = result["arena"], result["dense"]
+    s = result["settings"]
+    t = Table(
+        title=f"decode: {s['model_dir'] or s['model']}, batch {s['batch']}, {s['prompt_len']} prompt + {s['new_tokens']} new tokens",
+        caption=f"{s['weights']}, {s['dtype']}; {s['repeats']} timed repeats after {s['warmup']} warm-up",
+        box=box.SIMPLE_HEAVY,
+    )
+    for col, just in (("", "left"), ("paged arena", "right"), ("dense cache", "right"), ("arena / dense", "right")):
+        t.add_column(col, justify=just)
+
+    def row(label, key, fmt, ratio=True):
+        x, y = a[key], d[key]
+        r = f"{x / y:.2f}x" if ratio and y else ""
+        t.add_row(label, fmt(x), fmt(y), r)
+
+    row("decode tokens/s (median)", "tokens_per_s", lambda v: f"{v:,.1f}")
+    row("step latency p50", "step_ms_p50", lambda v: f"{v:.3f} ms")
+    row("step latency p99", "step_ms_p99", lambda v: f"{v:.3f} ms")
+    row("prefill (median)", "prefill_ms", lambda v: f"{v:.2f} ms")
+    row("compile (first calls)", "compile_s", lambda v: f"{v:.2f} s")
+    row("KV bytes / token", "kv_bytes_per_token", lambda v: f"{v:,}", ratio=False)
+    row("KV bytes reserved", "kv_bytes_reserved", fmt_bytes)
+    row("reserved / token held", "kv_bytes_reserved_per_token", lambda v: f"{v:,.0f} B")
+    return t
+
+
+def generic_table(rows: list[dict], title: str) -> Table:
+    t = Table(title=title, box=box.SIMPLE_HEAVY)
+    cols: list[str] = []
+    for r in rows:
+        for k in r:
+            if k not in cols:
+                cols.append(k)
+    for c in cols:
+        numeric = all(isinstance(r.get(c), (int, float, np.integer, np.floating)) or r.get(c) is None for r in rows)
+        t.add_column(c, justify="right" if numeric else "left")
+    for r in rows:
+        t.add_row(*(_fmt(r.get(c)) for c in cols))
+    return t
+
+
+# ---- plots ---------------------------------------------------------------------------------------
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: str) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def plot_capacity(result: dict, path: str) -> None:
+    plt = _pyplot()
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    for key, a in result["allocators"].items():
+        s = a["series"]
+        ax1.plot(s["step"], s["concurrent"], label=a["allocator"], lw=1.2)
+        ax2.plot(s["step"], np.asarray(s["utilization"]) * 100, label=a["allocator"], lw=1.2)
+    st = result["settings"]
+    ax1.set_ylabel("concurrent sequences")
+    ax1.set_title(f"{fmt_bytes(st['budget_bytes'])} KV budget ({st['model']}), {result['workload']['requests']} requests")
+    ax1.legend(loc="upper right")
+    ax2.set_ylabel("utilization (%)\ntoken states / reserved")
+    ax2.set_xlabel("simulation step (one token per running sequence)")
+    ax2.set_ylim(0, 105)
+    ax2.axhline(result["goals"]["arena_utilization_goal"] * 100, color="gray", ls=":", lw=1)
+    fig.tight_layout()
+    _save(fig, path)
+    plt.close(fig)
+
+
+def plot_decode(result: dict, path: str) -> None:
+    plt = _pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    a, d = result["arena"], result["dense"]
+    ax1.hist([a["step_ms"], d["step_ms"]], bins=30, label=["paged arena", "dense cache"])
+    ax1.set_xlabel("decode step latency (ms)")
+    ax1.set_ylabel("steps")
+    ax1.legend()
+    ax2.bar(["paged arena", "dense cache"], [a["tokens_per_s"], d["tokens_per_s"]], color=["C0", "C1"])
+    ax2.set_ylabel("decode tokens/s (median of repeats)")
+    s = result["settings"]
+    fig.suptitle(f"{s['model']} batch {s['batch']}, prompt {s['prompt_len']}, {s['new_tokens']} new tokens ({result.get('device', '')})")
+    fig.tight_layout()
+    _save(fig, path)
+    plt.close(fig)
+
+
+def plot_kernels(rows: list[dict], path: str) -> bool:
+    """GB/s of KV read against context, a line per (implementation, batch); False without such rows."""
+    rows = [r for r in rows if "context" in r and "batch" in r]
+    impls = sorted({k[: -len("_gbps")] for r in rows for k in r if k.endswith("_gbps")})
+    if not rows or not impls:
+        return False
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, impl in enumerate(impls):
+        for j, batch in enumerate(sorted({r["batch"] for r in rows})):
+            pts = sorted((r["context"], r[f"{impl}_gbps"]) for r in rows if r["batch"] == batch and f"{impl}_gbps" in r)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", color=f"C{i}", ls=("-", "--", ":", "-.")[j % 4], label=f"{impl}, batch {batch}")
+    ax.set_xlabel("context (tokens per sequence)")
+    ax.set_ylabel("GB/s of KV read")
+    ax.set_xscale("log", base=2)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    _save(fig, path)
+    plt.close(fig)
+    return True
+
+
+def eprint(*args) -> None:
+    print(*args, file=sys.stderr)

@@ -1,0 +1,222 @@
+"""`arena-bench`: every subcommand in-process on tiny settings; the JSON's figures must be consistent.
+
+No assertion is made on timings. The settings are shared between tests so that the jitted
+simulation and model steps compile once per session.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from benchmarks import cli
+from benchmarks.allocators import FirstFit
+from benchmarks.capacity import CapacitySettings, run_capacity
+from benchmarks.workload import WorkloadError, load_lengths, synthetic
+
+# 128 MiB of Mistral-7B KV = 1,024 tokens = 64 pages; 256-token slabs: 4 max-length sequences.
+CAPACITY = ["--budget-gib", "0.125", "--max-seq-len", "256", "--max-seqs", "32", "--requests", "40"]
+DECODE = ["--batch", "2", "--prompt-len", "8", "--new-tokens", "5", "--repeats", "2", "--num-layers", "1"]
+
+
+@pytest.fixture(autouse=True)
+def _no_persistent_cache(monkeypatch):
+    monkeypatch.setenv(cli.CACHE_ENV, "")
+
+
+def _run(args, tmp_path, name="out.json"):
+    path = tmp_path / name
+    assert cli.main([*args, "--no-progress", "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    for key in ("device", "jax_version", "date", "arguments", "results"):
+        assert key in data, key
+    return data
+
+
+def _check_capacity(res, requests):
+    allocs = res["allocators"]
+    assert set(allocs) == {"arena", "contiguous_max", "contiguous_growth"}
+    for a in allocs.values():
+        assert 0 < a["utilization_mean"] <= 1 and 0 < a["utilization_p5"] <= a["utilization_mean"] + 1e-9
+        assert 0 <= a["requests_waited"] <= requests
+        assert a["mean_wait_steps"] >= 0 and a["preemptions"] >= 0
+        assert 1 <= a["peak_concurrent"] <= res["settings"]["max_seqs"]
+        assert a["mean_concurrent"] <= a["peak_concurrent"]
+        assert a["total_steps"] >= a["busy_steps"] > 0
+        assert a["waste_tokens_per_seq"] >= 0
+    arena, cmax, grow = allocs["arena"], allocs["contiguous_max"], allocs["contiguous_growth"]
+    assert arena["peak_concurrent"] >= cmax["peak_concurrent"]
+    assert arena["utilization_mean"] >= cmax["utilization_mean"]
+    # Page-granular waste is under one page per sequence; a max-length slab wastes far more.
+    assert arena["waste_tokens_per_seq"] < res["settings"]["page_size"] < cmax["waste_tokens_per_seq"]
+    assert cmax["preemptions"] == 0 and cmax["peak_concurrent"] <= res["settings"]["budget_tokens"] // res["settings"]["max_seq_len"]
+    # Everything given back at the end; every page allocated was recycled.
+    assert arena["leaked_pages_after_drain"] == 0 and arena["pages_allocated"] == arena["pages_recycled"] > 0
+    assert cmax["leaked_tokens_after_drain"] == 0 and grow["leaked_tokens_after_drain"] == 0
+    assert arena["cow_copies"] == 0
+    g = res["goals"]
+    assert g["arena_utilization"] == arena["utilization_mean"]
+    assert g["arena_utilization_met"] == (g["arena_utilization"] >= g["arena_utilization_goal"])
+    assert g["capacity_ratio_met"] == (g["capacity_ratio_peak"] >= g["capacity_ratio_goal"])
+    assert res["health_checks"] >= 1
+
+
+def test_capacity(tmp_path, capsys):
+    data = _run(["capacity", *CAPACITY, "--plot", str(tmp_path / "cap.png")], tmp_path)
+    res = data["results"]
+    assert data["command"] == "capacity" and data["arguments"]["requests"] == 40
+    assert res["workload"]["requests"] == 40
+    _check_capacity(res, 40)
+    assert (tmp_path / "cap.png").stat().st_size > 1000
+    out = capsys.readouterr().out
+    assert "arena (arena_jax)" in out and "contiguous max-length" in out and "goal:" in out
+
+
+def test_arena_device_scheduler_matches_host_scheduler():
+    """The device-side loop (default) and the host-driven per-step calls give identical figures."""
+    s = CapacitySettings(model="mistral-7b", bytes_per_token=131072, budget_bytes=2**27, max_seq_len=256, max_seqs=32)
+    wl = synthetic(40, seed=3, rate=0.3, max_seq_len=256)
+    device = run_capacity(wl, s)["allocators"]["arena"]
+    host = run_capacity(wl, s, host_scheduler=True)["allocators"]["arena"]
+    for key in device:
+        if key not in ("wall_s", "steps_per_s"):
+            assert device[key] == host[key], key
+
+
+def test_capacity_replays_lengths_file(tmp_path):
+    f = tmp_path / "lengths.csv"
+    rows = [(30, 40), (100, 120), (5, 200), (250, 50), (60, 60)] * 6
+    f.write_text("prompt_len,output_len\n" + "\n".join(f"{p},{o}" for p, o in rows) + "\n")
+    res = _run(["capacity", *CAPACITY, "--lengths", str(f)], tmp_path)["results"]
+    w = res["workload"]
+    assert w["source"] == str(f) and w["requests"] == len(rows)
+    assert w["clipped_to_max_seq_len"] == 6  # 250 + 50 > 256, six times
+    _check_capacity(res, len(rows))
+
+
+def test_decode(tmp_path, capsys):
+    res = _run(["decode", *DECODE, "--plot", str(tmp_path / "dec.png")], tmp_path)["results"]
+    assert res["same_tokens"] is True and res["first_mismatch"] is None
+    assert res["arena_deterministic_across_repeats"] is True
+    for side in ("arena", "dense"):
+        r = res[side]
+        assert r["tokens_per_s"] > 0 and r["step_ms_p99"] >= r["step_ms_p50"] > 0
+        assert len(r["tokens_per_s_repeats"]) == 2 and len(r["step_ms"]) == 2 * 4
+        assert r["compile_s"] >= 0
+    assert res["arena"]["kv_bytes_per_token"] == res["dense"]["kv_bytes_per_token"] > 0
+    assert res["speedup_tokens_per_s"] == pytest.approx(res["arena"]["tokens_per_s"] / res["dense"]["tokens_per_s"])
+    assert "greedy tokens: match" in capsys.readouterr().out
+
+
+def test_layout(tmp_path, capsys):
+    res = _run(["layout"], tmp_path)["results"]
+    by = {r["model"]: r for r in res["models"]}
+    assert by["mistral-7b"]["bytes_per_token"] == 131_072
+    assert by["llama3-8b"]["bytes_per_token"] == 131_072
+    assert by["llama3-70b"]["bytes_per_token"] == 327_680
+    assert by["mistral-7b"]["num_pages"] == 40 * 2**30 // (131_072 * 16)
+    assert "131,072" in capsys.readouterr().out
+
+
+def test_kernels(tmp_path):
+    res = _run(["kernels", "--batches", "1", "--contexts", "64", "--repeats", "1"], tmp_path)["results"]
+    assert res["rows"] and all(r["batch"] == 1 and r["context"] == 64 for r in res["rows"])
+    if res["metadata"]["backend"] != "gpu":
+        assert "need a GPU" in res["metadata"]["note"]
+
+
+def test_tour(tmp_path, monkeypatch, capsys):
+    # The tour on the settings above (same shapes: nothing new to compile).
+    monkeypatch.setattr(cli, "TOUR_CAPACITY", {"budget_gib": 0.125, "requests": 40, "max_seq_len": 256, "max_seqs": 32})
+    monkeypatch.setattr(cli, "TOUR_DECODE", {"batch": 2, "prompt_len": 8, "new_tokens": 5, "repeats": 2, "num_layers": 1})
+    res = _run(["tour"], tmp_path)["results"]
+    assert set(res) == {"layout", "capacity", "decode"}
+    _check_capacity(res["capacity"], 40)
+    assert res["decode"]["same_tokens"] is True
+    out = capsys.readouterr().out
+    assert "summary" in out and "131,072" in out and "327,680" in out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["capacity", "--budget-gib", "-1"],
+        ["capacity", "--budget-gib", "lots"],
+        ["capacity", "--requests", "0"],
+        ["capacity", "--rate", "fast"],
+        ["capacity", "--model", "gpt-5"],
+        ["capacity", "--budget-gib", "0.01"],  # holds fewer tokens than one max-length sequence
+        ["capacity", "--lengths", "/nonexistent/lengths.csv"],
+        ["decode", "--batch", "0"],
+        ["decode", "--model", "nope"],
+        ["decode", "--new-tokens", "1"],
+        ["decode", "--model-dir", "/nonexistent/checkpoint"],
+        ["kernels", "--contexts", "1,x"],
+        ["frobnicate"],
+        ["capacity", "--no-such-flag"],
+        ["layout", "--json", "/proc/no/such/place.json"],
+        ["--bogus"],
+    ],
+)
+def test_bad_flags_exit_cleanly(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "Traceback" not in err
+
+
+def test_bad_lengths_file(tmp_path, capsys):
+    f = tmp_path / "bad.csv"
+    f.write_text("prompt_len,output_len\n10,20\n10,abc\n")
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["capacity", "--lengths", str(f)])
+    assert exc.value.code == 2
+    assert "bad.csv:3" in capsys.readouterr().err
+
+
+def test_load_lengths_formats(tmp_path):
+    csv = tmp_path / "a.csv"
+    csv.write_text("# comment\nprompt_len,output_len,arrival\n10,20,0\n30,40,5\n")
+    assert load_lengths(csv) == [(10, 20, 0), (30, 40, 5)]
+    jsonl = tmp_path / "a.jsonl"
+    jsonl.write_text('{"prompt_len": 7, "output_len": 9}\n{"prompt_len": 1, "output_len": 2, "arrival": 3}\n')
+    assert load_lengths(jsonl) == [(7, 9, None), (1, 2, 3)]
+    empty = tmp_path / "empty.csv"
+    empty.write_text("prompt_len,output_len\n")
+    with pytest.raises(WorkloadError):
+        load_lengths(empty)
+
+
+def test_synthetic_workload_is_seeded_and_bounded():
+    a = synthetic(200, seed=1, rate=0.5, max_seq_len=512)
+    b = synthetic(200, seed=1, rate=0.5, max_seq_len=512)
+    assert a == b
+    assert all(1 <= r.prompt_len and 1 <= r.output_len and r.total_len <= 512 for r in a.requests)
+    arrivals = [r.arrival for r in a.requests]
+    assert arrivals == sorted(arrivals) and arrivals[0] == 0
+
+
+def test_first_fit_free_list():
+    heap = FirstFit(100)
+    a, b, c = heap.alloc(30), heap.alloc(30), heap.alloc(30)
+    assert (a, b, c) == (0, 30, 60) and heap.alloc(20) is None and heap.free_tokens == 10
+    heap.free(b, 30)
+    assert heap.alloc(40) is None  # 30 + 10 free, not contiguous
+    assert heap.extend(a, 30, 50) and heap.free_tokens == 20  # grows into b's old block
+    heap.free(a, 50)
+    heap.free(c, 30)
+    assert heap.starts == [0] and heap.sizes == [100]  # coalesced back to one block
+    with pytest.raises(AssertionError):
+        heap.free(10, 5)  # double free
+    rng = np.random.default_rng(0)
+    live = {}
+    for _ in range(300):
+        if live and rng.random() < 0.5:
+            start = rng.choice(list(live))
+            heap.free(start, live.pop(start))
+        elif (n := int(rng.integers(1, 20))) and (start := heap.alloc(n)) is not None:
+            assert all(start + n <= s or s + m <= start for s, m in live.items())
+            live[start] = n
+        assert heap.free_tokens + sum(live.values()) == 100
