@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-__all__ = ["KVLayout", "PAGE_ALIGN_BYTES"]
+__all__ = ["KVLayout", "PAGE_ALIGN_BYTES", "read_hf_config"]
 
 # One page of one head (page_size * head_dim * itemsize) is a multiple of this, so
 # the pages that decode attention streams start on aligned addresses.
@@ -144,7 +144,7 @@ class KVLayout:
         head_dim: `head_dim`, else `hidden_size // num_attention_heads`.
         Give exactly one of `num_pages` and `budget_bytes`.
         """
-        cfg = _read_hf_config(config)
+        cfg = read_hf_config(config)
         if (num_pages is None) == (budget_bytes is None):
             raise ValueError("give exactly one of num_pages and budget_bytes")
         try:
@@ -181,7 +181,7 @@ class KVLayout:
         )
 
 
-def _read_hf_config(config) -> Mapping[str, Any]:
+def read_hf_config(config) -> Mapping[str, Any]:
     if isinstance(config, Mapping):
         return config
     path = os.fspath(config)

@@ -81,7 +81,10 @@ class KVCache:
 
 
 def create(layout: KVLayout) -> KVCache:
-    """Allocate the arena once (zeros) with every page free. Jittable; use `jax.eval_shape` to size it."""
+    """Allocate the arena once (zeros) with every page free.
+
+    Jittable; size a layout without allocating with `jax.eval_shape(lambda: aj.create(layout))`.
+    """
     if not isinstance(layout, KVLayout):
         raise ValueError(f"layout must be a KVLayout, got {type(layout).__name__}")
     return KVCache(

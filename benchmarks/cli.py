@@ -18,6 +18,7 @@ import os
 import sys
 import time
 
+from models.cli import positive_int
 from benchmarks.compile_cache import CACHE_ENV, cached_compiles, init_compile_cache
 
 __all__ = ["main", "build_parser", "CACHE_ENV"]
@@ -26,16 +27,6 @@ GIB = 2**30
 
 
 # ---- argument types (errors become argparse messages, exit status 2) ---------------------------
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def _positive_float(text: str) -> float:
@@ -104,16 +95,16 @@ def _add_capacity_args(p: argparse.ArgumentParser, defaults: dict) -> None:
     g.add_argument("--model", choices=[m for m in _models() if m != "tiny"], default="mistral-7b",
                    help="preset whose KV bytes per token size the budget (mistral-7b: 131,072 B/token)")  # fmt: skip
     g.add_argument("--budget-gib", type=_positive_float, default=defaults["budget_gib"], help="KV memory budget in GiB")
-    g.add_argument("--requests", type=_positive_int, default=defaults["requests"], help="requests in the synthetic workload")
+    g.add_argument("--requests", type=positive_int, default=defaults["requests"], help="requests in the synthetic workload")
     g.add_argument("--lengths", metavar="FILE",
                    help="replay request lengths: CSV 'prompt_len,output_len[,arrival]' or JSON lines "
                         '{"prompt_len": P, "output_len": O}; default: seeded log-normal chat-like mix')  # fmt: skip
     g.add_argument("--rate", type=_rate, default="auto",
                    help="arrivals per step (Poisson); 0 = all at step 0; auto = 1.5x what the budget serves "
                         "if every sequence held exactly its tokens (an overload, so allocators run at capacity)")  # fmt: skip
-    g.add_argument("--max-seq-len", type=_positive_int, default=2048, help="longest sequence = the max-length slab")
-    g.add_argument("--page-size", type=_positive_int, default=16, help="arena page size in tokens")
-    g.add_argument("--max-seqs", type=_positive_int, default=128, help="sequence slots (all allocators)")
+    g.add_argument("--max-seq-len", type=positive_int, default=2048, help="longest sequence = the max-length slab")
+    g.add_argument("--page-size", type=positive_int, default=16, help="arena page size in tokens")
+    g.add_argument("--max-seqs", type=positive_int, default=128, help="sequence slots (all allocators)")
     g.add_argument("--headroom", type=_headroom, default=0.25, help="growth allocator's headroom")
     g.add_argument("--watermark", type=_fraction, default=0.01, help="budget fraction admissions leave free for growth")
     g.add_argument("--seed", type=int, default=0, help="workload seed")
@@ -125,13 +116,13 @@ def _add_decode_args(p: argparse.ArgumentParser, defaults: dict) -> None:
     g = p.add_argument_group("decode")
     g.add_argument("--model", choices=_models(), default="tiny", help="preset with random weights")
     g.add_argument("--model-dir", help="a Hugging Face Llama/Mistral checkpoint folder instead of random weights")
-    g.add_argument("--num-layers", type=_positive_int, help="override the preset's depth (e.g. llama3-8b geometry on a CPU)")
-    g.add_argument("--batch", type=_positive_int, default=defaults["batch"], help="sequences decoded together")
-    g.add_argument("--prompt-len", type=_positive_int, default=defaults["prompt_len"], help="random prompt tokens per sequence")
-    g.add_argument("--new-tokens", type=_positive_int, default=defaults["new_tokens"], help="tokens generated per sequence (>= 2)")
-    g.add_argument("--repeats", type=_positive_int, default=defaults["repeats"], help="timed repeats (median reported)")
-    g.add_argument("--warmup", type=_positive_int, default=1, help="untimed warm-up runs (compile)")
-    g.add_argument("--page-size", type=_positive_int, default=16, help="arena page size in tokens")
+    g.add_argument("--num-layers", type=positive_int, help="override the preset's depth (e.g. llama3-8b geometry on a CPU)")
+    g.add_argument("--batch", type=positive_int, default=defaults["batch"], help="sequences decoded together")
+    g.add_argument("--prompt-len", type=positive_int, default=defaults["prompt_len"], help="random prompt tokens per sequence")
+    g.add_argument("--new-tokens", type=positive_int, default=defaults["new_tokens"], help="tokens generated per sequence (>= 2)")
+    g.add_argument("--repeats", type=positive_int, default=defaults["repeats"], help="timed repeats (median reported)")
+    g.add_argument("--warmup", type=positive_int, default=1, help="untimed warm-up runs (compile)")
+    g.add_argument("--page-size", type=positive_int, default=16, help="arena page size in tokens")
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="None: float32 for tiny, else bfloat16")
     g.add_argument("--seed", type=int, default=0, help="weights and prompts")
 
@@ -163,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("layout", formatter_class=fmt, parents=[common], help="KV bytes per token and pages for a budget (Mistral-7B, Llama-3)")
     p.add_argument("--budget-gib", type=_positive_float, default=40.0, help="KV budget in GiB")
-    p.add_argument("--page-size", type=_positive_int, default=16, help="page size in tokens")
+    p.add_argument("--page-size", type=positive_int, default=16, help="page size in tokens")
 
     p = sub.add_parser("capacity", formatter_class=fmt, parents=[common, plot], help="arena vs contiguous allocators under one KV budget")
     _add_capacity_args(p, CAPACITY_DEFAULTS)
@@ -174,11 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("kernels", formatter_class=fmt, parents=[common, plot], help="Pallas append / paged-attention timings (needs a GPU)")
     p.add_argument("--batches", type=_int_list, default=None, help="comma-separated batch sizes")
     p.add_argument("--contexts", type=_int_list, default=None, help="comma-separated context lengths")
-    p.add_argument("--page-size", type=_positive_int, default=None)
-    p.add_argument("--repeats", type=_positive_int, default=None)
-    p.add_argument("--num-q-heads", type=_positive_int, default=None)
-    p.add_argument("--num-kv-heads", type=_positive_int, default=None)
-    p.add_argument("--head-dim", type=_positive_int, default=None)
+    p.add_argument("--page-size", type=positive_int, default=None)
+    p.add_argument("--repeats", type=positive_int, default=None)
+    p.add_argument("--num-q-heads", type=positive_int, default=None)
+    p.add_argument("--num-kv-heads", type=positive_int, default=None)
+    p.add_argument("--head-dim", type=positive_int, default=None)
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None)
     parser.subcommands = sub.choices  # name -> subparser, to report errors per subcommand
     return parser

@@ -82,7 +82,7 @@ def build_model(s: DecodeSettings):
             f"this {jax.default_backend()} device's {limit / 2**30:.1f} GiB; pass --num-layers N to shrink it "
             "(same per-layer geometry and KV bytes per layer)"
         )
-    model = models.Llama(cfg, dtype=dtype, rngs=nnx.Rngs(s.seed))
+    model = models.init_random(cfg, seed=s.seed, dtype=dtype)
     depth = f", {cfg.num_layers} of {preset(s.model).num_layers} layers" if s.num_layers else ""
     return model, f"random weights{depth}"
 

@@ -20,7 +20,8 @@ _DTYPES = ("float32", "bfloat16", "float16")
 CACHE_ENV = "ARENA_JAX_COMPILE_CACHE"
 
 
-def _positive(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: a positive integer (else a clean argparse error, exit 2)."""
     try:
         value = int(text)
     except ValueError:
@@ -46,15 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--model-dir", help="Hugging Face checkpoint folder (config.json, *.safetensors); default: tiny random model"
     )
     p.add_argument("--prompt", default="The arena holds every page.", help="prompt text")
-    p.add_argument("--num-prompts", type=_positive, default=None, help="copies of the prompt to run (default: --batch)")
-    p.add_argument("--max-new-tokens", type=_positive, default=32)
-    p.add_argument("--batch", type=_positive, default=4, help="batch rows decoded together")
-    p.add_argument("--chunk-size", type=_positive, default=32, help="prefill chunk (tokens per prefill call)")
-    p.add_argument("--page-size", type=_positive, default=16)
-    p.add_argument("--num-pages", type=_positive, default=None, help="arena pages (default: every row at full length)")
-    p.add_argument("--max-seq-len", type=_positive, default=None, help="per-sequence limit (default: prompt + new tokens)")
+    p.add_argument("--num-prompts", type=positive_int, default=None, help="copies of the prompt to run (default: --batch)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=32)
+    p.add_argument("--batch", type=positive_int, default=4, help="batch rows decoded together")
+    p.add_argument("--chunk-size", type=positive_int, default=32, help="prefill chunk (tokens per prefill call)")
+    p.add_argument("--page-size", type=positive_int, default=16)
+    p.add_argument("--num-pages", type=positive_int, default=None, help="arena pages (default: every row at full length)")
+    p.add_argument("--max-seq-len", type=positive_int, default=None, help="per-sequence limit (default: prompt + new tokens)")
     p.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=_positive, default=None)
+    p.add_argument("--top-k", type=positive_int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=_DTYPES, default=None, help="default: bfloat16 for checkpoints, float32 for tiny")

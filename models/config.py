@@ -10,11 +10,11 @@ that is a static argument of `jax.jit`.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any, Mapping
 
 import arena_jax as aj
+from arena_jax.layout import read_hf_config
 
 __all__ = ["LlamaConfig", "RopeScaling"]
 
@@ -161,7 +161,7 @@ class LlamaConfig:
         Reads both the transformers-4 spelling (`rope_theta`, `rope_scaling`) and the
         transformers-5 one (`rope_parameters` holding rope_type/rope_theta/...).
         """
-        cfg = _read_json(config)
+        cfg = read_hf_config(config)
         model_type = cfg.get("model_type", "llama")
         if model_type not in ("llama", "mistral"):
             raise ValueError(f"model_type={model_type!r} is not supported; expected 'llama' or 'mistral'")
@@ -288,13 +288,3 @@ class LlamaConfig:
         )
         base.update(overrides)
         return cls(**base)
-
-
-def _read_json(config) -> Mapping[str, Any]:
-    if isinstance(config, Mapping):
-        return config
-    path = os.fspath(config)
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    with open(path) as f:
-        return json.load(f)

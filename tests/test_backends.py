@@ -2,7 +2,6 @@
 through aj.append / aj.attend, on scrambled pages whose stale contents are NaN."""
 from __future__ import annotations
 
-import os
 
 import jax
 import jax.numpy as jnp
