@@ -49,16 +49,6 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _headroom(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
-    return value
-
-
 def _rate(text: str):
     if text == "auto":
         return "auto"
@@ -105,7 +95,7 @@ def _add_capacity_args(p: argparse.ArgumentParser, defaults: dict) -> None:
     g.add_argument("--max-seq-len", type=positive_int, default=2048, help="longest sequence = the max-length slab")
     g.add_argument("--page-size", type=positive_int, default=16, help="arena page size in tokens")
     g.add_argument("--max-seqs", type=positive_int, default=128, help="sequence slots (all allocators)")
-    g.add_argument("--headroom", type=_headroom, default=0.25, help="growth allocator's headroom")
+    g.add_argument("--headroom", type=_positive_float, default=0.25, help="growth allocator's headroom")
     g.add_argument("--watermark", type=_fraction, default=0.01, help="budget fraction admissions leave free for growth")
     g.add_argument("--seed", type=int, default=0, help="workload seed")
     g.add_argument("--host-scheduler", action="store_true",
