@@ -1,27 +1,58 @@
 """The page allocator as pure functions of the cache (the jitted bodies; `api.py` validates).
 
-Every function takes a batch of slots `i32[B]` (PAD_SLOT rows do nothing) and does its
-work for all rows at once with vectorized gathers/scatters: no loop over pages or rows.
-Scatters aimed at "nothing" use an explicit out-of-range index plus `mode="drop"`.
+Every function takes a batch of slots `i32[B]` and does its work for all rows at once with
+vectorized gathers/scatters: no loop over pages or rows. Scatters aimed at "nothing" use an
+explicit out-of-range index plus `mode="drop"`.
+
+Totality. Inside a user's jit these bodies see traced inputs the host checks never saw, so
+each classifies its rows before acting:
+
+  pad       the slot is PAD_SLOT: the row asks for nothing and is not counted;
+  rejected  invalid input: a slot out of range, a slot already named by an earlier row of the
+            batch (the first occurrence wins), a negative count or one past the per-sequence
+            limit, a fork from an idle slot or onto its own source, ...: the row changes
+            nothing and is counted in `stats.rejected_rows`;
+  live      served by the op's own rules (free pages for `reserve`).
+
+Whatever the inputs, the page table keeps its invariants (every page is free exactly once
+or held by exactly `refcount` mappings; reserved-but-unwritten positions lie in pages their
+slot holds alone) and no other sequence's pages or data change. Sums that inputs could push
+past int32 are computed so that they cannot overflow.
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 
 from arena_jax.state import PAD_SLOT, KVCache, PageTable
 
-__all__ = ["reserve_impl", "release_impl", "fork_impl", "truncate_impl", "valid_rows"]
+__all__ = ["reserve_impl", "release_impl", "fork_impl", "truncate_impl", "slot_rows", "in_range_rows"]
 
 
 def _ceil_div(a, b):
     return (a + b - 1) // b
 
 
-def valid_rows(table: PageTable, slots):
-    """(valid bool[B], safe gather index i32[B]): PAD_SLOT and out-of-range rows are not valid."""
+def in_range_rows(table: PageTable, slots):
+    """(in range bool[B], gather index i32[B]): the index is 0 where the slot is out of range."""
     max_seqs = table.page_map.shape[0]
-    valid = (slots >= 0) & (slots < max_seqs)
-    return valid, jnp.where(valid, slots, 0)
+    ok = (slots >= 0) & (slots < max_seqs)
+    return ok, jnp.where(ok, slots, 0)
+
+
+def slot_rows(table: PageTable, slots):
+    """(live bool[B], gather index i32[B]): live rows name an in-range slot that no earlier
+    row of the batch names (the first occurrence of a duplicate wins)."""
+    max_seqs = table.page_map.shape[0]
+    ok, idx = in_range_rows(table, slots)
+    row = jnp.arange(slots.shape[0], dtype=jnp.int32)
+    first = jnp.full((max_seqs,), slots.shape[0], jnp.int32).at[jnp.where(ok, slots, max_seqs)].min(row, mode="drop")
+    return ok & (first[idx] == row), idx
+
+
+def _saturating_cumsum(x, cap: int):
+    """Inclusive prefix sums of x (values in [0, cap]) that stop at `cap` instead of overflowing."""
+    return lax.associative_scan(lambda a, b: jnp.minimum(a, cap - b) + b, x)
 
 
 def _drop_refs(table: PageTable, pages):
@@ -45,12 +76,15 @@ def reserve_impl(cache: KVCache, slots, num_tokens):
     table = cache.table
     max_seqs, max_pages = table.page_map.shape
     num_pages, page_size = cache.k.shape[2], cache.k.shape[3]
-    valid, idx = valid_rows(table, slots)
-
-    n = jnp.where(valid, num_tokens, 0)
-    length = jnp.where(valid, table.lengths[idx], 0)
+    pad = slots == PAD_SLOT
+    live, idx = slot_rows(table, slots)
+    length = jnp.where(live, table.lengths[idx], 0)
+    # `n <= room`, never `length + n <= limit`: an arbitrary traced n would overflow the sum.
+    fits = (num_tokens >= 0) & (num_tokens <= max_pages * page_size - length)
+    rejected = ~pad & ~(live & fits)
+    live &= fits
+    n = jnp.where(live, num_tokens, 0)
     new_length = length + n
-    fits = (n >= 0) & (new_length <= max_pages * page_size)
     have = _ceil_div(length, page_size)  # mapped pages
     need = _ceil_div(new_length, page_size)
     row = table.page_map[idx]  # [B, M]
@@ -58,24 +92,26 @@ def reserve_impl(cache: KVCache, slots, num_tokens):
     # Copy-on-write: the last page is partly filled, shared, and this row will write into it.
     last_lp = jnp.minimum(length // page_size, max_pages - 1)
     last_page = jnp.take_along_axis(row, last_lp[:, None], axis=1)[:, 0]
-    wants_cow = valid & (n > 0) & (length % page_size != 0) & (table.refcount[jnp.maximum(last_page, 0)] > 1)
+    last_refs = table.refcount[jnp.clip(last_page, 0, num_pages - 1)]
+    wants_cow = live & (n > 0) & (length % page_size != 0) & (last_refs > 1)
     # When every holder of that page is in this batch and wants to write, the first one keeps it.
     same = wants_cow[:, None] & wants_cow[None, :] & (last_page[:, None] == last_page[None, :])  # [B, B]
     rank = jnp.sum(jnp.tril(same, k=-1), axis=1)
     holders_here = jnp.sum(same, axis=1)
-    keeper = (rank == 0) & (holders_here == table.refcount[jnp.maximum(last_page, 0)])
+    keeper = (rank == 0) & (holders_here == last_refs)
     cow = wants_cow & ~keeper
 
     # First come, first served in batch order: a row is served if its demand, plus the demand of
     # every earlier row, fits in the free pages. Rows that need no page are always served.
-    demand = jnp.where(valid & fits, need - have + cow, 0)
-    ok_pages = (demand == 0) | (jnp.cumsum(demand) <= table.num_free)
-    ok = valid & fits & ok_pages
+    cap = num_pages + 1  # any demand above num_free fails alike
+    demand = jnp.minimum(jnp.where(live, need - have + cow, 0), cap)
+    ok_pages = (demand == 0) | (_saturating_cumsum(demand, cap) <= table.num_free)
+    ok = live & ok_pages
     # The keeper writes into a page its co-holders hold until they get their copies: it is
     # served only if every co-holder in the batch is (else it would write into a shared page).
     copier_refused = cow & ~ok
     ok &= ~(wants_cow & keeper & jnp.any(same & copier_refused[None, :], axis=1))
-    granted = jnp.where(ok, demand, 0)
+    granted = jnp.where(ok, demand, 0)  # served rows' demands sum to at most num_free
     first = jnp.cumsum(granted) - granted  # this row's first pop, counted from the stack top
     total = jnp.sum(granted)
 
@@ -111,70 +147,104 @@ def reserve_impl(cache: KVCache, slots, num_tokens):
         pages_allocated=total,
         cow_copies=jnp.sum(do_cow),
         metadata_ops=jnp.sum(ok & (n > 0) & (demand == 0)),
-        failed_reservations=jnp.sum(valid & ~ok),
+        failed_reservations=jnp.sum(live & ~ok),
+        rejected_rows=jnp.sum(rejected),
     )
-    return cache.replace(k=k, v=v, table=table, stats=stats), ok | (slots == PAD_SLOT)
+    return cache.replace(k=k, v=v, table=table, stats=stats), ok | pad
 
 
-def _unmap_tail(cache: KVCache, slots, keep_tokens):
-    """Drop each valid row's pages beyond ceil(keep_tokens / page_size). Returns (cache, pages freed)."""
+def _unmap_tail(cache: KVCache, slots, rows, keep_tokens):
+    """Drop the pages of each row in `rows` (bool[B]; its slots distinct and in range) beyond
+    ceil(keep_tokens / page_size). Returns (cache, pages freed)."""
     table = cache.table
     max_seqs, max_pages = table.page_map.shape
     num_pages, page_size = cache.k.shape[2], cache.k.shape[3]
-    valid, idx = valid_rows(table, slots)
+    _, idx = in_range_rows(table, slots)
     row = table.page_map[idx]
     keep_pages = _ceil_div(keep_tokens, page_size)
     lp = jnp.arange(max_pages, dtype=jnp.int32)[None, :]
-    drop = valid[:, None] & (lp >= keep_pages[:, None]) & (row >= 0)  # [B, M]
+    drop = rows[:, None] & (lp >= keep_pages[:, None]) & (row >= 0)  # [B, M]
     table, freed = _drop_refs(table, jnp.where(drop, row, num_pages))
-    target = jnp.where(valid, slots, max_seqs)
+    target = jnp.where(rows, slots, max_seqs)
     table = table.replace(page_map=table.page_map.at[target].set(jnp.where(drop, -1, row), mode="drop"))
     return cache.replace(table=table), freed
 
 
-def release_impl(cache: KVCache, slots):
-    """Drop the slots; pages whose refcount reaches 0 go back on the free stack."""
-    cache, freed = _unmap_tail(cache, slots, jnp.zeros_like(slots))
+def _release_rows(cache: KVCache, slots, rows):
+    """Release the slots of `rows` (bool[B]; distinct, in range). Returns (cache, pages freed)."""
+    cache, freed = _unmap_tail(cache, slots, rows, jnp.zeros_like(slots))
     table = cache.table
-    valid, _ = valid_rows(table, slots)
-    target = jnp.where(valid, slots, table.page_map.shape[0])
+    target = jnp.where(rows, slots, table.page_map.shape[0])
     table = table.replace(
         lengths=table.lengths.at[target].set(0, mode="drop"),
         active=table.active.at[target].set(False, mode="drop"),
+        written=table.written.at[:, target].set(0, mode="drop"),
     )
-    return cache.replace(table=table, stats=cache.stats.bump(pages_recycled=freed))
+    return cache.replace(table=table), freed
+
+
+def release_impl(cache: KVCache, slots):
+    """Drop the slots; pages whose refcount reaches 0 go back on the free stack. Releasing an
+    idle slot does nothing."""
+    live, _ = slot_rows(cache.table, slots)
+    cache, freed = _release_rows(cache, slots, live)
+    rejected = (slots != PAD_SLOT) & ~live
+    return cache.replace(stats=cache.stats.bump(pages_recycled=freed, rejected_rows=jnp.sum(rejected)))
 
 
 def truncate_impl(cache: KVCache, slots, lengths):
-    """Roll each slot back to min(lengths[b], its length); whole pages past the end are released."""
-    valid, idx = valid_rows(cache.table, slots)
-    new_length = jnp.clip(lengths, 0, cache.table.lengths[idx])
-    cache, freed = _unmap_tail(cache, slots, new_length)
+    """Roll each slot back to lengths[b] (0 <= lengths[b] <= its length, else the row is
+    rejected); whole pages past the end are released and written watermarks cut to match."""
     table = cache.table
-    target = jnp.where(valid, slots, table.page_map.shape[0])
-    table = table.replace(lengths=table.lengths.at[target].set(new_length, mode="drop"))
-    stats = cache.stats.bump(pages_recycled=freed, metadata_ops=jnp.sum(valid))
+    live, idx = slot_rows(table, slots)
+    held = jnp.where(live, table.lengths[idx], 0)
+    ok = live & (lengths >= 0) & (lengths <= held)
+    new_length = jnp.where(ok, lengths, 0)
+    cache, freed = _unmap_tail(cache, slots, ok, new_length)
+    table = cache.table
+    target = jnp.where(ok, slots, table.page_map.shape[0])
+    table = table.replace(
+        lengths=table.lengths.at[target].set(new_length, mode="drop"),
+        written=table.written.at[:, target].set(jnp.minimum(table.written[:, idx], new_length[None, :]), mode="drop"),
+    )
+    rejected = (slots != PAD_SLOT) & ~ok
+    stats = cache.stats.bump(pages_recycled=freed, metadata_ops=jnp.sum(ok), rejected_rows=jnp.sum(rejected))
     return cache.replace(table=table, stats=stats)
 
 
 def fork_impl(cache: KVCache, src, dst):
-    """dst[b] (released first if in use) shares src[b]'s pages: refcount + 1, no data moved."""
-    cache = release_impl(cache, dst)
+    """dst[b] (released first if in use) shares src[b]'s pages: refcount + 1, no data moved.
+
+    A row is served when dst[b] is in range and named once, src[b] is an active slot whose
+    reservation is fully written at every layer (no pending tokens to share), and no slot is
+    both a source and a destination in this call. A row whose dst is PAD_SLOT is padding;
+    any other row not served is rejected and its dst left unchanged.
+    """
     table = cache.table
     max_seqs = table.page_map.shape[0]
     num_pages = cache.k.shape[2]
-    src_ok, src_idx = valid_rows(table, src)
-    dst_ok, _ = valid_rows(table, dst)
-    both = src_ok & dst_ok
+    dst_pad = dst == PAD_SLOT
+    dst_live, dst_idx = slot_rows(table, dst)
+    src_in, src_idx = in_range_rows(table, src)
+    is_dst = jnp.zeros((max_seqs,), bool).at[jnp.where(dst_live, dst, max_seqs)].set(True, mode="drop")
+    is_src = jnp.zeros((max_seqs,), bool).at[jnp.where(src_in & ~dst_pad, src, max_seqs)].set(True, mode="drop")
+    settled = jnp.all(table.written[:, src_idx] == table.lengths[src_idx][None, :], axis=0)
+    ok = dst_live & src_in & table.active[src_idx] & settled & ~is_dst[src_idx] & ~is_src[dst_idx]
+
+    cache, freed = _release_rows(cache, dst, ok)
+    table = cache.table  # no source was released: sources are never destinations
     row = table.page_map[src_idx]  # [B, M]
-    shared = both[:, None] & (row >= 0)
+    shared = ok[:, None] & (row >= 0)
     refcount = table.refcount.at[jnp.where(shared, row, num_pages)].add(1, mode="drop")
-    target = jnp.where(both, dst, max_seqs)
+    target = jnp.where(ok, dst, max_seqs)
     table = table.replace(
         page_map=table.page_map.at[target].set(row, mode="drop"),
         lengths=table.lengths.at[target].set(table.lengths[src_idx], mode="drop"),
-        active=table.active.at[target].set(table.active[src_idx], mode="drop"),
+        active=table.active.at[target].set(True, mode="drop"),
+        written=table.written.at[:, target].set(table.written[:, src_idx], mode="drop"),
         refcount=refcount,
     )
-    return cache.replace(table=table, stats=cache.stats.bump(metadata_ops=jnp.sum(both)))
-
+    stats = cache.stats.bump(
+        metadata_ops=jnp.sum(ok), pages_recycled=freed, rejected_rows=jnp.sum(~dst_pad & ~ok)
+    )
+    return cache.replace(table=table, stats=stats)

@@ -13,10 +13,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from arena_jax import allocator
-from arena_jax.state import KVCache
-from arena_jax.validate import check_counts, check_kv, check_layer, check_q, check_slots, concrete
-from pallas_kernels.reference import append_reference, paged_attention_reference, token_positions
+from arena_jax import allocator, arena_ops
+from arena_jax.state import PAD_SLOT, KVCache
+from arena_jax.validate import (
+    check_counts,
+    check_kv,
+    check_layer,
+    check_q,
+    check_sliding_window,
+    check_slots,
+    check_sm_scale,
+    concrete,
+)
 
 __all__ = ["reserve", "append", "attend", "release", "fork", "truncate", "default_backend", "BACKENDS", "BACKEND_ENV"]
 
@@ -57,7 +65,7 @@ def _reserve(cache, slots, num_tokens):
 
 
 def reserve(cache: KVCache, slots, num_tokens) -> tuple[KVCache, jax.Array]:
-    """Grow each slot by `num_tokens` (scalar or i32[B]), popping pages as needed.
+    """Grow each slot's reservation by `num_tokens` (scalar or i32[B]), popping pages as needed.
 
     A slot whose last page is partly filled and shared first gets a private copy of it
     (copy-on-write, all layers), so `append` never allocates. Rows are served first come,
@@ -98,7 +106,10 @@ def _fork(cache, src, dst):
 
 
 def fork(cache: KVCache, src, dst) -> KVCache:
-    """Each dst[b] shares src[b]'s pages (refcount + 1, no data moved). A dst in use is released first."""
+    """Each dst[b] shares src[b]'s pages (refcount + 1, no data moved); a dst in use is released
+    first. dst[b] = PAD_SLOT makes a padding row. A source must be in use with its reservation
+    written at every layer (a pending reservation is private to its slot: append or truncate
+    it first), and no slot may be both a source and a destination in one call."""
     layout = _check_cache(cache)
     src = check_slots(layout, src, "src", unique=False)
     dst = check_slots(layout, dst, "dst")
@@ -106,13 +117,24 @@ def fork(cache: KVCache, src, dst) -> KVCache:
         raise ValueError(f"src and dst must have the same length, got {src.shape[0]} and {dst.shape[0]}")
     s, d = concrete(src), concrete(dst)
     if s is not None and d is not None:
-        clash = set(s[s >= 0].tolist()) & set(d[d >= 0].tolist())
+        rows = d != PAD_SLOT
+        if (s[rows] == PAD_SLOT).any():
+            raise ValueError(f"src is PAD_SLOT where dst is a slot (src={s.tolist()}, dst={d.tolist()}): nothing to fork")
+        clash = set(s[rows].tolist()) & set(d[rows].tolist())
         if clash:
-            raise ValueError(f"dst and src overlap in slots {sorted(clash)}: a slot cannot be forked onto itself")
-        active = concrete(cache.table.active)
-        idle = [int(x) for x in s[s >= 0] if not active[x]]
+            raise ValueError(f"slots {sorted(clash)} are both a source and a destination: a slot cannot be forked onto itself")
+        table = cache.table
+        active, lengths, written = concrete(table.active), concrete(table.lengths), concrete(table.written)
+        idle = [int(x) for x in s[rows] if not active[x]]
         if idle:
             raise ValueError(f"src slots {idle} are not in use: nothing to fork")
+        pending = [int(x) for x in s[rows] if (written[:, x] != lengths[x]).any()]
+        if pending:
+            x = pending[0]
+            raise ValueError(
+                f"src slot {x} has reserved tokens not yet written (reserved {int(lengths[x])}, written per layer "
+                f"{written[:, x].tolist()}): append them, or truncate to the written length, before forking"
+            )
     return _fork(cache, src, dst)
 
 
@@ -122,7 +144,8 @@ def _truncate(cache, slots, lengths):
 
 
 def truncate(cache: KVCache, slots, lengths) -> KVCache:
-    """Roll slots back to `lengths` (scalar or i32[B]); whole pages past the end are released."""
+    """Roll slots back to `lengths` (scalar or i32[B]); whole pages past the end are released and
+    each layer's written watermark is cut to the new length."""
     layout = _check_cache(cache)
     slots = check_slots(layout, slots)
     lengths = check_counts(layout, lengths, slots.shape[0], "lengths")
@@ -143,45 +166,18 @@ def truncate(cache: KVCache, slots, lengths) -> KVCache:
 # ---- data path -----------------------------------------------------------------------------
 
 
-def _rows(cache: KVCache, slots, num_tokens):
-    """Per batch row: page_map i32[B, M], lengths i32[B], num_tokens i32[B] (0 on padded rows)."""
-    valid, idx = allocator.valid_rows(cache.table, slots)
-    page_map = jnp.where(valid[:, None], cache.table.page_map[idx], -1)
-    lengths = jnp.where(valid, cache.table.lengths[idx], 0)
-    return page_map, lengths, jnp.where(valid, num_tokens, 0)
-
-
 @functools.partial(jax.jit, static_argnames=("backend",), donate_argnames=("cache",))
 def _append(cache, layer, slots, k, v, num_tokens, backend):
-    page_map, lengths, n = _rows(cache, slots, num_tokens)
-    # Write only into reserved positions of private pages: a row whose reservation failed
-    # (or whose target page is still shared) writes nothing and is counted, never spilling
-    # into another sequence's page.
-    pos, live = token_positions(lengths, n, k.shape[1])
-    page = jnp.take_along_axis(page_map, jnp.clip(pos // cache.k.shape[3], 0, page_map.shape[1] - 1), axis=1)
-    private = (page >= 0) & (cache.table.refcount[jnp.maximum(page, 0)] == 1)
-    writable = (n <= lengths) & jnp.all(private | ~live, axis=1)
-    written = jnp.where(writable, n, 0)
-    if backend == "pallas":
-        from pallas_kernels.append import paged_append
-
-        k_arena, v_arena = paged_append(cache.k, cache.v, layer, k, v, page_map, lengths, written)
-    else:
-        k_arena, v_arena = append_reference(cache.k, cache.v, layer, k, v, page_map, lengths, written)
-    stats = cache.stats.bump(
-        tokens_written=jnp.where(layer == 0, jnp.sum(written), 0),
-        dropped_writes=jnp.sum((n > 0) & ~writable),
-    )
-    return cache.replace(k=k_arena, v=v_arena, stats=stats)
+    return arena_ops.append_impl(cache, layer, slots, k, v, num_tokens, backend)
 
 
 def append(cache: KVCache, layer, slots, k, v, *, num_tokens=None, backend: str | None = None) -> KVCache:
-    """Write `k, v: [batch, tokens, num_kv_heads, head_dim]` into each slot's last reserved positions.
+    """Write `k, v: [batch, tokens, num_kv_heads, head_dim]` at each slot's written watermark for `layer`.
 
-    `num_tokens` (i32[B], default all `tokens`) lets rows of one batch carry different counts:
-    row b's first num_tokens[b] tokens go to its last num_tokens[b] reserved positions.
-    Rows whose positions are not reserved and private (e.g. a failed reservation) write nothing
-    and are counted in `stats.dropped_writes`.
+    Row b's first `num_tokens[b]` tokens (default: all `tokens`) go to positions
+    `written[layer, slot] ...` of its slot, and the watermark advances by that many. A row whose
+    tokens would pass the slot's reserved length (no or a failed `reserve`) or land in a page
+    it shares writes nothing and is counted in `stats.dropped_writes`.
     """
     layout = _check_cache(cache)
     slots = check_slots(layout, slots)
@@ -192,18 +188,12 @@ def append(cache: KVCache, layer, slots, k, v, *, num_tokens=None, backend: str 
     n = concrete(num_tokens)
     if n is not None and n.size and n.max() > tokens:
         raise ValueError(f"num_tokens={int(n.max())} exceeds the {tokens} tokens given in k and v")
-    return _append(cache, layer, slots, k, v, num_tokens, _resolve_backend(backend))
+    return _append(cache, layer, slots, jnp.asarray(k), jnp.asarray(v), num_tokens, _resolve_backend(backend))
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "sliding_window", "sm_scale"))
 def _attend(q, cache, layer, slots, num_tokens, backend, sliding_window, sm_scale):
-    page_map, lengths, n = _rows(cache, slots, num_tokens)
-    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window)
-    if backend == "pallas":
-        from pallas_kernels.paged_attention import paged_attention
-
-        return paged_attention(q, cache.k, cache.v, layer, page_map, lengths, n, **kwargs)
-    return paged_attention_reference(q, cache.k, cache.v, layer, page_map, lengths, n, **kwargs)
+    return arena_ops.attend_impl(q, cache, layer, slots, num_tokens, backend, sliding_window, sm_scale)
 
 
 def attend(
@@ -217,11 +207,13 @@ def attend(
     sm_scale: float | None = None,
     backend: str | None = None,
 ):
-    """Attention of `q: [batch, q_tokens, num_q_heads, head_dim]` over each slot's pages.
+    """Attention of `q: [batch, q_tokens, num_q_heads, head_dim]` over the tokens written at `layer`.
 
-    The q tokens are the slot's last `num_tokens` (default `q_tokens`) positions, already
-    appended; they attend causally to everything before them (within `sliding_window` tokens,
-    counting themselves, if given). Padded rows and tokens give zeros. Returns q's shape/dtype.
+    Row b's q tokens are the last `num_tokens[b]` (default `q_tokens`) tokens written at
+    `layer` in its slot; they attend causally to every token written before them (within
+    `sliding_window` tokens, counting themselves, if given; a window of `max_seq_len` or more
+    is no window). Reserved but unwritten positions are never read. Padded rows and tokens
+    give zeros. Returns q's shape and dtype.
     """
     layout = _check_cache(cache)
     slots = check_slots(layout, slots)
@@ -229,9 +221,18 @@ def attend(
     check_q(layout, q, slots.shape[0])
     tokens = q.shape[1]
     num_tokens = check_counts(layout, tokens if num_tokens is None else num_tokens, slots.shape[0], "num_tokens")
-    n = concrete(num_tokens)
+    sliding_window = check_sliding_window(layout, sliding_window)
+    sm_scale = check_sm_scale(sm_scale)
+    s, n, lay = concrete(slots), concrete(num_tokens), concrete(layer)
     if n is not None and n.size and n.max() > tokens:
         raise ValueError(f"num_tokens={int(n.max())} exceeds the {tokens} query tokens given in q")
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
-        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
-    return _attend(q, cache, layer, slots, num_tokens, _resolve_backend(backend), sliding_window, sm_scale)
+    if s is not None and n is not None and lay is not None:
+        written = concrete(cache.table.written)[int(lay)]
+        for b in np.flatnonzero(s != PAD_SLOT):
+            if n[b] > written[s[b]]:
+                raise ValueError(
+                    f"num_tokens[{b}]={int(n[b])} exceeds the {int(written[s[b]])} tokens written at layer {int(lay)} "
+                    f"for slot {int(s[b])}: attend reads only appended tokens (append them first)"
+                )
+    backend = _resolve_backend(backend)
+    return _attend(jnp.asarray(q), cache, layer, slots, num_tokens, backend, sliding_window, sm_scale)

@@ -13,8 +13,10 @@ __all__ = ["health"]
 def health(cache: KVCache) -> dict:
     """Utilization, waste, free pages and the counters, as plain Python numbers.
 
-    utilization = token positions filled in allocated pages / their capacity (a shared page's
-    positions count once); logical_tokens counts each sequence's tokens (shared ones per holder).
+    utilization = token positions reserved in allocated pages / their capacity (a shared page's
+    positions count once); logical_tokens counts each sequence's reserved tokens (shared ones
+    per holder); written_tokens those whose K/V every layer has stored, and
+    reserved_unwritten_tokens the rest (reserved, not yet appended at some layer).
     """
     layout = cache.layout
     t = cache.table
@@ -31,10 +33,14 @@ def health(cache: KVCache) -> dict:
     pages_in_use = int(np.count_nonzero(refcount))
     capacity = pages_in_use * size
     tokens_held = int(filled.sum())
+    written = np.asarray(t.written)[:, active]  # [L, active slots]
+    written_tokens = int(written.min(axis=0).sum()) if written.size else 0
     counters = {f.name: int(getattr(cache.stats, f.name)) for f in dataclasses.fields(cache.stats)}
     return {
         "active_sequences": int(active.sum()),
         "logical_tokens": int(lengths[active].sum()),
+        "written_tokens": written_tokens,
+        "reserved_unwritten_tokens": int(lengths[active].sum()) - written_tokens,
         "tokens_held": tokens_held,
         "pages_in_use": pages_in_use,
         "shared_pages": int(np.count_nonzero(refcount > 1)),

@@ -16,12 +16,21 @@ PAD_SLOT = -1
 
 @struct.dataclass
 class PageTable:
+    """Which pages belong to which slot, and how far each slot is reserved and written.
+
+    `lengths[s]` is what slot s has *reserved*; `written[l, s]` what layer l has *stored*.
+    Positions in [written[l, s], lengths[s]) are reserved but unwritten: attention never reads
+    them, so a page's previous tenant stays invisible without scrubbing. They always lie in
+    pages the slot holds alone (refcount 1), so `append` never writes a shared page.
+    """
+
     page_map: jax.Array  # i32[max_seqs, max_pages_per_seq], physical page per logical page, -1 unmapped
-    lengths: jax.Array  # i32[max_seqs], tokens held per slot
+    lengths: jax.Array  # i32[max_seqs], tokens reserved per slot
     active: jax.Array  # bool[max_seqs], slot in use
     free_stack: jax.Array  # i32[num_pages], entries [0, num_free) are free; top = num_free - 1 (LIFO)
     num_free: jax.Array  # i32[]
     refcount: jax.Array  # i32[num_pages], 0 free, 1 owned, >1 shared
+    written: jax.Array  # i32[num_layers, max_seqs], tokens whose K/V are stored at each layer (<= lengths)
 
     @classmethod
     def empty(cls, layout: KVLayout) -> "PageTable":
@@ -33,6 +42,7 @@ class PageTable:
             free_stack=jnp.arange(layout.num_pages - 1, -1, -1, dtype=jnp.int32),
             num_free=jnp.asarray(layout.num_pages, jnp.int32),
             refcount=jnp.zeros((layout.num_pages,), jnp.int32),
+            written=jnp.zeros((layout.num_layers, layout.max_seqs), jnp.int32),
         )
 
 
@@ -46,7 +56,8 @@ class CacheStats:
     metadata_ops: jax.Array  # forks, truncations and reservations served without a new page
     cow_copies: jax.Array  # copy-on-write page copies (the only data-moving allocator operation)
     failed_reservations: jax.Array  # reservation rows refused for lack of pages
-    dropped_writes: jax.Array  # append rows refused because their positions were not reserved and private
+    dropped_writes: jax.Array  # append rows refused: their tokens would pass the reservation or land in a shared page
+    rejected_rows: jax.Array  # rows refused as invalid input inside jit (duplicate / out-of-range slots, bad counts, ...)
 
     @classmethod
     def zeros(cls) -> "CacheStats":

@@ -1,10 +1,14 @@
 """Host-side checks run before anything enters jit: a ValueError naming the argument and the limit.
 
-Values are checked only when they are concrete (not tracers): inside a user's jit the
-shapes and dtypes are still checked, and the jitted ops report what they refuse through
-`ok` and the stats counters rather than clipping.
+Integers are checked as the caller gave them (Python ints, numpy or JAX arrays) before any
+cast to int32, so `2**32 + 2` is an error, never slot 2. Values are checked only when they
+are concrete: inside a user's jit, shapes and dtypes are still checked, and the jitted ops
+are total (see `arena_jax.allocator`): they refuse what is invalid and count it.
 """
 from __future__ import annotations
+
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +17,19 @@ import numpy as np
 from arena_jax.layout import KVLayout
 from arena_jax.state import PAD_SLOT
 
-__all__ = ["concrete", "check_slots", "check_counts", "check_layer", "check_kv", "check_q"]
+__all__ = [
+    "concrete",
+    "check_ints",
+    "check_slots",
+    "check_counts",
+    "check_layer",
+    "check_kv",
+    "check_q",
+    "check_sliding_window",
+    "check_sm_scale",
+]
+
+INT32 = np.iinfo(np.int32)
 
 
 def concrete(x) -> np.ndarray | None:
@@ -23,15 +39,56 @@ def concrete(x) -> np.ndarray | None:
     return np.asarray(x)
 
 
+def _is_int(value) -> bool:
+    """A Python or numpy integer, or a 0-d integer array; never a bool."""
+    if isinstance(value, (jax.Array, np.ndarray)) and not isinstance(value, jax.core.Tracer) and value.ndim == 0:
+        return value.dtype != np.bool_ and np.issubdtype(value.dtype, np.integer)
+    return isinstance(value, (numbers.Integral, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def check_ints(x, name: str):
+    """`x` (int, list, numpy or JAX array of integers) as an i32 JAX array, range-checked first.
+
+    Concrete values outside int32 raise; a traced wider integer is saturated into int32, where
+    the ops reject it as out of range instead of letting it wrap onto a valid value.
+    """
+    if isinstance(x, jax.core.Tracer):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name} must hold integers, got dtype {x.dtype}")
+        if jnp.dtype(x.dtype).itemsize < 4 or x.dtype == jnp.int32:
+            return x.astype(jnp.int32)
+        if jnp.issubdtype(x.dtype, jnp.unsignedinteger):
+            return jnp.minimum(x, INT32.max).astype(jnp.int32)
+        return jnp.clip(x, INT32.min, INT32.max).astype(jnp.int32)
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        values = np.asarray(x)
+        if values.dtype == np.bool_ or not np.issubdtype(values.dtype, np.integer):
+            raise ValueError(f"{name} must hold integers, got dtype {values.dtype}")
+    else:
+        try:
+            objects = np.asarray(x, dtype=object)
+        except ValueError:  # ragged nesting
+            raise ValueError(f"{name} must be an integer or a flat list of integers, got {x!r}") from None
+        bad = [v for v in objects.reshape(-1) if not _is_int(v)]
+        if bad:
+            raise ValueError(f"{name} must hold integers, got {bad[0]!r} ({type(bad[0]).__name__})")
+        huge = [int(v) for v in objects.reshape(-1) if not INT32.min <= int(v) <= INT32.max]
+        if huge:
+            raise ValueError(f"{name} has {huge[0]}, outside int32 [{INT32.min}, {INT32.max}]")
+        values = objects.astype(np.int64)
+    if values.size and (values.min() < INT32.min or values.max() > INT32.max):
+        worst = values.min() if values.min() < INT32.min else values.max()
+        raise ValueError(f"{name} has {int(worst)}, outside int32 [{INT32.min}, {INT32.max}]")
+    return jnp.asarray(values.astype(np.int32))
+
+
 def check_slots(layout: KVLayout, slots, name: str = "slots", *, allow_pad: bool = True, unique: bool = True):
     """Slots as i32[B]. Each is PAD_SLOT (if allowed) or in [0, max_seqs); no duplicates."""
-    arr = jnp.asarray(slots)
+    arr = check_ints(slots, name)
     if arr.ndim == 0:
         arr = arr[None]
     if arr.ndim != 1:
         raise ValueError(f"{name} must be a 1-D array of slot ids, got shape {arr.shape}")
-    if not jnp.issubdtype(arr.dtype, jnp.integer):
-        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
     values = concrete(arr)
     if values is not None:
         live = values[values != PAD_SLOT] if allow_pad else values
@@ -41,14 +98,12 @@ def check_slots(layout: KVLayout, slots, name: str = "slots", *, allow_pad: bool
             raise ValueError(f"{name} has {bad.tolist()}: slots must be in [0, max_seqs={layout.max_seqs}){pad}")
         if unique and np.unique(live).size != live.size:
             raise ValueError(f"{name} has duplicate slots {values.tolist()}: each slot may appear once per call")
-    return arr.astype(jnp.int32)
+    return arr
 
 
 def check_counts(layout: KVLayout, counts, batch: int, name: str):
     """Token counts as i32[B], each in [0, max_seq_len]."""
-    arr = jnp.asarray(counts)
-    if not jnp.issubdtype(arr.dtype, jnp.integer):
-        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+    arr = check_ints(counts, name)
     if arr.ndim == 0:
         arr = jnp.broadcast_to(arr, (batch,))
     if arr.shape != (batch,):
@@ -62,23 +117,31 @@ def check_counts(layout: KVLayout, counts, batch: int, name: str):
                 f"{name}={int(values.max())} exceeds the per-sequence limit max_pages_per_seq * page_size = "
                 f"{layout.max_pages_per_seq} * {layout.page_size} = {layout.max_seq_len} tokens"
             )
-    return arr.astype(jnp.int32)
+    return arr
 
 
 def check_layer(layout: KVLayout, layer):
-    arr = jnp.asarray(layer)
-    if arr.ndim != 0 or not jnp.issubdtype(arr.dtype, jnp.integer):
+    if isinstance(layer, (bool, np.bool_)):
         raise ValueError(f"layer must be an integer scalar, got {layer!r}")
+    arr = check_ints(layer, "layer")
+    if arr.ndim != 0:
+        raise ValueError(f"layer must be an integer scalar, got shape {arr.shape}")
     value = concrete(arr)
     if value is not None and not 0 <= int(value) < layout.num_layers:
         raise ValueError(f"layer={int(value)} is out of range [0, num_layers={layout.num_layers})")
-    return arr.astype(jnp.int32)
+    return arr
+
+
+def _check_array(x, name: str, axes: str):
+    if not isinstance(x, (jax.Array, np.ndarray, jax.core.Tracer)):
+        raise ValueError(f"{name} must be a JAX or numpy array {axes}, got {type(x).__name__}")
+    if x.ndim != 4:
+        raise ValueError(f"{name} must be {axes}, got shape {x.shape}")
 
 
 def check_kv(layout: KVLayout, k, v, batch: int):
     for name, x in (("k", k), ("v", v)):
-        if x.ndim != 4:
-            raise ValueError(f"{name} must be [batch, tokens, num_kv_heads, head_dim], got shape {x.shape}")
+        _check_array(x, name, "[batch, tokens, num_kv_heads, head_dim]")
         b, t, h, d = x.shape
         if b != batch:
             raise ValueError(f"{name} has batch {b} but slots has {batch} rows")
@@ -95,8 +158,7 @@ def check_kv(layout: KVLayout, k, v, batch: int):
 
 
 def check_q(layout: KVLayout, q, batch: int):
-    if q.ndim != 4:
-        raise ValueError(f"q must be [batch, tokens, num_q_heads, head_dim], got shape {q.shape}")
+    _check_array(q, "q", "[batch, tokens, num_q_heads, head_dim]")
     b, t, h, d = q.shape
     if b != batch:
         raise ValueError(f"q has batch {b} but slots has {batch} rows")
@@ -106,5 +168,32 @@ def check_q(layout: KVLayout, q, batch: int):
         raise ValueError(f"q has head_dim {d}; the cache has head_dim={layout.head_dim}")
     if t > layout.max_seq_len:
         raise ValueError(f"q has {t} tokens, more than max_seq_len={layout.max_seq_len}")
-    if not jnp.issubdtype(q.dtype, jnp.floating):
-        raise ValueError(f"q must be floating point, got {q.dtype}")
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
+        raise ValueError(f"q must be bfloat16, float16 or float32, got {q.dtype}")
+
+
+def check_sliding_window(layout: KVLayout, sliding_window) -> int | None:
+    """A positive int or None. A window of max_seq_len or more can never exclude a key: it is
+    returned as None (the same attention), which keeps huge windows out of int32 arithmetic."""
+    if sliding_window is None:
+        return None
+    if not _is_int(sliding_window) or sliding_window < 1:
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    return None if sliding_window >= layout.max_seq_len else int(sliding_window)
+
+
+def check_sm_scale(sm_scale) -> float | None:
+    """None or a finite positive number known on the host (it is compiled into the kernel)."""
+    if sm_scale is None:
+        return None
+    if isinstance(sm_scale, jax.core.Tracer):
+        raise ValueError("sm_scale must be a concrete number (it is compiled into the kernel), got a traced value")
+    if isinstance(sm_scale, (bool, np.bool_)):
+        raise ValueError(f"sm_scale must be a positive number, got {sm_scale!r}")
+    try:
+        value = float(np.asarray(sm_scale).item()) if np.ndim(sm_scale) == 0 else None
+    except (TypeError, ValueError):
+        value = None
+    if value is None or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"sm_scale must be a finite positive number, got {sm_scale!r}")
+    return value

@@ -175,7 +175,7 @@ BAD_CALLS = {
     "batch mismatch": (lambda c: aj.append(c, 0, [0, 1], jnp.ones((1, 1, 2, 16)), jnp.ones((1, 1, 2, 16))), "batch"),
     "q heads not a multiple": (lambda c: aj.attend(jnp.ones((1, 1, 3, 16)), c, 0, [0]), "num_kv_heads=2"),
     "truncate grows": (lambda c: aj.truncate(c, [0], [9]), "truncate only shortens"),
-    "fork onto itself": (lambda c: aj.fork(c, [0], [0]), "overlap"),
+    "fork onto itself": (lambda c: aj.fork(c, [0], [0]), "forked onto itself"),
     "fork an idle slot": (lambda c: aj.fork(c, [3], [2]), "not in use"),
     "bad backend": (lambda c: aj.attend(jnp.ones((1, 1, 2, 16)), c, 0, [0], backend="cuda"), "backend"),
 }

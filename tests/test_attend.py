@@ -101,9 +101,12 @@ def test_paged_attention_equals_dense_attention(num_kv_heads, group, prompt_lens
 def test_padded_rows_attend_to_nothing():
     cache = aj.create(make_layout(2))
     cache, _ = aj.reserve(cache, [0], 5)
+    kv = jnp.ones((1, 5, 2, HEAD_DIM))
+    cache = aj.append(cache, 0, [0], kv, kv)
     q = jnp.ones((2, 1, 4, HEAD_DIM))
     out = aj.attend(q, cache, 0, [aj.PAD_SLOT, 0])
     assert not np.asarray(out[0]).any()
+    np.testing.assert_allclose(out[1], 1.0, rtol=1e-6)  # the live row attends to its 5 ones
 
 
 def test_stale_pages_of_earlier_tenants_never_reach_the_output():

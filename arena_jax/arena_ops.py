@@ -1,0 +1,90 @@
+"""The data path as pure functions of the cache (jitted bodies of `aj.append` / `aj.attend`).
+
+Both turn cache slots into the kernels' per-row contract (`pallas_kernels.reference`):
+page_map i32[B, M], lengths i32[B] and num_tokens i32[B], where a row's new tokens are its
+last num_tokens positions of lengths. Here `lengths` is the *written* watermark of the layer,
+never the reservation: attention reads only tokens stored at that layer, so reserved but
+unwritten positions (an earlier tenant's bytes) can never be read.
+
+Rows follow the totality rules of `arena_jax.allocator`: pad, rejected (counted by append in
+`stats.rejected_rows`; attention gives zeros) or live. A traced layer outside
+[0, num_layers) rejects every row on both backends.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from arena_jax.allocator import in_range_rows, slot_rows
+from arena_jax.state import PAD_SLOT, KVCache
+from pallas_kernels.reference import append_reference, paged_attention_reference
+
+__all__ = ["append_impl", "attend_impl"]
+
+
+def _layer(cache: KVCache, layer):
+    """(layer in range bool[], layer clipped into range i32[]: safe to index with)."""
+    num_layers = cache.table.written.shape[0]
+    return (layer >= 0) & (layer < num_layers), jnp.clip(layer, 0, num_layers - 1)
+
+
+def append_impl(cache: KVCache, layer, slots, k, v, num_tokens, backend: str) -> KVCache:
+    """Write row b's first num_tokens[b] tokens of k, v [B, T, Hkv, D] at its slot's written
+    watermark for `layer` and advance it. A row whose tokens would pass the slot's reservation
+    or land in a page it shares writes nothing (counted in `dropped_writes`)."""
+    table = cache.table
+    max_seqs, max_pages = table.page_map.shape
+    num_pages, page_size = cache.k.shape[2], cache.k.shape[3]
+    tokens = k.shape[1]
+    layer_ok, layer_c = _layer(cache, layer)
+    live, idx = slot_rows(table, slots)
+    good = live & layer_ok & (num_tokens >= 0) & (num_tokens <= tokens)
+    rejected = (slots != PAD_SLOT) & ~good
+    n = jnp.where(good, num_tokens, 0)
+    start = jnp.where(good, table.written[layer_c, idx], 0)
+    reserved = jnp.where(good, table.lengths[idx], 0)
+    fits = table.active[idx] & (n <= reserved - start)  # start <= reserved: no overflow
+
+    t = jnp.arange(tokens, dtype=jnp.int32)[None, :]
+    pos = start[:, None] + t  # [B, T]
+    in_use = t < n[:, None]
+    rows = table.page_map[idx]  # [B, M]
+    page = jnp.take_along_axis(rows, jnp.clip(pos // page_size, 0, max_pages - 1), axis=1)
+    private = (page >= 0) & (table.refcount[jnp.clip(page, 0, num_pages - 1)] == 1)
+    writable = good & fits & jnp.all(private | ~in_use, axis=1)
+    accepted = jnp.where(writable, n, 0)
+
+    kernel_rows = (jnp.where(writable[:, None], rows, -1), start + accepted, accepted)
+    if backend == "pallas":
+        from pallas_kernels.append import paged_append
+
+        k_arena, v_arena = paged_append(cache.k, cache.v, layer_c, k, v, *kernel_rows)
+    else:
+        k_arena, v_arena = append_reference(cache.k, cache.v, layer_c, k, v, *kernel_rows)
+    target = jnp.where(writable, slots, max_seqs)
+    table = table.replace(written=table.written.at[layer_c, target].add(accepted, mode="drop"))
+    stats = cache.stats.bump(
+        tokens_written=jnp.where(layer_ok & (layer_c == 0), jnp.sum(accepted), 0),
+        dropped_writes=jnp.sum(good & (n > 0) & ~writable),
+        rejected_rows=jnp.sum(rejected),
+    )
+    return cache.replace(k=k_arena, v=v_arena, table=table, stats=stats)
+
+
+def attend_impl(q, cache: KVCache, layer, slots, num_tokens, backend: str, sliding_window, sm_scale):
+    """Attention of q [B, T, Hq, D], the last num_tokens[b] tokens written at `layer` in row b's
+    slot, over that slot's tokens written at `layer`. Rows whose slot is out of range, or that
+    ask for more query tokens than T or than the slot has written, give zeros."""
+    table = cache.table
+    layer_ok, layer_c = _layer(cache, layer)
+    in_range, idx = in_range_rows(table, slots)
+    written = jnp.where(in_range & layer_ok, table.written[layer_c, idx], 0)
+    good = in_range & layer_ok & (num_tokens >= 0) & (num_tokens <= q.shape[1]) & (num_tokens <= written)
+    page_map = jnp.where(good[:, None], table.page_map[idx], -1)
+    lengths = jnp.where(good, written, 0)
+    n = jnp.where(good, num_tokens, 0)
+    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window)
+    if backend == "pallas":
+        from pallas_kernels.paged_attention import paged_attention
+
+        return paged_attention(q, cache.k, cache.v, layer_c, page_map, lengths, n, **kwargs)
+    return paged_attention_reference(q, cache.k, cache.v, layer_c, page_map, lengths, n, **kwargs)
