@@ -9,11 +9,14 @@ from typing import Any, Mapping
 
 import numpy as np
 
-__all__ = ["KVLayout", "PAGE_ALIGN_BYTES", "read_hf_config"]
+__all__ = ["KVLayout", "PAGE_ALIGN_BYTES", "ARENA_DTYPES", "read_hf_config"]
 
 # One page of one head (page_size * head_dim * itemsize) is a multiple of this, so
 # the pages that decode attention streams start on aligned addresses.
 PAGE_ALIGN_BYTES = 256
+
+# What an arena can hold (what `jnp.zeros(..., dtype)` really stores, on every backend).
+ARENA_DTYPES = ("bfloat16", "float16", "float32")
 
 _HF_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16", "float": "float32", "half": "float16"}
 
@@ -50,8 +53,11 @@ class KVLayout:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
             object.__setattr__(self, name, int(value))
         dtype = _canonical_dtype(self.dtype)
-        if not np.issubdtype(dtype, np.floating) and dtype.name != "bfloat16":
-            raise ValueError(f"dtype must be a floating dtype, got {dtype}")
+        if dtype.name not in ARENA_DTYPES:
+            raise ValueError(
+                f"dtype={dtype.name} is not supported: the arena stores one of {', '.join(ARENA_DTYPES)}"
+                + (" (JAX without jax_enable_x64 would store float64 as float32)" if dtype.name == "float64" else "")
+            )
         object.__setattr__(self, "dtype", dtype)
         head_page = self.page_size * self.head_dim * dtype.itemsize
         if head_page % PAGE_ALIGN_BYTES:

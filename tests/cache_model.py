@@ -1,0 +1,229 @@
+"""A plain-Python account of the cache's rules, independent of its arrays: the oracle of the
+model-based tests (`test_allocator_model.py`).
+
+Slots hold page *objects* (shared by forks, replaced by copy-on-write) and, per layer, the ids
+of the tokens written there. Every op takes arbitrary rows, classifies each exactly as the
+documented rules say (pad / rejected / served or refused) and returns what the cache must
+answer; `host_error` says whether the host checks must raise instead.
+"""
+from __future__ import annotations
+
+import collections
+
+PAD = -1
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+OP_COUNTS: collections.Counter = collections.Counter()  # ops run per mode (reported after the session)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Slot:
+    def __init__(self, num_layers: int):
+        self.length = 0  # reserved tokens
+        self.pages: list[object] = []
+        self.ids: list[list[int]] = [[] for _ in range(num_layers)]  # token ids written per layer
+
+    def copy(self) -> "Slot":
+        other = Slot(len(self.ids))
+        other.length, other.pages, other.ids = self.length, list(self.pages), [list(x) for x in self.ids]
+        return other
+
+    def settled(self) -> bool:
+        return all(len(x) == self.length for x in self.ids)
+
+
+class CacheModel:
+    def __init__(self, *, num_layers, page_size, num_pages, max_seqs, max_pages_per_seq):
+        self.L, self.S, self.P = num_layers, page_size, num_pages
+        self.max_seqs, self.max_len = max_seqs, max_pages_per_seq * page_size
+        self.slots: dict[int, Slot] = {}  # the active ones
+        self.next_id = 0
+        self.counters = collections.Counter()
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def in_range(self, slot) -> bool:
+        return 0 <= slot < self.max_seqs
+
+    def length(self, slot) -> int:
+        return self.slots[slot].length if slot in self.slots else 0
+
+    def written(self, layer, slot) -> int:
+        return len(self.slots[slot].ids[layer]) if slot in self.slots else 0
+
+    def pages_in_use(self) -> dict[int, object]:
+        return {id(p): p for s in self.slots.values() for p in s.pages}
+
+    def holders(self, page) -> int:
+        return sum(1 for s in self.slots.values() for p in s.pages if p is page)
+
+    def first_occurrences(self, slots) -> list[bool]:
+        """Per row: an in-range slot named by no earlier row."""
+        seen, out = set(), []
+        for slot in slots:
+            ok = self.in_range(slot) and slot not in seen
+            if self.in_range(slot):
+                seen.add(slot)
+            out.append(ok)
+        return out
+
+    def _bad_ints(self, values, *, counts=False) -> bool:
+        return any(not INT32_MIN <= v <= INT32_MAX for v in values) or (
+            counts and any(v < 0 or v > self.max_len for v in values)
+        )
+
+    def _bad_slots(self, slots, *, unique=True) -> bool:
+        live = [s for s in slots if s != PAD]
+        return self._bad_ints(slots) or any(not self.in_range(s) for s in live) or (unique and len(set(live)) < len(live))
+
+    # ---- host checks: which inputs must raise ValueError before anything runs -------------------
+    def host_error(self, op: str, *args) -> bool:
+        if op == "reserve":
+            (rows,) = args
+            slots, counts = [r[0] for r in rows], [r[1] for r in rows]
+            if self._bad_slots(slots) or self._bad_ints(counts, counts=True):
+                return True
+            return any(self.length(s) + n > self.max_len for s, n in rows if s != PAD)
+        if op in ("append", "attend"):
+            layer, rows, tokens = args
+            slots, counts = [r[0] for r in rows], [r[1] for r in rows]
+            if self._bad_slots(slots) or self._bad_ints(counts, counts=True) or self._bad_ints([layer]):
+                return True
+            if not 0 <= layer < self.L or any(n > tokens for n in counts):
+                return True
+            return op == "attend" and any(n > self.written(layer, s) for s, n in rows if s != PAD)
+        if op == "release":
+            (slots,) = args
+            return self._bad_slots(slots)
+        if op == "truncate":
+            (rows,) = args
+            slots, counts = [r[0] for r in rows], [r[1] for r in rows]
+            if self._bad_slots(slots) or self._bad_ints(counts, counts=True):
+                return True
+            return any(n > self.length(s) for s, n in rows if s != PAD)
+        if op == "fork":
+            (pairs,) = args
+            src, dst = [p[0] for p in pairs], [p[1] for p in pairs]
+            if self._bad_slots(src, unique=False) or self._bad_slots(dst):
+                return True
+            rows = [(s, d) for s, d in pairs if d != PAD]
+            if any(s == PAD for s, _ in rows) or {s for s, _ in rows} & {d for _, d in rows}:
+                return True
+            return any(s not in self.slots or not self.slots[s].settled() for s, _ in rows)
+        raise ValueError(op)
+
+    # ---- the ops, as they must behave on any input -----------------------------------------
+    def reserve(self, rows) -> list[bool]:
+        firsts = self.first_occurrences([s for s, _ in rows])
+        live = []
+        for (slot, n), first in zip(rows, firsts):
+            live.append(first and 0 <= n <= self.max_len - self.length(slot))
+            if slot != PAD and not live[-1]:
+                self.counters["rejected_rows"] += 1
+        wants = []
+        for (slot, n), ok in zip(rows, live):
+            length = self.length(slot)
+            last = self.slots[slot].pages[length // self.S] if ok and n > 0 and length % self.S else None
+            wants.append(last if last is not None and self.holders(last) > 1 else None)
+        free = self.P - len(self.pages_in_use())
+        served, cow, running = [], [], 0
+        for i, ((slot, n), ok) in enumerate(zip(rows, live)):
+            copy = False
+            if wants[i] is not None:
+                same = [j for j, w in enumerate(wants) if w is wants[i]]
+                copy = not (same[0] == i and len(same) == self.holders(wants[i]))
+            length = self.length(slot)
+            demand = ceil_div(length + n, self.S) - ceil_div(length, self.S) + copy if ok else 0
+            running += demand
+            served.append(ok and (demand == 0 or running <= free))
+            cow.append((copy, demand))
+        for i, w in enumerate(wants):  # a keeper is served only if its co-holders are
+            if w is not None and not cow[i][0] and any(wants[j] is w and cow[j][0] and not served[j] for j in range(len(rows))):
+                served[i] = False
+        for i, (slot, n) in enumerate(rows):
+            if live[i] and not served[i]:
+                self.counters["failed_reservations"] += 1
+            if not served[i]:
+                continue
+            s = self.slots.setdefault(slot, Slot(self.L))
+            copy, demand = cow[i]
+            if copy:
+                s.pages[s.length // self.S] = object()
+                self.counters["cow_copies"] += 1
+            if n > 0 and demand == 0:
+                self.counters["metadata_ops"] += 1
+            s.length += n
+            while len(s.pages) < ceil_div(s.length, self.S):
+                s.pages.append(object())
+        return [slot == PAD or ok for (slot, _), ok in zip(rows, served)]
+
+    def append(self, layer, rows, tokens) -> list[list[int] | None]:
+        """Per row: the ids written (None if nothing was)."""
+        firsts = self.first_occurrences([s for s, _ in rows])
+        out = []
+        for (slot, n), first in zip(rows, firsts):
+            out.append(None)
+            if slot == PAD:
+                continue
+            if not (first and 0 <= layer < self.L and 0 <= n <= tokens):
+                self.counters["rejected_rows"] += 1
+                continue
+            s = self.slots.get(slot)
+            w = len(s.ids[layer]) if s else 0
+            fits = s is not None and n <= s.length - w
+            private = fits and all(self.holders(s.pages[p // self.S]) == 1 for p in range(w, w + n))
+            if not private:
+                self.counters["dropped_writes"] += n > 0
+                continue
+            ids = list(range(self.next_id, self.next_id + n))
+            self.next_id += n
+            s.ids[layer].extend(ids)
+            if layer == 0:
+                self.counters["tokens_written"] += n
+            out[-1] = ids
+        return out
+
+    def attend_rows(self, layer, rows, tokens) -> list[int]:
+        """Per row: the number of query tokens answered (0: the row gives zeros)."""
+        out = []
+        for slot, n in rows:
+            good = self.in_range(slot) and 0 <= layer < self.L and 0 <= n <= tokens and n <= self.written(layer, slot)
+            out.append(n if good else 0)
+        return out
+
+    def release(self, slots) -> None:
+        for slot, first in zip(slots, self.first_occurrences(slots)):
+            if first:
+                self.slots.pop(slot, None)
+            elif slot != PAD:
+                self.counters["rejected_rows"] += 1
+
+    def truncate(self, rows) -> None:
+        for (slot, n), first in zip(rows, self.first_occurrences([s for s, _ in rows])):
+            if not (first and 0 <= n <= self.length(slot)):
+                self.counters["rejected_rows"] += slot != PAD
+                continue
+            self.counters["metadata_ops"] += 1
+            if slot in self.slots:
+                s = self.slots[slot]
+                s.length, s.pages = n, s.pages[: ceil_div(n, self.S)]
+                s.ids = [x[:n] for x in s.ids]
+
+    def fork(self, pairs) -> None:
+        dst_first = self.first_occurrences([d for _, d in pairs])
+        is_dst = {d for (_, d), f in zip(pairs, dst_first) if f}
+        is_src = {s for s, d in pairs if self.in_range(s) and d != PAD}
+        served = []
+        for (src, dst), first in zip(pairs, dst_first):
+            ok = (
+                first and self.in_range(src) and src in self.slots and self.slots[src].settled()
+                and src not in is_dst and dst not in is_src
+            )  # fmt: skip
+            served.append(ok)
+            if dst != PAD and not ok:
+                self.counters["rejected_rows"] += 1
+        copies = {dst: self.slots[src].copy() for (src, dst), ok in zip(pairs, served) if ok}
+        for dst, slot in copies.items():
+            self.slots[dst] = slot
+            self.counters["metadata_ops"] += 1

@@ -1,0 +1,24 @@
+"""Hypothesis profiles for the model-based tests, and a report of how many ops they ran.
+
+    pytest                                              profile "arena": the CI budget
+    HYPOTHESIS_PROFILE=soak pytest tests/test_allocator_model.py -s    a long soak
+    (ARENA_SOAK_EXAMPLES=N sets its examples; each runs 8-30 ops)
+"""
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+_COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("arena", max_examples=int(os.environ.get("ARENA_MODEL_EXAMPLES", "60")), **_COMMON)
+settings.register_profile("soak", max_examples=int(os.environ.get("ARENA_SOAK_EXAMPLES", "5000")), **_COMMON)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "arena"))
+
+
+def pytest_terminal_summary(terminalreporter):
+    from cache_model import OP_COUNTS
+
+    if OP_COUNTS:
+        per_mode = ", ".join(f"{mode} {n:,}" for mode, n in sorted(OP_COUNTS.items()))
+        terminalreporter.write_line(f"model-based cache ops run: {sum(OP_COUNTS.values()):,} ({per_mode})")
