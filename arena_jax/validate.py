@@ -64,22 +64,22 @@ def check_ints(x, name: str):
         values = np.asarray(x)
         if values.dtype == np.bool_ or not np.issubdtype(values.dtype, np.integer):
             raise ValueError(f"{name} must hold integers, got dtype {values.dtype}")
-    else:
-        try:
-            objects = np.asarray(x, dtype=object)
-        except ValueError:  # ragged nesting
-            raise ValueError(f"{name} must be an integer or a flat list of integers, got {x!r}") from None
-        bad = [v for v in objects.reshape(-1) if not _is_int(v)]
-        if bad:
-            raise ValueError(f"{name} must hold integers, got {bad[0]!r} ({type(bad[0]).__name__})")
-        huge = [int(v) for v in objects.reshape(-1) if not INT32.min <= int(v) <= INT32.max]
-        if huge:
-            raise ValueError(f"{name} has {huge[0]}, outside int32 [{INT32.min}, {INT32.max}]")
-        values = objects.astype(np.int64)
-    if values.size and (values.min() < INT32.min or values.max() > INT32.max):
-        worst = values.min() if values.min() < INT32.min else values.max()
-        raise ValueError(f"{name} has {int(worst)}, outside int32 [{INT32.min}, {INT32.max}]")
-    return jnp.asarray(values.astype(np.int32))
+        if values.size and (values.min() < INT32.min or values.max() > INT32.max):
+            worst = values.min() if values.min() < INT32.min else values.max()
+            raise ValueError(f"{name} has {int(worst)}, outside int32 [{INT32.min}, {INT32.max}]")
+        return jnp.asarray(values.astype(np.int32))
+    try:  # Python ints (of any size) in nested lists
+        objects = np.asarray(x, dtype=object)
+    except ValueError:  # ragged nesting
+        raise ValueError(f"{name} must be an integer or a flat list of integers, got {x!r}") from None
+    flat = objects.reshape(-1)
+    bad = [v for v in flat if not _is_int(v)]
+    if bad:
+        raise ValueError(f"{name} must hold integers, got {bad[0]!r} ({type(bad[0]).__name__})")
+    outside = [int(v) for v in flat if not INT32.min <= int(v) <= INT32.max]
+    if outside:
+        raise ValueError(f"{name} has {outside[0]}, outside int32 [{INT32.min}, {INT32.max}]")
+    return jnp.asarray(np.asarray([int(v) for v in flat], np.int32).reshape(objects.shape))
 
 
 def check_slots(layout: KVLayout, slots, name: str = "slots", *, allow_pad: bool = True, unique: bool = True):
