@@ -119,8 +119,10 @@ def test_from_hf_both_spellings(tmp_path):
         models.LlamaConfig.from_hf(dict(v4, model_type="gpt2"))
     with pytest.raises(ValueError, match="rope_type"):
         models.LlamaConfig.from_hf(dict(v4, rope_scaling={"rope_type": "yarn", "factor": 4.0}))
-    with pytest.raises(ValueError, match="num_hidden_layers"):
-        models.LlamaConfig.from_hf({k: v for k, v in v4.items() if k != "num_hidden_layers"})
+    # A missing key takes transformers' default (32 layers for Llama); a wrong type is refused.
+    assert models.LlamaConfig.from_hf({k: v for k, v in v4.items() if k != "num_hidden_layers"}).num_layers == 32
+    with pytest.raises(ValueError, match="num_hidden_layers must be a JSON integer"):
+        models.LlamaConfig.from_hf(dict(v4, num_hidden_layers="32"))
 
 
 def test_presets_and_kv_layout():
