@@ -243,8 +243,6 @@ class _Reader:
         items = value if isinstance(value, list) else [value]
         if not all(_is_int(v) for v in items):
             self.fail(key, f"must be a JSON integer, a list of them, or null, got {_describe(value)}")
-        for v in items:
-            self.int(key, v, low=0)
         return tuple(items)
 
     def field(self, schema: Mapping[str, _Field], key: str):
@@ -324,7 +322,7 @@ def _dtype(r: _Reader) -> str | None:
     value = r.data.get(key)
     if value is None:
         return None
-    if value not in _DTYPES:
+    if not isinstance(value, str) or value not in _DTYPES:
         r.fail(key, f"must be one of {sorted(_DTYPES)} (a KV arena dtype), got {_describe(value)}")
     return _DTYPES[value]
 
@@ -338,7 +336,7 @@ def _stop_tokens(r: _Reader, generation_config: Mapping | None, vocab_size: int)
         r = _Reader(generation_config, where)
     ids = r.ids("eos_token_id", r.data.get("eos_token_id"))
     for token in ids:
-        if token >= vocab_size:
+        if not 0 <= token < vocab_size:
             r.fail("eos_token_id", f"holds {token}, outside the vocabulary [0, vocab_size = {vocab_size})")
     return ids
 
