@@ -247,6 +247,16 @@ def test_load_lengths_formats(tmp_path):
     empty.write_text("prompt_len,output_len\n")
     with pytest.raises(WorkloadError):
         load_lengths(empty)
+    bad = tmp_path / "bad.jsonl"
+    for line, message in [
+        ('{"prompt_len": 3.7, "output_len": 2}', "prompt_len must be a JSON integer, got 3.7"),  # was int(3.7) == 3
+        ('{"prompt_len": true, "output_len": 2}', "prompt_len must be a JSON integer, got True"),
+        ('{"prompt_len": 3, "output_len": 2, "arrival": "1"}', "arrival must be a JSON integer, got '1'"),
+        ("5,7,99999999999", r"arrival in \[0, 2147483647\]"),
+    ]:
+        bad.write_text(line + "\n")
+        with pytest.raises(WorkloadError, match=message):
+            load_lengths(bad)
 
 
 def test_synthetic_workload_is_seeded_and_bounded():
