@@ -275,7 +275,7 @@ def _source(config) -> str:
 
 def _model_type(r: _Reader) -> str:
     model_type = r.data.get("model_type", "llama")
-    if model_type not in SCHEMAS:
+    if not isinstance(model_type, str) or model_type not in SCHEMAS:
         r.fail("model_type", f"must be one of {sorted(SCHEMAS)}, got {model_type!r}")
     return model_type
 
@@ -396,13 +396,13 @@ def kv_geometry(config: Mapping[str, Any] | str | os.PathLike) -> KVGeometry:
     `head_dim` falls back to `hidden_size // num_attention_heads`.
     """
     data = read_hf_config(config)
-    if data.get("model_type", "llama") in SCHEMAS:
+    model_type = data.get("model_type", "llama")
+    if not isinstance(model_type, str) or model_type in SCHEMAS:  # a non-string is refused by parse_hf_config
         cfg = parse_hf_config(config)
         return KVGeometry(
             cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.max_position_embeddings, cfg.dtype
         )
     r = _Reader(data, _source(config))
-    model_type = r.str("model_type", data["model_type"])
 
     def required(key):
         if data.get(key) is None:

@@ -162,6 +162,10 @@ def test_kv_geometry_of_other_model_types():
     for parse in (parse_hf_config, models.LlamaConfig.from_hf):
         with pytest.raises(ValueError, match=r"model_type must be one of \['llama', 'mistral'\], got 'qwen2'"):
             parse(qwen)
+    for bad in (None, 5, ["llama"], {"a": 1}):
+        for parse in (parse_hf_config, kv_geometry):
+            with pytest.raises(ValueError, match="model_type must be one of"):
+                parse(dict(LLAMA, model_type=bad))
 
 
 # ---- the transformers oracle ------------------------------------------------------------------------
