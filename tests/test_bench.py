@@ -192,6 +192,7 @@ def test_bad_flags_exit_cleanly(argv, capsys):
         (["kernels", "--batches", "1,99999999999"], r"--batches: expected comma-separated integers in \[1, 2147483647\]"),
         (["kernels", "--num-kv-heads", "200000000", "--num-q-heads", "200000000"], r"needs .* bytes: arena .*more than 90%"),
     ],
+    ids=lambda x: " ".join(x) if isinstance(x, list) else "",
 )  # fmt: skip
 def test_absurd_numbers_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -105,6 +105,7 @@ def test_missing_keys_take_transformers_defaults():
         (dict(eos_token_id=128), r"eos_token_id holds 128, outside the vocabulary \[0, vocab_size = 128\)"),
         (dict(torch_dtype="int8"), "torch_dtype must be one of"),
     ],
+    ids=lambda x: ",".join(f"{k}={v!r}" for k, v in x.items()) if isinstance(x, dict) else "",
 )
 def test_bad_values_are_refused_by_name(change, key):
     for parse in (parse_hf_config, models.LlamaConfig.from_hf, lambda c: aj.KVLayout.from_hf_config(c, num_pages=4)):

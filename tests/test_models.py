@@ -360,6 +360,7 @@ def test_generate_validation(model, small_layout):
         (dict(stop_tokens=["7"]), r"stop_tokens\[0\] = '7' is not an integer token id"),
         (dict(stop_tokens=[128]), r"stop_tokens\[0\] = 128 is outside \[0, vocab_size=128\)"),
     ],
+    ids=lambda x: ",".join(f"{k}={v!r}" for k, v in x.items()) if isinstance(x, dict) else "",
 )
 def test_generate_refuses_values_it_would_cast(model, kwargs, message):
     """Every value that used to be cast (int(3.7) == 3, int("5"), True == 1, an int32 wrap) or run
@@ -459,6 +460,7 @@ def test_cli_tiny_model(capsys):
         (["--num-pages", "2000000000"], r"--num-pages 2000000000.*needs .* bytes"),
         (["--num-prompts", "2000000000"], r"--num-prompts 2000000000 x \d+ tokens: needs .* bytes.* this host \(RAM\)"),
     ],
+    ids=lambda x: " ".join(x) if isinstance(x, list) else "",
 )
 def test_cli_bad_flags(argv, message, capsys):
     from models.cli import main
