@@ -398,7 +398,7 @@ def kv_geometry(config: Mapping[str, Any] | str | os.PathLike) -> KVGeometry:
     data = read_hf_config(config)
     model_type = data.get("model_type", "llama")
     if not isinstance(model_type, str) or model_type in SCHEMAS:  # a non-string is refused by parse_hf_config
-        cfg = parse_hf_config(config)
+        cfg = parse_hf_config(config, generation_config={})  # stop tokens do not shape a KV arena
         return KVGeometry(
             cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.max_position_embeddings, cfg.dtype
         )
