@@ -13,7 +13,6 @@ capacity, decode and kernels take --plot PATH (PNG).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -257,7 +256,7 @@ def _check_capacity_memory(args, settings, num_requests: int) -> None:
     """The arena the simulation really allocates (1 layer x 1 KV head, the budget's page count)
     must fit the device, and the workload the host, before either is built."""
     from benchmarks.allocators import tiny_arena_layout
-    from models.memory import TooLarge, cache_bytes, check_fits, host_memory_limit
+    from models.memory import cache_bytes, check_fits, host_memory_limit
 
     _check_budget_pages(args.budget_gib, settings.bytes_per_token * settings.page_size, args.model, settings.page_size)
     flags = (f"--budget-gib {args.budget_gib:g}, --page-size {args.page_size}, --max-seqs {args.max_seqs}, "
