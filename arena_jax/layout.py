@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from typing import Any, Mapping
 
 import numpy as np
+
+from arena_jax.hf_config import kv_geometry, read_hf_config  # read_hf_config: re-exported
 
 __all__ = ["KVLayout", "PAGE_ALIGN_BYTES", "ARENA_DTYPES", "read_hf_config"]
 
@@ -17,8 +18,6 @@ PAGE_ALIGN_BYTES = 256
 
 # What an arena can hold (what `jnp.zeros(..., dtype)` really stores, on every backend).
 ARENA_DTYPES = ("bfloat16", "float16", "float32")
-
-_HF_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16", "float": "float32", "half": "float16"}
 
 
 def _canonical_dtype(dtype) -> np.dtype:
@@ -146,29 +145,27 @@ class KVLayout:
     ) -> "KVLayout":
         """Geometry from a Hugging Face `config.json` (a dict, the file, or its folder).
 
+        Read by `arena_jax.hf_config` with transformers' defaults and strict types (Llama /
+        Mistral; other model types must give their KV geometry explicitly).
         KV heads: `num_key_value_heads`, else `num_attention_heads`.
         head_dim: `head_dim`, else `hidden_size // num_attention_heads`.
+        dtype: the config's `dtype` / `torch_dtype`, else bfloat16. max_seq_len: `max_position_embeddings`.
         Give exactly one of `num_pages` and `budget_bytes`.
         """
-        cfg = read_hf_config(config)
         if (num_pages is None) == (budget_bytes is None):
             raise ValueError("give exactly one of num_pages and budget_bytes")
-        try:
-            num_layers = int(cfg["num_hidden_layers"])
-            num_q_heads = int(cfg["num_attention_heads"])
-        except KeyError as exc:
-            raise ValueError(f"config lacks {exc.args[0]!r}") from exc
-        num_kv_heads = int(cfg.get("num_key_value_heads") or num_q_heads)
-        head_dim = cfg.get("head_dim") or int(cfg["hidden_size"]) // num_q_heads
+        geometry = kv_geometry(config)
         if dtype is None:
-            dtype = _HF_DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"), "bfloat16")
+            dtype = geometry.dtype or "bfloat16"
         if max_seq_len is None:
-            max_seq_len = int(cfg.get("max_position_embeddings", 8192))
+            if geometry.max_position_embeddings is None:
+                raise ValueError("the config gives no max_position_embeddings: pass max_seq_len")
+            max_seq_len = geometry.max_position_embeddings
         if budget_bytes is not None:
             return cls.for_memory_budget(
-                num_layers,
-                num_kv_heads,
-                int(head_dim),
+                geometry.num_layers,
+                geometry.num_kv_heads,
+                geometry.head_dim,
                 budget_bytes=budget_bytes,
                 page_size=page_size,
                 max_seqs=max_seqs,
@@ -176,22 +173,12 @@ class KVLayout:
                 dtype=dtype,
             )
         return cls(
-            num_layers=num_layers,
-            num_kv_heads=num_kv_heads,
-            head_dim=int(head_dim),
+            num_layers=geometry.num_layers,
+            num_kv_heads=geometry.num_kv_heads,
+            head_dim=geometry.head_dim,
             page_size=page_size,
             num_pages=num_pages,
             max_seqs=max_seqs,
             max_pages_per_seq=math.ceil(max_seq_len / page_size),
             dtype=dtype,
         )
-
-
-def read_hf_config(config) -> Mapping[str, Any]:
-    if isinstance(config, Mapping):
-        return config
-    path = os.fspath(config)
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    with open(path) as f:
-        return json.load(f)

@@ -13,13 +13,12 @@ capacity, decode and kernels take --plot PATH (PNG).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
 
-from models.cli import positive_int
 from benchmarks.compile_cache import CACHE_ENV, cached_compiles, init_compile_cache
+from models.argtypes import INT32_MAX, float_in, positive_int, seed
 
 __all__ = ["main", "build_parser", "CACHE_ENV"]
 
@@ -29,14 +28,9 @@ GIB = 2**30
 # ---- argument types (errors become argparse messages, exit status 2) ---------------------------
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
-    return value
+MAX_BUDGET_GIB = 2**20  # 1 PiB of KV: beyond any device (and past it GiB -> bytes loses integer precision)
+_budget_gib = float_in(0.0, MAX_BUDGET_GIB, low_open=True)
+_headroom = float_in(0.0, 1e6, low_open=True)  # past max_seq_len - 1 every slab is max-length anyway
 
 
 def _fraction(text: str) -> float:
@@ -65,9 +59,9 @@ def _int_list(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers in [1, {INT32_MAX}], got {text!r}") from None
+    if not values or min(values) < 1 or max(values) > INT32_MAX:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers in [1, {INT32_MAX}], got {text!r}")
     return values
 
 
@@ -84,7 +78,7 @@ def _add_capacity_args(p: argparse.ArgumentParser, defaults: dict) -> None:
     g = p.add_argument_group("capacity")
     g.add_argument("--model", choices=[m for m in _models() if m != "tiny"], default="mistral-7b",
                    help="preset whose KV bytes per token size the budget (mistral-7b: 131,072 B/token)")  # fmt: skip
-    g.add_argument("--budget-gib", type=_positive_float, default=defaults["budget_gib"], help="KV memory budget in GiB")
+    g.add_argument("--budget-gib", type=_budget_gib, default=defaults["budget_gib"], help="KV memory budget in GiB")
     g.add_argument("--requests", type=positive_int, default=defaults["requests"], help="requests in the synthetic workload")
     g.add_argument("--lengths", metavar="FILE",
                    help="replay request lengths: CSV 'prompt_len,output_len[,arrival]' or JSON lines "
@@ -95,9 +89,9 @@ def _add_capacity_args(p: argparse.ArgumentParser, defaults: dict) -> None:
     g.add_argument("--max-seq-len", type=positive_int, default=2048, help="longest sequence = the max-length slab")
     g.add_argument("--page-size", type=positive_int, default=16, help="arena page size in tokens")
     g.add_argument("--max-seqs", type=positive_int, default=128, help="sequence slots (all allocators)")
-    g.add_argument("--headroom", type=_positive_float, default=0.25, help="growth allocator's headroom")
+    g.add_argument("--headroom", type=_headroom, default=0.25, help="growth allocator's headroom")
     g.add_argument("--watermark", type=_fraction, default=0.01, help="budget fraction admissions leave free for growth")
-    g.add_argument("--seed", type=int, default=0, help="workload seed")
+    g.add_argument("--seed", type=seed, default=0, help="workload seed")
     g.add_argument("--host-scheduler", action="store_true",
                    help="drive the arena one jitted call per step from the host (slower; same figures)")  # fmt: skip
 
@@ -114,7 +108,7 @@ def _add_decode_args(p: argparse.ArgumentParser, defaults: dict) -> None:
     g.add_argument("--warmup", type=positive_int, default=1, help="untimed warm-up runs (compile)")
     g.add_argument("--page-size", type=positive_int, default=16, help="arena page size in tokens")
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="None: float32 for tiny, else bfloat16")
-    g.add_argument("--seed", type=int, default=0, help="weights and prompts")
+    g.add_argument("--seed", type=seed, default=0, help="weights and prompts")
 
 
 CAPACITY_DEFAULTS = {"budget_gib": 1.0, "requests": 100}
@@ -143,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(command="tour")
 
     p = sub.add_parser("layout", formatter_class=fmt, parents=[common], help="KV bytes per token and pages for a budget (Mistral-7B, Llama-3)")
-    p.add_argument("--budget-gib", type=_positive_float, default=40.0, help="KV budget in GiB")
+    p.add_argument("--budget-gib", type=_budget_gib, default=40.0, help="KV budget in GiB")
     p.add_argument("--page-size", type=positive_int, default=16, help="page size in tokens")
 
     p = sub.add_parser("capacity", formatter_class=fmt, parents=[common, plot], help="arena vs contiguous allocators under one KV budget")
@@ -165,13 +159,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _writable(path: str) -> bool:
-    folder = os.path.dirname(os.path.abspath(path)) or "."
+def _unwritable(path: str) -> str | None:
+    """Why `path` cannot be written, or None. Really opens it (as root, os.access says yes to
+    read-only mounts and /proc); a file the probe created is removed again."""
+    if os.path.isdir(path):
+        return "is a folder"
+    existed = os.path.lexists(path)
     try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError:
-        return False
-    return os.access(folder, os.W_OK) and not os.path.isdir(path)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "a"):  # append: an existing file is left as it is
+            pass
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    finally:
+        if not existed and os.path.lexists(path):
+            os.remove(path)
+    return None
 
 
 # ---- subcommands ---------------------------------------------------------------------------------
@@ -181,12 +184,36 @@ class _Fail(Exception):
     """A user-facing error found after parsing: printed as `arena-bench <cmd>: error: ...`, exit 2."""
 
 
+def _check_budget_pages(budget_gib: float, page_bytes: int, model: str, page_size: int) -> None:
+    """The budget must hold at least one page and no more pages than an int32 page id can name."""
+    from models.memory import fmt_bytes
+
+    pages = int(budget_gib * GIB) // page_bytes
+    most = INT32_MAX - 1  # page ids and the free-page count are int32
+    if pages < 1:
+        raise _Fail(
+            f"--budget-gib {budget_gib:g} holds no page of {model}: one page of --page-size {page_size} "
+            f"tokens is {fmt_bytes(page_bytes)}"
+        )
+    if pages > most:
+        raise _Fail(
+            f"--budget-gib {budget_gib:g} is {pages:,} pages of {model} ({fmt_bytes(page_bytes)} each at --page-size "
+            f"{page_size}), more than the {most:,} an int32 page table can name: at most {most * page_bytes / GIB:,.0f} GiB"
+        )
+
+
 def _cmd_layout(args, console) -> dict:
     from benchmarks import report
-    from benchmarks.presets import layout_report
+    from benchmarks.presets import LAYOUT_MODELS, layout_report, preset
 
+    for name in LAYOUT_MODELS:
+        per_token = preset(name).kv_layout(num_pages=1, max_seqs=1, max_seq_len=16, dtype="bfloat16").bytes_per_token
+        _check_budget_pages(args.budget_gib, per_token * args.page_size, name, args.page_size)
     budget = int(args.budget_gib * GIB)
-    rows = layout_report(budget, page_size=args.page_size)
+    try:
+        rows = layout_report(budget, page_size=args.page_size)
+    except ValueError as exc:  # e.g. a page size the layout refuses
+        raise _Fail(f"--budget-gib {args.budget_gib:g}, --page-size {args.page_size}: {exc}") from None
     console.print(report.layout_table(rows, budget, args.page_size))
     console.print(
         "  Only KV heads are stored (GQA): sizing by query heads would need the right-hand column's bytes per token."
@@ -221,6 +248,30 @@ def _auto_rate(lengths, budget_tokens: int) -> float:
     return 1.5 * concurrent / np.mean(o + 1)
 
 
+HOST_BYTES_PER_REQUEST = 4096  # workload, scheduler state, per-step series: a generous estimate
+HOST_BYTES_PER_SLOT = 256
+
+
+def _check_capacity_memory(args, settings, num_requests: int) -> None:
+    """The arena the simulation really allocates (1 layer x 1 KV head, the budget's page count)
+    must fit the device, and the workload the host, before either is built."""
+    from benchmarks.allocators import tiny_arena_layout
+    from models.memory import cache_bytes, check_fits, host_memory_limit
+
+    _check_budget_pages(args.budget_gib, settings.bytes_per_token * settings.page_size, args.model, settings.page_size)
+    flags = (f"--budget-gib {args.budget_gib:g}, --page-size {args.page_size}, --max-seqs {args.max_seqs}, "
+             f"--max-seq-len {args.max_seq_len}")  # fmt: skip
+    try:
+        layout = tiny_arena_layout(settings.num_pages, settings.page_size, settings.max_seqs, settings.max_seq_len)
+        check_fits({"arena (1 layer x 1 KV head) and page table": cache_bytes(layout)},
+                   hint="lower --budget-gib, --max-seqs or --max-seq-len")  # fmt: skip
+        check_fits({f"{num_requests:,} requests": num_requests * HOST_BYTES_PER_REQUEST,
+                    f"{args.max_seqs:,} slots": args.max_seqs * HOST_BYTES_PER_SLOT},
+                   limit=host_memory_limit(), hint="lower --requests (or the --lengths rows) or --max-seqs")  # fmt: skip
+    except ValueError as exc:  # TooLarge, or a layout the arena refuses
+        raise _Fail(f"{flags}: {exc}") from None
+
+
 def _cmd_capacity(args, console, progress) -> dict:
     from benchmarks import report, workload
     from benchmarks.capacity import run_capacity
@@ -228,8 +279,9 @@ def _cmd_capacity(args, console, progress) -> dict:
     settings = _capacity_settings(args)
     try:
         settings.validate()
+        rows = workload.load_lengths(args.lengths) if args.lengths else None
+        _check_capacity_memory(args, settings, len(rows) if rows else args.requests)
         if args.lengths:
-            rows = workload.load_lengths(args.lengths)
             lengths = [(min(p, args.max_seq_len - 1), o) for p, o, _ in rows]
         else:
             probe = workload.synthetic(args.requests, seed=args.seed, rate=0, max_seq_len=args.max_seq_len)
@@ -308,6 +360,37 @@ def _cmd_decode(args, console, progress) -> dict:
     return result
 
 
+def _check_kernel_memory(k: dict) -> None:
+    """What the kernel benchmark allocates, checked first. On a CPU it runs the jnp reference on
+    points clamped to CPU_MAX_BATCH x CPU_MAX_CONTEXT, all of which must fit. On a GPU a point
+    too large for memory is skipped (and said so), but the smallest point and the largest
+    batch's append (never skipped) must fit."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.kernels import CPU_MAX_BATCH, CPU_MAX_CONTEXT
+    from models.memory import check_fits
+
+    itemsize = jnp.dtype(k["dtype"]).itemsize
+    ps, kv, hd, qh = k["page_size"], k["num_kv_heads"], k["head_dim"], k["num_q_heads"]
+
+    def arena(batch, tokens, copies=1):  # K and V pages of `copies` arenas
+        return 2 * copies * kv * batch * -(-tokens // ps) * ps * hd * itemsize
+
+    if jax.default_backend() != "gpu":
+        b, c = min(max(k["batches"]), CPU_MAX_BATCH), min(max(k["contexts"]), CPU_MAX_CONTEXT)
+        parts = {f"arena (batch {b} x context {c})": arena(b, c), "queries": b * qh * hd * itemsize}
+    else:
+        b, c = min(k["batches"]), min(k["contexts"])
+        parts = {f"smallest point (batch {b} x context {c}, 3 arenas)": arena(b, c, copies=3),
+                 f"append (batch {max(k['batches'])} x 512 tokens, 16 arenas)": arena(max(k["batches"]), 512, copies=16)}  # fmt: skip
+    flags = "--batches, --contexts, --num-kv-heads, --num-q-heads, --head-dim, --page-size"
+    try:
+        check_fits(parts, hint=f"lower {flags}")
+    except ValueError as exc:
+        raise _Fail(str(exc)) from None
+
+
 def _cmd_kernels(args, console, progress) -> dict:
     import inspect
 
@@ -332,6 +415,9 @@ def _cmd_kernels(args, console, progress) -> dict:
     unknown = [k for k in kwargs if k not in params and not any(p.kind == p.VAR_KEYWORD for p in params.values())]
     if unknown:
         raise _Fail(f"this kernel benchmark does not take {', '.join('--' + k.replace('_', '-') for k in unknown)}")
+    settings = {k: p.default for k, p in params.items() if p.default is not inspect.Parameter.empty}
+    settings.update(kwargs)
+    _check_kernel_memory(settings)
     if "progress" in params:
         kwargs["progress"] = progress
     console.print("[bold]kernels[/bold]: paged decode attention and append ...")
@@ -414,10 +500,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     command = args.command
     sub_parser = parser.subcommands[command]
-    for flag in ("json", "plot"):
+    for flag in ("json", "plot"):  # before the run, not after it
         path = getattr(args, flag, None)
-        if path and not _writable(path):
-            sub_parser.error(f"--{flag} {path}: cannot write there")
+        why = _unwritable(path) if path else None
+        if why:
+            sub_parser.error(f"--{flag} {path}: cannot write there ({why})")
 
     from benchmarks import report
 

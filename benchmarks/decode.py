@@ -15,7 +15,6 @@ decode time; step latencies p50/p99 are over all timed steps.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 
 import jax
@@ -27,12 +26,13 @@ import arena_jax as aj
 import models
 from models import dense_baseline
 from benchmarks.presets import preset
+from models.memory import TooLarge, cache_bytes, check_fits, host_memory_limit, weight_bytes
 
-__all__ = ["DecodeSettings", "run_decode", "build_model", "ModelTooLarge"]
+__all__ = ["DecodeSettings", "run_decode", "build_model", "check_memory", "ModelTooLarge"]
 
 
-class ModelTooLarge(ValueError):
-    """The random-weight model would not fit in memory (the CLI turns it into a clean error)."""
+class ModelTooLarge(TooLarge):
+    """The run would not fit in memory (the CLI turns it into a clean error)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,38 +50,50 @@ class DecodeSettings:
     seed: int = 0
 
 
-def _memory_limit() -> int | None:
-    dev = jax.devices()[0]
+def _config_and_dtype(s: DecodeSettings):
+    """The model's config and compute dtype, read before anything is allocated."""
+    if s.model_dir:
+        return models.LlamaConfig.from_hf(s.model_dir), jnp.dtype(s.dtype or "bfloat16")
+    cfg = preset(s.model)
+    if s.num_layers:
+        cfg = dataclasses.replace(cfg, num_layers=s.num_layers)
+    return cfg, jnp.dtype(s.dtype or ("float32" if s.model == "tiny" else "bfloat16"))
+
+
+def check_memory(s: DecodeSettings, cfg, dtype) -> None:
+    """ModelTooLarge unless weights + paged arena + dense cache + logits fit the device (and the
+    prompts the host), computed from the sizes alone."""
+    total = s.prompt_len + s.new_tokens
+    pages_per_seq = -(-total // s.page_size)
+    layout = cfg.kv_layout(page_size=s.page_size, num_pages=s.batch * pages_per_seq, max_seqs=s.batch,
+                           max_seq_len=pages_per_seq * s.page_size, dtype=dtype)  # fmt: skip
+    dense = 2 * cfg.num_layers * s.batch * total * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    hint = "lower --batch, --prompt-len, --new-tokens or --page-size"
+    if not s.model_dir:
+        hint += f"; --num-layers N (fewer) shrinks {s.model} (same per-layer geometry and KV bytes per layer)"
+    flags = f"--batch {s.batch}, --prompt-len {s.prompt_len}, --new-tokens {s.new_tokens}, --page-size {s.page_size}"
+    flags += f", --num-layers {s.num_layers}" if s.num_layers else ""
     try:
-        stats = dev.memory_stats() or {}
-    except (AttributeError, NotImplementedError, RuntimeError):  # backends without memory stats
-        stats = {}
-    if stats.get("bytes_limit"):
-        return int(stats["bytes_limit"])
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
+        check_fits(
+            {
+                f"weights ({cfg.num_layers} layers, {dtype.name})": weight_bytes(cfg, dtype),
+                "paged arena and page table": cache_bytes(layout),
+                "dense cache": dense,
+                "logits": 2 * s.batch * cfg.vocab_size * 4,
+            },
+            hint=hint,
+        )
+        check_fits({"prompts": s.batch * s.prompt_len * 4 * 2}, limit=host_memory_limit(), hint=hint)
+    except TooLarge as exc:
+        raise ModelTooLarge(f"{flags}: {s.model_dir or s.model} {exc}") from None
 
 
 def build_model(s: DecodeSettings):
     """(model, description of the weights). Random weights from the preset unless model_dir."""
+    cfg, dtype = _config_and_dtype(s)
     if s.model_dir:
-        dtype = jnp.dtype(s.dtype or "bfloat16")
         model, _tok = models.load_pretrained(s.model_dir, dtype=dtype)
         return model, f"checkpoint {s.model_dir}"
-    cfg = preset(s.model)
-    if s.num_layers:
-        cfg = dataclasses.replace(cfg, num_layers=s.num_layers)
-    dtype = jnp.dtype(s.dtype or ("float32" if s.model == "tiny" else "bfloat16"))
-    need = cfg.num_params() * dtype.itemsize
-    limit = _memory_limit()
-    if limit is not None and need > 0.6 * limit:
-        raise ModelTooLarge(
-            f"{s.model} with random weights needs {need / 2**30:.1f} GiB of parameters in {dtype.name}, more than 60% of "
-            f"this {jax.default_backend()} device's {limit / 2**30:.1f} GiB; pass --num-layers N to shrink it "
-            "(same per-layer geometry and KV bytes per layer)"
-        )
     model = models.init_random(cfg, seed=s.seed, dtype=dtype)
     depth = f", {cfg.num_layers} of {preset(s.model).num_layers} layers" if s.num_layers else ""
     return model, f"random weights{depth}"
@@ -176,13 +188,14 @@ def _summary(prefills, step_lists, batch, first_prefill, first_steps) -> dict:
 def run_decode(s: DecodeSettings, progress=None) -> dict:
     if s.new_tokens < 2:
         raise ValueError("new_tokens must be >= 2 (one from prefill, at least one decode step)")
-    model, weights = build_model(s)
-    cfg = model.config
+    cfg, dtype = _config_and_dtype(s)  # everything below is checked before a byte is allocated
     if s.prompt_len + s.new_tokens > cfg.max_position_embeddings:
         raise ValueError(
             f"prompt_len + new_tokens = {s.prompt_len + s.new_tokens} exceeds the model's "
             f"max_position_embeddings={cfg.max_position_embeddings}"
         )
+    check_memory(s, cfg, dtype)
+    model, weights = build_model(s)
     rng = np.random.default_rng(s.seed)
     prompts = rng.integers(0, cfg.vocab_size, size=(s.batch, s.prompt_len), dtype=np.int32)
     arena, dense = _ArenaRun(model, s, prompts), _DenseRun(model, s, prompts)

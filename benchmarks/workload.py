@@ -31,6 +31,8 @@ import os
 
 import numpy as np
 
+from arena_jax.hf_config import INT32_MAX  # step counters and lengths are int32 in the device simulation
+
 __all__ = ["Request", "Workload", "WorkloadError", "synthetic", "from_rows", "from_file", "load_lengths"]
 
 # Log-normal parameters (of the underlying normal): median e**mu, mean e**(mu + sigma**2 / 2).
@@ -123,6 +125,9 @@ def load_lengths(path: str | os.PathLike) -> list[tuple[int, int, int | None]]:
             if line.startswith("{"):
                 obj = json.loads(line)
                 prompt, output, arrival = obj["prompt_len"], obj["output_len"], obj.get("arrival")
+                for key, value in (("prompt_len", prompt), ("output_len", output), ("arrival", arrival)):
+                    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                        raise ValueError(f"{key} must be a JSON integer, got {value!r}")  # never int(3.7) == 3
             else:
                 fields = next(csv.reader([line]))
                 if not fields[0].strip().lstrip("-").isdigit():
@@ -140,8 +145,11 @@ def load_lengths(path: str | os.PathLike) -> list[tuple[int, int, int | None]]:
                 f"{path}:{n}: cannot parse {line[:60]!r} ({exc}); expected 'prompt_len,output_len[,arrival]' "
                 'or {"prompt_len": P, "output_len": O}'
             ) from None
-        if prompt < 1 or output < 1 or (arrival is not None and arrival < 0):
-            raise WorkloadError(f"{path}:{n}: prompt_len and output_len must be >= 1 and arrival >= 0, got {line[:60]!r}")
+        if not (1 <= prompt <= INT32_MAX and 1 <= output <= INT32_MAX and (arrival is None or 0 <= arrival <= INT32_MAX)):
+            raise WorkloadError(
+                f"{path}:{n}: prompt_len and output_len must be in [1, {INT32_MAX}] and arrival in [0, {INT32_MAX}], "
+                f"got {line[:60]!r}"
+            )
         rows.append((prompt, output, arrival))
     if not rows:
         raise WorkloadError(f"{path}: no requests found")

@@ -8,6 +8,11 @@ or a random-weight model: `models.init_random(models.LlamaConfig.tiny(), seed=0)
 numpy draw on CPU, one jitted call elsewhere) or `models.Llama(config, rngs=nnx.Rngs(0))`.
 `prefill` / `decode_step` are the jitted steps (see models.steps); `models.dense_baseline`
 runs the same model with a conventional dense KV cache for comparison.
+
+`generate` stops at `model.config.eos_token_ids` (a checkpoint's eos tokens, read as
+transformers' generate reads them) unless given `stop_tokens`. Configs are read by
+`arena_jax.hf_config` (transformers' defaults and types); bad input of any kind is a
+ValueError naming the argument, file or key, and the limit.
 """
 from models.config import LlamaConfig, RopeScaling
 from models.dense_baseline import DenseCache, dense_decode, dense_generate, dense_prefill, init_dense_cache

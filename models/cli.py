@@ -5,9 +5,11 @@
 
 Without `--model-dir` a random-weight `LlamaConfig.tiny()` model runs and the prompt's
 UTF-8 bytes (mod the vocabulary) are its token ids. Prints the generated tokens (decoded
-text when the checkpoint has a tokenizer.json) and tokens/s. Compiled steps are kept in a
-JAX persistent compilation cache (`--compile-cache`, off with `--no-compile-cache`), so
-only the first run pays for compiling.
+text when the checkpoint has a tokenizer.json) and tokens/s. A sequence stops at the
+checkpoint's eos tokens, as transformers' generate does (`--ignore-eos`: run to
+--max-new-tokens). Sizes are checked against the device's memory before anything is
+allocated. Compiled steps are kept in a JAX persistent compilation cache
+(`--compile-cache`, off with `--no-compile-cache`), so only the first run pays for compiling.
 """
 from __future__ import annotations
 
@@ -16,29 +18,11 @@ import os
 import sys
 import time
 
+from models.argtypes import float_in, non_negative_float, positive_int, seed
+
 _DTYPES = ("float32", "bfloat16", "float16")
 CACHE_ENV = "ARENA_JAX_COMPILE_CACHE"
-
-
-def positive_int(text: str) -> int:
-    """argparse type: a positive integer (else a clean argparse error, exit 2)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
-    return value
+HOST_BYTES_PER_TOKEN = 64  # a token id held in the host's Python lists (list slot + int object), rounded up
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,15 +33,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default="The arena holds every page.", help="prompt text")
     p.add_argument("--num-prompts", type=positive_int, default=None, help="copies of the prompt to run (default: --batch)")
     p.add_argument("--max-new-tokens", type=positive_int, default=32)
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="do not stop at the checkpoint's eos tokens (generation_config.json / config.json)")  # fmt: skip
     p.add_argument("--batch", type=positive_int, default=4, help="batch rows decoded together")
     p.add_argument("--chunk-size", type=positive_int, default=32, help="prefill chunk (tokens per prefill call)")
     p.add_argument("--page-size", type=positive_int, default=16)
     p.add_argument("--num-pages", type=positive_int, default=None, help="arena pages (default: every row at full length)")
     p.add_argument("--max-seq-len", type=positive_int, default=None, help="per-sequence limit (default: prompt + new tokens)")
-    p.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
+    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=positive_int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-p", type=float_in(0.0, 1.0, low_open=True), default=None)
+    p.add_argument("--seed", type=seed, default=0, help="sampling (and the tiny model's weights)")
     p.add_argument("--dtype", choices=_DTYPES, default=None, help="default: bfloat16 for checkpoints, float32 for tiny")
     p.add_argument(
         "--compile-cache",
@@ -80,46 +66,72 @@ def _enable_compile_cache(path: str) -> None:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
 
     import jax.numpy as jnp
 
     import models
+    from models.memory import TooLarge, cache_bytes, check_fits, fmt_bytes, host_memory_limit, weight_bytes
 
+    # Everything is checked before a byte is allocated: config, tokenizer, sizes, memory.
     tokenizer = None
     if args.model_dir:
         dtype = jnp.dtype(args.dtype or "bfloat16")
         try:
-            model, tokenizer = models.load_pretrained(args.model_dir, dtype=dtype)
+            config = models.LlamaConfig.from_hf(args.model_dir)
+            tokenizer = models.load_tokenizer(args.model_dir)
         except (OSError, ValueError) as exc:
             parser.error(f"--model-dir {args.model_dir}: {exc}")
     else:
         dtype = jnp.dtype(args.dtype or "float32")
-        model = models.init_random(models.LlamaConfig.tiny(), seed=args.seed, dtype=dtype)
-    vocab = model.config.vocab_size
+        config = models.LlamaConfig.tiny()
+    vocab = config.vocab_size
+    if args.top_k is not None and args.top_k > vocab:
+        parser.error(f"--top-k {args.top_k} exceeds the model's vocab_size {vocab}")
     if tokenizer is not None:
         prompt = tokenizer.encode(args.prompt).ids
     else:
         prompt = [b % vocab for b in args.prompt.encode("utf-8")]
     if not prompt:
         parser.error("--prompt is empty")
-    prompts = [prompt] * (args.num_prompts or args.batch)
+    num_prompts = args.num_prompts or args.batch
     total = len(prompt) + args.max_new_tokens
     max_seq_len = args.max_seq_len or total
     if max_seq_len < total:
         parser.error(f"--max-seq-len {max_seq_len} is shorter than prompt + new tokens ({total})")
     pages_per_seq = -(-max_seq_len // args.page_size)
-    if not args.no_compile_cache:  # only once the arguments and the model are known to be good
-        _enable_compile_cache(args.compile_cache)
+    sizes = f"--batch {args.batch}, --page-size {args.page_size}"
+    sizes += f", --num-pages {args.num_pages}" if args.num_pages else ""
+    sizes += f", --max-seq-len {max_seq_len}" if args.max_seq_len else f", prompt + --max-new-tokens = {total} tokens"
     try:
-        layout = model.config.kv_layout(
+        layout = config.kv_layout(
             page_size=args.page_size,
             num_pages=args.num_pages or args.batch * pages_per_seq,
             max_seqs=args.batch,
             max_seq_len=max_seq_len,
             dtype=dtype,
         )
+        arena = f"KV arena ({layout.num_pages:,} pages x {layout.page_size:,} tokens x {fmt_bytes(layout.bytes_per_token)}/token)"
+        check_fits({arena: cache_bytes(layout), f"weights ({dtype.name})": weight_bytes(config, dtype)},
+                   hint="lower --batch, --page-size, --num-pages, --max-new-tokens or --max-seq-len")  # fmt: skip
+    except ValueError as exc:  # memory.TooLarge included
+        parser.error(f"{sizes}: {exc}")
+    try:
+        check_fits({"prompts and generated tokens": num_prompts * total * HOST_BYTES_PER_TOKEN},
+                   limit=host_memory_limit(), hint="lower --num-prompts or --max-new-tokens")  # fmt: skip
+    except TooLarge as exc:
+        parser.error(f"--num-prompts {num_prompts} x {total} tokens: {exc}")
+
+    if args.model_dir:
+        try:
+            model, tokenizer = models.load_pretrained(args.model_dir, dtype=dtype)
+        except (OSError, ValueError) as exc:
+            parser.error(f"--model-dir {args.model_dir}: {exc}")
+    else:
+        model = models.init_random(config, seed=args.seed, dtype=dtype)
+    prompts = [prompt] * num_prompts
+    if not args.no_compile_cache:  # only once the arguments and the model are known to be good
+        _enable_compile_cache(args.compile_cache)
+    try:
         kwargs = dict(
             batch_size=args.batch,
             chunk_size=min(args.chunk_size, layout.max_seq_len),
@@ -128,6 +140,7 @@ def main(argv=None) -> int:
             top_k=args.top_k,
             top_p=args.top_p,
             seed=args.seed,
+            stop_tokens=() if args.ignore_eos else None,  # None: the checkpoint's eos tokens
         )
         warm_start = time.perf_counter()
         models.generate(model, prompts[:1], 2, **kwargs)  # compile outside the timed run
@@ -141,10 +154,11 @@ def main(argv=None) -> int:
         print(f"[{i}] {text}")
     if len(result.tokens) > 4:
         print(f"... ({len(result.tokens) - 4} more)")
+    stops = "none" if args.ignore_eos or not model.config.eos_token_ids else list(model.config.eos_token_ids)
     print(
         f"{result.num_generated} tokens in {result.seconds:.3f} s: {result.tokens_per_second:.1f} tokens/s "
         f"(batch {args.batch}, {result.prefill_calls} prefill + {result.decode_calls} decode calls, "
-        f"{result.preemptions} preemptions; warm-up {warm:.1f} s)"
+        f"{result.preemptions} preemptions; stop tokens {stops}; warm-up {warm:.1f} s)"
     )
     return 0
 

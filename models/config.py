@@ -10,11 +10,14 @@ that is a static argument of `jax.jit`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any, Mapping
 
+import numpy as np
+
 import arena_jax as aj
-from arena_jax.layout import read_hf_config
+from arena_jax.hf_config import INT32_MAX, parse_hf_config
 
 __all__ = ["LlamaConfig", "RopeScaling"]
 
@@ -32,8 +35,8 @@ class RopeScaling:
     def __post_init__(self):
         for name in ("factor", "low_freq_factor", "high_freq_factor"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"rope_scaling.{name} must be a positive number, got {value!r}")
+            if not _positive_number(value):
+                raise ValueError(f"rope_scaling.{name} must be a finite number > 0, got {value!r}")
             object.__setattr__(self, name, float(value))
         if self.high_freq_factor <= self.low_freq_factor:
             raise ValueError(
@@ -45,8 +48,18 @@ class RopeScaling:
 
 def _positive_int(obj, name: str, prefix: str = ""):
     value = getattr(obj, name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{prefix}{name} must be a positive integer, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= INT32_MAX:
+        raise ValueError(f"{prefix}{name} must be an integer in [1, {INT32_MAX}], got {value!r}")
+
+
+def _eos_json(ids: tuple[int, ...]):
+    """config.json's `eos_token_id`: an int, a list, or null (no stop token: transformers'
+    generate then runs to max_new_tokens, as ours does)."""
+    return None if not ids else ids[0] if len(ids) == 1 else list(ids)
+
+
+def _positive_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +83,7 @@ class LlamaConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # generation stops after one of these; random models have none
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
@@ -90,8 +104,8 @@ class LlamaConfig:
             )
         for name in ("rms_norm_eps", "rope_theta"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"{name} must be a positive number, got {value!r}")
+            if not _positive_number(value):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
             object.__setattr__(self, name, float(value))
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise ValueError(f"rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
@@ -99,6 +113,13 @@ class LlamaConfig:
             _positive_int(self, "sliding_window")
         if not isinstance(self.tie_word_embeddings, bool):
             raise ValueError(f"tie_word_embeddings must be a bool, got {self.tie_word_embeddings!r}")
+        ids = self.eos_token_ids
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, (tuple, list)):
+            raise ValueError(f"eos_token_ids must be a tuple of token ids, got {ids!r}")
+        for t in ids:
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"eos_token_ids must be integers in [0, vocab_size={self.vocab_size}), got {t!r}")
+        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in ids))
 
     @property
     def group_size(self) -> int:
@@ -155,59 +176,47 @@ class LlamaConfig:
 
     # ---- Hugging Face config.json -------------------------------------------------------------
     @classmethod
-    def from_hf(cls, config: Mapping[str, Any] | str | os.PathLike) -> "LlamaConfig":
+    def from_hf(cls, config: Mapping[str, Any] | str | os.PathLike, *, generation_config=None) -> "LlamaConfig":
         """From a Hugging Face `config.json` (a dict, the file, or its folder).
 
-        Reads both the transformers-4 spelling (`rope_theta`, `rope_scaling`) and the
-        transformers-5 one (`rope_parameters` holding rope_type/rope_theta/...).
+        Read by `arena_jax.hf_config.parse_hf_config`: transformers' defaults per model_type,
+        strict JSON types, both the transformers-4 spelling (`rope_theta`, `rope_scaling`) and
+        the transformers-5 one (`rope_parameters`). `eos_token_ids` are the tokens
+        transformers' `generate` stops at: `generation_config.json` beside a config path (or
+        the `generation_config` dict given), else config.json's `eos_token_id`.
         """
-        cfg = read_hf_config(config)
-        model_type = cfg.get("model_type", "llama")
-        if model_type not in ("llama", "mistral"):
-            raise ValueError(f"model_type={model_type!r} is not supported; expected 'llama' or 'mistral'")
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act={act!r} is not supported; expected 'silu' (SwiGLU)")
+        hf = parse_hf_config(config, generation_config=generation_config)
+        where = hf.source
+        if hf.hidden_act not in ("silu", "swish"):  # transformers: both name torch's SiLU
+            raise ValueError(f"{where}: hidden_act={hf.hidden_act!r} is not supported; expected 'silu' (SwiGLU)")
         for flag in ("attention_bias", "mlp_bias"):
-            if cfg.get(flag):
-                raise ValueError(f"{flag}=True is not supported (Llama/Mistral projections have no bias)")
-        try:
-            num_heads = int(cfg["num_attention_heads"])
-            kwargs = dict(
-                vocab_size=int(cfg["vocab_size"]),
-                hidden_size=int(cfg["hidden_size"]),
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]),
-                num_heads=num_heads,
-            )
-        except KeyError as exc:
-            raise ValueError(f"config lacks {exc.args[0]!r}") from exc
-        rope = dict(cfg.get("rope_parameters") or {})
-        rope.update(cfg.get("rope_scaling") or {})
-        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type == "llama3":
-            scaling = RopeScaling(
-                factor=rope["factor"],
-                low_freq_factor=rope["low_freq_factor"],
-                high_freq_factor=rope["high_freq_factor"],
-                original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-            )
-        elif rope_type == "default":
+            if getattr(hf, flag):
+                raise ValueError(f"{where}: {flag}=true is not supported (these projections have no bias)")
+        if hf.quantized:
+            raise ValueError(f"{where}: quantization_config is set: quantized checkpoints are not supported")
+        if hf.partial_rotary_factor not in (None, 1.0):
+            raise ValueError(f"{where}: partial_rotary_factor={hf.partial_rotary_factor} is not supported (only 1.0)")
+        if hf.rope_type == "llama3":
+            scaling = RopeScaling(**hf.rope_scaling)
+        elif hf.rope_type == "default":
             scaling = None
         else:
-            raise ValueError(f"rope_type={rope_type!r} is not supported; expected 'default' or 'llama3'")
-        sliding = cfg.get("sliding_window") if model_type == "mistral" or cfg.get("use_sliding_window") else None
+            raise ValueError(f"{where}: rope_type={hf.rope_type!r} is not supported; expected 'default' or 'llama3'")
         return cls(
-            **kwargs,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=cfg.get("head_dim"),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(theta),
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=hf.num_attention_heads,
+            num_kv_heads=hf.num_key_value_heads,
+            head_dim=hf.head_dim,
+            rms_norm_eps=hf.rms_norm_eps,
+            rope_theta=hf.rope_theta,
             rope_scaling=scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            sliding_window=None if sliding is None else int(sliding),
+            max_position_embeddings=hf.max_position_embeddings,
+            tie_word_embeddings=hf.tie_word_embeddings,
+            sliding_window=hf.sliding_window,
+            eos_token_ids=hf.eos_token_ids,
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -228,6 +237,7 @@ class LlamaConfig:
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
             "sliding_window": self.sliding_window,
+            "eos_token_id": _eos_json(self.eos_token_ids),
         }
         if self.rope_scaling is not None:
             out["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}

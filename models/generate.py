@@ -3,6 +3,10 @@
     result = generate(model, [[1, 5, 9], [2, 7]], max_new_tokens=32, batch_size=4)
     result.tokens          # list[list[int]] generated tokens per prompt (a stop token included)
 
+By default a sequence stops at the model's eos tokens (`model.config.eos_token_ids`, from the
+checkpoint's generation_config.json / config.json, as transformers' generate); random-weight
+models have none. `stop_tokens=()` turns stopping off, `stop_tokens=[...]` sets other tokens.
+
 Each iteration the host (1) admits waiting prompts into free rows, (2) runs ONE `prefill`
 call for rows with more than one token to feed (a fixed `chunk_size`, so long prompts take
 several calls and one compiled function), (3) runs ONE `decode_step` for rows with exactly
@@ -29,6 +33,7 @@ import numpy as np
 from flax import nnx
 
 import arena_jax as aj
+from models.checks import INT32_MIN, check_int, token_ids
 from models.llama import Llama
 from models.sampling import Sampling
 from models.steps import decode_step, prefill, release_rows
@@ -100,30 +105,34 @@ def generate(
     top_k: int | None = None,
     top_p: float | None = None,
     seed: int = 0,
-    stop_tokens: Sequence[int] = (),
+    stop_tokens: Sequence[int] | None = None,
     return_logits: bool = False,
 ) -> Generation:
     """Generate up to `max_new_tokens` for each prompt (lists of token ids).
 
     `batch_size` rows run at once (row r uses cache slot r); give `layout` (or a `cache`,
     reused and returned) to bound the arena, else it holds every row at full length.
-    temperature 0 is greedy; top_k / top_p filter; `seed` makes sampling reproducible.
-    A sequence stops after a token in `stop_tokens` (kept in its output).
+    temperature 0 is greedy; top_k / top_p filter; `seed` (an int32) makes sampling reproducible.
+    A sequence stops after a token in `stop_tokens` (kept in its output). The default, None,
+    means the model's `config.eos_token_ids` (a checkpoint's eos tokens, as transformers'
+    generate stops at them); `()` means no stop token.
+
+    Token ids must be integers (Python or numpy; not floats, strings or bools) in
+    [0, vocab_size); every bad argument is a ValueError naming it.
     """
     sampling = Sampling(temperature, top_k, top_p)
-    prompts = [[int(t) for t in p] for p in prompts]
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     vocab = model.config.vocab_size
+    if isinstance(prompts, (str, bytes)):
+        raise ValueError("prompts is a string; pass a list of token-id lists")
+    prompts = [token_ids(f"prompts[{i}]", p, vocab) for i, p in enumerate(prompts)]
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens)
+    batch_size = check_int("batch_size", batch_size, low=1)
+    chunk_size = check_int("chunk_size", chunk_size, low=1)
+    seed = check_int("seed", seed, low=INT32_MIN)
+    stop = model.config.eos_token_ids if stop_tokens is None else token_ids("stop_tokens", stop_tokens, vocab)
     for i, p in enumerate(prompts):
         if not p:
             raise ValueError(f"prompts[{i}] is empty")
-        if min(p) < 0 or max(p) >= vocab:
-            raise ValueError(f"prompts[{i}] has token ids outside [0, vocab_size={vocab})")
     if top_k is not None and top_k > vocab:
         raise ValueError(f"top_k={top_k} exceeds vocab_size={vocab}")
     longest = max((len(p) for p in prompts), default=1) + max_new_tokens
@@ -152,7 +161,7 @@ def generate(
 
     seqs = [_Seq(i, p) for i, p in enumerate(prompts)]
     runner = _Runner(
-        model, cache, layout, batch_size, chunk_size, sampling, seed, set(stop_tokens), max_new_tokens, return_logits
+        model, cache, layout, batch_size, chunk_size, sampling, seed, set(stop), max_new_tokens, return_logits
     )
     start = time.perf_counter()
     if max_new_tokens > 0:

@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 import arena_jax as aj
+from models.checks import check_int, check_number
 from models.config import LlamaConfig
 from models.layers import MLP, Attention, Embedder, RMSNorm
 
@@ -97,6 +98,8 @@ def init_random(config: LlamaConfig, *, seed: int = 0, std: float = 0.02, dtype=
     On CPU the weights are drawn with numpy (eager JAX would compile every initializer shape
     separately, seconds for a tiny model); elsewhere in one jitted call on the device.
     """
+    seed = check_int("seed", seed)  # in [0, 2**31 - 1]: numpy refuses negative seeds; one rule for every seed here
+    std = check_number("std", std, low=0.0)
     param_dtype = jnp.dtype(dtype if param_dtype is None else param_dtype)
 
     def build():

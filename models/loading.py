@@ -6,12 +6,14 @@ Reads `config.json`, the weights from `model.safetensors` or the shards listed i
 `model.safetensors.index.json` (safetensors' numpy reader, no torch), and `tokenizer.json`
 with the `tokenizers` library when present (else tokenizer is None). The model is built
 abstractly (`nnx.eval_shape`, nothing random is allocated) and filled tensor by tensor;
-a missing tensor or a wrong shape raises ValueError naming the tensor and the expected shape.
+missing or unexpected tensors, a wrong shape or dtype, an unreadable file all raise ValueError
+naming the file and the tensors.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -98,10 +100,18 @@ def export_hf_tensors(model: Llama) -> dict[str, np.ndarray]:
 
 # ---- safetensors -------------------------------------------------------------------------------
 
+# transformers drops these from the unexpected keys when loading Llama / Mistral (its
+# `_adjust_missing_and_unexpected_keys`: older checkpoints saved every layer's RoPE inverse
+# frequencies, which are now computed, never loaded). Exactly that pattern is ignored here.
+IGNORED_TENSORS = re.compile(r"rotary_emb\.inv_freq")
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+_LISTED = 8  # tensor names listed in an error before "and N more"
+
 
 def _read_bf16(path: str, name: str) -> np.ndarray:
-    """numpy has no bfloat16, so safetensors' numpy reader refuses BF16 tensors: read the raw
-    bytes at the offsets the file's header gives, as ml_dtypes.bfloat16."""
+    """numpy has no bfloat16, so older safetensors' numpy reader refuses BF16 tensors: read the
+    raw bytes at the offsets the file's header gives, as ml_dtypes.bfloat16. (`read_safetensors`
+    has already opened the file with safetensors, which checks header and data lengths.)"""
     import ml_dtypes
 
     with open(path, "rb") as fh:
@@ -113,34 +123,82 @@ def _read_bf16(path: str, name: str) -> np.ndarray:
     return np.frombuffer(data, dtype=ml_dtypes.bfloat16).reshape(info["shape"])
 
 
-def read_safetensors(model_dir: str) -> dict[str, tuple[str, str]]:
-    """Tensor name -> (file, dtype string) over the single file or the index's shards."""
-    from safetensors import safe_open
+class _Stored(NamedTuple):
+    path: str
+    dtype: str  # safetensors' name: "F32", "BF16", ...
+    shape: tuple[int, ...]
 
+
+def _weight_files(model_dir: str) -> list[str]:
+    """The files transformers would load: the index's shards, else model.safetensors."""
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as fh:
-            files = sorted(set(json.load(fh)["weight_map"].values()))
-    else:
-        files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors weights in {model_dir}")
-    where = {}
-    for name in files:
-        path = os.path.join(model_dir, name)
-        with safe_open(path, framework="numpy") as fh:
-            for key in fh.keys():
-                where[key] = (path, fh.get_slice(key).get_dtype())
+        try:
+            with open(index, encoding="utf-8") as fh:
+                weight_map = json.load(fh).get("weight_map")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+            raise ValueError(f"{index}: not a JSON object with a weight_map ({exc})") from None
+        if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(f"{index}: weight_map must be a non-empty JSON object of tensor name -> file name")
+        files = sorted(set(weight_map.values()))
+        absent = [f for f in files if not os.path.isfile(os.path.join(model_dir, f))]
+        if absent:
+            raise ValueError(f"{index} names shard files that are not in {model_dir}: {', '.join(absent)}")
+        return [os.path.join(model_dir, f) for f in files]
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    raise ValueError(f"no model.safetensors or model.safetensors.index.json (safetensors weights) in {model_dir}")
+
+
+def read_safetensors(model_dir: str) -> dict[str, _Stored]:
+    """Tensor name -> where it is stored, its dtype and shape, over the single file or the
+    index's shards. A file safetensors cannot read (truncated, corrupt) is a ValueError naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    where: dict[str, _Stored] = {}
+    for path in _weight_files(model_dir):
+        try:
+            with safe_open(path, framework="numpy") as fh:
+                for key in fh.keys():
+                    if key in where:
+                        raise ValueError(f"tensor {key!r} is stored twice: in {where[key].path} and {path}")
+                    piece = fh.get_slice(key)
+                    where[key] = _Stored(path, piece.get_dtype(), tuple(piece.get_shape()))
+        except (SafetensorError, OSError) as exc:
+            raise ValueError(f"{path}: not a readable safetensors file ({exc})") from None
     return where
 
 
-def _get_tensor(path: str, dtype: str, name: str) -> np.ndarray:
-    if dtype.upper() in ("BF16", "BFLOAT16"):
-        return _read_bf16(path, name)
-    from safetensors import safe_open
+def _get_tensor(stored: _Stored, name: str) -> np.ndarray:
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(path, framework="numpy") as fh:
-        return fh.get_tensor(name)
+    try:
+        if stored.dtype.upper() in ("BF16", "BFLOAT16"):
+            return _read_bf16(stored.path, name)
+        with safe_open(stored.path, framework="numpy") as fh:
+            return fh.get_tensor(name)
+    except (SafetensorError, OSError, ValueError) as exc:  # ValueError: raw bytes that do not fill the shape
+        raise ValueError(f"{stored.path}: cannot read tensor {name!r} ({exc})") from None
+
+
+def _names(names: list[str], describe=lambda n: n) -> str:
+    shown = ", ".join(describe(n) for n in names[:_LISTED])
+    return shown + (f" and {len(names) - _LISTED} more" if len(names) > _LISTED else "")
+
+
+def _check_tensor_names(model_dir: str, where: dict[str, _Stored], expected: dict[str, TensorSpec], tied: bool) -> None:
+    """Exactly the tensors the config describes (a tied head may also be stored, see load_pretrained)."""
+    missing = [n for n in expected if n not in where]
+    extra = [n for n in where if n not in expected and not IGNORED_TENSORS.search(n) and not (tied and n == "lm_head.weight")]
+    if not missing and not extra:
+        return
+    parts = []
+    if missing:
+        parts.append(f"it lacks {len(missing)} tensor(s) the config needs: {_names(missing, lambda n: f'{n} {expected[n].hf_shape}')}")
+    if extra:
+        parts.append(f"it holds {len(extra)} tensor(s) the config does not describe: {_names(sorted(extra))}")
+    raise ValueError(f"the checkpoint in {model_dir} does not match its config.json: " + "; ".join(parts))
 
 
 # ---- public -------------------------------------------------------------------------------------
@@ -153,27 +211,48 @@ def load_tokenizer(model_dir: str):
         return None
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(path)
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for any malformed file
+        raise ValueError(f"{path}: not a valid tokenizer.json ({exc})") from None
 
 
 def load_pretrained(model_dir, *, dtype=jnp.bfloat16, param_dtype=None) -> Pretrained:
-    """Build a `Llama` from a Hugging Face folder; weights cast to `param_dtype` (default `dtype`)."""
+    """Build a `Llama` from a Hugging Face folder; weights cast to `param_dtype` (default `dtype`).
+
+    The checkpoint must hold exactly the tensors its config.json describes, with their shapes
+    and a float dtype (else ValueError listing the names); old checkpoints' per-layer
+    `rotary_emb.inv_freq` buffers are ignored, as transformers ignores them. The config's
+    `eos_token_ids` come from generation_config.json when present (see `LlamaConfig.from_hf`).
+    """
     model_dir = os.fspath(model_dir)
     config = LlamaConfig.from_hf(model_dir)
     param_dtype = jnp.dtype(dtype if param_dtype is None else param_dtype)
+    expected = hf_tensor_map(config)
+    where = read_safetensors(model_dir)
+    _check_tensor_names(model_dir, where, expected, config.tie_word_embeddings)
+    for name, spec in expected.items():
+        stored = where[name]
+        if tuple(stored.shape) != spec.hf_shape:
+            raise ValueError(f"tensor {name!r} has shape {stored.shape}, but the config expects {spec.hf_shape}")
+        if stored.dtype.upper() not in _FLOAT_DTYPES:
+            raise ValueError(f"tensor {name!r} in {stored.path} has dtype {stored.dtype}; expected one of {_FLOAT_DTYPES}")
+    if config.tie_word_embeddings and "lm_head.weight" in where:
+        # transformers then unties the head when it differs from the embedding; refuse instead.
+        head = _get_tensor(where["lm_head.weight"], "lm_head.weight")
+        embed = _get_tensor(where["model.embed_tokens.weight"], "model.embed_tokens.weight")
+        if head.shape != embed.shape or not np.array_equal(head, embed):
+            raise ValueError(
+                f"{model_dir}: config.json ties the output head to the embedding (tie_word_embeddings true), but the "
+                "checkpoint stores a different lm_head.weight; set tie_word_embeddings to false to use it"
+            )
     abstract = nnx.eval_shape(lambda: Llama(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))
-    where = read_safetensors(model_dir)
-    for name, spec in hf_tensor_map(config).items():
-        if name not in where:
-            raise ValueError(f"checkpoint lacks tensor {name!r} (expected shape {spec.hf_shape}) in {model_dir}")
-        array = _get_tensor(*where[name], name)
-        if tuple(array.shape) != spec.hf_shape:
-            raise ValueError(f"tensor {name!r} has shape {tuple(array.shape)}, but the config expects {spec.hf_shape}")
-        value = jnp.asarray(spec.to_ours(array), dtype=param_dtype)
-        expected = _value(flat[spec.path]).shape
-        assert value.shape == expected, (name, value.shape, expected)  # our own mapping, not user input
+    for name, spec in expected.items():
+        value = jnp.asarray(spec.to_ours(_get_tensor(where[name], name)), dtype=param_dtype)
+        expected_shape = _value(flat[spec.path]).shape
+        assert value.shape == expected_shape, (name, value.shape, expected_shape)  # our own mapping, not user input
         flat[spec.path] = flat[spec.path].replace(value)
     state = nnx.from_flat_state(list(flat.items()))
     model = nnx.merge(graphdef, state)

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from models.checks import check_int, check_number
+
 __all__ = ["Sampling", "SamplingParams", "GREEDY", "sample", "filter_logits"]
 
 
@@ -32,22 +34,21 @@ class SamplingParams:
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     """temperature 0 is greedy; top_k keeps the k largest logits; top_p the smallest set of
-    most likely tokens whose probability reaches p (after temperature and top-k)."""
+    most likely tokens whose probability reaches p (after temperature and top-k).
+
+    Checked on the host: temperature a finite number >= 0 (NaN is refused, not run greedily),
+    top_k an integer in [1, 2**31 - 1], top_p a finite number in (0, 1]."""
 
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
 
     def __post_init__(self):
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        object.__setattr__(self, "temperature", float(self.temperature))
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1):
-            raise ValueError(f"top_k must be a positive int or None, got {self.top_k!r}")
+        object.__setattr__(self, "temperature", check_number("temperature", self.temperature, low=0.0))
+        if self.top_k is not None:
+            object.__setattr__(self, "top_k", check_int("top_k", self.top_k, low=1))
         if self.top_p is not None:
-            if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-                raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p!r}")
-            object.__setattr__(self, "top_p", float(self.top_p))
+            object.__setattr__(self, "top_p", check_number("top_p", self.top_p, low=0.0, high=1.0, low_open=True))
 
     @property
     def greedy(self) -> bool:

@@ -6,6 +6,7 @@ simulation and model steps compile once per session.
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -167,6 +168,66 @@ def test_bad_flags_exit_cleanly(argv, capsys):
     assert "error:" in err and "Traceback" not in err
 
 
+# Numbers that used to overflow (float -> int, int32 wraps) or allocate terabytes before failing
+# with a traceback: each is a usage error naming the flag and the limit, before any run.
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["layout", "--budget-gib", "1e300"], r"--budget-gib: expected a finite number in \(0, 1,048,576\], got 1e300"),
+        (["layout", "--budget-gib", "inf"], "--budget-gib: expected a finite number"),
+        (["layout", "--budget-gib", "1000000", "--page-size", "1"],
+         r"--budget-gib 1e\+06 is 8,192,000,000 pages of mistral-7b .* more than the 2,147,483,646 an int32 page table"),
+        (["layout", "--page-size", "2000000000"], "holds no page of mistral-7b: one page of --page-size 2000000000"),
+        (["layout", "--page-size", "3000000000"], r"--page-size: expected an integer in \[1, 2147483647\]"),
+        (["capacity", "--budget-gib", "1e300"], "--budget-gib: expected a finite number"),
+        (["capacity", "--max-seqs", "2000000000"], r"--max-seqs 2000000000.*needs .* bytes.*page table.*more than 90% of the"),
+        (["capacity", "--requests", "2000000000"], r"needs .* bytes: 2,000,000,000 requests.* this host \(RAM\)"),
+        (["capacity", "--headroom", "1e300"], r"--headroom: expected a finite number in \(0, 1,000,000\]"),
+        (["capacity", "--seed", "-1"], r"--seed: expected an integer in \[0, 2147483647\]"),
+        (["decode", "--batch", "100000000"],
+         r"--batch 100000000, .*: tiny needs .* bytes: weights .* paged arena .* dense cache .*more than 90% of the .* bytes"),
+        (["decode", "--num-layers", "2000000000"], r"--num-layers 2000000000: tiny needs .* bytes"),
+        (["decode", "--seed", "99999999999"], r"--seed: expected an integer in \[0, 2147483647\], got 99999999999"),
+        (["decode", "--batch", "3000000000"], r"--batch: expected an integer in \[1, 2147483647\]"),
+        (["kernels", "--batches", "1,99999999999"], r"--batches: expected comma-separated integers in \[1, 2147483647\]"),
+        (["kernels", "--num-kv-heads", "200000000", "--num-q-heads", "200000000"], r"needs .* bytes: arena .*more than 90%"),
+    ],
+    ids=lambda x: " ".join(x) if isinstance(x, list) else "",
+)  # fmt: skip
+def test_absurd_numbers_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main([*argv, "--no-progress"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"arena-bench {argv[0]}: error:" in err and "Traceback" not in err
+    assert re.search(message, err), err
+
+
+@pytest.mark.parametrize("path", ["/proc/version", "/proc/no/such/place.json", "/sys/kernel/arena.json", "."])
+def test_unwritable_outputs_fail_before_the_run(path, capsys):
+    """Really probed (as root, os.access says a read-only /proc file or folder is writable)."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["capacity", *CAPACITY, "--no-progress", "--json", path])
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert f"--json {path}: cannot write there" in captured.err and "capacity: serving" not in captured.out
+    with pytest.raises(SystemExit):
+        cli.main(["decode", *DECODE, "--no-progress", "--plot", path])
+    assert f"--plot {path}: cannot write there" in capsys.readouterr().err
+
+
+def test_write_probe_leaves_nothing_behind(tmp_path, capsys):
+    target = tmp_path / "new" / "out.json"
+    with pytest.raises(SystemExit):  # the output is writable; the budget is not
+        cli.main(["layout", "--budget-gib", "0.0001", "--json", str(target)])
+    assert not target.exists()
+    existing = tmp_path / "keep.json"
+    existing.write_text("{}")
+    with pytest.raises(SystemExit):
+        cli.main(["layout", "--budget-gib", "0.0001", "--json", str(existing)])
+    assert existing.read_text() == "{}"  # probed without truncating
+
+
 def test_bad_lengths_file(tmp_path, capsys):
     f = tmp_path / "bad.csv"
     f.write_text("prompt_len,output_len\n10,20\n10,abc\n")
@@ -187,6 +248,16 @@ def test_load_lengths_formats(tmp_path):
     empty.write_text("prompt_len,output_len\n")
     with pytest.raises(WorkloadError):
         load_lengths(empty)
+    bad = tmp_path / "bad.jsonl"
+    for line, message in [
+        ('{"prompt_len": 3.7, "output_len": 2}', "prompt_len must be a JSON integer, got 3.7"),  # was int(3.7) == 3
+        ('{"prompt_len": true, "output_len": 2}', "prompt_len must be a JSON integer, got True"),
+        ('{"prompt_len": 3, "output_len": 2, "arrival": "1"}', "arrival must be a JSON integer, got '1'"),
+        ("5,7,99999999999", r"arrival in \[0, 2147483647\]"),
+    ]:
+        bad.write_text(line + "\n")
+        with pytest.raises(WorkloadError, match=message):
+            load_lengths(bad)
 
 
 def test_synthetic_workload_is_seeded_and_bounded():

@@ -7,6 +7,7 @@ Every generation test shares one tiny model and one deliberately small arena (6 
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -119,8 +120,10 @@ def test_from_hf_both_spellings(tmp_path):
         models.LlamaConfig.from_hf(dict(v4, model_type="gpt2"))
     with pytest.raises(ValueError, match="rope_type"):
         models.LlamaConfig.from_hf(dict(v4, rope_scaling={"rope_type": "yarn", "factor": 4.0}))
-    with pytest.raises(ValueError, match="num_hidden_layers"):
-        models.LlamaConfig.from_hf({k: v for k, v in v4.items() if k != "num_hidden_layers"})
+    # A missing key takes transformers' default (32 layers for Llama); a wrong type is refused.
+    assert models.LlamaConfig.from_hf({k: v for k, v in v4.items() if k != "num_hidden_layers"}).num_layers == 32
+    with pytest.raises(ValueError, match="num_hidden_layers must be a JSON integer"):
+        models.LlamaConfig.from_hf(dict(v4, num_hidden_layers="32"))
 
 
 def test_presets_and_kv_layout():
@@ -332,6 +335,92 @@ def test_generate_validation(model, small_layout):
     assert models.generate(model, [[1, 2]], 0, layout=small_layout).tokens == [[]]
 
 
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(temperature=float("nan")), "temperature must be a finite number >= 0, got nan"),
+        (dict(temperature=float("inf")), "temperature must be a finite number >= 0, got inf"),
+        (dict(temperature=1.0, top_p=float("nan")), r"top_p must be a finite number in \(0, 1\], got nan"),
+        (dict(top_k=2.0), "top_k must be an integer, got 2.0"),
+        (dict(prompts=[[1, 3.7]]), r"prompts\[0\]\[1\] = 3.7 is not an integer token id"),
+        (dict(prompts=[[1, 3.0]]), r"prompts\[0\]\[1\] = 3.0 is not an integer token id"),
+        (dict(prompts=[["5"]]), r"prompts\[0\]\[0\] = '5' is not an integer token id"),
+        (dict(prompts=[[True, 2]]), r"prompts\[0\]\[0\] = True is not an integer token id"),
+        (dict(prompts=[[np.bool_(True)]]), r"prompts\[0\]\[0\] = (np\.True_|True) is not an integer token id"),
+        (dict(prompts=[np.array([1.0, 2.0])]), r"prompts\[0\] must be a 1-D integer array, got float64"),
+        (dict(prompts=["hello"]), r"prompts\[0\] is a string"),
+        (dict(prompts=[[1, 2**40]]), r"prompts\[0\]\[1\] = 1099511627776 is outside \[0, vocab_size=128\)"),
+        (dict(seed=2**31), r"seed must be in \[-2147483648, 2147483647\], got 2147483648"),
+        (dict(seed=99999999999), r"seed must be in \[-2147483648, 2147483647\]"),
+        (dict(seed=1.5), "seed must be an integer, got 1.5"),
+        (dict(seed=True), "seed must be an integer, got True"),
+        (dict(max_new_tokens=2**31), r"max_new_tokens must be in \[0, 2147483647\]"),
+        (dict(max_new_tokens=4.0), "max_new_tokens must be an integer"),
+        (dict(batch_size=np.int64(0)), r"batch_size must be in \[1, 2147483647\], got 0"),
+        (dict(stop_tokens=["7"]), r"stop_tokens\[0\] = '7' is not an integer token id"),
+        (dict(stop_tokens=[128]), r"stop_tokens\[0\] = 128 is outside \[0, vocab_size=128\)"),
+    ],
+    ids=lambda x: ",".join(f"{k}={v!r}" for k, v in x.items()) if isinstance(x, dict) else "",
+)
+def test_generate_refuses_values_it_would_cast(model, kwargs, message):
+    """Every value that used to be cast (int(3.7) == 3, int("5"), True == 1, an int32 wrap) or run
+    silently (NaN temperature ran greedy) is a ValueError naming the argument and the limit."""
+    kwargs = dict(dict(prompts=[[1, 2]], max_new_tokens=4), **kwargs)
+    with pytest.raises(ValueError, match=message):
+        models.generate(model, kwargs.pop("prompts"), kwargs.pop("max_new_tokens"), **kwargs)
+
+
+def test_numpy_integers_are_token_ids(model, small_layout, prompts, greedy):
+    as_numpy = [np.asarray(p, np.int64) for p in prompts[:2]]
+    as_scalars = [[np.int32(t) for t in p] for p in prompts[2:4]]
+    out = _run(model, small_layout, as_numpy + as_scalars, seed=np.int64(0), max_new_tokens=np.int64(NEW))
+    assert out.tokens == greedy.tokens[:4]
+
+
+# One checkpoint whose config.json names an eos token that greedy decoding of CLI_PROMPT
+# produces; the library and the CLI tests share it (and the compiled steps: same shapes).
+CLI_PROMPT = "hello arena"
+CLI_SHAPES = ["--batch", "4", "--num-pages", "6", "--chunk-size", "8", "--max-seq-len", "64", "--dtype", "float32"]
+
+
+@pytest.fixture(scope="module")
+def eos_checkpoint(model, small_layout, tmp_path_factory):
+    ids = [b % 128 for b in CLI_PROMPT.encode()]
+    free = _run(model, small_layout, [ids], max_new_tokens=6, stop_tokens=()).tokens[0]
+    eos = next(t for i, t in enumerate(free) if i >= 2 and t not in free[:i])  # first seen at step >= 2
+    path = tmp_path_factory.mktemp("eos")
+    _save(path, model)
+    (path / "config.json").write_text(json.dumps(dict(model.config.to_hf(), eos_token_id=eos)))
+    return path, ids, free, eos
+
+
+def test_generate_stops_at_the_checkpoint_eos_by_default(eos_checkpoint, small_layout, prompts, greedy):
+    path, ids, free, eos = eos_checkpoint
+    loaded = models.load_pretrained(path, dtype=jnp.float32).model
+    assert loaded.config.eos_token_ids == (eos,)
+    everything = list(prompts) + [ids]
+    default = _run(loaded, small_layout, everything)
+    unstopped = _run(loaded, small_layout, everything, stop_tokens=())
+    assert unstopped.tokens[:-1] == greedy.tokens  # same weights: without stopping, the same tokens
+    for want, got in zip(unstopped.tokens, default.tokens):
+        assert got == (want[: want.index(eos) + 1] if eos in want else want)
+    assert default.tokens[-1] == free[: free.index(eos) + 1] and len(default.tokens[-1]) < 6
+    assert _run(loaded, small_layout, everything, stop_tokens=[free[0]]).tokens[-1] == free[:1]  # explicit list wins
+
+
+def test_cli_stops_at_eos_unless_told(eos_checkpoint, capsys):
+    from models.cli import main
+
+    path, ids, free, eos = eos_checkpoint
+    args = ["--model-dir", str(path), "--prompt", CLI_PROMPT, "--max-new-tokens", "6", *CLI_SHAPES, "--no-compile-cache"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"[0] {' '.join(map(str, free[: free.index(eos) + 1]))}\n") and f"stop tokens [{eos}]" in out
+    assert main(args + ["--ignore-eos"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"[0] {' '.join(map(str, free))}\n") and "stop tokens none" in out
+
+
 def test_dense_baseline_matches_paged(model, prompts, greedy):
     assert dense_generate(model, prompts, NEW) == greedy.tokens
 
@@ -350,13 +439,35 @@ def test_cli_tiny_model(capsys):
 
 
 @pytest.mark.parametrize(
-    "argv", [["--batch", "0"], ["--max-new-tokens", "x"], ["--bogus"], ["--top-p", "2"], ["--model-dir", "/nonexistent/dir"]]
+    "argv, message",
+    [
+        (["--batch", "0"], "--batch: expected an integer in"),
+        (["--max-new-tokens", "x"], "--max-new-tokens: expected an integer"),
+        (["--bogus"], "unrecognized arguments"),
+        (["--top-p", "2"], r"--top-p: expected a finite number in \(0, 1\], got 2"),
+        (["--top-p", "nan"], r"--top-p: expected a finite number in \(0, 1\], got nan"),
+        (["--temperature", "nan"], "--temperature: expected a finite number >= 0, got nan"),
+        (["--temperature", "inf"], "--temperature: expected a finite number >= 0, got inf"),
+        (["--seed", "99999999999"], r"--seed: expected an integer in \[0, 2,?147,?483,?647\], got 99999999999"),
+        (["--seed", "-1"], "--seed: expected an integer in"),
+        (["--batch", "3000000000"], r"--batch: expected an integer in \[1, 2,?147,?483,?647\]"),
+        (["--top-k", "1000"], "--top-k 1000 exceeds the model's vocab_size 128"),
+        (["--model-dir", "/nonexistent/dir"], "--model-dir /nonexistent/dir"),
+        # sizes the device cannot hold: refused before allocating, with needed and available bytes
+        (["--page-size", "1000000000"], r"--page-size 1000000000.*needs .* bytes.*KV arena.*more than 90% of the .* bytes"),
+        (["--batch", "100000000"], r"--batch 100000000.*needs .* bytes.*more than 90% of the .* bytes"),
+        (["--max-new-tokens", "2000000000"], r"--max-new-tokens = 2000000\d+ tokens: needs .* bytes"),
+        (["--num-pages", "2000000000"], r"--num-pages 2000000000.*needs .* bytes"),
+        (["--num-prompts", "2000000000"], r"--num-prompts 2000000000 x \d+ tokens: needs .* bytes.* this host \(RAM\)"),
+    ],
+    ids=lambda x: " ".join(x) if isinstance(x, list) else "",
 )
-def test_cli_bad_flags(argv, capsys):
+def test_cli_bad_flags(argv, message, capsys):
     from models.cli import main
 
     with pytest.raises(SystemExit) as exc:
         main(argv + ["--no-compile-cache"])  # never touch the user's cache from a test
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "error:" in err and "Traceback" not in err
+    assert "arena-generate: error:" in err and "Traceback" not in err
+    assert re.search(message, err), err

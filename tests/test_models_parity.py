@@ -5,7 +5,9 @@ Each case saves a tiny random `LlamaForCausalLM` / `MistralForCausalLM` with
 `save_pretrained(safe_serialization=True)`, loads it with `models.load_pretrained`, then
 compares (1) chunked, ragged prefill logits at every prompt position, (2) 24 decode-step
 logits, (3) greedy tokens, and (4) `models.generate` (continuous batching, 4 prompts on
-3 rows) against Hugging Face's greedy continuation.
+3 rows) against Hugging Face's `generate` (greedy). Each checkpoint's eos token is one that
+greedy decoding produces, so both sides must stop at it (HF's generate does by default; so
+does ours, reading it from the saved generation_config.json).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ CHUNK = 8  # prefill chunk: prompts longer than it are prefilled in several call
 PROMPT_LENS = (5, 13, 20)  # ragged rows; 20 > sliding window 8 and > CHUNK
 DECODE_STEPS = 24
 EXTRA_PROMPT_LEN = 11  # a 4th prompt for generate: it waits for a free row
+GENERATE_STEPS = 20
 
 CASES = {
     # GQA 4 query / 2 KV heads, Llama 3.1 rope scaling (original context 16 < sequence), tied embeddings.
@@ -85,15 +88,26 @@ def _hf_model(case: dict):
     return model
 
 
+def _stop_token(hf, prompts) -> int:
+    """A token greedy decoding of the first prompt produces (first seen at step >= 2, so that
+    sequence stops early), to be the checkpoint's eos."""
+    free = _hf_greedy(hf, prompts[0], GENERATE_STEPS)
+    return next((t for i, t in enumerate(free) if i >= 2 and t not in free[:i]), free[0])
+
+
 @pytest.fixture(scope="module", params=list(CASES))
 def pair(request, tmp_path_factory):
     hf = _hf_model(CASES[request.param])
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 128, n).tolist() for n in PROMPT_LENS + (EXTRA_PROMPT_LEN,)]
+    eos = _stop_token(hf, prompts)
+    eos_ids = [eos, 127] if request.param.startswith("llama") else eos  # a list (Llama 3 style) or one id
+    hf.config.eos_token_id = hf.generation_config.eos_token_id = eos_ids
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path, safe_serialization=True)
     model, tokenizer = models.load_pretrained(path, dtype=jnp.float32)
     assert tokenizer is None  # no tokenizer.json saved
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(0, 128, n).tolist() for n in PROMPT_LENS + (EXTRA_PROMPT_LEN,)]
+    assert model.config.eos_token_ids == tuple(np.atleast_1d(eos_ids).tolist())  # from generation_config.json
     return request.param, hf, model, prompts
 
 
@@ -182,18 +196,23 @@ def test_prefill_and_decode_logits_match_hf(pair):
 
 
 def test_generate_matches_hf_greedy(pair):
-    """Continuous batching (4 prompts, 3 rows), chunked prefill, per-step logits."""
+    """Continuous batching (4 prompts, 3 rows), chunked prefill, per-step logits, eos stops."""
     name, hf, model, prompts = pair
     if name == "llama_mha":  # the scheduler is architecture-blind; two cases suffice (each costs compiles)
         pytest.skip("generate is covered by the GQA and sliding-window cases")
-    steps = 20
+    steps = GENERATE_STEPS
     result = models.generate(
         model, prompts, steps, batch_size=B, chunk_size=CHUNK, layout=_layout(model), return_logits=True
-    )
+    )  # stop_tokens default: the checkpoint's eos
     assert result.prefill_calls >= 3  # the 20-token prompt needs 3 chunks
+    stopped = 0
     for i, p in enumerate(prompts):
-        want = _hf_greedy(hf, p, steps)
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([p]), max_new_tokens=steps, do_sample=False)  # stops at eos by default
+        want = out[0, len(p) :].tolist()
         assert result.tokens[i] == want, f"{name} prompt {i}"
+        stopped += len(want) < steps
         ref = _hf_logits(hf, p + want[:-1])[len(p) - 1 :]
         _assert_close(result.logits[i], ref, f"{name} generate logits prompt {i}")
+    assert stopped >= 1  # some sequence ended at the eos token, on both sides
     assert aj.health(result.cache)["free_pages"] == _layout(model).num_pages  # every page came back
