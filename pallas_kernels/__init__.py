@@ -5,9 +5,16 @@
 
 Contract (shapes, masking, sliding window): `pallas_kernels.reference`.
 """
-from pallas_kernels._common import BlockSizes
+from pallas_kernels._common import BlockSizes, unsupported_reason
 from pallas_kernels.append import paged_append
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.reference import append_reference, paged_attention_reference
 
-__all__ = ["paged_append", "paged_attention", "BlockSizes", "append_reference", "paged_attention_reference"]
+__all__ = [
+    "paged_append",
+    "paged_attention",
+    "BlockSizes",
+    "unsupported_reason",
+    "append_reference",
+    "paged_attention_reference",
+]
