@@ -112,8 +112,11 @@ class BlockSizes:
         partial results are merged with a log-sum-exp). Decode default: enough programs to
         fill the device twice over; prefill default: 1.
     block_tokens: query tokens per program (prefill), new tokens per program (append); a
-        power of two. In attention a program holds block_tokens x group rows (the query heads
+        power of two. In attention a program holds block_tokens x block_h rows (query heads
         of one KV head, padded to a power of two; at least 16 rows in all).
+    block_h: query heads of one KV group per program, a power of two; a larger group is
+        split over several programs (each reads the group's K/V). Default: the whole group
+        up to 64 heads (16 in float32).
     num_warps, num_stages: Triton launch parameters.
     """
 
@@ -123,6 +126,7 @@ class BlockSizes:
     num_warps: int | None = None
     num_stages: int | None = None
     block_k: int | None = None
+    block_h: int | None = None
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -131,6 +135,8 @@ class BlockSizes:
                 raise ValueError(f"BlockSizes.{field.name} must be a positive int or None, got {value!r}")
         if self.block_tokens is not None and not is_pow2(self.block_tokens):
             raise ValueError(f"BlockSizes.block_tokens must be a power of two, got {self.block_tokens}")
+        if self.block_h is not None and not is_pow2(self.block_h):
+            raise ValueError(f"BlockSizes.block_h must be a power of two, got {self.block_h}")
         if self.block_k is not None and (not is_pow2(self.block_k) or self.block_k < MIN_TILE):
             raise ValueError(f"BlockSizes.block_k must be a power of two >= {MIN_TILE}, got {self.block_k}")
 
@@ -149,28 +155,33 @@ class BlockSizes:
         query rows (tokens x GQA group, tensor cores: wgmma) and takes 64 keys per step (32 for
         heads wider than 128). float32 dots are exact IEEE FMA loops whose register use ptxas
         handles erratically (larger tiles spill by hundreds of bytes to kilobytes): 16 query rows
-        and 16 keys per step, 4 warps, for every head size.
+        and 16 keys per step, 4 warps, for every head size. Groups of more than 64 query
+        heads (16 in float32) are split over programs (block_h) rather than growing the tile.
         """
         decode = tokens == 1
         tile_d = head_tile(head_dim)
+        max_rows = MIN_TILE if itemsize >= 4 else 64
+        block_h = min(next_pow2(group), max_rows)
+        if decode:
+            block_tokens = 1
+        else:
+            block_tokens = min(next_pow2(tokens), max(1, max_rows // block_h))
+        rows = max(block_tokens * block_h, MIN_TILE)
         if itemsize >= 4:
             block_k = MIN_TILE
-        elif decode:
-            block_k = min(128, max(MIN_TILE, 16384 // (tile_d * itemsize)))
+        elif decode:  # 16 KiB K tiles, and a [rows, block_k] score tile of at most 64 x 64
+            block_k = min(128, max(MIN_TILE, 16384 // (tile_d * itemsize)), max(MIN_TILE, 4096 // rows))
         else:
             block_k = 64 if tile_d <= 128 else 32
         if decode:
-            programs = batch * num_kv_heads
+            programs = batch * num_kv_heads * cdiv(group, block_h)
             max_blocks = max(1, cdiv(max_pages * page_size, block_k))
             num_splits = max(1, min(64, max_blocks, cdiv(2 * num_sms(), programs)))
-            block_tokens = 1
         else:
             num_splits = 1
-            max_rows = MIN_TILE if itemsize >= 4 else 64
-            block_tokens = min(next_pow2(tokens), max(1, max_rows // next_pow2(group)))
-        rows = max(block_tokens * next_pow2(group), MIN_TILE)
         return cls(
             block_k=block_k,
+            block_h=block_h,
             num_splits=num_splits,
             block_tokens=block_tokens,
             num_warps=4 if rows * tile_d <= 64 * 128 or itemsize >= 4 else 8,

@@ -1,10 +1,12 @@
 """Paged attention straight from the arena: decode (flash-decoding) and (chunked) prefill.
 
-One kernel family. A program owns (batch row b, KV head h, query-token block, split) and
-holds `block_tokens x group_pad` query rows: every query head of the KV group (GQA, packed
-so K/V are read once per group) for `block_tokens` new tokens; row r is token
-`r // group_pad`, head `r % group_pad`. Rows are padded up to Triton's 16-row minimum for
-`dot`: decode (one token) pads the group; prefill packs tokens.
+One kernel family. A program owns (batch row b, KV head h and a block of its query heads,
+query-token block, split) and holds `block_tokens x group_pad` query rows: the query heads
+of the KV group (GQA, packed so K/V are read once per group; groups larger than `block_h`
+heads, 64 or 16 in float32, are split over `cdiv(group, block_h)` programs) for
+`block_tokens` new tokens; row r is token `r // group_pad`, head `r % group_pad` of the block.
+Rows are padded up to Triton's 16-row minimum for `dot`: decode (one token) pads the group
+(any size: 5 and 6 pad to 8, then 16); prefill packs tokens.
 
 The program streams the row's K/V `block_k` tokens at a time (a power of two, whatever the
 page size: several small pages per step, or a large page over several steps); each token
@@ -81,11 +83,13 @@ def _attention_kernel(
     block_tokens: int,
     group: int,
     group_pad: int,
+    head_blocks: int,
     block_k: int,
     tile_d: int,
     num_splits: int,
 ):
-    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b, hj, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    h, hb = lax.div(hj, head_blocks), lax.rem(hj, head_blocks)  # KV head, block of its query heads
     tb, split = lax.div(j, num_splits), lax.rem(j, num_splits)
     num_layers, _, _, page_size, head_dim = k_ref.shape
     _, tokens, _, _ = q_ref.shape
@@ -100,7 +104,7 @@ def _attention_kernel(
 
     r = jnp.arange(rows, dtype=jnp.int32)
     t = tb * block_tokens + lax.div(r, group_pad)  # [rows] token of each row
-    g = lax.rem(r, group_pad)  # [rows] head within the group
+    g = hb * group_pad + lax.rem(r, group_pad)  # [rows] head within the group
     row_live = (t < n_valid) & (g < group)
     q_pos = start + t  # [rows]
     head = h * group + jnp.minimum(g, group - 1)
@@ -209,8 +213,10 @@ def _paged_attention_call(
     block_tokens = block_sizes.block_tokens
     num_splits = block_sizes.num_splits
     block_k = block_sizes.block_k
-    group_pad = max(next_pow2(group), MIN_TILE // block_tokens, 1)  # >= 16 rows for tl.dot
-    grid = (batch, num_kv_heads, cdiv(tokens, block_tokens) * num_splits)
+    block_h = min(block_sizes.block_h, next_pow2(group))
+    head_blocks = cdiv(group, block_h)
+    group_pad = max(block_h, MIN_TILE // block_tokens, 1)  # >= 16 rows for tl.dot
+    grid = (batch, num_kv_heads * head_blocks, cdiv(tokens, block_tokens) * num_splits)
     kernel = functools.partial(
         _attention_kernel,
         sm_scale=sm_scale,
@@ -218,6 +224,7 @@ def _paged_attention_call(
         block_tokens=block_tokens,
         group=group,
         group_pad=group_pad,
+        head_blocks=head_blocks,
         block_k=block_k,
         tile_d=head_tile(head_dim),
         num_splits=num_splits,
@@ -238,7 +245,7 @@ def _paged_attention_call(
         out_shape=out_shape,
         compiler_params=compiler_params(block_sizes.num_warps, block_sizes.num_stages),
         interpret=interpret,
-        name=f"paged_attention_bt{block_tokens}_g{group_pad}_bk{block_k}_d{head_tile(head_dim)}_s{num_splits}",
+        name=f"paged_attention_bt{block_tokens}_g{group_pad}x{head_blocks}_bk{block_k}_d{head_tile(head_dim)}_s{num_splits}",
     )(layer, lengths, num_tokens, page_map, q, k_arena, v_arena)
     if num_splits == 1:
         return out

@@ -38,7 +38,7 @@ import warnings
 
 import jax
 
-__all__ = ["SM90", "KernelFacts", "tooling_problem", "compile_call", "occupancy"]
+__all__ = ["SM90", "KernelFacts", "tooling_problem", "compile_call", "lower_triton_calls", "h100_lowering", "occupancy"]
 
 TRITON_TARGET = "__gpu$xla.gpu.triton"
 # JAX >= 0.11 warns that the Pallas Triton lowering is deprecated (id `jax-pallas-triton`); we
@@ -155,7 +155,7 @@ def tooling_problem(via: str = "xla") -> str | None:
 
 
 @contextlib.contextmanager
-def _h100_lowering():
+def h100_lowering():
     """JAX >= 0.11 asks the default device which GPU the Triton lowering targets; on a host
     without one, name an H100 through an abstract mesh. JAX 0.10 needs nothing."""
     with warnings.catch_warnings():
@@ -190,7 +190,7 @@ def lower_triton_calls(fn, args) -> list[_TritonCall]:
     from jax._src.lib.mlir import ir
 
     checks = [export.DisabledSafetyCheck.custom_call(TRITON_TARGET)]
-    with _h100_lowering():
+    with h100_lowering():
         exported = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args)
     calls = []
     with jax_mlir.make_ir_context():
@@ -233,7 +233,7 @@ def _xla_ptx(fn, args, names, workdir) -> dict:
         _H100_SHARDING = jax.sharding.SingleDeviceSharding(topo.devices[0])
     placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_H100_SHARDING) for a in args]
     dump = tempfile.mkdtemp(prefix="xla_", dir=workdir)
-    with _h100_lowering():
+    with h100_lowering():
         jax.jit(fn).trace(*placed).lower().compile({"xla_dump_to": dump})
     files = sorted(os.listdir(dump))
     ptxs = [open(os.path.join(dump, f)).read() for f in files if f.endswith(".ptx")]

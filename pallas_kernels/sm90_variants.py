@@ -15,7 +15,8 @@ pressure and shared memory:
   group 4, page 16), and in append;
 - every page size (1 ... 256) in decode and prefill at head_dim 128 (and 256 for the two
   extremes), where page lookups per key are most (page 1) or a page spans several steps (256);
-- GQA groups 1, 4, 5, 6, 8 in decode and prefill, odd groups at awkward head sizes.
+- GQA groups 1, 4, 5, 6, 8, 16 and 71 (Falcon-7B's multi-query attention: split over
+  programs of 64 query heads, 16 in float32) in decode and prefill at awkward head sizes.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ KINDS = ("decode", "decode-split", "prefill", "chunked", "window-decode", "windo
 DTYPES = ("bfloat16", "float16", "float32")
 HEAD_DIMS = (64, 80, 96, 112, 120, 128, 160, 192, 256)
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-GROUPS = (1, 4, 5, 6, 8)
+GROUPS = (1, 4, 5, 6, 8, 16, 71)  # 71: Falcon-7B (71 query heads, 1 KV head)
 
 # kind -> (batch, new tokens per row, sliding window); decode batch 64 x 8 KV heads fills an H100
 # in one split, batch 4 needs several; a chunk is 16 new tokens after a 4080-token prefix.
@@ -102,6 +103,7 @@ def _ci_variants() -> tuple[Variant, ...]:
     for g in GROUPS:  # every GQA group; odd ones at odd head sizes
         out += [Variant("decode", head_dim=96, group=g), Variant("prefill", head_dim=80, group=g)]
     out += [Variant("decode-split", "float16", head_dim=112, page_size=8, group=5),
+            Variant("decode", "float32", head_dim=64, group=71), Variant("prefill", "float32", head_dim=64, group=71),
             Variant("chunked", "bfloat16", head_dim=160, page_size=32, group=6)]
     seen, unique = set(), []
     for v in out:
