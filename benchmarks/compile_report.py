@@ -71,7 +71,8 @@ def _cells(row: dict) -> dict:
         spills=f"{row['spill_stores']}/{row['spill_loads']}",
         smem=str(row["smem"]),
         ctas=f"{row['ctas_per_sm']} ({row['limiter']})",
-        tc=f"{row['tensor_core']} {mnk}".strip() if row["tensor_core"] != "none" else "none (fp32 FMA)",
+        tc=(f"{row['tensor_core']} {mnk}".strip() if row["tensor_core"] != "none"
+            else "none (copy)" if row["kernel"].startswith("paged_append") else "none (fp32 FMA)"),
         tma="yes" if row["tma"] else "no",
         seconds=f"{row['seconds']:.1f}",
     )
