@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -42,12 +43,34 @@ def default_backend() -> str:
     return "pallas" if jax.default_backend() == "gpu" else "reference"
 
 
-def _resolve_backend(backend: str | None) -> str:
-    if backend is None:
-        return default_backend()
-    if backend not in BACKENDS:
+_FALLBACK_WARNED: set[str] = set()
+
+
+def _resolve_backend(backend: str | None, layout, group: int | None = None) -> str:
+    """The backend for one call, decided on the host before jit.
+
+    Pallas asked for (per call, or `$ARENA_JAX_BACKEND`) on a geometry the kernels cannot take
+    (`pallas_kernels.unsupported_reason`): ValueError naming the field and the limit. Pallas by
+    default (on a GPU): the reference path instead, with a warning naming the reason, once.
+    """
+    if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; expected one of {BACKENDS}")
-    return backend
+    asked = backend or os.environ.get(BACKEND_ENV, "").strip().lower() or None
+    chosen = backend or default_backend()
+    if chosen != "pallas":
+        return chosen
+    from pallas_kernels import unsupported_reason
+
+    reason = unsupported_reason(head_dim=layout.head_dim, page_size=layout.page_size, group=group, dtype=layout.dtype)
+    if reason is None:
+        return "pallas"
+    if asked == "pallas":
+        raise ValueError(f"backend='pallas' cannot take this layout: {reason}")
+    if reason not in _FALLBACK_WARNED:
+        _FALLBACK_WARNED.add(reason)
+        warnings.warn(f"arena_jax: the Pallas kernels cannot take this layout ({reason}); using the jnp "
+                      "reference path", RuntimeWarning, stacklevel=3)
+    return "reference"
 
 
 def _check_cache(cache):
@@ -188,7 +211,7 @@ def append(cache: KVCache, layer, slots, k, v, *, num_tokens=None, backend: str 
     n = concrete(num_tokens)
     if n is not None and n.size and n.max() > tokens:
         raise ValueError(f"num_tokens={int(n.max())} exceeds the {tokens} tokens given in k and v")
-    return _append(cache, layer, slots, jnp.asarray(k), jnp.asarray(v), num_tokens, _resolve_backend(backend))
+    return _append(cache, layer, slots, jnp.asarray(k), jnp.asarray(v), num_tokens, _resolve_backend(backend, layout))
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "sliding_window", "sm_scale"))
@@ -234,5 +257,5 @@ def attend(
                     f"num_tokens[{b}]={int(n[b])} exceeds the {int(written[s[b]])} tokens written at layer {int(lay)} "
                     f"for slot {int(s[b])}: attend reads only appended tokens (append them first)"
                 )
-    backend = _resolve_backend(backend)
+    backend = _resolve_backend(backend, layout, group=q.shape[2] // layout.num_kv_heads)
     return _attend(jnp.asarray(q), cache, layer, slots, num_tokens, backend, sliding_window, sm_scale)

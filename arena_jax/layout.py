@@ -10,11 +10,22 @@ import numpy as np
 
 from arena_jax.hf_config import kv_geometry, read_hf_config  # read_hf_config: re-exported
 
-__all__ = ["KVLayout", "PAGE_ALIGN_BYTES", "ARENA_DTYPES", "read_hf_config"]
+__all__ = ["KVLayout", "ROW_ALIGN_BYTES", "ARENA_DTYPES", "read_hf_config"]
 
-# One page of one head (page_size * head_dim * itemsize) is a multiple of this, so
-# the pages that decode attention streams start on aligned addresses.
-PAGE_ALIGN_BYTES = 256
+# One token of one head (head_dim * itemsize) is a whole number of 16-byte vectors. Why this
+# rule and no other:
+# - It is what the hardware asks of a row: 16 bytes is the widest vector load/store (LDG.128,
+#   cp.async) and the stride TMA requires (cuTensorMapEncode: global strides are multiples
+#   of 16 bytes), so every token row, and so every page, of every head starts 16-byte aligned
+#   whatever the page size; a future TMA kernel can stream pages as they are.
+# - A page-level rule (the former 256-byte pages) forbade small pages of real heads (page 1 of
+#   head_dim 96 in bf16 is 192 bytes) for no correctness reason: the kernels gather every key
+#   row by itself, so page alignment beyond the row's buys nothing.
+# - No real model is excluded: head sizes are multiples of 8 (bf16/fp16: 16 bytes) and of 16
+#   for 8-bit arenas.
+# Which geometries the Pallas kernels take is a separate question (head_dim a multiple of 8 up
+# to 256): `pallas_kernels.unsupported_reason`, asked by arena_jax's backend choice.
+ROW_ALIGN_BYTES = 16
 
 # What an arena can hold (what `jnp.zeros(..., dtype)` really stores, on every backend).
 ARENA_DTYPES = ("bfloat16", "float16", "float32")
@@ -58,11 +69,11 @@ class KVLayout:
                 + (" (JAX without jax_enable_x64 would store float64 as float32)" if dtype.name == "float64" else "")
             )
         object.__setattr__(self, "dtype", dtype)
-        head_page = self.page_size * self.head_dim * dtype.itemsize
-        if head_page % PAGE_ALIGN_BYTES:
+        row = self.head_dim * dtype.itemsize
+        if row % ROW_ALIGN_BYTES:
             raise ValueError(
-                f"page_size * head_dim * itemsize = {self.page_size}*{self.head_dim}*{dtype.itemsize} = {head_page} bytes "
-                f"must be a multiple of {PAGE_ALIGN_BYTES} bytes (one page of one head); raise page_size"
+                f"head_dim * itemsize = {self.head_dim}*{dtype.itemsize} = {row} bytes must be a multiple of "
+                f"{ROW_ALIGN_BYTES} bytes (one token of one head: 16-byte vector loads and TMA strides)"
             )
         if self.num_pages >= np.iinfo(np.int32).max or self.max_pages_per_seq * self.page_size >= np.iinfo(np.int32).max:
             raise ValueError("num_pages and max_pages_per_seq * page_size must fit in int32")

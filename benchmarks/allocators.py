@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import arena_jax as aj
-from arena_jax.layout import PAGE_ALIGN_BYTES
+from arena_jax.layout import ROW_ALIGN_BYTES
 
 __all__ = [
     "Seq",
@@ -86,7 +86,7 @@ class StepResult:
 def tiny_arena_layout(num_pages: int, page_size: int, max_seqs: int, max_seq_len: int) -> aj.KVLayout:
     """A real arena with the budget's page count and the smallest legal page (1 layer, 1 KV head)."""
     head_dim = 8
-    while (page_size * head_dim * 2) % PAGE_ALIGN_BYTES:  # bf16: 2 bytes
+    while (head_dim * 2) % ROW_ALIGN_BYTES:  # bf16: 2 bytes
         head_dim *= 2
     return aj.KVLayout(
         num_layers=1,

@@ -6,6 +6,7 @@ end-to-end decode against a dense cache, and the Pallas kernels.
     arena-bench capacity              arena vs contiguous allocators serving one workload
     arena-bench decode                tokens/s and step latency, paged arena vs dense cache
     arena-bench kernels               append / paged-attention kernel timings (GPU)
+    arena-bench kernels --compile-report   static sm_90a facts of every kernel variant (no GPU)
 
 Every subcommand takes --json PATH (results + device, JAX version, date, arguments);
 capacity, decode and kernels take --plot PATH (PNG).
@@ -155,6 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-kv-heads", type=positive_int, default=None)
     p.add_argument("--head-dim", type=positive_int, default=None)
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None)
+    p.add_argument("--compile-report", action="store_true",
+                   help="instead of timings: compile every kernel variant for an H100 (sm_90a) without a GPU and print "
+                        "registers, spills, shared memory, CTAs/SM, tensor-core instruction, TMA "
+                        "(needs scripts/install_sm90_tools.sh; JAX_PLATFORMS=cpu on a host without a GPU)")
+    p.add_argument("--via", choices=("xla", "plugin"), default="xla",
+                   help="--compile-report: XLA's deviceless GPU compiler (what runs on a GPU) or the CUDA plugin's Triton handler")
+    p.add_argument("--only", metavar="TEXT", help="--compile-report: only variants whose label contains TEXT")
     parser.subcommands = sub.choices  # name -> subparser, to report errors per subcommand
     return parser
 
@@ -391,8 +399,32 @@ def _check_kernel_memory(k: dict) -> None:
         raise _Fail(str(exc)) from None
 
 
+def _cmd_compile_report(args, console, progress) -> dict:
+    from benchmarks.compile_report import format_table, run_compile_report
+
+    console.print("[bold]kernels --compile-report[/bold]: every kernel variant compiled for sm_90a (H100), no GPU ...")
+    del progress
+    try:
+        result = run_compile_report(via=args.via, only=args.only)
+    except RuntimeError as exc:
+        raise _Fail(str(exc)) from None
+    meta = result["metadata"]
+    print(format_table(result["rows"]))
+    spills = [r["variant"] for r in result["rows"] if r["spill_stores"] or r["spill_loads"]]
+    console.print(
+        f"  {len(result['rows'])} kernels ({meta['variants']} variants), jax {meta['jax']}, via {meta['via']}, "
+        f"{meta['wall_s']} s; spills: {', '.join(spills) if spills else 'none'}"
+    )
+    console.print("  smem: Triton's dynamic shared memory + ptxas static, per CTA; CTAs/SM: an sm_90 estimate from "
+                  "registers, shared memory and warps (its limiter in brackets). Static facts, not timings.")
+    return result
+
+
 def _cmd_kernels(args, console, progress) -> dict:
     import inspect
+
+    if args.compile_report:
+        return _cmd_compile_report(args, console, progress)
 
     from benchmarks import report
 

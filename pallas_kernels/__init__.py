@@ -3,11 +3,20 @@
     paged_append(k_arena, v_arena, layer, k, v, page_map, lengths, num_tokens) -> (k_arena, v_arena)
     paged_attention(q, k_arena, v_arena, layer, page_map, lengths, num_tokens) -> out
 
-Contract (shapes, masking, sliding window): `pallas_kernels.reference`.
+Contract (shapes, masking, sliding window): `pallas_kernels.reference`. Which geometries the
+kernels take: `unsupported_reason(head_dim=, page_size=, group=, dtype=)` (None when they can).
+Compiling them for an H100 without a GPU: `pallas_kernels.sm90`.
 """
-from pallas_kernels._common import BlockSizes
+from pallas_kernels._common import BlockSizes, unsupported_reason
 from pallas_kernels.append import paged_append
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.reference import append_reference, paged_attention_reference
 
-__all__ = ["paged_append", "paged_attention", "BlockSizes", "append_reference", "paged_attention_reference"]
+__all__ = [
+    "paged_append",
+    "paged_attention",
+    "BlockSizes",
+    "unsupported_reason",
+    "append_reference",
+    "paged_attention_reference",
+]

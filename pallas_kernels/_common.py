@@ -14,6 +14,7 @@ Version notes (the kernels use the Triton lowering of `pl.pallas_call`):
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -25,12 +26,15 @@ try:  # the Triton-specific Pallas API
 except ImportError:  # pragma: no cover - very old JAX
     plgpu = None
 
-__all__ = ["BlockSizes", "masked_load", "masked_store", "compiler_params", "resolve_interpret"]
+__all__ = ["BlockSizes", "unsupported_reason", "head_tile", "masked_load", "masked_store", "compiler_params",
+           "resolve_interpret"]
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-# Triton's tensor dims must be powers of two, and tl.dot needs every dim >= 16.
+# Triton's tensor dims must be powers of two, and tl.dot needs every dim >= 16: the kernels pad
+# head_dim to HEAD_TILE(head_dim) = next power of two >= 16 and mask the padding lanes.
 MIN_TILE = 16
-MAX_HEAD_DIM = 256
+HEAD_DIM_MULTIPLE = 8  # one token row of one head is whole 16-byte vectors in bf16/fp16
+MAX_HEAD_DIM = 256  # the largest tile the sm_90a compile checks cover without spills
 
 
 # ---- version shims ---------------------------------------------------------------------------
@@ -90,18 +94,29 @@ def num_sms() -> int:
 # ---- tile sizes --------------------------------------------------------------------------------
 
 
+def head_tile(head_dim: int) -> int:
+    """The kernels' tile along head_dim: the next power of two >= 16 (lanes >= head_dim are masked)."""
+    return max(MIN_TILE, next_pow2(head_dim))
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """Tile sizes for the Pallas kernels; None fields take a default chosen from the shapes.
 
-    pages_per_block: pages streamed per inner-loop step (tokens per step =
-        pages_per_block * page_size; must be a power of two >= 16).
+    block_k: keys streamed per inner-loop step of attention, a power of two >= 16, whatever
+        the page size: a step covers several small pages (block_k > page_size) or part of a
+        large one (block_k < page_size); every key looks up its own page.
+    pages_per_block: the older way to say block_k, as pages per step
+        (block_k = pages_per_block * page_size); give at most one of the two.
     num_splits: programs that split one row's context (split-K / flash-decoding; their
         partial results are merged with a log-sum-exp). Decode default: enough programs to
         fill the device twice over; prefill default: 1.
     block_tokens: query tokens per program (prefill), new tokens per program (append); a
-        power of two. In attention a program holds block_tokens x group rows (the query heads
+        power of two. In attention a program holds block_tokens x block_h rows (query heads
         of one KV head, padded to a power of two; at least 16 rows in all).
+    block_h: query heads of one KV group per program, a power of two; a larger group is
+        split over several programs (each reads the group's K/V). Default: the whole group
+        up to 64 heads (16 in float32).
     num_warps, num_stages: Triton launch parameters.
     """
 
@@ -110,6 +125,8 @@ class BlockSizes:
     block_tokens: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
+    block_k: int | None = None
+    block_h: int | None = None
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -118,44 +135,112 @@ class BlockSizes:
                 raise ValueError(f"BlockSizes.{field.name} must be a positive int or None, got {value!r}")
         if self.block_tokens is not None and not is_pow2(self.block_tokens):
             raise ValueError(f"BlockSizes.block_tokens must be a power of two, got {self.block_tokens}")
+        if self.block_h is not None and not is_pow2(self.block_h):
+            raise ValueError(f"BlockSizes.block_h must be a power of two, got {self.block_h}")
+        if self.block_k is not None and (not is_pow2(self.block_k) or self.block_k < MIN_TILE):
+            raise ValueError(f"BlockSizes.block_k must be a power of two >= {MIN_TILE}, got {self.block_k}")
 
     @classmethod
     def for_attention(
-        cls, *, batch: int, tokens: int, num_kv_heads: int, group: int, page_size: int, head_dim: int, max_pages: int
+        cls, *, batch: int, tokens: int, num_kv_heads: int, group: int, page_size: int, head_dim: int, max_pages: int,
+        itemsize: int = 2,
     ) -> "BlockSizes":
-        """Defaults per shape: decode streams ~128 tokens per step and splits the context until
-        the device holds about two waves of programs; prefill uses 64-row query tiles."""
+        """Defaults per shape, chosen so that every shape compiles for sm_90a without spills
+        (tests/test_compile_sm90.py; `arena-bench kernels --compile-report` prints the facts).
+
+        Decode streams K/V tiles of 16 KiB (64 keys of a 128-wide bf16 head, 32 of a 256-wide
+        one, at most 128 keys): ~165 registers and 3 CTAs per SM, where 32 KiB tiles sit at the
+        255-register cap (2 CTAs/SM) and spill through the plugin's Triton route. It splits the
+        context until the device holds about two waves of programs. bf16/fp16 prefill packs 64
+        query rows (tokens x GQA group, tensor cores: wgmma) and takes 64 keys per step (32 for
+        heads wider than 128). float32 dots are exact IEEE FMA loops whose register use ptxas
+        handles erratically (larger tiles spill by hundreds of bytes to kilobytes): 16 query rows
+        and 16 keys per step, 4 warps, for every head size. Groups of more than 64 query
+        heads (16 in float32) are split over programs (block_h) rather than growing the tile.
+        """
         decode = tokens == 1
-        target_block_k = (128 if head_dim <= 128 else 64) if decode else 64
-        pages_per_block = max(1, target_block_k // page_size, cdiv(MIN_TILE, page_size))
-        block_k = pages_per_block * page_size
+        tile_d = head_tile(head_dim)
+        max_rows = MIN_TILE if itemsize >= 4 else 64
+        block_h = min(next_pow2(group), max_rows)
         if decode:
-            programs = batch * num_kv_heads
-            max_blocks = max(1, cdiv(max_pages * page_size, block_k))
-            num_splits = max(1, min(64, max_blocks, cdiv(2 * num_sms(), programs)))
             block_tokens = 1
         else:
+            block_tokens = min(next_pow2(tokens), max(1, max_rows // block_h))
+        rows = max(block_tokens * block_h, MIN_TILE)
+        if itemsize >= 4:
+            block_k = MIN_TILE
+        elif decode:  # 16 KiB K tiles, and a [rows, block_k] score tile of at most 64 x 64
+            block_k = min(128, max(MIN_TILE, 16384 // (tile_d * itemsize)), max(MIN_TILE, 4096 // rows))
+        else:
+            block_k = 64 if tile_d <= 128 else 32
+        if decode:
+            programs = batch * num_kv_heads * cdiv(group, block_h)
+            max_blocks = max(1, cdiv(max_pages * page_size, block_k))
+            num_splits = max(1, min(64, max_blocks, cdiv(2 * num_sms(), programs)))
+        else:
             num_splits = 1
-            block_tokens = min(next_pow2(tokens), max(1, 64 // next_pow2(group)))
-        rows = block_tokens * max(next_pow2(group), 1)
         return cls(
-            pages_per_block=pages_per_block,
+            block_k=block_k,
+            block_h=block_h,
             num_splits=num_splits,
             block_tokens=block_tokens,
-            num_warps=4 if rows * head_dim <= 64 * 128 else 8,
-            num_stages=2 if decode else 2,
+            num_warps=4 if rows * tile_d <= 64 * 128 or itemsize >= 4 else 8,
+            num_stages=2,
         )
 
     @classmethod
     def for_append(cls, *, tokens: int, head_dim: int) -> "BlockSizes":
         """Append: up to 64 tokens x head_dim per program."""
-        return cls(block_tokens=min(next_pow2(tokens), 64), num_warps=4 if head_dim <= 128 else 8, num_stages=1)
+        return cls(block_tokens=min(next_pow2(tokens), 64), num_warps=4 if head_tile(head_dim) <= 128 else 8,
+                   num_stages=1)
 
     def filled(self, defaults: "BlockSizes") -> "BlockSizes":
         """Self with None fields taken from `defaults`."""
         return dataclasses.replace(
             self, **{f.name: getattr(defaults, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is None}
         )
+
+
+def resolve_block_k(block_sizes: BlockSizes, page_size: int) -> BlockSizes:
+    """`block_k` from `pages_per_block` when only the latter is given; checks both agree."""
+    ppb, block_k = block_sizes.pages_per_block, block_sizes.block_k
+    if ppb is None:
+        return block_sizes
+    keys = ppb * page_size
+    if not is_pow2(keys) or keys < MIN_TILE:
+        raise ValueError(
+            f"pages_per_block * page_size = {ppb} * {page_size} = {keys} must be a power of two "
+            f">= {MIN_TILE} (Triton tile limits); or give BlockSizes.block_k instead"
+        )
+    if block_k is not None and block_k != keys:
+        raise ValueError(f"BlockSizes.block_k={block_k} and pages_per_block * page_size = {keys} disagree; give one")
+    return dataclasses.replace(block_sizes, block_k=keys)
+
+
+def _as_int(x) -> int | None:
+    try:
+        return None if isinstance(x, bool) else operator.index(x)
+    except TypeError:
+        return None
+
+
+def unsupported_reason(*, head_dim, page_size=None, group=None, dtype=None) -> str | None:
+    """Why the Pallas kernels cannot take this geometry, or None when they can.
+
+    head_dim: any multiple of 8 up to 256 (padded in-kernel to a power-of-two tile, the
+    padding masked); page_size: any >= 1 (attention steps over keys, each key finds its own
+    page); group (query heads per KV head): any >= 1; dtype: bfloat16, float16 or float32.
+    `arena_jax` asks this before choosing the Pallas backend.
+    """
+    if dtype is not None and jnp.dtype(dtype) not in SUPPORTED_DTYPES:
+        return f"dtype={jnp.dtype(dtype).name}: the Pallas kernels take bfloat16, float16 or float32"
+    d = _as_int(head_dim)
+    if d is None or not 0 < d <= MAX_HEAD_DIM or d % HEAD_DIM_MULTIPLE:
+        return f"head_dim={head_dim}: the Pallas kernels take multiples of {HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM}"
+    for name, value in (("page_size", page_size), ("group", group)):
+        if value is not None and not (_as_int(value) or 0) >= 1:
+            return f"{name}={value}: must be a positive int"
+    return None
 
 
 # ---- argument checks ---------------------------------------------------------------------------
@@ -170,9 +255,9 @@ def check_arena(k_arena, v_arena):
             raise ValueError(f"{name}.dtype must be one of bfloat16/float16/float32, got {arr.dtype}")
     if k_arena.shape != v_arena.shape or k_arena.dtype != v_arena.dtype:
         raise ValueError(f"k_arena {k_arena.shape} {k_arena.dtype} and v_arena {v_arena.shape} {v_arena.dtype} must match")
-    head_dim = k_arena.shape[4]
-    if not is_pow2(head_dim) or not MIN_TILE <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim={head_dim} must be a power of two in [{MIN_TILE}, {MAX_HEAD_DIM}] (Triton tile limits)")
+    reason = unsupported_reason(head_dim=k_arena.shape[4])
+    if reason:
+        raise ValueError(f"k_arena {reason}")
     return tuple(k_arena.shape)
 
 
@@ -223,16 +308,6 @@ def check_tokens(name: str, x, *, batch: int | None, heads: int | None, head_dim
         raise ValueError(f"{name} has {h} heads, the arena holds {heads} KV heads")
     if d != head_dim:
         raise ValueError(f"{name} head_dim {d} != arena head_dim {head_dim}")
-
-
-def check_block_k(pages_per_block: int, page_size: int) -> int:
-    block_k = pages_per_block * page_size
-    if not is_pow2(block_k) or block_k < MIN_TILE:
-        raise ValueError(
-            f"pages_per_block * page_size = {pages_per_block} * {page_size} = {block_k} must be a power of two "
-            f">= {MIN_TILE} (Triton tile limits)"
-        )
-    return block_k
 
 
 def index_of(*idx):

@@ -7,6 +7,8 @@ the new tokens' bytes move. Masked lanes (padding tokens, rows with num_tokens =
 unmapped pages, positions past the page table) are pointed at the out-of-range page
 `num_pages` and masked, so they neither write on GPU nor collide with a live lane when
 interpret mode discharges the store into a scatter (which drops out-of-range indices).
+`head_dim` (any multiple of 8) is padded to a power-of-two tile; lanes past it are masked
+(and out of range, so interpret mode drops them too): nothing past a head is read or written.
 Contract: `pallas_kernels.reference.append_reference`.
 """
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pallas_kernels._common import (
     check_rows,
     check_tokens,
     compiler_params,
+    head_tile,
     index_of,
     masked_load,
     masked_store,
@@ -51,6 +54,7 @@ def _append_kernel(
     v_arena_ref,  # [layers, kv_heads, pages, page_size, head_dim]
     *,
     block_tokens: int,
+    tile_d: int,
 ):
     del k_arena_in_ref, v_arena_in_ref  # same buffers as the outputs
     b, h, tb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -76,12 +80,12 @@ def _append_kernel(
     offset = jnp.where(live, lax.rem(pos_c, page_size), 0)
     layer = jnp.clip(layer, 0, num_layers - 1)
 
-    d = jnp.arange(head_dim, dtype=jnp.int32)[None, :]  # [1, head_dim]
-    mask = jnp.broadcast_to(live[:, None], (block_tokens, head_dim))
-    src = index_of(b, jnp.minimum(t, tokens - 1)[:, None], h, d)  # [block_tokens, head_dim] each
+    d = jnp.arange(tile_d, dtype=jnp.int32)[None, :]  # [1, tile_d]; lanes >= head_dim are padding
+    mask = live[:, None] & (d < head_dim)  # [block_tokens, tile_d]
+    src = index_of(b, jnp.minimum(t, tokens - 1)[:, None], h, d)  # [block_tokens, tile_d] each
     dst = index_of(layer, h, page[:, None], offset[:, None], d)
     for x_ref, arena_ref in ((k_ref, k_arena_ref), (v_ref, v_arena_ref)):
-        x = masked_load(x_ref.at[src], mask=mask, other=0)  # [block_tokens, head_dim]
+        x = masked_load(x_ref.at[src], mask=mask, other=0)  # [block_tokens, tile_d]
         masked_store(arena_ref.at[dst], x.astype(arena_ref.dtype), mask=mask)
 
 
@@ -91,7 +95,7 @@ def _paged_append_call(k_arena, v_arena, layer, k, v, page_map, lengths, num_tok
     batch, tokens, _, _ = k.shape
     block_tokens = block_sizes.block_tokens
     grid = (batch, num_kv_heads, cdiv(tokens, block_tokens))
-    kernel = functools.partial(_append_kernel, block_tokens=block_tokens)
+    kernel = functools.partial(_append_kernel, block_tokens=block_tokens, tile_d=head_tile(head_dim))
     arena_shape = jax.ShapeDtypeStruct(k_arena.shape, k_arena.dtype)
     # No BlockSpecs: every ref is the whole array (the kernel gathers by page itself).
     return pl.pallas_call(
@@ -101,7 +105,7 @@ def _paged_append_call(k_arena, v_arena, layer, k, v, page_map, lengths, num_tok
         input_output_aliases={6: 0, 7: 1},
         compiler_params=compiler_params(block_sizes.num_warps, block_sizes.num_stages),
         interpret=interpret,
-        name=f"paged_append_bt{block_tokens}",
+        name=f"paged_append_bt{block_tokens}_d{head_tile(head_dim)}",
     )(layer, lengths, num_tokens, page_map, k, v, k_arena, v_arena)
 
 

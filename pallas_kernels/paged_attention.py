@@ -1,14 +1,19 @@
 """Paged attention straight from the arena: decode (flash-decoding) and (chunked) prefill.
 
-One kernel family. A program owns (batch row b, KV head h, query-token block, split) and
-holds `block_tokens x group_pad` query rows: every query head of the KV group (GQA, packed
-so K/V are read once per group) for `block_tokens` new tokens; row r is token
-`r // group_pad`, head `r % group_pad`. Rows are padded up to Triton's 16-row minimum for
-`dot`: decode (one token) pads the group; prefill packs tokens.
+One kernel family. A program owns (batch row b, KV head h and a block of its query heads,
+query-token block, split) and holds `block_tokens x group_pad` query rows: the query heads
+of the KV group (GQA, packed so K/V are read once per group; groups larger than `block_h`
+heads, 64 or 16 in float32, are split over `cdiv(group, block_h)` programs) for
+`block_tokens` new tokens; row r is token `r // group_pad`, head `r % group_pad` of the block.
+Rows are padded up to Triton's 16-row minimum for `dot`: decode (one token) pads the group
+(any size: 5 and 6 pad to 8, then 16); prefill packs tokens.
 
-The program streams the row's K/V `block_k = pages_per_block * page_size` tokens at a time;
-each token finds its own page (`page_map[b, pos // page_size]`), so page tables may be
-scrambled. Online softmax in float32. The key range is bounded by loop limits, not masks:
+The program streams the row's K/V `block_k` tokens at a time (a power of two, whatever the
+page size: several small pages per step, or a large page over several steps); each token
+finds its own page (`page_map[b, pos // page_size]`), so page tables may be scrambled.
+`head_dim` is padded to a power-of-two tile `head_tile` (>= 16): the padding lanes are
+masked on every load and store, so nothing past a head's `head_dim` is read or written.
+Online softmax in float32. The key range is bounded by loop limits, not masks:
 it starts at the page holding the earliest key any of the program's queries may see
 (sliding window) and ends at the last query's position; split `s` of `num_splits` takes
 a contiguous share of those blocks. Inside a block, keys past the length, in unmapped pages,
@@ -18,7 +23,9 @@ stale or NaN page contents never reach the output.
 
 With one split the kernel normalizes and writes the output; with several it writes
 unnormalized partials plus the running max / sum per row, merged afterwards by a
-log-sum-exp in plain jnp (`_merge_splits`).
+log-sum-exp in plain jnp (`_merge_splits`). A row that saw no key has a running sum of
+exactly 0 and gives 0; a NaN in the row's own inputs (its query, or a K/V position it sees)
+makes the sum NaN and the output NaN, as in the reference (the test is `l != 0`, not `l > 0`).
 Contract: `pallas_kernels.reference.paged_attention_reference`.
 """
 from __future__ import annotations
@@ -35,7 +42,6 @@ from pallas_kernels._common import (
     BlockSizes,
     cdiv,
     check_arena,
-    check_block_k,
     check_layer,
     check_rows,
     check_tokens,
@@ -43,7 +49,9 @@ from pallas_kernels._common import (
     index_of,
     masked_load,
     masked_store,
+    head_tile,
     next_pow2,
+    resolve_block_k,
     resolve_interpret,
 )
 from pallas_kernels.reference import paged_attention_reference, token_positions
@@ -64,7 +72,7 @@ def _attention_kernel(
     lengths_ref,  # i32[batch]
     num_tokens_ref,  # i32[batch]
     page_map_ref,  # i32[batch, max_pages]
-    q_ref,  # [batch, tokens, q_heads, head_dim]
+    q_ref,  # [batch, tokens, q_heads, head_dim] (head_dim: any multiple of 8; tiles use tile_d lanes)
     k_ref,  # [layers, kv_heads, pages, page_size, head_dim]
     v_ref,  # [layers, kv_heads, pages, page_size, head_dim]
     # outputs: normalized (num_splits == 1) or partial (num_splits > 1)
@@ -75,10 +83,13 @@ def _attention_kernel(
     block_tokens: int,
     group: int,
     group_pad: int,
+    head_blocks: int,
     block_k: int,
+    tile_d: int,
     num_splits: int,
 ):
-    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b, hj, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    h, hb = lax.div(hj, head_blocks), lax.rem(hj, head_blocks)  # KV head, block of its query heads
     tb, split = lax.div(j, num_splits), lax.rem(j, num_splits)
     num_layers, _, _, page_size, head_dim = k_ref.shape
     _, tokens, _, _ = q_ref.shape
@@ -93,14 +104,17 @@ def _attention_kernel(
 
     r = jnp.arange(rows, dtype=jnp.int32)
     t = tb * block_tokens + lax.div(r, group_pad)  # [rows] token of each row
-    g = lax.rem(r, group_pad)  # [rows] head within the group
+    g = hb * group_pad + lax.rem(r, group_pad)  # [rows] head within the group
     row_live = (t < n_valid) & (g < group)
     q_pos = start + t  # [rows]
     head = h * group + jnp.minimum(g, group - 1)
-    d = jnp.arange(head_dim, dtype=jnp.int32)[None, :]  # [1, head_dim]
-    row_mask = jnp.broadcast_to(row_live[:, None], (rows, head_dim))
+    # Lanes d >= head_dim pad the tile: masked, never read or written (interpret mode clamps
+    # such indices on loads and drops them on stores; Triton never touches memory there).
+    d = jnp.arange(tile_d, dtype=jnp.int32)[None, :]  # [1, tile_d]
+    d_live = d < head_dim if tile_d != head_dim else jnp.ones((1, tile_d), jnp.bool_)
+    row_mask = row_live[:, None] & d_live  # [rows, tile_d]
     q_idx = index_of(b, jnp.minimum(t, tokens - 1)[:, None], head[:, None], d)
-    q = masked_load(q_ref.at[q_idx], mask=row_mask, other=0)  # [rows, head_dim]
+    q = masked_load(q_ref.at[q_idx], mask=row_mask, other=0)  # [rows, tile_d]
     q = q.astype(k_ref.dtype)  # tl.dot needs one element type; q may be wider than the arena
 
     # Keys any row of this program may see: [lo, hi), then whole blocks from lo's page.
@@ -110,7 +124,8 @@ def _attention_kernel(
     hi = jnp.where(t_first < n_valid, hi, 0)
     lo = jnp.zeros_like(hi) if sliding_window is None else jnp.maximum(start + t_first - sliding_window + 1, 0)
     lo = jnp.minimum(lo, hi)
-    kv_start = lax.div(lo, page_size) * page_size
+    align = min(page_size, block_k)  # whole pages per step, or whole steps per page
+    kv_start = lax.div(lo, align) * align
     n_blocks = cdiv(hi - kv_start, block_k)
     per_split = cdiv(n_blocks, num_splits)
     blk_lo = jnp.minimum(split * per_split, n_blocks)
@@ -119,7 +134,7 @@ def _attention_kernel(
     kk = jnp.arange(block_k, dtype=jnp.int32)
 
     def body(i, carry):
-        acc, m_prev, l_prev = carry  # [rows, head_dim], [rows], [rows]
+        acc, m_prev, l_prev = carry  # [rows, tile_d], [rows], [rows]
         tok = kv_start + i * block_k + kk  # [block_k] key positions
         logical = lax.div(tok, page_size)
         in_range = (tok < hi) & (logical < max_pages)
@@ -127,9 +142,9 @@ def _attention_kernel(
         page = masked_load(page_map_ref.at[pm_idx], mask=in_range, other=-1)  # [block_k]
         live = in_range & (page >= 0)
         kv_idx = index_of(layer, h, jnp.maximum(page, 0)[:, None], lax.rem(tok, page_size)[:, None], d)
-        kv_mask = jnp.broadcast_to(live[:, None], (block_k, head_dim))
-        k = masked_load(k_ref.at[kv_idx], mask=kv_mask, other=0)  # [block_k, head_dim]
-        v = masked_load(v_ref.at[kv_idx], mask=kv_mask, other=0)  # [block_k, head_dim]
+        kv_mask = live[:, None] & d_live  # [block_k, tile_d]
+        k = masked_load(k_ref.at[kv_idx], mask=kv_mask, other=0)  # [block_k, tile_d]
+        v = masked_load(v_ref.at[kv_idx], mask=kv_mask, other=0)  # [block_k, tile_d]
         v = jnp.where(kv_mask, v, jnp.zeros_like(v))  # stale V must never meet a zero weight
 
         s = _dot(q, k, transpose_b=True) * sm_scale  # [rows, block_k] f32
@@ -145,7 +160,7 @@ def _attention_kernel(
         acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, transpose_b=False)
         return acc, m_next, l_next
 
-    acc = jnp.zeros((rows, head_dim), jnp.float32)
+    acc = jnp.zeros((rows, tile_d), jnp.float32)
     m_i = jnp.full((rows,), -jnp.inf, jnp.float32)
     l_i = jnp.zeros((rows,), jnp.float32)
     acc, m_i, l_i = lax.fori_loop(blk_lo, blk_hi, body, (acc, m_i, l_i))
@@ -154,10 +169,13 @@ def _attention_kernel(
     # GPU, dropped when interpret mode discharges the store into a scatter.
     out_live = (t < tokens) & (g < group)
     t_out = jnp.where(out_live, t, tokens)
-    out_mask = jnp.broadcast_to(out_live[:, None], (rows, head_dim))
+    out_mask = out_live[:, None] & d_live  # [rows, tile_d]
     if len(out_refs) == 1:
         (o_ref,) = out_refs
-        out = jnp.where((row_live & (l_i > 0))[:, None], acc / jnp.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+        # l_i == 0 exactly when the row saw no key (a seen key adds exp(0) = 1); NaN != 0, so a
+        # NaN in the row's own inputs reaches the output as in the reference.
+        seen = row_live & (l_i != 0)
+        out = jnp.where(seen[:, None], acc / jnp.where(seen, l_i, 1.0)[:, None], 0.0)
         o_idx = index_of(b, t_out[:, None], head[:, None], d)
         masked_store(o_ref.at[o_idx], out.astype(o_ref.dtype), mask=out_mask)
     else:
@@ -172,14 +190,16 @@ def _merge_splits(o, m, l, valid, dtype):
     """Log-sum-exp merge of split partials.
 
     o: f32[B, splits, T, Hq, D]; m, l: f32[B, splits, T, Hq]; valid: bool[B, T] -> [B, T, Hq, D].
+    A row that saw no key in any split has l_sum == 0 and gives 0; a NaN partial (NaN in the
+    row's own inputs) makes l_sum NaN (NaN != 0) and the output NaN, as in the reference.
     """
     m_max = jnp.max(m, axis=1, keepdims=True)
     m_max = jnp.where(jnp.isfinite(m_max), m_max, 0.0)
     w = jnp.exp(m - m_max)  # 0 for splits that saw no key (m = -inf)
     l_sum = jnp.sum(w * l, axis=1)  # [B, T, Hq]
     o_sum = jnp.sum(w[..., None] * o, axis=1)  # [B, T, Hq, D]
-    out = o_sum / jnp.where(l_sum > 0, l_sum, 1.0)[..., None]
-    live = valid[:, :, None] & (l_sum > 0)
+    live = valid[:, :, None] & (l_sum != 0)
+    out = o_sum / jnp.where(live, l_sum, 1.0)[..., None]
     return jnp.where(live[..., None], out, 0.0).astype(dtype)
 
 
@@ -192,9 +212,11 @@ def _paged_attention_call(
     group = num_q_heads // num_kv_heads
     block_tokens = block_sizes.block_tokens
     num_splits = block_sizes.num_splits
-    block_k = check_block_k(block_sizes.pages_per_block, page_size)
-    group_pad = max(next_pow2(group), MIN_TILE // block_tokens, 1)  # >= 16 rows for tl.dot
-    grid = (batch, num_kv_heads, cdiv(tokens, block_tokens) * num_splits)
+    block_k = block_sizes.block_k
+    block_h = min(block_sizes.block_h, next_pow2(group))
+    head_blocks = cdiv(group, block_h)
+    group_pad = max(block_h, MIN_TILE // block_tokens, 1)  # >= 16 rows for tl.dot
+    grid = (batch, num_kv_heads * head_blocks, cdiv(tokens, block_tokens) * num_splits)
     kernel = functools.partial(
         _attention_kernel,
         sm_scale=sm_scale,
@@ -202,7 +224,9 @@ def _paged_attention_call(
         block_tokens=block_tokens,
         group=group,
         group_pad=group_pad,
+        head_blocks=head_blocks,
         block_k=block_k,
+        tile_d=head_tile(head_dim),
         num_splits=num_splits,
     )
     if num_splits == 1:
@@ -221,7 +245,7 @@ def _paged_attention_call(
         out_shape=out_shape,
         compiler_params=compiler_params(block_sizes.num_warps, block_sizes.num_stages),
         interpret=interpret,
-        name=f"paged_attention_bt{block_tokens}_g{group_pad}_bk{block_k}_s{num_splits}",
+        name=f"paged_attention_bt{block_tokens}_g{group_pad}x{head_blocks}_bk{block_k}_d{head_tile(head_dim)}_s{num_splits}",
     )(layer, lengths, num_tokens, page_map, q, k_arena, v_arena)
     if num_splits == 1:
         return out
@@ -270,9 +294,9 @@ def paged_attention(
         page_size=page_size,
         head_dim=head_dim,
         max_pages=page_map.shape[1],
+        itemsize=jnp.dtype(k_arena.dtype).itemsize,
     )
-    block_sizes = (block_sizes or BlockSizes()).filled(defaults)
-    check_block_k(block_sizes.pages_per_block, page_size)
+    block_sizes = resolve_block_k(block_sizes or BlockSizes(), page_size).filled(defaults)
     return _paged_attention_call(
         q,
         k_arena,

@@ -192,8 +192,8 @@ def test_bad_input_raises_and_leaves_the_cache_unchanged(case):
 
 
 def test_layout_rejects_bad_geometry():
-    with pytest.raises(ValueError, match="256"):
-        aj.KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, page_size=2, num_pages=4, max_seqs=1, max_pages_per_seq=2, dtype="float32")
+    with pytest.raises(ValueError, match="multiple of 16 bytes"):  # a 24-byte token row
+        aj.KVLayout(num_layers=1, num_kv_heads=1, head_dim=6, page_size=2, num_pages=4, max_seqs=1, max_pages_per_seq=2, dtype="float32")
     with pytest.raises(ValueError, match="num_pages"):
         aj.KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, page_size=16, num_pages=0, max_seqs=1, max_pages_per_seq=2)
 

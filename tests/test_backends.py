@@ -66,3 +66,47 @@ def test_backend_choice(monkeypatch):
     monkeypatch.setenv(aj.BACKEND_ENV, "triton")
     with pytest.raises(ValueError, match=aj.BACKEND_ENV):
         aj.default_backend()
+
+
+# head_dim 20 in float32 is a legal layout (80-byte token rows) the kernels cannot take.
+ODD = aj.KVLayout(num_layers=1, num_kv_heads=1, head_dim=20, page_size=4, num_pages=4, max_seqs=1,
+                  max_pages_per_seq=4, dtype="float32")
+
+
+def _odd_inputs():
+    cache, ok = aj.reserve(aj.create(ODD), jnp.array([0]), jnp.array([3]))
+    assert np.asarray(ok).all()
+    kv = jnp.ones((1, 3, 1, 20), jnp.float32)
+    return cache, kv, jnp.ones((1, 3, 2, 20), jnp.float32)
+
+
+def test_pallas_asked_for_on_a_layout_it_cannot_take_is_a_value_error(monkeypatch):
+    cache, kv, q = _odd_inputs()
+    for backend, env in (("pallas", None), (None, "pallas")):
+        if env:
+            monkeypatch.setenv(aj.BACKEND_ENV, env)
+        with pytest.raises(ValueError, match="backend='pallas' cannot take this layout: head_dim=20: .* multiples of 8"):
+            aj.append(cache, 0, jnp.array([0]), kv, kv, backend=backend)
+        with pytest.raises(ValueError, match="head_dim=20"):
+            aj.attend(q, cache, 0, jnp.array([0]), backend=backend)
+
+
+def test_default_pallas_falls_back_to_reference_with_one_warning(monkeypatch):
+    """On a GPU the default is Pallas; a layout it cannot take runs the reference, warning once."""
+    import warnings
+
+    from arena_jax import api
+
+    monkeypatch.delenv(aj.BACKEND_ENV, raising=False)
+    monkeypatch.setattr(api, "default_backend", lambda: "pallas")
+    monkeypatch.setattr(api, "_FALLBACK_WARNED", set())
+    cache, kv, q = _odd_inputs()
+    with pytest.warns(RuntimeWarning, match=r"cannot take this layout \(head_dim=20.*using the jnp reference"):
+        cache = aj.append(cache, 0, jnp.array([0]), kv, kv)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same reason warns once per process
+        out = aj.attend(q, cache, 0, jnp.array([0]))
+    assert api._resolve_backend(None, ODD) == "reference"
+    assert api._resolve_backend(None, LAYOUT, group=4) == "pallas"  # a layout it takes stays on Pallas
+    want = aj.attend(q, cache, 0, jnp.array([0]), backend="reference")
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))

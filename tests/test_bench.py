@@ -127,6 +127,26 @@ def test_kernels(tmp_path):
         assert "need a GPU" in res["metadata"]["note"]
 
 
+def test_kernels_compile_report(tmp_path, capsys):
+    """With the CUDA compile tooling: the table of one variant, no spills. Without it: a clear
+    error (exit status 2) naming what is missing."""
+    from pallas_kernels import sm90
+
+    problem = sm90.tooling_problem()
+    argv = ["kernels", "--compile-report", "--only", "append-decode bf16"]
+    if problem:
+        with pytest.raises(SystemExit) as exc:
+            cli.main(argv + ["--no-progress"])
+        assert exc.value.code == 2 and "cannot compile for sm_90a here" in capsys.readouterr().err
+        return
+    res = _run(argv, tmp_path)["results"]
+    (row,) = res["rows"]
+    assert row["variant"] == "append-decode bf16 d256 p16" and row["kernel"].startswith("paged_append")
+    assert row["spill_stores"] == row["spill_loads"] == 0 and row["regs"] > 0
+    out = capsys.readouterr().out
+    assert "regs/thr" in out and "spills: none" in out
+
+
 def test_tour(tmp_path, monkeypatch, capsys):
     # The tour on the settings above (same shapes: nothing new to compile).
     monkeypatch.setattr(cli, "TOUR_CAPACITY", {"budget_gib": 0.125, "requests": 40, "max_seq_len": 256, "max_seqs": 32})

@@ -129,12 +129,17 @@ class TestAppendValidation:
             paged_append(**args, interpret=True)
 
     def test_head_dim_and_block_sizes_limits(self):
-        arena = jnp.zeros((1, 1, 4, 8, 24))
-        x = jnp.zeros((1, 1, 1, 24))
-        with pytest.raises(ValueError, match="head_dim=24 must be a power of two"):
-            paged_append(arena, arena, 0, x, x, jnp.zeros((1, 1), jnp.int32), jnp.ones(1, jnp.int32),
-                         jnp.ones(1, jnp.int32))
+        for head_dim in (20, 264):  # not a multiple of 8; wider than 256
+            arena = jnp.zeros((1, 1, 4, 8, head_dim))
+            x = jnp.zeros((1, 1, 1, head_dim))
+            with pytest.raises(ValueError, match=f"head_dim={head_dim}: the Pallas kernels take multiples of 8 up to 256"):
+                paged_append(arena, arena, 0, x, x, jnp.zeros((1, 1), jnp.int32), jnp.ones(1, jnp.int32),
+                             jnp.ones(1, jnp.int32))
         with pytest.raises(ValueError, match="block_tokens must be a power of two"):
             BlockSizes(block_tokens=3)
         with pytest.raises(ValueError, match="num_splits must be a positive int"):
             BlockSizes(num_splits=0)
+        with pytest.raises(ValueError, match="block_k must be a power of two >= 16"):
+            BlockSizes(block_k=8)
+        with pytest.raises(ValueError, match="block_h must be a power of two"):
+            BlockSizes(block_h=6)

@@ -60,3 +60,22 @@ def test_full_size_arena_shapes_without_allocating(cfg, bytes_per_token):
     assert arena == layout.arena_bytes == layout.num_pages * 16 * bytes_per_token <= 40 * GIB
     assert shapes.table.page_map.shape == (256, layout.max_pages_per_seq)
     assert shapes.layout == layout  # geometry read back from shapes
+
+
+@pytest.mark.parametrize(
+    "head_dim, page_size, dtype",
+    [(96, 1, "bfloat16"), (80, 3, "float16"), (256, 32, "bfloat16"), (20, 1, "float32"), (8, 1, "bfloat16"),
+     (128, 256, "float32")],
+)
+def test_any_page_size_when_a_token_row_is_whole_16_byte_vectors(head_dim, page_size, dtype):
+    """Page 1 of a Phi-3 head in bf16 is 192 bytes: legal (only a token row must be 16-byte aligned)."""
+    layout = aj.KVLayout(num_layers=1, num_kv_heads=1, head_dim=head_dim, page_size=page_size, num_pages=4,
+                         max_seqs=1, max_pages_per_seq=4, dtype=dtype)
+    assert layout.head_dim * layout.itemsize % aj.layout.ROW_ALIGN_BYTES == 0
+
+
+@pytest.mark.parametrize("head_dim, dtype, row", [(100, "bfloat16", 200), (4, "float16", 8), (6, "float32", 24)])
+def test_token_rows_not_whole_16_byte_vectors_are_rejected(head_dim, dtype, row):
+    with pytest.raises(ValueError, match=rf"head_dim \* itemsize = {head_dim}\*\d = {row} bytes must be a multiple of 16"):
+        aj.KVLayout(num_layers=1, num_kv_heads=1, head_dim=head_dim, page_size=16, num_pages=4, max_seqs=1,
+                    max_pages_per_seq=4, dtype=dtype)

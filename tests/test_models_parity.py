@@ -112,7 +112,7 @@ def pair(request, tmp_path_factory):
 
 
 def _layout(model):
-    # f32, head_dim 16, page 16: one head's page is 1 KiB (a multiple of 256 B).
+    # f32, head_dim 16, page 16: one token of one head is 64 B (a multiple of 16 B).
     return model.config.kv_layout(page_size=16, num_pages=16, max_seqs=B, max_seq_len=64, dtype="float32")
 
 

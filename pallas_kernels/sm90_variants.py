@@ -1,0 +1,118 @@
+"""The kernel variants `arena_jax` can dispatch, as shapes to compile for sm_90a (`pallas_kernels.sm90`).
+
+A variant is what `aj.append` / `aj.attend` would call with default tiles (`BlockSizes`
+defaults chosen from the shapes), at serving-sized shapes: 8 KV heads, 4096-token contexts.
+
+`CI_VARIANTS` is the matrix `tests/test_compile_sm90.py` compiles and `arena-bench kernels
+--compile-report` prints. It is not the full product of its axes (kinds x dtypes x head sizes x
+page sizes x GQA groups would be thousands of compiles); it covers every value of every axis at
+least once, at the point where that value is riskiest, plus the combinations that set register
+pressure and shared memory:
+- every kind (decode with one split and with several, prefill, chunked prefill with a prefix,
+  sliding window in decode and prefill, append in decode and prefill) in bf16, fp16 and fp32 at
+  the widest tile (head_dim 256) and GQA group 8 (the most query rows);
+- every head size (64, 80, 96, 112, 120, 128, 160, 192, 256) in decode and prefill (bf16,
+  group 4, page 16), and in append;
+- every page size (1 ... 256) in decode and prefill at head_dim 128 (and 256 for the two
+  extremes), where page lookups per key are most (page 1) or a page spans several steps (256);
+- GQA groups 1, 4, 5, 6, 8, 16 and 71 (Falcon-7B's multi-query attention: split over
+  programs of 64 query heads, 16 in float32) in decode and prefill at awkward head sizes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.append import paged_append
+from pallas_kernels.paged_attention import paged_attention
+
+__all__ = ["Variant", "CI_VARIANTS", "KINDS", "HEAD_DIMS", "PAGE_SIZES", "GROUPS", "DTYPES"]
+
+KV_HEADS = 8
+LAYERS = 2
+CONTEXT = 4096  # tokens each row's page table can hold
+KINDS = ("decode", "decode-split", "prefill", "chunked", "window-decode", "window-prefill", "append-decode",
+         "append-prefill")
+DTYPES = ("bfloat16", "float16", "float32")
+HEAD_DIMS = (64, 80, 96, 112, 120, 128, 160, 192, 256)
+PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+GROUPS = (1, 4, 5, 6, 8, 16, 71)  # 71: Falcon-7B (71 query heads, 1 KV head)
+
+# kind -> (batch, new tokens per row, sliding window); decode batch 64 x 8 KV heads fills an H100
+# in one split, batch 4 needs several; a chunk is 16 new tokens after a 4080-token prefix.
+_SHAPES = {
+    "decode": (64, 1, None),
+    "decode-split": (4, 1, None),
+    "prefill": (4, 128, None),
+    "chunked": (4, 16, None),
+    "window-decode": (4, 1, 1024),
+    "window-prefill": (4, 128, 1024),
+    "append-decode": (64, 1, None),
+    "append-prefill": (4, 128, None),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    kind: str
+    dtype: str = "bfloat16"
+    head_dim: int = 128
+    page_size: int = 16
+    group: int = 4  # query heads per KV head
+
+    @property
+    def label(self) -> str:
+        dt = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[self.dtype]
+        g = "" if self.kind.startswith("append") else f" g{self.group}"
+        return f"{self.kind} {dt} d{self.head_dim} p{self.page_size}{g}"
+
+    def call(self):
+        """(fn, args): `jax.jit(fn)(*args)` runs this variant; args are ShapeDtypeStructs."""
+        batch, tokens, window = _SHAPES[self.kind]
+        sds = jax.ShapeDtypeStruct
+        dtype = jnp.dtype(self.dtype)
+        max_pages = -(-CONTEXT // self.page_size)
+        arena = sds((LAYERS, KV_HEADS, 1024, self.page_size, self.head_dim), dtype)
+        rows = (sds((batch, max_pages), jnp.int32), sds((batch,), jnp.int32), sds((batch,), jnp.int32))
+        layer = sds((), jnp.int32)
+        if self.kind.startswith("append"):
+            kv = sds((batch, tokens, KV_HEADS, self.head_dim), dtype)
+            fn = functools.partial(paged_append, interpret=False)
+            return fn, (arena, arena, layer, kv, kv, *rows)
+        q = sds((batch, tokens, KV_HEADS * self.group, self.head_dim), dtype)
+        fn = functools.partial(paged_attention, sliding_window=window, interpret=False)
+        return fn, (q, arena, arena, layer, *rows)
+
+
+def _ci_variants() -> tuple[Variant, ...]:
+    out = []
+    for dtype in DTYPES:  # every kind x dtype, widest tile, most rows
+        out += [Variant(kind, dtype, head_dim=256, group=8) for kind in KINDS]
+    for d in HEAD_DIMS:  # every head size
+        out += [Variant("decode", head_dim=d), Variant("prefill", head_dim=d), Variant("append-prefill", head_dim=d)]
+    for p in PAGE_SIZES:  # every page size
+        out += [Variant("decode", head_dim=128, page_size=p, group=8), Variant("prefill", head_dim=128, page_size=p)]
+    for p in (1, 256):
+        out += [Variant("decode-split", head_dim=256, page_size=p, group=8),
+                Variant("prefill", "float32", head_dim=256, page_size=p, group=8)]
+    for d in (64, 96, 128):  # float32 at narrower heads (other tiles than 256)
+        out += [Variant("decode", "float32", head_dim=d, group=4), Variant("prefill", "float32", head_dim=d, group=4)]
+    for g in GROUPS:  # every GQA group; odd ones at odd head sizes
+        out += [Variant("decode", head_dim=96, group=g), Variant("prefill", head_dim=80, group=g)]
+    out += [Variant("decode-split", "float16", head_dim=112, page_size=8, group=5),
+            Variant("decode", "float32", head_dim=64, group=71), Variant("prefill", "float32", head_dim=64, group=71),
+            Variant("chunked", "bfloat16", head_dim=160, page_size=32, group=6)]
+    seen, unique = set(), []
+    for v in out:
+        if v.kind.startswith("append"):  # append has no query heads: the group does not matter
+            v = dataclasses.replace(v, group=1)
+        if v not in seen:
+            seen.add(v)
+            unique.append(v)
+    return tuple(unique)
+
+
+CI_VARIANTS = _ci_variants()

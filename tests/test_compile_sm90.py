@@ -1,0 +1,77 @@
+"""Every kernel variant `arena_jax` can dispatch compiles for an H100 (sm_90a), on a host without a GPU.
+
+For each variant of `pallas_kernels.sm90_variants.CI_VARIANTS` (every kind, dtype, head size,
+page size and GQA group; the module docstring says how the matrix was chosen) the kernels are
+lowered for CUDA, compiled by XLA's deviceless GPU compiler for an H100 (the route that runs
+on a GPU with jaxlib 0.10 and 0.11) and assembled by `ptxas -arch=sm_90a -v`; the test asserts
+zero spill stores and loads and shared memory within the per-block limit, and that bf16/fp16
+attention runs on tensor cores.
+
+Needs jax-cuda12-plugin / jax-cuda12-pjrt (== jax) and nvidia-cuda-nvcc-cu12
+(`bash scripts/install_sm90_tools.sh`) and JAX_PLATFORMS=cpu on a host without a GPU. Without
+them the tests skip with the reason; under CI (CI=true) they fail instead, so a broken install
+cannot pass silently.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pallas_kernels import sm90
+from pallas_kernels.sm90_variants import CI_VARIANTS, DTYPES, GROUPS, HEAD_DIMS, KINDS, PAGE_SIZES
+
+IN_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def gate(problem: str | None, in_ci: bool):
+    """What to do when the tooling is missing: ("fail" | "skip", message), or None to run."""
+    if problem is None:
+        return None
+    if in_ci:
+        return "fail", f"CI must run the sm_90a compile checks, but: {problem}"
+    return "skip", f"sm_90a compile checks need the CUDA compile tooling: {problem}"
+
+
+@pytest.fixture(scope="module")
+def tooling():
+    action = gate(sm90.tooling_problem(), IN_CI)
+    if action is not None:
+        kind, message = action
+        (pytest.fail if kind == "fail" else pytest.skip)(message)
+
+
+def test_gate_fails_in_ci_and_skips_elsewhere():
+    assert gate(None, True) is None and gate(None, False) is None
+    assert gate("ptxas not found", True) == ("fail", "CI must run the sm_90a compile checks, but: ptxas not found")
+    assert gate("ptxas not found", False)[0] == "skip"
+
+
+def test_matrix_covers_every_value_of_every_axis():
+    def seen(attr, kinds=KINDS):
+        return {getattr(v, attr) for v in CI_VARIANTS if v.kind in kinds}
+
+    attention = [k for k in KINDS if not k.startswith("append")]
+    assert {v.kind for v in CI_VARIANTS} == set(KINDS)
+    assert seen("dtype") == set(DTYPES)
+    assert seen("head_dim") >= set(HEAD_DIMS)
+    assert seen("page_size", attention) >= set(PAGE_SIZES)
+    assert seen("group", attention) >= set(GROUPS)
+    for kind in KINDS:  # every kind in every dtype
+        assert {v.dtype for v in CI_VARIANTS if v.kind == kind} == set(DTYPES), kind
+
+
+@pytest.mark.parametrize("variant", CI_VARIANTS, ids=lambda v: v.label.replace(" ", "-"))
+def test_compiles_for_sm90a_without_spills(tooling, variant, tmp_path):
+    facts = sm90.compile_call(*variant.call(), via="xla", workdir=str(tmp_path))
+    assert len(facts) == 1
+    (f,) = facts
+    assert f.regs > 0, f"{f.name}: ptxas reported no registers"
+    assert (f.spill_stores, f.spill_loads) == (0, 0), f"{f.name} spills: {f}"
+    assert f.smem <= sm90.SM90["smem_per_block"], f"{f.name} needs {f.smem} B of shared memory per block: {f}"
+    assert f.ctas_per_sm >= 1
+    if not variant.kind.startswith("append"):
+        splits = int(f.name.rsplit("_s", 1)[1])
+        assert (splits > 1) == (variant.kind in ("decode-split", "window-decode")), f.name
+        if variant.dtype != "float32":
+            assert f.tensor_core in ("mma", "wgmma"), f"{f.name} does not use tensor cores: {f}"
