@@ -246,6 +246,7 @@ def attend(
     num_tokens = check_counts(layout, tokens if num_tokens is None else num_tokens, slots.shape[0], "num_tokens")
     sliding_window = check_sliding_window(layout, sliding_window)
     sm_scale = check_sm_scale(sm_scale)
+    backend = _resolve_backend(backend, layout, group=q.shape[2] // layout.num_kv_heads)
     s, n, lay = concrete(slots), concrete(num_tokens), concrete(layer)
     if n is not None and n.size and n.max() > tokens:
         raise ValueError(f"num_tokens={int(n.max())} exceeds the {tokens} query tokens given in q")
@@ -257,5 +258,4 @@ def attend(
                     f"num_tokens[{b}]={int(n[b])} exceeds the {int(written[s[b]])} tokens written at layer {int(lay)} "
                     f"for slot {int(s[b])}: attend reads only appended tokens (append them first)"
                 )
-    backend = _resolve_backend(backend, layout, group=q.shape[2] // layout.num_kv_heads)
     return _attend(jnp.asarray(q), cache, layer, slots, num_tokens, backend, sliding_window, sm_scale)
