@@ -82,14 +82,22 @@ import numpy as np
 from arena_jax.layout import KVLayout
 from arena_jax.state import PAD_SLOT, CacheStats, KVCache, PageTable
 
-__all__ = ["CacheSharding", "create_sharded", "shard_rows", "check_rows", "check_heads"]
+__all__ = ["CacheSharding", "create_sharded", "auto_mesh", "shard_rows", "check_rows", "check_heads"]
 
 
-def _auto_mesh(mesh: Mesh) -> Mesh:
+def auto_mesh(mesh: Mesh) -> Mesh:
     """The same devices and axis names with Auto axis types."""
     if all(t == AxisType.Auto for t in mesh.axis_types):
         return mesh
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def _spec(*axes) -> P:
+    """A PartitionSpec without trailing Nones (P() when nothing is split)."""
+    axes = list(axes)
+    while axes and axes[-1] is None:
+        axes.pop()
+    return P(*axes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +140,7 @@ class CacheSharding:
                     f"{field}={getattr(layout, field)} is not divisible by the data axis {data_axis!r} of size {dp} "
                     "(each data shard owns an equal share of slots and pages)"
                 )
-        return cls(_auto_mesh(mesh), tensor_axis, data_axis, replicas)
+        return cls(auto_mesh(mesh), tensor_axis, data_axis, replicas)
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
@@ -162,32 +170,29 @@ class CacheSharding:
         """The global shape of `k` and `v` (heads counted with their replicas)."""
         return (layout.num_layers, self.stored_kv_heads(layout), layout.num_pages, layout.page_size, layout.head_dim)
 
-    # ---- partition specs -------------------------------------------------------------------------
+    # ---- partition specs (trailing Nones dropped: jit gives outputs specs in that form, and a
+    # created cache must have the shardings of a stepped one, or the first step compiles twice)
     @property
     def arena_spec(self) -> P:
-        return P(None, self.tensor_axis, self.data_axis, None, None)
+        return _spec(None, self.tensor_axis, self.data_axis, None, None)
 
     @property
     def rows_spec(self) -> P:
         """Batch rows (slots, counts, ok): split over the data axis."""
-        return P(self.data_axis)
+        return _spec(self.data_axis)
 
     def heads_spec(self, split: bool = True) -> P:
         """[B, T, heads, D] activations: rows over data, heads over tensor (if `split`)."""
-        return P(self.data_axis, None, self.tensor_axis if split else None, None)
+        return _spec(self.data_axis, None, self.tensor_axis if split else None, None)
 
     def table_specs(self) -> PageTable:
-        d = self.data_axis
-        return PageTable(page_map=P(d, None), lengths=P(d), active=P(d), free_stack=P(d),
-                         num_free=self._per_shard, refcount=P(d), written=P(None, d))  # fmt: skip
+        d = _spec(self.data_axis)
+        return PageTable(page_map=d, lengths=d, active=d, free_stack=d, num_free=d, refcount=d,
+                         written=_spec(None, self.data_axis))  # fmt: skip
 
     def stats_specs(self) -> CacheStats:
-        return jax.tree.map(lambda _: self._per_shard, CacheStats.zeros())
-
-    @property
-    def _per_shard(self) -> P:
-        """num_free and counters: one per data shard ([dp]), else a replicated scalar."""
-        return P() if self.data_axis is None else P(self.data_axis)
+        """Counters: one per data shard ([dp]), else replicated scalars."""
+        return jax.tree.map(lambda _: _spec(self.data_axis), CacheStats.zeros())
 
     def named(self, spec: P) -> NamedSharding:
         return NamedSharding(self.mesh, spec)

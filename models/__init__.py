@@ -19,6 +19,7 @@ from models.dense_baseline import DenseCache, dense_decode, dense_generate, dens
 from models.generate import Generation, default_layout, generate
 from models.layers import MLP, Attention, Embedder, RMSNorm, apply_rope, rope_frequencies
 from models.llama import Block, Llama, init_random, token_positions
+from models.parallel import shard_model, weights_mesh
 from models.loading import Pretrained, TensorSpec, export_hf_tensors, hf_tensor_map, load_pretrained, load_tokenizer
 from models.sampling import GREEDY, Sampling, SamplingParams, filter_logits, sample
 from models.steps import TRACE_COUNTS, StepOutput, decode_step, prefill, release_rows
@@ -29,6 +30,8 @@ __all__ = [
     "Llama",
     "Block",
     "init_random",
+    "shard_model",
+    "weights_mesh",
     "Attention",
     "MLP",
     "RMSNorm",
