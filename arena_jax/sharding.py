@@ -75,7 +75,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
@@ -85,11 +85,14 @@ from arena_jax.state import PAD_SLOT, CacheStats, KVCache, PageTable
 __all__ = ["CacheSharding", "create_sharded", "auto_mesh", "shard_rows", "check_rows", "check_heads"]
 
 
-def auto_mesh(mesh: Mesh) -> Mesh:
-    """The same devices and axis names with Auto axis types."""
+def auto_mesh(mesh):
+    """The same devices (or, for an AbstractMesh, sizes) and axis names with Auto axis types."""
     if all(t == AxisType.Auto for t in mesh.axis_types):
         return mesh
-    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+    auto = (AxisType.Auto,) * len(mesh.axis_names)
+    if isinstance(mesh, AbstractMesh):
+        return AbstractMesh(tuple(mesh.shape.values()), tuple(mesh.axis_names), axis_types=auto)
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
 
 
 def _spec(*axes) -> P:
@@ -104,17 +107,21 @@ def _spec(*axes) -> P:
 class CacheSharding:
     """Where a cache lives: a static (hashable) description carried by `KVCache.sharding`."""
 
-    mesh: Mesh  # Auto axis types
+    mesh: Mesh  # Auto axis types (an AbstractMesh in a plan made only to size things)
     tensor_axis: str | None  # KV heads are split over this mesh axis
     data_axis: str | None  # slots and pages are split over this mesh axis
     kv_replicas: int = 1  # copies of each KV head (tp // num_kv_heads when fewer heads than tp)
 
     @classmethod
     def plan(cls, layout: KVLayout, mesh, *, tensor_axis: str | None = "tensor", data_axis: str | None = None):
-        """Check that `layout` can be split over `mesh` and say how. ValueError naming the limit."""
+        """Check that `layout` can be split over `mesh` and say how. ValueError naming the limit.
+
+        `mesh` may be a `jax.sharding.AbstractMesh` (axis names and sizes, no devices) to size a
+        deployment from here, e.g. `AbstractMesh((1, 16), ("data", "tensor"))`.
+        """
         if not isinstance(layout, KVLayout):
             raise ValueError(f"layout must be a KVLayout, got {type(layout).__name__}")
-        if not isinstance(mesh, Mesh):
+        if not isinstance(mesh, (Mesh, AbstractMesh)):
             raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
         names = tuple(mesh.axis_names)
         for arg, axis in (("tensor_axis", tensor_axis), ("data_axis", data_axis)):
@@ -203,6 +210,8 @@ class CacheSharding:
 
 def create_sharded(layout: KVLayout, mesh, *, tensor_axis: str | None = "tensor", data_axis: str | None = None) -> KVCache:
     """`aj.create(layout, mesh=...)`: the arena and table created in place on their devices."""
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh of devices, got {type(mesh).__name__}")
     sh = CacheSharding.plan(layout, mesh, tensor_axis=tensor_axis, data_axis=data_axis)
     pages_per_shard = layout.num_pages // sh.dp
 
