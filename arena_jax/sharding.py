@@ -82,7 +82,7 @@ import numpy as np
 from arena_jax.layout import KVLayout
 from arena_jax.state import PAD_SLOT, CacheStats, KVCache, PageTable
 
-__all__ = ["CacheSharding", "create_sharded", "auto_mesh", "shard_rows", "check_rows", "check_heads"]
+__all__ = ["CacheSharding", "create_sharded", "auto_mesh", "shard_rows", "slot_lengths", "check_rows", "check_heads"]
 
 
 def auto_mesh(mesh):
@@ -277,6 +277,22 @@ def check_heads(cache: KVCache, num_q_heads: int) -> None:
         raise ValueError(
             f"q has {num_q_heads} heads, not divisible by the tensor axis {sh.tensor_axis!r} of size {sh.tp}"
         )
+
+
+def slot_lengths(cache: KVCache, slots):
+    """`cache.table.lengths[slots]` (0 for PAD_SLOT and for a slot the row may not name), read
+    by each data shard from its own block: no table value crosses shards."""
+    sh = cache.sharding
+    max_seqs = cache.table.page_map.shape[0]
+
+    def per_shard(lengths, slots):
+        local = _local_slots(sh, slots, max_seqs)
+        ok = (local >= 0) & (local < lengths.shape[0])
+        return jnp.where(ok, lengths[jnp.where(ok, local, 0)], 0)
+
+    return jax.shard_map(per_shard, mesh=sh.mesh, in_specs=(sh.rows_spec, sh.rows_spec), out_specs=sh.rows_spec)(
+        cache.table.lengths, slots
+    )
 
 
 def shard_rows(x, cache: KVCache):

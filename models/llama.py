@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 import arena_jax as aj
-from arena_jax.sharding import shard_rows
+from arena_jax.sharding import shard_rows, slot_lengths
 from models.checks import check_int, check_number
 from models.config import LlamaConfig
 from models.layers import MLP, Attention, Embedder, RMSNorm
@@ -87,7 +87,10 @@ def token_positions(cache: aj.KVCache, slots, num_tokens, tokens: int):
     """Positions i32[B, T] of the new tokens of each row (after `aj.reserve`): the slot's last
     num_tokens[b] positions. Padded rows / tokens get position 0 (they are masked anyway)."""
     valid = slots >= 0
-    lengths = jnp.where(valid, cache.table.lengths[jnp.maximum(slots, 0)], 0)
+    if cache.sharding is not None:  # each data shard reads its own slots' lengths
+        lengths = slot_lengths(cache, slots)
+    else:
+        lengths = jnp.where(valid, cache.table.lengths[jnp.maximum(slots, 0)], 0)
     t = jnp.arange(tokens, dtype=jnp.int32)[None, :]
     pos = (lengths - num_tokens)[:, None] + t
     live = valid[:, None] & (t < num_tokens[:, None])
