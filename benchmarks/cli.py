@@ -93,7 +93,7 @@ def _models():
 
 def _add_capacity_args(p: argparse.ArgumentParser, defaults: dict) -> None:
     g = p.add_argument_group("capacity")
-    g.add_argument("--model", choices=[m for m in _models() if m != "tiny"], default="mistral-7b",
+    g.add_argument("--model", choices=[m for m in _models() if not m.startswith("tiny")], default="mistral-7b",
                    help="preset whose KV bytes per token size the budget (mistral-7b: 131,072 B/token)")  # fmt: skip
     g.add_argument("--budget-gib", type=_budget_gib, default=defaults["budget_gib"], help="KV memory budget in GiB")
     g.add_argument("--requests", type=positive_int, default=defaults["requests"], help="requests in the synthetic workload")
@@ -115,7 +115,8 @@ def _add_capacity_args(p: argparse.ArgumentParser, defaults: dict) -> None:
 
 def _add_decode_args(p: argparse.ArgumentParser, defaults: dict) -> None:
     g = p.add_argument_group("decode")
-    g.add_argument("--model", choices=_models(), default="tiny", help="preset with random weights")
+    g.add_argument("--model", choices=_models(), default="tiny",
+                   help="preset with random weights (tiny-gqa: 8 query / 2 KV heads, for --mesh up to tp=8)")  # fmt: skip
     g.add_argument("--model-dir", help="a Hugging Face Llama/Mistral checkpoint folder instead of random weights")
     g.add_argument("--num-layers", type=positive_int, help="override the preset's depth (e.g. llama3-8b geometry on a CPU)")
     g.add_argument("--batch", type=positive_int, default=defaults["batch"], help="sequences decoded together")
@@ -377,7 +378,7 @@ def _cmd_decode(args, console, progress) -> dict:
         console.print(
             f"  mesh: data {m['data']} x tensor {m['tensor']} ({m['data'] * m['tensor']} devices); arena per device "
             f"{a['arena_bytes_per_device']:,} of {a['arena_bytes']:,} bytes, KV bytes/token per device "
-            f"{a['kv_bytes_per_token_per_device']:,} (KV heads stored {a['kv_replicas']}x); dense cache sharded alike"
+            f"{a['kv_bytes_per_token_per_device']:,} (KV heads stored {a['kv_replicas']}x); dense cache: rows over data, KV heads over tensor when they divide"
         )
     console.print(
         f"  arena / dense decode tokens/s: [bold]{result['speedup_tokens_per_s']:.2f}x[/bold] "

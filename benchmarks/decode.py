@@ -64,7 +64,7 @@ def _config_and_dtype(s: DecodeSettings):
     cfg = preset(s.model)
     if s.num_layers:
         cfg = dataclasses.replace(cfg, num_layers=s.num_layers)
-    return cfg, jnp.dtype(s.dtype or ("float32" if s.model == "tiny" else "bfloat16"))
+    return cfg, jnp.dtype(s.dtype or ("float32" if s.model.startswith("tiny") else "bfloat16"))
 
 
 def make_mesh(s: DecodeSettings):
@@ -245,6 +245,14 @@ def run_decode(s: DecodeSettings, progress=None) -> dict:
             f"max_position_embeddings={cfg.max_position_embeddings}"
         )
     mesh = make_mesh(s)
+    if mesh is not None:
+        from models.parallel import check_tensor_parallel
+
+        try:
+            check_tensor_parallel(cfg, s.mesh[1], "tensor")
+        except ValueError as exc:
+            hint = " (--model tiny-gqa shards up to tp=8)" if s.model == "tiny" and not s.model_dir else ""
+            raise ValueError(f"--mesh tp={s.mesh[1]}: {exc}{hint}") from None
     check_memory(s, cfg, dtype)
     model, weights = build_model(s, mesh)
     rng = np.random.default_rng(s.seed)
