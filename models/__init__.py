@@ -9,6 +9,10 @@ numpy draw on CPU, one jitted call elsewhere) or `models.Llama(config, rngs=nnx.
 `prefill` / `decode_step` are the jitted steps (see models.steps); `models.dense_baseline`
 runs the same model with a conventional dense KV cache for comparison.
 
+Many devices: `init_random(..., mesh=)` / `load_pretrained(..., mesh=)` place the weights
+Megatron style (`models.parallel`), and with a cache from `aj.create(layout, mesh=...)` the
+same `prefill` / `decode_step` / `generate(..., mesh=)` run across the mesh.
+
 `generate` stops at `model.config.eos_token_ids` (a checkpoint's eos tokens, read as
 transformers' generate reads them) unless given `stop_tokens`. Configs are read by
 `arena_jax.hf_config` (transformers' defaults and types); bad input of any kind is a
