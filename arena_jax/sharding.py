@@ -79,6 +79,8 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
+from arena_jax.allocator import fork_impl, release_impl, reserve_impl, truncate_impl
+from arena_jax.arena_ops import append_impl, attend_impl
 from arena_jax.layout import KVLayout
 from arena_jax.state import PAD_SLOT, CacheStats, KVCache, PageTable
 
@@ -306,25 +308,36 @@ def shard_rows(x, cache: KVCache):
 # ---- the ops, per shard -------------------------------------------------------------------------------
 
 
-def _cache_specs(sh: CacheSharding):
-    return (sh.arena_spec, sh.arena_spec, sh.table_specs(), sh.stats_specs())
+def _cache_specs(cache: KVCache) -> KVCache:
+    """The cache's PartitionSpecs, as a KVCache (the same tree, `sharding` included). The page
+    table and counters as `table_specs` / `stats_specs`; every other array field is
+    arena-shaped (`[layers, heads, pages, ...]`: `k`, `v`, and any per-page companion such as
+    quantization scales) and is split like the arena."""
+    sh = cache.sharding
+    specs = {}
+    for f in dataclasses.fields(cache):
+        if not f.metadata.get("pytree_node", True) or getattr(cache, f.name) is None:
+            continue
+        specs[f.name] = {"table": sh.table_specs(), "stats": sh.stats_specs()}.get(f.name, sh.arena_spec)
+    return cache.replace(**specs)
 
 
-def _local(sh: CacheSharding, k, v, table, stats) -> KVCache:
-    """This shard's cache, as the single-device code knows it."""
-    if sh.data_axis is not None:  # per-allocator values: [1] here
+def _local(cache: KVCache) -> KVCache:
+    """This shard's blocks -> the cache as the single-device code knows it (no sharding)."""
+    table, stats = cache.table, cache.stats
+    if cache.sharding.data_axis is not None:  # per-allocator values: [1] here
         table = table.replace(num_free=table.num_free[0])
         stats = jax.tree.map(lambda x: x[0], stats)
-    return KVCache(k=k, v=v, table=table, stats=stats)
+    return cache.replace(table=table, stats=stats, sharding=None)
 
 
-def _parts(sh: CacheSharding, cache: KVCache):
-    """A shard's local cache -> its blocks of the global (k, v, table, stats)."""
-    table, stats = cache.table, cache.stats
+def _blocks(local: KVCache, sh: CacheSharding) -> KVCache:
+    """A shard's local cache -> its blocks of the global cache (the inverse of `_local`)."""
+    table, stats = local.table, local.stats
     if sh.data_axis is not None:
         table = table.replace(num_free=table.num_free[None])
         stats = jax.tree.map(lambda x: x[None], stats)
-    return cache.k, cache.v, table, stats
+    return local.replace(table=table, stats=stats, sharding=sh)
 
 
 def _local_slots(sh: CacheSharding, slots, max_seqs: int):
@@ -338,25 +351,28 @@ def _local_slots(sh: CacheSharding, slots, max_seqs: int):
     return jnp.where(mine, slots - base, jnp.where(slots == PAD_SLOT, PAD_SLOT, per_shard))
 
 
-def _run(cache: KVCache, body, args, arg_specs, out_specs, *, check_vma: bool = True):
-    """shard_map `body(local_cache, *local_args) -> (local_cache, *outs)` over the cache's mesh."""
+def _run(cache: KVCache, body, args, arg_specs, out_specs, *, returns_cache: bool = True, check_vma: bool = True):
+    """shard_map `body(local_cache, max_seqs, *local_args)` over the cache's mesh. The body
+    returns (local_cache, *outs), or, with returns_cache=False, its one output (read-only ops
+    do not return the arena: an un-donated identity output would be a copy of it)."""
     sh = cache.sharding
     max_seqs = cache.table.page_map.shape[0]
+    specs = _cache_specs(cache)
 
-    def per_shard(k, v, table, stats, *local_args):
-        out = body(_local(sh, k, v, table, stats), max_seqs, *local_args)
+    def per_shard(blocks, *local_args):
+        out = body(_local(blocks), max_seqs, *local_args)
+        if not returns_cache:
+            return out
         local, rest = (out, ()) if isinstance(out, KVCache) else (out[0], out[1:])
-        return (*_parts(sh, local), *rest)
+        return (_blocks(local, sh), *rest)
 
-    fn = jax.shard_map(per_shard, mesh=sh.mesh, in_specs=(*_cache_specs(sh), *arg_specs),
-                       out_specs=(*_cache_specs(sh), *out_specs), check_vma=check_vma)  # fmt: skip
-    k, v, table, stats, *rest = fn(cache.k, cache.v, cache.table, cache.stats, *args)
-    return KVCache(k=k, v=v, table=table, stats=stats, sharding=sh), rest
+    out_tree = out_specs if not returns_cache else (specs, *out_specs)
+    fn = jax.shard_map(per_shard, mesh=sh.mesh, in_specs=(specs, *arg_specs), out_specs=out_tree, check_vma=check_vma)
+    out = fn(cache, *args)
+    return out if not returns_cache else (out[0], list(out[1:]))
 
 
 def reserve(cache: KVCache, slots, num_tokens):
-    from arena_jax.allocator import reserve_impl
-
     sh = cache.sharding
 
     def body(local, max_seqs, slots, num_tokens):
@@ -367,24 +383,18 @@ def reserve(cache: KVCache, slots, num_tokens):
 
 
 def release(cache: KVCache, slots):
-    from arena_jax.allocator import release_impl
-
     sh = cache.sharding
     body = lambda local, max_seqs, slots: release_impl(local, _local_slots(sh, slots, max_seqs))  # noqa: E731
     return _run(cache, body, (slots,), (sh.rows_spec,), ())[0]
 
 
 def truncate(cache: KVCache, slots, lengths):
-    from arena_jax.allocator import truncate_impl
-
     sh = cache.sharding
     body = lambda local, max_seqs, slots, n: truncate_impl(local, _local_slots(sh, slots, max_seqs), n)  # noqa: E731
     return _run(cache, body, (slots, lengths), (sh.rows_spec,) * 2, ())[0]
 
 
 def fork(cache: KVCache, src, dst):
-    from arena_jax.allocator import fork_impl
-
     sh = cache.sharding
 
     def body(local, max_seqs, src, dst):
@@ -400,8 +410,6 @@ def _my_heads(sh: CacheSharding, x):
 
 
 def append(cache: KVCache, layer, slots, k, v, num_tokens, backend: str):
-    from arena_jax.arena_ops import append_impl
-
     sh = cache.sharding
     replicated = sh.kv_replicas > 1
 
@@ -416,15 +424,11 @@ def append(cache: KVCache, layer, slots, k, v, num_tokens, backend: str):
 
 
 def attend(q, cache: KVCache, layer, slots, num_tokens, backend: str, sliding_window, sm_scale):
-    from arena_jax.arena_ops import attend_impl
-
     sh = cache.sharding
-    max_seqs = cache.table.page_map.shape[0]
 
-    def per_shard(k, v, table, stats, q, layer, slots, num_tokens):  # reads only: the cache is not returned
-        local = _local(sh, k, v, table, stats)
+    def body(local, max_seqs, q, layer, slots, num_tokens):
         return attend_impl(q, local, layer, _local_slots(sh, slots, max_seqs), num_tokens, backend, sliding_window, sm_scale)
 
-    fn = jax.shard_map(per_shard, mesh=sh.mesh, in_specs=(*_cache_specs(sh), sh.heads_spec(), P(), sh.rows_spec, sh.rows_spec),
-                       out_specs=sh.heads_spec(), check_vma=backend != "pallas")  # fmt: skip
-    return fn(cache.k, cache.v, cache.table, cache.stats, q, layer, slots, num_tokens)
+    specs = (sh.heads_spec(), P(), sh.rows_spec, sh.rows_spec)
+    return _run(cache, body, (q, layer, slots, num_tokens), specs, sh.heads_spec(), returns_cache=False,
+                check_vma=backend != "pallas")  # fmt: skip

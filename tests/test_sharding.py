@@ -134,3 +134,24 @@ def test_one_device_path_is_untouched():
     assert cache.sharding.tp == 1 and cache.layout == layout
     with pytest.raises(ValueError, match="mesh must be a jax.sharding.Mesh"):
         aj.create(layout, mesh="tp=1")
+
+
+def test_megatron_rules_and_limits():
+    """Which weight is split how (models.parallel), and the degrees a model refuses."""
+    from jax.sharding import PartitionSpec as P
+
+    from models.parallel import check_tensor_parallel, param_spec
+
+    cfg = models.LlamaConfig.tiny()  # 4 query / 2 KV heads, MLP 128, vocabulary 128
+    assert param_spec("q", cfg, 4, "tensor") == P(None, "tensor", None)  # column-parallel
+    assert param_spec("k", cfg, 2, "tensor") == P(None, "tensor", None)  # KV heads split...
+    assert param_spec("k", cfg, 4, "tensor") == P(None, None, None)  # ...or replicated when fewer than tp
+    assert param_spec("o", cfg, 4, "tensor") == P("tensor", None, None)  # row-parallel
+    assert param_spec("down", cfg, 4, "tensor") == P("tensor", None)
+    assert param_spec("lm_head", cfg, 4, "tensor") == P(None, "tensor")  # vocabulary split
+    assert param_spec("lm_head", models.LlamaConfig.tiny(vocab_size=130), 4, "tensor") == P(None, None)
+    check_tensor_parallel(cfg, 4, "tensor")
+    with pytest.raises(ValueError, match="num_heads=4 is not divisible by the tensor axis 'tensor' of size 8"):
+        check_tensor_parallel(cfg, 8, "tensor")
+    with pytest.raises(ValueError, match="num_kv_heads=2 and the tensor axis 'tensor' of size 3"):
+        check_tensor_parallel(models.LlamaConfig.tiny(num_heads=6, num_kv_heads=2, hidden_size=96), 3, "tensor")
