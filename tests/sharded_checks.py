@@ -239,8 +239,9 @@ def test_host_checks_name_the_shard_rule():
 
 
 def test_layout_sizes_without_allocating():
-    """Llama-3-70B's 8 KV heads on tp=16 (not allocated): 2 copies of each, half a head's
-    bytes more per device than an even split would suggest; reported as such."""
+    """Llama-3-70B's 8 KV heads on tp=16 (planned on an AbstractMesh, nothing allocated): 2
+    copies of each, one whole head per device, twice the 1/16 an even split would suggest;
+    reported as such."""
     layout = aj.KVLayout.from_hf_config(models.LlamaConfig.llama3_70b().to_hf(), num_pages=1024, max_seqs=64, max_seq_len=8192)
     sh = aj.CacheSharding.plan(layout, jax.sharding.AbstractMesh((1, 16), ("data", "tensor")))
     assert sh.kv_replicas == 2 and sh.kv_heads_per_device(layout) == 1
