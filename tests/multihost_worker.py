@@ -22,7 +22,6 @@ def main(port: int, process_id: int, out_path: str) -> None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
                                initialization_timeout=60)  # fmt: skip
-    import jax.numpy as jnp
     import numpy as np
     from flax import nnx
     from jax.experimental import multihost_utils
