@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from arena_jax import allocator, arena_ops
+from arena_jax import allocator, arena_ops, sharding
 from arena_jax.state import PAD_SLOT, KVCache
 from arena_jax.validate import (
     check_counts,
@@ -79,11 +79,23 @@ def _check_cache(cache):
     return cache.layout
 
 
+def _check_shards(cache, num_q_heads=None, **rows):
+    """A sharded cache's own limits (rows per data shard, query heads per tensor shard)."""
+    if cache.sharding is None:
+        return
+    for name, slots in rows.items():
+        sharding.check_rows(cache, slots, name)
+    if num_q_heads is not None:
+        sharding.check_heads(cache, num_q_heads)
+
+
 # ---- allocator ---------------------------------------------------------------------------
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
 def _reserve(cache, slots, num_tokens):
+    if cache.sharding is not None:
+        return sharding.reserve(cache, slots, num_tokens)
     return allocator.reserve_impl(cache, slots, num_tokens)
 
 
@@ -98,6 +110,7 @@ def reserve(cache: KVCache, slots, num_tokens) -> tuple[KVCache, jax.Array]:
     """
     layout = _check_cache(cache)
     slots = check_slots(layout, slots)
+    _check_shards(cache, slots=slots)
     num_tokens = check_counts(layout, num_tokens, slots.shape[0], "num_tokens")
     slot_values, token_values = concrete(slots), concrete(num_tokens)
     lengths = concrete(cache.table.lengths) if slot_values is not None and token_values is not None else None
@@ -114,17 +127,23 @@ def reserve(cache: KVCache, slots, num_tokens) -> tuple[KVCache, jax.Array]:
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
 def _release(cache, slots):
+    if cache.sharding is not None:
+        return sharding.release(cache, slots)
     return allocator.release_impl(cache, slots)
 
 
 def release(cache: KVCache, slots) -> KVCache:
     """Drop the slots; pages whose refcount reaches 0 return to the free stack."""
     layout = _check_cache(cache)
-    return _release(cache, check_slots(layout, slots))
+    slots = check_slots(layout, slots)
+    _check_shards(cache, slots=slots)
+    return _release(cache, slots)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
 def _fork(cache, src, dst):
+    if cache.sharding is not None:
+        return sharding.fork(cache, src, dst)
     return allocator.fork_impl(cache, src, dst)
 
 
@@ -138,6 +157,7 @@ def fork(cache: KVCache, src, dst) -> KVCache:
     dst = check_slots(layout, dst, "dst")
     if src.shape != dst.shape:
         raise ValueError(f"src and dst must have the same length, got {src.shape[0]} and {dst.shape[0]}")
+    _check_shards(cache, src=src, dst=dst)
     s, d = concrete(src), concrete(dst)
     if s is not None and d is not None:
         rows = d != PAD_SLOT
@@ -163,6 +183,8 @@ def fork(cache: KVCache, src, dst) -> KVCache:
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
 def _truncate(cache, slots, lengths):
+    if cache.sharding is not None:
+        return sharding.truncate(cache, slots, lengths)
     return allocator.truncate_impl(cache, slots, lengths)
 
 
@@ -172,6 +194,7 @@ def truncate(cache: KVCache, slots, lengths) -> KVCache:
     layout = _check_cache(cache)
     slots = check_slots(layout, slots)
     lengths = check_counts(layout, lengths, slots.shape[0], "lengths")
+    _check_shards(cache, slots=slots)
     s, n = concrete(slots), concrete(lengths)
     if s is not None and n is not None:
         held = concrete(cache.table.lengths)
@@ -191,6 +214,8 @@ def truncate(cache: KVCache, slots, lengths) -> KVCache:
 
 @functools.partial(jax.jit, static_argnames=("backend",), donate_argnames=("cache",))
 def _append(cache, layer, slots, k, v, num_tokens, backend):
+    if cache.sharding is not None:
+        return sharding.append(cache, layer, slots, k, v, num_tokens, backend)
     return arena_ops.append_impl(cache, layer, slots, k, v, num_tokens, backend)
 
 
@@ -206,6 +231,7 @@ def append(cache: KVCache, layer, slots, k, v, *, num_tokens=None, backend: str 
     slots = check_slots(layout, slots)
     layer = check_layer(layout, layer)
     check_kv(layout, k, v, slots.shape[0])
+    _check_shards(cache, slots=slots)
     tokens = k.shape[1]
     num_tokens = check_counts(layout, tokens if num_tokens is None else num_tokens, slots.shape[0], "num_tokens")
     n = concrete(num_tokens)
@@ -216,6 +242,8 @@ def append(cache: KVCache, layer, slots, k, v, *, num_tokens=None, backend: str 
 
 @functools.partial(jax.jit, static_argnames=("backend", "sliding_window", "sm_scale"))
 def _attend(q, cache, layer, slots, num_tokens, backend, sliding_window, sm_scale):
+    if cache.sharding is not None:
+        return sharding.attend(q, cache, layer, slots, num_tokens, backend, sliding_window, sm_scale)
     return arena_ops.attend_impl(q, cache, layer, slots, num_tokens, backend, sliding_window, sm_scale)
 
 
@@ -242,6 +270,7 @@ def attend(
     slots = check_slots(layout, slots)
     layer = check_layer(layout, layer)
     check_q(layout, q, slots.shape[0])
+    _check_shards(cache, slots=slots, num_q_heads=q.shape[2])
     tokens = q.shape[1]
     num_tokens = check_counts(layout, tokens if num_tokens is None else num_tokens, slots.shape[0], "num_tokens")
     sliding_window = check_sliding_window(layout, sliding_window)

@@ -10,6 +10,15 @@ from arena_jax.state import KVCache
 __all__ = ["health"]
 
 
+def _host(x) -> np.ndarray:
+    """The whole array on this host (gathered from the other processes of a multi-host mesh)."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def health(cache: KVCache) -> dict:
     """Utilization, waste, free pages and the counters, as plain Python numbers.
 
@@ -17,25 +26,42 @@ def health(cache: KVCache) -> dict:
     positions count once); logical_tokens counts each sequence's reserved tokens (shared ones
     per holder); written_tokens those whose K/V every layer has stored, and
     reserved_unwritten_tokens the rest (reserved, not yet appended at some layer).
+    A sharded cache adds its mesh degrees and the bytes each device holds
+    (`arena_bytes_per_device`, `bytes_per_token_per_device`, replicated KV heads counted);
+    counters are summed over data shards.
     """
     layout = cache.layout
     t = cache.table
-    page_map, lengths, active = np.asarray(t.page_map), np.asarray(t.lengths), np.asarray(t.active)
-    refcount, num_free = np.asarray(t.refcount), int(t.num_free)
+    page_map, lengths, active = _host(t.page_map), _host(t.lengths), _host(t.active)
+    refcount, num_free = _host(t.refcount), int(np.sum(_host(t.num_free)))  # a [dp] array when data-parallel
     size = layout.page_size
+    sh = cache.sharding
+    dp = 1 if sh is None else sh.dp
+    # page_map holds page ids local to the slot's data shard (one shard: the global ids)
+    shard_base = (np.arange(layout.max_seqs) // (layout.max_seqs // dp)) * (layout.num_pages // dp)
 
     filled = np.zeros(layout.num_pages, np.int64)  # positions of each physical page holding a token
     for s in np.flatnonzero(active):
         n_pages = -(-int(lengths[s]) // size)
-        pages = page_map[s, :n_pages]
+        pages = page_map[s, :n_pages] + shard_base[s]
         fill = np.minimum(size, int(lengths[s]) - np.arange(n_pages) * size)
         np.maximum.at(filled, pages, fill)
     pages_in_use = int(np.count_nonzero(refcount))
     capacity = pages_in_use * size
     tokens_held = int(filled.sum())
-    written = np.asarray(t.written)[:, active]  # [L, active slots]
+    written = _host(t.written)[:, active]  # [L, active slots]
     written_tokens = int(written.min(axis=0).sum()) if written.size else 0
-    counters = {f.name: int(getattr(cache.stats, f.name)) for f in dataclasses.fields(cache.stats)}
+    counters = {f.name: int(np.sum(_host(getattr(cache.stats, f.name)))) for f in dataclasses.fields(cache.stats)}
+    placement = {}
+    if sh is not None:
+        placement = dict(
+            devices=int(sh.mesh.size),
+            tensor_parallel=sh.tp,
+            data_parallel=sh.dp,
+            kv_replicas=sh.kv_replicas,
+            arena_bytes_per_device=sh.arena_bytes_per_device(layout),
+            bytes_per_token_per_device=sh.bytes_per_token_per_device(layout),
+        )
     return {
         "active_sequences": int(active.sum()),
         "logical_tokens": int(lengths[active].sum()),
@@ -51,4 +77,5 @@ def health(cache: KVCache) -> dict:
         "bytes_in_use": pages_in_use * layout.page_bytes,
         "arena_bytes": layout.arena_bytes,
         **counters,
+        **placement,
     }

@@ -1,6 +1,8 @@
 """Cache state: immutable pytrees, all arrays, updated with `.replace` inside jit."""
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -73,11 +75,16 @@ class KVCache:
     v: jax.Array  # [num_layers, num_kv_heads, num_pages, page_size, head_dim]
     table: PageTable
     stats: CacheStats
+    # None: one device. A sharded cache (`create(layout, mesh=...)`) carries its static
+    # `arena_jax.sharding.CacheSharding` here; the ops then run per shard (see that module).
+    sharding: Any = struct.field(pytree_node=False, default=None)
 
     @property
     def layout(self) -> KVLayout:
         """The geometry, read back from the shapes (works on tracers and ShapeDtypeStructs)."""
         num_layers, num_kv_heads, num_pages, page_size, head_dim = self.k.shape
+        if self.sharding is not None:  # heads replicated over the tensor axis are stored kv_replicas times
+            num_kv_heads //= self.sharding.kv_replicas
         max_seqs, max_pages_per_seq = self.table.page_map.shape
         return KVLayout(
             num_layers=num_layers,
@@ -91,13 +98,19 @@ class KVCache:
         )
 
 
-def create(layout: KVLayout) -> KVCache:
+def create(layout: KVLayout, *, mesh=None, tensor_axis: str | None = "tensor", data_axis: str | None = None) -> KVCache:
     """Allocate the arena once (zeros) with every page free.
 
     Jittable; size a layout without allocating with `jax.eval_shape(lambda: aj.create(layout))`.
+    With a `jax.sharding.Mesh`, the arena is split over KV heads on `tensor_axis` and, if
+    `data_axis` is given, over pages and slots per data shard (`arena_jax.sharding`).
     """
     if not isinstance(layout, KVLayout):
         raise ValueError(f"layout must be a KVLayout, got {type(layout).__name__}")
+    if mesh is not None:
+        from arena_jax.sharding import create_sharded
+
+        return create_sharded(layout, mesh, tensor_axis=tensor_axis, data_axis=data_axis)
     return KVCache(
         k=jnp.zeros(layout.arena_shape, layout.dtype),
         v=jnp.zeros(layout.arena_shape, layout.dtype),

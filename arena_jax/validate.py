@@ -33,8 +33,10 @@ INT32 = np.iinfo(np.int32)
 
 
 def concrete(x) -> np.ndarray | None:
-    """A numpy copy of `x`, or None while tracing."""
+    """A numpy copy of `x`, or None while tracing (or when other processes hold part of it)."""
     if isinstance(x, jax.core.Tracer):
+        return None
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:  # a multi-host array: not all here
         return None
     return np.asarray(x)
 

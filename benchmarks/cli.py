@@ -66,6 +66,22 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+MESH_AXES = {"dp": "data", "tp": "tensor"}
+
+
+def mesh_spec(text: str) -> tuple[int, int]:
+    """`tp=8`, `dp=2,tp=4`, `dp=8` -> (dp, tp): the data- and tensor-parallel degrees."""
+    degrees = {"dp": 1, "tp": 1}
+    seen = set()
+    for part in text.split(","):
+        key, _, value = part.strip().partition("=")
+        if key not in degrees or key in seen or not value.isdigit() or int(value) < 1:
+            raise argparse.ArgumentTypeError(f"expected 'tp=N', 'dp=N' or 'dp=N,tp=M' (positive N, M), got {text!r}")
+        seen.add(key)
+        degrees[key] = int(value)
+    return degrees["dp"], degrees["tp"]
+
+
 # ---- parser -----------------------------------------------------------------------------------------
 
 
@@ -77,7 +93,7 @@ def _models():
 
 def _add_capacity_args(p: argparse.ArgumentParser, defaults: dict) -> None:
     g = p.add_argument_group("capacity")
-    g.add_argument("--model", choices=[m for m in _models() if m != "tiny"], default="mistral-7b",
+    g.add_argument("--model", choices=[m for m in _models() if not m.startswith("tiny")], default="mistral-7b",
                    help="preset whose KV bytes per token size the budget (mistral-7b: 131,072 B/token)")  # fmt: skip
     g.add_argument("--budget-gib", type=_budget_gib, default=defaults["budget_gib"], help="KV memory budget in GiB")
     g.add_argument("--requests", type=positive_int, default=defaults["requests"], help="requests in the synthetic workload")
@@ -99,7 +115,8 @@ def _add_capacity_args(p: argparse.ArgumentParser, defaults: dict) -> None:
 
 def _add_decode_args(p: argparse.ArgumentParser, defaults: dict) -> None:
     g = p.add_argument_group("decode")
-    g.add_argument("--model", choices=_models(), default="tiny", help="preset with random weights")
+    g.add_argument("--model", choices=_models(), default="tiny",
+                   help="preset with random weights (tiny-gqa: 8 query / 2 KV heads, for --mesh up to tp=8)")  # fmt: skip
     g.add_argument("--model-dir", help="a Hugging Face Llama/Mistral checkpoint folder instead of random weights")
     g.add_argument("--num-layers", type=positive_int, help="override the preset's depth (e.g. llama3-8b geometry on a CPU)")
     g.add_argument("--batch", type=positive_int, default=defaults["batch"], help="sequences decoded together")
@@ -110,6 +127,10 @@ def _add_decode_args(p: argparse.ArgumentParser, defaults: dict) -> None:
     g.add_argument("--page-size", type=positive_int, default=16, help="arena page size in tokens")
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="None: float32 for tiny, else bfloat16")
     g.add_argument("--seed", type=seed, default=0, help="weights and prompts")
+    g.add_argument("--mesh", type=mesh_spec, metavar="SPEC",
+                   help="run sharded over dp*tp devices: 'tp=8' (KV heads and Megatron weights over 8 devices), "
+                        "'dp=2,tp=4' (also slots, pages and batch rows over 2 data shards); on a CPU give it host "
+                        "devices with XLA_FLAGS=--xla_force_host_platform_device_count=N (a functional check, not a speed)")  # fmt: skip
 
 
 CAPACITY_DEFAULTS = {"budget_gib": 1.0, "requests": 100}
@@ -334,6 +355,7 @@ def _decode_settings(args):
         dtype=args.dtype,
         num_layers=args.num_layers,
         seed=args.seed,
+        mesh=getattr(args, "mesh", None),
     )
 
 
@@ -351,6 +373,13 @@ def _cmd_decode(args, console, progress) -> dict:
     result["wall_s"] = time.perf_counter() - t0
     console.print(report.decode_table(result))
     a = result["arena"]
+    if result.get("mesh"):
+        m = result["mesh"]
+        console.print(
+            f"  mesh: data {m['data']} x tensor {m['tensor']} ({m['data'] * m['tensor']} devices); arena per device "
+            f"{a['arena_bytes_per_device']:,} of {a['arena_bytes']:,} bytes, KV bytes/token per device "
+            f"{a['kv_bytes_per_token_per_device']:,} (KV heads stored {a['kv_replicas']}x); dense cache: rows over data, KV heads over tensor when they divide"
+        )
     console.print(
         f"  arena / dense decode tokens/s: [bold]{result['speedup_tokens_per_s']:.2f}x[/bold] "
         f"on {result['device']}, attention backend {result['settings']['arena_layout']['backend']!r}"

@@ -11,6 +11,12 @@ Timing: each call is followed by `jax.block_until_ready` before the clock is rea
 calls' time minus the median warm call. Arena and dense repeats alternate, so drift on a
 shared machine hits both. Tokens/s is the median over repeats of batch * decode steps /
 decode time; step latencies p50/p99 are over all timed steps.
+
+`mesh=(dp, tp)`: the same run sharded over dp * tp devices. The model's weights are placed
+Megatron style (`models.parallel`), the arena split over KV heads (tensor) and over slots
+and pages (data, when dp > 1), the dense baseline's cache split alike ([L, B, S, K, H]:
+rows over data, KV heads over tensor when they divide); greedy tokens are compared as
+without a mesh. On a CPU with host devices it is a functional check.
 """
 from __future__ import annotations
 
@@ -48,6 +54,7 @@ class DecodeSettings:
     dtype: str | None = None  # default: float32 for tiny, bfloat16 otherwise
     num_layers: int | None = None  # override the preset's depth (random weights only)
     seed: int = 0
+    mesh: tuple[int, int] | None = None  # (data-parallel, tensor-parallel) degrees; None: one device
 
 
 def _config_and_dtype(s: DecodeSettings):
@@ -57,17 +64,46 @@ def _config_and_dtype(s: DecodeSettings):
     cfg = preset(s.model)
     if s.num_layers:
         cfg = dataclasses.replace(cfg, num_layers=s.num_layers)
-    return cfg, jnp.dtype(s.dtype or ("float32" if s.model == "tiny" else "bfloat16"))
+    return cfg, jnp.dtype(s.dtype or ("float32" if s.model.startswith("tiny") else "bfloat16"))
+
+
+def make_mesh(s: DecodeSettings):
+    """The (data, tensor) mesh over the first dp * tp devices, or None; ValueError if too few."""
+    if s.mesh is None:
+        return None
+    dp, tp = s.mesh
+    if jax.device_count() < dp * tp:
+        hint = (" (on a CPU: XLA_FLAGS=--xla_force_host_platform_device_count=" + str(dp * tp) + ")"
+                if jax.default_backend() == "cpu" else "")  # fmt: skip
+        raise ValueError(f"--mesh dp={dp},tp={tp} needs {dp * tp} devices; this process has {jax.device_count()}{hint}")
+    if s.batch % dp:
+        raise ValueError(f"--batch {s.batch} must be a multiple of dp={dp} (rows are split over the data shards)")
+    return jax.make_mesh((dp, tp), ("data", "tensor"), devices=jax.devices()[: dp * tp])
+
+
+def _layout(s: DecodeSettings, cfg, dtype):
+    total = s.prompt_len + s.new_tokens
+    pages_per_seq = -(-total // s.page_size)
+    return cfg.kv_layout(page_size=s.page_size, num_pages=s.batch * pages_per_seq, max_seqs=s.batch,
+                         max_seq_len=pages_per_seq * s.page_size, dtype=dtype)  # fmt: skip
 
 
 def check_memory(s: DecodeSettings, cfg, dtype) -> None:
     """ModelTooLarge unless weights + paged arena + dense cache + logits fit the device (and the
-    prompts the host), computed from the sizes alone."""
+    prompts the host), computed from the sizes alone. With a mesh, per device: weights / tp
+    (an estimate: norms and an unsplittable vocabulary are replicated), the arena's own share
+    (`CacheSharding.arena_bytes_per_device`) and the dense cache split alike."""
     total = s.prompt_len + s.new_tokens
-    pages_per_seq = -(-total // s.page_size)
-    layout = cfg.kv_layout(page_size=s.page_size, num_pages=s.batch * pages_per_seq, max_seqs=s.batch,
-                           max_seq_len=pages_per_seq * s.page_size, dtype=dtype)  # fmt: skip
+    layout = _layout(s, cfg, dtype)
     dense = 2 * cfg.num_layers * s.batch * total * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    weights, arena = weight_bytes(cfg, dtype), cache_bytes(layout)
+    if s.mesh is not None:
+        dp, tp = s.mesh
+        plan = aj.CacheSharding.plan(layout, jax.sharding.AbstractMesh((dp, tp), ("data", "tensor")),
+                                     data_axis="data" if dp > 1 else None)  # fmt: skip
+        weights //= tp
+        arena = arena - layout.arena_bytes + plan.arena_bytes_per_device(layout)  # the table is small, counted whole
+        dense //= dp * (tp if cfg.num_kv_heads % tp == 0 else 1)
     hint = "lower --batch, --prompt-len, --new-tokens or --page-size"
     if not s.model_dir:
         hint += f"; --num-layers N (fewer) shrinks {s.model} (same per-layer geometry and KV bytes per layer)"
@@ -76,8 +112,8 @@ def check_memory(s: DecodeSettings, cfg, dtype) -> None:
     try:
         check_fits(
             {
-                f"weights ({cfg.num_layers} layers, {dtype.name})": weight_bytes(cfg, dtype),
-                "paged arena and page table": cache_bytes(layout),
+                f"weights ({cfg.num_layers} layers, {dtype.name})": weights,
+                "paged arena and page table": arena,
                 "dense cache": dense,
                 "logits": 2 * s.batch * cfg.vocab_size * 4,
             },
@@ -88,13 +124,13 @@ def check_memory(s: DecodeSettings, cfg, dtype) -> None:
         raise ModelTooLarge(f"{flags}: {s.model_dir or s.model} {exc}") from None
 
 
-def build_model(s: DecodeSettings):
+def build_model(s: DecodeSettings, mesh=None):
     """(model, description of the weights). Random weights from the preset unless model_dir."""
     cfg, dtype = _config_and_dtype(s)
     if s.model_dir:
-        model, _tok = models.load_pretrained(s.model_dir, dtype=dtype)
+        model, _tok = models.load_pretrained(s.model_dir, dtype=dtype, mesh=mesh)
         return model, f"checkpoint {s.model_dir}"
-    model = models.init_random(cfg, seed=s.seed, dtype=dtype)
+    model = models.init_random(cfg, seed=s.seed, dtype=dtype, mesh=mesh)
     depth = f", {cfg.num_layers} of {preset(s.model).num_layers} layers" if s.num_layers else ""
     return model, f"random weights{depth}"
 
@@ -109,11 +145,14 @@ def _block(x):
 
 
 class _ArenaRun:
-    def __init__(self, model, s: DecodeSettings, prompts: np.ndarray):
+    def __init__(self, model, s: DecodeSettings, prompts: np.ndarray, mesh=None):
         self.graphdef, self.state = nnx.split(model)
         total = s.prompt_len + s.new_tokens
         self.layout = models.default_layout(model, s.batch, total, page_size=s.page_size)
-        self.cache = aj.create(self.layout)
+        if mesh is None:
+            self.cache = aj.create(self.layout)
+        else:  # slot b serves row b: rows [d*B/dp, (d+1)*B/dp) are data shard d's, as its slots
+            self.cache = aj.create(self.layout, mesh=mesh, data_axis="data" if mesh.shape["data"] > 1 else None)
         self.tokens = jnp.asarray(prompts)
         self.slots = jnp.arange(s.batch, dtype=jnp.int32)
         self.counts = jnp.full((s.batch,), s.prompt_len, jnp.int32)
@@ -141,8 +180,17 @@ class _ArenaRun:
 
 
 class _DenseRun:
-    def __init__(self, model, s: DecodeSettings, prompts: np.ndarray):
+    def __init__(self, model, s: DecodeSettings, prompts: np.ndarray, mesh=None):
         self.graphdef, self.state = nnx.split(model)
+        self.placement = None
+        if mesh is not None:
+            from jax.sharding import NamedSharding, PartitionSpec as P
+
+            from arena_jax.sharding import auto_mesh
+
+            heads = "tensor" if model.config.num_kv_heads % mesh.shape["tensor"] == 0 else None
+            rows = NamedSharding(auto_mesh(mesh), P(None, "data", None, heads))  # [L, B, S, K, H]
+            self.placement = dense_baseline.DenseCache(k=rows, v=rows, lengths=NamedSharding(rows.mesh, P("data")))
         self.config, self.dtype = model.config, model.dtype
         self.batch, self.max_len = s.batch, s.prompt_len + s.new_tokens
         self.tokens = jnp.asarray(prompts)
@@ -152,6 +200,8 @@ class _DenseRun:
 
     def run(self):
         cache = dense_baseline.init_dense_cache(self.config, self.batch, self.max_len, self.dtype)
+        if self.placement is not None:
+            cache = jax.device_put(cache, self.placement)
         self.reserved = cache.k.nbytes + cache.v.nbytes
         _block(cache)
         t0 = time.perf_counter()
@@ -194,11 +244,20 @@ def run_decode(s: DecodeSettings, progress=None) -> dict:
             f"prompt_len + new_tokens = {s.prompt_len + s.new_tokens} exceeds the model's "
             f"max_position_embeddings={cfg.max_position_embeddings}"
         )
+    mesh = make_mesh(s)
+    if mesh is not None:
+        from models.parallel import check_tensor_parallel
+
+        try:
+            check_tensor_parallel(cfg, s.mesh[1], "tensor")
+        except ValueError as exc:
+            hint = " (--model tiny-gqa shards up to tp=8)" if s.model == "tiny" and not s.model_dir else ""
+            raise ValueError(f"--mesh tp={s.mesh[1]}: {exc}{hint}") from None
     check_memory(s, cfg, dtype)
-    model, weights = build_model(s)
+    model, weights = build_model(s, mesh)
     rng = np.random.default_rng(s.seed)
     prompts = rng.integers(0, cfg.vocab_size, size=(s.batch, s.prompt_len), dtype=np.int32)
-    arena, dense = _ArenaRun(model, s, prompts), _DenseRun(model, s, prompts)
+    arena, dense = _ArenaRun(model, s, prompts, mesh), _DenseRun(model, s, prompts, mesh)
 
     advance = progress.add_task("decode: warm-up + repeats", total=2 * (s.warmup + s.repeats)) if progress else None
     results = {"arena": ([], [], []), "dense": ([], [], [])}  # tokens, prefills, step lists
@@ -243,6 +302,13 @@ def run_decode(s: DecodeSettings, progress=None) -> dict:
         pages_in_use=h["pages_in_use"],
         utilization=h["utilization"],
     )
+    sh = arena.cache.sharding
+    if sh is not None:
+        a_sum.update(
+            arena_bytes_per_device=sh.arena_bytes_per_device(arena.layout),
+            kv_bytes_per_token_per_device=sh.bytes_per_token_per_device(arena.layout),
+            kv_replicas=sh.kv_replicas,
+        )
     dense_bpt = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(model.dtype).itemsize
     d_sum.update(
         kv_bytes_per_token=dense_bpt,
@@ -265,6 +331,7 @@ def run_decode(s: DecodeSettings, progress=None) -> dict:
             "dense_max_len": dense.max_len,
         },
         "device": _device_name(),
+        "mesh": None if mesh is None else {"data": s.mesh[0], "tensor": s.mesh[1]},
         "arena": a_sum,
         "dense": d_sum,
         "speedup_tokens_per_s": a_sum["tokens_per_s"] / d_sum["tokens_per_s"],

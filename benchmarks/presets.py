@@ -5,8 +5,15 @@ from models.config import LlamaConfig
 
 __all__ = ["PRESETS", "LAYOUT_MODELS", "preset", "layout_report"]
 
+def tiny_gqa() -> LlamaConfig:
+    """The tiny model with 8 query / 2 KV heads: it shards over any tensor degree up to 8 (KV heads
+    split on tp=2, replicated from tp=4 on), for `arena-bench decode --mesh` on host devices."""
+    return LlamaConfig.tiny(num_heads=8, num_kv_heads=2)
+
+
 PRESETS = {
     "tiny": LlamaConfig.tiny,
+    "tiny-gqa": tiny_gqa,
     "mistral-7b": LlamaConfig.mistral_7b,
     "llama3-8b": LlamaConfig.llama3_8b,
     "llama3-70b": LlamaConfig.llama3_70b,

@@ -9,6 +9,10 @@ numpy draw on CPU, one jitted call elsewhere) or `models.Llama(config, rngs=nnx.
 `prefill` / `decode_step` are the jitted steps (see models.steps); `models.dense_baseline`
 runs the same model with a conventional dense KV cache for comparison.
 
+Many devices: `init_random(..., mesh=)` / `load_pretrained(..., mesh=)` place the weights
+Megatron style (`models.parallel`), and with a cache from `aj.create(layout, mesh=...)` the
+same `prefill` / `decode_step` / `generate(..., mesh=)` run across the mesh.
+
 `generate` stops at `model.config.eos_token_ids` (a checkpoint's eos tokens, read as
 transformers' generate reads them) unless given `stop_tokens`. Configs are read by
 `arena_jax.hf_config` (transformers' defaults and types); bad input of any kind is a
@@ -19,6 +23,7 @@ from models.dense_baseline import DenseCache, dense_decode, dense_generate, dens
 from models.generate import Generation, default_layout, generate
 from models.layers import MLP, Attention, Embedder, RMSNorm, apply_rope, rope_frequencies
 from models.llama import Block, Llama, init_random, token_positions
+from models.parallel import shard_model, weights_mesh
 from models.loading import Pretrained, TensorSpec, export_hf_tensors, hf_tensor_map, load_pretrained, load_tokenizer
 from models.sampling import GREEDY, Sampling, SamplingParams, filter_logits, sample
 from models.steps import TRACE_COUNTS, StepOutput, decode_step, prefill, release_rows
@@ -29,6 +34,8 @@ __all__ = [
     "Llama",
     "Block",
     "init_random",
+    "shard_model",
+    "weights_mesh",
     "Attention",
     "MLP",
     "RMSNorm",

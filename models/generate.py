@@ -107,6 +107,9 @@ def generate(
     seed: int = 0,
     stop_tokens: Sequence[int] | None = None,
     return_logits: bool = False,
+    mesh=None,
+    tensor_axis: str | None = "tensor",
+    data_axis: str | None = None,
 ) -> Generation:
     """Generate up to `max_new_tokens` for each prompt (lists of token ids).
 
@@ -119,6 +122,11 @@ def generate(
 
     Token ids must be integers (Python or numpy; not floats, strings or bools) in
     [0, vocab_size); every bad argument is a ValueError naming it.
+
+    Many devices: give a `mesh` (the cache is created on it, `aj.create(..., mesh=mesh,
+    tensor_axis=, data_axis=)`; single-device weights are placed on it first with
+    `models.shard_model`), or a sharded `cache`. With a data axis of size dp, rows are split
+    into dp blocks of batch_size / dp, each served by its data shard's slots and pages.
     """
     sampling = Sampling(temperature, top_k, top_p)
     vocab = model.config.vocab_size
@@ -138,26 +146,42 @@ def generate(
     longest = max((len(p) for p in prompts), default=1) + max_new_tokens
     if cache is not None:
         layout = cache.layout
-        if bool(np.asarray(cache.table.active).any()) or int(cache.table.num_free) != layout.num_pages:
+        if bool(_fetch(cache.table.active).any()) or int(_fetch(cache.table.num_free).sum()) != layout.num_pages:
             raise ValueError("cache must hold no sequences (release them first): generate owns every slot and page")
+        if mesh is not None and (cache.sharding is None or cache.sharding.mesh.devices.tolist() != mesh.devices.tolist()):
+            raise ValueError("mesh does not match the cache's: give one or the other")
     elif layout is None:
         layout = default_layout(model, batch_size, longest)
+    model = _on_mesh(model, cache.sharding.mesh if cache is not None and cache.sharding else mesh, tensor_axis)
     cfg = model.config
     for field, want in (("num_layers", cfg.num_layers), ("num_kv_heads", cfg.num_kv_heads), ("head_dim", cfg.head_dim)):
         if getattr(layout, field) != want:
             raise ValueError(f"the layout's {field}={getattr(layout, field)} does not match the model's {want}")
     if batch_size > layout.max_seqs:
         raise ValueError(f"batch_size={batch_size} exceeds the layout's max_seqs={layout.max_seqs}")
+    if cache is None:
+        if mesh is not None:
+            aj.CacheSharding.plan(layout, mesh, tensor_axis=tensor_axis, data_axis=data_axis)  # its errors first
+        dp = mesh.shape[data_axis] if mesh is not None and data_axis else 1
+    else:
+        dp = cache.sharding.dp if cache.sharding is not None else 1
+    if batch_size % dp or batch_size // dp > layout.max_seqs // dp:
+        raise ValueError(
+            f"batch_size={batch_size} must split into {dp} data shards of at most max_seqs / {dp} = "
+            f"{layout.max_seqs // dp} rows each"
+        )
+    pages_per_shard = layout.num_pages // dp
     chunk_size = min(chunk_size, layout.max_seq_len)  # no sequence is longer: a longer chunk is pure padding
     for i, p in enumerate(prompts):
         total = len(p) + max_new_tokens
-        if total > layout.max_seq_len or layout.pages_for(total) > layout.num_pages:
+        if total > layout.max_seq_len or layout.pages_for(total) > pages_per_shard:
+            shard = " per data shard" if dp > 1 else ""
             raise ValueError(
                 f"prompts[{i}] ({len(p)} tokens) + max_new_tokens={max_new_tokens} = {total} tokens does not fit "
-                f"the arena (max_seq_len={layout.max_seq_len}, {layout.num_pages} pages of {layout.page_size})"
+                f"the arena (max_seq_len={layout.max_seq_len}, {pages_per_shard} pages of {layout.page_size}{shard})"
             )
     if cache is None:
-        cache = aj.create(layout)
+        cache = aj.create(layout) if mesh is None else aj.create(layout, mesh=mesh, tensor_axis=tensor_axis, data_axis=data_axis)
 
     seqs = [_Seq(i, p) for i, p in enumerate(prompts)]
     runner = _Runner(
@@ -181,13 +205,46 @@ def generate(
     )
 
 
+def _fetch(x) -> np.ndarray:
+    """A device array on the host, whole (gathered from the other processes of a multi-host mesh)."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _on_mesh(model: Llama, mesh, tensor_axis):
+    """The model with its weights on `mesh` (placed there if they are on one device)."""
+    from models.parallel import shard_model, weights_mesh
+
+    placed = weights_mesh(model)
+    if mesh is None:
+        if placed is not None:
+            raise ValueError("the model's weights are sharded over a mesh: pass mesh= (or a cache created on it)")
+        return model
+    if placed is None:
+        return shard_model(model, mesh, tensor_axis=tensor_axis)
+    if placed.devices.tolist() != mesh.devices.tolist():
+        raise ValueError("the model's weights are on a different mesh than the cache's")
+    return model
+
+
 class _Runner:
-    """The host-side scheduler: rows, queue, page accounting. Device work is the jitted steps."""
+    """The host-side scheduler: rows, queue, page accounting. Device work is the jitted steps.
+
+    With dp data shards, row r belongs to shard r // (batch / dp) and uses that shard's slot
+    `shard * max_seqs / dp + r % (batch / dp)`; pages are counted per shard."""
 
     def __init__(self, model, cache, layout, batch_size, chunk_size, sampling, seed, stop, max_new, return_logits):
         self.graphdef, self.state = nnx.split(model)
         self.cache, self.layout = cache, layout
         self.batch, self.chunk = batch_size, chunk_size
+        self.dp = cache.sharding.dp if cache.sharding is not None else 1
+        self.rows_per_shard = batch_size // self.dp
+        self.pages_per_shard = layout.num_pages // self.dp
+        self.slot_of = [(r // self.rows_per_shard) * (layout.max_seqs // self.dp) + r % self.rows_per_shard
+                        for r in range(batch_size)]  # fmt: skip
         self.sampling = sampling.rows(batch_size)  # arrays: greedy and sampled runs share one compile
         self.seed = jnp.asarray(seed, jnp.int32)
         self.stop, self.max_new, self.return_logits = stop, max_new, return_logits
@@ -197,11 +254,14 @@ class _Runner:
         self._to_release: list[int] = []
 
     # ---- bookkeeping --------------------------------------------------------------------
-    def _free_pages(self) -> int:
-        """Pages not claimed by running sequences, each counted at its full length to be fed
-        (a row still prefilling will take them; a decoding row its next token's page)."""
-        used = sum(self.layout.pages_for(len(s.ids)) for s in self.rows if s is not None)
-        return self.layout.num_pages - used
+    def _shard_rows(self, shard: int) -> list:
+        return self.rows[shard * self.rows_per_shard : (shard + 1) * self.rows_per_shard]
+
+    def _free_pages(self, shard: int = 0) -> int:
+        """Pages of a data shard not claimed by its running sequences, each counted at its full
+        length to be fed (a row still prefilling will take them; a decoding row its next token's page)."""
+        used = sum(self.layout.pages_for(len(s.ids)) for s in self._shard_rows(shard) if s is not None)
+        return self.pages_per_shard - used
 
     def _admit(self, waiting: collections.deque) -> None:
         for r in range(self.batch):
@@ -210,10 +270,11 @@ class _Runner:
             if self.rows[r] is not None:
                 continue
             seq = waiting[0]
-            running = sum(s is not None for s in self.rows)
+            shard = r // self.rows_per_shard
+            running = sum(s is not None for s in self._shard_rows(shard))
             # Watermark: room for this sequence plus one page of growth per running sequence.
-            if self.layout.pages_for(len(seq.ids) + 1) + running > self._free_pages() and running:
-                return
+            if self.layout.pages_for(len(seq.ids) + 1) + running > self._free_pages(shard) and running:
+                continue  # (one shard: every later row would answer the same)
             waiting.popleft()
             seq.fed, seq.admitted = 0, self._admissions
             self._admissions += 1
@@ -226,13 +287,14 @@ class _Runner:
     def _flush_releases(self) -> None:
         if self._to_release:
             slots = np.full((self.batch,), aj.PAD_SLOT, np.int32)
-            slots[self._to_release] = self._to_release
+            slots[self._to_release] = [self.slot_of[r] for r in self._to_release]
             self.cache = release_rows(self.cache, jnp.asarray(slots))
             self._to_release = []
 
-    def _preempt(self, waiting: collections.deque) -> None:
-        """Release the most recently admitted running sequence and requeue it first."""
-        r = max((r for r, s in enumerate(self.rows) if s is not None), key=lambda r: self.rows[r].admitted)
+    def _preempt(self, waiting: collections.deque, shard: int = 0) -> None:
+        """Release the most recently admitted running sequence of a data shard and requeue it first."""
+        rows = range(shard * self.rows_per_shard, (shard + 1) * self.rows_per_shard)
+        r = max((r for r in rows if self.rows[r] is not None), key=lambda r: self.rows[r].admitted)
         seq = self.rows[r]
         seq.fed = 0
         self._vacate(r)
@@ -256,16 +318,16 @@ class _Runner:
             self._admit(waiting)
             if not any(s is not None for s in self.rows):
                 raise RuntimeError("no sequence could be admitted")  # excluded by generate's size checks
-            failed = False
+            failed = set()  # data shards that refused a row for lack of pages
             if any(s is not None and s.pending > 1 for s in self.rows):
                 failed |= self._prefill()
             if any(s is not None and s.pending == 1 for s in self.rows):
                 failed |= self._decode()
-            if failed:
-                self._preempt(waiting)
+            for shard in sorted(failed):
+                self._preempt(waiting, shard)
         self._flush_releases()
 
-    def _prefill(self) -> bool:
+    def _prefill(self) -> set:
         tokens = np.zeros((self.batch, self.chunk), np.int32)
         slots = np.full((self.batch,), aj.PAD_SLOT, np.int32)
         counts = np.zeros((self.batch,), np.int32)
@@ -274,7 +336,7 @@ class _Runner:
             if s is not None and s.pending > 1:
                 piece = s.ids[s.fed : s.fed + self.chunk]
                 tokens[r, : len(piece)] = piece
-                slots[r], counts[r], seq_ids[r] = r, len(piece), s.index
+                slots[r], counts[r], seq_ids[r] = self.slot_of[r], len(piece), s.index
         out = prefill(
             self.graphdef, self.state, self.cache, jnp.asarray(tokens), jnp.asarray(slots), jnp.asarray(counts),
             jnp.asarray(seq_ids), self.seed, self.sampling,
@@ -283,13 +345,13 @@ class _Runner:
         self.prefill_calls += 1
         return self._collect(out, slots, counts)
 
-    def _decode(self) -> bool:
+    def _decode(self) -> set:
         tokens = np.zeros((self.batch,), np.int32)
         slots = np.full((self.batch,), aj.PAD_SLOT, np.int32)
         seq_ids = np.zeros((self.batch,), np.int32)
         for r, s in enumerate(self.rows):
             if s is not None and s.pending == 1:
-                tokens[r], slots[r], seq_ids[r] = s.ids[-1], r, s.index
+                tokens[r], slots[r], seq_ids[r] = s.ids[-1], self.slot_of[r], s.index
         out = decode_step(
             self.graphdef, self.state, self.cache, jnp.asarray(tokens), jnp.asarray(slots), jnp.asarray(seq_ids),
             self.seed, sampling=self.sampling,
@@ -298,15 +360,15 @@ class _Runner:
         self.decode_calls += 1
         return self._collect(out, slots, (slots >= 0).astype(np.int32))
 
-    def _collect(self, out, slots, counts) -> bool:
-        """Advance the rows the step served; True when some row was refused for lack of pages."""
-        ok, next_tokens = jax.device_get((out.ok, out.tokens))
-        logits = jax.device_get(out.logits) if self.return_logits else None
-        failed = False
+    def _collect(self, out, slots, counts) -> set:
+        """Advance the rows the step served; the data shards where a row was refused for lack of pages."""
+        ok, next_tokens = _fetch(out.ok), _fetch(out.tokens)
+        logits = _fetch(out.logits) if self.return_logits else None
+        failed = set()
         for r in np.flatnonzero(slots >= 0):
             seq = self.rows[r]
             if not ok[r]:
-                failed = True
+                failed.add(int(r) // self.rows_per_shard)
                 continue
             seq.fed += int(counts[r])
             if seq.pending == 0:  # the whole sequence is in the cache: the sample is its next token

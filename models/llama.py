@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 import arena_jax as aj
+from arena_jax.sharding import shard_rows, slot_lengths
 from models.checks import check_int, check_number
 from models.config import LlamaConfig
 from models.layers import MLP, Attention, Embedder, RMSNorm
@@ -64,9 +65,10 @@ class Llama(nnx.Module):
 
     def hidden(self, tokens, positions, cache: aj.KVCache, slots, num_tokens):
         """tokens i32[B, T] -> final-normed hidden states [B, T, E] and the updated cache."""
-        x = self.embed(tokens)
+        x = shard_rows(self.embed(tokens), cache)  # a sharded cache: rows over data, replicated over tensor
         for i, block in enumerate(self.layers):
             x, cache = block(x, positions, cache, i, slots, num_tokens)
+            x = shard_rows(x, cache)
         return self.norm(x), cache
 
     def logits(self, x):
@@ -85,18 +87,33 @@ def token_positions(cache: aj.KVCache, slots, num_tokens, tokens: int):
     """Positions i32[B, T] of the new tokens of each row (after `aj.reserve`): the slot's last
     num_tokens[b] positions. Padded rows / tokens get position 0 (they are masked anyway)."""
     valid = slots >= 0
-    lengths = jnp.where(valid, cache.table.lengths[jnp.maximum(slots, 0)], 0)
+    if cache.sharding is not None:  # each data shard reads its own slots' lengths
+        lengths = slot_lengths(cache, slots)
+    else:
+        lengths = jnp.where(valid, cache.table.lengths[jnp.maximum(slots, 0)], 0)
     t = jnp.arange(tokens, dtype=jnp.int32)[None, :]
     pos = (lengths - num_tokens)[:, None] + t
     live = valid[:, None] & (t < num_tokens[:, None])
     return jnp.where(live, pos, 0)
 
 
-def init_random(config: LlamaConfig, *, seed: int = 0, std: float = 0.02, dtype=jnp.float32, param_dtype=None) -> Llama:
+def init_random(
+    config: LlamaConfig,
+    *,
+    seed: int = 0,
+    std: float = 0.02,
+    dtype=jnp.float32,
+    param_dtype=None,
+    mesh=None,
+    tensor_axis: str | None = "tensor",
+) -> Llama:
     """A random-weight `Llama`: projections and embeddings ~ N(0, std), norm scales 1.
 
     On CPU the weights are drawn with numpy (eager JAX would compile every initializer shape
     separately, seconds for a tiny model); elsewhere in one jitted call on the device.
+    With a `mesh`, the weights are placed Megatron style over its `tensor_axis`
+    (`models.parallel`), each device receiving only its part; the values are those of the
+    single-device model with the same seed.
     """
     seed = check_int("seed", seed)  # in [0, 2**31 - 1]: numpy refuses negative seeds; one rule for every seed here
     std = check_number("std", std, low=0.0)
@@ -106,19 +123,30 @@ def init_random(config: LlamaConfig, *, seed: int = 0, std: float = 0.02, dtype=
         return Llama(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(seed))
 
     graphdef, abstract = nnx.split(nnx.eval_shape(build))
+    shardings = None
+    if mesh is not None:
+        from models.parallel import state_shardings
+
+        shardings = state_shardings(abstract, config, mesh, tensor_axis=tensor_axis)
     if jax.default_backend() == "cpu":
         rng = np.random.default_rng(seed)
 
         def draw(path, leaf):
             if "['scale']" in jax.tree_util.keystr(path):
-                return jnp.ones(leaf.shape, leaf.dtype)
-            return jnp.asarray(rng.normal(0.0, std, leaf.shape).astype(np.float32), leaf.dtype)
+                return np.ones(leaf.shape, leaf.dtype)
+            return rng.normal(0.0, std, leaf.shape).astype(np.float32).astype(leaf.dtype)
 
-        state = jax.tree_util.tree_map_with_path(draw, abstract)
+        host = jax.tree_util.tree_map_with_path(draw, abstract)
+        if shardings is None:
+            state = jax.tree.map(jnp.asarray, host)
+        else:
+            from models.parallel import place
+
+            state = place(host, shardings)
     else:
         scale = std / 0.02  # the modules initialize with std 0.02
         state = jax.jit(lambda: jax.tree_util.tree_map_with_path(
             lambda p, x: x if "['scale']" in jax.tree_util.keystr(p) else (x * scale).astype(x.dtype),
             nnx.state(build()),
-        ))()  # fmt: skip
+        ), out_shardings=shardings)()  # fmt: skip
     return nnx.merge(graphdef, state)

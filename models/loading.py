@@ -217,8 +217,13 @@ def load_tokenizer(model_dir: str):
         raise ValueError(f"{path}: not a valid tokenizer.json ({exc})") from None
 
 
-def load_pretrained(model_dir, *, dtype=jnp.bfloat16, param_dtype=None) -> Pretrained:
+def load_pretrained(
+    model_dir, *, dtype=jnp.bfloat16, param_dtype=None, mesh=None, tensor_axis: str | None = "tensor"
+) -> Pretrained:
     """Build a `Llama` from a Hugging Face folder; weights cast to `param_dtype` (default `dtype`).
+
+    With a `mesh`, each tensor goes from the host straight to its devices, split Megatron style
+    over `tensor_axis` (`models.parallel`): no device ever holds the whole model.
 
     The checkpoint must hold exactly the tensors its config.json describes, with their shapes
     and a float dtype (else ValueError listing the names); old checkpoints' per-layer
@@ -249,8 +254,14 @@ def load_pretrained(model_dir, *, dtype=jnp.bfloat16, param_dtype=None) -> Pretr
     abstract = nnx.eval_shape(lambda: Llama(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))
+    put = lambda path, host: jnp.asarray(host, dtype=param_dtype)  # noqa: E731
+    if mesh is not None:
+        from models.parallel import place, state_shardings
+
+        placement = dict(nnx.to_flat_state(state_shardings(state, config, mesh, tensor_axis=tensor_axis)))
+        put = lambda path, host: place(np.asarray(host).astype(param_dtype), _value(placement[path]))  # noqa: E731
     for name, spec in expected.items():
-        value = jnp.asarray(spec.to_ours(_get_tensor(where[name], name)), dtype=param_dtype)
+        value = put(spec.path, spec.to_ours(_get_tensor(where[name], name)))
         expected_shape = _value(flat[spec.path]).shape
         assert value.shape == expected_shape, (name, value.shape, expected_shape)  # our own mapping, not user input
         flat[spec.path] = flat[spec.path].replace(value)

@@ -1,0 +1,344 @@
+"""Many devices: checks that need 8 devices, run by `tests/test_sharding.py` in ONE subprocess
+with `XLA_FLAGS=--xla_force_host_platform_device_count=8` (set before JAX starts; the main
+pytest process already has its single CPU device). Not collected on its own (no `test_`
+prefix); to run it by hand:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu pytest tests/sharded_checks.py
+
+Oracles: a sharded cache must behave exactly like single-device caches, one per data shard
+(local slots and pages), on the same operations: tables equal, every stored head of every
+shard equal to the head it replicates, attention equal; a sharded model must give the
+single-device model's greedy tokens. And the compiled steps must not move pages between
+devices (HLO) and must update every shard in place (buffer pointers).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import arena_jax as aj
+import models
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (see the module docstring)")
+
+# page_size 5 with head_dim 16: a shape ending in [5, 16] is a page (or the arena); no activation has it.
+LAYOUT = aj.KVLayout(num_layers=1, num_kv_heads=4, head_dim=16, page_size=5, num_pages=20, max_seqs=4,
+                     max_pages_per_seq=4, dtype="float32")  # fmt: skip
+Q_HEADS = 8
+PAD = aj.PAD_SLOT
+FAR = 10**6  # an out-of-range slot: what a row naming another data shard's slot is to that shard
+ATOL = 2e-5  # Pallas (interpret) attention vs the reference oracle, f32, head_dim 16
+
+# Every compile costs seconds on a 2-core CI machine, so the whole-scenario oracle check runs on
+# the mesh that exercises the most code at once: data shards (own slots, pages, free stacks)
+# times tensor shards holding replicated KV heads (2 KV heads on 4 tensor shards: each stored
+# twice). The Pallas kernels are checked on the same cache against the reference path; the
+# model checks below run every mesh the issue names (tp=1/2/4/8, dp=2 x tp=4), with KV heads
+# split (tp=2) and replicated (tp=4, 8), through the same ops.
+MESH, HEADS = (2, 4), 2
+
+
+def make_mesh(shape):
+    return jax.make_mesh(shape, ("data", "tensor"), devices=jax.devices()[: shape[0] * shape[1]])
+
+
+# ---- one jitted scenario: every op, ragged rows, forks, copy-on-write, truncation ---------------
+
+
+def scenario_inputs(heads):
+    rng = np.random.default_rng(heads)
+    return rng.normal(size=(4, 12, heads, 16)).astype(np.float32), rng.normal(size=(4, 4, Q_HEADS, 16)).astype(np.float32)
+
+
+COUNTS = np.asarray([[7, 0, 12, 0], [0, 0, 0, 0], [2, 3, 1, 4], [3, 9, 13, 11], [0, 0, 0, 0], [4, 0, 6, 0]], np.int32)
+
+
+def _scenario(cache, slots, counts, k, q, backend):
+    """slots, counts: i32[6, B] (one batch per op below); k [B, 12, H, 16]; q [B, 4, N, 16]."""
+    outs = {}
+    cache, outs["ok_first"] = aj.reserve(cache, slots[0], counts[0])
+    cache = aj.append(cache, 0, slots[0], k, -k, num_tokens=counts[0], backend=backend)
+    cache = aj.fork(cache, slots[0], slots[1])  # 0 -> 1 and 2 -> 3: within each data shard
+    cache, outs["ok_cow"] = aj.reserve(cache, slots[2], counts[2])  # shared partial pages: copy-on-write
+    cache = aj.append(cache, 0, slots[2], 2 * k[:, :4], k[:, :4], num_tokens=counts[2], backend=backend)
+    outs["attn"] = aj.attend(q, cache, 0, slots[2], num_tokens=counts[2], backend=backend)
+    cache = aj.truncate(cache, slots[3], counts[3])
+    cache = aj.release(cache, slots[4])
+    cache, outs["ok_cross"] = aj.reserve(cache, slots[5], counts[5])  # dp: rows naming another shard's slot
+    cache = aj.append(cache, 0, slots[5], k[:, :6], k[:, :6], num_tokens=counts[5], backend=backend)
+    outs["attn_cross"] = aj.attend(q[:, :1], cache, 0, slots[5], backend=backend)
+    return cache, outs
+
+
+scenario = jax.jit(_scenario, static_argnames="backend", donate_argnames="cache")
+
+
+def global_slots(dp):
+    """The ops' batches for a cache of 4 slots split over dp shards (rows in dp blocks)."""
+    cross = [3, PAD, 0, PAD] if dp == 2 else [3, PAD, 1, PAD]  # dp=2: rows 0 and 2 name the other shard's slot
+    return np.asarray([[0, PAD, 2, PAD], [1, PAD, 3, PAD], [0, 1, 2, 3], [0, 1, 2, 3], [PAD, 1, 2, PAD], cross], np.int32)
+
+
+def local_slots(slots, dp, shard):
+    """Row block `shard` of each batch, slots made local to it (another shard's slot: FAR)."""
+    per = 4 // dp
+    rows = slots[:, shard * per : (shard + 1) * per]
+    mine = (rows >= shard * per) & (rows < (shard + 1) * per)
+    return np.where(rows == PAD, PAD, np.where(mine, rows - shard * per, FAR)).astype(np.int32)
+
+
+def oracle(heads, dp):
+    """Per data shard: the scenario on a single-device cache of that shard's slots and pages
+    (reference backend: the ground truth of both sharded backends)."""
+    layout = dataclasses.replace(LAYOUT, num_kv_heads=heads, num_pages=LAYOUT.num_pages // dp, max_seqs=4 // dp)
+    k, q = scenario_inputs(heads)
+    slots = global_slots(dp)
+    runs = []
+    for d in range(dp):
+        block = slice(d * (4 // dp), (d + 1) * (4 // dp))
+        cache, outs = scenario(aj.create(layout), jnp.asarray(local_slots(slots, dp, d)), jnp.asarray(COUNTS[:, block]),
+                               k[block], q[block], backend="reference")  # fmt: skip
+        runs.append(jax.device_get((cache, outs)))
+    return runs
+
+
+COLLECTIVE = re.compile(r"= (.*?) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter|collective-broadcast|"
+                        r"ragged-all-to-all)(-start)?\(")  # fmt: skip
+
+
+def collectives(hlo: str) -> list[tuple[str, str]]:
+    """(op, result shape) of every collective in a compiled module's text (one per instruction line)."""
+    found = []
+    for line in hlo.splitlines():
+        m = COLLECTIVE.search(line)
+        if m:
+            found.append((m.group(2), m.group(1)))
+    return found
+
+
+def moves_pages(shape: str, page_size: int = 5, head_dim: int = 16) -> bool:
+    """A result shape with a [..., page_size, head_dim] tail: pages (or the arena) moving."""
+    return any(s.endswith(f"{page_size},{head_dim}]") for s in re.findall(r"\[[\d,]*\]", shape))
+
+
+def shard_pointers(x) -> list[int]:
+    return [s.data.unsafe_buffer_pointer() for s in x.addressable_shards]
+
+
+@pytest.fixture(scope="module")
+def scenario_run():
+    """The scenario on a dp=2 x tp=4 cache (reference backend), with its compiled HLO and the
+    arena's shard pointers before and after."""
+    layout = dataclasses.replace(LAYOUT, num_kv_heads=HEADS)
+    cache = aj.create(layout, mesh=make_mesh(MESH), data_axis="data")
+    k, q = scenario_inputs(HEADS)
+    slots, counts = jnp.asarray(global_slots(MESH[0])), jnp.asarray(COUNTS)
+    compiled = scenario.lower(cache, slots, counts, k, q, backend="reference").compile()
+    before = (shard_pointers(cache.k), shard_pointers(cache.v))
+    sizes = {s.data.nbytes for s in cache.k.addressable_shards}
+    cache, outs = compiled(cache, slots, counts, k, q)
+    after = (shard_pointers(cache.k), shard_pointers(cache.v))
+    return layout, cache, outs, compiled.as_text(), before, after, sizes
+
+
+def test_cache_ops_equal_single_device_per_shard(scenario_run):
+    layout, cache, outs, hlo, before, after, sizes = scenario_run
+    dp, tp = MESH
+    sh = cache.sharding
+    replicas = tp // HEADS
+    assert sh.kv_replicas == replicas == 2 and cache.layout == layout
+    # Per-device bytes: each device holds 1/(tp*dp) of the stored arena (2 copies of each head),
+    # and the report says so: half the single-device bytes per token, not a quarter.
+    assert cache.k.shape == (1, HEADS * replicas, 20, 5, 16)
+    assert sizes == {cache.k.nbytes // (tp * dp)}
+    assert 2 * cache.k.nbytes // (tp * dp) == sh.arena_bytes_per_device(layout)
+    assert sh.bytes_per_token_per_device(layout) * tp == layout.bytes_per_token * replicas
+    found = collectives(hlo)
+    assert not found, f"the cache ops communicate: {found}"  # not even a table entry moves
+    assert after == before, "an arena shard was not updated in place"
+
+    got_cache, got = jax.device_get((cache, outs))
+    per, pages = 4 // dp, 20 // dp
+    for d, (want_cache, want) in enumerate(oracle(HEADS, dp)):
+        rows, page_rows = slice(d * per, (d + 1) * per), slice(d * pages, (d + 1) * pages)
+        t, w = got_cache.table, want_cache.table
+        for field in ("page_map", "lengths", "active"):
+            np.testing.assert_array_equal(getattr(t, field)[rows], getattr(w, field), err_msg=f"{field}, shard {d}")
+        for field in ("free_stack", "refcount"):
+            np.testing.assert_array_equal(getattr(t, field)[page_rows], getattr(w, field), err_msg=f"{field}, shard {d}")
+        np.testing.assert_array_equal(t.written[:, rows], w.written)
+        np.testing.assert_array_equal(t.num_free[d], w.num_free)
+        for f in dataclasses.fields(got_cache.stats):
+            np.testing.assert_array_equal(getattr(got_cache.stats, f.name)[d], getattr(want_cache.stats, f.name),
+                                          err_msg=f"stats.{f.name}, shard {d}")  # fmt: skip
+        for stored in range(HEADS * replicas):  # every replica of every head holds that head's pages
+            np.testing.assert_array_equal(got_cache.k[:, stored, page_rows], want_cache.k[:, stored // replicas])
+            np.testing.assert_array_equal(got_cache.v[:, stored, page_rows], want_cache.v[:, stored // replicas])
+        for key in want:
+            np.testing.assert_allclose(got[key][rows], want[key], rtol=0, atol=1e-6, err_msg=f"{key}, shard {d}")
+    # the cross-shard rows were refused and counted, in the shard that got them
+    assert not got["ok_cross"][0] and not got["ok_cross"][2] and not got["attn_cross"][[0, 2]].any()
+    assert got_cache.stats.rejected_rows.tolist() == [2, 2]  # reserve + append, one row each
+    health = aj.health(cache)
+    assert health["arena_bytes_per_device"] == sh.arena_bytes_per_device(layout)
+    assert health["free_pages"] == int(np.sum(got_cache.table.num_free)) and health["kv_replicas"] == 2
+
+
+@functools.partial(jax.jit, static_argnames="backend")
+def _write_and_read(cache, k, q, backend):
+    """reserve + append + attend on the scenario's cache (not donated: run once per backend)."""
+    slots, n = jnp.asarray([0, PAD, 3, PAD]), jnp.asarray([3, 0, 2, 0])
+    cache, _ = aj.reserve(cache, slots, n)
+    cache = aj.append(cache, 0, slots, k[:, :3], -k[:, :3], num_tokens=n, backend=backend)
+    return cache.k, cache.v, aj.attend(q[:, :3], cache, 0, slots, num_tokens=n, backend=backend)
+
+
+def test_pallas_kernels_per_shard_equal_the_reference(scenario_run):
+    cache = scenario_run[1]
+    k, q = scenario_inputs(HEADS)
+    want = jax.device_get(_write_and_read(cache, k, q, backend="reference"))
+    got = jax.device_get(_write_and_read(cache, k, q, backend="pallas"))
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_allclose(got[2], want[2], rtol=0, atol=ATOL)
+    assert np.abs(want[2][[0, 2]]).sum() > 0  # the rows were served: a real comparison
+
+
+def test_collective_detector_sees_a_gathered_arena():
+    """The HLO check can fail: a step that replicates a sharded arena shows an all-gather of pages."""
+    cache = aj.create(LAYOUT, mesh=make_mesh((2, 4)), data_axis="data")
+    replicated = jax.sharding.NamedSharding(cache.sharding.mesh, jax.sharding.PartitionSpec())
+    hlo = jax.jit(lambda c: jax.lax.with_sharding_constraint(c.k, replicated) * 2).lower(cache).compile().as_text()
+    assert any(moves_pages(shape) for _, shape in collectives(hlo)), collectives(hlo)
+
+
+def test_host_checks_name_the_shard_rule():
+    mesh = make_mesh((2, 4))
+    cache = aj.create(LAYOUT, mesh=mesh, data_axis="data")
+    with pytest.raises(ValueError, match=r"slots\[0\]=3 is a slot of data shard 1, but row 0 is in shard 0's block"):
+        aj.reserve(cache, [3, PAD], 1)
+    with pytest.raises(ValueError, match="3 rows, not a multiple of the data axis 'data' of size 2"):
+        aj.release(cache, [0, PAD, PAD])
+    with pytest.raises(ValueError, match="q has 4 heads, not divisible by the tensor axis 'tensor' of size 8"):
+        small = aj.create(dataclasses.replace(LAYOUT, num_kv_heads=4), mesh=make_mesh((1, 8)))
+        aj.attend(jnp.zeros((4, 1, 4, 16)), small, 0, [0, 1, 2, 3])
+    with pytest.raises(ValueError, match="num_kv_heads=3 and the tensor axis 'tensor' of size 2: one must divide the other"):
+        aj.create(dataclasses.replace(LAYOUT, num_kv_heads=3), mesh=make_mesh((1, 2)))
+    with pytest.raises(ValueError, match="num_pages=21 is not divisible by the data axis 'data' of size 2"):
+        aj.create(dataclasses.replace(LAYOUT, num_pages=21), mesh=mesh, data_axis="data")
+    with pytest.raises(ValueError, match=r"tensor_axis='model' is not an axis of the mesh \(axes: \('data', 'tensor'\)\)"):
+        aj.create(LAYOUT, mesh=mesh, tensor_axis="model")
+
+
+def test_layout_sizes_without_allocating():
+    """Llama-3-70B's 8 KV heads on tp=16 (planned on an AbstractMesh, nothing allocated): 2
+    copies of each, one whole head per device, twice the 1/16 an even split would suggest;
+    reported as such."""
+    layout = aj.KVLayout.from_hf_config(models.LlamaConfig.llama3_70b().to_hf(), num_pages=1024, max_seqs=64, max_seq_len=8192)
+    sh = aj.CacheSharding.plan(layout, jax.sharding.AbstractMesh((1, 16), ("data", "tensor")))
+    assert sh.kv_replicas == 2 and sh.kv_heads_per_device(layout) == 1
+    assert sh.bytes_per_token_per_device(layout) == layout.bytes_per_token // 8  # one of 8 heads, not 1/16
+    assert sh.arena_shape(layout) == (80, 16, 1024, 16, 128)
+    assert sh.arena_bytes_per_device(layout) * 8 == layout.arena_bytes
+
+
+# ---- models ----------------------------------------------------------------------------------------
+
+CONFIG = models.LlamaConfig.tiny(num_heads=8, num_kv_heads=2)  # GQA 8/2: KV heads split on tp=2, replicated from tp=4 on
+PROMPT, NEW = 5, 4
+MODEL_MESHES = [("tp1", (1, 1)), ("tp2", (1, 2)), ("tp4", (1, 4)), ("tp8", (1, 8)), ("dp2xtp4", (2, 4))]
+
+
+def greedy_loop(step, state, cache, prompts):
+    """Feed prompts [4, PROMPT] one token per decode step, then NEW - 1 greedy tokens.
+    Returns (tokens [4, NEW], logits [NEW, 4, V], per-step (k, v) shard pointers)."""
+    slots = jnp.arange(4, dtype=jnp.int32)
+    tokens, got, logits, pointers = jnp.asarray(prompts[:, 0]), [], [], []
+    for t in range(PROMPT + NEW - 1):
+        out = step(state, cache, tokens, slots)
+        cache = out.cache
+        pointers.append((shard_pointers(cache.k), shard_pointers(cache.v)))
+        tokens = jnp.asarray(prompts[:, t + 1]) if t + 1 < PROMPT else out.tokens
+        if t + 1 >= PROMPT:
+            got.append(np.asarray(out.tokens))
+            logits.append(np.asarray(out.logits))
+    return np.stack(got, axis=1), np.stack(logits), pointers
+
+
+@pytest.fixture(scope="module")
+def single():
+    """The single-device model and its greedy decode: the oracle of every mesh."""
+    model = models.init_random(CONFIG, seed=3)
+    graphdef, state = nnx.split(model)
+    prompts = np.random.default_rng(0).integers(0, CONFIG.vocab_size, (4, PROMPT)).astype(np.int32)
+    cache = aj.create(models.default_layout(model, 4, PROMPT + NEW, page_size=5))
+    step = lambda state, cache, tokens, slots: models.decode_step(graphdef, state, cache, tokens, slots)  # noqa: E731
+    tokens, logits, _ = greedy_loop(step, state, cache, prompts)
+    return model, prompts, tokens, logits
+
+
+@pytest.mark.parametrize("name,shape", MODEL_MESHES, ids=[m[0] for m in MODEL_MESHES])
+def test_sharded_decode_equals_one_device(single, name, shape):
+    """Megatron weights + sharded arena: greedy tokens and logits of the single-device run; the
+    compiled step moves no page between devices (its only collectives: one all-reduce after
+    each row-parallel projection, one for the vocabulary-split embedding, and the gather of the
+    vocabulary-split argmax); every shard of the arena is updated in place."""
+    model, prompts, want_tokens, want_logits = single
+    mesh = make_mesh(shape)
+    dp, tp = shape
+    sharded = models.init_random(CONFIG, seed=3, mesh=mesh)
+    for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(sharded))):
+        np.testing.assert_array_equal(a, b)
+    q, o = sharded.layers[0].attn.q[...], sharded.layers[0].attn.o[...]
+    assert q.sharding.shard_shape(q.shape) == (64, 8 // tp, 8) and o.sharding.shard_shape(o.shape) == (8 // tp, 8, 64)
+    graphdef, state = nnx.split(sharded)
+    cache = aj.create(models.default_layout(model, 4, PROMPT + NEW, page_size=5), mesh=mesh,
+                      data_axis="data" if dp > 1 else None)  # fmt: skip
+    slots = jnp.arange(4, dtype=jnp.int32)
+    compiled = models.decode_step.lower(graphdef, state, cache, jnp.asarray(prompts[:, 0]), slots).compile()
+
+    found = collectives(compiled.as_text())
+    moving = [c for c in found if moves_pages(c[1], 5, CONFIG.head_dim)]
+    assert not moving, f"pages move between devices: {moving}"
+    reduces = [shape for op, shape in found if op == "all-reduce" and re.search(rf",{CONFIG.hidden_size}\]", shape)]
+    assert len(reduces) == (2 * CONFIG.num_layers + 1 if tp > 1 else 0), found
+    assert tp > 1 or not found, found
+    print(f"{name} decode step collectives:", json.dumps(found))
+
+    tokens, logits, pointers = greedy_loop(compiled, state, cache, prompts)
+    assert all(p == pointers[0] for p in pointers), "an arena shard moved during a donated step"
+    np.testing.assert_array_equal(tokens, want_tokens)
+    np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_generate_with_a_mesh_equals_one_device(single):
+    """Continuous batching on dp=2 x tp=4: the 4 prompts through 2 rows (one per data shard,
+    each with its own slot and pages), sequences joining as others finish; the single-device
+    model placed on the mesh by `generate` itself. Greedy tokens: the single-device run's."""
+    model, prompts, want_tokens, _ = single
+    got = models.generate(model, prompts.tolist(), NEW, batch_size=2, chunk_size=4, mesh=make_mesh((2, 4)), data_axis="data")
+    assert got.tokens == want_tokens.tolist()
+    assert got.cache.sharding.dp == 2 and aj.health(got.cache)["free_pages"] == got.cache.layout.num_pages
+
+
+def test_load_pretrained_places_each_tensor_on_its_devices(tmp_path, single):
+    from safetensors.numpy import save_file
+
+    model = single[0]
+    (tmp_path / "config.json").write_text(json.dumps(model.config.to_hf()))
+    save_file(models.export_hf_tensors(model), str(tmp_path / "model.safetensors"))
+    mesh = make_mesh((1, 4))
+    loaded, _ = models.load_pretrained(tmp_path, dtype=jnp.float32, mesh=mesh)
+    assert models.weights_mesh(loaded) is not None
+    o = loaded.layers[1].attn.o[...]
+    assert o.sharding.shard_shape(o.shape) == (2, 8, 64)  # row-parallel: query heads split
+    for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(loaded))):
+        np.testing.assert_array_equal(a, b)
