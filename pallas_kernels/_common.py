@@ -147,7 +147,7 @@ class BlockSizes:
     @classmethod
     def for_attention(
         cls, *, batch: int, tokens: int, num_kv_heads: int, group: int, page_size: int, head_dim: int, max_pages: int,
-        itemsize: int = 2,
+        itemsize: int = 2, quantized: bool = False,
     ) -> "BlockSizes":
         """Defaults per shape, chosen so that every shape compiles for sm_90a without spills
         (tests/test_compile_sm90.py; `arena-bench kernels --compile-report` prints the facts).
@@ -161,6 +161,11 @@ class BlockSizes:
         handles erratically (larger tiles spill by hundreds of bytes to kilobytes): 16 query rows
         and 16 keys per step, 4 warps, for every head size. Groups of more than 64 query
         heads (16 in float32) are split over programs (block_h) rather than growing the tile.
+
+        8-bit arenas: `itemsize` is the dot's (q's) element size; tiles are the same as a float
+        arena of q's dtype. With float32 q (FMA dots) they run one pipeline stage: with two,
+        ptxas keeps the converted K/V tiles of both stages in registers and spills (255
+        registers, ~300 B of spills at head_dim 128), with one it needs ~60.
         """
         decode = tokens == 1
         tile_d = head_tile(head_dim)
@@ -189,7 +194,7 @@ class BlockSizes:
             num_splits=num_splits,
             block_tokens=block_tokens,
             num_warps=4 if rows * tile_d <= 64 * 128 or itemsize >= 4 else 8,
-            num_stages=2,
+            num_stages=1 if quantized and itemsize >= 4 else 2,
         )
 
     @classmethod

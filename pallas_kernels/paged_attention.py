@@ -169,17 +169,20 @@ def _attention_kernel(
         live = in_range & (page >= 0)
         kv_idx = index_of(layer, h, jnp.maximum(page, 0)[:, None], lax.rem(tok, page_size)[:, None], d)
         kv_mask = live[:, None] & d_live  # [block_k, tile_d]
-        k = masked_load(k_ref.at[kv_idx], mask=kv_mask, other=0)  # [block_k, tile_d]
-        v = masked_load(v_ref.at[kv_idx], mask=kv_mask, other=0)  # [block_k, tile_d]
-        v = jnp.where(kv_mask, v, jnp.zeros_like(v))  # stale V must never meet a zero weight
-
-        if quantized:  # dead keys load no scale (other=0), so stale NaN scales stay out
+        if quantized:  # dead keys load no value and no scale (other=0), so stale NaN scales stay out
+            # `other` as a float: Triton casts it to the arena dtype, and has no int -> fp8 cast.
+            k = masked_load(k_ref.at[kv_idx], mask=kv_mask, other=0.0).astype(compute)  # [block_k, tile_d]
+            v = masked_load(v_ref.at[kv_idx], mask=kv_mask, other=0.0)  # [block_k, tile_d] 8-bit
             s_idx = index_of(layer, h, jnp.maximum(page, 0), lax.rem(tok, page_size))
-            k_scale = masked_load(k_scale_ref.at[s_idx], mask=live, other=0).astype(jnp.float32)  # [block_k]
-            v_scale = masked_load(v_scale_ref.at[s_idx], mask=live, other=0).astype(jnp.float32)  # [block_k]
-            s = _dot(q, k.astype(compute), transpose_b=True) * (k_scale * sm_scale)[None, :]  # [rows, block_k] f32
+            k_scale = masked_load(k_scale_ref.at[s_idx], mask=live, other=0.0).astype(jnp.float32)  # [block_k]
+            v_scale = masked_load(v_scale_ref.at[s_idx], mask=live, other=0.0).astype(jnp.float32)  # [block_k]
             v = v.astype(compute) if fold_v else (v.astype(jnp.float32) * v_scale[:, None]).astype(compute)
+            v = jnp.where(kv_mask, v, jnp.zeros_like(v))  # stale V must never meet a zero weight
+            s = _dot(q, k, transpose_b=True) * (k_scale * sm_scale)[None, :]  # [rows, block_k] f32
         else:
+            k = masked_load(k_ref.at[kv_idx], mask=kv_mask, other=0)  # [block_k, tile_d]
+            v = masked_load(v_ref.at[kv_idx], mask=kv_mask, other=0)  # [block_k, tile_d]
+            v = jnp.where(kv_mask, v, jnp.zeros_like(v))  # stale V must never meet a zero weight
             s = _dot(q, k, transpose_b=True) * sm_scale  # [rows, block_k] f32
         mask = live[None, :] & (tok[None, :] <= q_pos[:, None])
         if sliding_window is not None:
@@ -343,6 +346,7 @@ def paged_attention(
         # Tiles follow the dot's element type: the arena's, or q's for 8-bit arenas (their
         # tiles are converted to q's dtype in registers).
         itemsize=jnp.dtype(q.dtype if is_quantized(k_arena.dtype) else k_arena.dtype).itemsize,
+        quantized=is_quantized(k_arena.dtype),
     )
     block_sizes = resolve_block_k(block_sizes or BlockSizes(), page_size).filled(defaults)
     return _paged_attention_call(
