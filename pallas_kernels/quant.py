@@ -74,7 +74,7 @@ def quantize_rows(x, dtype, scale_dtype=jnp.float32):
     scale = jnp.where(finite, scale, jnp.nan).astype(scale_dtype)
     stored = scale.astype(jnp.float32)
     inv = jnp.where(live, 1.0 / jnp.where(live, stored, 1.0), 0.0)
-    y = jnp.clip(x * inv[..., None], -qmax, qmax)
+    y = jnp.where(live[..., None], jnp.clip(x * inv[..., None], -qmax, qmax), 0.0)  # NaN * 0 is NaN: select
     if dtype == jnp.dtype(jnp.int8):
         y = _round_half_to_even(y)
     return y.astype(dtype), scale

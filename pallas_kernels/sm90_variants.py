@@ -17,10 +17,12 @@ pressure and shared memory:
   extremes), where page lookups per key are most (page 1) or a page spans several steps (256);
 - GQA groups 1, 4, 5, 6, 8, 16 and 71 (Falcon-7B's multi-query attention: split over
   programs of 64 query heads, 16 in float32) in decode and prefill at awkward head sizes;
-- 8-bit arenas (int8, float8_e4m3fn, float8_e5m2 values, float32 scales, bf16 q/k/v): decode
-  with one and several splits, prefill and both appends at head_dim 256 and group 8, and at
-  head_dim 128 with fp32 (FMA dots) and fp16 (V tile dequantized) compute. The window and
-  chunked kinds only move loop bounds, which 8-bit arenas do not touch.
+- 8-bit arenas (int8, float8_e4m3fn, float8_e5m2 values, float32 scales, bf16 q/k/v) at
+  head_dim 256 and group 8: int8 in decode with one and several splits, prefill and both
+  appends; e4m3 and e5m2 (which differ from int8 only in the conversion) in split decode,
+  prefill and prefill append; and decode at head_dim 128 with fp32 (FMA dots, one pipeline
+  stage) and fp16 (V tile dequantized) compute. The window and chunked kinds only move loop
+  bounds, which 8-bit arenas do not touch.
 """
 from __future__ import annotations
 
@@ -134,11 +136,12 @@ def _ci_variants() -> tuple[Variant, ...]:
         out += [Variant("decode", "float32", head_dim=d, group=4), Variant("prefill", "float32", head_dim=d, group=4)]
     for g in GROUPS:  # every GQA group; odd ones at odd head sizes
         out += [Variant("decode", head_dim=96, group=g), Variant("prefill", head_dim=80, group=g)]
-    for dtype in QUANT_DTYPES:  # 8-bit arenas (bf16 compute): every kind they change, widest tile, most rows
-        out += [Variant(kind, dtype, head_dim=256, group=8) for kind in QUANT_KINDS]
-    out += [Variant("decode", "int8", head_dim=128, group=4),  # Llama-3 / Mistral heads
-            Variant("prefill", "float8_e4m3fn", head_dim=128, group=4),
-            Variant("decode", "int8", head_dim=128, group=4, compute_dtype="float32"),  # f32 models: FMA dots
+    # 8-bit arenas (bf16 compute), widest tile, most rows: every kind they change in int8; the
+    # fp8 formats differ from it only in the conversion, so split decode, prefill and append.
+    out += [Variant(kind, "int8", head_dim=256, group=8) for kind in QUANT_KINDS]
+    for dtype in QUANT_DTYPES[1:]:
+        out += [Variant(kind, dtype, head_dim=256, group=8) for kind in ("decode-split", "prefill", "append-prefill")]
+    out += [Variant("decode", "int8", head_dim=128, group=4, compute_dtype="float32"),  # f32 models: FMA dots
             Variant("decode", "float8_e5m2", head_dim=128, group=4, compute_dtype="float16")]  # fp16: V tile dequantized
     out += [Variant("decode-split", "float16", head_dim=112, page_size=8, group=5),
             Variant("decode", "float32", head_dim=64, group=71), Variant("prefill", "float32", head_dim=64, group=71),

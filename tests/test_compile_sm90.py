@@ -60,8 +60,10 @@ def test_matrix_covers_every_value_of_every_axis():
     assert seen("group", attention) >= set(GROUPS)
     for kind in KINDS:  # every kind in every float dtype
         assert {v.dtype for v in CI_VARIANTS if v.kind == kind} >= set(DTYPES), kind
-    for kind in QUANT_KINDS:  # every kind an 8-bit arena changes, in every 8-bit dtype
-        assert {v.dtype for v in CI_VARIANTS if v.kind == kind} >= set(QUANT_DTYPES), kind
+    for kind in QUANT_KINDS:  # every kind an 8-bit arena changes, in int8
+        assert "int8" in {v.dtype for v in CI_VARIANTS if v.kind == kind}, kind
+    for dtype in QUANT_DTYPES:  # every 8-bit dtype in split decode, prefill and append
+        assert {v.kind for v in CI_VARIANTS if v.dtype == dtype} >= {"decode-split", "prefill", "append-prefill"}, dtype
     assert {v.compute for v in CI_VARIANTS if v.quantized} == set(DTYPES)  # bf16, fp16 and fp32 dots over 8-bit pages
 
 
