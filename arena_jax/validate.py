@@ -159,7 +159,7 @@ def check_kv(layout: KVLayout, k, v, batch: int):
         if layout.quantized:
             if jnp.dtype(x.dtype) not in COMPUTE_DTYPES:
                 raise ValueError(
-                    f"{name} has dtype {x.dtype}; a {layout.dtype} arena quantizes on write: give k and v in "
+                    f"{name} has dtype {x.dtype}; the {layout.dtype} arena quantizes on write: give k and v in "
                     "bfloat16, float16 or float32 (8-bit values without their scales cannot be stored)"
                 )
         elif x.dtype != layout.dtype:
