@@ -110,6 +110,19 @@ class _QuantizedTest:
             paged_attention(**clean, interpret=self.interpret, block_sizes=block_sizes)))
         assert_close(got, attention_ref(**dirty), q_dtype)
         assert not np.asarray(got, np.float32)[5].any()  # the padded row
+        # A NaN / inf in a row's own K or V is stored as a NaN scale: NaN reaches exactly the
+        # queries that see that token (all lanes of the KV head's query heads), on both paths.
+        pm, group = np.asarray(clean["page_map"]), q_heads // kv_heads
+        at = lambda row, pos: (clean["layer"], 0, pm[row, pos // s], pos % s)  # noqa: E731
+        poisoned = {**clean, "k_scale": clean["k_scale"].at[at(1, 0)].set(jnp.nan),
+                    "v_scale": clean["v_scale"].at[at(4, 2)].set(jnp.nan)}
+        expected = np.zeros(clean["q"].shape, bool)
+        expected[[1, 4], :, :group, :] = True
+        nan_ref = np.isnan(np.asarray(attention_ref(**poisoned), np.float32))
+        nan_got = np.isnan(np.asarray(paged_attention(**poisoned, interpret=self.interpret, block_sizes=block_sizes),
+                                      np.float32))
+        np.testing.assert_array_equal(nan_ref, expected)
+        np.testing.assert_array_equal(nan_got, expected)
         if dtype == "int8":  # the oracle itself: dequantize, then the float path
             k32, v32 = (dequantize_rows(clean[a], clean[s_]) for a, s_ in (("k_arena", "k_scale"), ("v_arena", "v_scale")))
             floats = {**clean, "k_arena": k32, "v_arena": v32, "k_scale": None, "v_scale": None}
