@@ -138,10 +138,15 @@ def reserve_impl(cache: KVCache, slots, num_tokens):
         refcount=refcount,
     )
 
-    # The private copy of a shared page, all layers and heads: [L, H, B, S, D].
+    # The private copy of a shared page, all layers and heads: [L, H, B, S, D] (and an 8-bit
+    # arena's scales, [L, H, B, S]: a page's values mean nothing without them).
     src = jnp.where(do_cow, last_page, 0)
     k = cache.k.at[:, :, cow_page].set(cache.k[:, :, src], mode="drop")
     v = cache.v.at[:, :, cow_page].set(cache.v[:, :, src], mode="drop")
+    scales = {}
+    if cache.k_scale is not None:
+        scales = {name: x.at[:, :, cow_page].set(x[:, :, src], mode="drop")
+                  for name, x in (("k_scale", cache.k_scale), ("v_scale", cache.v_scale))}
 
     stats = cache.stats.bump(
         pages_allocated=total,
@@ -150,7 +155,7 @@ def reserve_impl(cache: KVCache, slots, num_tokens):
         failed_reservations=jnp.sum(live & ~ok),
         rejected_rows=jnp.sum(rejected),
     )
-    return cache.replace(k=k, v=v, table=table, stats=stats), ok | pad
+    return cache.replace(k=k, v=v, table=table, stats=stats, **scales), ok | pad
 
 
 def _unmap_tail(cache: KVCache, slots, rows, keep_tokens):

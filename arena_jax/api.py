@@ -17,6 +17,7 @@ import numpy as np
 from arena_jax import allocator, arena_ops, sharding
 from arena_jax.state import PAD_SLOT, KVCache
 from arena_jax.validate import (
+    check_cache_arrays,
     check_counts,
     check_kv,
     check_layer,
@@ -76,7 +77,7 @@ def _resolve_backend(backend: str | None, layout, group: int | None = None) -> s
 def _check_cache(cache):
     if not isinstance(cache, KVCache):
         raise ValueError(f"cache must be a KVCache (from arena_jax.create), got {type(cache).__name__}")
-    return cache.layout
+    return check_cache_arrays(cache)
 
 
 def _check_shards(cache, num_q_heads=None, **rows):
@@ -226,6 +227,11 @@ def append(cache: KVCache, layer, slots, k, v, *, num_tokens=None, backend: str 
     `written[layer, slot] ...` of its slot, and the watermark advances by that many. A row whose
     tokens would pass the slot's reserved length (no or a failed `reserve`) or land in a page
     it shares writes nothing and is counted in `stats.dropped_writes`.
+
+    dtype: a float arena takes k, v in exactly its dtype. An 8-bit arena (int8, float8_e4m3fn,
+    float8_e5m2) takes them in bfloat16, float16 or float32 (both alike) and quantizes each
+    token of each KV head (absmax per row, one scale each; `pallas_kernels.quant` has the
+    rounding, saturation, zero and NaN rules).
     """
     layout = _check_cache(cache)
     slots = check_slots(layout, slots)
@@ -264,7 +270,9 @@ def attend(
     `layer` in its slot; they attend causally to every token written before them (within
     `sliding_window` tokens, counting themselves, if given; a window of `max_seq_len` or more
     is no window). Reserved but unwritten positions are never read. Padded rows and tokens
-    give zeros. Returns q's shape and dtype.
+    give zeros. Returns q's shape and dtype. q is bfloat16, float16 or float32; over an 8-bit
+    arena the keys and values are dequantized in the kernel and the dots run in q's dtype
+    with float32 accumulation.
     """
     layout = _check_cache(cache)
     slots = check_slots(layout, slots)

@@ -6,6 +6,9 @@ last num_tokens positions of lengths. Here `lengths` is the *written* watermark 
 never the reservation: attention reads only tokens stored at that layer, so reserved but
 unwritten positions (an earlier tenant's bytes) can never be read.
 
+8-bit arenas pass their scales along: append quantizes the new rows (values and scales are
+written by the same kernel, under the same masks), attention dequantizes what it reads.
+
 Rows follow the totality rules of `arena_jax.allocator`: pad, rejected (counted by append in
 `stats.rejected_rows`; attention gives zeros) or live. A traced layer outside
 [0, num_layers) rejects every row on both backends.
@@ -54,12 +57,16 @@ def append_impl(cache: KVCache, layer, slots, k, v, num_tokens, backend: str) ->
     accepted = jnp.where(writable, n, 0)
 
     kernel_rows = (jnp.where(writable[:, None], rows, -1), start + accepted, accepted)
+    scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)  # None for float arenas
     if backend == "pallas":
         from pallas_kernels.append import paged_append
 
-        k_arena, v_arena = paged_append(cache.k, cache.v, layer_c, k, v, *kernel_rows)
+        arenas = paged_append(cache.k, cache.v, layer_c, k, v, *kernel_rows, **scales)
     else:
-        k_arena, v_arena = append_reference(cache.k, cache.v, layer_c, k, v, *kernel_rows)
+        arenas = append_reference(cache.k, cache.v, layer_c, k, v, *kernel_rows, **scales)
+    k_arena, v_arena = arenas[:2]
+    if cache.k_scale is not None:  # an 8-bit arena: values and scales written together
+        scales = dict(k_scale=arenas[2], v_scale=arenas[3])
     target = jnp.where(writable, slots, max_seqs)
     table = table.replace(written=table.written.at[layer_c, target].add(accepted, mode="drop"))
     stats = cache.stats.bump(
@@ -67,7 +74,7 @@ def append_impl(cache: KVCache, layer, slots, k, v, num_tokens, backend: str) ->
         dropped_writes=jnp.sum(good & (n > 0) & ~writable),
         rejected_rows=jnp.sum(rejected),
     )
-    return cache.replace(k=k_arena, v=v_arena, table=table, stats=stats)
+    return cache.replace(k=k_arena, v=v_arena, table=table, stats=stats, **scales)
 
 
 def attend_impl(q, cache: KVCache, layer, slots, num_tokens, backend: str, sliding_window, sm_scale):
@@ -82,7 +89,7 @@ def attend_impl(q, cache: KVCache, layer, slots, num_tokens, backend: str, slidi
     page_map = jnp.where(good[:, None], table.page_map[idx], -1)
     lengths = jnp.where(good, written, 0)
     n = jnp.where(good, num_tokens, 0)
-    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window)
+    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, k_scale=cache.k_scale, v_scale=cache.v_scale)
     if backend == "pallas":
         from pallas_kernels.paged_attention import paged_attention
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from arena_jax.hf_config import kv_geometry, read_hf_config  # read_hf_config: re-exported
 
-__all__ = ["KVLayout", "ROW_ALIGN_BYTES", "ARENA_DTYPES", "read_hf_config"]
+__all__ = ["KVLayout", "ROW_ALIGN_BYTES", "ARENA_DTYPES", "QUANTIZED_DTYPES", "SCALE_DTYPES", "read_hf_config"]
 
 # One token of one head (head_dim * itemsize) is a whole number of 16-byte vectors. Why this
 # rule and no other:
@@ -28,16 +28,37 @@ __all__ = ["KVLayout", "ROW_ALIGN_BYTES", "ARENA_DTYPES", "read_hf_config"]
 ROW_ALIGN_BYTES = 16
 
 # What an arena can hold (what `jnp.zeros(..., dtype)` really stores, on every backend).
-ARENA_DTYPES = ("bfloat16", "float16", "float32")
+# 8-bit arenas also hold one scale per (layer, KV head, page, token): `pallas_kernels.quant`.
+QUANTIZED_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")
+ARENA_DTYPES = ("bfloat16", "float16", "float32") + QUANTIZED_DTYPES
+SCALE_DTYPES = ("float32", "bfloat16")
 
 
-def _canonical_dtype(dtype) -> np.dtype:
+def _canonical_dtype(dtype, name: str = "dtype") -> np.dtype:
     import jax.numpy as jnp  # local: keeps `layout` importable for pure arithmetic
 
     try:
         return np.dtype(jnp.dtype(dtype))
     except TypeError as exc:
-        raise ValueError(f"dtype={dtype!r} is not a floating dtype JAX knows") from exc
+        raise ValueError(f"{name}={dtype!r} is not a dtype JAX knows") from exc
+
+
+def _scale_dtype(dtype: np.dtype, scale_dtype) -> np.dtype | None:
+    """The scale dtype of an arena of `dtype`: float32 (default) or bfloat16 for 8-bit arenas,
+    None for float arenas (which have no scales)."""
+    if dtype.name not in QUANTIZED_DTYPES:
+        if scale_dtype is not None:
+            raise ValueError(f"scale_dtype={scale_dtype!r} applies to 8-bit arenas only; a {dtype.name} arena has no scales")
+        return None
+    scale = _canonical_dtype("float32" if scale_dtype is None else scale_dtype, "scale_dtype")
+    if scale.name not in SCALE_DTYPES:
+        raise ValueError(f"scale_dtype={scale.name} is not supported: scales are one of {', '.join(SCALE_DTYPES)}")
+    return scale
+
+
+def _bytes_per_token(num_layers, num_kv_heads, head_dim, dtype: np.dtype, scale_dtype: np.dtype | None) -> int:
+    scale = scale_dtype.itemsize if scale_dtype is not None else 0
+    return 2 * num_layers * num_kv_heads * (head_dim * dtype.itemsize + scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +66,12 @@ class KVLayout:
     """Arena geometry. Only KV heads are stored: GQA/MQA size by `num_kv_heads`.
 
     Arena buffers `k`, `v` are each `[num_layers, num_kv_heads, num_pages, page_size, head_dim]`.
+    `dtype`: bfloat16, float16, float32, or an 8-bit format (int8, float8_e4m3fn, float8_e5m2).
+    An 8-bit arena also holds `k_scale`, `v_scale`: `[num_layers, num_kv_heads, num_pages,
+    page_size]` in `scale_dtype` (float32 by default, or bfloat16), one per token and KV head,
+    in the same paged geometry as the values, so every page operation moves them together.
+    `scale_dtype` is None for float arenas. Sizes (`bytes_per_token`, `page_bytes`,
+    `arena_bytes`, `for_memory_budget`) count the scales.
     """
 
     num_layers: int
@@ -55,6 +82,7 @@ class KVLayout:
     max_seqs: int
     max_pages_per_seq: int
     dtype: Any = "bfloat16"
+    scale_dtype: Any = None
 
     def __post_init__(self):
         for name in ("num_layers", "num_kv_heads", "head_dim", "page_size", "num_pages", "max_seqs", "max_pages_per_seq"):
@@ -69,11 +97,13 @@ class KVLayout:
                 + (" (JAX without jax_enable_x64 would store float64 as float32)" if dtype.name == "float64" else "")
             )
         object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "scale_dtype", _scale_dtype(dtype, self.scale_dtype))
         row = self.head_dim * dtype.itemsize
         if row % ROW_ALIGN_BYTES:
             raise ValueError(
                 f"head_dim * itemsize = {self.head_dim}*{dtype.itemsize} = {row} bytes must be a multiple of "
-                f"{ROW_ALIGN_BYTES} bytes (one token of one head: 16-byte vector loads and TMA strides)"
+                f"{ROW_ALIGN_BYTES} bytes (one token of one head: 16-byte vector loads and TMA strides"
+                + ("; 8-bit arenas need head_dim a multiple of 16)" if dtype.itemsize == 1 else ")")
             )
         if self.num_pages >= np.iinfo(np.int32).max or self.max_pages_per_seq * self.page_size >= np.iinfo(np.int32).max:
             raise ValueError("num_pages and max_pages_per_seq * page_size must fit in int32")
@@ -84,9 +114,15 @@ class KVLayout:
         return self.dtype.itemsize
 
     @property
+    def quantized(self) -> bool:
+        """An 8-bit arena (values plus per-token scales)."""
+        return self.scale_dtype is not None
+
+    @property
     def bytes_per_token(self) -> int:
-        """K and V of one token across all layers and KV heads."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.itemsize
+        """K and V of one token across all layers and KV heads, scales included:
+        `2 * num_layers * num_kv_heads * (head_dim * itemsize + scale itemsize)`."""
+        return _bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.scale_dtype)
 
     @property
     def page_bytes(self) -> int:
@@ -109,6 +145,11 @@ class KVLayout:
     def arena_shape(self) -> tuple[int, int, int, int, int]:
         return (self.num_layers, self.num_kv_heads, self.num_pages, self.page_size, self.head_dim)
 
+    @property
+    def scale_shape(self) -> tuple[int, int, int, int]:
+        """Shape of `k_scale` / `v_scale` (8-bit arenas): one scale per token of each page and head."""
+        return (self.num_layers, self.num_kv_heads, self.num_pages, self.page_size)
+
     def pages_for(self, num_tokens: int) -> int:
         return -(-int(num_tokens) // self.page_size)
 
@@ -125,9 +166,12 @@ class KVLayout:
         max_seqs: int = 256,
         max_seq_len: int = 8192,
         dtype: Any = "bfloat16",
+        scale_dtype: Any = None,
     ) -> "KVLayout":
-        """As many pages as `budget_bytes` holds (K and V, all layers)."""
-        per_page = 2 * num_layers * num_kv_heads * head_dim * _canonical_dtype(dtype).itemsize * page_size
+        """As many pages as `budget_bytes` holds (K and V, all layers, scales of 8-bit arenas included)."""
+        dt = _canonical_dtype(dtype)
+        sdt = _scale_dtype(dt, scale_dtype) if dt.name in ARENA_DTYPES else None  # others: __post_init__ says why
+        per_page = _bytes_per_token(num_layers, num_kv_heads, head_dim, dt, sdt) * page_size
         num_pages = int(budget_bytes) // per_page
         if num_pages < 1:
             raise ValueError(f"budget_bytes={budget_bytes} holds no page: one page needs {per_page} bytes")
@@ -140,6 +184,7 @@ class KVLayout:
             max_seqs=max_seqs,
             max_pages_per_seq=-(-max_seq_len // page_size),
             dtype=dtype,
+            scale_dtype=scale_dtype,
         )
 
     @classmethod
@@ -153,6 +198,7 @@ class KVLayout:
         max_seqs: int = 256,
         max_seq_len: int | None = None,
         dtype: Any = None,
+        scale_dtype: Any = None,
     ) -> "KVLayout":
         """Geometry from a Hugging Face `config.json` (a dict, the file, or its folder).
 
@@ -160,7 +206,8 @@ class KVLayout:
         Mistral; other model types must give their KV geometry explicitly).
         KV heads: `num_key_value_heads`, else `num_attention_heads`.
         head_dim: `head_dim`, else `hidden_size // num_attention_heads`.
-        dtype: the config's `dtype` / `torch_dtype`, else bfloat16. max_seq_len: `max_position_embeddings`.
+        dtype: the config's `dtype` / `torch_dtype`, else bfloat16 (give e.g. "int8" for an 8-bit
+        arena; `scale_dtype` then float32 or bfloat16). max_seq_len: `max_position_embeddings`.
         Give exactly one of `num_pages` and `budget_bytes`.
         """
         if (num_pages is None) == (budget_bytes is None):
@@ -182,6 +229,7 @@ class KVLayout:
                 max_seqs=max_seqs,
                 max_seq_len=max_seq_len,
                 dtype=dtype,
+                scale_dtype=scale_dtype,
             )
         return cls(
             num_layers=geometry.num_layers,
@@ -192,4 +240,5 @@ class KVLayout:
             max_seqs=max_seqs,
             max_pages_per_seq=math.ceil(max_seq_len / page_size),
             dtype=dtype,
+            scale_dtype=scale_dtype,
         )

@@ -168,8 +168,9 @@ class CacheSharding:
         return self.stored_kv_heads(layout) // self.tp
 
     def bytes_per_token_per_device(self, layout: KVLayout) -> int:
-        """K and V of one token, all layers, on ONE device (replicated heads counted)."""
-        return 2 * layout.num_layers * self.kv_heads_per_device(layout) * layout.head_dim * layout.itemsize
+        """K and V of one token, all layers, on ONE device (replicated heads counted; an 8-bit
+        arena's per-token scales included, as in `KVLayout.bytes_per_token`)."""
+        return layout.bytes_per_token // layout.num_kv_heads * self.kv_heads_per_device(layout)
 
     def arena_bytes_per_device(self, layout: KVLayout) -> int:
         """The arena bytes each device holds: its heads of its data shard's pages."""
@@ -226,12 +227,14 @@ def create_sharded(layout: KVLayout, mesh, *, tensor_axis: str | None = "tensor"
             table = table.replace(free_stack=jnp.tile(local, sh.dp), num_free=jnp.full((sh.dp,), pages_per_shard, jnp.int32))
             stats = jax.tree.map(lambda x: jnp.zeros((sh.dp,), x.dtype), stats)
         shape = sh.arena_shape(layout)
-        return jnp.zeros(shape, layout.dtype), jnp.zeros(shape, layout.dtype), table, stats
+        scales = {}
+        if layout.quantized:  # [layers, heads, pages, page_size]: split like the arena
+            scales = {name: jnp.zeros(shape[:4], layout.scale_dtype) for name in ("k_scale", "v_scale")}
+        return KVCache(k=jnp.zeros(shape, layout.dtype), v=jnp.zeros(shape, layout.dtype), table=table, stats=stats,
+                       sharding=sh, **scales)  # fmt: skip
 
-    shardings = (sh.named(sh.arena_spec), sh.named(sh.arena_spec),
-                 jax.tree.map(sh.named, sh.table_specs()), jax.tree.map(sh.named, sh.stats_specs()))  # fmt: skip
-    k, v, table, stats = jax.jit(build, out_shardings=shardings)()
-    return KVCache(k=k, v=v, table=table, stats=stats, sharding=sh)
+    specs = _cache_specs(jax.eval_shape(build))
+    return jax.jit(build, out_shardings=jax.tree.map(sh.named, specs))()
 
 
 # ---- host checks (before jit) ----------------------------------------------------------------------

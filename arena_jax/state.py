@@ -71,10 +71,28 @@ class CacheStats:
 
 @struct.dataclass
 class KVCache:
+    """The arena (K/V values, and the scales of an 8-bit arena), its page table and counters.
+
+    8-bit arenas (int8, float8_e4m3fn, float8_e5m2) carry `k_scale`, `v_scale`:
+    `[num_layers, num_kv_heads, num_pages, page_size]` (float32 or bfloat16), one scale per
+    token and KV head, so that a stored row is `values * scale` (`pallas_kernels.quant`). Float
+    arenas have `k_scale = v_scale = None`. Why this representation:
+    - Same paged geometry as the values (indexed by the same physical page and offset): fork,
+      truncate, release and prefix sharing move page *ids*, so they move scales with values
+      and need nothing new; the one op that copies page data (copy-on-write in `reserve`)
+      copies the scales with it.
+    - None is an empty pytree node: a float arena's cache has exactly the leaves it had before
+      (same jit signatures, same donation, same `tree_map`s); an 8-bit arena's scales are
+      ordinary leaves, donated and updated in place with the values.
+    - `layout` stays derivable from shapes and dtypes alone (the scale dtype from `k_scale`).
+    """
+
     k: jax.Array  # [num_layers, num_kv_heads, num_pages, page_size, head_dim]
     v: jax.Array  # [num_layers, num_kv_heads, num_pages, page_size, head_dim]
     table: PageTable
     stats: CacheStats
+    k_scale: jax.Array | None = None  # [num_layers, num_kv_heads, num_pages, page_size], 8-bit arenas only
+    v_scale: jax.Array | None = None  # [num_layers, num_kv_heads, num_pages, page_size], 8-bit arenas only
     # None: one device. A sharded cache (`create(layout, mesh=...)`) carries its static
     # `arena_jax.sharding.CacheSharding` here; the ops then run per shard (see that module).
     sharding: Any = struct.field(pytree_node=False, default=None)
@@ -95,11 +113,16 @@ class KVCache:
             max_seqs=max_seqs,
             max_pages_per_seq=max_pages_per_seq,
             dtype=self.k.dtype,
+            scale_dtype=None if self.k_scale is None else self.k_scale.dtype,
         )
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
 
 
 def create(layout: KVLayout, *, mesh=None, tensor_axis: str | None = "tensor", data_axis: str | None = None) -> KVCache:
-    """Allocate the arena once (zeros) with every page free.
+    """Allocate the arena once (zeros; an 8-bit arena's scales too) with every page free.
 
     Jittable; size a layout without allocating with `jax.eval_shape(lambda: aj.create(layout))`.
     With a `jax.sharding.Mesh`, the arena is split over KV heads on `tensor_axis` and, if
@@ -111,9 +134,14 @@ def create(layout: KVLayout, *, mesh=None, tensor_axis: str | None = "tensor", d
         from arena_jax.sharding import create_sharded
 
         return create_sharded(layout, mesh, tensor_axis=tensor_axis, data_axis=data_axis)
+    scales = {}
+    if layout.quantized:
+        scales = dict(k_scale=jnp.zeros(layout.scale_shape, layout.scale_dtype),
+                      v_scale=jnp.zeros(layout.scale_shape, layout.scale_dtype))
     return KVCache(
         k=jnp.zeros(layout.arena_shape, layout.dtype),
         v=jnp.zeros(layout.arena_shape, layout.dtype),
         table=PageTable.empty(layout),
         stats=CacheStats.zeros(),
+        **scales,
     )

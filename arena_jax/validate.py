@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from arena_jax.layout import KVLayout
+from arena_jax.layout import QUANTIZED_DTYPES, KVLayout
 from arena_jax.state import PAD_SLOT
 
 __all__ = [
@@ -24,12 +24,17 @@ __all__ = [
     "check_counts",
     "check_layer",
     "check_kv",
+    "check_cache_arrays",
     "check_q",
     "check_sliding_window",
     "check_sm_scale",
 ]
 
 INT32 = np.iinfo(np.int32)
+QUANTIZED = tuple(jnp.dtype(d) for d in QUANTIZED_DTYPES)
+# What k, v (float arenas: exactly the arena's dtype; 8-bit arenas: any of these, quantized on
+# write) and q (any arena; with an 8-bit arena the attention dots run in q's dtype) may be.
+COMPUTE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
 def concrete(x) -> np.ndarray | None:
@@ -153,10 +158,38 @@ def check_kv(layout: KVLayout, k, v, batch: int):
             raise ValueError(f"{name} has head_dim {d}; the cache has head_dim={layout.head_dim}")
         if t > layout.max_seq_len:
             raise ValueError(f"{name} has {t} tokens, more than max_seq_len={layout.max_seq_len}")
-        if x.dtype != layout.dtype:
+        if layout.quantized:
+            if jnp.dtype(x.dtype) not in COMPUTE_DTYPES:
+                raise ValueError(
+                    f"{name} has dtype {x.dtype}; the {layout.dtype} arena quantizes on write: give k and v in "
+                    "bfloat16, float16 or float32 (8-bit values without their scales cannot be stored)"
+                )
+        elif x.dtype != layout.dtype:
             raise ValueError(f"{name} has dtype {x.dtype}; the cache stores {layout.dtype}")
     if k.shape != v.shape:
         raise ValueError(f"k and v shapes differ: {k.shape} vs {v.shape}")
+    if k.dtype != v.dtype:
+        raise ValueError(f"k and v dtypes differ: {k.dtype} vs {v.dtype}")
+
+
+def check_cache_arrays(cache) -> KVLayout:
+    """The cache's layout, after checking its arrays agree with each other: k and v alike, and
+    scales ([L, H, P, S], float32 / bfloat16) present exactly when the arena is 8-bit."""
+    k, v, ks, vs = cache.k, cache.v, cache.k_scale, cache.v_scale
+    if k.shape != v.shape or k.dtype != v.dtype:
+        raise ValueError(f"cache.k {k.shape} {k.dtype} and cache.v {v.shape} {v.dtype} must match")
+    quantized = jnp.dtype(k.dtype) in QUANTIZED
+    if quantized != (ks is not None) or quantized != (vs is not None):
+        raise ValueError(
+            f"cache.k_scale / v_scale must be present exactly for 8-bit arenas: the arena is {k.dtype}, "
+            f"k_scale {'present' if ks is not None else 'None'}, v_scale {'present' if vs is not None else 'None'} "
+            "(build caches with arena_jax.create)"
+        )
+    if quantized:
+        for name, x in (("k_scale", ks), ("v_scale", vs)):
+            if tuple(x.shape) != tuple(k.shape[:4]) or x.dtype != ks.dtype:
+                raise ValueError(f"cache.{name} must be {tuple(k.shape[:4])} {ks.dtype}, got {x.shape} {x.dtype}")
+    return cache.layout
 
 
 def check_q(layout: KVLayout, q, batch: int):
@@ -170,7 +203,7 @@ def check_q(layout: KVLayout, q, batch: int):
         raise ValueError(f"q has head_dim {d}; the cache has head_dim={layout.head_dim}")
     if t > layout.max_seq_len:
         raise ValueError(f"q has {t} tokens, more than max_seq_len={layout.max_seq_len}")
-    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
+    if jnp.dtype(q.dtype) not in COMPUTE_DTYPES:
         raise ValueError(f"q must be bfloat16, float16 or float32, got {q.dtype}")
 
 

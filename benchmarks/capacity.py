@@ -37,7 +37,7 @@ MAX_SERIES_POINTS = 400  # per allocator, in the JSON and the plot
 @dataclasses.dataclass(frozen=True)
 class CapacitySettings:
     model: str  # the preset whose bytes_per_token sizes the budget
-    bytes_per_token: int
+    bytes_per_token: int  # of the KV arena's dtype, scales of 8-bit arenas included
     budget_bytes: int
     page_size: int = 16
     max_seq_len: int = 2048
@@ -46,6 +46,7 @@ class CapacitySettings:
     watermark: float = 0.01  # fraction of the budget a (re)admission must leave free for growth
     max_admit: int = 32  # admissions per step at most
     health_every: int = 50  # cross-check the arena's step figures against aj.health this often
+    kv_dtype: str = "bfloat16"  # what bytes_per_token was computed for (the simulation is dtype-blind)
 
     @property
     def budget_tokens(self) -> int:

@@ -7,6 +7,11 @@ end-to-end decode against a dense cache, and the Pallas kernels.
     arena-bench decode                tokens/s and step latency, paged arena vs dense cache
     arena-bench kernels               append / paged-attention kernel timings (GPU)
     arena-bench kernels --compile-report   static sm_90a facts of every kernel variant (no GPU)
+    arena-bench accuracy              8-bit KV arenas (int8, fp8) vs bf16: attention and model error
+
+layout, capacity, decode and kernels take the KV arena's dtype (`--kv-dtype`; kernels: `--dtype`):
+bfloat16 by default, or int8 / float8_e4m3fn / float8_e5m2 (8-bit values and a float32 scale per
+token and KV head, counted in every byte figure).
 
 Every subcommand takes --json PATH (results + device, JAX version, date, arguments);
 capacity, decode and kernels take --plot PATH (PNG).
@@ -91,6 +96,15 @@ def _models():
     return list(PRESETS)
 
 
+KV_DTYPES = ("bfloat16", "float16", "float32", "int8", "float8_e4m3fn", "float8_e5m2")
+
+
+def _add_kv_dtype(g, default="bfloat16", flag="--kv-dtype"):
+    g.add_argument(flag, choices=KV_DTYPES, default=default,
+                   help="the KV arena's dtype; int8 / float8_* store 8-bit values + a float32 scale per token and KV "
+                        "head (counted in the bytes)")  # fmt: skip
+
+
 def _add_capacity_args(p: argparse.ArgumentParser, defaults: dict) -> None:
     g = p.add_argument_group("capacity")
     g.add_argument("--model", choices=[m for m in _models() if not m.startswith("tiny")], default="mistral-7b",
@@ -111,6 +125,7 @@ def _add_capacity_args(p: argparse.ArgumentParser, defaults: dict) -> None:
     g.add_argument("--seed", type=seed, default=0, help="workload seed")
     g.add_argument("--host-scheduler", action="store_true",
                    help="drive the arena one jitted call per step from the host (slower; same figures)")  # fmt: skip
+    _add_kv_dtype(g)
 
 
 def _add_decode_args(p: argparse.ArgumentParser, defaults: dict) -> None:
@@ -126,6 +141,9 @@ def _add_decode_args(p: argparse.ArgumentParser, defaults: dict) -> None:
     g.add_argument("--warmup", type=positive_int, default=1, help="untimed warm-up runs (compile)")
     g.add_argument("--page-size", type=positive_int, default=16, help="arena page size in tokens")
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="None: float32 for tiny, else bfloat16")
+    g.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
+                   help="the paged arena's dtype (default: --dtype); int8 / float8_* quantize K/V on write (the dense "
+                        "cache stays in --dtype, so greedy tokens may then differ)")  # fmt: skip
     g.add_argument("--seed", type=seed, default=0, help="weights and prompts")
     g.add_argument("--mesh", type=mesh_spec, metavar="SPEC",
                    help="run sharded over dp*tp devices: 'tp=8' (KV heads and Megatron weights over 8 devices), "
@@ -152,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="With no subcommand: the tour (`arena-bench --json tour.json` works too).",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{tour,layout,capacity,decode,kernels}")
+    sub = parser.add_subparsers(dest="command", metavar="{tour,layout,capacity,decode,kernels,accuracy}")
     fmt = argparse.ArgumentDefaultsHelpFormatter
 
     p = sub.add_parser("tour", formatter_class=fmt, parents=[common], help="layout report + small capacity run + tiny-model decode (default)")
@@ -161,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("layout", formatter_class=fmt, parents=[common], help="KV bytes per token and pages for a budget (Mistral-7B, Llama-3)")
     p.add_argument("--budget-gib", type=_budget_gib, default=40.0, help="KV budget in GiB")
     p.add_argument("--page-size", type=positive_int, default=16, help="page size in tokens")
+    _add_kv_dtype(p)
 
     p = sub.add_parser("capacity", formatter_class=fmt, parents=[common, plot], help="arena vs contiguous allocators under one KV budget")
     _add_capacity_args(p, CAPACITY_DEFAULTS)
@@ -176,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-q-heads", type=positive_int, default=None)
     p.add_argument("--num-kv-heads", type=positive_int, default=None)
     p.add_argument("--head-dim", type=positive_int, default=None)
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None)
+    p.add_argument("--dtype", choices=KV_DTYPES, default=None,
+                   help="the arena's dtype; for int8 / float8_* the queries and new K/V are bfloat16")
     p.add_argument("--compile-report", action="store_true",
                    help="instead of timings: compile every kernel variant for an H100 (sm_90a) without a GPU and print "
                         "registers, spills, shared memory, CTAs/SM, tensor-core instruction, TMA "
@@ -184,6 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--via", choices=("xla", "plugin"), default="xla",
                    help="--compile-report: XLA's deviceless GPU compiler (what runs on a GPU) or the CUDA plugin's Triton handler")
     p.add_argument("--only", metavar="TEXT", help="--compile-report: only variants whose label contains TEXT")
+
+    p = sub.add_parser("accuracy", formatter_class=fmt, parents=[common],
+                       help="8-bit KV arenas vs bf16: attention error (outlier keys) and end-to-end logits (CPU)")
+    p.add_argument("--context", type=positive_int, default=1024, help="cached tokens per row in the attention test")
+    p.add_argument("--new-tokens", type=positive_int, default=64, help="greedy tokens per prompt in the model test")
+    p.add_argument("--seed", type=seed, default=0)
+    p.add_argument("--skip-models", action="store_true", help="only the attention measurement")
     parser.subcommands = sub.choices  # name -> subparser, to report errors per subcommand
     return parser
 
@@ -235,28 +262,34 @@ def _cmd_layout(args, console) -> dict:
     from benchmarks import report
     from benchmarks.presets import LAYOUT_MODELS, layout_report, preset
 
+    kv_dtype = getattr(args, "kv_dtype", "bfloat16")
     for name in LAYOUT_MODELS:
-        per_token = preset(name).kv_layout(num_pages=1, max_seqs=1, max_seq_len=16, dtype="bfloat16").bytes_per_token
+        per_token = preset(name).kv_layout(num_pages=1, max_seqs=1, max_seq_len=16, dtype=kv_dtype).bytes_per_token
         _check_budget_pages(args.budget_gib, per_token * args.page_size, name, args.page_size)
     budget = int(args.budget_gib * GIB)
     try:
-        rows = layout_report(budget, page_size=args.page_size)
+        rows = layout_report(budget, page_size=args.page_size, dtype=kv_dtype)
     except ValueError as exc:  # e.g. a page size the layout refuses
         raise _Fail(f"--budget-gib {args.budget_gib:g}, --page-size {args.page_size}: {exc}") from None
-    console.print(report.layout_table(rows, budget, args.page_size))
+    console.print(report.layout_table(rows, budget, args.page_size, kv_dtype))
     console.print(
         "  Only KV heads are stored (GQA): sizing by query heads would need the right-hand column's bytes per token."
     )
-    return {"budget_bytes": budget, "page_size": args.page_size, "models": rows}
+    if rows and rows[0]["scale_bytes_per_token"]:
+        console.print(f"  {kv_dtype}: bytes/token include one float32 scale per token, KV head and layer, for K and V "
+                      f"({rows[0]['scale_bytes_per_token']:,} B/token of {rows[0]['model']}'s).")
+    return {"budget_bytes": budget, "page_size": args.page_size, "kv_dtype": kv_dtype, "models": rows}
 
 
 def _capacity_settings(args):
     from benchmarks.capacity import CapacitySettings
     from benchmarks.presets import preset
 
-    layout = preset(args.model).kv_layout(num_pages=1, max_seqs=1, max_seq_len=16, dtype="bfloat16")
+    kv_dtype = getattr(args, "kv_dtype", "bfloat16")
+    layout = preset(args.model).kv_layout(num_pages=1, max_seqs=1, max_seq_len=16, dtype=kv_dtype)
     return CapacitySettings(
         model=args.model,
+        kv_dtype=kv_dtype,
         bytes_per_token=layout.bytes_per_token,
         budget_bytes=int(args.budget_gib * GIB),
         page_size=args.page_size,
@@ -353,6 +386,7 @@ def _decode_settings(args):
         warmup=args.warmup,
         page_size=args.page_size,
         dtype=args.dtype,
+        kv_dtype=getattr(args, "kv_dtype", None),
         num_layers=args.num_layers,
         seed=args.seed,
         mesh=getattr(args, "mesh", None),
@@ -386,6 +420,12 @@ def _cmd_decode(args, console, progress) -> dict:
     )
     if result["same_tokens"]:
         console.print(f"  greedy tokens: [green]match[/green] (arena == dense on every run; first tokens {result['tokens_sample']})")
+    elif result["arena_quantized"]:
+        console.print(
+            f"  greedy tokens: {result['token_agreement']:.1%} equal to the dense cache's, position by position "
+            f"(the {result['settings']['arena_layout']['dtype']} arena quantizes K/V: tokens may differ; "
+            "`arena-bench accuracy` measures how much)"
+        )
     else:
         m = result["first_mismatch"]
         console.print(f"  greedy tokens: [red]MISMATCH[/red] (first at row {m['row']}, token {m['token_index']}: arena {m['arena']} vs dense {m['dense']})" if m else "  greedy tokens: [red]MISMATCH[/red]")
@@ -410,9 +450,11 @@ def _check_kernel_memory(k: dict) -> None:
 
     itemsize = jnp.dtype(k["dtype"]).itemsize
     ps, kv, hd, qh = k["page_size"], k["num_kv_heads"], k["head_dim"], k["num_q_heads"]
+    row = hd * itemsize + (4 if itemsize == 1 else 0)  # 8-bit arenas: a float32 scale per token row
+    itemsize = max(itemsize, 2)  # queries: bfloat16 over 8-bit arenas
 
     def arena(batch, tokens, copies=1):  # K and V pages of `copies` arenas
-        return 2 * copies * kv * batch * -(-tokens // ps) * ps * hd * itemsize
+        return 2 * copies * kv * batch * -(-tokens // ps) * ps * row
 
     if jax.default_backend() != "gpu":
         b, c = min(max(k["batches"]), CPU_MAX_BATCH), min(max(k["contexts"]), CPU_MAX_CONTEXT)
@@ -512,6 +554,34 @@ def _cmd_kernels(args, console, progress) -> dict:
     return result
 
 
+def _cmd_accuracy(args, console, progress) -> dict:
+    from benchmarks.accuracy import AccuracySettings, format_attention_table, format_model_table, run_accuracy
+
+    settings = AccuracySettings(context=args.context, new_tokens=args.new_tokens, seed=args.seed,
+                                skip_models=args.skip_models)
+    steps = len(settings.outlier_scales) + (0 if settings.skip_models else 3 * 4)
+    console.print("[bold]accuracy[/bold]: 8-bit KV arenas against a bf16 arena (jnp reference path) ...")
+    advance = progress.add_task("accuracy", total=steps) if progress is not None else None
+    try:
+        result = run_accuracy(settings, advance)
+    except ValueError as exc:
+        raise _Fail(str(exc)) from None
+    finally:
+        if progress is not None:
+            progress.finish_task()
+    print(f"attention: batch {settings.batch} x {settings.context} cached tokens, 32 query / 8 KV heads, head_dim 128, "
+          "one decode query (float32), V ~ N(0, 1)")
+    print(format_attention_table(result["attention"]))
+    if result["models"]:
+        print()
+        print(f"end to end: HF-parity tiny configs, random weights ~N(0, 0.2), float32 compute, 4 prompts x "
+              f"{settings.new_tokens} greedy tokens; reference = the same model on a bf16 arena")
+        print(format_model_table(result["models"]))
+    console.print(f"  device {result['device']}; {result['wall_s']:.0f} s. Random-weight models say little about real "
+                  "quality: see benchmarks/accuracy.py.")
+    return result
+
+
 def _tour(args, console, progress) -> dict:
     from benchmarks import report
 
@@ -583,6 +653,8 @@ def main(argv=None) -> int:
                 results = _cmd_decode(args, console, progress)
             elif command == "kernels":
                 results = _cmd_kernels(args, console, progress)
+            elif command == "accuracy":
+                results = _cmd_accuracy(args, console, progress)
             else:
                 results = _tour(args, console, progress)
     except _Fail as exc:

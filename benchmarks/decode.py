@@ -1,7 +1,9 @@
 """`arena-bench decode`: greedy generation on the paged arena vs the same model on a dense cache.
 
 Both paths run in one process on one model with the same weights and the same random
-prompts, as one static batch: one prefill call over the prompts, then `new_tokens - 1`
+prompts, as one static batch (`kv_dtype` may make the paged arena 8-bit while the dense cache
+stays in the model's dtype: the byte figures then compare the two, and greedy tokens may
+differ by quantization; `token_agreement` says how many are equal): one prefill call over the prompts, then `new_tokens - 1`
 decode steps. Paged: `models.prefill` / `models.decode_step` (reserve + every layer's
 append/attend + greedy sampling in one jitted call each). Dense: `models.dense_baseline`
 (`[layers, batch, max_len, kv_heads, head_dim]` written with dynamic_update_slice).
@@ -52,6 +54,7 @@ class DecodeSettings:
     warmup: int = 1
     page_size: int = 16
     dtype: str | None = None  # default: float32 for tiny, bfloat16 otherwise
+    kv_dtype: str | None = None  # the paged arena's; default: dtype (8-bit: int8, float8_e4m3fn, float8_e5m2)
     num_layers: int | None = None  # override the preset's depth (random weights only)
     seed: int = 0
     mesh: tuple[int, int] | None = None  # (data-parallel, tensor-parallel) degrees; None: one device
@@ -85,7 +88,7 @@ def _layout(s: DecodeSettings, cfg, dtype):
     total = s.prompt_len + s.new_tokens
     pages_per_seq = -(-total // s.page_size)
     return cfg.kv_layout(page_size=s.page_size, num_pages=s.batch * pages_per_seq, max_seqs=s.batch,
-                         max_seq_len=pages_per_seq * s.page_size, dtype=dtype)  # fmt: skip
+                         max_seq_len=pages_per_seq * s.page_size, dtype=s.kv_dtype or dtype)  # fmt: skip
 
 
 def check_memory(s: DecodeSettings, cfg, dtype) -> None:
@@ -148,7 +151,7 @@ class _ArenaRun:
     def __init__(self, model, s: DecodeSettings, prompts: np.ndarray, mesh=None):
         self.graphdef, self.state = nnx.split(model)
         total = s.prompt_len + s.new_tokens
-        self.layout = models.default_layout(model, s.batch, total, page_size=s.page_size)
+        self.layout = models.default_layout(model, s.batch, total, page_size=s.page_size, dtype=s.kv_dtype)
         if mesh is None:
             self.cache = aj.create(self.layout)
         else:  # slot b serves row b: rows [d*B/dp, (d+1)*B/dp) are data shard d's, as its slots
@@ -288,6 +291,7 @@ def run_decode(s: DecodeSettings, progress=None) -> dict:
             b, t = diff[0]
             mismatch = {"row": int(b), "token_index": int(t), "arena": int(a[b, t]), "dense": int(d[b, t])}
     deterministic = all(np.array_equal(arena_tokens[0], x) for x in arena_tokens[1:])
+    agreement = float(np.mean([np.mean(a == d) for a, d in zip(arena_tokens, dense_tokens)]))
 
     bpt = arena.layout.bytes_per_token
     held = s.batch * (s.prompt_len + s.new_tokens - 1)  # K/V written: prompt + fed-back tokens
@@ -326,6 +330,7 @@ def run_decode(s: DecodeSettings, progress=None) -> dict:
                 "num_pages": arena.layout.num_pages,
                 "max_seqs": arena.layout.max_seqs,
                 "max_seq_len": arena.layout.max_seq_len,
+                "dtype": arena.layout.dtype.name,
                 "backend": aj.default_backend(),
             },
             "dense_max_len": dense.max_len,
@@ -336,6 +341,8 @@ def run_decode(s: DecodeSettings, progress=None) -> dict:
         "dense": d_sum,
         "speedup_tokens_per_s": a_sum["tokens_per_s"] / d_sum["tokens_per_s"],
         "same_tokens": bool(same),
+        "arena_quantized": arena.layout.quantized,
+        "token_agreement": agreement,
         "first_mismatch": mismatch,
         "arena_deterministic_across_repeats": bool(deterministic),
         "tokens_sample": arena_tokens[0][0, : min(16, s.new_tokens)].tolist(),

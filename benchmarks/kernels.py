@@ -22,6 +22,11 @@ total exceeds the L2 cache (rotation, so reads come from HBM); time per op = med
 CPU: kernel timings need a GPU. Only the jnp reference path is timed, at tiny sizes, so that
 `arena-bench kernels` has something to show.
 
+8-bit arenas (`dtype` int8 / float8_e4m3fn / float8_e5m2): values quantized per token and KV
+head with float32 scales (`pallas_kernels.quant`); queries and new K/V in bfloat16; KV bytes
+read count the scales (head_dim + 4 bytes per token row); JAX's Pallas peer gets the same
+pages and scales (its `k_scales_pages` / `v_scales_pages`); the dense peer runs in bfloat16.
+
 Run: `python -m benchmarks.kernels --help`.
 """
 from __future__ import annotations
@@ -38,6 +43,7 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels import paged_append, paged_attention, paged_attention_reference
+from pallas_kernels.quant import is_quantized, quantize_rows
 
 __all__ = ["run_kernel_benchmark", "main"]
 
@@ -102,6 +108,25 @@ def _fill(shape, dtype, seed):
     return jnp.sin(idx * 0.731 + seed).astype(dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("shape", "dtype", "seed"))
+def _fill_arena(shape, dtype, seed):
+    """(values, scales): `_fill` stored in an arena of `dtype`; scales (float32, shape[:-1]) only
+    for 8-bit arenas, else None."""
+    if not is_quantized(dtype):
+        return _fill(shape, dtype, seed), None
+    return quantize_rows(_fill(shape, jnp.float32, seed), dtype)
+
+
+def _compute_dtype(dtype):
+    """q and new K/V: the arena's dtype, or bfloat16 over an 8-bit arena."""
+    return jnp.dtype(jnp.bfloat16) if is_quantized(dtype) else jnp.dtype(dtype)
+
+
+def _row_bytes(head_dim, dtype) -> int:
+    """Bytes of one token of one head in the arena: values, plus an 8-bit arena's float32 scale."""
+    return head_dim * jnp.dtype(dtype).itemsize + (4 if is_quantized(dtype) else 0)
+
+
 def copy_bandwidth(timer: Timer, nbytes: int = 2 * 2**30) -> float:
     """Device copy bandwidth in bytes/s: one elementwise read+write kernel over `nbytes`."""
     x = jnp.zeros((nbytes // 4,), jnp.uint32)
@@ -121,11 +146,13 @@ def _peer_jax_pallas():
 
 
 def _bench_point(timer, batch, context, *, num_q_heads, num_kv_heads, head_dim, page_size, dtype, copy_bw, budget):
-    itemsize = jnp.dtype(dtype).itemsize
+    row_bytes = _row_bytes(head_dim, dtype)
+    compute = _compute_dtype(dtype)
+    itemsize = compute.itemsize
     pages_per_seq = -(-context // page_size)
     num_pages = batch * pages_per_seq
-    copy_bytes = 2 * num_pages * page_size * num_kv_heads * head_dim * itemsize  # K and V of one copy
-    kv_read = 2 * batch * context * num_kv_heads * head_dim * itemsize
+    copy_bytes = 2 * num_pages * page_size * num_kv_heads * row_bytes  # K and V (and scales) of one copy
+    kv_read = 2 * batch * context * num_kv_heads * row_bytes
     row = dict(batch=batch, context=context, kv_bytes=kv_read)
     n = max(2, min(MAX_COPIES, math.ceil(2 * L2_BYTES / copy_bytes)))
     if budget is not None:
@@ -139,9 +166,10 @@ def _bench_point(timer, batch, context, *, num_q_heads, num_kv_heads, head_dim, 
     page_map = jax.random.permutation(keys[0], num_pages).astype(jnp.int32).reshape(batch, pages_per_seq)
     lengths = jnp.full((batch,), context, jnp.int32)
     ones = jnp.ones((batch,), jnp.int32)
-    q = jax.random.normal(keys[1], (batch, 1, num_q_heads, head_dim), dtype)
+    q = jax.random.normal(keys[1], (batch, 1, num_q_heads, head_dim), compute)
     shape = (n, num_kv_heads, num_pages, page_size, head_dim)
-    k_arena, v_arena = _fill(shape, dtype, 0.0), _fill(shape, dtype, 1.0)
+    (k_arena, k_scale), (v_arena, v_scale) = _fill_arena(shape, dtype, 0.0), _fill_arena(shape, dtype, 1.0)
+    scales = dict(k_scale=k_scale, v_scale=v_scale) if k_scale is not None else {}
 
     def record(name, seconds):
         row[f"{name}_ms"] = seconds * 1e3
@@ -150,20 +178,23 @@ def _bench_point(timer, batch, context, *, num_q_heads, num_kv_heads, head_dim, 
             row[f"{name}_ratio"] = seconds / (row["ours_ms"] / 1e3)
 
     # ours: the layer axis holds the copies, so rotation costs no extra arrays.
-    ours = jax.jit(lambda q, k, v, pm, l, t: [paged_attention(q, k, v, i, pm, l, t, interpret=False) for i in range(n)])
-    t = timer(ours, q, k_arena, v_arena, page_map, lengths, ones) / n
+    ours = jax.jit(lambda q, k, v, pm, l, t, sc: [paged_attention(q, k, v, i, pm, l, t, interpret=False, **sc)
+                                                  for i in range(n)])
+    t = timer(ours, q, k_arena, v_arena, page_map, lengths, ones, scales) / n
     record("ours", t)
     row["ours_pct_copy_bw"] = 100 * row["ours_gbps"] * 1e9 / copy_bw
-    out0 = ours(q, k_arena, v_arena, page_map, lengths, ones)[0][:, 0].astype(jnp.float32)  # [B, Hq, D]
+    out0 = ours(q, k_arena, v_arena, page_map, lengths, ones, scales)[0][:, 0].astype(jnp.float32)  # [B, Hq, D]
 
     # reference: gathers every row's pages (with float32 copies) before a dense softmax.
-    ref_temp = kv_read * (1 + 4 / itemsize)
+    ref_temp = 2 * batch * context * num_kv_heads * head_dim * (jnp.dtype(dtype).itemsize + 4)
     if budget is not None and ref_temp + 3 * copy_bytes * n > budget * 1.5:
         row["reference_skipped"] = f"gather temporaries ~{ref_temp / 1e9:.1f} GB exceed the memory budget"
     else:
-        ref = jax.jit(lambda q, k, v, pm, l, t: [paged_attention_reference(q, k, v, i, pm, l, t) for i in range(n)])
-        record("reference", timer(ref, q, k_arena, v_arena, page_map, lengths, ones) / n)
-        row["reference_max_abs_diff"] = float(jnp.max(jnp.abs(ref(q, k_arena, v_arena, page_map, lengths, ones)[0][:, 0] - out0)))
+        ref = jax.jit(lambda q, k, v, pm, l, t, sc: [paged_attention_reference(q, k, v, i, pm, l, t, **sc)
+                                                     for i in range(n)])
+        record("reference", timer(ref, q, k_arena, v_arena, page_map, lengths, ones, scales) / n)
+        got = ref(q, k_arena, v_arena, page_map, lengths, ones, scales)[0][:, 0]
+        row["reference_max_abs_diff"] = float(jnp.max(jnp.abs(got - out0)))
 
     # JAX's Pallas paged attention: per-layer [kv_heads, pages, page_size, head_dim] arrays.
     jax_paged, why = _peer_jax_pallas()
@@ -172,22 +203,24 @@ def _bench_point(timer, batch, context, *, num_q_heads, num_kv_heads, head_dim, 
     else:
         k_layers = [k_arena[i] for i in range(n)]
         v_layers = [v_arena[i] for i in range(n)]
-        del k_arena, v_arena
+        # Its scales: [kv_heads, pages, page_size] per layer, as ours without the layer axis.
+        s_layers = [(k_scale[i], v_scale[i]) for i in range(n)] if k_scale is not None else [(None, None)] * n
+        del k_arena, v_arena, k_scale, v_scale, scales
         k_splits = math.gcd(pages_per_seq, 16)
         ppcb = math.gcd(pages_per_seq // k_splits, 8)
         row["jax_pallas_params"] = f"block_h=16 k_splits={k_splits} pages_per_compute_block={ppcb}"
         call = functools.partial(jax_paged, block_h=16, pages_per_compute_block=ppcb, k_splits=k_splits)
-        q_scaled = (q[:, 0].astype(jnp.float32) * head_dim**-0.5).astype(dtype)  # it applies no sm_scale
-        peer = jax.jit(lambda q, ks, vs, pm, l: [call(q, k, v, pm, l) for k, v in zip(ks, vs)])
+        q_scaled = (q[:, 0].astype(jnp.float32) * head_dim**-0.5).astype(compute)  # it applies no sm_scale
+        peer = jax.jit(lambda q, ks, vs, ss, pm, l: [call(q, k, v, pm, l, *sc) for k, v, sc in zip(ks, vs, ss)])
         try:
-            t = timer(peer, q_scaled, k_layers, v_layers, page_map, lengths) / n
+            t = timer(peer, q_scaled, k_layers, v_layers, s_layers, page_map, lengths) / n
         except jax.errors.JaxRuntimeError as e:  # e.g. its Triton kernel out of shared memory
             row["jax_pallas_skipped"] = f"JaxRuntimeError: {str(e)[:200]}"
         else:
             record("jax_pallas", t)
-            got = peer(q_scaled, k_layers, v_layers, page_map, lengths)[0].astype(jnp.float32)
+            got = peer(q_scaled, k_layers, v_layers, s_layers, page_map, lengths)[0].astype(jnp.float32)
             row["jax_pallas_max_abs_diff"] = float(jnp.max(jnp.abs(got - out0)))
-        del k_layers, v_layers
+        del k_layers, v_layers, s_layers
 
     # dense attention over a contiguous cache [B, context, kv_heads, head_dim].
     dense_shape = (batch, context, num_kv_heads, head_dim)
@@ -195,8 +228,8 @@ def _bench_point(timer, batch, context, *, num_q_heads, num_kv_heads, head_dim, 
         n_dense = 1
     else:
         n_dense = n
-    ks = [_fill(dense_shape, dtype, 2.0 + i) for i in range(n_dense)]
-    vs = [_fill(dense_shape, dtype, 3.0 + i) for i in range(n_dense)]
+    ks = [_fill(dense_shape, compute, 2.0 + i) for i in range(n_dense)]  # 8-bit arenas: a bf16 dense cache
+    vs = [_fill(dense_shape, compute, 3.0 + i) for i in range(n_dense)]
     for impl in ("cudnn", "xla"):
         dense = jax.jit(lambda q, ks, vs, impl=impl: [jax.nn.dot_product_attention(q, k, v, implementation=impl) for k, v in zip(ks, vs)])
         try:
@@ -217,25 +250,28 @@ def _bench_append(timer_repeats, batch, *, num_kv_heads, head_dim, page_size, dt
     pages_per_row = -(-tokens // page_size)
     num_pages = batch * pages_per_row
     shape = (unroll, num_kv_heads, num_pages, page_size, head_dim)
-    k_arena, v_arena = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    arenas = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    if is_quantized(dtype):  # + the scales, written by the same kernel
+        arenas += (jnp.zeros(shape[:4], jnp.float32), jnp.zeros(shape[:4], jnp.float32))
     page_map = jnp.arange(num_pages, dtype=jnp.int32).reshape(batch, pages_per_row)
     lengths = jnp.full((batch,), tokens, jnp.int32)
-    k = _fill((batch, tokens, num_kv_heads, head_dim), dtype, 4.0)
+    k = _fill((batch, tokens, num_kv_heads, head_dim), _compute_dtype(dtype), 4.0)
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def step(ka, va, k):
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def step(arenas, k):
         for layer in range(unroll):
-            ka, va = paged_append(ka, va, layer, k, k, page_map, lengths, lengths, interpret=False)
-        return ka, va
+            scales = dict(k_scale=arenas[2], v_scale=arenas[3]) if len(arenas) == 4 else {}
+            arenas = paged_append(arenas[0], arenas[1], layer, k, k, page_map, lengths, lengths, interpret=False, **scales)
+        return arenas
 
-    k_arena, v_arena = jax.block_until_ready(step(k_arena, v_arena, k))  # compile
+    arenas = jax.block_until_ready(step(arenas, k))  # compile
     times = []
     for _ in range(max(1, timer_repeats)):
         t0 = time.perf_counter()
-        k_arena, v_arena = jax.block_until_ready(step(k_arena, v_arena, k))
+        arenas = jax.block_until_ready(step(arenas, k))
         times.append((time.perf_counter() - t0) / unroll)
     t = float(np.median(times))
-    written = 2 * batch * tokens * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
+    written = 2 * batch * tokens * num_kv_heads * _row_bytes(head_dim, dtype)
     return dict(batch=batch, tokens=tokens, bytes_written=written, append_us=t * 1e6, append_gbps=written / t / 1e9)
 
 
@@ -249,13 +285,14 @@ def _cpu_reference_rows(batches, contexts, *, num_q_heads, num_kv_heads, head_di
         for context in sorted({min(c, CPU_MAX_CONTEXT) for c in contexts}):
             pages = -(-context // page_size)
             shape = (1, num_kv_heads, batch * pages, page_size, head_dim)
-            k_arena, v_arena = _fill(shape, dtype, 0.0), _fill(shape, dtype, 1.0)
+            (k_arena, k_scale), (v_arena, v_scale) = _fill_arena(shape, dtype, 0.0), _fill_arena(shape, dtype, 1.0)
             page_map = jax.random.permutation(jax.random.PRNGKey(context), batch * pages).astype(jnp.int32).reshape(batch, pages)
-            q = _fill((batch, 1, num_q_heads, head_dim), dtype, 5.0)
+            q = _fill((batch, 1, num_q_heads, head_dim), _compute_dtype(dtype), 5.0)
             lengths, ones = jnp.full((batch,), context, jnp.int32), jnp.ones((batch,), jnp.int32)
-            ref = jax.jit(lambda *a: paged_attention_reference(*a))
-            t = timer(ref, q, k_arena, v_arena, 0, page_map, lengths, ones)
-            kv = 2 * batch * context * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
+            ref = jax.jit(lambda *a, **kw: paged_attention_reference(*a, **kw))
+            t = timer(functools.partial(ref, k_scale=k_scale, v_scale=v_scale), q, k_arena, v_arena, 0, page_map,
+                      lengths, ones)
+            kv = 2 * batch * context * num_kv_heads * _row_bytes(head_dim, dtype)
             rows.append(dict(batch=batch, context=context, kv_bytes=kv, reference_ms=t * 1e3, reference_gbps=kv / t / 1e9))
     return rows
 
@@ -364,7 +401,8 @@ def main(argv=None) -> int:
     p.add_argument("--num-kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--dtype", default="bfloat16",
+                   choices=["bfloat16", "float16", "float32", "int8", "float8_e4m3fn", "float8_e5m2"])
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--json", help="write the result (metadata + rows) to this path")
     a = p.parse_args(argv)

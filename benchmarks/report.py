@@ -176,9 +176,10 @@ def _fmt(value) -> str:
 # ---- tables --------------------------------------------------------------------------------------
 
 
-def layout_table(rows: list[dict], budget_bytes: int, page_size: int) -> Table:
+def layout_table(rows: list[dict], budget_bytes: int, page_size: int, kv_dtype: str = "bfloat16") -> Table:
+    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(kv_dtype, kv_dtype + " + f32 scales")
     t = Table(
-        title=f"KV layout per model (arena_jax.KVLayout, bf16, {fmt_bytes(budget_bytes)} budget, {page_size}-token pages)",
+        title=f"KV layout per model (arena_jax.KVLayout, {short}, {fmt_bytes(budget_bytes)} budget, {page_size}-token pages)",
         box=box.SIMPLE_HEAVY,
     )
     for col in ("model", "layers", "q / kv heads", "head_dim", "bytes/token", "if sized by q heads", "page", "pages", "tokens"):
@@ -221,7 +222,8 @@ def capacity_tables(result: dict) -> list:
     t = Table(
         title=(
             f"capacity: {w['requests']} requests, {fmt_bytes(s['budget_bytes'])} KV budget "
-            f"= {s['budget_tokens']:,} tokens of {s['model']} ({s['bytes_per_token']:,} B/token)"
+            f"= {s['budget_tokens']:,} tokens of {s['model']} ({s['bytes_per_token']:,} B/token"
+            + (f", {s['kv_dtype']} KV)" if s.get("kv_dtype", "bfloat16") != "bfloat16" else ")")
         ),
         box=box.SIMPLE_HEAVY,
     )

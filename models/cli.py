@@ -4,7 +4,8 @@
     arena-generate --prompt "Hello" --batch 4 --num-prompts 8     # built-in random-weight tiny model
 
 Without `--model-dir` a random-weight `LlamaConfig.tiny()` model runs and the prompt's
-UTF-8 bytes (mod the vocabulary) are its token ids. Prints the generated tokens (decoded
+UTF-8 bytes (mod the vocabulary) are its token ids. `--kv-dtype int8` (or float8_e4m3fn,
+float8_e5m2) runs on an 8-bit arena: half the KV bytes of bf16. Prints the generated tokens (decoded
 text when the checkpoint has a tokenizer.json) and tokens/s. A sequence stops at the
 checkpoint's eos tokens, as transformers' generate does (`--ignore-eos`: run to
 --max-new-tokens). Sizes are checked against the device's memory before anything is
@@ -21,6 +22,7 @@ import time
 from models.argtypes import float_in, non_negative_float, positive_int, seed
 
 _DTYPES = ("float32", "bfloat16", "float16")
+_KV_DTYPES = _DTYPES + ("int8", "float8_e4m3fn", "float8_e5m2")
 CACHE_ENV = "ARENA_JAX_COMPILE_CACHE"
 HOST_BYTES_PER_TOKEN = 64  # a token id held in the host's Python lists (list slot + int object), rounded up
 
@@ -45,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float_in(0.0, 1.0, low_open=True), default=None)
     p.add_argument("--seed", type=seed, default=0, help="sampling (and the tiny model's weights)")
     p.add_argument("--dtype", choices=_DTYPES, default=None, help="default: bfloat16 for checkpoints, float32 for tiny")
+    p.add_argument("--kv-dtype", choices=_KV_DTYPES, default=None,
+                   help="the KV arena's dtype (default: --dtype); int8 / float8_* store 8-bit values + a float32 scale "
+                        "per token and KV head, quantized on write")  # fmt: skip
     p.add_argument(
         "--compile-cache",
         default=os.environ.get(CACHE_ENV, os.path.join(os.path.expanduser("~"), ".cache", "arena-jax", "xla")),
@@ -108,7 +113,7 @@ def main(argv=None) -> int:
             num_pages=args.num_pages or args.batch * pages_per_seq,
             max_seqs=args.batch,
             max_seq_len=max_seq_len,
-            dtype=dtype,
+            dtype=args.kv_dtype or dtype,
         )
         arena = f"KV arena ({layout.num_pages:,} pages x {layout.page_size:,} tokens x {fmt_bytes(layout.bytes_per_token)}/token)"
         check_fits({arena: cache_bytes(layout), f"weights ({dtype.name})": weight_bytes(config, dtype)},
@@ -158,7 +163,7 @@ def main(argv=None) -> int:
     print(
         f"{result.num_generated} tokens in {result.seconds:.3f} s: {result.tokens_per_second:.1f} tokens/s "
         f"(batch {args.batch}, {result.prefill_calls} prefill + {result.decode_calls} decode calls, "
-        f"{result.preemptions} preemptions; stop tokens {stops}; warm-up {warm:.1f} s)"
+        f"{result.preemptions} preemptions; stop tokens {stops}; KV arena {layout.dtype.name}; warm-up {warm:.1f} s)"
     )
     return 0
 

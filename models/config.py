@@ -143,11 +143,14 @@ class LlamaConfig:
         max_seqs: int = 8,
         max_seq_len: int | None = None,
         dtype: Any = "bfloat16",
+        scale_dtype: Any = None,
     ) -> aj.KVLayout:
         """An `arena_jax.KVLayout` sized by this model's KV heads (never its query heads).
 
         Give exactly one of `num_pages` and `budget_bytes`. `max_seq_len` defaults to
-        `max_position_embeddings`.
+        `max_position_embeddings`. `dtype` is the arena's: a float dtype, or int8 /
+        float8_e4m3fn / float8_e5m2 (8-bit values with per-token scales in `scale_dtype`,
+        float32 by default; the model computes in its own dtype and the arena quantizes).
         """
         if (num_pages is None) == (budget_bytes is None):
             raise ValueError("give exactly one of num_pages and budget_bytes")
@@ -162,6 +165,7 @@ class LlamaConfig:
                 max_seqs=max_seqs,
                 max_seq_len=max_seq_len,
                 dtype=dtype,
+                scale_dtype=scale_dtype,
             )
         return aj.KVLayout(
             num_layers=self.num_layers,
@@ -172,6 +176,7 @@ class LlamaConfig:
             max_seqs=max_seqs,
             max_pages_per_seq=-(-int(max_seq_len) // page_size),
             dtype=dtype,
+            scale_dtype=scale_dtype,
         )
 
     # ---- Hugging Face config.json -------------------------------------------------------------

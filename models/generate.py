@@ -80,8 +80,12 @@ class _Seq:
         return len(self.prompt) + len(self.generated) - self.fed
 
 
-def default_layout(model: Llama, batch_size: int, max_total_len: int, *, page_size: int = 16, dtype=None) -> aj.KVLayout:
-    """Enough pages for `batch_size` sequences of `max_total_len` tokens each."""
+def default_layout(
+    model: Llama, batch_size: int, max_total_len: int, *, page_size: int = 16, dtype=None, scale_dtype=None
+) -> aj.KVLayout:
+    """Enough pages for `batch_size` sequences of `max_total_len` tokens each. `dtype`: the
+    arena's (default the model's compute dtype; int8 / float8_e4m3fn / float8_e5m2 for an
+    8-bit arena, with `scale_dtype` float32 or bfloat16)."""
     pages_per_seq = -(-max_total_len // page_size)
     return model.config.kv_layout(
         page_size=page_size,
@@ -89,6 +93,7 @@ def default_layout(model: Llama, batch_size: int, max_total_len: int, *, page_si
         max_seqs=batch_size,
         max_seq_len=pages_per_seq * page_size,
         dtype=model.dtype if dtype is None else dtype,
+        scale_dtype=scale_dtype,
     )
 
 
@@ -107,6 +112,7 @@ def generate(
     seed: int = 0,
     stop_tokens: Sequence[int] | None = None,
     return_logits: bool = False,
+    kv_dtype=None,
     mesh=None,
     tensor_axis: str | None = "tensor",
     data_axis: str | None = None,
@@ -119,6 +125,10 @@ def generate(
     A sequence stops after a token in `stop_tokens` (kept in its output). The default, None,
     means the model's `config.eos_token_ids` (a checkpoint's eos tokens, as transformers'
     generate stops at them); `()` means no stop token.
+
+    `kv_dtype` sets the arena's dtype when generate sizes it (no `layout` or `cache` given):
+    default the model's dtype; "int8", "float8_e4m3fn" or "float8_e5m2" for an 8-bit arena
+    (per-token scales, half the bytes of bf16). A given layout or cache brings its own.
 
     Token ids must be integers (Python or numpy; not floats, strings or bools) in
     [0, vocab_size); every bad argument is a ValueError naming it.
@@ -144,6 +154,8 @@ def generate(
     if top_k is not None and top_k > vocab:
         raise ValueError(f"top_k={top_k} exceeds vocab_size={vocab}")
     longest = max((len(p) for p in prompts), default=1) + max_new_tokens
+    if kv_dtype is not None and (layout is not None or cache is not None):
+        raise ValueError("give kv_dtype only when generate sizes the arena: a layout or cache brings its own dtype")
     if cache is not None:
         layout = cache.layout
         if bool(_fetch(cache.table.active).any()) or int(_fetch(cache.table.num_free).sum()) != layout.num_pages:
@@ -151,7 +163,7 @@ def generate(
         if mesh is not None and (cache.sharding is None or cache.sharding.mesh.devices.tolist() != mesh.devices.tolist()):
             raise ValueError("mesh does not match the cache's: give one or the other")
     elif layout is None:
-        layout = default_layout(model, batch_size, longest)
+        layout = default_layout(model, batch_size, longest, dtype=kv_dtype)
     model = _on_mesh(model, cache.sharding.mesh if cache is not None and cache.sharding else mesh, tensor_axis)
     cfg = model.config
     for field, want in (("num_layers", cfg.num_layers), ("num_kv_heads", cfg.num_kv_heads), ("head_dim", cfg.head_dim)):

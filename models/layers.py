@@ -133,7 +133,8 @@ class Attention(nnx.Module):
         num_tokens i32[B] (row b's first num_tokens[b] tokens are real). Returns (out [B, T, E], cache).
         """
         q, k, v = self.project(x, positions)
-        kv_dtype = cache.k.dtype
-        cache = aj.append(cache, layer, slots, k.astype(kv_dtype), v.astype(kv_dtype), num_tokens=num_tokens)
+        if cache.k_scale is None:  # a float arena stores its own dtype; an 8-bit one quantizes k, v as computed
+            k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
+        cache = aj.append(cache, layer, slots, k, v, num_tokens=num_tokens)
         o = aj.attend(q, cache, layer, slots, num_tokens=num_tokens, sliding_window=self.sliding_window)
         return self.output(o), cache

@@ -21,6 +21,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.quant import QUANTIZED_DTYPES, SCALE_DTYPES
+
 try:  # the Triton-specific Pallas API
     from jax.experimental.pallas import triton as plgpu
 except ImportError:  # pragma: no cover - very old JAX
@@ -29,7 +31,9 @@ except ImportError:  # pragma: no cover - very old JAX
 __all__ = ["BlockSizes", "unsupported_reason", "head_tile", "masked_load", "masked_store", "compiler_params",
            "resolve_interpret"]
 
+# What q, k, v (the compute dtypes) may be, and what an arena may store.
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+ARENA_DTYPES = SUPPORTED_DTYPES + QUANTIZED_DTYPES
 # Triton's tensor dims must be powers of two, and tl.dot needs every dim >= 16: the kernels pad
 # head_dim to HEAD_TILE(head_dim) = next power of two >= 16 and mask the padding lanes.
 MIN_TILE = 16
@@ -143,7 +147,7 @@ class BlockSizes:
     @classmethod
     def for_attention(
         cls, *, batch: int, tokens: int, num_kv_heads: int, group: int, page_size: int, head_dim: int, max_pages: int,
-        itemsize: int = 2,
+        itemsize: int = 2, quantized: bool = False,
     ) -> "BlockSizes":
         """Defaults per shape, chosen so that every shape compiles for sm_90a without spills
         (tests/test_compile_sm90.py; `arena-bench kernels --compile-report` prints the facts).
@@ -157,6 +161,11 @@ class BlockSizes:
         handles erratically (larger tiles spill by hundreds of bytes to kilobytes): 16 query rows
         and 16 keys per step, 4 warps, for every head size. Groups of more than 64 query
         heads (16 in float32) are split over programs (block_h) rather than growing the tile.
+
+        8-bit arenas: `itemsize` is the dot's (q's) element size; tiles are the same as a float
+        arena of q's dtype. With float32 q (FMA dots) they run one pipeline stage: with two,
+        ptxas keeps the converted K/V tiles of both stages in registers and spills (255
+        registers, ~300 B of spills at head_dim 128), with one it needs ~60.
         """
         decode = tokens == 1
         tile_d = head_tile(head_dim)
@@ -185,7 +194,7 @@ class BlockSizes:
             num_splits=num_splits,
             block_tokens=block_tokens,
             num_warps=4 if rows * tile_d <= 64 * 128 or itemsize >= 4 else 8,
-            num_stages=2,
+            num_stages=1 if quantized and itemsize >= 4 else 2,
         )
 
     @classmethod
@@ -224,16 +233,32 @@ def _as_int(x) -> int | None:
         return None
 
 
+def _gpu_compute_capability() -> float | None:
+    """The default device's compute capability (8.9, 9.0, ...) on an NVIDIA GPU, else None."""
+    if jax.default_backend() != "gpu":
+        return None
+    try:
+        return float(getattr(jax.devices()[0], "compute_capability", None))
+    except (TypeError, ValueError):
+        return None
+
+
 def unsupported_reason(*, head_dim, page_size=None, group=None, dtype=None) -> str | None:
     """Why the Pallas kernels cannot take this geometry, or None when they can.
 
     head_dim: any multiple of 8 up to 256 (padded in-kernel to a power-of-two tile, the
     padding masked); page_size: any >= 1 (attention steps over keys, each key finds its own
-    page); group (query heads per KV head): any >= 1; dtype: bfloat16, float16 or float32.
-    `arena_jax` asks this before choosing the Pallas backend.
+    page); group (query heads per KV head): any >= 1; dtype (the arena's): bfloat16, float16,
+    float32, int8, float8_e5m2, and float8_e4m3fn (on a GPU: compute capability 8.9 or newer,
+    where Triton converts it). `arena_jax` asks this before choosing the Pallas backend.
     """
-    if dtype is not None and jnp.dtype(dtype) not in SUPPORTED_DTYPES:
-        return f"dtype={jnp.dtype(dtype).name}: the Pallas kernels take bfloat16, float16 or float32"
+    if dtype is not None and jnp.dtype(dtype) not in ARENA_DTYPES:
+        return (f"dtype={jnp.dtype(dtype).name}: the Pallas kernels take bfloat16, float16, float32, int8, "
+                "float8_e4m3fn or float8_e5m2")
+    if dtype is not None and jnp.dtype(dtype) == jnp.dtype(jnp.float8_e4m3fn):
+        cc = _gpu_compute_capability()
+        if cc is not None and cc < 8.9:
+            return f"dtype=float8_e4m3fn needs compute capability >= 8.9 (Triton's conversion); this GPU has {cc}"
     d = _as_int(head_dim)
     if d is None or not 0 < d <= MAX_HEAD_DIM or d % HEAD_DIM_MULTIPLE:
         return f"head_dim={head_dim}: the Pallas kernels take multiples of {HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM}"
@@ -246,18 +271,34 @@ def unsupported_reason(*, head_dim, page_size=None, group=None, dtype=None) -> s
 # ---- argument checks ---------------------------------------------------------------------------
 
 
-def check_arena(k_arena, v_arena):
-    """Returns (L, Hkv, P, S, D) after checking both arenas."""
+def check_arena(k_arena, v_arena, k_scale=None, v_scale=None):
+    """Returns (L, Hkv, P, S, D) after checking both arenas, and the scales of an 8-bit arena
+    (given exactly when the arena is int8 / fp8: [L, Hkv, P, S], float32 or bfloat16)."""
     for name, arr in (("k_arena", k_arena), ("v_arena", v_arena)):
         if getattr(arr, "ndim", None) != 5:
             raise ValueError(f"{name} must be 5-D [layers, kv_heads, pages, page_size, head_dim], got shape {getattr(arr, 'shape', None)}")
-        if jnp.dtype(arr.dtype) not in SUPPORTED_DTYPES:
-            raise ValueError(f"{name}.dtype must be one of bfloat16/float16/float32, got {arr.dtype}")
+        if jnp.dtype(arr.dtype) not in ARENA_DTYPES:
+            raise ValueError(f"{name}.dtype must be one of bfloat16/float16/float32/int8/float8_e4m3fn/float8_e5m2, got {arr.dtype}")
     if k_arena.shape != v_arena.shape or k_arena.dtype != v_arena.dtype:
         raise ValueError(f"k_arena {k_arena.shape} {k_arena.dtype} and v_arena {v_arena.shape} {v_arena.dtype} must match")
     reason = unsupported_reason(head_dim=k_arena.shape[4])
     if reason:
         raise ValueError(f"k_arena {reason}")
+    quantized = jnp.dtype(k_arena.dtype) in QUANTIZED_DTYPES
+    if quantized != (k_scale is not None) or quantized != (v_scale is not None):
+        raise ValueError(
+            f"k_scale and v_scale must be given exactly when the arena is 8-bit: the arena is {k_arena.dtype}, "
+            f"k_scale {'given' if k_scale is not None else 'None'}, v_scale {'given' if v_scale is not None else 'None'}"
+        )
+    if quantized:
+        for name, arr in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if tuple(getattr(arr, "shape", ())) != tuple(k_arena.shape[:4]):
+                raise ValueError(f"{name} must be [layers, kv_heads, pages, page_size] = {tuple(k_arena.shape[:4])}, "
+                                 f"got shape {getattr(arr, 'shape', None)}")
+            if jnp.dtype(arr.dtype) not in SCALE_DTYPES:
+                raise ValueError(f"{name}.dtype must be float32 or bfloat16, got {arr.dtype}")
+        if k_scale.dtype != v_scale.dtype:
+            raise ValueError(f"k_scale {k_scale.dtype} and v_scale {v_scale.dtype} must have the same dtype")
     return tuple(k_arena.shape)
 
 

@@ -9,6 +9,12 @@ unmapped pages, positions past the page table) are pointed at the out-of-range p
 interpret mode discharges the store into a scatter (which drops out-of-range indices).
 `head_dim` (any multiple of 8) is padded to a power-of-two tile; lanes past it are masked
 (and out of range, so interpret mode drops them too): nothing past a head is read or written.
+
+8-bit arenas (int8, float8_e4m3fn, float8_e5m2): the program quantizes its block of tokens
+in registers (`pallas_kernels.quant.quantize_rows`: absmax per token row of one head, the
+rounding and saturation rules written there) and stores the 8-bit values and one scale per
+token into `k_scale` / `v_scale` [layers, kv_heads, pages, page_size], aliased in place like
+the values; dead lanes write neither.
 Contract: `pallas_kernels.reference.append_reference`.
 """
 from __future__ import annotations
@@ -34,6 +40,7 @@ from pallas_kernels._common import (
     masked_store,
     resolve_interpret,
 )
+from pallas_kernels.quant import quantize_rows
 from pallas_kernels.reference import append_reference
 
 __all__ = ["paged_append", "append_reference"]
@@ -49,14 +56,19 @@ def _append_kernel(
     v_ref,  # [batch, tokens, kv_heads, head_dim]
     k_arena_in_ref,  # [layers, kv_heads, pages, page_size, head_dim] (aliased to k_arena_ref)
     v_arena_in_ref,  # [layers, kv_heads, pages, page_size, head_dim] (aliased to v_arena_ref)
-    # outputs
-    k_arena_ref,  # [layers, kv_heads, pages, page_size, head_dim]
-    v_arena_ref,  # [layers, kv_heads, pages, page_size, head_dim]
-    *,
+    *refs,  # 8-bit arenas: k_scale_in_ref, v_scale_in_ref [layers, kv_heads, pages, page_size] (aliased)
+    # outputs: k_arena_ref, v_arena_ref [layers, kv_heads, pages, page_size, head_dim]
+    #          (8-bit arenas: then k_scale_ref, v_scale_ref [layers, kv_heads, pages, page_size])
     block_tokens: int,
     tile_d: int,
+    quantized: bool,
 ):
     del k_arena_in_ref, v_arena_in_ref  # same buffers as the outputs
+    if quantized:
+        _, _, k_arena_ref, v_arena_ref, k_scale_ref, v_scale_ref = refs  # inputs aliased to the outputs
+    else:
+        k_arena_ref, v_arena_ref = refs
+        k_scale_ref = v_scale_ref = None
     b, h, tb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_layers, _, num_pages, page_size, head_dim = k_arena_ref.shape
     _, tokens, _, _ = k_ref.shape
@@ -84,29 +96,43 @@ def _append_kernel(
     mask = live[:, None] & (d < head_dim)  # [block_tokens, tile_d]
     src = index_of(b, jnp.minimum(t, tokens - 1)[:, None], h, d)  # [block_tokens, tile_d] each
     dst = index_of(layer, h, page[:, None], offset[:, None], d)
-    for x_ref, arena_ref in ((k_ref, k_arena_ref), (v_ref, v_arena_ref)):
+    for x_ref, arena_ref, scale_ref in ((k_ref, k_arena_ref, k_scale_ref), (v_ref, v_arena_ref, v_scale_ref)):
         x = masked_load(x_ref.at[src], mask=mask, other=0)  # [block_tokens, tile_d]
-        masked_store(arena_ref.at[dst], x.astype(arena_ref.dtype), mask=mask)
+        if scale_ref is None:
+            masked_store(arena_ref.at[dst], x.astype(arena_ref.dtype), mask=mask)
+            continue
+        # Padding lanes (d >= head_dim) and dead rows loaded as 0: they change no row's absmax.
+        values, scale = quantize_rows(x, arena_ref.dtype, scale_ref.dtype)  # [block_tokens, tile_d], [block_tokens]
+        masked_store(arena_ref.at[dst], values, mask=mask)
+        masked_store(scale_ref.at[index_of(layer, h, page, offset)], scale, mask=live)
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
-def _paged_append_call(k_arena, v_arena, layer, k, v, page_map, lengths, num_tokens, *, block_sizes, interpret):
+def _paged_append_call(k_arena, v_arena, layer, k, v, page_map, lengths, num_tokens, k_scale, v_scale, *, block_sizes,
+                       interpret):
     num_layers, num_kv_heads, num_pages, page_size, head_dim = k_arena.shape
     batch, tokens, _, _ = k.shape
     block_tokens = block_sizes.block_tokens
+    quantized = k_scale is not None
     grid = (batch, num_kv_heads, cdiv(tokens, block_tokens))
-    kernel = functools.partial(_append_kernel, block_tokens=block_tokens, tile_d=head_tile(head_dim))
+    kernel = functools.partial(_append_kernel, block_tokens=block_tokens, tile_d=head_tile(head_dim), quantized=quantized)
     arena_shape = jax.ShapeDtypeStruct(k_arena.shape, k_arena.dtype)
+    out_shape, aliases, arenas = (arena_shape, arena_shape), {6: 0, 7: 1}, (k_arena, v_arena)
+    name = f"paged_append_bt{block_tokens}_d{head_tile(head_dim)}"
+    if quantized:
+        scale_shape = jax.ShapeDtypeStruct(k_scale.shape, k_scale.dtype)
+        out_shape, aliases, arenas = out_shape + (scale_shape, scale_shape), {6: 0, 7: 1, 8: 2, 9: 3}, arenas + (k_scale, v_scale)
+        name += f"_{jnp.dtype(k_arena.dtype).name}"
     # No BlockSpecs: every ref is the whole array (the kernel gathers by page itself).
     return pl.pallas_call(
         kernel,
         grid=grid,
-        out_shape=(arena_shape, arena_shape),
-        input_output_aliases={6: 0, 7: 1},
+        out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=compiler_params(block_sizes.num_warps, block_sizes.num_stages),
         interpret=interpret,
-        name=f"paged_append_bt{block_tokens}_d{head_tile(head_dim)}",
-    )(layer, lengths, num_tokens, page_map, k, v, k_arena, v_arena)
+        name=name,
+    )(layer, lengths, num_tokens, page_map, k, v, *arenas)
 
 
 def paged_append(
@@ -119,6 +145,8 @@ def paged_append(
     lengths,
     num_tokens,
     *,
+    k_scale=None,
+    v_scale=None,
     interpret: bool | None = None,
     block_sizes: BlockSizes | None = None,
 ):
@@ -129,8 +157,12 @@ def paged_append(
     i32[B] (lengths counts the new tokens). Returns the updated (k_arena, v_arena). Call it
     inside a jit that donates the arena: the aliasing then updates it in place (called
     eagerly, XLA copies the arena first, leaving the input intact).
+
+    8-bit arenas (int8 / float8_e4m3fn / float8_e5m2) take `k_scale, v_scale: [L, Hkv, P, S]`
+    (float32 or bfloat16); k, v (bf16/fp16/fp32) are quantized per token and head
+    (`pallas_kernels.quant`) and (k_arena, v_arena, k_scale, v_scale) are returned.
     """
-    num_layers, num_kv_heads, _, page_size, head_dim = check_arena(k_arena, v_arena)
+    num_layers, num_kv_heads, _, page_size, head_dim = check_arena(k_arena, v_arena, k_scale, v_scale)
     check_tokens("k", k, batch=None, heads=num_kv_heads, head_dim=head_dim)
     check_tokens("v", v, batch=k.shape[0], heads=num_kv_heads, head_dim=head_dim)
     if k.shape != v.shape:
@@ -147,6 +179,8 @@ def paged_append(
         page_map,
         lengths,
         num_tokens,
+        k_scale,
+        v_scale,
         block_sizes=block_sizes,
         interpret=resolve_interpret(interpret),
     )

@@ -26,6 +26,22 @@ unnormalized partials plus the running max / sum per row, merged afterwards by a
 log-sum-exp in plain jnp (`_merge_splits`). A row that saw no key has a running sum of
 exactly 0 and gives 0; a NaN in the row's own inputs (its query, or a K/V position it sees)
 makes the sum NaN and the output NaN, as in the reference (the test is `l != 0`, not `l > 0`).
+
+8-bit arenas (int8, float8_e4m3fn, float8_e5m2, with per-token scales `k_scale`, `v_scale`
+[layers, kv_heads, pages, page_size]) are dequantized inside the kernel; the dots run in q's
+dtype (bf16/fp16: tensor cores; fp32: IEEE FMA) with float32 accumulation. Every 8-bit value
+converts exactly to bf16, fp16 and f32 (int8 in [-127, 127]; e4m3 and e5m2 are narrower
+floats), so only the scale multiplication rounds:
+- K: the scale of key j multiplies every lane of its row, so it factors out of the QK^T
+  contraction over head_dim: `s[r, j] = (q_r . kq_j) * k_scale[j] * sm_scale`, applied to the
+  float32 score tile (block_k multiplies per row instead of block_k x head_dim, and exact).
+- V: bf16 / f32 compute fold the scale into the softmax weights, `o += (p * v_scale) @ vq`
+  (the same factoring over keys); fp16 compute dequantizes the V tile instead,
+  `(vq * v_scale).astype(fp16)`, because p * v_scale could underflow fp16's range.
+Scales are masked loads like the values: a dead key (past the length, unmapped, in the
+future, out of the window) loads neither its values nor its scale, so NaN-poisoned stale
+scales never reach the output. No fp8 tensor-core dot is used: q would have to be rounded to
+fp8 too, and decode is bound by the bytes read, which the 8-bit loads already halve.
 Contract: `pallas_kernels.reference.paged_attention_reference`.
 """
 from __future__ import annotations
@@ -54,6 +70,7 @@ from pallas_kernels._common import (
     resolve_block_k,
     resolve_interpret,
 )
+from pallas_kernels.quant import is_quantized
 from pallas_kernels.reference import paged_attention_reference, token_positions
 
 __all__ = ["paged_attention", "paged_attention_reference", "BlockSizes"]
@@ -75,9 +92,11 @@ def _attention_kernel(
     q_ref,  # [batch, tokens, q_heads, head_dim] (head_dim: any multiple of 8; tiles use tile_d lanes)
     k_ref,  # [layers, kv_heads, pages, page_size, head_dim]
     v_ref,  # [layers, kv_heads, pages, page_size, head_dim]
+    # 8-bit arenas only: k_scale_ref, v_scale_ref [layers, kv_heads, pages, page_size], then
     # outputs: normalized (num_splits == 1) or partial (num_splits > 1)
-    *out_refs,  # o_ref [batch, tokens, q_heads, head_dim] (q dtype)
-    #           | o_ref [batch, splits, tokens, q_heads, head_dim] f32, m_ref, l_ref [batch, splits, tokens, q_heads] f32
+    *refs,  # o_ref [batch, tokens, q_heads, head_dim] (q dtype)
+    #       | o_ref [batch, splits, tokens, q_heads, head_dim] f32, m_ref, l_ref [batch, splits, tokens, q_heads] f32
+    quantized: bool,
     sm_scale: float,
     sliding_window: int | None,
     block_tokens: int,
@@ -88,6 +107,10 @@ def _attention_kernel(
     tile_d: int,
     num_splits: int,
 ):
+    if quantized:
+        k_scale_ref, v_scale_ref, *out_refs = refs
+    else:
+        out_refs = refs
     b, hj, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     h, hb = lax.div(hj, head_blocks), lax.rem(hj, head_blocks)  # KV head, block of its query heads
     tb, split = lax.div(j, num_splits), lax.rem(j, num_splits)
@@ -115,7 +138,10 @@ def _attention_kernel(
     row_mask = row_live[:, None] & d_live  # [rows, tile_d]
     q_idx = index_of(b, jnp.minimum(t, tokens - 1)[:, None], head[:, None], d)
     q = masked_load(q_ref.at[q_idx], mask=row_mask, other=0)  # [rows, tile_d]
-    q = q.astype(k_ref.dtype)  # tl.dot needs one element type; q may be wider than the arena
+    # tl.dot needs one element type: a float arena's (q may be wider), or q's for 8-bit arenas.
+    compute = q_ref.dtype if quantized else k_ref.dtype
+    q = q.astype(compute)
+    fold_v = compute != jnp.float16  # 8-bit V: scale folded into p (bf16/f32 range) or the tile (fp16)
 
     # Keys any row of this program may see: [lo, hi), then whole blocks from lo's page.
     t_first = tb * block_tokens
@@ -143,11 +169,21 @@ def _attention_kernel(
         live = in_range & (page >= 0)
         kv_idx = index_of(layer, h, jnp.maximum(page, 0)[:, None], lax.rem(tok, page_size)[:, None], d)
         kv_mask = live[:, None] & d_live  # [block_k, tile_d]
-        k = masked_load(k_ref.at[kv_idx], mask=kv_mask, other=0)  # [block_k, tile_d]
-        v = masked_load(v_ref.at[kv_idx], mask=kv_mask, other=0)  # [block_k, tile_d]
-        v = jnp.where(kv_mask, v, jnp.zeros_like(v))  # stale V must never meet a zero weight
-
-        s = _dot(q, k, transpose_b=True) * sm_scale  # [rows, block_k] f32
+        if quantized:  # dead keys load no value and no scale (other=0), so stale NaN scales stay out
+            # `other` as a float: Triton casts it to the arena dtype, and has no int -> fp8 cast.
+            k = masked_load(k_ref.at[kv_idx], mask=kv_mask, other=0.0).astype(compute)  # [block_k, tile_d]
+            v = masked_load(v_ref.at[kv_idx], mask=kv_mask, other=0.0)  # [block_k, tile_d] 8-bit
+            s_idx = index_of(layer, h, jnp.maximum(page, 0), lax.rem(tok, page_size))
+            k_scale = masked_load(k_scale_ref.at[s_idx], mask=live, other=0.0).astype(jnp.float32)  # [block_k]
+            v_scale = masked_load(v_scale_ref.at[s_idx], mask=live, other=0.0).astype(jnp.float32)  # [block_k]
+            v = v.astype(compute) if fold_v else (v.astype(jnp.float32) * v_scale[:, None]).astype(compute)
+            v = jnp.where(kv_mask, v, jnp.zeros_like(v))  # stale V must never meet a zero weight
+            s = _dot(q, k, transpose_b=True) * (k_scale * sm_scale)[None, :]  # [rows, block_k] f32
+        else:
+            k = masked_load(k_ref.at[kv_idx], mask=kv_mask, other=0)  # [block_k, tile_d]
+            v = masked_load(v_ref.at[kv_idx], mask=kv_mask, other=0)  # [block_k, tile_d]
+            v = jnp.where(kv_mask, v, jnp.zeros_like(v))  # stale V must never meet a zero weight
+            s = _dot(q, k, transpose_b=True) * sm_scale  # [rows, block_k] f32
         mask = live[None, :] & (tok[None, :] <= q_pos[:, None])
         if sliding_window is not None:
             mask &= tok[None, :] > q_pos[:, None] - sliding_window
@@ -157,6 +193,8 @@ def _attention_kernel(
         alpha = jnp.exp(m_prev - m_safe)
         p = jnp.where(mask, jnp.exp(s - m_safe[:, None]), 0.0)
         l_next = alpha * l_prev + jnp.sum(p, axis=1)
+        if quantized and fold_v:
+            p = p * v_scale[None, :]  # the V scale of key j factors out of the sum over keys
         acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, transpose_b=False)
         return acc, m_next, l_next
 
@@ -205,7 +243,8 @@ def _merge_splits(o, m, l, valid, dtype):
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "block_sizes", "interpret"))
 def _paged_attention_call(
-    q, k_arena, v_arena, layer, page_map, lengths, num_tokens, *, sm_scale, sliding_window, block_sizes, interpret
+    q, k_arena, v_arena, layer, page_map, lengths, num_tokens, k_scale, v_scale, *, sm_scale, sliding_window,
+    block_sizes, interpret
 ):
     batch, tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, _, page_size, _ = k_arena.shape
@@ -217,8 +256,10 @@ def _paged_attention_call(
     head_blocks = cdiv(group, block_h)
     group_pad = max(block_h, MIN_TILE // block_tokens, 1)  # >= 16 rows for tl.dot
     grid = (batch, num_kv_heads * head_blocks, cdiv(tokens, block_tokens) * num_splits)
+    quantized = k_scale is not None
     kernel = functools.partial(
         _attention_kernel,
+        quantized=quantized,
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         block_tokens=block_tokens,
@@ -237,6 +278,10 @@ def _paged_attention_call(
             jax.ShapeDtypeStruct((batch, num_splits, tokens, num_q_heads), jnp.float32),
             jax.ShapeDtypeStruct((batch, num_splits, tokens, num_q_heads), jnp.float32),
         )
+    name = f"paged_attention_bt{block_tokens}_g{group_pad}x{head_blocks}_bk{block_k}_d{head_tile(head_dim)}_s{num_splits}"
+    scales = (k_scale, v_scale) if quantized else ()
+    if quantized:
+        name += f"_{jnp.dtype(k_arena.dtype).name}"
     # No BlockSpecs: every ref is the whole array; the kernel gathers pages itself, and the
     # arena is passed whole with the layer as data (slicing a layer out would copy it).
     out = pl.pallas_call(
@@ -245,8 +290,8 @@ def _paged_attention_call(
         out_shape=out_shape,
         compiler_params=compiler_params(block_sizes.num_warps, block_sizes.num_stages),
         interpret=interpret,
-        name=f"paged_attention_bt{block_tokens}_g{group_pad}x{head_blocks}_bk{block_k}_d{head_tile(head_dim)}_s{num_splits}",
-    )(layer, lengths, num_tokens, page_map, q, k_arena, v_arena)
+        name=name,
+    )(layer, lengths, num_tokens, page_map, q, k_arena, v_arena, *scales)
     if num_splits == 1:
         return out
     _, valid = token_positions(lengths, num_tokens, tokens)
@@ -262,6 +307,8 @@ def paged_attention(
     lengths,
     num_tokens,
     *,
+    k_scale=None,
+    v_scale=None,
     sm_scale: float | None = None,
     sliding_window: int | None = None,
     interpret: bool | None = None,
@@ -273,8 +320,10 @@ def paged_attention(
     page_map: i32[B, M] (-1 unmapped); lengths, num_tokens: i32[B]. Causal within the new
     tokens; `sliding_window` W lets position p see keys j with p - W < j <= p. Padded tokens
     (t >= num_tokens[b]) give zeros. Returns [B, T, Hq, D] in q's dtype.
+    8-bit arenas (int8 / float8_e4m3fn / float8_e5m2) take their scales `k_scale, v_scale:
+    [L, Hkv, P, S]`; the dots then run in q's dtype (bf16, fp16 or fp32), accumulating in f32.
     """
-    num_layers, num_kv_heads, _, page_size, head_dim = check_arena(k_arena, v_arena)
+    num_layers, num_kv_heads, _, page_size, head_dim = check_arena(k_arena, v_arena, k_scale, v_scale)
     check_tokens("q", q, batch=None, heads=None, head_dim=head_dim)
     batch, tokens, num_q_heads, _ = q.shape
     if num_q_heads % num_kv_heads:
@@ -294,7 +343,10 @@ def paged_attention(
         page_size=page_size,
         head_dim=head_dim,
         max_pages=page_map.shape[1],
-        itemsize=jnp.dtype(k_arena.dtype).itemsize,
+        # Tiles follow the dot's element type: the arena's, or q's for 8-bit arenas (their
+        # tiles are converted to q's dtype in registers).
+        itemsize=jnp.dtype(q.dtype if is_quantized(k_arena.dtype) else k_arena.dtype).itemsize,
+        quantized=is_quantized(k_arena.dtype),
     )
     block_sizes = resolve_block_k(block_sizes or BlockSizes(), page_size).filled(defaults)
     return _paged_attention_call(
@@ -305,6 +357,8 @@ def paged_attention(
         page_map,
         lengths,
         num_tokens,
+        k_scale,
+        v_scale,
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         block_sizes=block_sizes,

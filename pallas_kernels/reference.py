@@ -19,11 +19,20 @@ Attention: query at position p sees key j iff `j <= p` and, with a sliding windo
 W, `j > p - W` (W counts the query's own token, as in Hugging Face Mistral).
 Masking selects with `jnp.where`; stale pages (NaN, huge values) never reach
 the output.
+
+8-bit arenas (int8, float8_e4m3fn, float8_e5m2) come with their scales
+`k_scale, v_scale: [num_layers, num_kv_heads, num_pages, page_size]` (float32 or
+bfloat16): append quantizes each new token's row per KV head (`pallas_kernels.quant`,
+the rules written there) and writes values and scale; attention dequantizes
+(`values * scale`, float32) and runs the same float32 attention. Stale scales (NaN from an
+earlier tenant) are masked exactly like stale values.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.quant import dequantize_rows, is_quantized, quantize_rows
 
 __all__ = ["append_reference", "paged_attention_reference", "token_positions"]
 
@@ -39,11 +48,13 @@ def token_positions(lengths, num_tokens, tokens: int):
     return start + t, valid
 
 
-def append_reference(k_arena, v_arena, layer, k, v, page_map, lengths, num_tokens):
+def append_reference(k_arena, v_arena, layer, k, v, page_map, lengths, num_tokens, *, k_scale=None, v_scale=None):
     """Scatter new K/V into their pages (in place when the arena is donated).
 
     k_arena, v_arena: [L, Hkv, P, S, D]; k, v: [B, T, Hkv, D]; page_map: i32[B, M];
-    lengths, num_tokens: i32[B]. Returns the updated (k_arena, v_arena).
+    lengths, num_tokens: i32[B]. Returns the updated (k_arena, v_arena); for an 8-bit arena
+    (k_scale, v_scale: [L, Hkv, P, S] given) k, v are quantized per token and head and the
+    updated (k_arena, v_arena, k_scale, v_scale) are returned.
     """
     _, _, num_pages, page_size, _ = k_arena.shape
     tokens = k.shape[1]
@@ -58,17 +69,27 @@ def append_reference(k_arena, v_arena, layer, k, v, page_map, lengths, num_token
     layer = jnp.asarray(layer, jnp.int32)
     # arena[layer][:, page, offset] <- k[b, t] for every (b, t): indices broadcast to [B, T],
     # the head axis is a slice, so the update is [B, T, Hkv, D].
-    k_arena = k_arena.at[layer, :, page, offset].set(k.astype(k_arena.dtype), mode="drop")
-    v_arena = v_arena.at[layer, :, page, offset].set(v.astype(v_arena.dtype), mode="drop")
-    return k_arena, v_arena
+    if k_scale is None:
+        k_arena = k_arena.at[layer, :, page, offset].set(k.astype(k_arena.dtype), mode="drop")
+        v_arena = v_arena.at[layer, :, page, offset].set(v.astype(v_arena.dtype), mode="drop")
+        return k_arena, v_arena
+    out = []
+    for x, arena, scales in ((k, k_arena, k_scale), (v, v_arena, v_scale)):
+        values, scale = quantize_rows(x, arena.dtype, scales.dtype)  # [B, T, Hkv, D], [B, T, Hkv]
+        out.append((arena.at[layer, :, page, offset].set(values, mode="drop"),
+                    scales.at[layer, :, page, offset].set(scale, mode="drop")))
+    (k_arena, k_scale), (v_arena, v_scale) = out
+    return k_arena, v_arena, k_scale, v_scale
 
 
 def paged_attention_reference(
-    q, k_arena, v_arena, layer, page_map, lengths, num_tokens, *, sm_scale=None, sliding_window=None
+    q, k_arena, v_arena, layer, page_map, lengths, num_tokens, *, sm_scale=None, sliding_window=None, k_scale=None,
+    v_scale=None,
 ):
     """Attention of the new tokens over each row's pages: gather then dense masked softmax.
 
-    q: [B, T, Hq, D] with Hq a multiple of Hkv; returns [B, T, Hq, D] in q's dtype.
+    q: [B, T, Hq, D] with Hq a multiple of Hkv; returns [B, T, Hq, D] in q's dtype. An 8-bit
+    arena comes with k_scale, v_scale [L, Hkv, P, S]: keys and values are dequantized to float32.
     """
     batch, tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, _, page_size, _ = k_arena.shape
@@ -83,6 +104,12 @@ def paged_attention_reference(
     # [Hkv, B, M, S, D] -> [B, M*S, Hkv, D]
     k_seq = k_layer[:, pages].transpose(1, 2, 3, 0, 4).reshape(batch, max_pages * page_size, num_kv_heads, head_dim)
     v_seq = v_layer[:, pages].transpose(1, 2, 3, 0, 4).reshape(batch, max_pages * page_size, num_kv_heads, head_dim)
+    if is_quantized(k_arena.dtype):
+        seq = []
+        for scales in (k_scale, v_scale):  # [L, Hkv, P, S] -> [B, M*S, Hkv]
+            s_layer = jax.lax.dynamic_index_in_dim(scales, layer, axis=0, keepdims=False)
+            seq.append(s_layer[:, pages].transpose(1, 2, 3, 0).reshape(batch, max_pages * page_size, num_kv_heads))
+        k_seq, v_seq = dequantize_rows(k_seq, seq[0]), dequantize_rows(v_seq, seq[1])  # f32; stale rows masked below
 
     key_pos = jnp.arange(max_pages * page_size, dtype=jnp.int32)  # [S_total]
     key_live = key_pos[None, :] < lengths[:, None]  # [B, S_total]

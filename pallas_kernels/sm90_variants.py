@@ -16,7 +16,13 @@ pressure and shared memory:
 - every page size (1 ... 256) in decode and prefill at head_dim 128 (and 256 for the two
   extremes), where page lookups per key are most (page 1) or a page spans several steps (256);
 - GQA groups 1, 4, 5, 6, 8, 16 and 71 (Falcon-7B's multi-query attention: split over
-  programs of 64 query heads, 16 in float32) in decode and prefill at awkward head sizes.
+  programs of 64 query heads, 16 in float32) in decode and prefill at awkward head sizes;
+- 8-bit arenas (int8, float8_e4m3fn, float8_e5m2 values, float32 scales, bf16 q/k/v) at
+  head_dim 256 and group 8: int8 in decode with one and several splits, prefill and both
+  appends; e4m3 and e5m2 (which differ from int8 only in the conversion) in split decode,
+  prefill and prefill append; and decode at head_dim 128 with fp32 (FMA dots, one pipeline
+  stage) and fp16 (V tile dequantized) compute. The window and chunked kinds only move loop
+  bounds, which 8-bit arenas do not touch.
 """
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ import jax.numpy as jnp
 from pallas_kernels.append import paged_append
 from pallas_kernels.paged_attention import paged_attention
 
-__all__ = ["Variant", "CI_VARIANTS", "KINDS", "HEAD_DIMS", "PAGE_SIZES", "GROUPS", "DTYPES"]
+__all__ = ["Variant", "CI_VARIANTS", "KINDS", "HEAD_DIMS", "PAGE_SIZES", "GROUPS", "DTYPES", "QUANT_DTYPES", "QUANT_KINDS"]
 
 KV_HEADS = 8
 LAYERS = 2
@@ -37,6 +43,9 @@ CONTEXT = 4096  # tokens each row's page table can hold
 KINDS = ("decode", "decode-split", "prefill", "chunked", "window-decode", "window-prefill", "append-decode",
          "append-prefill")
 DTYPES = ("bfloat16", "float16", "float32")
+# 8-bit arenas: q, k, v in bfloat16 (`Variant.compute`), the arena int8 / fp8 with float32 scales.
+QUANT_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")
+QUANT_KINDS = ("decode", "decode-split", "prefill", "append-decode", "append-prefill")
 HEAD_DIMS = (64, 80, 96, 112, 120, 128, 160, 192, 256)
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 GROUPS = (1, 4, 5, 6, 8, 16, 71)  # 71: Falcon-7B (71 query heads, 1 KV head)
@@ -63,9 +72,22 @@ class Variant:
     page_size: int = 16
     group: int = 4  # query heads per KV head
 
+    compute_dtype: str | None = None  # q, k, v of an 8-bit arena (default bfloat16); None for float arenas
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype in QUANT_DTYPES
+
+    @property
+    def compute(self) -> str:
+        """The dtype of q, k, v: the arena's, or (8-bit arenas) `compute_dtype`, bfloat16 by default."""
+        return (self.compute_dtype or "bfloat16") if self.quantized else self.dtype
+
     @property
     def label(self) -> str:
-        dt = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[self.dtype]
+        short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "int8": "int8", "float8_e4m3fn": "e4m3",
+                 "float8_e5m2": "e5m2"}
+        dt = short[self.dtype] + (f"/{short[self.compute]}" if self.quantized else "")
         g = "" if self.kind.startswith("append") else f" g{self.group}"
         return f"{self.kind} {dt} d{self.head_dim} p{self.page_size}{g}"
 
@@ -73,16 +95,28 @@ class Variant:
         """(fn, args): `jax.jit(fn)(*args)` runs this variant; args are ShapeDtypeStructs."""
         batch, tokens, window = _SHAPES[self.kind]
         sds = jax.ShapeDtypeStruct
-        dtype = jnp.dtype(self.dtype)
+        dtype, compute = jnp.dtype(self.dtype), jnp.dtype(self.compute)
         max_pages = -(-CONTEXT // self.page_size)
         arena = sds((LAYERS, KV_HEADS, 1024, self.page_size, self.head_dim), dtype)
+        scales = sds((LAYERS, KV_HEADS, 1024, self.page_size), jnp.float32) if self.quantized else None
         rows = (sds((batch, max_pages), jnp.int32), sds((batch,), jnp.int32), sds((batch,), jnp.int32))
         layer = sds((), jnp.int32)
         if self.kind.startswith("append"):
-            kv = sds((batch, tokens, KV_HEADS, self.head_dim), dtype)
+            kv = sds((batch, tokens, KV_HEADS, self.head_dim), compute)
+            if self.quantized:
+                def fn(ka, va, layer, k, v, pm, lengths, n, ks, vs):
+                    return paged_append(ka, va, layer, k, v, pm, lengths, n, k_scale=ks, v_scale=vs, interpret=False)
+
+                return fn, (arena, arena, layer, kv, kv, *rows, scales, scales)
             fn = functools.partial(paged_append, interpret=False)
             return fn, (arena, arena, layer, kv, kv, *rows)
-        q = sds((batch, tokens, KV_HEADS * self.group, self.head_dim), dtype)
+        q = sds((batch, tokens, KV_HEADS * self.group, self.head_dim), compute)
+        if self.quantized:
+            def fn(q, ka, va, layer, pm, lengths, n, ks, vs):
+                return paged_attention(q, ka, va, layer, pm, lengths, n, k_scale=ks, v_scale=vs, sliding_window=window,
+                                       interpret=False)
+
+            return fn, (q, arena, arena, layer, *rows, scales, scales)
         fn = functools.partial(paged_attention, sliding_window=window, interpret=False)
         return fn, (q, arena, arena, layer, *rows)
 
@@ -102,6 +136,13 @@ def _ci_variants() -> tuple[Variant, ...]:
         out += [Variant("decode", "float32", head_dim=d, group=4), Variant("prefill", "float32", head_dim=d, group=4)]
     for g in GROUPS:  # every GQA group; odd ones at odd head sizes
         out += [Variant("decode", head_dim=96, group=g), Variant("prefill", head_dim=80, group=g)]
+    # 8-bit arenas (bf16 compute), widest tile, most rows: every kind they change in int8; the
+    # fp8 formats differ from it only in the conversion, so split decode, prefill and append.
+    out += [Variant(kind, "int8", head_dim=256, group=8) for kind in QUANT_KINDS]
+    for dtype in QUANT_DTYPES[1:]:
+        out += [Variant(kind, dtype, head_dim=256, group=8) for kind in ("decode-split", "prefill", "append-prefill")]
+    out += [Variant("decode", "int8", head_dim=128, group=4, compute_dtype="float32"),  # f32 models: FMA dots
+            Variant("decode", "float8_e5m2", head_dim=128, group=4, compute_dtype="float16")]  # fp16: V tile dequantized
     out += [Variant("decode-split", "float16", head_dim=112, page_size=8, group=5),
             Variant("decode", "float32", head_dim=64, group=71), Variant("prefill", "float32", head_dim=64, group=71),
             Variant("chunked", "bfloat16", head_dim=160, page_size=32, group=6)]

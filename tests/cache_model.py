@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import collections
 
+import ml_dtypes
+import numpy as np
+
 PAD = -1
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 OP_COUNTS: collections.Counter = collections.Counter()  # ops run per mode (reported after the session)
@@ -17,6 +20,28 @@ OP_COUNTS: collections.Counter = collections.Counter()  # ops run per mode (repo
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+
+
+def numpy_quantize(x, dtype: str, scale_dtype: str = "float32"):
+    """8-bit rows as `pallas_kernels.quant` documents them, written again with numpy and
+    ml_dtypes (np.rint rounds ties to even): x [..., D] -> (values [..., D], scale [...])."""
+    x = np.asarray(x, np.float32)
+    qmax = np.float32(QMAX[dtype])
+    absmax = np.abs(x).max(axis=-1)
+    finite = np.isfinite(x).all(axis=-1)
+    live = finite & (absmax >= np.float32(2.0**-64))
+    scale = np.where(live, absmax * np.float32(1 / qmax), np.float32(0)).astype(np.float32)
+    scale = np.where(finite, scale, np.nan).astype(ml_dtypes.bfloat16 if scale_dtype == "bfloat16" else np.float32)
+    stored = scale.astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inv = np.where(live, np.float32(1) / np.where(live, stored, 1), 0).astype(np.float32)
+        y = np.clip(x * inv[..., None], -qmax, qmax)
+    y = np.where(live[..., None], y, 0)  # a non-finite row stores zeros (and a NaN scale)
+    values = np.rint(y).astype(np.int8) if dtype == "int8" else y.astype(getattr(ml_dtypes, dtype))
+    return values, scale
 
 
 class Slot:

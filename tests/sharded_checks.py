@@ -95,10 +95,11 @@ def local_slots(slots, dp, shard):
     return np.where(rows == PAD, PAD, np.where(mine, rows - shard * per, FAR)).astype(np.int32)
 
 
-def oracle(heads, dp):
+def oracle(heads, dp, dtype="float32"):
     """Per data shard: the scenario on a single-device cache of that shard's slots and pages
     (reference backend: the ground truth of both sharded backends)."""
-    layout = dataclasses.replace(LAYOUT, num_kv_heads=heads, num_pages=LAYOUT.num_pages // dp, max_seqs=4 // dp)
+    layout = dataclasses.replace(LAYOUT, num_kv_heads=heads, num_pages=LAYOUT.num_pages // dp, max_seqs=4 // dp,
+                                 dtype=dtype)  # fmt: skip
     k, q = scenario_inputs(heads)
     slots = global_slots(dp)
     runs = []
@@ -190,6 +191,30 @@ def test_cache_ops_equal_single_device_per_shard(scenario_run):
     health = aj.health(cache)
     assert health["arena_bytes_per_device"] == sh.arena_bytes_per_device(layout)
     assert health["free_pages"] == int(np.sum(got_cache.table.num_free)) and health["kv_replicas"] == 2
+
+
+def test_an_8bit_cache_equals_single_device_per_shard():
+    """int8 values and their per-token scales are split like the arena: the scenario on a
+    dp=2 x tp=4 int8 cache equals single-device int8 caches, one per data shard."""
+    dp, tp = MESH
+    layout = dataclasses.replace(LAYOUT, num_kv_heads=HEADS, dtype="int8")
+    cache = aj.create(layout, mesh=make_mesh(MESH), data_axis="data")
+    assert cache.k_scale.sharding.spec == cache.k.sharding.spec
+    assert cache.sharding.bytes_per_token_per_device(layout) * tp == layout.bytes_per_token * (tp // HEADS)
+    k, q = scenario_inputs(HEADS)
+    cache, outs = scenario(cache, jnp.asarray(global_slots(dp)), jnp.asarray(COUNTS), k, q, backend="reference")
+    got_cache, got = jax.device_get((cache, outs))
+    per, pages = 4 // dp, 20 // dp
+    for d, (want_cache, want) in enumerate(oracle(HEADS, dp, dtype="int8")):
+        rows, page_rows = slice(d * per, (d + 1) * per), slice(d * pages, (d + 1) * pages)
+        np.testing.assert_array_equal(got_cache.table.page_map[rows], want_cache.table.page_map)
+        for stored in range(HEADS * (tp // HEADS)):
+            for name in ("k", "v", "k_scale", "v_scale"):
+                np.testing.assert_array_equal(getattr(got_cache, name)[:, stored, page_rows],
+                                              getattr(want_cache, name)[:, stored // (tp // HEADS)], err_msg=name)  # fmt: skip
+        for key in want:
+            np.testing.assert_allclose(got[key][rows], want[key], rtol=0, atol=1e-6, err_msg=f"{key}, shard {d}")
+    assert np.abs(got["attn"]).sum() > 0  # rows were served: a real comparison
 
 
 @functools.partial(jax.jit, static_argnames="backend")

@@ -11,16 +11,23 @@ Modes, drawn per example:
         duplicates, PAD mixes, out-of-range and int32-extreme slots and counts, forks onto
         themselves or from idle or unsettled slots, layers out of range, attention before
         append. The ops must be total: refuse and count, never corrupt.
+Arena dtype, drawn per example: float32 (most examples) or an 8-bit arena (int8, in jit
+mode), whose appends quantize (values and per-token scales) and whose pages are
+copied, shared and recycled with their scales; stale pages start NaN-poisoned (values and
+scales) so a stale read shows.
 After every step: the model's pages and the physical pages are in bijection; refcounts, the
 free stack and `num_free` agree; reserved-but-unwritten positions sit in private pages; every
-written token's K and V at every layer is where the model says; attention at every layer over
-every active slot equals a float64 dense oracle over the model's tokens (on the backend drawn
-for the example); and every counter matches the model.
+written token's K and V at every layer is where the model says (8-bit arenas: the stored
+values and scales equal, bit for bit, an independent numpy quantization of the token's K and
+V, `cache_model.numpy_quantize`); attention at every layer over every active slot equals a
+float64 dense oracle over the model's tokens (8-bit: their dequantized values), on the backend
+drawn for the example; and every counter matches the model.
 
 Soak: `HYPOTHESIS_PROFILE=soak pytest tests/test_allocator_model.py -s` (see conftest.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -31,7 +38,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import arena_jax as aj
-from cache_model import INT32_MAX, INT32_MIN, OP_COUNTS, PAD, CacheModel, ceil_div
+from cache_model import INT32_MAX, INT32_MIN, OP_COUNTS, PAD, CacheModel, ceil_div, numpy_quantize
 
 LAYOUT = aj.KVLayout(
     num_layers=2, num_kv_heads=2, head_dim=16, page_size=4, num_pages=10, max_seqs=4, max_pages_per_seq=6, dtype="float32"
@@ -47,7 +54,24 @@ WINDOWS = (None, 1, 3, 6)
 MAX_IDS = 4096
 VALUES = np.random.default_rng(0).standard_normal((2, MAX_IDS, L, H, D)).astype(np.float32)
 GARBAGE = 1e6  # what rows that must write nothing carry
-ATOL = 2e-5  # f32 kernels vs the float64 oracle (head_dim 16, values ~N(0, 1))
+ATOL = 2e-5  # f32 kernels vs the float64 oracle (head_dim 16, values ~N(0, 1); 8-bit arenas: the
+# oracle takes the dequantized values, and the kernels compute in f32, so the same bound holds)
+# Arena dtype, drawn per example: an 8-bit arena in a quarter of them (int8 here; the fp8
+# formats differ only inside the kernels, which test_kernels_quantized.py covers). 8-bit
+# examples run in jit mode (where totality is at stake; the host checks of 8-bit inputs are
+# test_quantized.py's) without a window (windows are the kernels' business, tested there):
+# every (mode, window, backend) is a separate compile, so this keeps the CI cost small.
+DTYPES = ("float32", "float32", "float32", "int8")
+MODES = ("host", "host-numpy", "jit", "jit")
+
+
+@functools.lru_cache(maxsize=None)
+def stored(dtype: str):
+    """What an arena of `dtype` holds for VALUES: (values, scales or None, float64 values it means)."""
+    if dtype == "float32":
+        return VALUES, None, VALUES.astype(np.float64)
+    values, scales = numpy_quantize(VALUES, dtype)  # [2, MAX_IDS, L, H, D], [2, MAX_IDS, L, H]
+    return values, scales, values.astype(np.float64) * scales.astype(np.float64)[..., None]
 
 
 # ---- the calls, eager (host mode) or inside the test's own jit (jit mode) --------------------------
@@ -78,7 +102,8 @@ def i32(values):
 
 
 def snapshot(cache):
-    return jax.tree_util.tree_map(np.array, cache)
+    """Every array's bytes (byte for byte: NaN patterns of fp8 arenas compare equal to themselves)."""
+    return jax.tree_util.tree_map(lambda x: np.frombuffer(np.asarray(x).tobytes(), np.uint8), cache)
 
 
 # ---- strategies ---------------------------------------------------------------------------------------
@@ -183,22 +208,27 @@ def dense_oracle(q, keys, values, n, window):
     return out
 
 
-def expected_attention(model, layer, slots, counts, q, window):
+def expected_attention(model, layer, slots, counts, q, window, dtype):
     answered = model.attend_rows(layer, list(zip(slots, counts)), TQ)
+    meant = stored(dtype)[2]
     want = np.zeros(q.shape, np.float64)
     for b, (slot, n) in enumerate(zip(slots, answered)):
         if n:
             ids = np.asarray(model.slots[slot].ids[layer])
-            want[b] = dense_oracle(q[b], VALUES[0, ids, layer], VALUES[1, ids, layer], n, window)
+            want[b] = dense_oracle(q[b], meant[0, ids, layer], meant[1, ids, layer], n, window)
     return want
 
 
-def check_state(cache, model: CacheModel):
+def check_state(cache, model: CacheModel, dtype: str = "float32"):
     t = cache.table
     page_map, lengths, active = np.asarray(t.page_map), np.asarray(t.lengths), np.asarray(t.active)
     refcount, free_stack, num_free = np.asarray(t.refcount), np.asarray(t.free_stack), int(t.num_free)
     written = np.asarray(t.written)
     k, v = np.asarray(cache.k), np.asarray(cache.v)
+    values, scales, _ = stored(dtype)
+    assert (cache.k_scale is None) == (scales is None)
+    if scales is not None:
+        k_scale, v_scale = np.asarray(cache.k_scale), np.asarray(cache.v_scale)
 
     for s in range(LAYOUT.max_seqs):
         m = model.slots.get(s)
@@ -228,13 +258,17 @@ def check_state(cache, model: CacheModel):
         # Reserved but unwritten positions lie in pages this slot holds alone.
         for pos in range(min(len(x) for x in m.ids), m.length):
             assert refcount[page_map[s, pos // S]] == 1, f"slot {s} position {pos}: pending write in a shared page"
-        # Every written token's K and V, at every layer and head.
+        # Every written token's K and V (and an 8-bit arena's scales), at every layer and head.
         for layer, ids in enumerate(m.ids):
             if ids:
                 pos = np.arange(len(ids))
                 pages = page_map[s, pos // S]
-                np.testing.assert_array_equal(k[layer, :, pages, pos % S], VALUES[0, ids, layer])  # [T, H, D]
-                np.testing.assert_array_equal(v[layer, :, pages, pos % S], VALUES[1, ids, layer])
+                at = (layer, slice(None), pages, pos % S)
+                np.testing.assert_array_equal(k[at], values[0, ids, layer])  # [T, H, D]
+                np.testing.assert_array_equal(v[at], values[1, ids, layer])
+                if scales is not None:
+                    np.testing.assert_array_equal(k_scale[at], scales[0, ids, layer])  # [T, H]
+                    np.testing.assert_array_equal(v_scale[at], scales[1, ids, layer])
 
     stats = cache.stats
     for name in ("cow_copies", "failed_reservations", "dropped_writes", "rejected_rows", "metadata_ops", "tokens_written"):
@@ -242,7 +276,7 @@ def check_state(cache, model: CacheModel):
     assert int(stats.pages_allocated) - int(stats.pages_recycled) == np.count_nonzero(refcount)
 
 
-def check_attention(cache, model, call, args, rng, window, *, over_ask: bool):
+def check_attention(cache, model, call, args, rng, window, *, over_ask: bool, dtype: str = "float32"):
     """Attention at every layer for every active slot that has written tokens. With `over_ask`
     (inside jit, where nothing raises), the spare row asks one query token more than its slot
     has written at the layer (or attends a slot with nothing written): it must give zeros."""
@@ -257,7 +291,7 @@ def check_attention(cache, model, call, args, rng, window, *, over_ask: bool):
         slots, counts = pad_rows(slots, PAD), pad_rows(counts, 0)
         q = rng.standard_normal((ROWS, TQ, NUM_Q_HEADS, D)).astype(np.float32)
         got = call(jnp.asarray(q), cache, args(layer), args(slots), args(counts), window)
-        want = expected_attention(model, layer, slots, counts, q, window)
+        want = expected_attention(model, layer, slots, counts, q, window, dtype)
         np.testing.assert_allclose(np.asarray(got), want, atol=ATOL, rtol=0, err_msg=f"attention at layer {layer}")
 
 
@@ -274,8 +308,14 @@ def kv_rows(model, layer, rows, written_ids):
     return jnp.asarray(k), jnp.asarray(v)
 
 
-def run_ops(ops, mode: str, backend: str, window, seed: int = 0):
-    cache = aj.create(LAYOUT)
+def run_ops(ops, mode: str, backend: str, window, dtype: str = "float32", seed: int = 0):
+    layout = dataclasses.replace(LAYOUT, dtype=dtype)
+    cache = aj.create(layout)
+    # Stale pages NaN everywhere (values; and scales, the one stale thing an int8 arena can hold
+    # as NaN): any read of an unwritten position or a recycled page's old tokens shows.
+    nan = {f: jnp.full_like(getattr(cache, f), jnp.nan) for f in ("k", "v", "k_scale", "v_scale")
+           if getattr(cache, f) is not None and jnp.issubdtype(getattr(cache, f).dtype, jnp.floating)}
+    cache = cache.replace(**nan)
     model = CacheModel(
         num_layers=L, page_size=S, num_pages=LAYOUT.num_pages, max_seqs=LAYOUT.max_seqs,
         max_pages_per_seq=LAYOUT.max_pages_per_seq,
@@ -337,7 +377,7 @@ def run_ops(ops, mode: str, backend: str, window, seed: int = 0):
                 expect_refusal(lambda: calls["attend"](jnp.asarray(q), cache, args(layer), args(slots), args(counts), window))
             else:
                 got = calls["attend"](jnp.asarray(q), cache, args(layer), args(slots), args(counts), window)
-                want = expected_attention(model, layer, slots, counts, q, window)
+                want = expected_attention(model, layer, slots, counts, q, window, dtype)
                 np.testing.assert_allclose(np.asarray(got), want, atol=ATOL, rtol=0, err_msg=f"attend {rows} at layer {layer}")
         elif name == "release":
             slots = [resolve_slot(model, c) for c in payload]
@@ -367,8 +407,8 @@ def run_ops(ops, mode: str, backend: str, window, seed: int = 0):
                 model.truncate(rows)
                 cache = calls["truncate"](cache, args(slots), args(counts))
         assert model.next_id < MAX_IDS
-        check_state(cache, model)
-        check_attention(cache, model, calls["attend"], args, rng, window, over_ask=mode == "jit")
+        check_state(cache, model, dtype)
+        check_attention(cache, model, calls["attend"], args, rng, window, over_ask=mode == "jit", dtype=dtype)
 
     # Releasing everything returns every page exactly once.
     cache = calls["release"](cache, args(list(range(LAYOUT.max_seqs)) + [PAD] * (ROWS - LAYOUT.max_seqs)))
@@ -409,13 +449,23 @@ REVIEW_HOLES = [
 ]
 
 
-@given(ops=st.lists(op_st, min_size=8, max_size=30), mode=st.sampled_from(["host", "host-numpy", "jit", "jit"]),
-       backend=st.sampled_from(["reference", "reference", "pallas"]), window=st.sampled_from(WINDOWS))  # fmt: skip
-@example(ops=COW_STARVED, mode="host", backend="reference", window=None)
-@example(ops=COW_STARVED, mode="jit", backend="pallas", window=None)
-@example(ops=REVIEW_HOLES, mode="jit", backend="reference", window=None)
-@example(ops=REVIEW_HOLES, mode="jit", backend="pallas", window=3)
-@example(ops=REVIEW_HOLES, mode="host", backend="reference", window=None)
-@example(ops=REVIEW_HOLES, mode="host-numpy", backend="pallas", window=None)
-def test_random_operation_sequences_match_model(ops, mode, backend, window):
-    run_ops(ops, mode, backend, window)
+# (dtype, mode, window) per example.
+setup_st = st.sampled_from(DTYPES).flatmap(
+    lambda d: st.tuples(st.just(d), st.sampled_from(MODES), st.sampled_from(WINDOWS)) if d == "float32"
+    else st.just((d, "jit", None))
+)
+
+
+@given(ops=st.lists(op_st, min_size=8, max_size=30), setup=setup_st,
+       backend=st.sampled_from(["reference", "reference", "pallas"]))  # fmt: skip
+@example(ops=COW_STARVED, setup=("float32", "host", None), backend="reference")
+@example(ops=COW_STARVED, setup=("float32", "jit", None), backend="pallas")
+@example(ops=COW_STARVED, setup=("int8", "jit", None), backend="pallas")  # COW copies the scales
+@example(ops=REVIEW_HOLES, setup=("float32", "jit", None), backend="reference")
+@example(ops=REVIEW_HOLES, setup=("float32", "jit", 3), backend="pallas")
+@example(ops=REVIEW_HOLES, setup=("int8", "jit", None), backend="reference")
+@example(ops=REVIEW_HOLES, setup=("float32", "host", None), backend="reference")
+@example(ops=REVIEW_HOLES, setup=("float32", "host-numpy", None), backend="pallas")
+def test_random_operation_sequences_match_model(ops, setup, backend):
+    dtype, mode, window = setup
+    run_ops(ops, mode, backend, window, dtype)

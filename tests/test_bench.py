@@ -125,6 +125,41 @@ def test_kernels(tmp_path):
     assert res["rows"] and all(r["batch"] == 1 and r["context"] == 64 for r in res["rows"])
     if res["metadata"]["backend"] != "gpu":
         assert "need a GPU" in res["metadata"]["note"]
+    # An 8-bit arena: the KV bytes read count a float32 scale per token row (8 KV heads x d128).
+    res = _run(["kernels", "--batches", "1", "--contexts", "64", "--repeats", "1", "--dtype", "int8"], tmp_path)["results"]
+    assert res["metadata"]["dtype"] == "int8"
+    assert all(r["kv_bytes"] == 2 * 64 * 8 * (128 + 4) for r in res["rows"])
+
+
+def test_layout_and_capacity_count_8bit_scales(tmp_path, capsys):
+    res = _run(["layout", "--kv-dtype", "int8"], tmp_path)["results"]
+    by = {r["model"]: r for r in res["models"]}
+    assert by["mistral-7b"]["bytes_per_token"] == 2 * 32 * 8 * (128 + 4) == 67_584
+    assert by["mistral-7b"]["scale_bytes_per_token"] == 2 * 32 * 8 * 4
+    assert by["mistral-7b"]["num_pages"] == 40 * 2**30 // (67_584 * 16)
+    assert "int8 + f32 scales" in capsys.readouterr().out
+    import argparse
+
+    args = cli.build_parser().parse_args(["capacity", "--kv-dtype", "float8_e5m2"])
+    settings, bf16 = cli._capacity_settings(args), cli._capacity_settings(argparse.Namespace(**{**vars(args), "kv_dtype": "bfloat16"}))
+    assert settings.bytes_per_token == 67_584 and bf16.bytes_per_token == 131_072
+    assert settings.budget_tokens == 2**30 // 67_584 == 15_887 and bf16.budget_tokens == 8_192  # 1.94x
+    assert cli._decode_settings(cli.build_parser().parse_args(["decode", "--kv-dtype", "int8"])).kv_dtype == "int8"
+
+
+def test_accuracy_attention_measurement():
+    """`arena-bench accuracy`'s attention measurement on tiny settings (one 8-bit format, to keep
+    compiles few): bf16 is its own reference (error 0) and errs against float32 by bf16's
+    rounding; int8 errs more, and more with outlier keys (a per-token scale is set by the
+    outliers); the table prints every row."""
+    from benchmarks.accuracy import AccuracySettings, attention_accuracy, format_attention_table
+
+    rows = attention_accuracy(AccuracySettings(context=16, batch=1, outlier_scales=(1.0, 50.0), formats=("int8",)))
+    by = {(r["outlier_scale"], r["format"]): r for r in rows}
+    assert by[(1.0, "bfloat16")]["rel_err_vs_bf16"] == 0 and 0 < by[(1.0, "bfloat16")]["rel_err_vs_f32"] < 1e-2
+    assert by[(1.0, "bfloat16")]["rel_err_vs_f32"] < by[(1.0, "int8")]["rel_err_vs_f32"] < 0.05
+    assert by[(1.0, "int8")]["rel_err_vs_bf16"] < by[(50.0, "int8")]["rel_err_vs_bf16"] < 0.5
+    assert len(format_attention_table(rows).splitlines()) == 2 + 4
 
 
 def test_kernels_compile_report(tmp_path, capsys):

@@ -1,7 +1,7 @@
 """Every kernel variant `arena_jax` can dispatch compiles for an H100 (sm_90a), on a host without a GPU.
 
 For each variant of `pallas_kernels.sm90_variants.CI_VARIANTS` (every kind, dtype, head size,
-page size and GQA group; the module docstring says how the matrix was chosen) the kernels are
+page size and GQA group, and the 8-bit arenas; the module docstring says how the matrix was chosen) the kernels are
 lowered for CUDA, compiled by XLA's deviceless GPU compiler for an H100 (the route that runs
 on a GPU with jaxlib 0.10 and 0.11) and assembled by `ptxas -arch=sm_90a -v`; the test asserts
 zero spill stores and loads and shared memory within the per-block limit, and that bf16/fp16
@@ -15,11 +15,12 @@ cannot pass silently.
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
 from pallas_kernels import sm90
-from pallas_kernels.sm90_variants import CI_VARIANTS, DTYPES, GROUPS, HEAD_DIMS, KINDS, PAGE_SIZES
+from pallas_kernels.sm90_variants import CI_VARIANTS, DTYPES, GROUPS, HEAD_DIMS, KINDS, PAGE_SIZES, QUANT_DTYPES, QUANT_KINDS
 
 IN_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 
@@ -53,12 +54,17 @@ def test_matrix_covers_every_value_of_every_axis():
 
     attention = [k for k in KINDS if not k.startswith("append")]
     assert {v.kind for v in CI_VARIANTS} == set(KINDS)
-    assert seen("dtype") == set(DTYPES)
+    assert seen("dtype") == set(DTYPES) | set(QUANT_DTYPES)
     assert seen("head_dim") >= set(HEAD_DIMS)
     assert seen("page_size", attention) >= set(PAGE_SIZES)
     assert seen("group", attention) >= set(GROUPS)
-    for kind in KINDS:  # every kind in every dtype
-        assert {v.dtype for v in CI_VARIANTS if v.kind == kind} == set(DTYPES), kind
+    for kind in KINDS:  # every kind in every float dtype
+        assert {v.dtype for v in CI_VARIANTS if v.kind == kind} >= set(DTYPES), kind
+    for kind in QUANT_KINDS:  # every kind an 8-bit arena changes, in int8
+        assert "int8" in {v.dtype for v in CI_VARIANTS if v.kind == kind}, kind
+    for dtype in QUANT_DTYPES:  # every 8-bit dtype in split decode, prefill and append
+        assert {v.kind for v in CI_VARIANTS if v.dtype == dtype} >= {"decode-split", "prefill", "append-prefill"}, dtype
+    assert {v.compute for v in CI_VARIANTS if v.quantized} == set(DTYPES)  # bf16, fp16 and fp32 dots over 8-bit pages
 
 
 @pytest.mark.parametrize("variant", CI_VARIANTS, ids=lambda v: v.label.replace(" ", "-"))
@@ -70,8 +76,10 @@ def test_compiles_for_sm90a_without_spills(tooling, variant, tmp_path):
     assert (f.spill_stores, f.spill_loads) == (0, 0), f"{f.name} spills: {f}"
     assert f.smem <= sm90.SM90["smem_per_block"], f"{f.name} needs {f.smem} B of shared memory per block: {f}"
     assert f.ctas_per_sm >= 1
+    if variant.quantized:
+        assert f.name.endswith("_" + variant.dtype), f"{f.name} is not the 8-bit kernel"
     if not variant.kind.startswith("append"):
-        splits = int(f.name.rsplit("_s", 1)[1])
+        splits = int(re.search(r"_s(\d+)", f.name).group(1))
         assert (splits > 1) == (variant.kind in ("decode-split", "window-decode")), f.name
-        if variant.dtype != "float32":
+        if variant.compute != "float32":  # the dots' dtype: an 8-bit arena's pages meet q in q's dtype
             assert f.tensor_core in ("mma", "wgmma"), f"{f.name} does not use tensor cores: {f}"

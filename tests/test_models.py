@@ -246,6 +246,41 @@ def test_preemption_matches_ample_memory(model, small_layout, prompts, greedy):
     assert health["dropped_writes"] == 0  # refused rows were run as padding, never written
 
 
+# int8 arena vs the float32 arena, same model and prompts, logits compared while the greedy
+# tokens agree (same context). int8 keeps each K/V element within absmax / 254 of its row
+# (test_quantized.py): measured 3.1e-2 of the largest logit here (random weights ~0.2, 2
+# layers). A dequantization bug (a wrong or stale scale, a scale applied twice) moves logits by
+# their own size; 0.1 leaves 3x headroom. (fp8 figures: benchmarks/RESULTS.md, `arena-bench accuracy`.)
+INT8_LOGIT_RTOL = 0.1
+
+
+def test_int8_arena_end_to_end_with_preemption(model, small_layout, prompts, greedy, capsys):
+    import dataclasses
+
+    layout = dataclasses.replace(small_layout, dtype="int8")  # float32 scales, same geometry
+    result = _run(model, layout, prompts, return_logits=True)
+    assert result.preemptions > 0  # pages released and reused: stale values and scales behind them
+    assert all(len(t) == NEW for t in result.tokens)
+    health = aj.health(result.cache)
+    assert health["free_pages"] == layout.num_pages and health["dropped_writes"] == 0
+    for i, (got, want) in enumerate(zip(result.tokens, greedy.tokens)):
+        same = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), len(want))
+        assert same >= 1, f"prompt {i}: the first token (prefill) differs"
+        g, w = result.logits[i][: same + 1], greedy.logits[i][: same + 1]  # same context up to the first difference
+        assert np.isfinite(g).all()
+        assert np.abs(g - w).max() <= INT8_LOGIT_RTOL * np.abs(w).max(), f"prompt {i}"
+    # generate sizes an int8 arena itself with kv_dtype, and refuses kv_dtype beside a layout.
+    with pytest.raises(ValueError, match="give kv_dtype only when generate sizes the arena"):
+        _run(model, layout, prompts[:1], kv_dtype="int8")
+    # The CLI, same shapes (no new compile): --kv-dtype int8.
+    from models.cli import main
+
+    args = ["--prompt", "hello arena", "--max-new-tokens", "6", "--batch", "4", "--num-pages", "6", "--no-compile-cache",
+            "--chunk-size", "8", "--max-seq-len", "64", "--kv-dtype", "int8"]
+    assert main(args) == 0
+    assert "KV arena int8" in capsys.readouterr().out
+
+
 def test_no_recompilation_as_sequences_come_and_go(model, small_layout, prompts, greedy):
     before = dict(models.TRACE_COUNTS)
     has_size = hasattr(models.prefill, "_cache_size")  # a private jit attribute: checked only where present

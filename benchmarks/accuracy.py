@@ -1,0 +1,249 @@
+"""`arena-bench accuracy`: what storing the KV cache in 8 bits does to attention and to a model.
+
+Two measurements, both on CPU through the jnp reference path (== the Pallas kernels, within
+the tolerances tests/test_kernels_quantized.py checks):
+
+1. Attention. One decode query per row over `context` cached tokens, Llama-3-8B-shaped heads
+   (32 query / 8 KV heads, head_dim 128), stored in a bf16 arena and in each 8-bit arena
+   (per-token absmax scales, float32). q ~ N(0, 1) in float32 (so only the cache's storage
+   differs); V ~ N(0, 1); K ~ N(0, 1) except `outliers` channels of every KV head scaled by
+   `outlier_scale` (real LLM keys carry a few such channels, 10-50x the rest). Reported: the
+   relative error ||o - o_bf16|| / ||o_bf16|| of the attention output against the bf16 arena,
+   its largest element-wise error, and each arena's relative error against exact float32.
+2. End to end. The Hugging Face parity configs of tests/test_models_parity.py (tiny Llama /
+   Mistral, 2 layers, GQA and MHA, Llama-3 RoPE scaling, a sliding window), random weights
+   ~N(0, 0.2), float32 compute. Greedy generation of `new_tokens` tokens for 4 prompts with a
+   bf16 arena is the reference. Teacher-forced (every arena fed the same tokens: the prompt and
+   the bf16 run's continuation): the logits at every generated position, max relative error
+   (max over positions of ||l - l_bf16|| / ||l_bf16||, and max |l - l_bf16| / max |l_bf16|)
+   and top-1 agreement. Free-running: each arena's own greedy tokens, the fraction equal to
+   the bf16 run's position by position, and how many tokens in they first differ.
+
+Random-weight models say little about real quality: their logits are not a language model's,
+and a random model's keys have no outlier channels. The end-to-end figures show the
+quantization reaching the logits through a model's layers (and that nothing is broken), not
+what a real checkpoint would lose; the attention figures with outlier keys are closer to what
+matters, and a real checkpoint is the real test.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import arena_jax as aj
+import models
+
+__all__ = ["AccuracySettings", "run_accuracy", "attention_accuracy", "model_accuracy", "PARITY_CONFIGS", "FORMATS"]
+
+FORMATS = ("int8", "float8_e4m3fn", "float8_e5m2")
+BASELINE = "bfloat16"
+
+
+@dataclasses.dataclass(frozen=True)
+class AccuracySettings:
+    context: int = 1024  # cached tokens per row (attention)
+    batch: int = 4
+    outliers: int = 4  # outlier channels per KV head
+    outlier_scales: tuple = (1.0, 10.0, 50.0)  # 1.0: no outliers
+    new_tokens: int = 64  # generated per prompt (end to end)
+    seed: int = 0
+    skip_models: bool = False
+    formats: tuple = ("int8", "float8_e4m3fn", "float8_e5m2")  # the 8-bit arenas measured
+
+
+# tests/test_models_parity.py's configs (vocab 128, hidden 64, MLP 128, 2 layers, 4 query heads,
+# 256 positions, rms eps 1e-6, weights ~0.2), as LlamaConfigs.
+def _parity(**overrides) -> models.LlamaConfig:
+    base = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                max_position_embeddings=256, rms_norm_eps=1e-6)
+    base.update(overrides)
+    return models.LlamaConfig(**base)
+
+
+PARITY_CONFIGS = {
+    "llama_gqa_rope3_tied": lambda: _parity(num_kv_heads=2, tie_word_embeddings=True, rope_theta=500000.0,
+                                            rope_scaling=models.RopeScaling(8.0, 1.0, 4.0, 16)),
+    "llama_mha": lambda: _parity(num_kv_heads=4),
+    "mistral_swa": lambda: _parity(num_kv_heads=2, sliding_window=8),
+}
+
+
+# ---- 1. attention ------------------------------------------------------------------------------------
+
+
+def _keys_values(rng, batch, context, kv_heads, head_dim, outliers, scale):
+    k = rng.standard_normal((batch, context, kv_heads, head_dim)).astype(np.float32)
+    channels = rng.choice(head_dim, size=(kv_heads, outliers), replace=False) if outliers else np.zeros((kv_heads, 0), int)
+    for h in range(kv_heads):
+        k[:, :, h, channels[h]] *= scale
+    v = rng.standard_normal((batch, context, kv_heads, head_dim)).astype(np.float32)
+    return k, v
+
+
+@functools.partial(jax.jit, static_argnames=("layout",))
+def _fill_and_attend(layout, q, k, v):
+    """One call: an arena of `layout`, every row's K/V appended, one decode query attended."""
+    batch, context = k.shape[:2]
+    cache = aj.create(layout)
+    slots = jnp.arange(batch, dtype=jnp.int32)
+    cache, ok = aj.reserve(cache, slots, jnp.full((batch,), context, jnp.int32))
+    if not layout.quantized:
+        k, v = k.astype(layout.dtype), v.astype(layout.dtype)
+    cache = aj.append(cache, 0, slots, k, v, backend="reference")
+    return aj.attend(q, cache, 0, slots, backend="reference"), ok
+
+
+def _attend_with(dtype, q, k, v, page_size=16):
+    batch, context, kv_heads, head_dim = k.shape
+    pages = -(-context // page_size)
+    layout = aj.KVLayout(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
+                         num_pages=batch * pages, max_seqs=batch, max_pages_per_seq=pages, dtype=dtype)
+    out, ok = _fill_and_attend(layout, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
+    assert bool(np.all(ok))
+    return np.asarray(out, np.float64)  # [B, 1, Hq, D]
+
+
+def attention_accuracy(s: AccuracySettings, progress=None) -> list[dict]:
+    rng = np.random.default_rng(s.seed)
+    q_heads, kv_heads, head_dim = 32, 8, 128
+    rows = []
+    for scale in s.outlier_scales:
+        k, v = _keys_values(rng, s.batch, s.context, kv_heads, head_dim, s.outliers if scale != 1.0 else 0, scale)
+        q = rng.standard_normal((s.batch, 1, q_heads, head_dim)).astype(np.float32)
+        exact = _attend_with("float32", q, k, v)
+        base = _attend_with(BASELINE, q, k, v)
+        label = "K ~ N(0, 1), no outliers" if scale == 1.0 else f"K with {s.outliers} outlier channels x{scale:g}"
+        for fmt in (BASELINE,) + tuple(s.formats):
+            out = base if fmt == BASELINE else _attend_with(fmt, q, k, v)
+            rows.append({
+                "keys": label,
+                "outlier_scale": scale,
+                "format": fmt,
+                "rel_err_vs_bf16": float(np.linalg.norm(out - base) / np.linalg.norm(base)),
+                "max_abs_err_vs_bf16": float(np.abs(out - base).max()),
+                "rel_err_vs_f32": float(np.linalg.norm(out - exact) / np.linalg.norm(exact)),
+            })
+        if progress is not None:
+            progress()
+    return rows
+
+
+# ---- 2. end to end -----------------------------------------------------------------------------------
+
+
+def _layout(model, dtype, batch, max_len, page_size=16):
+    return models.default_layout(model, batch, max_len, page_size=page_size, dtype=dtype)
+
+
+def _teacher_forced(model, dtype, sequences, score_from, chunk=32):
+    """Logits f32[B, N, V] at positions score_from[b] .. score_from[b] + N - 1 of each sequence,
+    prefilled chunk by chunk into an arena of `dtype` (every arena sees the same tokens)."""
+    batch = len(sequences)
+    longest = max(len(x) for x in sequences)
+    graphdef, state = nnx.split(model)
+    cache = aj.create(_layout(model, dtype, batch, longest))
+    slots = jnp.arange(batch, dtype=jnp.int32)
+    greedy = models.GREEDY.rows(batch)
+    out = [[] for _ in range(batch)]
+    for start in range(0, longest, chunk):
+        tokens = np.zeros((batch, chunk), np.int32)
+        counts = np.zeros(batch, np.int32)
+        for b, seq in enumerate(sequences):
+            piece = seq[start : start + chunk]
+            tokens[b, : len(piece)], counts[b] = piece, len(piece)
+        step = models.prefill(graphdef, state, cache, jnp.asarray(tokens), slots, jnp.asarray(counts), slots, 0, greedy,
+                              all_logits=True)
+        cache = step.cache
+        assert bool(np.all(np.asarray(step.ok)))
+        logits = np.asarray(step.logits)
+        for b in range(batch):
+            out[b].append(logits[b, : counts[b]])
+    n = min(len(seq) - f for seq, f in zip(sequences, score_from))
+    return np.stack([np.concatenate(out[b])[f : f + n] for b, f in enumerate(score_from)])
+
+
+def model_accuracy(s: AccuracySettings, progress=None) -> list[dict]:
+    rows = []
+    for name, make in PARITY_CONFIGS.items():
+        config = make()
+        model = models.init_random(config, seed=s.seed, std=0.2)
+        rng = np.random.default_rng(s.seed + 1)
+        prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (5, 13, 20, 11)]
+        run = lambda dtype: models.generate(model, prompts, s.new_tokens, batch_size=len(prompts), chunk_size=32,  # noqa: E731
+                                            kv_dtype=dtype, stop_tokens=())
+        ref = run(BASELINE)
+        sequences = [p + t[:-1] for p, t in zip(prompts, ref.tokens)]  # position P-1+i predicts token i
+        score_from = [len(p) - 1 for p in prompts]
+        ref_logits = _teacher_forced(model, BASELINE, sequences, score_from)  # [B, new_tokens, V]
+        ref_top1 = ref_logits.argmax(-1)
+        for fmt in ("float32",) + tuple(s.formats):
+            logits = _teacher_forced(model, fmt, sequences, score_from)
+            norm_rel = np.linalg.norm(logits - ref_logits, axis=-1) / np.linalg.norm(ref_logits, axis=-1)
+            free = run(fmt)
+            same = [np.mean(np.asarray(a) == np.asarray(b)) for a, b in zip(free.tokens, ref.tokens)]
+            first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b)) for a, b in zip(free.tokens, ref.tokens)]
+            rows.append({
+                "config": name,
+                "format": fmt,
+                "positions": int(ref_logits.shape[0] * ref_logits.shape[1]),
+                "max_rel_logit_err": float(norm_rel.max()),
+                "max_abs_logit_err_rel_to_max": float(np.abs(logits - ref_logits).max() / np.abs(ref_logits).max()),
+                "top1_agreement": float(np.mean(logits.argmax(-1) == ref_top1)),
+                "free_run_token_agreement": float(np.mean(same)),
+                "free_run_first_difference": [int(x) for x in first],
+            })
+            if progress is not None:
+                progress()
+    return rows
+
+
+def run_accuracy(s: AccuracySettings, progress=None) -> dict:
+    if s.new_tokens < 1 or s.context < 1:
+        raise ValueError("context and new_tokens must be >= 1")
+    t0 = time.perf_counter()
+    attention = attention_accuracy(s, progress)
+    models_rows = [] if s.skip_models else model_accuracy(s, progress)
+    return {
+        "settings": dataclasses.asdict(s),
+        "device": f"{jax.devices()[0].device_kind} ({jax.default_backend()})",
+        "backend": "reference",
+        "attention": attention,
+        "models": models_rows,
+        "wall_s": time.perf_counter() - t0,
+    }
+
+
+# ---- tables (plain fixed width: copied as they are into benchmarks/RESULTS.md) -------------------------------
+
+_SHORT = {"bfloat16": "bf16 (reference)", "float32": "float32", "int8": "int8", "float8_e4m3fn": "fp8 e4m3",
+          "float8_e5m2": "fp8 e5m2"}
+
+
+def _table(header: list[str], body: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip(), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in body]
+    return "\n".join(lines)
+
+
+def format_attention_table(rows: list[dict]) -> str:
+    header = ["keys", "KV format", "rel. error vs bf16", "max |error| vs bf16", "rel. error vs float32"]
+    body = [[r["keys"], _SHORT[r["format"]], f"{r['rel_err_vs_bf16']:.2e}", f"{r['max_abs_err_vs_bf16']:.3f}",
+             f"{r['rel_err_vs_f32']:.2e}"] for r in rows]
+    return _table(header, body)
+
+
+def format_model_table(rows: list[dict]) -> str:
+    header = ["config", "KV format", "max rel. logit error", "max |dlogit| / max |logit|", "top-1 agreement",
+              "free-run tokens equal", "first difference (per prompt)"]
+    body = [[r["config"], _SHORT[r["format"]].replace(" (reference)", ""), f"{r['max_rel_logit_err']:.2e}",
+             f"{r['max_abs_logit_err_rel_to_max']:.2e}", f"{r['top1_agreement']:.1%}",
+             f"{r['free_run_token_agreement']:.1%}", " ".join(str(x) for x in r["free_run_first_difference"])]
+            for r in rows]
+    return _table(header, body)
