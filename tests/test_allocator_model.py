@@ -581,9 +581,23 @@ PREFIX_PARTIAL = [
     ("reserve", False, [(("slot", 1), ("raw", 3)), (("slot", 0), ("raw", 3))]),
     ("append_all", False, [(("slot", 0), FILL), (("slot", 1), FILL)]),
     ("hold_pages", True, [(("mapped", 0), ("raw", S)), (("free", 0), ("raw", 1))]),  # already held; free
-    ("drop_pages", True, [("held", 1), ("held", 1), ("mapped", 5)]),  # a hold dropped twice; a page not held
+    ("drop_pages", True, [("held", 1), ("held", 1), ("free", 0)]),  # a hold dropped twice; a page not held
     ("fork_pages", True, (3, [(("slot", 2), ("pages", [("held", 0), ("held", 0)]), ("raw", 8))])),  # a page twice
     ("release", False, [("slot", 0), ("slot", 1)]),
+]
+# Each refusal of the prefix ops, one at a time (the bugs injected to check this test catch them).
+PREFIX_REFUSALS = [
+    ("reserve", False, [(("slot", 0), ("raw", 6))]),
+    ("append", False, [("raw", 0), [(("slot", 0), ("raw", 6))]]),
+    ("append", False, [("raw", 1), [(("slot", 0), ("raw", 3))]]),  # layer 1 is 3 tokens behind layer 0
+    ("hold_pages", True, [(("mapped", 0), ("raw", 4)), (("mapped", 1), ("raw", 1))]),  # unwritten at layer 1
+    ("append", False, [("raw", 1), [(("slot", 0), ("raw", 3))]]),
+    ("hold_pages", False, [(("mapped", 0), ("raw", 4)), (("mapped", 1), ("raw", 2))]),
+    ("fork_pages", True, (6, [(("slot", 1), ("pages", [("mapped", 0), ("mapped", 1)]), ("raw", 7))])),  # past the hold
+    ("fork_pages", True, (3, [(("slot", 2), ("pages", [("mapped", 0), ("mapped", 0)]), ("raw", 8))])),  # a page twice
+    ("reserve", False, [(("slot", 0), ("raw", 2))]),  # copies the held page: its 2 new positions are pending
+    ("hold_pages", True, [(("mapped", 1), ("raw", 2))]),  # 2 written tokens, but pending writes behind them
+    ("drop_pages", True, [("held", 0), ("held", 0)]),
 ]
 # The review's holes, in a user's jit: a duplicate release after a fork, an overflowing reservation,
 # a fork onto itself and from an idle slot, negative and out-of-range appends, attend before append.
@@ -605,6 +619,8 @@ REVIEW_HOLES = [
        backend=st.sampled_from(["reference", "reference", "pallas"]), window=st.sampled_from(WINDOWS))  # fmt: skip
 @example(ops=PREFIX_PARTIAL, mode="host", backend="reference", window=None)
 @example(ops=PREFIX_PARTIAL, mode="jit", backend="reference", window=None)
+@example(ops=PREFIX_REFUSALS, mode="jit", backend="reference", window=None)
+@example(ops=PREFIX_REFUSALS, mode="host-numpy", backend="reference", window=None)
 @example(ops=COW_STARVED, mode="host", backend="reference", window=None)
 @example(ops=COW_STARVED, mode="jit", backend="pallas", window=None)
 @example(ops=REVIEW_HOLES, mode="jit", backend="reference", window=None)

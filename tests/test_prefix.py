@@ -126,21 +126,45 @@ def test_in_jit_a_hold_dropped_twice_frees_the_page_once_and_counts_the_rest():
     assert sorted(np.asarray(cache.table.free_stack).tolist()) == list(range(LAYOUT.num_pages))
 
 
-def test_in_jit_fork_pages_refuses_what_the_cache_does_not_hold_and_keeps_the_destination():
+@pytest.mark.parametrize(
+    "row, count",
+    [([0, 1], 7), ([0, 0], 6), ([0, 9], 6), ([1, 0], 5), ([0, 1], 2**31 - 1), ([0, 1], -1), ([-1, 1], 4)],
+    ids=["past the hold", "a page twice", "out of range", "a partial page first", "int32 max", "negative", "no page"],
+)
+def test_in_jit_fork_pages_refuses_what_the_cache_does_not_hold_and_keeps_the_destination(row, count):
     cache = fill(aj.create(LAYOUT), 0, 6, 1.0)
-    row = np.asarray(cache.table.page_map[0])
-    cache = hold_in_jit(cache, jnp.asarray(row[:2]), jnp.asarray([4, 2]))
+    pages = np.asarray(cache.table.page_map[0])
+    cache = hold_in_jit(cache, jnp.asarray(pages[:2]), jnp.asarray([4, 2]))
     cache = fill(cache, 1, 3, 7.0)
     before = snapshot(cache.table)
-    pages = jnp.asarray([[row[0], row[1]], [row[0], row[0]], [row[0], 9], [row[1], row[0]], [row[0], row[1]]])
-    counts = jnp.asarray([7, 6, 6, 5, 2**31 - 1])  # past the hold, a page twice, out of range, a partial page first, overflow
-    cache = fork_pages_in_jit(cache, pages, counts, jnp.asarray([1, 1, 1, 1, 1]))
+    mapped = jnp.asarray([[pages[i] if 0 <= i < 2 else i for i in row]])
+    cache = fork_pages_in_jit(cache, mapped, jnp.asarray([count]), jnp.asarray([1]))
     jax.tree_util.tree_map(np.testing.assert_array_equal, snapshot(cache.table), before)
-    assert int(cache.stats.rejected_rows) == 5
-    cache = fork_pages_in_jit(cache, pages[:2], jnp.asarray([6, 4]), jnp.asarray([1, 1]))  # dst twice: the first wins
-    assert int(cache.table.lengths[1]) == 6 and int(cache.stats.rejected_rows) == 6
+    assert int(cache.stats.rejected_rows) == 1
+
+
+def test_in_jit_fork_pages_serves_the_first_of_duplicate_destinations():
+    cache = fill(aj.create(LAYOUT), 0, 6, 1.0)
+    pages = np.asarray(cache.table.page_map[0])
+    cache = hold_in_jit(cache, jnp.asarray(pages[:2]), jnp.asarray([4, 2]))
+    cache = fork_pages_in_jit(cache, jnp.asarray([pages[:2], pages[:2]]), jnp.asarray([6, 4]), jnp.asarray([1, 1]))
+    assert int(cache.table.lengths[1]) == 6 and int(cache.stats.rejected_rows) == 1
+    np.testing.assert_array_equal(np.asarray(cache.table.refcount)[pages[:2]], [3, 3])
     out = aj.attend(jnp.ones((1, 1, 1, 16)), cache, 1, [1])
     np.testing.assert_allclose(out, 1.0, rtol=1e-6)
+
+
+def test_in_jit_a_page_with_pending_writes_cannot_be_held():
+    """Holding it would make the slot's pending positions land in a shared page."""
+    cache = aj.create(LAYOUT)
+    cache, _ = aj.reserve(cache, [0], 8)
+    for layer, n in ((0, 6), (1, 6)):
+        cache = aj.append(cache, layer, [0], kv(n, 1.0), kv(n, 1.0))  # positions 6, 7 reserved, not written
+    pages = np.asarray(cache.table.page_map[0])
+    cache = hold_in_jit(cache, jnp.asarray(pages[:2]), jnp.asarray([4, 2]))
+    assert np.asarray(cache.table.held)[pages[:2]].tolist() == [4, 0] and int(cache.stats.rejected_rows) == 1
+    cache = aj.append(cache, 0, [0], kv(2, 3.0), kv(2, 3.0))
+    assert int(cache.stats.dropped_writes) == 0  # the pending positions are still the slot's own
 
 
 # ---- the index --------------------------------------------------------------------------------------------
