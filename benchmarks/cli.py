@@ -132,7 +132,7 @@ def _add_prefix_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch", type=positive_int, default=d.batch, help="batch rows (sequences decoded together)")
     g.add_argument("--chunk-size", type=positive_int, default=d.chunk_size, help="prefill chunk (tokens per prefill call)")
     g.add_argument("--page-size", type=positive_int, default=d.page_size, help="page size in tokens")
-    g.add_argument("--num-pages", type=positive_int, help="KV budget in pages (default: every row at its longest request)")
+    g.add_argument("--num-pages", type=positive_int, help="KV budget in pages (default: twice what the batch rows need at their longest)")
     g.add_argument("--budget-gib", type=_budget_gib, help="KV budget in GiB (instead of --num-pages)")
     g.add_argument("--repeats", type=positive_int, default=d.repeats, help="timed runs per mode (alternating)")
     g.add_argument("--seed", type=seed, default=d.seed, help="workload and weights")

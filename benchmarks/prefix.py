@@ -10,6 +10,11 @@ conversation arrives at once, as one `generate` call (a round); the next round s
 it is done. With the prefix cache, one cache and one `PrefixCache` serve every round, so a
 turn hits its conversation's earlier turns and every prompt hits its system prompt.
 
+KV budget: the same for both modes, `num_pages` (or `budget_gib`); by default twice what the
+batch rows need at their longest, so that half of it is left over: the prefix cache keeps
+pages there, the run without it leaves it idle (`--num-pages` sets any other budget; below
+what the rows need, both modes wait or preempt, and the cache evicts).
+
 Measured per mode: prompt tokens (every admission's, recomputations after preemption
 included), prefill tokens computed (those minus prefix hits), time to first token (from the
 start of a request's round to its first generated token, p50 / p99 over all requests),
@@ -19,8 +24,9 @@ evictions, preemptions. Greedy answers are compared turn by turn: they must be e
 Timing: the steps (prefill, decode, release, and the prefix ops) are compiled by a warm-up on
 the same shapes before the timed runs; `generate` reads each step's results back before the
 next (so times include the device's work). With `repeats` > 1 the two modes alternate and
-the figures pool all repeats (TTFT percentiles over every request of every repeat,
-throughput over the summed time).
+the figures are per run (token and call counts are the same every run) with times pooled over
+the repeats (TTFT percentiles over every request of every repeat, throughput and wall time
+over their sum).
 """
 from __future__ import annotations
 
@@ -61,7 +67,7 @@ class PrefixSettings:
     batch: int = 4
     chunk_size: int = 32
     page_size: int = 16
-    num_pages: int | None = None  # KV budget in pages (default: every row at its longest, nothing to spare)
+    num_pages: int | None = None  # KV budget in pages (default: twice what the batch rows need at their longest)
     budget_gib: float | None = None  # KV budget in GiB instead
     repeats: int = 1
     seed: int = 0
@@ -94,7 +100,7 @@ def make_layout(s: PrefixSettings, cfg, dtype) -> aj.KVLayout:
         probe = cfg.kv_layout(page_size=s.page_size, num_pages=1, max_seqs=s.batch, max_seq_len=s.page_size, dtype=dtype)
         num_pages = int(s.budget_gib * GIB) // probe.page_bytes
     else:
-        num_pages = s.num_pages or s.batch * pages_per_seq
+        num_pages = s.num_pages or 2 * s.batch * pages_per_seq
     if num_pages < pages_per_seq:
         raise ValueError(
             f"the KV budget holds {num_pages} pages of {s.page_size} tokens, fewer than the {pages_per_seq} the longest "
@@ -188,10 +194,11 @@ def _serve(model, layout, s: PrefixSettings, systems, users, prefix: bool) -> di
 
 
 def _summary(runs: list[dict]) -> dict:
+    """Counts per run (every run serves the same workload the same way); times pooled over runs."""
     rounds = [r for run in runs for r in run["rounds"]]
-    total = lambda key: int(sum(r[key] for r in rounds))  # noqa: E731
+    total = lambda key: int(round(sum(r[key] for r in rounds) / len(runs)))  # noqa: E731
     ttft = np.concatenate([r["ttft_s"] for r in rounds]) * 1e3
-    seconds = sum(r["seconds"] for r in rounds)
+    seconds = sum(r["seconds"] for r in rounds) / len(runs)
     prompt = total("prompt_tokens")
     return {
         "prompt_tokens": prompt,
@@ -208,7 +215,7 @@ def _summary(runs: list[dict]) -> dict:
         "preemptions": total("preemptions"),
         "evictions": total("evictions"),
         "cached_pages_end": runs[-1]["rounds"][-1]["cached_pages"],
-        "cow_copies": sum(run["rounds"][-1]["cow_copies"] for run in runs),
+        "cow_copies": runs[-1]["rounds"][-1]["cow_copies"],  # the cache's counter: all of a run's rounds
         "rejected_rows": sum(run["rounds"][-1]["rejected_rows"] for run in runs),
         "per_turn": [
             {

@@ -326,7 +326,7 @@ _PREFIX_ROWS = [
     ("time to first token p50", "ttft_ms_p50", lambda v: f"{v:,.1f} ms"),
     ("time to first token p99", "ttft_ms_p99", lambda v: f"{v:,.1f} ms"),
     ("throughput (generated tokens/s)", "tokens_per_s", lambda v: f"{v:,.1f}"),
-    ("wall time (all rounds)", "seconds", lambda v: f"{v:.2f} s"),
+    ("wall time (all turns, per run)", "seconds", lambda v: f"{v:.2f} s"),
     ("prefill calls", "prefill_calls", _fmt),
     ("decode calls", "decode_calls", _fmt),
     ("preemptions", "preemptions", _fmt),
