@@ -30,8 +30,9 @@ Lookups walk one node per page (a dict lookup of the page's tokens), then scan t
 with the right first token. No device transfer: the index holds page ids and token ids; the
 device holds the pages, their refcounts and the holds.
 
-Locks and eviction (LRU, leaves first). A running sequence that maps a node locks it and its
-ancestors (`lock` / `unlock`: a count per node, as SGLang's lock refs). `evict(n)` removes up
+Locks and eviction (LRU, leaves first). A running sequence locks the deepest node it maps, and
+with it every ancestor (`acquire`, `relock` as it grows, `unlock`: a count per node, as SGLang's
+lock refs); `evictable_pages` counts the unlocked nodes. `evict(n)` removes up
 to n unlocked leaves, least recently used first (a parent becomes a leaf when its last child
 goes, and is considered in the same pass); the caller drops their holds (`aj.drop_pages`),
 which frees the pages no slot maps. A locked node is never evicted, so nothing a running
@@ -85,8 +86,8 @@ class PrefixHit:
 @dataclasses.dataclass
 class Insertion:
     """What `insert` changed: the caller holds `hold` ((page, tokens) pairs: new nodes) and drops
-    `drop` (pages of partly filled nodes a longer one replaced); `nodes` are the nodes holding
-    the caller's own pages, deepest last (the caller maps them: lock them while it runs)."""
+    `drop` (pages of unlocked, partly filled nodes a longer one replaced); `nodes` are the nodes
+    holding the caller's own pages, root first (a running caller maps them: it locks the last)."""
 
     hold: list[tuple[int, int]]
     drop: list[int]

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from arena_jax.allocator import _ceil_div, _drop_refs, _release_rows, slot_rows
+from arena_jax.allocator import _drop_refs, _release_rows, slot_rows
 from arena_jax.state import PAD_PAGE, PAD_SLOT, KVCache, PageTable
 
 __all__ = ["fork_pages_impl", "hold_pages_impl", "drop_pages_impl", "page_fill"]

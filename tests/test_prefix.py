@@ -257,8 +257,16 @@ def prompts():
 
 @pytest.fixture()
 def check_accounting(monkeypatch):
-    """After every step, the host's count of pages in use must equal the device's."""
+    """After every step, the host's count of pages in use must equal the device's; a sequence
+    is preempted only when the prefix cache has nothing left to evict."""
     monkeypatch.setattr(_Runner, "CHECK_ACCOUNTING", True)
+    preempt = _Runner._preempt
+
+    def checked(self, waiting):
+        assert self.index is None or self.index.evictable_pages == 0, "preempted while the cache could evict"
+        preempt(self, waiting)
+
+    monkeypatch.setattr(_Runner, "_preempt", checked)
 
 
 def _run(model, layout, prompts, new=20, **kwargs):
@@ -280,7 +288,7 @@ def test_prefix_cache_gives_the_same_tokens_under_memory_pressure(model, small_l
     cached = _run(model, small_layout, prompts, prefix_cache=True, **sampling)
     assert cached.tokens == without.tokens
     assert without.preemptions > 0  # 6 pages for 4 rows of up to 52 tokens: memory is short
-    assert cached.prefix_hit_tokens > 0 and cached.evictions > 0
+    assert cached.prefix_hit_tokens > 0 and cached.evictions > 0 and cached.preemptions > 0  # evicted first
     assert cached.prefill_tokens == cached.prompt_tokens - cached.prefix_hit_tokens < without.prefill_tokens
     h = _healthy(cached)
     assert h["prefix_forks"] > 0 and h["cow_copies"] > 0  # hits ending inside a page were copied on write
