@@ -233,9 +233,11 @@ def hold_pages(cache: KVCache, pages, num_tokens) -> KVCache:
         bad = n[rows][(n[rows] < 1) | (n[rows] > layout.page_size)]
         if bad.size:
             raise ValueError(f"num_tokens has {bad.tolist()}: a hold covers 1 to page_size={layout.page_size} tokens")
-        held = concrete(cache.table.held)
+        held, refcount = concrete(cache.table.held), concrete(cache.table.refcount)
         fill, pending = (np.asarray(x) for x in _page_fill(cache.table, layout.page_size))
         for page, k in zip(p[rows].tolist(), n[rows].tolist()):
+            if not refcount[page]:
+                raise ValueError(f"pages: page {page} is free: only pages a slot has written can be held")
             if held[page]:
                 raise ValueError(f"pages: page {page} is already held ({int(held[page])} tokens): drop_pages it first")
             if pending[page]:

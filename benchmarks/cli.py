@@ -1,5 +1,5 @@
 """`arena-bench`: the KV layout of real models, allocator capacity under a memory budget,
-end-to-end decode against a dense cache, and the Pallas kernels.
+end-to-end decode against a dense cache, the Pallas kernels, and prefix caching.
 
     arena-bench                       a quick tour on a tiny built-in model (< 2 min on a CPU)
     arena-bench layout                bytes per token and pages for a budget, per model

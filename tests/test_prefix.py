@@ -79,7 +79,7 @@ def test_fork_pages_at_a_page_boundary_shares_every_page_and_copies_nothing():
 
 
 HOST_ERRORS = {
-    "hold a free page": (lambda c, r: aj.hold_pages(c, [7], 1), "written 0 of its tokens"),
+    "hold a free page": (lambda c, r: aj.hold_pages(c, [7], 1), "page 7 is free"),
     "hold twice": (lambda c, r: aj.hold_pages(aj.hold_pages(c, r[:1], 4), r[:1], 4), "already held"),
     "hold unwritten tokens": (lambda c, r: aj.hold_pages(c, r[1:2], 3), "written 2 of its tokens"),
     "hold 0 tokens": (lambda c, r: aj.hold_pages(c, r[:1], 0), "a hold covers 1 to page_size=4 tokens"),
