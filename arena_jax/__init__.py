@@ -6,11 +6,25 @@
     cache = aj.append(cache, layer, slots, k, v)
     out = aj.attend(q, cache, layer, slots)
 """
-from arena_jax.api import BACKEND_ENV, BACKENDS, append, attend, default_backend, fork, release, reserve, truncate
+from arena_jax.api import (
+    BACKEND_ENV,
+    BACKENDS,
+    append,
+    attend,
+    default_backend,
+    drop_pages,
+    fork,
+    fork_pages,
+    hold_pages,
+    release,
+    reserve,
+    truncate,
+)
 from arena_jax.health import health
 from arena_jax.layout import KVLayout
+from arena_jax.prefix import PrefixCache, PrefixHit
 from arena_jax.sharding import CacheSharding
-from arena_jax.state import PAD_SLOT, CacheStats, KVCache, PageTable, create
+from arena_jax.state import PAD_PAGE, PAD_SLOT, CacheStats, KVCache, PageTable, create
 
 __all__ = [
     "KVLayout",
@@ -19,6 +33,7 @@ __all__ = [
     "CacheStats",
     "CacheSharding",
     "PAD_SLOT",
+    "PAD_PAGE",
     "create",
     "reserve",
     "append",
@@ -26,6 +41,11 @@ __all__ = [
     "release",
     "fork",
     "truncate",
+    "fork_pages",
+    "hold_pages",
+    "drop_pages",
+    "PrefixCache",
+    "PrefixHit",
     "health",
     "default_backend",
     "BACKENDS",

@@ -15,8 +15,11 @@ each classifies its rows before acting:
   live      served by the op's own rules (free pages for `reserve`).
 
 Whatever the inputs, the page table keeps its invariants (every page is free exactly once
-or held by exactly `refcount` mappings; reserved-but-unwritten positions lie in pages their
-slot holds alone) and no other sequence's pages or data change. Sums that inputs could push
+or held by exactly `refcount` holders: its mappings plus, if `held[p] > 0`, the prefix cache's
+own hold (`arena_jax.prefix_ops`); reserved-but-unwritten positions lie in pages their slot
+holds alone) and no other sequence's pages or data change. A page the cache holds is shared
+like a forked one: `reserve` copies it before a slot writes into it, `release` and `truncate`
+leave it to the cache. Sums that inputs could push
 past int32 are computed so that they cannot overflow.
 """
 from __future__ import annotations

@@ -14,13 +14,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from arena_jax import allocator, arena_ops, sharding
-from arena_jax.state import PAD_SLOT, KVCache
+from arena_jax import allocator, arena_ops, prefix_ops, sharding
+from arena_jax.state import PAD_PAGE, PAD_SLOT, KVCache
 from arena_jax.validate import (
     check_cache_arrays,
     check_counts,
+    check_ints,
     check_kv,
     check_layer,
+    check_pages,
     check_q,
     check_sliding_window,
     check_slots,
@@ -28,7 +30,20 @@ from arena_jax.validate import (
     concrete,
 )
 
-__all__ = ["reserve", "append", "attend", "release", "fork", "truncate", "default_backend", "BACKENDS", "BACKEND_ENV"]
+__all__ = [
+    "reserve",
+    "append",
+    "attend",
+    "release",
+    "fork",
+    "truncate",
+    "fork_pages",
+    "hold_pages",
+    "drop_pages",
+    "default_backend",
+    "BACKENDS",
+    "BACKEND_ENV",
+]
 
 BACKENDS = ("pallas", "reference")
 BACKEND_ENV = "ARENA_JAX_BACKEND"
@@ -208,6 +223,123 @@ def truncate(cache: KVCache, slots, lengths) -> KVCache:
                 "truncate only shortens (use reserve to grow)"
             )
     return _truncate(cache, slots, lengths)
+
+
+# ---- the prefix cache's holds -------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("page_size",))
+def _page_fill(table, page_size):
+    return prefix_ops.page_fill(table, page_size)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _hold_pages(cache, pages, num_tokens):
+    if cache.sharding is not None:
+        return sharding.hold_pages(cache, pages, num_tokens)
+    return prefix_ops.hold_pages_impl(cache, pages, num_tokens)
+
+
+def hold_pages(cache: KVCache, pages, num_tokens) -> KVCache:
+    """The cache itself holds the first `num_tokens` (scalar or i32[K]) tokens of each of `pages`
+    (i32[K]; PAD_PAGE entries are padding): refcount + 1, `table.held[p] = num_tokens`. A page
+    must be in use, not held yet, its tokens written at every layer by a slot that maps it, and
+    hold no slot's reserved-but-unwritten positions. From then on the page is never written:
+    the slots that map it share it (their next `reserve` copies a partly filled one)."""
+    layout = _check_cache(cache)
+    pages = check_pages(layout, pages)
+    counts = check_ints(num_tokens, "num_tokens")
+    if counts.ndim == 0:
+        counts = jnp.broadcast_to(counts, pages.shape)
+    if counts.shape != pages.shape:
+        raise ValueError(f"num_tokens must be a scalar or shape {pages.shape} to match pages, got {counts.shape}")
+    p, n = concrete(pages), concrete(counts)
+    if p is not None and n is not None:
+        rows = p != PAD_PAGE
+        bad = n[rows][(n[rows] < 1) | (n[rows] > layout.page_size)]
+        if bad.size:
+            raise ValueError(f"num_tokens has {bad.tolist()}: a hold covers 1 to page_size={layout.page_size} tokens")
+        held, refcount = concrete(cache.table.held), concrete(cache.table.refcount)
+        fill, pending = (np.asarray(x) for x in _page_fill(cache.table, layout.page_size))
+        for page, k in zip(p[rows].tolist(), n[rows].tolist()):
+            if not refcount[page]:
+                raise ValueError(f"pages: page {page} is free: only pages a slot has written can be held")
+            if held[page]:
+                raise ValueError(f"pages: page {page} is already held ({int(held[page])} tokens): drop_pages it first")
+            if pending[page]:
+                raise ValueError(f"pages: page {page} holds reserved tokens not yet written: append them first")
+            if k > fill[page]:
+                raise ValueError(
+                    f"num_tokens={k} for page {page}, but the slots that map it have written {int(fill[page])} of its "
+                    "tokens at every layer: only written tokens can be held"
+                )
+    return _hold_pages(cache, pages, counts)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _drop_pages(cache, pages):
+    if cache.sharding is not None:
+        return sharding.drop_pages(cache, pages)
+    return prefix_ops.drop_pages_impl(cache, pages)
+
+
+def drop_pages(cache: KVCache, pages) -> KVCache:
+    """The cache gives back its hold on each of `pages` (i32[K]; PAD_PAGE entries are padding):
+    refcount - 1; a page that no slot maps returns to the free stack (an eviction). Pages that
+    slots map stay theirs."""
+    layout = _check_cache(cache)
+    pages = check_pages(layout, pages)
+    p = concrete(pages)
+    if p is not None:
+        held = concrete(cache.table.held)
+        idle = [int(x) for x in p[p != PAD_PAGE] if not held[x]]
+        if idle:
+            raise ValueError(f"pages {idle} are not held by the cache: nothing to drop")
+    return _drop_pages(cache, pages)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _fork_pages(cache, pages, num_tokens, dst):
+    if cache.sharding is not None:
+        return sharding.fork_pages(cache, pages, num_tokens, dst)
+    return prefix_ops.fork_pages_impl(cache, pages, num_tokens, dst)
+
+
+def fork_pages(cache: KVCache, pages, num_tokens, dst) -> KVCache:
+    """Each dst[b] (released first if in use) becomes a slot of `num_tokens[b]` tokens made of
+    held pages: logical page j is pages[b, j] for j < ceil(num_tokens[b] / page_size)
+    (`pages`: i32[B, W], W <= max_pages_per_seq; later entries are ignored, PAD_PAGE or not).
+    Each page must be held by the cache for at least the tokens the slot takes from it. The
+    slot is settled (written = reserved = num_tokens at every layer) and shares the pages
+    (refcount + 1); its next `reserve` copies a partly filled last page (copy-on-write).
+    dst[b] = PAD_SLOT makes a padding row."""
+    layout = _check_cache(cache)
+    dst = check_slots(layout, dst, "dst")
+    pages = check_pages(layout, pages, ndim=2, unique=False)
+    if pages.shape[0] != dst.shape[0]:
+        raise ValueError(f"pages has {pages.shape[0]} rows but dst has {dst.shape[0]}")
+    if pages.shape[1] > layout.max_pages_per_seq:
+        raise ValueError(f"pages has {pages.shape[1]} columns, more than max_pages_per_seq={layout.max_pages_per_seq}")
+    num_tokens = check_counts(layout, num_tokens, dst.shape[0], "num_tokens")
+    p, n, d = concrete(pages), concrete(num_tokens), concrete(dst)
+    if p is not None and n is not None and d is not None:
+        held = concrete(cache.table.held)
+        size = layout.page_size
+        for b in np.flatnonzero(d != PAD_SLOT):
+            if n[b] > p.shape[1] * size:
+                raise ValueError(f"num_tokens[{b}]={int(n[b])} needs more than the {p.shape[1]} pages a row of pages has")
+            used = p[b, : -(-int(n[b]) // size)]
+            for j, page in enumerate(used.tolist()):
+                take = min(size, int(n[b]) - j * size)
+                if page == PAD_PAGE or held[page] < take:
+                    have = "no page" if page == PAD_PAGE else f"page {page}, held for {int(held[page])} tokens"
+                    raise ValueError(
+                        f"pages[{b}, {j}]: num_tokens[{b}]={int(n[b])} takes {take} tokens from logical page {j}, "
+                        f"which has {have}: only tokens the cache holds can be mapped (hold_pages)"
+                    )
+            if np.unique(used).size != used.size:
+                raise ValueError(f"pages[{b}] uses a page twice ({used.tolist()})")
+    return _fork_pages(cache, pages, num_tokens, dst)
 
 
 # ---- data path -----------------------------------------------------------------------------

@@ -19,13 +19,21 @@ def _host(x) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def health(cache: KVCache) -> dict:
+def health(cache: KVCache, prefix=None) -> dict:
     """Utilization, waste, free pages and the counters, as plain Python numbers.
 
     utilization = token positions reserved in allocated pages / their capacity (a shared page's
-    positions count once); logical_tokens counts each sequence's reserved tokens (shared ones
-    per holder); written_tokens those whose K/V every layer has stored, and
-    reserved_unwritten_tokens the rest (reserved, not yet appended at some layer).
+    positions count once; a page the cache holds counts its held tokens); logical_tokens counts
+    each sequence's reserved tokens (shared ones per holder); written_tokens those whose K/V
+    every layer has stored, and reserved_unwritten_tokens the rest (reserved, not yet appended
+    at some layer). cached_pages / cached_tokens: what the cache itself holds (`hold_pages`),
+    of which cached_only_pages no slot maps (what eviction can free).
+
+    With `prefix` (an `arena_jax.PrefixCache`), its metrics too: prefix_lookups,
+    prefix_lookup_tokens, prefix_hit_tokens, prefix_hit_rate (hit / looked-up tokens),
+    prefix_cached_pages, prefix_evicted_pages, ..., and prefix_index_matches (its pages are
+    exactly the cache's held pages, with the same token counts).
+
     A sharded cache adds its mesh degrees and the bytes each device holds
     (`arena_bytes_per_device`, `bytes_per_token_per_device`, replicated KV heads counted);
     counters are summed over data shards.
@@ -34,6 +42,7 @@ def health(cache: KVCache) -> dict:
     t = cache.table
     page_map, lengths, active = _host(t.page_map), _host(t.lengths), _host(t.active)
     refcount, num_free = _host(t.refcount), int(np.sum(_host(t.num_free)))  # a [dp] array when data-parallel
+    held = _host(t.held)
     size = layout.page_size
     sh = cache.sharding
     dp = 1 if sh is None else sh.dp
@@ -46,6 +55,7 @@ def health(cache: KVCache) -> dict:
         pages = page_map[s, :n_pages] + shard_base[s]
         fill = np.minimum(size, int(lengths[s]) - np.arange(n_pages) * size)
         np.maximum.at(filled, pages, fill)
+    filled = np.maximum(filled, held)
     pages_in_use = int(np.count_nonzero(refcount))
     capacity = pages_in_use * size
     tokens_held = int(filled.sum())
@@ -62,6 +72,10 @@ def health(cache: KVCache) -> dict:
             arena_bytes_per_device=sh.arena_bytes_per_device(layout),
             bytes_per_token_per_device=sh.bytes_per_token_per_device(layout),
         )
+    extra = {}
+    if prefix is not None:
+        device = {int(p): int(held[p]) for p in np.flatnonzero(held)}
+        extra = {**prefix.metrics(), "prefix_index_matches": device == prefix.pages()}
     return {
         "active_sequences": int(active.sum()),
         "logical_tokens": int(lengths[active].sum()),
@@ -70,6 +84,9 @@ def health(cache: KVCache) -> dict:
         "tokens_held": tokens_held,
         "pages_in_use": pages_in_use,
         "shared_pages": int(np.count_nonzero(refcount > 1)),
+        "cached_pages": int(np.count_nonzero(held)),
+        "cached_tokens": int(held.sum()),
+        "cached_only_pages": int(np.count_nonzero((held > 0) & (refcount == 1))),
         "free_pages": num_free,
         "num_pages": layout.num_pages,
         "utilization": tokens_held / capacity if capacity else 1.0,
@@ -78,4 +95,5 @@ def health(cache: KVCache) -> dict:
         "arena_bytes": layout.arena_bytes,
         **counters,
         **placement,
+        **extra,
     }

@@ -82,6 +82,7 @@ import numpy as np
 from arena_jax.allocator import fork_impl, release_impl, reserve_impl, truncate_impl
 from arena_jax.arena_ops import append_impl, attend_impl
 from arena_jax.layout import KVLayout
+from arena_jax.prefix_ops import drop_pages_impl, fork_pages_impl, hold_pages_impl
 from arena_jax.state import PAD_SLOT, CacheStats, KVCache, PageTable
 
 __all__ = ["CacheSharding", "create_sharded", "auto_mesh", "shard_rows", "slot_lengths", "check_rows", "check_heads"]
@@ -198,7 +199,7 @@ class CacheSharding:
     def table_specs(self) -> PageTable:
         d = _spec(self.data_axis)
         return PageTable(page_map=d, lengths=d, active=d, free_stack=d, num_free=d, refcount=d,
-                         written=_spec(None, self.data_axis))  # fmt: skip
+                         written=_spec(None, self.data_axis), held=d)  # fmt: skip
 
     def stats_specs(self) -> CacheStats:
         """Counters: one per data shard ([dp]), else replicated scalars."""
@@ -404,6 +405,37 @@ def fork(cache: KVCache, src, dst):
         return fork_impl(local, _local_slots(sh, src, max_seqs), _local_slots(sh, dst, max_seqs))
 
     return _run(cache, body, (src, dst), (sh.rows_spec,) * 2, ())[0]
+
+
+# ---- the prefix cache's ops (one data shard: the index names global page ids) ---------------------
+
+
+def _one_data_shard(cache: KVCache, op: str) -> CacheSharding:
+    sh = cache.sharding
+    if sh.dp > 1:
+        raise ValueError(
+            f"{op} on a cache split over the data axis {sh.data_axis!r} ({sh.dp} shards) is not supported: a prefix "
+            "cache would need an index per data shard; use a mesh without a data axis (tensor-parallel only)"
+        )
+    return sh
+
+
+def hold_pages(cache: KVCache, pages, num_tokens):
+    sh = _one_data_shard(cache, "hold_pages")
+    body = lambda local, max_seqs, pages, n: hold_pages_impl(local, pages, n)  # noqa: E731
+    return _run(cache, body, (pages, num_tokens), (P(), P()), ())[0]
+
+
+def drop_pages(cache: KVCache, pages):
+    sh = _one_data_shard(cache, "drop_pages")
+    body = lambda local, max_seqs, pages: drop_pages_impl(local, pages)  # noqa: E731
+    return _run(cache, body, (pages,), (P(),), ())[0]
+
+
+def fork_pages(cache: KVCache, pages, num_tokens, dst):
+    sh = _one_data_shard(cache, "fork_pages")
+    body = lambda local, max_seqs, pages, n, dst: fork_pages_impl(local, pages, n, dst)  # noqa: E731
+    return _run(cache, body, (pages, num_tokens, dst), (sh.rows_spec,) * 3, ())[0]
 
 
 def _my_heads(sh: CacheSharding, x):

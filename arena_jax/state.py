@@ -9,11 +9,13 @@ from flax import struct
 
 from arena_jax.layout import KVLayout
 
-__all__ = ["PageTable", "CacheStats", "KVCache", "PAD_SLOT", "create"]
+__all__ = ["PageTable", "CacheStats", "KVCache", "PAD_SLOT", "PAD_PAGE", "create"]
 
 # A batch row whose slot is PAD_SLOT asks for nothing, writes nothing and attends to nothing.
 # It is an explicit sentinel: it is never used as an index (no -1 wrap-around into the last slot).
 PAD_SLOT = -1
+# A PAD_PAGE entry of `hold_pages` / `drop_pages` is padding: it names no page and is not counted.
+PAD_PAGE = -1
 
 
 @struct.dataclass
@@ -24,6 +26,12 @@ class PageTable:
     Positions in [written[l, s], lengths[s]) are reserved but unwritten: attention never reads
     them, so a page's previous tenant stays invisible without scrubbing. They always lie in
     pages the slot holds alone (refcount 1), so `append` never writes a shared page.
+
+    `held[p]` is how many tokens of page p the cache itself holds for its prefix index
+    (`hold_pages`; 0: no hold). A hold is one more reference: every page in use has
+    `refcount == (page_map entries naming it) + (held > 0)`. A held page is never written (a
+    mapping slot shares it, and `append` writes only private pages), so its first `held[p]`
+    tokens stay as they were when the hold was taken, at every layer.
     """
 
     page_map: jax.Array  # i32[max_seqs, max_pages_per_seq], physical page per logical page, -1 unmapped
@@ -31,8 +39,9 @@ class PageTable:
     active: jax.Array  # bool[max_seqs], slot in use
     free_stack: jax.Array  # i32[num_pages], entries [0, num_free) are free; top = num_free - 1 (LIFO)
     num_free: jax.Array  # i32[]
-    refcount: jax.Array  # i32[num_pages], 0 free, 1 owned, >1 shared
+    refcount: jax.Array  # i32[num_pages], 0 free, 1 owned, >1 shared; = mappings + (held > 0)
     written: jax.Array  # i32[num_layers, max_seqs], tokens whose K/V are stored at each layer (<= lengths)
+    held: jax.Array  # i32[num_pages], tokens of the page the cache itself holds (prefix cache), 0 = no hold
 
     @classmethod
     def empty(cls, layout: KVLayout) -> "PageTable":
@@ -45,6 +54,7 @@ class PageTable:
             num_free=jnp.asarray(layout.num_pages, jnp.int32),
             refcount=jnp.zeros((layout.num_pages,), jnp.int32),
             written=jnp.zeros((layout.num_layers, layout.max_seqs), jnp.int32),
+            held=jnp.zeros((layout.num_pages,), jnp.int32),
         )
 
 
@@ -60,6 +70,11 @@ class CacheStats:
     failed_reservations: jax.Array  # reservation rows refused for lack of pages
     dropped_writes: jax.Array  # append rows refused: their tokens would pass the reservation or land in a shared page
     rejected_rows: jax.Array  # rows refused as invalid input inside jit (duplicate / out-of-range slots, bad counts, ...)
+    prefix_forks: jax.Array  # slots made from cached pages (`fork_pages` rows served)
+    prefix_tokens: jax.Array  # tokens those slots received without computing them
+    pages_held: jax.Array  # holds the cache took on pages (`hold_pages` rows served)
+    holds_dropped: jax.Array  # holds the cache gave back (`drop_pages` rows served)
+    pages_evicted: jax.Array  # of those, pages the drop freed (no slot mapped them): evictions
 
     @classmethod
     def zeros(cls) -> "CacheStats":

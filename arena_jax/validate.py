@@ -15,12 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from arena_jax.layout import QUANTIZED_DTYPES, KVLayout
-from arena_jax.state import PAD_SLOT
+from arena_jax.state import PAD_PAGE, PAD_SLOT
 
 __all__ = [
     "concrete",
     "check_ints",
     "check_slots",
+    "check_pages",
     "check_counts",
     "check_layer",
     "check_kv",
@@ -105,6 +106,28 @@ def check_slots(layout: KVLayout, slots, name: str = "slots", *, allow_pad: bool
             raise ValueError(f"{name} has {bad.tolist()}: slots must be in [0, max_seqs={layout.max_seqs}){pad}")
         if unique and np.unique(live).size != live.size:
             raise ValueError(f"{name} has duplicate slots {values.tolist()}: each slot may appear once per call")
+    return arr
+
+
+def check_pages(layout: KVLayout, pages, name: str = "pages", *, ndim: int = 1, unique: bool = True):
+    """Page ids as an i32 array of `ndim` dimensions (a scalar is one page). Each is PAD_PAGE
+    (-1: no page) or in [0, num_pages); with `unique`, no page twice (per row for ndim=2)."""
+    arr = check_ints(pages, name)
+    if arr.ndim == 0 and ndim == 1:
+        arr = arr[None]
+    if arr.ndim != ndim:
+        what = "a 1-D array of page ids" if ndim == 1 else "a 2-D array of page ids [batch, pages]"
+        raise ValueError(f"{name} must be {what} (PAD_PAGE={PAD_PAGE} for none), got shape {arr.shape}")
+    values = concrete(arr)
+    if values is not None:
+        bad = values[(values != PAD_PAGE) & ((values < 0) | (values >= layout.num_pages))]
+        if bad.size:
+            raise ValueError(f"{name} has {bad.tolist()}: pages must be in [0, num_pages={layout.num_pages}) or PAD_PAGE ({PAD_PAGE})")
+        if unique:
+            for row in values.reshape(-1, values.shape[-1]) if values.size else ():
+                live = row[row != PAD_PAGE]
+                if np.unique(live).size != live.size:
+                    raise ValueError(f"{name} names a page twice ({row.tolist()}): each page may appear once per call")
     return arr
 
 

@@ -1,5 +1,5 @@
 """`arena-bench`: the KV layout of real models, allocator capacity under a memory budget,
-end-to-end decode against a dense cache, and the Pallas kernels.
+end-to-end decode against a dense cache, the Pallas kernels, and prefix caching.
 
     arena-bench                       a quick tour on a tiny built-in model (< 2 min on a CPU)
     arena-bench layout                bytes per token and pages for a budget, per model
@@ -8,17 +8,19 @@ end-to-end decode against a dense cache, and the Pallas kernels.
     arena-bench kernels               append / paged-attention kernel timings (GPU)
     arena-bench kernels --compile-report   static sm_90a facts of every kernel variant (no GPU)
     arena-bench accuracy              8-bit KV arenas (int8, fp8) vs bf16: attention and model error
+    arena-bench prefix                multi-turn chat with and without the prefix cache, same KV budget
 
 layout, capacity, decode and kernels take the KV arena's dtype (`--kv-dtype`; kernels: `--dtype`):
 bfloat16 by default, or int8 / float8_e4m3fn / float8_e5m2 (8-bit values and a float32 scale per
 token and KV head, counted in every byte figure).
 
 Every subcommand takes --json PATH (results + device, JAX version, date, arguments);
-capacity, decode and kernels take --plot PATH (PNG).
+capacity, decode, kernels and prefix take --plot PATH (PNG).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -151,6 +153,30 @@ def _add_decode_args(p: argparse.ArgumentParser, defaults: dict) -> None:
                         "devices with XLA_FLAGS=--xla_force_host_platform_device_count=N (a functional check, not a speed)")  # fmt: skip
 
 
+def _add_prefix_args(p: argparse.ArgumentParser) -> None:
+    from benchmarks.prefix import PrefixSettings
+
+    d = PrefixSettings()
+    g = p.add_argument_group("prefix")
+    g.add_argument("--model", choices=_models(), default=d.model, help="preset with random weights")
+    g.add_argument("--model-dir", help="a Hugging Face Llama/Mistral checkpoint folder instead of random weights")
+    g.add_argument("--num-layers", type=positive_int, help="override the preset's depth")
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="None: float32 for tiny, else bfloat16")
+    g.add_argument("--system-prompts", type=positive_int, default=d.system_prompts, help="distinct system prompts")
+    g.add_argument("--system-len", type=positive_int, default=d.system_len, help="tokens per system prompt")
+    g.add_argument("--conversations", type=positive_int, default=d.conversations, help="conversations (requests per turn)")
+    g.add_argument("--turns", type=positive_int, default=d.turns, help="turns per conversation")
+    g.add_argument("--user-len", type=positive_int, default=d.user_len, help="mean user message tokens (uniform in [len/2, 3len/2])")
+    g.add_argument("--new-tokens", type=positive_int, default=d.new_tokens, help="answer tokens per turn (greedy)")
+    g.add_argument("--batch", type=positive_int, default=d.batch, help="batch rows (sequences decoded together)")
+    g.add_argument("--chunk-size", type=positive_int, default=d.chunk_size, help="prefill chunk (tokens per prefill call)")
+    g.add_argument("--page-size", type=positive_int, default=d.page_size, help="page size in tokens")
+    g.add_argument("--num-pages", type=positive_int, help="KV budget in pages (default: twice what the batch rows need at their longest)")
+    g.add_argument("--budget-gib", type=_budget_gib, help="KV budget in GiB (instead of --num-pages)")
+    g.add_argument("--repeats", type=positive_int, default=d.repeats, help="timed runs per mode (alternating)")
+    g.add_argument("--seed", type=seed, default=d.seed, help="workload and weights")
+
+
 CAPACITY_DEFAULTS = {"budget_gib": 1.0, "requests": 100}
 TOUR_CAPACITY = {"budget_gib": 1.0, "requests": 100, "max_seq_len": 2048, "max_seqs": 128}
 DECODE_DEFAULTS = {"batch": 4, "prompt_len": 32, "new_tokens": 32, "repeats": 5}
@@ -170,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="With no subcommand: the tour (`arena-bench --json tour.json` works too).",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{tour,layout,capacity,decode,kernels,accuracy}")
+    sub = parser.add_subparsers(dest="command", metavar="{tour,layout,capacity,decode,kernels,accuracy,prefix}")
     fmt = argparse.ArgumentDefaultsHelpFormatter
 
     p = sub.add_parser("tour", formatter_class=fmt, parents=[common], help="layout report + small capacity run + tiny-model decode (default)")
@@ -211,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=positive_int, default=64, help="greedy tokens per prompt in the model test")
     p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--skip-models", action="store_true", help="only the attention measurement")
+    p = sub.add_parser("prefix", formatter_class=fmt, parents=[common, plot],
+                       help="multi-turn chat with and without the prefix cache under one KV budget")  # fmt: skip
+    _add_prefix_args(p)
     parser.subcommands = sub.choices  # name -> subparser, to report errors per subcommand
     return parser
 
@@ -437,6 +466,30 @@ def _cmd_decode(args, console, progress) -> dict:
     return result
 
 
+def _cmd_prefix(args, console, progress) -> dict:
+    from benchmarks import report
+    from benchmarks.prefix import PrefixSettings, PrefixTooLarge, run_prefix
+
+    if args.model_dir and not os.path.isdir(args.model_dir):
+        raise _Fail(f"--model-dir {args.model_dir!r} is not a folder")
+    if args.num_pages is not None and args.budget_gib is not None:
+        raise _Fail("give --num-pages or --budget-gib, not both")
+    settings = PrefixSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(PrefixSettings)})
+    console.print(f"[bold]prefix[/bold]: {settings.model_dir or settings.model}, {settings.conversations} conversations x "
+                  f"{settings.turns} turns, with and without the prefix cache (compiling first) ...")  # fmt: skip
+    t0 = time.perf_counter()
+    try:
+        result = run_prefix(settings, progress)
+    except (PrefixTooLarge, OSError, ValueError) as exc:
+        raise _Fail(str(exc)) from None
+    result["wall_s"] = time.perf_counter() - t0
+    console.print(report.prefix_table(result))
+    for line in report.prefix_notes(result):
+        console.print(f"  {line}", soft_wrap=True)
+    console.print(f"  ({result['wall_s']:.1f} s)")
+    return result
+
+
 def _check_kernel_memory(k: dict) -> None:
     """What the kernel benchmark allocates, checked first. On a CPU it runs the jnp reference on
     points clamped to CPU_MAX_BATCH x CPU_MAX_CONTEXT, all of which must fit. On a GPU a point
@@ -655,6 +708,8 @@ def main(argv=None) -> int:
                 results = _cmd_kernels(args, console, progress)
             elif command == "accuracy":
                 results = _cmd_accuracy(args, console, progress)
+            elif command == "prefix":
+                results = _cmd_prefix(args, console, progress)
             else:
                 results = _tour(args, console, progress)
     except _Fail as exc:
@@ -671,6 +726,8 @@ def main(argv=None) -> int:
             report.plot_decode(results, args.plot)
         elif command == "kernels":
             wrote = report.plot_kernels(results.get("rows") or [], args.plot)
+        elif command == "prefix":
+            report.plot_prefix(results, args.plot)
         console.print(f"  plot: {args.plot}" if wrote else "  (no plot: the rows have no context/time columns)")
     if args.json:
         report.write_json(args.json, {**report.metadata(command, arguments), "results": results})

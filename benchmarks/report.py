@@ -24,6 +24,9 @@ __all__ = [
     "capacity_notes",
     "goal_lines",
     "decode_table",
+    "prefix_table",
+    "prefix_notes",
+    "plot_prefix",
     "generic_table",
     "plot_capacity",
     "plot_decode",
@@ -317,6 +320,69 @@ def decode_table(result: dict) -> Table:
     return t
 
 
+_PREFIX_ROWS = [
+    ("prompt tokens (admissions)", "prompt_tokens", _fmt),
+    ("prefill tokens computed", "prefill_tokens", _fmt),
+    ("prefix hit tokens", "hit_tokens", _fmt),
+    ("hit rate", "hit_rate", _pct),
+    ("time to first token p50", "ttft_ms_p50", lambda v: f"{v:,.1f} ms"),
+    ("time to first token p99", "ttft_ms_p99", lambda v: f"{v:,.1f} ms"),
+    ("throughput (generated tokens/s)", "tokens_per_s", lambda v: f"{v:,.1f}"),
+    ("wall time (all turns, per run)", "seconds", lambda v: f"{v:.2f} s"),
+    ("prefill calls", "prefill_calls", _fmt),
+    ("decode calls", "decode_calls", _fmt),
+    ("preemptions", "preemptions", _fmt),
+    ("evictions (pages)", "evictions", _fmt),
+    ("cached pages at the end", "cached_pages_end", _fmt),
+    ("copy-on-write page copies", "cow_copies", _fmt),
+]
+
+
+def prefix_table(result: dict) -> Table:
+    s, lay = result["settings"], result["settings"]["layout"]
+    t = Table(
+        title=(
+            f"prefix: {s['model_dir'] or s['model']}, {s['conversations']} conversations x {s['turns']} turns, "
+            f"{s['system_prompts']} system prompts of {s['system_len']} tokens, {lay['num_pages']:,} pages of "
+            f"{lay['page_size']} tokens ({fmt_bytes(lay['kv_bytes'])} KV)"
+        ),
+        box=box.SIMPLE_HEAVY,
+    )
+    for col, just in (("", "left"), ("no prefix cache", "right"), ("prefix cache", "right"), ("cache / none", "right")):
+        t.add_column(col, justify=just)
+    ratios = {"prefill_tokens", "ttft_ms_p50", "ttft_ms_p99", "tokens_per_s", "seconds", "prefill_calls"}
+    for label, key, fmt in _PREFIX_ROWS:
+        x, y = result["none"][key], result["prefix"][key]
+        t.add_row(label, fmt(x), fmt(y), f"{y / x:.2f}x" if key in ratios and x else "")
+    return t
+
+
+def prefix_notes(result: dict) -> list[str]:
+    s, lay = result["settings"], result["settings"]["layout"]
+    none, pre = result["none"], result["prefix"]
+    lines = [
+        f"workload: seed {s['seed']}; turn t+1's prompt = turn t's prompt + its {s['new_tokens']}-token answer + a user "
+        f"message of {max(1, s['user_len'] // 2)}-{s['user_len'] + s['user_len'] // 2} tokens; each turn of every "
+        f"conversation arrives at once (one generate call per turn); prompts up to {s['max_prompt_len']} tokens",
+        f"same model ({s['weights']}, {s['dtype']}), same KV budget ({lay['num_pages']:,} pages), batch {s['batch']}, "
+        f"prefill chunks of {s['chunk_size']}; {s['repeats']} timed run(s) per mode after a warm-up "
+        f"({result['warmup_s']:.1f} s, compiles); {result['device']}, attention backend {lay['backend']!r}",
+        f"prefix cache: prefill tokens {result['prefill_ratio']:.2f}x, time to first token p50 "
+        f"{result['ttft_p50_ratio']:.2f}x, throughput {result['speedup_tokens_per_s']:.2f}x of no cache; hit rate "
+        f"{pre['hit_rate']:.1%}, {pre['evictions']:,} pages evicted (LRU), {pre['preemptions']} preemptions "
+        f"(vs {none['preemptions']} without)",
+    ]
+    if result["same_tokens"]:
+        lines.append("greedy tokens: [green]match[/green] (every turn of every conversation, with and without the cache)")
+    else:
+        m = result["first_mismatch"]
+        lines.append(f"greedy tokens: [red]MISMATCH[/red] (turn {m['turn']}, conversation {m['conversation']}: "
+                     f"{m['without']} without vs {m['with']} with the cache)")  # fmt: skip
+    if none["rejected_rows"] or pre["rejected_rows"]:
+        lines.append(f"[red]rows refused by the cache's checks: {none['rejected_rows']} / {pre['rejected_rows']}[/red]")
+    return lines
+
+
 def generic_table(rows: list[dict], title: str) -> Table:
     t = Table(title=title, box=box.SIMPLE_HEAVY)
     cols: list[str] = []
@@ -382,6 +448,29 @@ def plot_decode(result: dict, path: str) -> None:
     ax2.set_ylabel("decode tokens/s (median of repeats)")
     s = result["settings"]
     fig.suptitle(f"{s['model']} batch {s['batch']}, prompt {s['prompt_len']}, {s['new_tokens']} new tokens ({result.get('device', '')})")
+    fig.tight_layout()
+    _save(fig, path)
+    plt.close(fig)
+
+
+def plot_prefix(result: dict, path: str) -> None:
+    plt = _pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    turns = [r["turn"] for r in result["none"]["per_turn"]]
+    x = np.arange(len(turns))
+    for i, (key, label) in enumerate((("none", "no prefix cache"), ("prefix", "prefix cache"))):
+        ax1.bar(x + (i - 0.5) * 0.4, [r["prefill_tokens"] for r in result[key]["per_turn"]], width=0.4, label=label)
+        ttft = np.sort(result[key]["ttft_ms"])
+        ax2.plot(ttft, np.arange(1, len(ttft) + 1) / len(ttft), label=label)
+    ax1.set_xticks(x, [f"turn {t}" for t in turns])
+    ax1.set_ylabel("prefill tokens computed")
+    ax1.legend()
+    ax2.set_xlabel("time to first token (ms)")
+    ax2.set_ylabel("fraction of requests")
+    ax2.set_xscale("log")
+    ax2.legend()
+    s = result["settings"]
+    fig.suptitle(f"{s['model']}: {s['conversations']} conversations x {s['turns']} turns ({result.get('device', '')})")
     fig.tight_layout()
     _save(fig, path)
     plt.close(fig)

@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=positive_int, default=None)
     p.add_argument("--top-p", type=float_in(0.0, 1.0, low_open=True), default=None)
     p.add_argument("--seed", type=seed, default=0, help="sampling (and the tiny model's weights)")
+    p.add_argument("--prefix-cache", action="store_true",
+                   help="reuse the K/V of cached prompt prefixes (token granularity, LRU eviction); prints hit figures")  # fmt: skip
     p.add_argument("--dtype", choices=_DTYPES, default=None, help="default: bfloat16 for checkpoints, float32 for tiny")
     p.add_argument("--kv-dtype", choices=_KV_DTYPES, default=None,
                    help="the KV arena's dtype (default: --dtype); int8 / float8_* store 8-bit values + a float32 scale "
@@ -148,9 +150,12 @@ def main(argv=None) -> int:
             stop_tokens=() if args.ignore_eos else None,  # None: the checkpoint's eos tokens
         )
         warm_start = time.perf_counter()
-        models.generate(model, prompts[:1], 2, **kwargs)  # compile outside the timed run
+        first = models.generate(model, prompts[:1], 2, **kwargs, prefix_cache=args.prefix_cache)  # compile outside the timed run
+        if args.prefix_cache:  # a second call hits the first: the prefix ops compile too
+            again = {k: v for k, v in kwargs.items() if k != "layout"}
+            models.generate(model, prompts[:1], 2, **again, cache=first.cache, prefix_cache=first.prefix_cache)
         warm = time.perf_counter() - warm_start
-        result = models.generate(model, prompts, args.max_new_tokens, **kwargs)
+        result = models.generate(model, prompts, args.max_new_tokens, **kwargs, prefix_cache=args.prefix_cache)
     except ValueError as exc:
         parser.error(str(exc))
 
@@ -165,7 +170,20 @@ def main(argv=None) -> int:
         f"(batch {args.batch}, {result.prefill_calls} prefill + {result.decode_calls} decode calls, "
         f"{result.preemptions} preemptions; stop tokens {stops}; KV arena {layout.dtype.name}; warm-up {warm:.1f} s)"
     )
+    if args.prefix_cache:
+        m = aj_health(result)
+        print(
+            f"prefix cache: {m['prefix_lookups']} lookups, {m['prefix_hit_tokens']} of {m['prefix_lookup_tokens']} prompt "
+            f"tokens hit (hit rate {m['prefix_hit_rate']:.1%}); {result.prefill_tokens} tokens computed in prefill; "
+            f"{m['cached_pages']} pages ({m['cached_tokens']} tokens) cached; {result.evictions} evictions"
+        )
     return 0
+
+
+def aj_health(result) -> dict:
+    import arena_jax as aj
+
+    return aj.health(result.cache, result.prefix_cache)
 
 
 if __name__ == "__main__":

@@ -19,24 +19,39 @@ recomputed from prompt + tokens generated so far (recompute preemption). A new p
 admitted only while the free pages cover it plus one page per running sequence, so the
 oldest sequences always make progress. Greedy tokens equal those of a run with ample
 memory; sampled tokens too (randomness is keyed by sequence and position).
+
+Prefix cache (`prefix_cache=True`, or the `PrefixCache` of an earlier call with its cache):
+an admitted sequence first looks up the longest cached prefix of its tokens (at most all but
+the last) in the host index (`arena_jax.PrefixCache`) and gets those pages mapped into its
+slot (`aj.fork_pages`: token granularity, a partly used last page is copied on its first
+write); only the rest is computed. Full pages are indexed (and held by the cache,
+`aj.hold_pages`) as soon as they are written, so sequences running together share a system
+prompt; a sequence that finishes or is preempted has all its written tokens indexed, its
+partly filled last page included, so the next turn of a conversation (or the recomputation)
+hits them. The host knows exactly how many pages are free (index pages + each running
+sequence's private pages), so before a step that needs more, it evicts pages only the cache
+holds, least recently used leaves first (`aj.drop_pages`); a sequence is preempted only when
+nothing is left to evict. The page table rows the scheduler needs come back with the step's
+sampled tokens, in the same transfer.
+
+8-bit arenas: `kv_dtype="int8"` (or "float8_e4m3fn", "float8_e5m2") when generate sizes the arena.
+Many devices: `mesh=` (the cache and, if needed, the weights are placed on it); with a data
+axis, rows split into one block per data shard (`models.scheduler`). The scheduler itself
+lives in `models.scheduler`.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import time
 from typing import Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 import arena_jax as aj
 from models.checks import INT32_MIN, check_int, token_ids
 from models.llama import Llama
 from models.sampling import Sampling
-from models.steps import decode_step, prefill, release_rows
+from models.scheduler import Scheduler, Seq, fetch
 
 __all__ = ["Generation", "generate", "default_layout"]
 
@@ -47,11 +62,17 @@ class Generation:
 
     tokens: list[list[int]]  # generated tokens per prompt, in prompt order
     logits: list[np.ndarray] | None  # per prompt f32[num_generated, V]: the logits each token was drawn from
-    cache: aj.KVCache  # the cache afterwards (every page released); reusable
+    cache: aj.KVCache  # the cache afterwards (no sequence; with a prefix cache, its held pages); reusable
     preemptions: int = 0
     prefill_calls: int = 0
     decode_calls: int = 0
     seconds: float = 0.0
+    prefix_cache: aj.PrefixCache | None = None  # the index of `cache`'s held pages (prefix_cache=...)
+    prompt_tokens: int = 0  # tokens each admission had to bring into the cache (a recomputation's too)
+    prefill_tokens: int = 0  # of those, the ones computed (the rest were prefix cache hits)
+    prefix_hit_tokens: int = 0  # tokens mapped from the prefix cache at admissions
+    evictions: int = 0  # pages the prefix cache evicted (LRU) for running sequences
+    first_token_seconds: list[float] | None = None  # per prompt: from the call's start to its first token
 
     @property
     def num_generated(self) -> int:
@@ -60,24 +81,6 @@ class Generation:
     @property
     def tokens_per_second(self) -> float:
         return self.num_generated / self.seconds if self.seconds > 0 else float("nan")
-
-
-@dataclasses.dataclass
-class _Seq:
-    index: int  # position in the prompt list; also keys its random draws
-    prompt: list[int]
-    generated: list[int] = dataclasses.field(default_factory=list)
-    logits: list[np.ndarray] = dataclasses.field(default_factory=list)
-    fed: int = 0  # tokens of prompt + generated whose K/V are in the cache
-    admitted: int = -1  # admission order (for last-in-first-out preemption)
-
-    @property
-    def ids(self) -> list[int]:
-        return self.prompt + self.generated
-
-    @property
-    def pending(self) -> int:
-        return len(self.prompt) + len(self.generated) - self.fed
 
 
 def default_layout(
@@ -112,6 +115,7 @@ def generate(
     seed: int = 0,
     stop_tokens: Sequence[int] | None = None,
     return_logits: bool = False,
+    prefix_cache: bool | aj.PrefixCache = False,
     kv_dtype=None,
     mesh=None,
     tensor_axis: str | None = "tensor",
@@ -126,17 +130,22 @@ def generate(
     means the model's `config.eos_token_ids` (a checkpoint's eos tokens, as transformers'
     generate stops at them); `()` means no stop token.
 
+    `prefix_cache=True` reuses the K/V of cached prefixes (module docstring); the result's
+    `prefix_cache` and `cache` continue it: `generate(..., cache=r.cache, prefix_cache=r.prefix_cache)`
+    hits what earlier calls computed. Without it the cache passed must hold no page at all.
+
     `kv_dtype` sets the arena's dtype when generate sizes it (no `layout` or `cache` given):
     default the model's dtype; "int8", "float8_e4m3fn" or "float8_e5m2" for an 8-bit arena
     (per-token scales, half the bytes of bf16). A given layout or cache brings its own.
 
-    Token ids must be integers (Python or numpy; not floats, strings or bools) in
-    [0, vocab_size); every bad argument is a ValueError naming it.
-
     Many devices: give a `mesh` (the cache is created on it, `aj.create(..., mesh=mesh,
     tensor_axis=, data_axis=)`; single-device weights are placed on it first with
     `models.shard_model`), or a sharded `cache`. With a data axis of size dp, rows are split
-    into dp blocks of batch_size / dp, each served by its data shard's slots and pages.
+    into dp blocks of batch_size / dp, each served by its data shard's slots and pages (no
+    prefix cache there: its index would be per shard).
+
+    Token ids must be integers (Python or numpy; not floats, strings or bools) in
+    [0, vocab_size); every bad argument is a ValueError naming it.
     """
     sampling = Sampling(temperature, top_k, top_p)
     vocab = model.config.vocab_size
@@ -156,10 +165,24 @@ def generate(
     longest = max((len(p) for p in prompts), default=1) + max_new_tokens
     if kv_dtype is not None and (layout is not None or cache is not None):
         raise ValueError("give kv_dtype only when generate sizes the arena: a layout or cache brings its own dtype")
+    if not isinstance(prefix_cache, (bool, aj.PrefixCache)):
+        raise ValueError(f"prefix_cache must be a bool or an arena_jax.PrefixCache, got {type(prefix_cache).__name__}")
+    index = prefix_cache if isinstance(prefix_cache, aj.PrefixCache) else None
+    if index is not None and cache is None:
+        raise ValueError("prefix_cache=<PrefixCache> needs the cache holding its pages: cache=<the earlier Generation>.cache")
     if cache is not None:
         layout = cache.layout
-        if bool(_fetch(cache.table.active).any()) or int(_fetch(cache.table.num_free).sum()) != layout.num_pages:
-            raise ValueError("cache must hold no sequences (release them first): generate owns every slot and page")
+        num_free = int(fetch(cache.table.num_free)[0].sum())  # a [dp] array when data-parallel
+        if bool(fetch(cache.table.active)[0].any()):
+            raise ValueError("cache must hold no sequences (release them first): generate owns every slot")
+        if index is not None:
+            index.check(cache)  # its held pages are exactly the index's
+            if num_free != layout.num_pages - index.num_pages:
+                raise ValueError("cache has pages in use besides the prefix index's: generate owns every page")
+        elif num_free != layout.num_pages:
+            held = int(np.count_nonzero(fetch(cache.table.held)[0]))
+            why = f" ({held} held by a prefix cache: pass its PrefixCache as prefix_cache)" if held else ""
+            raise ValueError(f"cache must hold no pages{why}: generate owns every slot and page")
         if mesh is not None and (cache.sharding is None or cache.sharding.mesh.devices.tolist() != mesh.devices.tolist()):
             raise ValueError("mesh does not match the cache's: give one or the other")
     elif layout is None:
@@ -171,6 +194,7 @@ def generate(
             raise ValueError(f"the layout's {field}={getattr(layout, field)} does not match the model's {want}")
     if batch_size > layout.max_seqs:
         raise ValueError(f"batch_size={batch_size} exceeds the layout's max_seqs={layout.max_seqs}")
+    chunk_size = min(chunk_size, layout.max_seq_len)  # no sequence is longer: a longer chunk is pure padding
     if cache is None:
         if mesh is not None:
             aj.CacheSharding.plan(layout, mesh, tensor_axis=tensor_axis, data_axis=data_axis)  # its errors first
@@ -182,8 +206,9 @@ def generate(
             f"batch_size={batch_size} must split into {dp} data shards of at most max_seqs / {dp} = "
             f"{layout.max_seqs // dp} rows each"
         )
+    if prefix_cache is not False and dp > 1:
+        raise ValueError(f"prefix_cache needs one data shard; this mesh has {dp} (an index per data shard is not built)")
     pages_per_shard = layout.num_pages // dp
-    chunk_size = min(chunk_size, layout.max_seq_len)  # no sequence is longer: a longer chunk is pure padding
     for i, p in enumerate(prompts):
         total = len(p) + max_new_tokens
         if total > layout.max_seq_len or layout.pages_for(total) > pages_per_shard:
@@ -194,12 +219,14 @@ def generate(
             )
     if cache is None:
         cache = aj.create(layout) if mesh is None else aj.create(layout, mesh=mesh, tensor_axis=tensor_axis, data_axis=data_axis)
+    if prefix_cache is True:
+        index = aj.PrefixCache(layout)
 
-    seqs = [_Seq(i, p) for i, p in enumerate(prompts)]
-    runner = _Runner(
-        model, cache, layout, batch_size, chunk_size, sampling, seed, set(stop), max_new_tokens, return_logits
+    seqs = [Seq(i, p) for i, p in enumerate(prompts)]
+    runner = Scheduler(
+        model, cache, layout, batch_size, chunk_size, sampling, seed, set(stop), max_new_tokens, return_logits, index
     )
-    start = time.perf_counter()
+    start = runner.start = time.perf_counter()
     if max_new_tokens > 0:
         runner.run(seqs)
     seconds = time.perf_counter() - start
@@ -214,16 +241,13 @@ def generate(
         prefill_calls=runner.prefill_calls,
         decode_calls=runner.decode_calls,
         seconds=seconds,
+        prefix_cache=index,
+        prompt_tokens=runner.prompt_tokens,
+        prefill_tokens=runner.prefill_tokens,
+        prefix_hit_tokens=runner.hit_tokens,
+        evictions=runner.evictions,
+        first_token_seconds=[runner.first_token.get(s.index, float("nan")) for s in seqs],
     )
-
-
-def _fetch(x) -> np.ndarray:
-    """A device array on the host, whole (gathered from the other processes of a multi-host mesh)."""
-    if getattr(x, "is_fully_addressable", True):
-        return np.asarray(jax.device_get(x))
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def _on_mesh(model: Llama, mesh, tensor_axis):
@@ -240,149 +264,3 @@ def _on_mesh(model: Llama, mesh, tensor_axis):
     if placed.devices.tolist() != mesh.devices.tolist():
         raise ValueError("the model's weights are on a different mesh than the cache's")
     return model
-
-
-class _Runner:
-    """The host-side scheduler: rows, queue, page accounting. Device work is the jitted steps.
-
-    With dp data shards, row r belongs to shard r // (batch / dp) and uses that shard's slot
-    `shard * max_seqs / dp + r % (batch / dp)`; pages are counted per shard."""
-
-    def __init__(self, model, cache, layout, batch_size, chunk_size, sampling, seed, stop, max_new, return_logits):
-        self.graphdef, self.state = nnx.split(model)
-        self.cache, self.layout = cache, layout
-        self.batch, self.chunk = batch_size, chunk_size
-        self.dp = cache.sharding.dp if cache.sharding is not None else 1
-        self.rows_per_shard = batch_size // self.dp
-        self.pages_per_shard = layout.num_pages // self.dp
-        self.slot_of = [(r // self.rows_per_shard) * (layout.max_seqs // self.dp) + r % self.rows_per_shard
-                        for r in range(batch_size)]  # fmt: skip
-        self.sampling = sampling.rows(batch_size)  # arrays: greedy and sampled runs share one compile
-        self.seed = jnp.asarray(seed, jnp.int32)
-        self.stop, self.max_new, self.return_logits = stop, max_new, return_logits
-        self.rows: list[_Seq | None] = [None] * batch_size
-        self.preemptions = self.prefill_calls = self.decode_calls = 0
-        self._admissions = 0
-        self._to_release: list[int] = []
-
-    # ---- bookkeeping --------------------------------------------------------------------
-    def _shard_rows(self, shard: int) -> list:
-        return self.rows[shard * self.rows_per_shard : (shard + 1) * self.rows_per_shard]
-
-    def _free_pages(self, shard: int = 0) -> int:
-        """Pages of a data shard not claimed by its running sequences, each counted at its full
-        length to be fed (a row still prefilling will take them; a decoding row its next token's page)."""
-        used = sum(self.layout.pages_for(len(s.ids)) for s in self._shard_rows(shard) if s is not None)
-        return self.pages_per_shard - used
-
-    def _admit(self, waiting: collections.deque) -> None:
-        for r in range(self.batch):
-            if not waiting:
-                return
-            if self.rows[r] is not None:
-                continue
-            seq = waiting[0]
-            shard = r // self.rows_per_shard
-            running = sum(s is not None for s in self._shard_rows(shard))
-            # Watermark: room for this sequence plus one page of growth per running sequence.
-            if self.layout.pages_for(len(seq.ids) + 1) + running > self._free_pages(shard) and running:
-                continue  # (one shard: every later row would answer the same)
-            waiting.popleft()
-            seq.fed, seq.admitted = 0, self._admissions
-            self._admissions += 1
-            self.rows[r] = seq
-
-    def _vacate(self, r: int) -> None:
-        self.rows[r] = None
-        self._to_release.append(r)
-
-    def _flush_releases(self) -> None:
-        if self._to_release:
-            slots = np.full((self.batch,), aj.PAD_SLOT, np.int32)
-            slots[self._to_release] = [self.slot_of[r] for r in self._to_release]
-            self.cache = release_rows(self.cache, jnp.asarray(slots))
-            self._to_release = []
-
-    def _preempt(self, waiting: collections.deque, shard: int = 0) -> None:
-        """Release the most recently admitted running sequence of a data shard and requeue it first."""
-        rows = range(shard * self.rows_per_shard, (shard + 1) * self.rows_per_shard)
-        r = max((r for r in rows if self.rows[r] is not None), key=lambda r: self.rows[r].admitted)
-        seq = self.rows[r]
-        seq.fed = 0
-        self._vacate(r)
-        self._flush_releases()
-        waiting.appendleft(seq)
-        self.preemptions += 1
-
-    def _accept(self, r: int, token: int, logits) -> None:
-        seq = self.rows[r]
-        seq.generated.append(token)
-        if logits is not None:
-            seq.logits.append(logits)
-        if token in self.stop or len(seq.generated) >= self.max_new:
-            self._vacate(r)
-
-    # ---- the loop ---------------------------------------------------------------------------
-    def run(self, seqs: list[_Seq]) -> None:
-        waiting = collections.deque(seqs)
-        while waiting or any(s is not None for s in self.rows):
-            self._flush_releases()
-            self._admit(waiting)
-            if not any(s is not None for s in self.rows):
-                raise RuntimeError("no sequence could be admitted")  # excluded by generate's size checks
-            failed = set()  # data shards that refused a row for lack of pages
-            if any(s is not None and s.pending > 1 for s in self.rows):
-                failed |= self._prefill()
-            if any(s is not None and s.pending == 1 for s in self.rows):
-                failed |= self._decode()
-            for shard in sorted(failed):
-                self._preempt(waiting, shard)
-        self._flush_releases()
-
-    def _prefill(self) -> set:
-        tokens = np.zeros((self.batch, self.chunk), np.int32)
-        slots = np.full((self.batch,), aj.PAD_SLOT, np.int32)
-        counts = np.zeros((self.batch,), np.int32)
-        seq_ids = np.zeros((self.batch,), np.int32)
-        for r, s in enumerate(self.rows):
-            if s is not None and s.pending > 1:
-                piece = s.ids[s.fed : s.fed + self.chunk]
-                tokens[r, : len(piece)] = piece
-                slots[r], counts[r], seq_ids[r] = self.slot_of[r], len(piece), s.index
-        out = prefill(
-            self.graphdef, self.state, self.cache, jnp.asarray(tokens), jnp.asarray(slots), jnp.asarray(counts),
-            jnp.asarray(seq_ids), self.seed, self.sampling,
-        )  # fmt: skip
-        self.cache = out.cache
-        self.prefill_calls += 1
-        return self._collect(out, slots, counts)
-
-    def _decode(self) -> set:
-        tokens = np.zeros((self.batch,), np.int32)
-        slots = np.full((self.batch,), aj.PAD_SLOT, np.int32)
-        seq_ids = np.zeros((self.batch,), np.int32)
-        for r, s in enumerate(self.rows):
-            if s is not None and s.pending == 1:
-                tokens[r], slots[r], seq_ids[r] = s.ids[-1], self.slot_of[r], s.index
-        out = decode_step(
-            self.graphdef, self.state, self.cache, jnp.asarray(tokens), jnp.asarray(slots), jnp.asarray(seq_ids),
-            self.seed, sampling=self.sampling,
-        )  # fmt: skip
-        self.cache = out.cache
-        self.decode_calls += 1
-        return self._collect(out, slots, (slots >= 0).astype(np.int32))
-
-    def _collect(self, out, slots, counts) -> set:
-        """Advance the rows the step served; the data shards where a row was refused for lack of pages."""
-        ok, next_tokens = _fetch(out.ok), _fetch(out.tokens)
-        logits = _fetch(out.logits) if self.return_logits else None
-        failed = set()
-        for r in np.flatnonzero(slots >= 0):
-            seq = self.rows[r]
-            if not ok[r]:
-                failed.add(int(r) // self.rows_per_shard)
-                continue
-            seq.fed += int(counts[r])
-            if seq.pending == 0:  # the whole sequence is in the cache: the sample is its next token
-                self._accept(r, int(next_tokens[r]), None if logits is None else logits[r])
-        return failed

@@ -30,7 +30,7 @@ import arena_jax as aj
 from models.llama import token_positions
 from models.sampling import SamplingParams, sample
 
-__all__ = ["StepOutput", "prefill", "decode_step", "TRACE_COUNTS"]
+__all__ = ["StepOutput", "prefill", "decode_step", "release_rows", "fork_page_rows", "hold_page_rows", "drop_page_rows", "TRACE_COUNTS"]
 
 # Incremented each time a step is traced (= compiled): tests use it to check that nothing
 # recompiles once shapes are warm.
@@ -105,3 +105,28 @@ def release_rows(cache: aj.KVCache, slots) -> aj.KVCache:
     """`aj.release` with a fixed-shape i32[B] (PAD_SLOT rows ignored): one compile for any subset."""
     TRACE_COUNTS["release_rows"] += 1
     return aj.release(cache, slots)
+
+
+# The prefix cache's device ops with fixed shapes (PAD_SLOT / PAD_PAGE rows ignored): one compile
+# each, and no host check reads the cache back (inside jit the ops are total instead).
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def fork_page_rows(cache: aj.KVCache, pages, num_tokens, dst) -> aj.KVCache:
+    """`aj.fork_pages` with pages i32[B, max_pages_per_seq], num_tokens i32[B], dst i32[B]."""
+    TRACE_COUNTS["fork_page_rows"] += 1
+    return aj.fork_pages(cache, pages, num_tokens, dst)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def hold_page_rows(cache: aj.KVCache, pages, num_tokens) -> aj.KVCache:
+    """`aj.hold_pages` with pages and num_tokens i32[K]."""
+    TRACE_COUNTS["hold_page_rows"] += 1
+    return aj.hold_pages(cache, pages, num_tokens)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def drop_page_rows(cache: aj.KVCache, pages) -> aj.KVCache:
+    """`aj.drop_pages` with pages i32[K]."""
+    TRACE_COUNTS["drop_page_rows"] += 1
+    return aj.drop_pages(cache, pages)

@@ -2,9 +2,13 @@
 model-based tests (`test_allocator_model.py`).
 
 Slots hold page *objects* (shared by forks, replaced by copy-on-write) and, per layer, the ids
-of the tokens written there. Every op takes arbitrary rows, classifies each exactly as the
-documented rules say (pad / rejected / served or refused) and returns what the cache must
-answer; `host_error` says whether the host checks must raise instead.
+of the tokens written there. The cache itself may hold pages too (the prefix cache's holds):
+`held` maps a page object to the ids of the tokens held in it per layer, one more holder of
+the page. Every op takes arbitrary rows, classifies each exactly as the documented rules say
+(pad / rejected / served or refused) and returns what the cache must answer; `host_error` says
+whether the host checks must raise instead. The page ops (`hold_pages`, `drop_pages`,
+`fork_pages`) name physical pages: a `resolve(page) -> object | None` (None: a free page)
+turns them into the model's objects.
 """
 from __future__ import annotations
 
@@ -59,11 +63,23 @@ class Slot:
         return all(len(x) == self.length for x in self.ids)
 
 
+class Held:
+    """The cache's hold on a page object: the ids of its first `k` tokens, per layer."""
+
+    def __init__(self, page, ids: list[list[int]]):
+        self.page, self.ids = page, ids
+
+    @property
+    def k(self) -> int:
+        return len(self.ids[0])
+
+
 class CacheModel:
     def __init__(self, *, num_layers, page_size, num_pages, max_seqs, max_pages_per_seq):
         self.L, self.S, self.P = num_layers, page_size, num_pages
         self.max_seqs, self.max_len = max_seqs, max_pages_per_seq * page_size
         self.slots: dict[int, Slot] = {}  # the active ones
+        self.held: dict[int, Held] = {}  # id(page object) -> the cache's hold
         self.next_id = 0
         self.counters = collections.Counter()
 
@@ -78,10 +94,35 @@ class CacheModel:
         return len(self.slots[slot].ids[layer]) if slot in self.slots else 0
 
     def pages_in_use(self) -> dict[int, object]:
-        return {id(p): p for s in self.slots.values() for p in s.pages}
+        used = {id(h.page): h.page for h in self.held.values()}
+        used.update({id(p): p for s in self.slots.values() for p in s.pages})
+        return used
+
+    def mappings(self, page) -> int:
+        return sum(1 for s in self.slots.values() for p in s.pages if p is page)
 
     def holders(self, page) -> int:
-        return sum(1 for s in self.slots.values() for p in s.pages if p is page)
+        return self.mappings(page) + (id(page) in self.held)
+
+    def fill(self, page) -> tuple[int, list[list[int]]]:
+        """The most tokens of `page` a mapping slot has written at every layer, and their ids."""
+        best, ids = 0, [[] for _ in range(self.L)]
+        for s in self.slots.values():
+            settled = min(len(x) for x in s.ids)
+            for j, p in enumerate(s.pages):
+                n = max(0, min(self.S, settled - j * self.S))
+                if p is page and n > best:
+                    best, ids = n, [x[j * self.S : j * self.S + n] for x in s.ids]
+        return best, ids
+
+    def pending(self, page) -> bool:
+        """Some slot has reserved-but-unwritten positions in `page`."""
+        for s in self.slots.values():
+            settled = min(len(x) for x in s.ids)
+            for j, p in enumerate(s.pages):
+                if p is page and max(settled, j * self.S) < min(s.length, (j + 1) * self.S):
+                    return True
+        return False
 
     def first_occurrences(self, slots) -> list[bool]:
         """Per row: an in-range slot named by no earlier row."""
@@ -136,6 +177,26 @@ class CacheModel:
             if any(s == PAD for s, _ in rows) or {s for s, _ in rows} & {d for _, d in rows}:
                 return True
             return any(s not in self.slots or not self.slots[s].settled() for s, _ in rows)
+        if op in ("hold_pages", "drop_pages"):
+            rows, resolve = args
+            pages = [r[0] for r in rows]
+            if self._bad_ints(pages) or (op == "hold_pages" and self._bad_ints([r[1] for r in rows])):
+                return True
+            live = [p for p in pages if p != PAD]
+            if any(not 0 <= p < self.P for p in live) or len(set(live)) < len(live):
+                return True
+            served = self._hold_rows(rows, resolve) if op == "hold_pages" else self._drop_rows(pages, resolve)
+            return any(p != PAD and not ok for p, ok in zip(pages, served))
+        if op == "fork_pages":
+            rows, width, resolve = args
+            dst, counts = [r[0] for r in rows], [r[2] for r in rows]
+            entries = [p for r in rows for p in r[1]]
+            if self._bad_slots(dst) or self._bad_ints(counts, counts=True) or self._bad_ints(entries):
+                return True
+            if any(p != PAD and not 0 <= p < self.P for p in entries):
+                return True
+            served = self._fork_pages_rows(rows, width, resolve)
+            return any(d != PAD and not ok for d, ok in zip(dst, served))
         raise ValueError(op)
 
     # ---- the ops, as they must behave on any input -----------------------------------------
@@ -252,3 +313,79 @@ class CacheModel:
         for dst, slot in copies.items():
             self.slots[dst] = slot
             self.counters["metadata_ops"] += 1
+
+    # ---- the prefix cache's holds -------------------------------------------------------------
+    def _first_pages(self, pages) -> list[bool]:
+        seen, out = set(), []
+        for p in pages:
+            ok = 0 <= p < self.P and p not in seen
+            if 0 <= p < self.P:
+                seen.add(p)
+            out.append(ok)
+        return out
+
+    def _hold_rows(self, rows, resolve) -> list[bool]:
+        out = []
+        for (p, k), first in zip(rows, self._first_pages([r[0] for r in rows])):
+            obj = resolve(p) if first else None
+            ok = obj is not None and id(obj) not in self.held and not self.pending(obj) and 1 <= k <= self.fill(obj)[0]
+            out.append(ok)
+        return out
+
+    def hold_pages(self, rows, resolve) -> None:
+        """rows: (physical page, tokens to hold)."""
+        served = self._hold_rows(rows, resolve)
+        for (p, k), ok in zip(rows, served):
+            if ok:
+                obj = resolve(p)
+                self.held[id(obj)] = Held(obj, [x[:k] for x in self.fill(obj)[1]])
+                self.counters["pages_held"] += 1
+            elif p != PAD:
+                self.counters["rejected_rows"] += 1
+
+    def _drop_rows(self, pages, resolve) -> list[bool]:
+        return [first and resolve(p) is not None and id(resolve(p)) in self.held for p, first in zip(pages, self._first_pages(pages))]
+
+    def drop_pages(self, pages, resolve) -> None:
+        for p, ok in zip(pages, self._drop_rows(pages, resolve)):
+            if not ok:
+                self.counters["rejected_rows"] += p != PAD
+                continue
+            obj = self.held.pop(id(resolve(p))).page
+            self.counters["holds_dropped"] += 1
+            if not self.mappings(obj):
+                self.counters["pages_evicted"] += 1
+
+    def _fork_pages_rows(self, rows, width, resolve) -> list[bool]:
+        out = []
+        for (dst, pages, n), first in zip(rows, self.first_occurrences([r[0] for r in rows])):
+            ok = first and 0 <= n <= width * self.S
+            used = pages[: ceil_div(n, self.S)] if ok else []
+            for j, p in enumerate(used):
+                obj = resolve(p) if 0 <= p < self.P else None
+                take = min(self.S, n - j * self.S)
+                ok = ok and obj is not None and id(obj) in self.held and self.held[id(obj)].k >= take
+            out.append(ok and len(set(used)) == len(used))
+        return out
+
+    def fork_pages(self, rows, width, resolve) -> None:
+        """rows: (dst slot, physical pages [width], tokens)."""
+        served = self._fork_pages_rows(rows, width, resolve)
+        made = {}
+        for (dst, pages, n), ok in zip(rows, served):
+            if not ok:
+                self.counters["rejected_rows"] += dst != PAD
+                continue
+            slot = Slot(self.L)
+            slot.length = n
+            for j, p in enumerate(pages[: ceil_div(n, self.S)]):
+                hold = self.held[id(resolve(p))]
+                slot.pages.append(hold.page)
+                take = min(self.S, n - j * self.S)
+                for layer in range(self.L):
+                    slot.ids[layer].extend(hold.ids[layer][:take])
+            made[dst] = slot
+            self.counters["metadata_ops"] += 1
+            self.counters["prefix_forks"] += 1
+            self.counters["prefix_tokens"] += n
+        self.slots.update(made)  # each dst released first

@@ -3,16 +3,20 @@
     pytest                                              profile "arena": the CI budget
     HYPOTHESIS_PROFILE=soak pytest tests/test_allocator_model.py -s    a long soak
     (ARENA_SOAK_EXAMPLES=N sets its examples; each runs 8-30 ops)
+    HYPOTHESIS_PROFILE=find ...                         the CI budget, no shrinking: does a
+                                                        (deliberately injected) bug get caught?
 """
 from __future__ import annotations
 
 import os
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 _COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("arena", max_examples=int(os.environ.get("ARENA_MODEL_EXAMPLES", "60")), **_COMMON)
 settings.register_profile("soak", max_examples=int(os.environ.get("ARENA_SOAK_EXAMPLES", "5000")), **_COMMON)
+settings.register_profile("find", max_examples=int(os.environ.get("ARENA_MODEL_EXAMPLES", "60")),
+                          phases=[Phase.explicit, Phase.generate], **_COMMON)  # fmt: skip
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "arena"))
 
 

@@ -217,6 +217,41 @@ def test_an_8bit_cache_equals_single_device_per_shard():
     assert np.abs(got["attn"]).sum() > 0  # rows were served: a real comparison
 
 
+@jax.jit
+def _prefix_scenario(cache, k, q):
+    """A slot written, its pages held by the cache, a new slot made from them (token granular:
+    7 of 10 tokens), grown (copy-on-write of the partly used page) and written, attended, and
+    the holds dropped."""
+    one = jnp.asarray([0, PAD, PAD, PAD])
+    cache, _ = aj.reserve(cache, one, 10)
+    cache = aj.append(cache, 0, one, k[:, :10], -k[:, :10])
+    pages = cache.table.page_map[0, :2]  # 10 tokens: page 0 full (5), page 1 full (5)
+    cache = aj.hold_pages(cache, pages, jnp.asarray([5, 5]))
+    cache = aj.fork_pages(cache, jnp.zeros((4, 4), jnp.int32).at[1, :2].set(pages).at[1, 2:].set(aj.PAD_PAGE),
+                          jnp.asarray([0, 7, 0, 0]), jnp.asarray([PAD, 2, PAD, PAD]))  # fmt: skip
+    two = jnp.asarray([PAD, PAD, 2, PAD])
+    cache, ok = aj.reserve(cache, two, 2)
+    cache = aj.append(cache, 0, two, 2 * k[:, :2], k[:, :2])
+    out = aj.attend(q[:, :1], cache, 0, two)
+    cache = aj.drop_pages(cache, pages)
+    return cache, ok, out
+
+
+def test_prefix_ops_on_a_tensor_parallel_cache_equal_one_device():
+    layout = dataclasses.replace(LAYOUT, num_kv_heads=HEADS)
+    k, q = scenario_inputs(HEADS)
+    want = jax.device_get(_prefix_scenario(aj.create(layout), k, q))
+    got = jax.device_get(_prefix_scenario(aj.create(layout, mesh=make_mesh((1, 4))), k, q))
+    jax.tree.map(np.testing.assert_array_equal, got[0].table, want[0].table)
+    for f in dataclasses.fields(want[0].stats):
+        np.testing.assert_array_equal(getattr(got[0].stats, f.name), getattr(want[0].stats, f.name), err_msg=f.name)
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_allclose(got[2], want[2], rtol=0, atol=1e-6)
+    assert int(want[0].stats.cow_copies) == 1 and np.abs(want[2][2]).sum() > 0  # the scenario did what it says
+    with pytest.raises(ValueError, match="data axis"):
+        _prefix_scenario(aj.create(layout, mesh=make_mesh(MESH), data_axis="data"), k, q)
+
+
 @functools.partial(jax.jit, static_argnames="backend")
 def _write_and_read(cache, k, q, backend):
     """reserve + append + attend on the scenario's cache (not donated: run once per backend)."""

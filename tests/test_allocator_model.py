@@ -1,7 +1,8 @@
 """Model-based test of the whole cache: random reserve / append / attend / fork / truncate /
-release sequences, checked after every step against `cache_model.CacheModel`, a plain-Python
-account of the rules that tracks page *identity* (objects shared by forks) and, per layer, the
-ids of the tokens written.
+release sequences, and the prefix cache's hold_pages / drop_pages / fork_pages, checked after
+every step against `cache_model.CacheModel`, a plain-Python account of the rules that tracks
+page *identity* (objects shared by forks and by the cache's holds) and, per layer, the ids of
+the tokens written (and held).
 
 Modes, drawn per example:
   host  eager `aj.*` calls with Python ints (host-numpy: int64 numpy arrays). Inputs the host
@@ -11,17 +12,18 @@ Modes, drawn per example:
         duplicates, PAD mixes, out-of-range and int32-extreme slots and counts, forks onto
         themselves or from idle or unsettled slots, layers out of range, attention before
         append. The ops must be total: refuse and count, never corrupt.
+After every step: the model's pages (mapped or held) and the physical pages are in bijection;
+refcounts (mappings + the cache's hold), `held`, the free stack and `num_free` agree;
+reserved-but-unwritten positions sit in private pages; every written token's K and V at every
+layer is where the model says, and every held token's too; attention at every layer over
+every active slot equals a float64 dense oracle over the model's tokens (on the backend drawn
+for the example); and every counter matches the model.
 Arena dtype, drawn per example: float32 (most examples) or an 8-bit arena (int8, in jit
-mode), whose appends quantize (values and per-token scales) and whose pages are
-copied, shared and recycled with their scales; stale pages start NaN-poisoned (values and
-scales) so a stale read shows.
-After every step: the model's pages and the physical pages are in bijection; refcounts, the
-free stack and `num_free` agree; reserved-but-unwritten positions sit in private pages; every
-written token's K and V at every layer is where the model says (8-bit arenas: the stored
-values and scales equal, bit for bit, an independent numpy quantization of the token's K and
-V, `cache_model.numpy_quantize`); attention at every layer over every active slot equals a
-float64 dense oracle over the model's tokens (8-bit: their dequantized values), on the backend
-drawn for the example; and every counter matches the model.
+mode), whose appends quantize (values and per-token scales) and whose pages are copied,
+shared, held and recycled with their scales: the stored values and scales must equal, bit
+for bit, an independent numpy quantization of the token's K and V
+(`cache_model.numpy_quantize`), and the attention oracle takes their dequantized values.
+Stale pages start NaN-poisoned (values and scales) so a stale read shows.
 
 Soak: `HYPOTHESIS_PROFILE=soak pytest tests/test_allocator_model.py -s` (see conftest.py).
 """
@@ -85,6 +87,9 @@ def _ops(backend):
         "release": lambda c, s: aj.release(c, s),
         "fork": lambda c, src, dst: aj.fork(c, src, dst),
         "truncate": lambda c, s, n: aj.truncate(c, s, n),
+        "hold_pages": lambda c, p, n: aj.hold_pages(c, p, n),
+        "drop_pages": lambda c, p: aj.drop_pages(c, p),
+        "fork_pages": lambda c, p, n, d: aj.fork_pages(c, p, n, d),
     }
 
 
@@ -136,22 +141,67 @@ def rows_of(bad: bool, hi: int = MAX_T):
     return st.lists(st.tuples(slot_choice(bad), count_choice(bad, hi)), min_size=1, max_size=ROWS)
 
 
+BAD_PAGES = (PAD, LAYOUT.num_pages, -2, INT32_MAX, INT32_MIN, 2**31)
+WIDTHS = (LAYOUT.max_pages_per_seq, 3)  # fork_pages' page rows: full width or narrower
+
+
+def page_choice(bad: bool):
+    """A page mapped by a slot, one the cache holds, a free one, or (bad) a raw value."""
+    ok = st.one_of(
+        st.tuples(st.just("mapped"), st.integers(0, 63)),
+        st.tuples(st.just("held"), st.integers(0, 63)),
+        st.tuples(st.just("free"), st.integers(0, 63)),
+    )
+    return st.one_of(ok, ok, ok, st.sampled_from(BAD_PAGES).map(lambda v: ("raw", v))) if bad else ok
+
+
+def _prefix_ops(bad: bool):
+    hold_count = st.one_of(st.floats(0, 1).map(lambda f: ("fill", f)), st.integers(0, S + 1).map(lambda v: ("raw", v)))
+    if bad:
+        hold_count = st.one_of(hold_count, st.sampled_from((-1, INT32_MAX, INT32_MIN, 2**32 + 1)).map(lambda v: ("raw", v)))
+    active = st.integers(0, 7).map(lambda i: ("active", i))
+    source = st.one_of(
+        st.tuples(st.just("slot"), active),  # the pages of a slot (a cached prefix, if held)
+        st.tuples(st.just("held"), st.integers(0, 63)),  # held pages, full ones first
+        st.tuples(st.just("pages"), st.lists(page_choice(bad), min_size=1, max_size=4)),
+    )
+    fork_count = st.one_of(st.floats(0, 1).map(lambda f: ("valid", f)), st.floats(0, 1.2).map(lambda f: ("valid", f)))
+    if bad:
+        fork_count = st.one_of(fork_count, st.sampled_from(BAD_COUNTS).map(lambda v: ("raw", v)))
+    holds = st.lists(st.tuples(page_choice(bad), hold_count), min_size=1, max_size=ROWS)
+    whole_slot = st.tuples(st.just("slot"), active)  # every written page of a slot: what generate holds
+    # A slot's written pages held by the cache, then mapped into another slot (a prefix hit).
+    share = st.tuples(st.just("share"), st.just(False), st.tuples(active, slot_choice(False), st.floats(0, 1)))
+    return [
+        share,
+        st.tuples(st.just("hold_pages"), st.just(bad), st.one_of(holds, whole_slot)),
+        st.tuples(st.just("drop_pages"), st.just(bad), st.lists(page_choice(bad), min_size=1, max_size=ROWS)),
+        st.tuples(st.just("fork_pages"), st.just(bad), st.tuples(
+            st.sampled_from(WIDTHS), st.lists(st.tuples(slot_choice(bad), source, fork_count), min_size=1, max_size=3))),
+    ]  # fmt: skip
+
+
 def _op(bad: bool):
     pairs = st.lists(
         st.tuples(st.integers(0, 7).map(lambda i: ("active", i)) | slot_choice(bad), slot_choice(bad)), min_size=1, max_size=3
     )
+    grow = st.tuples(st.just("grow"), st.just(False), rows_of(False, hi=S + 2))  # reserve, then append_all of it
     return st.one_of(
         st.tuples(st.just("reserve"), st.just(bad), rows_of(bad)),
         st.tuples(st.just("append"), st.just(bad), st.tuples(layer_choice(bad), rows_of(bad))),
         st.tuples(st.just("append_all"), st.just(bad), rows_of(bad)),  # every layer: the common case
+        grow,
+        grow,  # the prefix ops need written pages to work on
         st.tuples(st.just("attend"), st.just(bad), st.tuples(layer_choice(bad), rows_of(bad, hi=TQ + 1))),
         st.tuples(st.just("release"), st.just(bad), st.lists(slot_choice(bad), min_size=1, max_size=ROWS)),
         st.tuples(st.just("fork"), st.just(bad), pairs),
         st.tuples(st.just("truncate"), st.just(bad), rows_of(bad)),
+        *_prefix_ops(bad),
     )
 
 
-op_st = st.integers(0, 3).flatmap(lambda x: _op(bad=x == 0))  # a quarter of the ops adversarial
+_GOOD, _BAD = _op(bad=False), _op(bad=True)  # built once: rebuilding them per draw costs seconds
+op_st = st.integers(0, 3).flatmap(lambda x: _BAD if x == 0 else _GOOD)  # a quarter of the ops adversarial
 
 
 # ---- resolving drawn choices against the model's state -----------------------------------------------
@@ -163,6 +213,58 @@ def resolve_slot(model: CacheModel, choice):
         active = sorted(model.slots)
         return active[v % len(active)] if active else v % LAYOUT.max_seqs
     return v
+
+
+class Pages:
+    """Physical page <-> model page object, as `check_state` last established it (a bijection)."""
+
+    def __init__(self):
+        self.obj_of: dict[int, object] = {}
+
+    def phys(self, obj) -> int:
+        return next(p for p, o in self.obj_of.items() if o is obj)
+
+    def resolve(self, page):
+        return self.obj_of.get(page)
+
+    def choose(self, model: CacheModel, choice) -> int:
+        kind, v = choice
+        if kind == "raw":
+            return v
+        if kind == "mapped":
+            pages = [p for slot in sorted(model.slots) for p in model.slots[slot].pages]
+            return self.phys(pages[v % len(pages)]) if pages else PAD
+        if kind == "held":
+            held = sorted(self.phys(h.page) for h in model.held.values())
+            return held[v % len(held)] if held else PAD
+        free = sorted(set(range(LAYOUT.num_pages)) - set(self.obj_of))
+        return free[v % len(free)] if free else PAD
+
+
+def fork_source(model, pages: Pages, source) -> list[int]:
+    kind, v = source
+    if kind == "slot":
+        slot = resolve_slot(model, v)
+        return [pages.phys(p) for p in model.slots[slot].pages] if slot in model.slots else []
+    if kind == "held":
+        held = sorted(model.held.values(), key=lambda h: (h.k != S, pages.phys(h.page)))
+        full = [h for h in held if h.k == S]
+        chain = full[v % max(1, len(full)) :] + [h for h in held if h.k != S][:1]
+        return [pages.phys(h.page) for h in chain]
+    return [pages.choose(model, c) for c in v]
+
+
+def max_fork_tokens(model, pages: Pages, row) -> int:
+    """The most tokens the held pages of `row`, in order, cover (full pages, then one more)."""
+    n = 0
+    for p in row:
+        hold = model.held.get(id(pages.resolve(p))) if 0 <= p < LAYOUT.num_pages else None
+        if hold is None:
+            break
+        n += hold.k
+        if hold.k < S:
+            break
+    return n
 
 
 def resolve_rows(model, rows, room):
@@ -219,11 +321,11 @@ def expected_attention(model, layer, slots, counts, q, window, dtype):
     return want
 
 
-def check_state(cache, model: CacheModel, dtype: str = "float32"):
+def check_state(cache, model: CacheModel, pages: Pages, dtype: str = "float32"):
     t = cache.table
     page_map, lengths, active = np.asarray(t.page_map), np.asarray(t.lengths), np.asarray(t.active)
     refcount, free_stack, num_free = np.asarray(t.refcount), np.asarray(t.free_stack), int(t.num_free)
-    written = np.asarray(t.written)
+    written, held = np.asarray(t.written), np.asarray(t.held)
     k, v = np.asarray(cache.k), np.asarray(cache.v)
     values, scales, _ = stored(dtype)
     assert (cache.k_scale is None) == (scales is None)
@@ -238,17 +340,29 @@ def check_state(cache, model: CacheModel, dtype: str = "float32"):
         mapped = ceil_div(int(lengths[s]), S)
         assert (page_map[s, :mapped] >= 0).all() and (page_map[s, mapped:] == -1).all(), f"slot {s} page_map {page_map[s]}"
 
-    # Page identity: model page objects <-> physical pages is a bijection.
+    # Page identity: model page objects (mapped or held) <-> physical pages is a bijection. A page
+    # only the cache holds keeps the physical id it had when a slot last mapped it.
     phys_of: dict[int, int] = {}
     for s, m in model.slots.items():
         for j, obj in enumerate(m.pages):
             p = int(page_map[s, j])
             assert phys_of.setdefault(id(obj), p) == p, "one model page mapped to two physical pages"
+    objects = {id(o): o for o in pages.obj_of.values()}
+    for key, hold in model.held.items():
+        if key not in phys_of:
+            assert key in objects, "a held page no slot maps was never seen"
+            phys_of[key] = pages.phys(hold.page)
     assert len(set(phys_of.values())) == len(phys_of), "two model pages share one physical page"
+    live = {id(o): o for o in model.pages_in_use().values()}
+    pages.obj_of = {p: live[key] for key, p in phys_of.items()}
 
     counts = np.zeros(LAYOUT.num_pages, np.int64)
     np.add.at(counts, page_map[page_map >= 0], 1)
-    np.testing.assert_array_equal(refcount, counts)
+    want_held = np.zeros(LAYOUT.num_pages, np.int64)
+    for key, hold in model.held.items():
+        want_held[phys_of[key]] = hold.k
+    np.testing.assert_array_equal(held, want_held, err_msg="held")
+    np.testing.assert_array_equal(refcount, counts + (want_held > 0), err_msg="refcount = mappings + holds")
     free = free_stack[:num_free]
     assert len(set(free.tolist())) == num_free, "a page is on the free stack twice"
     assert (refcount[free] == 0).all(), "a free page has references"
@@ -262,16 +376,26 @@ def check_state(cache, model: CacheModel, dtype: str = "float32"):
         for layer, ids in enumerate(m.ids):
             if ids:
                 pos = np.arange(len(ids))
-                pages = page_map[s, pos // S]
-                at = (layer, slice(None), pages, pos % S)
+                at = (layer, slice(None), page_map[s, pos // S], pos % S)
                 np.testing.assert_array_equal(k[at], values[0, ids, layer])  # [T, H, D]
                 np.testing.assert_array_equal(v[at], values[1, ids, layer])
                 if scales is not None:
                     np.testing.assert_array_equal(k_scale[at], scales[0, ids, layer])  # [T, H]
                     np.testing.assert_array_equal(v_scale[at], scales[1, ids, layer])
 
+    # The tokens the cache holds are intact, at every layer and head.
+    for key, hold in model.held.items():
+        for layer, ids in enumerate(hold.ids):
+            at = (layer, slice(None), phys_of[key], slice(0, hold.k))
+            np.testing.assert_array_equal(k[at], values[0, ids, layer].transpose(1, 0, 2))  # [H, T, D]
+            np.testing.assert_array_equal(v[at], values[1, ids, layer].transpose(1, 0, 2))
+            if scales is not None:
+                np.testing.assert_array_equal(k_scale[at], scales[0, ids, layer].T)  # [H, T]
+                np.testing.assert_array_equal(v_scale[at], scales[1, ids, layer].T)
+
     stats = cache.stats
-    for name in ("cow_copies", "failed_reservations", "dropped_writes", "rejected_rows", "metadata_ops", "tokens_written"):
+    for name in ("cow_copies", "failed_reservations", "dropped_writes", "rejected_rows", "metadata_ops", "tokens_written",
+                 "prefix_forks", "prefix_tokens", "pages_held", "holds_dropped", "pages_evicted"):  # fmt: skip
         assert int(getattr(stats, name)) == model.counters[name], f"stats.{name}={int(getattr(stats, name))}, model {model.counters[name]}"
     assert int(stats.pages_allocated) - int(stats.pages_recycled) == np.count_nonzero(refcount)
 
@@ -309,8 +433,7 @@ def kv_rows(model, layer, rows, written_ids):
 
 
 def run_ops(ops, mode: str, backend: str, window, dtype: str = "float32", seed: int = 0):
-    layout = dataclasses.replace(LAYOUT, dtype=dtype)
-    cache = aj.create(layout)
+    cache = aj.create(dataclasses.replace(LAYOUT, dtype=dtype))
     # Stale pages NaN everywhere (values; and scales, the one stale thing an int8 arena can hold
     # as NaN): any read of an unwritten position or a recycled page's old tokens shows.
     nan = {f: jnp.full_like(getattr(cache, f), jnp.nan) for f in ("k", "v", "k_scale", "v_scale")
@@ -321,6 +444,7 @@ def run_ops(ops, mode: str, backend: str, window, dtype: str = "float32", seed: 
         max_pages_per_seq=LAYOUT.max_pages_per_seq,
     )  # fmt: skip
     rng = np.random.default_rng(seed)
+    pages = Pages()
     calls = jitted(backend) if mode == "jit" else _ops(backend)
     if mode == "jit":
         args = i32
@@ -339,7 +463,17 @@ def run_ops(ops, mode: str, backend: str, window, dtype: str = "float32", seed: 
             fn()
         jax.tree_util.tree_map(np.testing.assert_array_equal, snapshot(cache), before)
 
+    expanded = []  # (op, bad, payload, check the state after it)
     for name, bad, payload in ops:
+        if name == "grow":  # a reservation, then an append_all of it
+            expanded += [("reserve", bad, payload, False), ("append_all", bad, [(c, ("frac", 1.0)) for c, _ in payload], True)]
+        elif name == "share":  # the cache holds a slot's written pages, then a slot is made from them
+            src, dst, frac = payload
+            expanded += [("hold_pages", bad, ("slot", src), False),
+                         ("fork_pages", bad, (LAYOUT.max_pages_per_seq, [(dst, ("slot", src), ("valid", frac))]), True)]  # fmt: skip
+        else:
+            expanded.append((name, bad, payload, True))
+    for name, bad, payload, check in expanded:
         OP_COUNTS[mode] += 1
         if name == "reserve":
             rows = resolve_rows(model, payload, lambda s: min(MAX_T, model.max_len - model.length(s)))
@@ -396,6 +530,45 @@ def run_ops(ops, mode: str, backend: str, window, dtype: str = "float32", seed: 
             else:
                 model.fork(pairs)
                 cache = calls["fork"](cache, args(src), args(dst))
+        elif name == "hold_pages":
+            rows = []
+            if payload[0] == "slot":
+                slot = resolve_slot(model, payload[1])
+                objs = model.slots[slot].pages if slot in model.slots else []
+                objs = [o for o in objs if model.fill(o)[0] and not model.pending(o) and id(o) not in model.held]
+                payload = [(("raw", pages.phys(o)), ("fill", 1.0)) for o in objs[:ROWS]] or [(("raw", PAD), ("raw", 1))]
+            for page_c, (kind, v) in payload:
+                page = pages.choose(model, page_c)
+                obj = pages.resolve(page)
+                rows.append((page, max(1, int(np.ceil(v * model.fill(obj)[0]))) if kind == "fill" and obj is not None else (1 if kind == "fill" else v)))
+            rows = pad_rows(rows if bad or mode == "jit" else dedupe(rows), (PAD, 1))
+            page_ids, counts = [r[0] for r in rows], [r[1] for r in rows]
+            if host_refuses("hold_pages", rows, pages.resolve):
+                expect_refusal(lambda: calls["hold_pages"](cache, args(page_ids), args(counts)))
+            else:
+                model.hold_pages(rows, pages.resolve)
+                cache = calls["hold_pages"](cache, args(page_ids), args(counts))
+        elif name == "drop_pages":
+            page_ids = [pages.choose(model, c) for c in payload]
+            page_ids = pad_rows(page_ids if bad or mode == "jit" else dedupe(page_ids, key=lambda p: p), PAD)
+            if host_refuses("drop_pages", [(p,) for p in page_ids], pages.resolve):
+                expect_refusal(lambda: calls["drop_pages"](cache, args(page_ids)))
+            else:
+                model.drop_pages(page_ids, pages.resolve)
+                cache = calls["drop_pages"](cache, args(page_ids))
+        elif name == "fork_pages":
+            width, fork_rows = payload
+            rows = []
+            for dst_c, source, (kind, v) in fork_rows:
+                row = (fork_source(model, pages, source) + [PAD] * width)[:width]
+                rows.append((resolve_slot(model, dst_c), row, int(v * max_fork_tokens(model, pages, row)) if kind == "valid" else v))
+            rows = pad_rows(rows if bad or mode == "jit" else dedupe(rows), (PAD, [PAD] * width, 0))
+            dst, page_rows, counts = [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
+            if host_refuses("fork_pages", rows, width, pages.resolve):
+                expect_refusal(lambda: calls["fork_pages"](cache, args(page_rows), args(counts), args(dst)))
+            else:
+                model.fork_pages(rows, width, pages.resolve)
+                cache = calls["fork_pages"](cache, args(page_rows), args(counts), args(dst))
         elif name == "truncate":
             rows = [(resolve_slot(model, s), c) for s, c in payload]
             rows = [(s, int(v * model.length(s)) if kind == "frac" else v) for s, (kind, v) in rows]
@@ -407,15 +580,20 @@ def run_ops(ops, mode: str, backend: str, window, dtype: str = "float32", seed: 
                 model.truncate(rows)
                 cache = calls["truncate"](cache, args(slots), args(counts))
         assert model.next_id < MAX_IDS
-        check_state(cache, model, dtype)
-        check_attention(cache, model, calls["attend"], args, rng, window, over_ask=mode == "jit", dtype=dtype)
+        if check:
+            check_state(cache, model, pages, dtype)
+            if name not in ("hold_pages", "drop_pages"):  # holds change no slot's tokens: attention is as it was
+                check_attention(cache, model, calls["attend"], args, rng, window, over_ask=mode == "jit", dtype=dtype)
 
-    # Releasing everything returns every page exactly once.
+    # Dropping every hold and releasing everything returns every page exactly once.
+    held = sorted(pages.phys(h.page) for h in model.held.values())
+    for i in range(0, len(held), ROWS):
+        cache = calls["drop_pages"](cache, args(pad_rows(held[i : i + ROWS], PAD)))
     cache = calls["release"](cache, args(list(range(LAYOUT.max_seqs)) + [PAD] * (ROWS - LAYOUT.max_seqs)))
     table = cache.table
     assert int(table.num_free) == LAYOUT.num_pages
     assert sorted(np.asarray(table.free_stack).tolist()) == list(range(LAYOUT.num_pages)), "each page free exactly once"
-    assert not np.asarray(table.refcount).any() and not np.asarray(table.written).any()
+    assert not np.asarray(table.refcount).any() and not np.asarray(table.written).any() and not np.asarray(table.held).any()
     assert (np.asarray(table.page_map) == -1).all() and not np.asarray(table.active).any()
 
 
@@ -432,6 +610,36 @@ COW_STARVED = [
     ("fork", False, [(("slot", 0), ("slot", 2))]),
     ("reserve", False, [(("slot", 2), ("raw", 2)), (("slot", 0), ("raw", 2))]),
     ("append_all", False, [(("slot", 2), FILL), (("slot", 0), FILL)]),
+]
+# The prefix cache's partly filled page: a slot writes 6 tokens (a full page and 2 of the next),
+# the cache holds both pages, a second slot is made from them, then both slots write on: each
+# must get its own copy of the partly filled page (copy-on-write), the cached tokens stay intact,
+# and dropping the holds frees only the page no slot maps.
+PREFIX_PARTIAL = [
+    ("reserve", False, [(("slot", 0), ("raw", 6))]),
+    ("append_all", False, [(("slot", 0), FILL)]),
+    ("hold_pages", False, ("slot", ("slot", 0))),
+    ("fork_pages", False, (6, [(("slot", 1), ("slot", ("slot", 0)), ("valid", 0.8))])),
+    ("reserve", False, [(("slot", 1), ("raw", 3)), (("slot", 0), ("raw", 3))]),
+    ("append_all", False, [(("slot", 0), FILL), (("slot", 1), FILL)]),
+    ("hold_pages", True, [(("mapped", 0), ("raw", S)), (("free", 0), ("raw", 1))]),  # already held; free
+    ("drop_pages", True, [("held", 1), ("held", 1), ("free", 0)]),  # a hold dropped twice; a page not held
+    ("fork_pages", True, (3, [(("slot", 2), ("pages", [("held", 0), ("held", 0)]), ("raw", 8))])),  # a page twice
+    ("release", False, [("slot", 0), ("slot", 1)]),
+]
+# Each refusal of the prefix ops, one at a time (the bugs injected to check this test catch them).
+PREFIX_REFUSALS = [
+    ("reserve", False, [(("slot", 0), ("raw", 6))]),
+    ("append", False, [("raw", 0), [(("slot", 0), ("raw", 6))]]),
+    ("append", False, [("raw", 1), [(("slot", 0), ("raw", 3))]]),  # layer 1 is 3 tokens behind layer 0
+    ("hold_pages", True, [(("mapped", 0), ("raw", 4)), (("mapped", 1), ("raw", 1))]),  # unwritten at layer 1
+    ("append", False, [("raw", 1), [(("slot", 0), ("raw", 3))]]),
+    ("hold_pages", False, [(("mapped", 0), ("raw", 4)), (("mapped", 1), ("raw", 2))]),
+    ("fork_pages", True, (6, [(("slot", 1), ("pages", [("mapped", 0), ("mapped", 1)]), ("raw", 7))])),  # past the hold
+    ("fork_pages", True, (3, [(("slot", 2), ("pages", [("mapped", 0), ("mapped", 0)]), ("raw", 8))])),  # a page twice
+    ("reserve", False, [(("slot", 0), ("raw", 2))]),  # copies the held page: its 2 new positions are pending
+    ("hold_pages", True, [(("mapped", 1), ("raw", 2))]),  # 2 written tokens, but pending writes behind them
+    ("drop_pages", True, [("held", 0), ("held", 0)]),
 ]
 # The review's holes, in a user's jit: a duplicate release after a fork, an overflowing reservation,
 # a fork onto itself and from an idle slot, negative and out-of-range appends, attend before append.
@@ -458,6 +666,11 @@ setup_st = st.sampled_from(DTYPES).flatmap(
 
 @given(ops=st.lists(op_st, min_size=8, max_size=30), setup=setup_st,
        backend=st.sampled_from(["reference", "reference", "pallas"]))  # fmt: skip
+@example(ops=PREFIX_PARTIAL, setup=("float32", "host", None), backend="reference")
+@example(ops=PREFIX_PARTIAL, setup=("float32", "jit", None), backend="reference")
+@example(ops=PREFIX_PARTIAL, setup=("int8", "jit", None), backend="pallas")  # held pages keep their scales
+@example(ops=PREFIX_REFUSALS, setup=("float32", "jit", None), backend="reference")
+@example(ops=PREFIX_REFUSALS, setup=("float32", "host-numpy", None), backend="reference")
 @example(ops=COW_STARVED, setup=("float32", "host", None), backend="reference")
 @example(ops=COW_STARVED, setup=("float32", "jit", None), backend="pallas")
 @example(ops=COW_STARVED, setup=("int8", "jit", None), backend="pallas")  # COW copies the scales

@@ -19,6 +19,9 @@ from benchmarks.workload import WorkloadError, load_lengths, synthetic
 # 128 MiB of Mistral-7B KV = 1,024 tokens = 64 pages; 256-token slabs: 4 max-length sequences.
 CAPACITY = ["--budget-gib", "0.125", "--max-seq-len", "256", "--max-seqs", "32", "--requests", "40"]
 DECODE = ["--batch", "2", "--prompt-len", "8", "--new-tokens", "5", "--repeats", "2", "--num-layers", "1"]
+# test_models.py's shapes (tiny model, std 0.2, 4 rows, 6 pages of 16, 64 tokens, chunks of 8): compiled once per session.
+PREFIX = ["--conversations", "5", "--turns", "2", "--system-prompts", "2", "--system-len", "24", "--user-len", "8",
+          "--new-tokens", "6", "--num-pages", "6", "--chunk-size", "8"]  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
@@ -108,6 +111,24 @@ def test_decode(tmp_path, capsys):
     assert res["arena"]["kv_bytes_per_token"] == res["dense"]["kv_bytes_per_token"] > 0
     assert res["speedup_tokens_per_s"] == pytest.approx(res["arena"]["tokens_per_s"] / res["dense"]["tokens_per_s"])
     assert "greedy tokens: match" in capsys.readouterr().out
+
+
+def test_prefix(tmp_path, capsys):
+    res = _run(["prefix", *PREFIX, "--plot", str(tmp_path / "prefix.png")], tmp_path)["results"]
+    assert res["settings"]["layout"]["max_seq_len"] == 64 and res["same_tokens"] is True
+    none, pre = res["none"], res["prefix"]
+    assert none["hit_tokens"] == 0 and none["prefill_tokens"] == none["prompt_tokens"]
+    assert pre["hit_tokens"] > 0 and pre["prefill_tokens"] == pre["prompt_tokens"] - pre["hit_tokens"] < none["prefill_tokens"]
+    assert pre["hit_rate"] == pytest.approx(pre["hit_tokens"] / pre["prompt_tokens"])
+    assert pre["evictions"] > 0 and pre["cached_pages_end"] > 0 and none["cached_pages_end"] == 0  # 6 pages: under pressure
+    for side in (none, pre):
+        assert side["ttft_ms_p99"] >= side["ttft_ms_p50"] > 0 and side["tokens_per_s"] > 0 and side["rejected_rows"] == 0
+        assert side["generated"] == 5 * 2 * 6 and len(side["ttft_ms"]) == 5 * 2
+        assert [t["turn"] for t in side["per_turn"]] == [1, 2]
+    assert res["prefill_ratio"] == pytest.approx(pre["prefill_tokens"] / none["prefill_tokens"])
+    assert (tmp_path / "prefix.png").stat().st_size > 1000
+    out = capsys.readouterr().out
+    assert "prefill tokens computed" in out and "greedy tokens: match" in out
 
 
 def test_layout(tmp_path, capsys):
@@ -208,6 +229,10 @@ def test_tour(tmp_path, monkeypatch, capsys):
         ["decode", "--model", "nope"],
         ["decode", "--new-tokens", "1"],
         ["decode", "--model-dir", "/nonexistent/checkpoint"],
+        ["prefix", "--turns", "0"],
+        ["prefix", "--num-pages", "4", "--budget-gib", "1"],
+        ["prefix", "--system-len", "600"],  # past the tiny model's 512 positions
+        ["prefix", "--num-pages", "2"],  # fewer pages than the longest request needs
         ["kernels", "--contexts", "1,x"],
         ["frobnicate"],
         ["capacity", "--no-such-flag"],

@@ -48,9 +48,11 @@ def snapshot(cache):
 def table_invariants(cache):
     t = cache.table
     page_map, refcount, num_free = np.asarray(t.page_map), np.asarray(t.refcount), int(t.num_free)
+    held = np.asarray(t.held)
     counts = np.zeros(LAYOUT.num_pages, int)
     np.add.at(counts, page_map[page_map >= 0], 1)
-    np.testing.assert_array_equal(refcount, counts)
+    np.testing.assert_array_equal(refcount, counts + (held > 0))  # the prefix cache's hold is one more reference
+    assert ((held >= 0) & (held <= LAYOUT.page_size)).all()
     free = np.asarray(t.free_stack)[:num_free]
     assert 0 <= num_free <= LAYOUT.num_pages and len(set(free.tolist())) == num_free and not refcount[free].any()
     assert num_free + np.count_nonzero(refcount) == LAYOUT.num_pages

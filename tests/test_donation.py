@@ -66,3 +66,22 @@ def test_compiled_step_has_no_copy_of_the_arena():
     # The check does see a copy when a step makes one (returning the donated arena twice).
     copying = jax.jit(lambda c: (c.k, c.k), donate_argnames="c").lower(cache).compile().as_text()
     assert arena_copies(copying)
+
+
+def test_prefix_ops_keep_the_arena_in_place():
+    """The prefix cache's ops touch only the page table: no copy of the arena, same buffers back."""
+    from models.steps import drop_page_rows, fork_page_rows, hold_page_rows
+
+    cache = aj.create(LAYOUT)
+    ptr = cache.k.unsafe_buffer_pointer()
+    cache = step(cache, *inputs())  # a token in a page of each slot, at every layer
+    pages, counts = jnp.arange(4, dtype=jnp.int32), jnp.ones((4,), jnp.int32)
+    rows = jnp.full((4, LAYOUT.max_pages_per_seq), aj.PAD_PAGE, jnp.int32).at[:, 0].set(pages)
+    dst = jnp.asarray([aj.PAD_SLOT, aj.PAD_SLOT, aj.PAD_SLOT, 3], jnp.int32)  # slot 3 again, from its page
+    for fn, args in ((hold_page_rows, (pages, counts)), (fork_page_rows, (rows, counts, dst)), (drop_page_rows, (pages,))):
+        hlo = fn.lower(cache, *args).compile().as_text()
+        assert not arena_copies(hlo), f"{fn.__name__} copies the arena:\n" + "\n".join(arena_copies(hlo))
+        cache = fn(cache, *args)
+        assert cache.k.unsafe_buffer_pointer() == ptr
+    assert int(cache.stats.pages_held) == 4 and int(cache.stats.holds_dropped) == 4 and int(cache.stats.prefix_forks) == 1
+    assert int(cache.stats.rejected_rows) == 0 and int(cache.stats.pages_evicted) == 0  # the slots still map them

@@ -1,0 +1,292 @@
+"""`arena-bench prefix`: multi-turn chat with shared system prompts, served by `models.generate`
+with and without the prefix cache, on the same model, the same KV budget and the same shapes.
+
+Workload (seeded): `system_prompts` random system prompts of `system_len` tokens;
+`conversations` conversations, conversation c on system prompt c % system_prompts; each has
+`turns` turns. Turn 1's prompt is the system prompt plus a user message (random length in
+[user_len / 2, 3 user_len / 2]); turn t + 1's prompt is turn t's prompt, turn t's answer (the
+`new_tokens` greedy tokens the model generated) and a new user message. Turn t of every
+conversation arrives at once, as one `generate` call (a round); the next round starts when
+it is done. With the prefix cache, one cache and one `PrefixCache` serve every round, so a
+turn hits its conversation's earlier turns and every prompt hits its system prompt.
+
+KV budget: the same for both modes, `num_pages` (or `budget_gib`); by default twice what the
+batch rows need at their longest, so that half of it is left over: the prefix cache keeps
+pages there, the run without it leaves it idle (`--num-pages` sets any other budget; below
+what the rows need, both modes wait or preempt, and the cache evicts).
+
+Measured per mode: prompt tokens (every admission's, recomputations after preemption
+included), prefill tokens computed (those minus prefix hits), time to first token (from the
+start of a request's round to its first generated token, p50 / p99 over all requests),
+throughput (generated tokens / the rounds' wall time), hit rate (hit / prompt tokens),
+evictions, preemptions. Greedy answers are compared turn by turn: they must be equal.
+
+Timing: the steps (prefill, decode, release, and the prefix ops) are compiled by a warm-up on
+the same shapes before the timed runs; `generate` reads each step's results back before the
+next (so times include the device's work). With `repeats` > 1 the two modes alternate and
+the figures are per run (token and call counts are the same every run) with times pooled over
+the repeats (TTFT percentiles over every request of every repeat, throughput and wall time
+over their sum).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import arena_jax as aj
+import models
+from benchmarks.presets import preset
+from models.memory import TooLarge, cache_bytes, check_fits, weight_bytes
+from models.steps import drop_page_rows, fork_page_rows, hold_page_rows
+
+__all__ = ["PrefixSettings", "run_prefix", "make_workload", "PrefixTooLarge"]
+
+GIB = 2**30
+
+
+class PrefixTooLarge(TooLarge):
+    """The run would not fit in memory (the CLI turns it into a clean error)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixSettings:
+    model: str = "tiny"
+    model_dir: str | None = None
+    num_layers: int | None = None
+    dtype: str | None = None  # default: float32 for tiny, bfloat16 otherwise
+    system_prompts: int = 4
+    system_len: int = 160
+    conversations: int = 16
+    turns: int = 3
+    user_len: int = 24
+    new_tokens: int = 16
+    batch: int = 4
+    chunk_size: int = 32
+    page_size: int = 16
+    num_pages: int | None = None  # KV budget in pages (default: twice what the batch rows need at their longest)
+    budget_gib: float | None = None  # KV budget in GiB instead
+    repeats: int = 1
+    seed: int = 0
+
+    @property
+    def user_max(self) -> int:
+        return self.user_len + self.user_len // 2
+
+    @property
+    def max_prompt_len(self) -> int:
+        return self.system_len + self.turns * self.user_max + (self.turns - 1) * self.new_tokens
+
+    @property
+    def max_total_len(self) -> int:
+        return self.max_prompt_len + self.new_tokens
+
+
+def config_and_dtype(s: PrefixSettings):
+    if s.model_dir:
+        return models.LlamaConfig.from_hf(s.model_dir), jnp.dtype(s.dtype or "bfloat16")
+    cfg = preset(s.model)
+    if s.num_layers:
+        cfg = dataclasses.replace(cfg, num_layers=s.num_layers)
+    return cfg, jnp.dtype(s.dtype or ("float32" if s.model == "tiny" else "bfloat16"))
+
+
+def make_layout(s: PrefixSettings, cfg, dtype) -> aj.KVLayout:
+    pages_per_seq = -(-s.max_total_len // s.page_size)
+    if s.budget_gib is not None:
+        probe = cfg.kv_layout(page_size=s.page_size, num_pages=1, max_seqs=s.batch, max_seq_len=s.page_size, dtype=dtype)
+        num_pages = int(s.budget_gib * GIB) // probe.page_bytes
+    else:
+        num_pages = s.num_pages or 2 * s.batch * pages_per_seq
+    if num_pages < pages_per_seq:
+        raise ValueError(
+            f"the KV budget holds {num_pages} pages of {s.page_size} tokens, fewer than the {pages_per_seq} the longest "
+            f"request ({s.max_total_len} tokens) needs"
+        )
+    return cfg.kv_layout(page_size=s.page_size, num_pages=num_pages, max_seqs=s.batch,
+                         max_seq_len=pages_per_seq * s.page_size, dtype=dtype)  # fmt: skip
+
+
+def check_memory(s: PrefixSettings, cfg, dtype, layout) -> None:
+    hint = "lower --batch, --num-pages / --budget-gib, --system-len, --turns or --new-tokens"
+    if not s.model_dir:
+        hint += f"; --num-layers N (fewer) shrinks {s.model}"
+    try:
+        check_fits({f"weights ({cfg.num_layers} layers, {dtype.name})": weight_bytes(cfg, dtype),
+                    f"KV arena and page table ({layout.num_pages:,} pages)": cache_bytes(layout),
+                    "logits": 2 * s.batch * s.chunk_size * cfg.vocab_size * 4}, hint=hint)  # fmt: skip
+    except TooLarge as exc:
+        raise PrefixTooLarge(f"{s.model_dir or s.model} {exc}") from None
+
+
+def make_workload(s: PrefixSettings, vocab: int):
+    """(system prompts, user messages [conversation][turn]) as token-id lists, from the seed."""
+    rng = np.random.default_rng(s.seed)
+    systems = [rng.integers(0, vocab, s.system_len).tolist() for _ in range(s.system_prompts)]
+    low = max(1, s.user_len // 2)
+    users = [[rng.integers(0, vocab, int(rng.integers(low, s.user_max + 1))).tolist() for _ in range(s.turns)]
+             for _ in range(s.conversations)]  # fmt: skip
+    return systems, users
+
+
+def _build_model(s: PrefixSettings, cfg, dtype):
+    if s.model_dir:
+        model, _tok = models.load_pretrained(s.model_dir, dtype=dtype)
+        return model, f"checkpoint {s.model_dir}"
+    # The tiny model's weights are drawn wider (std 0.2) so that greedy choices are well separated.
+    std = 0.2 if s.model == "tiny" else 0.02
+    depth = f", {cfg.num_layers} of {preset(s.model).num_layers} layers" if s.num_layers else ""
+    return models.init_random(cfg, seed=s.seed, dtype=dtype, std=std), f"random weights (std {std}){depth}"
+
+
+def _warm_up(model, layout, s: PrefixSettings) -> None:
+    """Compile every step `generate` may call on these shapes (prefix ops included)."""
+    kw = dict(batch_size=s.batch, chunk_size=s.chunk_size, stop_tokens=())
+    prompt = list(range(1, min(s.page_size + 3, s.max_prompt_len) + 1))
+    first = models.generate(model, [prompt], 2, cache=aj.create(layout), prefix_cache=True, **kw)
+    again = models.generate(model, [prompt + [1]], 2, cache=first.cache, prefix_cache=first.prefix_cache, **kw)
+    cache = again.cache
+    width = s.batch * layout.max_pages_per_seq
+    pad_pages = jnp.full((width,), aj.PAD_PAGE, jnp.int32)
+    cache = hold_page_rows(cache, pad_pages, jnp.ones((width,), jnp.int32))
+    cache = drop_page_rows(cache, pad_pages)
+    rows = jnp.full((s.batch, layout.max_pages_per_seq), aj.PAD_PAGE, jnp.int32)
+    cache = fork_page_rows(cache, rows, jnp.zeros((s.batch,), jnp.int32), jnp.full((s.batch,), aj.PAD_SLOT, jnp.int32))
+    models.generate(model, [prompt], 2, cache=aj.create(layout), **kw)
+    jax.block_until_ready(cache)
+
+
+def _serve(model, layout, s: PrefixSettings, systems, users, prefix: bool) -> dict:
+    """Every round of the workload; returns per-round figures and the answers."""
+    cache, index = aj.create(layout), None
+    histories = [list(systems[c % len(systems)]) for c in range(s.conversations)]
+    answers, rounds = [], []
+    for t in range(s.turns):
+        prompts = [histories[c] + users[c][t] for c in range(s.conversations)]
+        result = models.generate(
+            model, prompts, s.new_tokens, batch_size=s.batch, chunk_size=s.chunk_size, cache=cache,
+            prefix_cache=(index if index is not None else True) if prefix else False, stop_tokens=(),
+        )  # fmt: skip
+        cache, index = result.cache, result.prefix_cache
+        health = aj.health(cache, index)
+        rounds.append({
+            "turn": t + 1,
+            "seconds": result.seconds,
+            "generated": result.num_generated,
+            "prompt_tokens": result.prompt_tokens,
+            "prefill_tokens": result.prefill_tokens,
+            "hit_tokens": result.prefix_hit_tokens,
+            "evictions": result.evictions,
+            "preemptions": result.preemptions,
+            "prefill_calls": result.prefill_calls,
+            "decode_calls": result.decode_calls,
+            "ttft_s": list(result.first_token_seconds),
+            "cached_pages": health["cached_pages"],
+            "cow_copies": health["cow_copies"],
+            "rejected_rows": health["rejected_rows"],
+        })  # fmt: skip
+        answers.append(result.tokens)
+        histories = [p + a for p, a in zip(prompts, result.tokens)]
+    return {"rounds": rounds, "answers": answers}
+
+
+def _summary(runs: list[dict]) -> dict:
+    """Counts per run (every run serves the same workload the same way); times pooled over runs."""
+    rounds = [r for run in runs for r in run["rounds"]]
+    total = lambda key: int(round(sum(r[key] for r in rounds) / len(runs)))  # noqa: E731
+    ttft = np.concatenate([r["ttft_s"] for r in rounds]) * 1e3
+    seconds = sum(r["seconds"] for r in rounds) / len(runs)
+    prompt = total("prompt_tokens")
+    return {
+        "prompt_tokens": prompt,
+        "prefill_tokens": total("prefill_tokens"),
+        "hit_tokens": total("hit_tokens"),
+        "hit_rate": total("hit_tokens") / prompt if prompt else 0.0,
+        "ttft_ms_p50": float(np.percentile(ttft, 50)),
+        "ttft_ms_p99": float(np.percentile(ttft, 99)),
+        "tokens_per_s": total("generated") / seconds if seconds else float("nan"),
+        "seconds": seconds,
+        "generated": total("generated"),
+        "prefill_calls": total("prefill_calls"),
+        "decode_calls": total("decode_calls"),
+        "preemptions": total("preemptions"),
+        "evictions": total("evictions"),
+        "cached_pages_end": runs[-1]["rounds"][-1]["cached_pages"],
+        "cow_copies": runs[-1]["rounds"][-1]["cow_copies"],  # the cache's counter: all of a run's rounds
+        "rejected_rows": sum(run["rounds"][-1]["rejected_rows"] for run in runs),
+        "per_turn": [
+            {
+                "turn": t + 1,
+                "prefill_tokens": int(sum(run["rounds"][t]["prefill_tokens"] for run in runs)) // len(runs),
+                "hit_tokens": int(sum(run["rounds"][t]["hit_tokens"] for run in runs)) // len(runs),
+                "ttft_ms_p50": float(np.percentile(np.concatenate([run["rounds"][t]["ttft_s"] for run in runs]) * 1e3, 50)),
+            }
+            for t in range(len(runs[0]["rounds"]))
+        ],
+        "ttft_ms": ttft.tolist(),
+    }
+
+
+def run_prefix(s: PrefixSettings, progress=None) -> dict:
+    cfg, dtype = config_and_dtype(s)
+    if s.max_total_len > cfg.max_position_embeddings:
+        raise ValueError(
+            f"the longest request ({s.system_len} system + {s.turns} x (up to {s.user_max} user + {s.new_tokens} answer) "
+            f"tokens = {s.max_total_len}) exceeds the model's max_position_embeddings={cfg.max_position_embeddings}: "
+            "lower --system-len, --turns, --user-len or --new-tokens"
+        )
+    layout = make_layout(s, cfg, dtype)
+    check_memory(s, cfg, dtype, layout)
+    model, weights = _build_model(s, cfg, dtype)
+    systems, users = make_workload(s, cfg.vocab_size)
+
+    advance = progress.add_task("prefix: warm-up + runs", total=1 + 2 * s.repeats) if progress else None
+    t0 = time.perf_counter()
+    _warm_up(model, layout, s)
+    warm_s = time.perf_counter() - t0
+    if advance:
+        advance(1)
+    runs = {"none": [], "prefix": []}
+    for i in range(s.repeats):
+        order = ("none", "prefix") if i % 2 == 0 else ("prefix", "none")  # alternate: drift hits both
+        for mode in order:
+            runs[mode].append(_serve(model, layout, s, systems, users, prefix=mode == "prefix"))
+            if advance:
+                advance(1)
+    if progress:
+        progress.finish_task()
+
+    none, cached = _summary(runs["none"]), _summary(runs["prefix"])
+    mismatch = None
+    for t, (a_turn, b_turn) in enumerate(zip(runs["none"][0]["answers"], runs["prefix"][0]["answers"])):
+        for c, (a, b) in enumerate(zip(a_turn, b_turn)):
+            if a != b and mismatch is None:
+                mismatch = {"turn": t + 1, "conversation": c, "without": a, "with": b}
+    return {
+        "settings": {
+            **dataclasses.asdict(s),
+            "weights": weights,
+            "dtype": dtype.name,
+            "layout": {"num_pages": layout.num_pages, "page_size": layout.page_size, "max_seqs": layout.max_seqs,
+                       "max_seq_len": layout.max_seq_len, "kv_bytes": layout.arena_bytes,
+                       "bytes_per_token": layout.bytes_per_token, "backend": aj.default_backend()},  # fmt: skip
+            "max_prompt_len": s.max_prompt_len,
+        },
+        "device": _device_name(),
+        "warmup_s": warm_s,
+        "none": none,
+        "prefix": cached,
+        "same_tokens": mismatch is None,
+        "first_mismatch": mismatch,
+        "prefill_ratio": cached["prefill_tokens"] / none["prefill_tokens"] if none["prefill_tokens"] else float("nan"),
+        "speedup_tokens_per_s": cached["tokens_per_s"] / none["tokens_per_s"],
+        "ttft_p50_ratio": cached["ttft_ms_p50"] / none["ttft_ms_p50"],
+    }
+
+
+def _device_name() -> str:
+    kind, backend = jax.devices()[0].device_kind, jax.default_backend()
+    return backend if kind.lower() == backend else f"{kind} ({backend})"

@@ -1,0 +1,339 @@
+"""The host-side scheduler of `models.generate`: batch rows, the waiting queue, page accounting,
+preemption and (with a prefix index) prefix hits, indexing and eviction. Device work is the
+jitted steps of `models.steps`; this module decides what goes into them.
+
+Rows and slots: row r uses slot `slot_of[r]`. With dp data shards (a cache on a mesh with a
+data axis), row r belongs to shard r // (batch / dp) and uses that shard's slot
+`shard * max_seqs / dp + r % (batch / dp)`; pages are counted per shard and a shard short of
+pages preempts its own newest sequence. A prefix index needs one shard (generate refuses it
+on a data-parallel mesh).
+
+Prefix accounting: the host keeps an exact count of the pages in use, the index's pages (the
+cache's holds) plus, per running sequence, its mapped pages that are not indexed
+(`pages_for(fed) - in_index`: they are its own). Tests check it against the device's
+`num_free` after every step (`CHECK_ACCOUNTING`).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import arena_jax as aj
+from models.steps import decode_step, drop_page_rows, fork_page_rows, hold_page_rows, prefill, release_rows
+
+__all__ = ["Seq", "Scheduler", "fetch"]
+
+
+def fetch(*xs) -> list[np.ndarray]:
+    """Device arrays on the host, whole: one transfer when this process holds them all, else
+    each gathered from the other processes of a multi-host mesh."""
+    if all(getattr(x, "is_fully_addressable", True) for x in xs):
+        return [np.asarray(x) for x in jax.device_get(xs)]
+    from jax.experimental import multihost_utils
+
+    return [np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in xs]
+
+
+@dataclasses.dataclass
+class Seq:
+    index: int  # position in the prompt list; also keys its random draws
+    prompt: list[int]
+    generated: list[int] = dataclasses.field(default_factory=list)
+    logits: list[np.ndarray] = dataclasses.field(default_factory=list)
+    fed: int = 0  # tokens of prompt + generated whose K/V are in the cache
+    admitted: int = -1  # admission order (for last-in-first-out preemption)
+    # Prefix cache bookkeeping: the deepest index node this sequence locks, how many of its
+    # mapped pages are indexed, the partly used hit page its first reserve copies, and how many
+    # of its full pages were indexed.
+    anchor: object = None
+    in_index: int = 0
+    cow_node: object = None
+    indexed_full: int = 0
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt + self.generated
+
+    @property
+    def pending(self) -> int:
+        return len(self.prompt) + len(self.generated) - self.fed
+
+
+class Scheduler:
+    """Runs a list of `Seq`s to completion on `cache` (see the module docstring)."""
+
+    CHECK_ACCOUNTING = False  # tests: compare the host's page count with the device's after each step
+
+    def __init__(self, model, cache, layout, batch_size, chunk_size, sampling, seed, stop, max_new, return_logits,
+                 index=None):  # fmt: skip
+        self.graphdef, self.state = nnx.split(model)
+        self.cache, self.layout = cache, layout
+        self.batch, self.chunk = batch_size, chunk_size
+        self.sampling = sampling.rows(batch_size)  # arrays: greedy and sampled runs share one compile
+        self.seed = jnp.asarray(seed, jnp.int32)
+        self.stop, self.max_new, self.return_logits = stop, max_new, return_logits
+        self.rows: list[Seq | None] = [None] * batch_size
+        self.dp = cache.sharding.dp if cache.sharding is not None else 1
+        self.rows_per_shard = batch_size // self.dp
+        self.pages_per_shard = layout.num_pages // self.dp
+        self.slot_of = [(r // self.rows_per_shard) * (layout.max_seqs // self.dp) + r % self.rows_per_shard
+                        for r in range(batch_size)]  # fmt: skip
+        self.preemptions = self.prefill_calls = self.decode_calls = 0
+        self.prompt_tokens = self.prefill_tokens = self.hit_tokens = self.evictions = 0
+        self.first_token: dict[int, float] = {}
+        self.start = time.perf_counter()
+        self._admissions = 0
+        self._to_release: list[int] = []
+        self.index = index
+        assert index is None or self.dp == 1, "a prefix index needs one data shard"
+        self._holds: list[tuple[int, int]] = []  # (page, tokens) the cache must hold, before any release
+        self._drops: list[int] = []  # pages whose holds go, after the releases
+        self._page_rows: np.ndarray | None = None  # page_map as of the last step
+
+    # ---- bookkeeping --------------------------------------------------------------------
+    def _running(self, shard: int | None = None) -> list[Seq]:
+        rows = self.rows if shard is None else self.rows[shard * self.rows_per_shard : (shard + 1) * self.rows_per_shard]
+        return [s for s in rows if s is not None]
+
+    def _free_pages(self, shard: int = 0) -> int:
+        """Pages of a data shard not claimed by its running sequences, each counted at its full
+        length to be fed (a row still prefilling will take them; a decoding row its next token's
+        page). With a prefix index: minus the index's pages, plus those it could evict."""
+        if self.index is None:
+            used = sum(self.layout.pages_for(len(s.ids)) for s in self._running(shard))
+            return self.pages_per_shard - used
+        claims = sum(self.layout.pages_for(len(s.ids)) - s.in_index + (s.cow_node is not None) for s in self._running())
+        return self.layout.num_pages - self.index.num_pages - claims + self.index.evictable_pages
+
+    def _pages_in_use(self) -> int:
+        """Prefix mode: exactly the device's pages in use, once pending releases are flushed."""
+        private = sum(self.layout.pages_for(s.fed) - s.in_index for s in self._running())
+        return self.index.num_pages + private
+
+    def _admit(self, waiting: collections.deque) -> None:
+        fork = []  # (row, hit)
+        for r in range(self.batch):
+            if not waiting:
+                break
+            if self.rows[r] is not None:
+                continue
+            seq, shard = waiting[0], r // self.rows_per_shard
+            running = len(self._running(shard))
+            hit = self.index.lookup(seq.ids, limit=len(seq.ids) - 1) if self.index is not None else None
+            need = self.layout.pages_for(len(seq.ids) + 1)
+            free = self._free_pages(shard)
+            if hit is not None:  # its full pages are there already; the pages it locks cannot be evicted
+                need -= hit.num_tokens // self.layout.page_size
+                free -= sum(1 for n in hit.nodes if not n.locks)
+            # Watermark: room for this sequence plus one page of growth per running sequence.
+            if need + running > free and running:
+                if self.dp == 1:
+                    break
+                continue  # another data shard may have room
+            waiting.popleft()
+            seq.fed, seq.admitted = 0, self._admissions
+            self._admissions += 1
+            self.rows[r] = seq
+            self.prompt_tokens += len(seq.ids)
+            if hit is not None:
+                seq.anchor = self.index.acquire(hit, len(seq.ids))
+                seq.fed, seq.in_index = hit.num_tokens, len(hit.nodes)
+                seq.cow_node = hit.nodes[-1] if hit.num_tokens % self.layout.page_size else None
+                seq.indexed_full = hit.num_tokens // self.layout.page_size
+                self.hit_tokens += hit.num_tokens
+                if hit.num_tokens:
+                    fork.append((r, hit))
+            self.prefill_tokens += len(seq.ids) - seq.fed
+        if fork:
+            pages = np.full((self.batch, self.layout.max_pages_per_seq), aj.PAD_PAGE, np.int32)
+            counts = np.zeros((self.batch,), np.int32)
+            dst = np.full((self.batch,), aj.PAD_SLOT, np.int32)
+            for r, hit in fork:
+                pages[r, : len(hit.pages)], counts[r], dst[r] = hit.pages, hit.num_tokens, self.slot_of[r]
+            self.cache = fork_page_rows(self.cache, jnp.asarray(pages), jnp.asarray(counts), jnp.asarray(dst))
+
+    def _vacate(self, r: int) -> None:
+        seq = self.rows[r]
+        if self.index is not None:  # index everything it wrote (a partly filled last page too)
+            if seq.fed:
+                self._index(seq, self._page_rows[self.slot_of[r]], seq.fed)
+            self.index.unlock(seq.anchor)
+            seq.anchor, seq.in_index, seq.cow_node, seq.indexed_full = None, 0, None, 0
+        self.rows[r] = None
+        self._to_release.append(r)
+
+    def _index(self, seq: Seq, row: np.ndarray, num_tokens: int):
+        ins = self.index.insert(seq.ids[:num_tokens], row[: self.layout.pages_for(num_tokens)])
+        self._holds += ins.hold
+        self._drops += ins.drop
+        return ins
+
+    def _flush(self) -> None:
+        """Holds first (a finished sequence's pages are held before its slot lets them go),
+        then releases, then dropped holds. Fixed shapes: one compile each."""
+        width = self.batch * self.layout.max_pages_per_seq
+        while self._holds:
+            part, self._holds = self._holds[:width], self._holds[width:]
+            pages = np.full((width,), aj.PAD_PAGE, np.int32)
+            counts = np.ones((width,), np.int32)
+            pages[: len(part)], counts[: len(part)] = zip(*part)
+            self.cache = hold_page_rows(self.cache, jnp.asarray(pages), jnp.asarray(counts))
+        if self._to_release:
+            slots = np.full((self.batch,), aj.PAD_SLOT, np.int32)
+            slots[self._to_release] = [self.slot_of[r] for r in self._to_release]
+            self.cache = release_rows(self.cache, jnp.asarray(slots))
+            self._to_release = []
+        while self._drops:
+            part, self._drops = self._drops[:width], self._drops[width:]
+            pages = np.full((width,), aj.PAD_PAGE, np.int32)
+            pages[: len(part)] = part
+            self.cache = drop_page_rows(self.cache, jnp.asarray(pages))
+
+    def _make_room(self, rows: list[int], counts) -> None:
+        """Prefix mode, before a step: evict what the step's reservations need beyond the free pages."""
+        size = self.layout.page_size
+        demand = 0
+        for r, n in zip(rows, counts):
+            s = self.rows[r]
+            demand += -(-(s.fed + n) // size) - -(-s.fed // size) + (s.cow_node is not None and n > 0)
+        self._evict(demand - (self.layout.num_pages - self._pages_in_use()))
+
+    def _evict(self, num_pages: int) -> int:
+        pages = self.index.evict(num_pages) if num_pages > 0 else []
+        self.evictions += len(pages)
+        self._drops += pages
+        self._flush()
+        return len(pages)
+
+    def _preempt(self, waiting: collections.deque, shard: int = 0) -> None:
+        """Release the most recently admitted running sequence of a data shard and requeue it first."""
+        rows = range(shard * self.rows_per_shard, (shard + 1) * self.rows_per_shard)
+        r = max((r for r in rows if self.rows[r] is not None), key=lambda r: self.rows[r].admitted)
+        seq = self.rows[r]
+        self._vacate(r)
+        seq.fed = 0
+        self._flush()
+        waiting.appendleft(seq)
+        self.preemptions += 1
+
+    def _accept(self, r: int, token: int, logits) -> None:
+        seq = self.rows[r]
+        seq.generated.append(token)
+        if len(seq.generated) == 1:
+            self.first_token[seq.index] = time.perf_counter() - self.start
+        if logits is not None:
+            seq.logits.append(logits)
+        if token in self.stop or len(seq.generated) >= self.max_new:
+            self._vacate(r)
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def run(self, seqs: list[Seq]) -> None:
+        waiting = collections.deque(seqs)
+        while waiting or self._running():
+            self._flush()
+            self._admit(waiting)
+            if not self._running():
+                raise RuntimeError("no sequence could be admitted")  # excluded by generate's size checks
+            failed = set()  # data shards that refused a row for lack of pages
+            if any(s.pending > 1 for s in self._running()):
+                failed |= self._prefill()
+            if any(s.pending == 1 for s in self._running()):
+                failed |= self._decode()
+            for shard in sorted(failed):
+                # Pages only the cache holds go before any running sequence (at least one: the
+                # host's count said the step would fit, so it must be short of the device's).
+                if not (self.index is not None and self.index.evictable_pages and self._evict(1)):
+                    self._preempt(waiting, shard)
+        self._flush()
+
+    def _prefill(self) -> set:
+        self._flush()  # pages of sequences that just finished are free for this step
+        tokens = np.zeros((self.batch, self.chunk), np.int32)
+        slots = np.full((self.batch,), aj.PAD_SLOT, np.int32)
+        counts = np.zeros((self.batch,), np.int32)
+        seq_ids = np.zeros((self.batch,), np.int32)
+        for r, s in enumerate(self.rows):
+            if s is not None and s.pending > 1:
+                piece = s.ids[s.fed : s.fed + self.chunk]
+                tokens[r, : len(piece)] = piece
+                slots[r], counts[r], seq_ids[r] = self.slot_of[r], len(piece), s.index
+        if self.index is not None:
+            live = np.flatnonzero(slots >= 0)
+            self._make_room(live.tolist(), counts[live].tolist())
+        out = prefill(
+            self.graphdef, self.state, self.cache, jnp.asarray(tokens), jnp.asarray(slots), jnp.asarray(counts),
+            jnp.asarray(seq_ids), self.seed, self.sampling,
+        )  # fmt: skip
+        self.cache = out.cache
+        self.prefill_calls += 1
+        return self._collect(out, slots, counts)
+
+    def _decode(self) -> set:
+        self._flush()
+        tokens = np.zeros((self.batch,), np.int32)
+        slots = np.full((self.batch,), aj.PAD_SLOT, np.int32)
+        seq_ids = np.zeros((self.batch,), np.int32)
+        for r, s in enumerate(self.rows):
+            if s is not None and s.pending == 1:
+                tokens[r], slots[r], seq_ids[r] = s.ids[-1], self.slot_of[r], s.index
+        if self.index is not None:
+            live = np.flatnonzero(slots >= 0)
+            self._make_room(live.tolist(), [1] * len(live))
+        out = decode_step(
+            self.graphdef, self.state, self.cache, jnp.asarray(tokens), jnp.asarray(slots), jnp.asarray(seq_ids),
+            self.seed, sampling=self.sampling,
+        )  # fmt: skip
+        self.cache = out.cache
+        self.decode_calls += 1
+        return self._collect(out, slots, (slots >= 0).astype(np.int32))
+
+    def _collect(self, out, slots, counts) -> set:
+        """Advance the rows the step served; the data shards where a row was refused for lack of pages."""
+        wanted = [out.ok, out.tokens]
+        if self.index is not None:  # the page table rows the index needs travel with the sampled tokens
+            wanted.append(out.cache.table.page_map)
+        if self.return_logits:
+            wanted.append(out.logits)
+        ok, next_tokens, *rest = fetch(*wanted)
+        if self.index is not None:
+            self._page_rows = rest.pop(0)
+        logits = rest.pop(0) if self.return_logits else None
+        failed = set()
+        for r in np.flatnonzero(slots >= 0):
+            seq = self.rows[r]
+            if not ok[r]:
+                failed.add(int(r) // self.rows_per_shard)
+                continue
+            seq.fed += int(counts[r])
+            if self.index is not None:
+                self._index_running(seq, r)
+            if seq.pending == 0:  # the whole sequence is in the cache: the sample is its next token
+                self._accept(r, int(next_tokens[r]), None if logits is None else logits[r])
+        if self.index is not None and self.CHECK_ACCOUNTING:
+            self._flush()
+            in_use = self.layout.num_pages - int(self.cache.table.num_free)
+            assert in_use == self._pages_in_use(), f"host counts {self._pages_in_use()} pages in use, device {in_use}"
+        return failed
+
+    def _index_running(self, seq: Seq, r: int) -> None:
+        """After a served step: the partly used hit page was copied; newly full pages are indexed."""
+        if seq.cow_node is not None:  # reserve gave the slot its own copy of the hit's last page
+            parent = seq.cow_node.parent
+            new_anchor = None if parent is self.index.root else parent
+            self.index.relock(seq.anchor, new_anchor)
+            seq.anchor, seq.cow_node = new_anchor, None
+            seq.in_index -= 1
+        full = seq.fed // self.layout.page_size
+        if full > seq.indexed_full:
+            ins = self._index(seq, self._page_rows[self.slot_of[r]], full * self.layout.page_size)
+            if ins.nodes:
+                self.index.relock(seq.anchor, ins.nodes[-1])
+                seq.anchor = ins.nodes[-1]
+            seq.in_index = len(ins.nodes)
+            seq.indexed_full = full

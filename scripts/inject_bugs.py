@@ -1,0 +1,96 @@
+"""Inject one known bug at a time into a copy of the repository and check the tests catch it.
+
+    JAX_PLATFORMS=cpu python scripts/inject_bugs.py            # every bug (a few minutes on 2 cores)
+    JAX_PLATFORMS=cpu python scripts/inject_bugs.py "twice"    # those whose name contains a word
+
+Each bug is a one-line edit of the prefix cache (device ops, index, scheduler). The tests that
+should catch it run in a copy of the tracked files (this checkout is never modified), with the
+hypothesis profile "find" (the CI's examples, no shrinking: only "caught or not" matters).
+Prints one line per bug and test file; exits 1 if a bug got through.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MUTANTS = {
+    "drop_pages: a hold dropped twice (no held check)": ("arena_jax/prefix_ops.py",
+        "    ok = first & (table.held[idx] > 0)\n", "    ok = first\n"),
+    "hold_pages: no refcount for the cache's hold": ("arena_jax/prefix_ops.py",
+        "        refcount=table.refcount.at[target].add(1, mode=\"drop\"),\n    )\n    stats = cache.stats.bump(pages_held",
+        "        refcount=table.refcount,\n    )\n    stats = cache.stats.bump(pages_held"),
+    "hold_pages: holds a page with pending writes": ("arena_jax/prefix_ops.py",
+        "(table.held[idx] == 0) & ~pending[idx] &", "(table.held[idx] == 0) &"),
+    "hold_pages: holds a page twice": ("arena_jax/prefix_ops.py",
+        "ok = first & (table.held[idx] == 0) &", "ok = first &"),
+    "fork_pages: maps tokens the cache does not hold": ("arena_jax/prefix_ops.py",
+        "covered = in_range & (table.held[jnp.clip(pages, 0, num_pages - 1)] >= take)", "covered = in_range & (table.held[jnp.clip(pages, 0, num_pages - 1)] > 0)"),
+    "fork_pages: a page used twice in a row": ("arena_jax/prefix_ops.py",
+        "& jnp.all(covered | ~use, axis=1) & ~dup", "& jnp.all(covered | ~use, axis=1)"),
+    "page_fill: max over layers instead of min": ("arena_jax/prefix_ops.py",
+        "settled = jnp.min(table.written, axis=0)[:, None]", "settled = jnp.max(table.written, axis=0)[:, None]"),
+    "generate: the copied hit page stays counted as indexed": ("models/generate.py",
+        "            seq.in_index -= 1\n", ""),
+    "generate: indexes one token more than was written": ("models/generate.py",
+        "                self._index(seq, self._page_rows[r], seq.fed)\n", "                self._index(seq, self._page_rows[r], min(seq.fed + 1, len(seq.ids)))\n"),
+    "index: a hit does not lock its pages": ("arena_jax/prefix.py",
+        "        self.lock(hit.nodes[-1])\n        return hit.nodes[-1]", "        return hit.nodes[-1]"),
+    "index: eviction ignores locks": ("arena_jax/prefix.py",
+        "heap = [(n.last_used, n.serial, n) for n in self._leaves if not n.locks]", "heap = [(n.last_used, n.serial, n) for n in self._leaves]"),
+    "index: lookup ignores the limit (a whole prompt hit)": ("arena_jax/prefix.py",
+        "            take = min(best_len, limit - pos)\n", "            take = best_len\n"),
+}
+TESTS = {
+    "arena_jax/prefix_ops.py": ["tests/test_allocator_model.py", "tests/test_prefix.py"],
+    "models/generate.py": ["tests/test_prefix.py"],
+    "arena_jax/prefix.py": ["tests/test_prefix.py"],
+}
+
+
+def main(argv) -> int:
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    missed = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for f in files:
+            os.makedirs(os.path.join(tmp, os.path.dirname(f)), exist_ok=True)
+            shutil.copy2(os.path.join(ROOT, f), os.path.join(tmp, f))
+        env = dict(os.environ, PYTHONPATH=tmp, HYPOTHESIS_PROFILE="find")
+        where = subprocess.run([sys.executable, "-c", "import arena_jax, models; print(arena_jax.__file__, models.__file__)"],
+                               cwd=tmp, env=env, capture_output=True, text=True).stdout  # fmt: skip
+        if where.count(tmp) != 2:  # else a "caught" could be another checkout's import error
+            print(f"the copy's packages are not the ones imported ({where.strip()}): stopping")
+            return 2
+        for name, (path, old, new) in MUTANTS.items():
+            if argv and not any(word in name for word in argv):
+                continue
+            target = os.path.join(tmp, path)
+            original = open(target).read()
+            if original.count(old) != 1:
+                print(f"{name}: the line to change is not in {path} (the code moved): update this script")
+                missed += 1
+                continue
+            open(target, "w").write(original.replace(old, new))
+            try:
+                caught = False
+                for test in TESTS[path]:
+                    t0 = time.time()
+                    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test],
+                                         cwd=tmp, env=env, capture_output=True, text=True)  # fmt: skip
+                    failed = next((line for line in run.stdout.splitlines() if line.startswith("FAILED")), "")
+                    caught = run.returncode != 0
+                    print(f"{name} | {test}: {'caught' if caught else 'missed'} ({time.time() - t0:.0f} s) {failed[:140]}", flush=True)
+                    if caught:
+                        break
+                missed += not caught
+            finally:
+                open(target, "w").write(original)
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
