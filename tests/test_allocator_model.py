@@ -25,12 +25,14 @@ for bit, an independent numpy quantization of the token's K and V
 (`cache_model.numpy_quantize`), and the attention oracle takes their dequantized values.
 Stale pages start NaN-poisoned (values and scales) so a stale read shows.
 
-Soak: `HYPOTHESIS_PROFILE=soak pytest tests/test_allocator_model.py -s` (see conftest.py).
+Soak: `HYPOTHESIS_PROFILE=soak pytest tests/test_allocator_model.py -s` (see conftest.py);
+`ARENA_MODEL_MODES=jit` (or `host,host-numpy`) soaks one mode.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -63,8 +65,8 @@ ATOL = 2e-5  # f32 kernels vs the float64 oracle (head_dim 16, values ~N(0, 1); 
 # examples run in jit mode (where totality is at stake; the host checks of 8-bit inputs are
 # test_quantized.py's) without a window (windows are the kernels' business, tested there):
 # every (mode, window, backend) is a separate compile, so this keeps the CI cost small.
-DTYPES = ("float32", "float32", "float32", "int8")
-MODES = ("host", "host-numpy", "jit", "jit")
+MODES = tuple(os.environ.get("ARENA_MODEL_MODES", "host,host-numpy,jit,jit").split(","))  # a soak may pick one
+DTYPES = ("float32", "float32", "float32", "int8") if "jit" in MODES else ("float32",)
 
 
 @functools.lru_cache(maxsize=None)
