@@ -389,6 +389,21 @@ def test_generate_with_a_mesh_equals_one_device(single):
     assert got.cache.sharding.dp == 2 and aj.health(got.cache)["free_pages"] == got.cache.layout.num_pages
 
 
+def test_prefix_cache_on_a_tensor_parallel_mesh_equals_one_device(single):
+    """generate with a prefix cache on tp=4 (its holds, page forks and drops run per tensor
+    shard): a first call, then the same prompts again, which hit the first call's pages. Both
+    give the single-device greedy tokens; the index matches the cache's held pages."""
+    model, prompts, want_tokens, _ = single
+    first, mesh = prompts[:2].tolist(), make_mesh((1, 4))
+    a = models.generate(model, first, NEW, batch_size=2, chunk_size=4, prefix_cache=True, mesh=mesh)
+    b = models.generate(model, first, NEW, batch_size=2, chunk_size=4, cache=a.cache, prefix_cache=a.prefix_cache)
+    assert a.tokens == b.tokens == want_tokens[:2].tolist()
+    assert b.prefix_hit_tokens > 0  # (a 2-page default arena: LRU evicts one prompt's page for the other)
+    assert aj.health(b.cache, b.prefix_cache)["prefix_index_matches"]
+    with pytest.raises(ValueError, match="one data shard"):
+        models.generate(model, first, NEW, batch_size=2, prefix_cache=True, mesh=make_mesh((2, 4)), data_axis="data")
+
+
 def test_load_pretrained_places_each_tensor_on_its_devices(tmp_path, single):
     from safetensors.numpy import save_file
 
