@@ -60,8 +60,9 @@ class DecodeSettings:
     mesh: tuple[int, int] | None = None  # (data-parallel, tensor-parallel) degrees; None: one device
 
 
-def _config_and_dtype(s: DecodeSettings):
-    """The model's config and compute dtype, read before anything is allocated."""
+def config_and_dtype(s):
+    """The model's config and compute dtype, read before anything is allocated. `s`: any
+    settings with model, model_dir, num_layers and dtype (DecodeSettings, PrefixSettings)."""
     if s.model_dir:
         return models.LlamaConfig.from_hf(s.model_dir), jnp.dtype(s.dtype or "bfloat16")
     cfg = preset(s.model)
@@ -129,7 +130,7 @@ def check_memory(s: DecodeSettings, cfg, dtype) -> None:
 
 def build_model(s: DecodeSettings, mesh=None):
     """(model, description of the weights). Random weights from the preset unless model_dir."""
-    cfg, dtype = _config_and_dtype(s)
+    cfg, dtype = config_and_dtype(s)
     if s.model_dir:
         model, _tok = models.load_pretrained(s.model_dir, dtype=dtype, mesh=mesh)
         return model, f"checkpoint {s.model_dir}"
@@ -241,7 +242,7 @@ def _summary(prefills, step_lists, batch, first_prefill, first_steps) -> dict:
 def run_decode(s: DecodeSettings, progress=None) -> dict:
     if s.new_tokens < 2:
         raise ValueError("new_tokens must be >= 2 (one from prefill, at least one decode step)")
-    cfg, dtype = _config_and_dtype(s)  # everything below is checked before a byte is allocated
+    cfg, dtype = config_and_dtype(s)  # everything below is checked before a byte is allocated
     if s.prompt_len + s.new_tokens > cfg.max_position_embeddings:
         raise ValueError(
             f"prompt_len + new_tokens = {s.prompt_len + s.new_tokens} exceeds the model's "

@@ -39,6 +39,7 @@ import numpy as np
 
 import arena_jax as aj
 import models
+from benchmarks.decode import config_and_dtype
 from benchmarks.presets import preset
 from models.memory import TooLarge, cache_bytes, check_fits, weight_bytes
 from models.steps import drop_page_rows, fork_page_rows, hold_page_rows
@@ -83,15 +84,6 @@ class PrefixSettings:
     @property
     def max_total_len(self) -> int:
         return self.max_prompt_len + self.new_tokens
-
-
-def config_and_dtype(s: PrefixSettings):
-    if s.model_dir:
-        return models.LlamaConfig.from_hf(s.model_dir), jnp.dtype(s.dtype or "bfloat16")
-    cfg = preset(s.model)
-    if s.num_layers:
-        cfg = dataclasses.replace(cfg, num_layers=s.num_layers)
-    return cfg, jnp.dtype(s.dtype or ("float32" if s.model == "tiny" else "bfloat16"))
 
 
 def make_layout(s: PrefixSettings, cfg, dtype) -> aj.KVLayout:
