@@ -34,10 +34,11 @@ MUTANTS = {
         "& jnp.all(covered | ~use, axis=1) & ~dup", "& jnp.all(covered | ~use, axis=1)"),
     "page_fill: max over layers instead of min": ("arena_jax/prefix_ops.py",
         "settled = jnp.min(table.written, axis=0)[:, None]", "settled = jnp.max(table.written, axis=0)[:, None]"),
-    "generate: the copied hit page stays counted as indexed": ("models/generate.py",
+    "scheduler: the copied hit page stays counted as indexed": ("models/scheduler.py",
         "            seq.in_index -= 1\n", ""),
-    "generate: indexes one token more than was written": ("models/generate.py",
-        "                self._index(seq, self._page_rows[r], seq.fed)\n", "                self._index(seq, self._page_rows[r], min(seq.fed + 1, len(seq.ids)))\n"),
+    "scheduler: indexes one token more than was written": ("models/scheduler.py",
+        "                self._index(seq, self._page_rows[self.slot_of[r]], seq.fed)\n",
+        "                self._index(seq, self._page_rows[self.slot_of[r]], min(seq.fed + 1, len(seq.ids)))\n"),
     "index: a hit does not lock its pages": ("arena_jax/prefix.py",
         "        self.lock(hit.nodes[-1])\n        return hit.nodes[-1]", "        return hit.nodes[-1]"),
     "index: eviction ignores locks": ("arena_jax/prefix.py",
@@ -47,7 +48,7 @@ MUTANTS = {
 }
 TESTS = {
     "arena_jax/prefix_ops.py": ["tests/test_allocator_model.py", "tests/test_prefix.py"],
-    "models/generate.py": ["tests/test_prefix.py"],
+    "models/scheduler.py": ["tests/test_prefix.py"],
     "arena_jax/prefix.py": ["tests/test_prefix.py"],
 }
 
