@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import kernel_cases
 from pallas_kernels import BlockSizes, append_reference, paged_append
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -23,10 +24,7 @@ append_ref = jax.jit(append_reference)
 
 
 def scrambled_page_map(seed, lengths, page_size, max_pages, num_pages=NUM_PAGES):
-    """Each row's pages drawn from a random permutation of the pool; -1 beyond its length."""
-    perm = jax.random.permutation(jax.random.PRNGKey(seed), num_pages)[: len(lengths) * max_pages]
-    needed = -(-np.asarray(lengths) // page_size)
-    return np.where(np.arange(max_pages)[None, :] < needed[:, None], np.asarray(perm).reshape(-1, max_pages), -1)
+    return np.asarray(kernel_cases.scrambled_page_map(seed, lengths, page_size, max_pages, num_pages))
 
 
 def make_inputs(*, seed, layers=2, kv_heads=2, page_size=8, head_dim=16, dtype=jnp.float32,

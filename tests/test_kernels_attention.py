@@ -13,33 +13,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import BlockSizes, append_reference, paged_append, paged_attention, paged_attention_reference
+import kernel_cases
+from kernel_cases import TOLERANCES, attention_ref, fill_ref
+from pallas_kernels import BlockSizes, paged_append, paged_attention
 
 ON_GPU = jax.default_backend() == "gpu"
 NUM_PAGES = 64  # one pool size for every test: the permutation compiles once
 HEAD_DIM = 16  # the smallest tile; other head sizes in test_head_sizes_page_sizes_and_groups
 
-# Tolerances vs the float32 reference, keyed by dtype. float32: the kernel and the reference
-# differ only in summation order (online softmax, split merge). fp16/bf16: the kernel rounds
-# the softmax weights to the input dtype before the P @ V matmul (as flash attention does)
-# and rounds the output once; bf16 keeps 8 mantissa bits (2^-8 ~ 4e-3 relative per term),
-# fp16 11 bits; outputs are O(1), so absolute and relative bounds are the same scale.
-TOLERANCES = {
-    jnp.dtype(jnp.float32): dict(atol=2e-5, rtol=2e-5),
-    jnp.dtype(jnp.float16): dict(atol=4e-3, rtol=4e-3),
-    jnp.dtype(jnp.bfloat16): dict(atol=3e-2, rtol=3e-2),
-}
-
-fill_ref = jax.jit(append_reference)
-attention_ref = jax.jit(paged_attention_reference, static_argnames=("sm_scale", "sliding_window"))
 
 
 def scrambled_page_map(seed, lengths, page_size, max_pages):
-    """Each row's pages drawn from a random permutation of the pool; -1 beyond its length."""
-    perm = jax.random.permutation(jax.random.PRNGKey(seed), NUM_PAGES)[: len(lengths) * max_pages]
-    needed = -(-np.asarray(lengths) // page_size)
-    pm = np.where(np.arange(max_pages)[None, :] < needed[:, None], np.asarray(perm).reshape(-1, max_pages), -1)
-    return jnp.asarray(pm, jnp.int32)
+    return kernel_cases.scrambled_page_map(seed, lengths, page_size, max_pages, NUM_PAGES)
 
 
 def make_case(*, seed, lengths, num_tokens, tokens, q_heads, kv_heads, page_size, dtype=jnp.float32,

@@ -19,33 +19,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import BlockSizes, append_reference, paged_append, paged_attention, paged_attention_reference
+import kernel_cases
+from kernel_cases import TOLERANCES, attention_ref, fill_ref
+from pallas_kernels import BlockSizes, paged_append, paged_attention
 from pallas_kernels.quant import dequantize_rows
 
 ON_GPU = jax.default_backend() == "gpu"
 NUM_PAGES = 64
 HEAD_DIM = 16  # the smallest 8-bit row (16 bytes)
 
-# Kernel vs reference, keyed by the dots' dtype (q's). Both see the same 8-bit values and
-# scales; each is exact in bf16/fp16/fp32, so the kernel adds only the float path's roundings:
-# fp32 summation order (online softmax, split merge); bf16 / fp16 the softmax weights rounded
-# (times the V scale) before the P @ V dot, q rounded to its own dtype on both sides, one
-# output rounding. Same bounds and reasons as the float arenas' (test_kernels_attention.py).
-TOLERANCES = {
-    jnp.dtype(jnp.float32): dict(atol=2e-5, rtol=2e-5),
-    jnp.dtype(jnp.float16): dict(atol=4e-3, rtol=4e-3),
-    jnp.dtype(jnp.bfloat16): dict(atol=3e-2, rtol=3e-2),
-}
-
-fill_ref = jax.jit(append_reference)
-attention_ref = jax.jit(paged_attention_reference, static_argnames=("sm_scale", "sliding_window"))
+# Kernel vs reference: kernel_cases.TOLERANCES, keyed by the dots' dtype (q's). Both see the same
+# 8-bit values and scales; each is exact in bf16/fp16/fp32, so the kernel adds only the float
+# path's roundings, as over float arenas.
 
 
 def scrambled_page_map(seed, lengths, page_size, max_pages):
-    perm = np.random.default_rng(seed).permutation(NUM_PAGES)[: len(lengths) * max_pages]
-    needed = -(-np.asarray(lengths) // page_size)
-    pm = np.where(np.arange(max_pages)[None, :] < needed[:, None], perm.reshape(-1, max_pages), -1)
-    return jnp.asarray(pm, jnp.int32)
+    return kernel_cases.scrambled_page_map(seed, lengths, page_size, max_pages, NUM_PAGES)
 
 
 def stale_arena(dtype, page_size, kv_heads, layers=2, scale_dtype=jnp.float32, stale_scale=np.nan, seed=0):

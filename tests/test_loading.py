@@ -13,6 +13,7 @@ from safetensors.numpy import save_file
 
 import models
 from models.cli import main as generate_main
+from hf_folders import save_hf_folder
 
 
 @pytest.fixture(scope="module")
@@ -25,21 +26,7 @@ def tensors(model):
     return models.export_hf_tensors(model)
 
 
-def _save(path, config: dict, tensors: dict, shards: int = 1):
-    path.mkdir(exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config))
-    if shards == 1:
-        save_file(tensors, str(path / "model.safetensors"))
-        return path
-    names = sorted(tensors)
-    weight_map = {}
-    for i in range(shards):
-        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        part = {n: tensors[n] for n in names[i::shards]}
-        save_file(part, str(path / fname))
-        weight_map.update({n: fname for n in part})
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return path
+_save = save_hf_folder
 
 
 def _load(path):

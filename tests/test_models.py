@@ -14,11 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 import arena_jax as aj
 import models
 from models.dense_baseline import dense_generate
+from hf_folders import save_hf_folder
 
 BATCH, CHUNK, NEW = 4, 8, 24
 
@@ -163,19 +164,7 @@ def test_full_size_models_eval_shape(preset):
 
 def _save(path, model, tensors=None, shards=1):
     tensors = models.export_hf_tensors(model) if tensors is None else tensors
-    path.mkdir(exist_ok=True)
-    (path / "config.json").write_text(json.dumps(model.config.to_hf()))
-    if shards == 1:
-        save_file(tensors, str(path / "model.safetensors"))
-        return
-    names = sorted(tensors)
-    weight_map = {}
-    for i in range(shards):
-        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        part = {n: tensors[n] for n in names[i::shards]}
-        save_file(part, str(path / fname))
-        weight_map.update({n: fname for n in part})
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    save_hf_folder(path, model.config.to_hf(), tensors, shards)
 
 
 def _same_params(a, b):
