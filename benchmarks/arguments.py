@@ -1,0 +1,220 @@
+"""arena-bench's command line: argument types (a bad value is an argparse error, exit status 2),
+each subcommand's flags and defaults, and `build_parser`."""
+from __future__ import annotations
+
+import argparse
+
+from models.argtypes import INT32_MAX, float_in, positive_int, seed
+
+GIB = 2**30
+
+
+# ---- argument types (errors become argparse messages, exit status 2) ---------------------------
+
+
+MAX_BUDGET_GIB = 2**20  # 1 PiB of KV: beyond any device (and past it GiB -> bytes loses integer precision)
+_budget_gib = float_in(0.0, MAX_BUDGET_GIB, low_open=True)
+_headroom = float_in(0.0, 1e6, low_open=True)  # past max_seq_len - 1 every slab is max-length anyway
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text}")
+    return value
+
+
+def _rate(text: str):
+    if text == "auto":
+        return "auto"
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or requests per step >= 0, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or requests per step >= 0, got {text}")
+    return value
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers in [1, {INT32_MAX}], got {text!r}") from None
+    if not values or min(values) < 1 or max(values) > INT32_MAX:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers in [1, {INT32_MAX}], got {text!r}")
+    return values
+
+
+MESH_AXES = {"dp": "data", "tp": "tensor"}
+
+
+def mesh_spec(text: str) -> tuple[int, int]:
+    """`tp=8`, `dp=2,tp=4`, `dp=8` -> (dp, tp): the data- and tensor-parallel degrees."""
+    degrees = {"dp": 1, "tp": 1}
+    seen = set()
+    for part in text.split(","):
+        key, _, value = part.strip().partition("=")
+        if key not in degrees or key in seen or not value.isdigit() or int(value) < 1:
+            raise argparse.ArgumentTypeError(f"expected 'tp=N', 'dp=N' or 'dp=N,tp=M' (positive N, M), got {text!r}")
+        seen.add(key)
+        degrees[key] = int(value)
+    return degrees["dp"], degrees["tp"]
+
+
+# ---- parser -----------------------------------------------------------------------------------------
+
+
+def _models():
+    from benchmarks.presets import PRESETS
+
+    return list(PRESETS)
+
+
+KV_DTYPES = ("bfloat16", "float16", "float32", "int8", "float8_e4m3fn", "float8_e5m2")
+
+
+def _add_kv_dtype(g, default="bfloat16", flag="--kv-dtype"):
+    g.add_argument(flag, choices=KV_DTYPES, default=default,
+                   help="the KV arena's dtype; int8 / float8_* store 8-bit values + a float32 scale per token and KV "
+                        "head (counted in the bytes)")  # fmt: skip
+
+
+def _add_capacity_args(p: argparse.ArgumentParser, defaults: dict) -> None:
+    g = p.add_argument_group("capacity")
+    g.add_argument("--model", choices=[m for m in _models() if not m.startswith("tiny")], default="mistral-7b",
+                   help="preset whose KV bytes per token size the budget (mistral-7b: 131,072 B/token)")  # fmt: skip
+    g.add_argument("--budget-gib", type=_budget_gib, default=defaults["budget_gib"], help="KV memory budget in GiB")
+    g.add_argument("--requests", type=positive_int, default=defaults["requests"], help="requests in the synthetic workload")
+    g.add_argument("--lengths", metavar="FILE",
+                   help="replay request lengths: CSV 'prompt_len,output_len[,arrival]' or JSON lines "
+                        '{"prompt_len": P, "output_len": O}; default: seeded log-normal chat-like mix')  # fmt: skip
+    g.add_argument("--rate", type=_rate, default="auto",
+                   help="arrivals per step (Poisson); 0 = all at step 0; auto = 1.5x what the budget serves "
+                        "if every sequence held exactly its tokens (an overload, so allocators run at capacity)")  # fmt: skip
+    g.add_argument("--max-seq-len", type=positive_int, default=2048, help="longest sequence = the max-length slab")
+    g.add_argument("--page-size", type=positive_int, default=16, help="arena page size in tokens")
+    g.add_argument("--max-seqs", type=positive_int, default=128, help="sequence slots (all allocators)")
+    g.add_argument("--headroom", type=_headroom, default=0.25, help="growth allocator's headroom")
+    g.add_argument("--watermark", type=_fraction, default=0.01, help="budget fraction admissions leave free for growth")
+    g.add_argument("--seed", type=seed, default=0, help="workload seed")
+    g.add_argument("--host-scheduler", action="store_true",
+                   help="drive the arena one jitted call per step from the host (slower; same figures)")  # fmt: skip
+    _add_kv_dtype(g)
+
+
+def _add_decode_args(p: argparse.ArgumentParser, defaults: dict) -> None:
+    g = p.add_argument_group("decode")
+    g.add_argument("--model", choices=_models(), default="tiny",
+                   help="preset with random weights (tiny-gqa: 8 query / 2 KV heads, for --mesh up to tp=8)")  # fmt: skip
+    g.add_argument("--model-dir", help="a Hugging Face Llama/Mistral checkpoint folder instead of random weights")
+    g.add_argument("--num-layers", type=positive_int, help="override the preset's depth (e.g. llama3-8b geometry on a CPU)")
+    g.add_argument("--batch", type=positive_int, default=defaults["batch"], help="sequences decoded together")
+    g.add_argument("--prompt-len", type=positive_int, default=defaults["prompt_len"], help="random prompt tokens per sequence")
+    g.add_argument("--new-tokens", type=positive_int, default=defaults["new_tokens"], help="tokens generated per sequence (>= 2)")
+    g.add_argument("--repeats", type=positive_int, default=defaults["repeats"], help="timed repeats (median reported)")
+    g.add_argument("--warmup", type=positive_int, default=1, help="untimed warm-up runs (compile)")
+    g.add_argument("--page-size", type=positive_int, default=16, help="arena page size in tokens")
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="None: float32 for tiny, else bfloat16")
+    g.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
+                   help="the paged arena's dtype (default: --dtype); int8 / float8_* quantize K/V on write (the dense "
+                        "cache stays in --dtype, so greedy tokens may then differ)")  # fmt: skip
+    g.add_argument("--seed", type=seed, default=0, help="weights and prompts")
+    g.add_argument("--mesh", type=mesh_spec, metavar="SPEC",
+                   help="run sharded over dp*tp devices: 'tp=8' (KV heads and Megatron weights over 8 devices), "
+                        "'dp=2,tp=4' (also slots, pages and batch rows over 2 data shards); on a CPU give it host "
+                        "devices with XLA_FLAGS=--xla_force_host_platform_device_count=N (a functional check, not a speed)")  # fmt: skip
+
+
+def _add_prefix_args(p: argparse.ArgumentParser) -> None:
+    from benchmarks.prefix import PrefixSettings
+
+    d = PrefixSettings()
+    g = p.add_argument_group("prefix")
+    g.add_argument("--model", choices=_models(), default=d.model, help="preset with random weights")
+    g.add_argument("--model-dir", help="a Hugging Face Llama/Mistral checkpoint folder instead of random weights")
+    g.add_argument("--num-layers", type=positive_int, help="override the preset's depth")
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="None: float32 for tiny, else bfloat16")
+    g.add_argument("--system-prompts", type=positive_int, default=d.system_prompts, help="distinct system prompts")
+    g.add_argument("--system-len", type=positive_int, default=d.system_len, help="tokens per system prompt")
+    g.add_argument("--conversations", type=positive_int, default=d.conversations, help="conversations (requests per turn)")
+    g.add_argument("--turns", type=positive_int, default=d.turns, help="turns per conversation")
+    g.add_argument("--user-len", type=positive_int, default=d.user_len, help="mean user message tokens (uniform in [len/2, 3len/2])")
+    g.add_argument("--new-tokens", type=positive_int, default=d.new_tokens, help="answer tokens per turn (greedy)")
+    g.add_argument("--batch", type=positive_int, default=d.batch, help="batch rows (sequences decoded together)")
+    g.add_argument("--chunk-size", type=positive_int, default=d.chunk_size, help="prefill chunk (tokens per prefill call)")
+    g.add_argument("--page-size", type=positive_int, default=d.page_size, help="page size in tokens")
+    g.add_argument("--num-pages", type=positive_int, help="KV budget in pages (default: twice what the batch rows need at their longest)")
+    g.add_argument("--budget-gib", type=_budget_gib, help="KV budget in GiB (instead of --num-pages)")
+    g.add_argument("--repeats", type=positive_int, default=d.repeats, help="timed runs per mode (alternating)")
+    g.add_argument("--seed", type=seed, default=d.seed, help="workload and weights")
+
+
+CAPACITY_DEFAULTS = {"budget_gib": 1.0, "requests": 100}
+TOUR_CAPACITY = {"budget_gib": 1.0, "requests": 100, "max_seq_len": 2048, "max_seqs": 128}
+DECODE_DEFAULTS = {"batch": 4, "prompt_len": 32, "new_tokens": 32, "repeats": 5}
+TOUR_DECODE = {"batch": 4, "prompt_len": 32, "new_tokens": 32, "repeats": 3, "num_layers": None}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", metavar="PATH", help="write the results (and device, JAX version, date, arguments) as JSON")
+    common.add_argument("--no-progress", action="store_true", help="no progress bar")
+    plot = argparse.ArgumentParser(add_help=False)
+    plot.add_argument("--plot", metavar="PATH", help="write a PNG plot")
+
+    parser = argparse.ArgumentParser(
+        prog="arena-bench",
+        description=__doc__.split("\n\n")[0].replace("\n", " "),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="With no subcommand: the tour (`arena-bench --json tour.json` works too).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{tour,layout,capacity,decode,kernels,accuracy,prefix}")
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+
+    p = sub.add_parser("tour", formatter_class=fmt, parents=[common], help="layout report + small capacity run + tiny-model decode (default)")
+    p.set_defaults(command="tour")
+
+    p = sub.add_parser("layout", formatter_class=fmt, parents=[common], help="KV bytes per token and pages for a budget (Mistral-7B, Llama-3)")
+    p.add_argument("--budget-gib", type=_budget_gib, default=40.0, help="KV budget in GiB")
+    p.add_argument("--page-size", type=positive_int, default=16, help="page size in tokens")
+    _add_kv_dtype(p)
+
+    p = sub.add_parser("capacity", formatter_class=fmt, parents=[common, plot], help="arena vs contiguous allocators under one KV budget")
+    _add_capacity_args(p, CAPACITY_DEFAULTS)
+
+    p = sub.add_parser("decode", formatter_class=fmt, parents=[common, plot], help="end-to-end decode: paged arena vs dense cache")
+    _add_decode_args(p, DECODE_DEFAULTS)
+
+    p = sub.add_parser("kernels", formatter_class=fmt, parents=[common, plot], help="Pallas append / paged-attention timings (needs a GPU)")
+    p.add_argument("--batches", type=_int_list, default=None, help="comma-separated batch sizes")
+    p.add_argument("--contexts", type=_int_list, default=None, help="comma-separated context lengths")
+    p.add_argument("--page-size", type=positive_int, default=None)
+    p.add_argument("--repeats", type=positive_int, default=None)
+    p.add_argument("--num-q-heads", type=positive_int, default=None)
+    p.add_argument("--num-kv-heads", type=positive_int, default=None)
+    p.add_argument("--head-dim", type=positive_int, default=None)
+    p.add_argument("--dtype", choices=KV_DTYPES, default=None,
+                   help="the arena's dtype; for int8 / float8_* the queries and new K/V are bfloat16")
+    p.add_argument("--compile-report", action="store_true",
+                   help="instead of timings: compile every kernel variant for an H100 (sm_90a) without a GPU and print "
+                        "registers, spills, shared memory, CTAs/SM, tensor-core instruction, TMA "
+                        "(needs scripts/install_sm90_tools.sh; JAX_PLATFORMS=cpu on a host without a GPU)")
+    p.add_argument("--via", choices=("xla", "plugin"), default="xla",
+                   help="--compile-report: XLA's deviceless GPU compiler (what runs on a GPU) or the CUDA plugin's Triton handler")
+    p.add_argument("--only", metavar="TEXT", help="--compile-report: only variants whose label contains TEXT")
+
+    p = sub.add_parser("accuracy", formatter_class=fmt, parents=[common],
+                       help="8-bit KV arenas vs bf16: attention error (outlier keys) and end-to-end logits (CPU)")
+    p.add_argument("--context", type=positive_int, default=1024, help="cached tokens per row in the attention test")
+    p.add_argument("--new-tokens", type=positive_int, default=64, help="greedy tokens per prompt in the model test")
+    p.add_argument("--seed", type=seed, default=0)
+    p.add_argument("--skip-models", action="store_true", help="only the attention measurement")
+    p = sub.add_parser("prefix", formatter_class=fmt, parents=[common, plot],
+                       help="multi-turn chat with and without the prefix cache under one KV budget")  # fmt: skip
+    _add_prefix_args(p)
+    parser.subcommands = sub.choices  # name -> subparser, to report errors per subcommand
+    return parser
