@@ -262,8 +262,10 @@ def test_triton_deprecation_warning_is_never_an_error():
     warning filters (pyproject.toml) must show it, never raise it."""
     import warnings
 
-    warnings.warn("The Pallas Triton backend is deprecated and will be removed in a future JAX version.",
-                  DeprecationWarning, stacklevel=1)
+    with warnings.catch_warnings(record=True) as seen:  # the suite's filters stay; shown ones are recorded
+        warnings.warn("The Pallas Triton backend is deprecated and will be removed in a future JAX version.",
+                      DeprecationWarning, stacklevel=1)
+    assert [type(w.message) for w in seen] == [DeprecationWarning], "the suite's filters must show it, not hide it"
 
 
 @pytest.mark.parametrize("tokens,dtype,window", [(1, jnp.bfloat16, None), (64, jnp.float16, 128), (3, jnp.float32, None)])
