@@ -19,7 +19,7 @@ import numpy as np
 
 PAD = -1
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
-OP_COUNTS: collections.Counter = collections.Counter()  # ops run per mode (reported after the session)
+OP_COUNTS: collections.Counter = collections.Counter()  # ops run per mode (and 8-bit arena dtype), reported after the session
 
 
 def ceil_div(a: int, b: int) -> int:

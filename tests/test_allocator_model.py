@@ -26,7 +26,7 @@ for bit, an independent numpy quantization of the token's K and V
 Stale pages start NaN-poisoned (values and scales) so a stale read shows.
 
 Soak: `HYPOTHESIS_PROFILE=soak pytest tests/test_allocator_model.py -s` (see conftest.py);
-`ARENA_MODEL_MODES=jit` (or `host,host-numpy`) soaks one mode.
+`ARENA_MODEL_MODES=jit` (or `host,host-numpy`) soaks one mode; `ARENA_MODEL_8BIT` the 8-bit formats.
 """
 from __future__ import annotations
 
@@ -60,13 +60,15 @@ VALUES = np.random.default_rng(0).standard_normal((2, MAX_IDS, L, H, D)).astype(
 GARBAGE = 1e6  # what rows that must write nothing carry
 ATOL = 2e-5  # f32 kernels vs the float64 oracle (head_dim 16, values ~N(0, 1); 8-bit arenas: the
 # oracle takes the dequantized values, and the kernels compute in f32, so the same bound holds)
-# Arena dtype, drawn per example: an 8-bit arena in a quarter of them (int8 here; the fp8
-# formats differ only inside the kernels, which test_kernels_quantized.py covers). 8-bit
+# Arena dtype, drawn per example: an 8-bit arena in a quarter of them (int8 in CI; the fp8
+# formats differ only inside the kernels, which test_kernels_quantized.py covers, and a soak
+# draws them with ARENA_MODEL_8BIT=int8,float8_e4m3fn,float8_e5m2). 8-bit
 # examples run in jit mode (where totality is at stake; the host checks of 8-bit inputs are
 # test_quantized.py's) without a window (windows are the kernels' business, tested there):
 # every (mode, window, backend) is a separate compile, so this keeps the CI cost small.
 MODES = tuple(os.environ.get("ARENA_MODEL_MODES", "host,host-numpy,jit,jit").split(","))  # a soak may pick one
-DTYPES = ("float32", "float32", "float32", "int8") if "jit" in MODES else ("float32",)
+EIGHT_BIT = tuple(os.environ.get("ARENA_MODEL_8BIT", "int8").split(","))
+DTYPES = ("float32",) * 3 * len(EIGHT_BIT) + EIGHT_BIT if "jit" in MODES else ("float32",)
 
 
 @functools.lru_cache(maxsize=None)
@@ -476,7 +478,7 @@ def run_ops(ops, mode: str, backend: str, window, dtype: str = "float32", seed: 
         else:
             expanded.append((name, bad, payload, True))
     for name, bad, payload, check in expanded:
-        OP_COUNTS[mode] += 1
+        OP_COUNTS[mode if dtype == "float32" else f"{mode} {dtype}"] += 1
         if name == "reserve":
             rows = resolve_rows(model, payload, lambda s: min(MAX_T, model.max_len - model.length(s)))
             rows = pad_rows(rows if bad or mode == "jit" else dedupe(rows), (PAD, 0))
