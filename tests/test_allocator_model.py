@@ -437,6 +437,8 @@ def kv_rows(model, layer, rows, written_ids):
 
 
 def run_ops(ops, mode: str, backend: str, window, dtype: str = "float32", seed: int = 0):
+    """Run `ops` on a fresh cache and on the model, checking state (and attention) after each;
+    then drop every hold and release every slot. Returns the final page table."""
     cache = aj.create(dataclasses.replace(LAYOUT, dtype=dtype))
     # Stale pages NaN everywhere (values; and scales, the one stale thing an int8 arena can hold
     # as NaN): any read of an unwritten position or a recycled page's old tokens shows.
@@ -594,7 +596,11 @@ def run_ops(ops, mode: str, backend: str, window, dtype: str = "float32", seed: 
     for i in range(0, len(held), ROWS):
         cache = calls["drop_pages"](cache, args(pad_rows(held[i : i + ROWS], PAD)))
     cache = calls["release"](cache, args(list(range(LAYOUT.max_seqs)) + [PAD] * (ROWS - LAYOUT.max_seqs)))
-    table = cache.table
+    return cache.table
+
+
+def assert_everything_free(table):
+    """No leak: after dropping every hold and releasing every slot, each page is free exactly once."""
     assert int(table.num_free) == LAYOUT.num_pages
     assert sorted(np.asarray(table.free_stack).tolist()) == list(range(LAYOUT.num_pages)), "each page free exactly once"
     assert not np.asarray(table.refcount).any() and not np.asarray(table.written).any() and not np.asarray(table.held).any()
@@ -684,5 +690,6 @@ setup_st = st.sampled_from(DTYPES).flatmap(
 @example(ops=REVIEW_HOLES, setup=("float32", "host", None), backend="reference")
 @example(ops=REVIEW_HOLES, setup=("float32", "host-numpy", None), backend="pallas")
 def test_random_operation_sequences_match_model(ops, setup, backend):
+    """Every step is checked against the model inside run_ops; at the end nothing may leak."""
     dtype, mode, window = setup
-    run_ops(ops, mode, backend, window, dtype)
+    assert_everything_free(run_ops(ops, mode, backend, window, dtype))
