@@ -87,6 +87,11 @@ def _dot(a, b, *, transpose_b: bool):
     return lax.dot_general(a, b, contract, precision=precision, preferred_element_type=jnp.float32)
 
 
+def _finite_rows(x):
+    """x [n, lanes] -> bool[n]: every lane finite (x * 0 is 0, or NaN for NaN / inf; summed in f32)."""
+    return jnp.sum(x.astype(jnp.float32) * 0, axis=1) == 0
+
+
 def _attention_kernel(
     # inputs
     layer_ref,  # i32[1]
@@ -179,6 +184,10 @@ def _attention_kernel(
         live = in_range & (page >= 0)
         kv_idx = index_of(layer, h, jnp.maximum(page, 0)[:, None], lax.rem(tok, page_size)[:, None], d)
         kv_mask = live[:, None] & d_live  # [block_k, tile_d]
+        # Poison (NaN / inf) reaches only the queries that attend to it: a V row with a
+        # non-finite lane (8-bit, bf16/f32 compute: a non-finite value scale) is selected to
+        # zero and flagged (v_ok), as is a non-finite score (s_ok); a flagged pair a query
+        # attends to gets a NaN weight, which makes that query's whole row NaN.
         if quantized:  # dead keys load no value and no scale (other=0), so stale NaN scales stay out
             # `other` as a float: Triton casts it to the arena dtype, and has no int -> fp8 cast.
             k = masked_load(k_ref.at[kv_idx], mask=kv_mask, other=0.0).astype(compute)  # [block_k, tile_d]
@@ -186,20 +195,22 @@ def _attention_kernel(
             s_idx = index_of(layer, h, jnp.maximum(page, 0), lax.rem(tok, page_size))
             k_scale = masked_load(k_scale_ref.at[s_idx], mask=live, other=0.0).astype(jnp.float32)  # [block_k]
             v_scale = masked_load(v_scale_ref.at[s_idx], mask=live, other=0.0).astype(jnp.float32)  # [block_k]
-            v = v.astype(compute) if fold_v else (v.astype(jnp.float32) * v_scale[:, None]).astype(compute)
+            if fold_v:  # the row's poison is its scale (8-bit values are finite): zeroed, p * scale is 0
+                v_ok = jnp.abs(v_scale) <= _F32_MAX  # [block_k]
+                v_scale = jnp.where(v_ok, v_scale, 0.0)
+                v = jnp.where(kv_mask, v.astype(compute), jnp.zeros((), compute))
+            else:  # fp16: the dequantized tile itself (vq * scale may also overflow fp16)
+                v = (v.astype(jnp.float32) * v_scale[:, None]).astype(compute)
+                v_ok = _finite_rows(v)
+                v = jnp.where(kv_mask & v_ok[:, None], v, jnp.zeros_like(v))
             s = _dot(q, k, transpose_b=True) * (k_scale * sm_scale)[None, :]  # [rows, block_k] f32
         else:
             k = masked_load(k_ref.at[kv_idx], mask=kv_mask, other=0).astype(compute)  # [block_k, tile_d]
             v = masked_load(v_ref.at[kv_idx], mask=kv_mask, other=0).astype(compute)  # [block_k, tile_d]
             s = _dot(q, k, transpose_b=True) * sm_scale  # [rows, block_k] f32
-        # Poison (NaN / inf) reaches only the queries that attend to it: a V row with a
-        # non-finite lane (or value scale) is selected to zero and flagged; a non-finite score
-        # is flagged; flagged pairs a query attends to give it NaN weight (its whole row NaN).
-        v_ok = jnp.max(jnp.where(jnp.abs(v) <= v_max, 0, 1), axis=1) == 0  # [block_k]
-        if quantized and fold_v:
-            v_ok &= jnp.abs(v_scale) <= _F32_MAX
-            v_scale = jnp.where(v_ok, v_scale, 0.0)
-        v = jnp.where(kv_mask & v_ok[:, None], v, jnp.zeros_like(v))  # select: stale V never meets a zero weight
+            # V checked after the QK^T dot: this order keeps ptxas clear of spills (sm90 report).
+            v_ok = _finite_rows(v)
+            v = jnp.where(kv_mask & v_ok[:, None], v, jnp.zeros_like(v))
         s_ok = jnp.abs(s) <= _F32_MAX  # [rows, block_k]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s * (1.0 / soft_cap))

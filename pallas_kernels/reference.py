@@ -137,8 +137,11 @@ def paged_attention_reference(
     is not finite (NaN or inf in q or in the key's K row, a NaN key scale, an f32 overflow),
     or whose V row (as converted to the compute dtype, or its 8-bit value scale) holds a
     NaN or inf in any lane, is NaN in every lane: one poisoned key poisons the whole output
-    row of each query (head) that attends to it, in float and 8-bit arenas alike (an 8-bit
-    row with a NaN/inf input is stored with a NaN scale). A row that attends to no key is 0.
+    row of each query (head) that attends to it, in float and 8-bit arenas alike. In 8-bit
+    arenas the poison is the scale: append stores a row with a NaN/inf input as a NaN scale,
+    and 8-bit values are finite by construction (quantization saturates), so with bf16 / f32
+    compute only the scales are checked; with fp16 compute the dequantized row is (it can
+    also overflow fp16). A row that attends to no key is 0.
     """
     batch, tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, _, page_size, _ = k_arena.shape
@@ -169,18 +172,19 @@ def paged_attention_reference(
         vs_seq = _gather_rows(v_scale, layer, pages, batch, max_keys).astype(f32)
         scale = (ks_seq * sm_scale).transpose(0, 2, 1)[:, :, None, None, :]  # [B, Hkv, 1, 1, S_total]
         fold_v = compute != jnp.dtype(jnp.float16)
-        if fold_v:
-            v_c = v_seq.astype(compute)
-            v_ok = jnp.all(jnp.isfinite(v_c), axis=-1) & jnp.isfinite(vs_seq)  # [B, S_total, Hkv]
+        if fold_v:  # a row's poison is its scale (8-bit values are finite by construction)
+            v_ok = jnp.isfinite(vs_seq)  # [B, S_total, Hkv]
             vs_seq = jnp.where(live & v_ok, vs_seq, 0.0)
-        else:
+            v_c = jnp.where(live[..., None], v_seq.astype(compute), jnp.zeros((), compute))
+        else:  # fp16: the dequantized row itself (vq * scale may overflow fp16)
             v_c = (v_seq.astype(f32) * vs_seq[..., None]).astype(compute)
             v_ok = jnp.all(jnp.isfinite(v_c), axis=-1)
+            v_c = jnp.where((live & v_ok)[..., None], v_c, jnp.zeros_like(v_c))
     else:
         scale = sm_scale
         v_c = v_seq.astype(compute)
         v_ok = jnp.all(jnp.isfinite(v_c), axis=-1)  # [B, S_total, Hkv]
-    v_c = jnp.where((live & v_ok)[..., None], v_c, jnp.zeros_like(v_c))  # select: dead or poisoned rows are 0
+        v_c = jnp.where((live & v_ok)[..., None], v_c, jnp.zeros_like(v_c))  # select: dead or poisoned rows are 0
     s = dots * scale  # [B, Hkv, G, T, S_total] f32
     s_ok = jnp.isfinite(s)
     if logits_soft_cap is not None:
