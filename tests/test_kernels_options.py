@@ -228,7 +228,8 @@ class TestOptionsCompiled(_OptionsTest):
 def test_soft_cap_is_gemma2s():
     """The reference's soft-capped attention == Hugging Face transformers' Gemma 2 eager
     attention (`attn_weights / softcap; tanh; * softcap` after scaling, then the causal mask)."""
-    import torch
+    torch = pytest.importorskip("torch")  # the Hugging Face stack, as in the parity tests
+    pytest.importorskip("transformers")
     from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
 
     n, q_heads, kv_heads, scale, cap = 11, 4, 2, 0.3, 2.5
