@@ -168,7 +168,6 @@ def _attention_kernel(
     # The dots run in q's dtype (the compute dtype): K / V tiles are converted to it in registers.
     compute = q_ref.dtype
     fold_v = compute != jnp.float16  # 8-bit V: scale folded into p (bf16/f32 range) or the tile (fp16)
-    v_max = float(jnp.finfo(compute).max)
 
     # Keys any row of this program may see: [lo, hi), then whole blocks from lo's page.
     t_first = tb * block_tokens
