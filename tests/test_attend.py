@@ -2,8 +2,6 @@
 and no stale data of an earlier tenant ever reaches the output."""
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -142,21 +140,20 @@ def clean_order(layout, seed):
 
 @pytest.mark.parametrize("backend", ["reference", "pallas"])
 def test_traced_windows_in_a_scan_over_layers_equal_static_calls(backend):
-    """Per-layer windows as a traced int32 array inside `lax.scan` over layers (local / global
+    """Per-step windows as a traced int32 array inside `lax.scan` over layers (local / global
     layers, as Gemma 2 / 3 interleave them; a global layer marked with a window >= max_seq_len),
     with a logit soft-cap: the same outputs as one static call per layer, and == the float64
     oracle; a traced window <= 0 admits no key (zeros)."""
-    layout = dataclasses.replace(make_layout(2), num_layers=3)
-    cache = scramble(aj.create(layout), seed=4)
+    cache = scramble(aj.create(make_layout(2)), seed=4)
     rng = np.random.default_rng(4)
     slots, n, new, cap = np.arange(3), np.array([11, 6, 14]), np.array([3, 1, 4]), 2.0
     cache, _ = aj.reserve(cache, slots, n)
-    keys = rng.standard_normal((3, 3, 14, 2, HEAD_DIM)).astype(np.float32)  # [L, B, n, Hkv, D]
+    keys = rng.standard_normal((2, 3, 14, 2, HEAD_DIM)).astype(np.float32)  # [L, B, n, Hkv, D]
     values = rng.standard_normal(keys.shape).astype(np.float32)
-    for layer in range(3):
+    for layer in range(2):
         cache = aj.append(cache, layer, slots, keys[layer], values[layer], num_tokens=n)
-    q = jnp.asarray(rng.standard_normal((3, 3, 4, 8, HEAD_DIM)), jnp.float32)  # [L, B, T, Hq, D]
-    windows = jnp.asarray([4, np.iinfo(np.int32).max, 0], jnp.int32)
+    layers, windows = jnp.asarray([0, 1, 1]), jnp.asarray([4, np.iinfo(np.int32).max, 0], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((3, 3, 4, 8, HEAD_DIM)), jnp.float32)  # [steps, B, T, Hq, D]
 
     @jax.jit
     def all_layers(cache, q, windows):
@@ -166,15 +163,15 @@ def test_traced_windows_in_a_scan_over_layers_equal_static_calls(backend):
                             backend=backend)
             return carry, out
 
-        return jax.lax.scan(layer_step, 0, (jnp.arange(3), q, windows))[1]
+        return jax.lax.scan(layer_step, 0, (layers, q, windows))[1]
 
     got = np.asarray(all_layers(cache, q, windows))
-    for layer, window in ((0, 4), (1, None)):
-        static = aj.attend(q[layer], cache, layer, slots, num_tokens=new, sliding_window=window, logits_soft_cap=cap,
+    for step, window in ((0, 4), (1, None)):
+        static = aj.attend(q[step], cache, step, slots, num_tokens=new, sliding_window=window, logits_soft_cap=cap,
                            backend=backend)
-        np.testing.assert_allclose(got[layer], np.asarray(static), atol=1e-6, rtol=0)
+        np.testing.assert_allclose(got[step], np.asarray(static), atol=1e-6, rtol=0)
         for b in range(3):
-            want = dense_attention(np.asarray(q[layer, b]), keys[layer, b, : n[b]], values[layer, b, : n[b]], new[b],
+            want = dense_attention(np.asarray(q[step, b]), keys[step, b, : n[b]], values[step, b, : n[b]], new[b],
                                    window, cap)
-            np.testing.assert_allclose(got[layer, b, : new[b]], want[: new[b]], atol=ATOL["float32"], rtol=0)
+            np.testing.assert_allclose(got[step, b, : new[b]], want[: new[b]], atol=ATOL["float32"], rtol=0)
     assert not got[2].any(), "a traced window of 0 admits no key"
