@@ -238,6 +238,13 @@ HOST_ERRORS = {
     "window of zero": (lambda c: aj.attend(jnp.ones((1, 1, 1, 16)), c, 0, [0], sliding_window=0), "sliding_window"),
     "window as bool": (lambda c: aj.attend(jnp.ones((1, 1, 1, 16)), c, 0, [0], sliding_window=True), "sliding_window"),
     "nan sm_scale": (lambda c: aj.attend(jnp.ones((1, 1, 1, 16)), c, 0, [0], sm_scale=float("nan")), "sm_scale"),
+    "window as float": (lambda c: aj.attend(jnp.ones((1, 1, 1, 16)), c, 0, [0], sliding_window=4.0), "sliding_window"),
+    "negative window array": (lambda c: aj.attend(jnp.ones((1, 1, 1, 16)), c, 0, [0], sliding_window=jnp.int32(-2)),
+                              "sliding_window"),
+    "zero soft cap": (lambda c: aj.attend(jnp.ones((1, 1, 1, 16)), c, 0, [0], logits_soft_cap=0.0), "logits_soft_cap"),
+    "inf soft cap": (lambda c: aj.attend(jnp.ones((1, 1, 1, 16)), c, 0, [0], logits_soft_cap=float("inf")),
+                     "logits_soft_cap"),
+    "soft cap as bool": (lambda c: aj.attend(jnp.ones((1, 1, 1, 16)), c, 0, [0], logits_soft_cap=True), "logits_soft_cap"),
     "fork from PAD": (lambda c: aj.fork(c, [aj.PAD_SLOT], [1]), "PAD_SLOT"),
 }
 
@@ -263,6 +270,16 @@ def test_sm_scale_may_be_a_concrete_jax_scalar_but_not_a_traced_one():
     np.testing.assert_allclose(aj.attend(q, cache, 0, [0], sm_scale=jnp.float32(0.5)), aj.attend(q, cache, 0, [0], sm_scale=0.5))
     with pytest.raises(ValueError, match="concrete"):
         jax.jit(lambda s: aj.attend(q, cache, 0, [0], sm_scale=s))(0.5)
+
+
+def test_soft_cap_must_be_concrete_and_a_traced_window_an_integer_scalar():
+    cache = fill(aj.create(LAYOUT), 0, 3, 1.0)
+    q = jnp.ones((1, 1, 1, 16))
+    with pytest.raises(ValueError, match="logits_soft_cap must be a concrete number"):
+        jax.jit(lambda cap: aj.attend(q, cache, 0, [0], logits_soft_cap=cap))(30.0)
+    for bad in (jnp.float32(4.0), jnp.ones(2, jnp.int32), jnp.bool_(True)):
+        with pytest.raises(ValueError, match="sliding_window must be a positive int, None or a traced integer scalar"):
+            jax.jit(lambda w: aj.attend(q, cache, 0, [0], sliding_window=w))(bad)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
