@@ -53,7 +53,7 @@ run_line() {  # $1: line name; pytest in its venv ($2...: extra pytest arguments
     local line=$1; shift
     local env=()
     [[ $line == py313 ]] && env=(ARENA_HF_REFERENCE=absent)
-    env "${env[@]}" ".venv-$line/bin/python" -m pytest -p no:cacheprovider "$@"
+    env "${env[@]}" ".venv-$line/bin/python" -m pytest -p no:cacheprovider -rs "$@"  # -rs: every skip with its reason
 }
 
 start=$SECONDS
