@@ -53,7 +53,9 @@ run_line() {  # $1: line name; pytest in its venv ($2...: extra pytest arguments
     local line=$1; shift
     local env=()
     [[ $line == py313 ]] && env=(ARENA_HF_REFERENCE=absent)
-    env "${env[@]}" ".venv-$line/bin/python" -m pytest -p no:cacheprovider -rs "$@"  # -rs: every skip with its reason
+    # -rs: every skip with its reason; `time`: the line's CPU time (load-independent), on stderr
+    local TIMEFORMAT="[$line] pytest: %R s wall, %U s user + %S s system CPU"
+    time env "${env[@]}" ".venv-$line/bin/python" -m pytest -p no:cacheprovider -rs "$@"
 }
 
 start=$SECONDS
@@ -95,6 +97,7 @@ else
 fi
 status=0
 for line in $LINES; do
+    grep -h "^\[$line\] pytest: " "$LOGS/$line.log" || true
     echo "[$line] pytest rc=${rcs[$line]} in ${secs[$line]} s"
     [[ ${rcs[$line]} == 0 ]] || status=1
 done

@@ -1,7 +1,8 @@
 """The Mosaic GPU decode kernel (`pallas_kernels.mosaic_decode`, backend="mosaic"): what can be
 checked without a GPU.
 
-- It lowers, for an H100 (abstract device), to a Mosaic GPU custom call on both JAX lines.
+- It lowers, for an H100 (abstract device), to a Mosaic GPU custom call on both JAX lines
+  (every `arena-bench kernels --compile-report` variant; on JAX 0.11 with TMA and wgmma).
 - In Mosaic GPU's interpret mode (JAX >= 0.11; JAX 0.10's interpreter cannot take the
   transposed K operand) it equals the reference on fresh random data: scrambled pages, an
   unmapped page inside a row's length, stale NaN pages past the length and in the dead rows of
@@ -12,18 +13,16 @@ It has never run on a GPU (pallas_kernels/README.md says how far it is verified)
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import export
 
 import arena_jax as aj
 from kernel_cases import TOLERANCES, attention_ref
 from pallas_kernels import sm90
 from pallas_kernels.mosaic_decode import interpret_available, mosaic_paged_decode, mosaic_unsupported_reason
+from pallas_kernels.sm90_mosaic import MOSAIC_VARIANTS, lower_mosaic_call
 
 needs_interpret = pytest.mark.skipif(
     not interpret_available(),
@@ -53,18 +52,18 @@ def _case(seed, dtype, *, batch=3, kv_heads=2, group=4, head_dim=64, page_size=1
             jnp.asarray(lengths), jnp.asarray(num_tokens))
 
 
-@pytest.mark.parametrize("dtype,page_size,head_dim,group", [
-    (jnp.bfloat16, 16, 64, 4), (jnp.float16, 32, 128, 8), (jnp.bfloat16, 64, 256, 1), (jnp.float16, 128, 128, 5)])
-def test_lowers_to_mosaic_gpu_for_an_h100(dtype, page_size, head_dim, group):
-    sds = jax.ShapeDtypeStruct
-    arena = sds((2, 8, 64, page_size, head_dim), dtype)
-    args = (sds((4, 1, 8 * group, head_dim), dtype), arena, arena, sds((), jnp.int32), sds((4, 16), jnp.int32),
-            sds((4,), jnp.int32), sds((4,), jnp.int32))
-    fn = jax.jit(functools.partial(mosaic_paged_decode, interpret=False))
-    with sm90.h100_lowering():
-        text = export.export(fn, platforms=["cuda"])(*args).mlir_module()
-    assert text.count("stablehlo.custom_call @mosaic_gpu_v2") == 1
-    assert f"mosaic_paged_decode_g{group}_p{page_size}_d{head_dim}" in text  # the kernel's name, in its location
+@pytest.mark.parametrize("variant", MOSAIC_VARIANTS, ids=lambda v: v.label.replace(" ", "-"))
+def test_lowers_for_an_h100_with_tma_and_wgmma(variant):
+    """Every compile-report variant (`sm90_mosaic.MOSAIC_VARIANTS`) lowers to one Mosaic GPU
+    kernel for an H100. On JAX >= 0.11 its lowering also shows TMA copies (q, K, V in; the
+    output out), both dots on wgmma, and a shared-memory plan within an H100's per-block limit."""
+    facts = lower_mosaic_call(*variant.call())
+    assert facts.lowered and facts.name == f"mosaic_paged_decode_g{variant.group}_p{variant.page_size}_d{variant.head_dim}"
+    if interpret_available():  # JAX >= 0.11: the lowering dumps its facts
+        assert facts.wgmma == 2 and facts.tma_loads >= 3 and facts.tma_stores >= 1, facts
+        assert 0 < facts.smem <= sm90.SM90["smem_per_block"], facts
+    else:
+        assert facts.smem is None and facts.wgmma is None  # JAX 0.10 dumps nothing: n/a in the report
 
 
 @needs_interpret
