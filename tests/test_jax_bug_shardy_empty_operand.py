@@ -6,7 +6,8 @@ under `CpuCompiler::RunHloPasses`) on a `jax.shard_map` over 2 or more devices w
 closes over a zero-sized constant: JAX passes the constant into the manual computation as an
 operand, XLA's zero-sized-HLO elimination replaces its use, and the pattern that then drops the
 unused operand crashes. jaxlib 0.10.2 compiles the same StableHLO (identical lowering) and runs
-it. GSPMD (`jax_use_shardy_partitioner=False`, deprecated) does not crash.
+it, and so does jaxlib 0.12.0.1 (fixed there). GSPMD (`jax_use_shardy_partitioner=False`,
+deprecated) does not crash.
 
 How we met it: `aj.fork_pages` on a tensor-parallel cache
 (`tests/sharded_checks.py::test_prefix_ops_on_a_tensor_parallel_cache_equal_one_device`) built
@@ -29,7 +30,7 @@ import sys
 import jax
 import pytest
 
-# jaxlib versions seen to crash on the program below (0.10.2 runs it; later ones are untested).
+# jaxlib versions seen to crash on the program below (0.10.2 and 0.12.0.1 run it).
 AFFECTED = ("0.11.",)
 
 REPRO = """
