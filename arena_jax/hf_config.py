@@ -1,31 +1,43 @@
-"""Hugging Face `config.json` for Llama and Mistral, read the way `transformers` reads it.
+"""Hugging Face `config.json` of a decoder, read the way `transformers` reads it.
 
 The one reader behind `arena_jax.KVLayout.from_hf_config` and `models.LlamaConfig.from_hf`:
 
     cfg = parse_hf_config("path/to/checkpoint")     # a folder, its config.json, or a dict
-    cfg.num_key_value_heads, cfg.head_dim, cfg.rope_theta, cfg.eos_token_ids, ...
+    cfg.num_key_value_heads, cfg.head_dim, cfg.layer_types, cfg.rope_theta, cfg.eos_token_ids, ...
 
-- Defaults are transformers' own, per `model_type` (`LlamaConfig`, `MistralConfig` in
-  transformers 5.x `models/{llama,mistral}/configuration_*.py`); a missing `model_type` reads
-  as Llama (as `LlamaConfig.from_pretrained` does). tests/test_hf_config.py checks every value
-  here against the installed transformers.
+Model types: llama, mistral, qwen2, qwen3, gemma2, gemma3_text (a missing `model_type` reads
+as Llama, as `LlamaConfig.from_pretrained` does).
+
+- Defaults are transformers' own, per `model_type` (`arena_jax.hf_schemas`: its config classes
+  as data). tests/test_hf_config.py checks every value here against the installed transformers.
 - Types are strict, as transformers' `@strict` config dataclasses check them: an int field
   takes a JSON integer (not 2.0, "2" or true), a bool field a JSON bool, a float field a JSON
   float. `null` is allowed where transformers allows it and means its fallback:
-  `num_key_value_heads` -> `num_attention_heads` (Llama only), `head_dim` ->
-  `hidden_size // num_attention_heads`, Mistral's `sliding_window` -> no window.
+  `num_key_value_heads` -> `num_attention_heads` (Llama, Qwen), `head_dim` ->
+  `hidden_size // num_attention_heads`, `sliding_window` -> no window.
+- Derivations as transformers makes them: `layer_types` (per layer "full_attention" or
+  "sliding_attention") default to Gemma 2's alternation (sliding first), Gemma 3's
+  `sliding_window_pattern` (default 6: every 6th layer full), and for Qwen sliding layers from
+  `max_window_layers` on when `use_sliding_window` (else no window at all); Mistral windows
+  every layer, Llama none. `sliding_window` is the window of the sliding layers.
 - RoPE as transformers 5 standardizes it: a non-empty `rope_scaling` replaces
   `rope_parameters`; a `rope_theta` inside them wins over the top-level one (default 10000);
   `type` is the old spelling of `rope_type`; llama3's `original_max_position_embeddings`
-  defaults to `max_position_embeddings` and its other keys are required.
+  defaults to `max_position_embeddings` and its other keys are required; linear needs
+  `factor`. Gemma 3 has one set per layer type: `rope_parameters.{full,sliding}_attention`,
+  or the older keys `rope_theta` (full, default 1e6), `rope_local_base_freq` (sliding,
+  default 1e4) and `rope_scaling` (full layers only).
 - Stop tokens as transformers' `generate` finds them: `generation_config.json`'s
   `eos_token_id` when that file sits beside config.json, else config.json's own
   `eos_token_id` key (an absent key means none: generate does not fall back to the class
-  default 2).
+  default).
+- What the modeling code computes: Qwen 2 has q/k/v biases (not o), Llama / Qwen 3 / Gemma
+  bias all four with `attention_bias`; Gemma 3's attention does not apply
+  `attn_logit_softcapping` (transformers 5 ignores the key there), so it reads as None.
 - Beyond transformers (which accepts these and fails later, or computes garbage): sizes must
   be integers in [1, 2**31 - 1], `num_key_value_heads` must divide `num_attention_heads`,
-  `rms_norm_eps` and `rope_theta` must be finite and > 0, `head_dim` even, eos ids inside
-  the vocabulary.
+  `rms_norm_eps`, `rope_theta` and soft-caps must be finite and > 0, `head_dim` even, eos ids
+  inside the vocabulary, layer types only "full_attention" / "sliding_attention".
 
 Every problem is a ValueError naming the file, the key, the value and the limit.
 """
@@ -37,65 +49,37 @@ import math
 import os
 from typing import Any, Mapping
 
-__all__ = ["HFConfig", "KVGeometry", "INT32_MAX", "read_hf_config", "parse_hf_config", "kv_geometry"]
+from arena_jax.hf_schemas import FAMILIES, SCHEMAS, Field
+
+__all__ = ["HFConfig", "KVGeometry", "RopeSpec", "INT32_MAX", "read_hf_config", "parse_hf_config", "kv_geometry"]
 
 INT32_MAX = 2**31 - 1  # token ids, sizes and positions become int32 on the device
 
 _MISSING = object()
+DEFAULT_ROPE_THETA = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta
+GEMMA3_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}  # Gemma3TextConfig.default_theta
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+_DTYPES = {"float32": "float32", "float": "float32", "float16": "float16", "half": "float16", "bfloat16": "bfloat16"}
+LAYER_TYPES = ("full_attention", "sliding_attention")
+_LEGACY_LAYER_TYPES = {"attention": "full_attention"}  # transformers' remap_legacy_layer_types
 
 
 @dataclasses.dataclass(frozen=True)
-class _Field:
-    kind: str  # "int", "float", "bool", "str", "ids" (int | list[int])
-    default: Any
-    nullable: bool = False  # transformers' annotation includes None
+class RopeSpec:
+    """One RoPE: its type, base and scaling parameters (llama3: factor, low/high_freq_factor,
+    original_max_position_embeddings; linear: factor; others: None)."""
 
-
-# transformers 5.x `LlamaConfig` / `MistralConfig`: the fields a decoder's shape and numerics
-# depend on (name: type, default, nullable). Other keys are ignored, as there.
-_LLAMA = {
-    "vocab_size": _Field("int", 32000),
-    "hidden_size": _Field("int", 4096),
-    "intermediate_size": _Field("int", 11008),
-    "num_hidden_layers": _Field("int", 32),
-    "num_attention_heads": _Field("int", 32),
-    "num_key_value_heads": _Field("int", None, nullable=True),
-    "head_dim": _Field("int", None, nullable=True),
-    "hidden_act": _Field("str", "silu"),
-    "max_position_embeddings": _Field("int", 2048),
-    "rms_norm_eps": _Field("float", 1e-6),
-    "eos_token_id": _Field("ids", 2, nullable=True),
-    "tie_word_embeddings": _Field("bool", False),
-    "attention_bias": _Field("bool", False),
-    "mlp_bias": _Field("bool", False),
-}
-_MISTRAL = {
-    "vocab_size": _Field("int", 32000),
-    "hidden_size": _Field("int", 4096),
-    "intermediate_size": _Field("int", 14336),
-    "num_hidden_layers": _Field("int", 32),
-    "num_attention_heads": _Field("int", 32),
-    "num_key_value_heads": _Field("int", 8),  # `int`, not `int | None`: null is refused there
-    "head_dim": _Field("int", None, nullable=True),
-    "hidden_act": _Field("str", "silu"),
-    "max_position_embeddings": _Field("int", 4096 * 32),
-    "rms_norm_eps": _Field("float", 1e-6),
-    "eos_token_id": _Field("ids", 2, nullable=True),
-    "tie_word_embeddings": _Field("bool", False),
-    "sliding_window": _Field("int", 4096, nullable=True),
-    # no attention_bias / mlp_bias: Mistral's projections never have a bias (the keys are ignored)
-}
-SCHEMAS = {"llama": _LLAMA, "mistral": _MISTRAL}
-DEFAULT_ROPE_THETA = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta
-_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-_DTYPES = {"float32": "float32", "float": "float32", "float16": "float16", "half": "float16", "bfloat16": "bfloat16"}
+    rope_type: str
+    rope_theta: float
+    scaling: Mapping[str, Any] | None
+    partial_rotary_factor: float | None
 
 
 @dataclasses.dataclass(frozen=True)
 class HFConfig:
-    """A Llama / Mistral config.json with transformers' defaults applied and every value checked."""
+    """A decoder's config.json with transformers' defaults applied and every value checked."""
 
-    model_type: str  # "llama" | "mistral"
+    model_type: str  # one of arena_jax.hf_schemas.SCHEMAS
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -103,18 +87,27 @@ class HFConfig:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    hidden_act: str
+    hidden_act: str  # Gemma: its `hidden_activation`
     max_position_embeddings: int
     rms_norm_eps: float
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # q, k and v projections have biases
+    attention_output_bias: bool  # o projection has a bias
     mlp_bias: bool
-    sliding_window: int | None  # Mistral only; Llama ignores the key, as transformers' Llama does
-    rope_type: str
+    sliding_window: int | None  # the window of "sliding_attention" layers; None: no layer has one
+    layer_types: tuple[str, ...]  # per layer: "full_attention" | "sliding_attention"
+    rope_type: str  # full-attention layers' RoPE (every layer's, but Gemma 3's sliding ones)
     rope_theta: float
-    rope_scaling: Mapping[str, Any] | None  # llama3: factor, low/high_freq_factor, original_max_position_embeddings
+    rope_scaling: Mapping[str, Any] | None  # llama3 / linear parameters (RopeSpec.scaling)
     partial_rotary_factor: float | None
-    eos_token_id: tuple[int, ...]  # config.json's `eos_token_id` as transformers' config holds it (default 2)
+    local_rope: RopeSpec | None  # Gemma 3: the sliding layers' RoPE; None: the same as the full layers'
+    qk_norm: bool  # RMSNorm of each query / key head (Qwen 3, Gemma 3)
+    gemma: bool  # Gemma numerics: (1 + w) RMSNorms, sandwich norms, embeddings * sqrt(hidden)
+    query_pre_attn_scalar: int | None  # Gemma: sm_scale = query_pre_attn_scalar ** -0.5
+    attn_logit_softcapping: float | None  # as the attention applies it (None for Gemma 3)
+    final_logit_softcapping: float | None
+    use_bidirectional_attention: bool  # Gemma: not a causal decoder when true
+    eos_token_id: tuple[int, ...]  # config.json's `eos_token_id` as transformers' config holds it
     eos_token_ids: tuple[int, ...]  # what transformers' generate stops at (see the module docstring)
     dtype: str | None  # "float32" | "float16" | "bfloat16" from `dtype` / `torch_dtype`, None if absent
     quantized: bool  # a `quantization_config` is present
@@ -245,7 +238,16 @@ class _Reader:
             self.fail(key, f"must be a JSON integer, a list of them, or null, got {_describe(value)}")
         return tuple(items)
 
-    def field(self, schema: Mapping[str, _Field], key: str):
+    def layer_types(self, key: str, value) -> tuple[str, ...]:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            self.fail(key, f"must be a JSON list of strings, got {_describe(value)}")
+        out = tuple(_LEGACY_LAYER_TYPES.get(v, v) for v in value)
+        bad = sorted(set(out) - set(LAYER_TYPES))
+        if bad:
+            self.fail(key, f"holds {bad}: only {list(LAYER_TYPES)} layers are supported")
+        return out
+
+    def field(self, schema: Mapping[str, Field], key: str):
         """The value of a schema field: its default when absent, None where null is allowed."""
         spec = schema[key]
         value = self.data.get(key, _MISSING)
@@ -263,6 +265,8 @@ class _Reader:
             return self.bool(key, value)
         if spec.kind == "str":
             return self.str(key, value)
+        if spec.kind == "types":
+            return self.layer_types(key, value)
         return self.ids(key, value)
 
 
@@ -275,31 +279,27 @@ def _source(config) -> str:
 
 def _model_type(r: _Reader) -> str:
     model_type = r.data.get("model_type", "llama")
+    if model_type == "gemma3" and isinstance(r.data.get("text_config"), Mapping):
+        r.fail("model_type", "'gemma3' is the multimodal Gemma 3: only its text model (model_type 'gemma3_text', "
+                             "e.g. gemma-3-1b) is supported")
     if not isinstance(model_type, str) or model_type not in SCHEMAS:
         r.fail("model_type", f"must be one of {sorted(SCHEMAS)}, got {model_type!r}")
     return model_type
 
 
-def _rope(r: _Reader, max_position_embeddings: int) -> tuple[str, float, dict | None, float | None]:
-    """(rope_type, rope_theta, llama3 params or None, partial_rotary_factor) as transformers 5 standardizes them."""
-    data = r.data
-    for key in ("rope_scaling", "rope_parameters"):
-        if data.get(key) is not None and not isinstance(data[key], Mapping):
-            r.fail(key, f"must be a JSON object or null, got {_describe(data[key])}")
-    # transformers: `rope_parameters = rope_scaling or rope_parameters` (an empty rope_scaling is ignored)
-    key = "rope_scaling" if data.get("rope_scaling") else "rope_parameters"
-    params = dict(data.get(key) or {})
-    top_theta = data.get("rope_theta", DEFAULT_ROPE_THETA)
+def _rope_spec(r: _Reader, key: str, params: Mapping, default_theta, max_position_embeddings: int, partial) -> RopeSpec:
+    """One standardized RoPE dict -> RopeSpec (`key` names it in errors)."""
     theta_key = f"{key}.rope_theta" if "rope_theta" in params else "rope_theta"
-    theta = r.positive_float(theta_key, params.get("rope_theta", top_theta), allow_int=True)
+    theta = r.positive_float(theta_key, params.get("rope_theta", default_theta), allow_int=True)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if not isinstance(rope_type, str):
         r.fail(f"{key}.rope_type", f"must be a JSON string, got {_describe(rope_type)}")
-    partial = params.get("partial_rotary_factor", data.get("partial_rotary_factor"))
+    partial = params.get("partial_rotary_factor", partial)
     if partial is not None:
         partial = r.positive_float("partial_rotary_factor", partial, allow_int=True)
     scaling = None
     if rope_type == "llama3":
+        params = dict(params)
         params.setdefault("original_max_position_embeddings", max_position_embeddings)
         missing = [k for k in _LLAMA3_KEYS if k not in params]
         if missing:
@@ -313,7 +313,58 @@ def _rope(r: _Reader, max_position_embeddings: int) -> tuple[str, float, dict | 
                 f"{key}.high_freq_factor",
                 f"= {scaling['high_freq_factor']} must exceed low_freq_factor = {scaling['low_freq_factor']}",
             )
-    return rope_type, theta, scaling, partial
+    elif rope_type == "linear":
+        if "factor" not in params:
+            r.fail(key, "with rope_type 'linear' lacks 'factor' (required by transformers)")
+        scaling = {"factor": r.positive_float(f"{key}.factor", params["factor"], allow_int=True)}
+    return RopeSpec(rope_type, theta, scaling, partial)
+
+
+def _rope_dict(r: _Reader, key: str):
+    value = r.data.get(key)
+    if value is not None and not isinstance(value, Mapping):
+        r.fail(key, f"must be a JSON object or null, got {_describe(value)}")
+    return value
+
+
+def _rope(r: _Reader, max_position_embeddings: int, layer_types: tuple[str, ...]) -> RopeSpec:
+    """The one RoPE of every layer, as transformers 5 standardizes it (not per layer type)."""
+    for key in ("rope_scaling", "rope_parameters"):
+        _rope_dict(r, key)
+    # transformers: `rope_parameters = rope_scaling or rope_parameters` (an empty rope_scaling is ignored)
+    key = "rope_scaling" if r.data.get("rope_scaling") else "rope_parameters"
+    params = dict(r.data.get(key) or {})
+    nested = sorted(k for k in params if k in layer_types)
+    if nested:  # transformers would then look for one set per layer type, which these models do not read
+        r.fail(f"{key}.{nested[0]}", "is a RoPE per layer type: this model type has one RoPE for every layer")
+    top_theta = r.data.get("rope_theta", DEFAULT_ROPE_THETA)
+    return _rope_spec(r, key, params, top_theta, max_position_embeddings, r.data.get("partial_rotary_factor"))
+
+
+def _gemma3_rope(r: _Reader, max_position_embeddings: int, layer_types) -> dict[str, RopeSpec]:
+    """Gemma 3: one RoPE per layer type present (`Gemma3TextConfig.convert_rope_params_to_dict`)."""
+    scaling, params = _rope_dict(r, "rope_scaling"), _rope_dict(r, "rope_parameters")
+    if params is None:
+        params = {t: {"rope_type": "default"} for t in LAYER_TYPES}
+    params = {k: dict(v) if isinstance(v, Mapping) else v for k, v in params.items()}
+    for t in LAYER_TYPES:
+        if params.get(t) is not None and not isinstance(params[t], dict):
+            r.fail(f"rope_parameters.{t}", f"must be a JSON object or null, got {_describe(params[t])}")
+    if scaling is not None:  # the old key scales the full-attention layers
+        if "full_attention" not in params:
+            r.fail("rope_scaling", "is given but rope_parameters has no 'full_attention' entry to apply it to")
+        if params["full_attention"] is None:
+            r.fail("rope_parameters.full_attention", "is null but rope_scaling is given")
+        params["full_attention"].update(scaling)
+    old_keys = {"full_attention": "rope_theta", "sliding_attention": "rope_local_base_freq"}
+    out = {}
+    for t in LAYER_TYPES:
+        entry = params.get(t) or {"rope_type": "default"}
+        theta = r.data.get(old_keys[t], GEMMA3_THETA[t])
+        if t in layer_types:  # transformers standardizes and builds only the layer types present
+            out[t] = _rope_spec(r, f"rope_parameters.{t}", entry, theta, max_position_embeddings,
+                                r.data.get("partial_rotary_factor"))
+    return out
 
 
 def _dtype(r: _Reader) -> str | None:
@@ -341,8 +392,42 @@ def _stop_tokens(r: _Reader, generation_config: Mapping | None, vocab_size: int)
     return ids
 
 
+def _windows(r: _Reader, model_type: str, v: dict) -> tuple[int | None, tuple[str, ...]]:
+    """(sliding_window, layer_types) as the model type derives them."""
+    layers, rule = v["num_hidden_layers"], FAMILIES[model_type].windows
+    window = v.get("sliding_window")
+    given = v.get("layer_types")
+    if rule == "none":
+        return None, ("full_attention",) * layers
+    if rule == "all":
+        return window, (("sliding_attention" if window is not None else "full_attention"),) * layers
+    if rule == "qwen":
+        window = window if v["use_sliding_window"] else None
+        derived = tuple("sliding_attention" if window is not None and i >= v["max_window_layers"] else "full_attention"
+                        for i in range(layers))
+    elif rule == "gemma2":
+        derived = tuple("sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers))
+    else:  # gemma3
+        if v["use_bidirectional_attention"] and window is not None:
+            window = window // 2 + 1  # transformers' exclusive bound for its bidirectional mask
+        pattern = r.data.get("sliding_window_pattern", 6)
+        if given is None:
+            pattern = r.int("sliding_window_pattern", pattern)
+        derived = tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers))
+    types = derived if given is None else given
+    if len(types) != layers:
+        r.fail("layer_types", f"has {len(types)} entries but num_hidden_layers = {layers}")
+    if window is None and "sliding_attention" in types:
+        r.fail("sliding_window", "is null (or use_sliding_window false) but layer_types has sliding_attention layers")
+    return (window if "sliding_attention" in types else None), types
+
+
+def _flag(v: dict, rule) -> bool:
+    return rule if isinstance(rule, bool) else bool(v[rule])
+
+
 def parse_hf_config(config: Mapping[str, Any] | str | os.PathLike, *, generation_config: Mapping | None = None) -> HFConfig:
-    """Read and check a Llama / Mistral `config.json` (a dict, the file, or its folder).
+    """Read and check a decoder's `config.json` (a dict, the file, or its folder).
 
     For a path, `generation_config.json` beside it (if any) gives the stop tokens; for a dict,
     pass its contents as `generation_config` (else config.json's `eos_token_id` key does).
@@ -353,14 +438,14 @@ def parse_hf_config(config: Mapping[str, Any] | str | os.PathLike, *, generation
         generation_config = read_generation_config(config)
     r = _Reader(data, source)
     model_type = _model_type(r)
-    schema = SCHEMAS[model_type]
+    schema, family = SCHEMAS[model_type], FAMILIES[model_type]
     v = {key: r.field(schema, key) for key in schema}
     heads = v["num_attention_heads"]
     if v["num_key_value_heads"] is None:
         v["num_key_value_heads"] = heads
     if heads % v["num_key_value_heads"]:
         r.fail("num_key_value_heads", f"= {v['num_key_value_heads']} must divide num_attention_heads = {heads}")
-    if model_type == "llama" and v["hidden_size"] % heads:  # transformers' LlamaConfig.validate_architecture
+    if family.hidden_multiple_of_heads and v["hidden_size"] % heads:  # transformers' validate_architecture
         r.fail("hidden_size", f"= {v['hidden_size']} must be a multiple of num_attention_heads = {heads}")
     if v["head_dim"] is None:
         v["head_dim"] = v["hidden_size"] // heads
@@ -368,17 +453,46 @@ def parse_hf_config(config: Mapping[str, Any] | str | os.PathLike, *, generation
             r.fail("hidden_size", f"= {v['hidden_size']} is smaller than num_attention_heads = {heads}")
     if v["head_dim"] % 2:
         r.fail("head_dim", f"= {v['head_dim']} must be even (RoPE rotates pairs of dimensions)")
-    rope_type, rope_theta, rope_scaling, partial = _rope(r, v["max_position_embeddings"])
+    v["use_bidirectional_attention"] = bool(v.get("use_bidirectional_attention"))
+    sliding_window, layer_types = _windows(r, model_type, v)
+    if model_type == "gemma3_text":
+        ropes = _gemma3_rope(r, v["max_position_embeddings"], layer_types)
+        full = ropes.get("full_attention") or ropes["sliding_attention"]
+        local = ropes.get("sliding_attention")
+        local = None if local is None or local == full else local
+    else:
+        full, local = _rope(r, v["max_position_embeddings"], layer_types), None
     eos_ids = _stop_tokens(r, generation_config, v["vocab_size"])
-    eos_attr = v.pop("eos_token_id")  # absent: the class default 2 (an int); null: None; else a tuple
-    fields = {"attention_bias": False, "mlp_bias": False, "sliding_window": None, **v}
+    eos_attr = v["eos_token_id"]  # absent: the class default (an int or None); null: None; else a tuple
     return HFConfig(
         model_type=model_type,
-        **fields,
-        rope_type=rope_type,
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        partial_rotary_factor=partial,
+        vocab_size=v["vocab_size"],
+        hidden_size=v["hidden_size"],
+        intermediate_size=v["intermediate_size"],
+        num_hidden_layers=v["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=v["num_key_value_heads"],
+        head_dim=v["head_dim"],
+        hidden_act=v[family.hidden_act_key],
+        max_position_embeddings=v["max_position_embeddings"],
+        rms_norm_eps=v["rms_norm_eps"],
+        tie_word_embeddings=v["tie_word_embeddings"],
+        attention_bias=_flag(v, family.qkv_bias),
+        attention_output_bias=_flag(v, family.o_bias),
+        mlp_bias=_flag(v, family.mlp_bias),
+        sliding_window=sliding_window,
+        layer_types=layer_types,
+        rope_type=full.rope_type,
+        rope_theta=full.rope_theta,
+        rope_scaling=full.scaling,
+        partial_rotary_factor=full.partial_rotary_factor,
+        local_rope=local,
+        qk_norm=family.qk_norm,
+        gemma=family.gemma,
+        query_pre_attn_scalar=v.get("query_pre_attn_scalar"),
+        attn_logit_softcapping=v["attn_logit_softcapping"] if family.attn_softcap else None,
+        final_logit_softcapping=v.get("final_logit_softcapping"),
+        use_bidirectional_attention=v["use_bidirectional_attention"],
         eos_token_id=() if eos_attr is None else (eos_attr,) if _is_int(eos_attr) else eos_attr,
         eos_token_ids=eos_ids,
         dtype=_dtype(r),
@@ -390,10 +504,10 @@ def parse_hf_config(config: Mapping[str, Any] | str | os.PathLike, *, generation
 def kv_geometry(config: Mapping[str, Any] | str | os.PathLike) -> KVGeometry:
     """KV layers, heads, head_dim, context and dtype of a decoder's config.json.
 
-    Llama / Mistral (or no `model_type`) are read by `parse_hf_config`, transformers' defaults
-    included. Other model types: this module knows none of their defaults, so
-    `num_hidden_layers`, `num_attention_heads` and `num_key_value_heads` must be given;
-    `head_dim` falls back to `hidden_size // num_attention_heads`.
+    The model types of `arena_jax.hf_schemas` (or no `model_type`) are read by
+    `parse_hf_config`, transformers' defaults included. Other model types: this module knows
+    none of their defaults, so `num_hidden_layers`, `num_attention_heads` and
+    `num_key_value_heads` must be given; `head_dim` falls back to `hidden_size // num_attention_heads`.
     """
     data = read_hf_config(config)
     model_type = data.get("model_type", "llama")
