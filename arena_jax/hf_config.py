@@ -44,24 +44,31 @@ Every problem is a ValueError naming the file, the key, the value and the limit.
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import os
 from typing import Any, Mapping
 
-from arena_jax.hf_schemas import FAMILIES, SCHEMAS, Field
+from arena_jax.hf_json import (  # noqa: F401 - read_hf_config is re-exported (arena_jax.layout)
+    INT32_MAX,
+    LAYER_TYPES,
+    _config_path,
+    _describe,
+    _is_int,
+    _Reader,
+    read_generation_config,
+    read_hf_config,
+)
+from arena_jax.hf_schemas import FAMILIES, SCHEMAS
 
 __all__ = ["HFConfig", "KVGeometry", "RopeSpec", "INT32_MAX", "read_hf_config", "parse_hf_config", "kv_geometry"]
 
-INT32_MAX = 2**31 - 1  # token ids, sizes and positions become int32 on the device
 
-_MISSING = object()
 DEFAULT_ROPE_THETA = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta
 GEMMA3_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}  # Gemma3TextConfig.default_theta
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# transformers' other RoPE types and the keys its validators require (ours computes linear and llama3)
+_ROPE_REQUIRED = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
+                  "longrope": ("short_factor", "long_factor"), "proportional": ()}
 _DTYPES = {"float32": "float32", "float": "float32", "float16": "float16", "half": "float16", "bfloat16": "bfloat16"}
-LAYER_TYPES = ("full_attention", "sliding_attention")
-_LEGACY_LAYER_TYPES = {"attention": "full_attention"}  # transformers' remap_legacy_layer_types
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,151 +132,6 @@ class KVGeometry:
     dtype: str | None
 
 
-# ---- reading files ----------------------------------------------------------------------------
-
-
-def _load_json_object(path: str, what: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: invalid JSON ({exc})") from None
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: not UTF-8 text ({exc})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: {what} must hold a JSON object, got a JSON {type(data).__name__}")
-    return data
-
-
-def _config_path(config) -> str:
-    path = os.fspath(config)
-    return os.path.join(path, "config.json") if os.path.isdir(path) else path
-
-
-def read_hf_config(config: Mapping[str, Any] | str | os.PathLike) -> Mapping[str, Any]:
-    """The raw `config.json` object (a dict, the file, or its folder); ValueError unless it is a JSON object."""
-    if isinstance(config, Mapping):
-        return config
-    if isinstance(config, (str, os.PathLike)):
-        return _load_json_object(_config_path(config), "config.json")
-    raise ValueError(f"config must be a dict, a config.json path or its folder, got {type(config).__name__}")
-
-
-def read_generation_config(config: Mapping[str, Any] | str | os.PathLike) -> dict | None:
-    """`generation_config.json` beside a config.json path (None for a dict, or when absent)."""
-    if isinstance(config, Mapping):
-        return None
-    path = os.path.join(os.path.dirname(os.path.abspath(_config_path(config))), "generation_config.json")
-    if not os.path.exists(path):
-        return None
-    return _load_json_object(path, "generation_config.json")
-
-
-# ---- typed values -----------------------------------------------------------------------------
-
-
-def _describe(value) -> str:
-    return f"{value!r} (a JSON {_json_type(value)})"
-
-
-def _json_type(value) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "bool"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "float"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, (list, tuple)):
-        return "list"
-    if isinstance(value, Mapping):
-        return "object"
-    return type(value).__name__
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-class _Reader:
-    """Typed access to one JSON object, with errors that name the source and the key."""
-
-    def __init__(self, data: Mapping[str, Any], source: str):
-        self.data, self.source = data, source
-
-    def fail(self, key: str, message: str):
-        raise ValueError(f"{self.source}: {key} {message}")
-
-    def int(self, key: str, value, *, low: int = 1, high: int = INT32_MAX) -> int:
-        if not _is_int(value):
-            self.fail(key, f"must be a JSON integer, got {_describe(value)}")
-        if not low <= value <= high:
-            self.fail(key, f"must be in [{low}, {high}], got {value}")
-        return value
-
-    def positive_float(self, key: str, value, *, allow_int: bool) -> float:
-        ok = isinstance(value, float) or (allow_int and _is_int(value))
-        if not ok:
-            want = "a JSON number" if allow_int else "a JSON float (e.g. 1e-06)"
-            self.fail(key, f"must be {want}, got {_describe(value)}")
-        if not (math.isfinite(value) and value > 0):
-            self.fail(key, f"must be finite and > 0, got {value}")
-        return float(value)
-
-    def bool(self, key: str, value) -> bool:
-        if not isinstance(value, bool):
-            self.fail(key, f"must be a JSON bool (true/false), got {_describe(value)}")
-        return value
-
-    def str(self, key: str, value) -> str:
-        if not isinstance(value, str):
-            self.fail(key, f"must be a JSON string, got {_describe(value)}")
-        return value
-
-    def ids(self, key: str, value) -> tuple[int, ...]:
-        """int | list[int] | null -> tuple (null: no ids)."""
-        if value is None:
-            return ()
-        items = value if isinstance(value, list) else [value]
-        if not all(_is_int(v) for v in items):
-            self.fail(key, f"must be a JSON integer, a list of them, or null, got {_describe(value)}")
-        return tuple(items)
-
-    def layer_types(self, key: str, value) -> tuple[str, ...]:
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            self.fail(key, f"must be a JSON list of strings, got {_describe(value)}")
-        out = tuple(_LEGACY_LAYER_TYPES.get(v, v) for v in value)
-        bad = sorted(set(out) - set(LAYER_TYPES))
-        if bad:
-            self.fail(key, f"holds {bad}: only {list(LAYER_TYPES)} layers are supported")
-        return out
-
-    def field(self, schema: Mapping[str, Field], key: str):
-        """The value of a schema field: its default when absent, None where null is allowed."""
-        spec = schema[key]
-        value = self.data.get(key, _MISSING)
-        if value is _MISSING:
-            return spec.default
-        if value is None:
-            if spec.nullable:
-                return None
-            self.fail(key, f"must not be null (transformers' {key} is a non-optional {spec.kind})")
-        if spec.kind == "int":
-            return self.int(key, value)
-        if spec.kind == "float":
-            return self.positive_float(key, value, allow_int=False)
-        if spec.kind == "bool":
-            return self.bool(key, value)
-        if spec.kind == "str":
-            return self.str(key, value)
-        if spec.kind == "types":
-            return self.layer_types(key, value)
-        return self.ids(key, value)
-
-
 # ---- parsing ------------------------------------------------------------------------------------
 
 
@@ -287,10 +149,15 @@ def _model_type(r: _Reader) -> str:
     return model_type
 
 
-def _rope_spec(r: _Reader, key: str, params: Mapping, default_theta, max_position_embeddings: int, partial) -> RopeSpec:
-    """One standardized RoPE dict -> RopeSpec (`key` names it in errors)."""
-    theta_key = f"{key}.rope_theta" if "rope_theta" in params else "rope_theta"
-    theta = r.positive_float(theta_key, params.get("rope_theta", default_theta), allow_int=True)
+def _rope_spec(r: _Reader, key: str, params: Mapping, theta_key: str, default_theta, max_position_embeddings: int,
+               partial) -> RopeSpec:
+    """One standardized RoPE dict -> RopeSpec (`key` names it in errors; the base is its
+    `rope_theta`, else the top-level `theta_key`, else `default_theta`)."""
+    if "rope_theta" in params:
+        theta_key, theta = f"{key}.rope_theta", params["rope_theta"]
+    else:
+        theta = r.data.get(theta_key, default_theta)
+    theta = r.positive_float(theta_key, theta, allow_int=True)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if not isinstance(rope_type, str):
         r.fail(f"{key}.rope_type", f"must be a JSON string, got {_describe(rope_type)}")
@@ -313,10 +180,14 @@ def _rope_spec(r: _Reader, key: str, params: Mapping, default_theta, max_positio
                 f"{key}.high_freq_factor",
                 f"= {scaling['high_freq_factor']} must exceed low_freq_factor = {scaling['low_freq_factor']}",
             )
-    elif rope_type == "linear":
-        if "factor" not in params:
-            r.fail(key, "with rope_type 'linear' lacks 'factor' (required by transformers)")
-        scaling = {"factor": r.positive_float(f"{key}.factor", params["factor"], allow_int=True)}
+    elif rope_type != "default":
+        if rope_type not in _ROPE_REQUIRED:
+            r.fail(f"{key}.rope_type", f"= {rope_type!r} is not a RoPE transformers knows ({sorted(_ROPE_REQUIRED)})")
+        missing = [k for k in _ROPE_REQUIRED[rope_type] if k not in params]
+        if missing:
+            r.fail(key, f"with rope_type {rope_type!r} lacks {', '.join(map(repr, missing))} (required by transformers)")
+        if rope_type == "linear":
+            scaling = {"factor": r.positive_float(f"{key}.factor", params["factor"], allow_int=True)}
     return RopeSpec(rope_type, theta, scaling, partial)
 
 
@@ -327,18 +198,20 @@ def _rope_dict(r: _Reader, key: str):
     return value
 
 
-def _rope(r: _Reader, max_position_embeddings: int, layer_types: tuple[str, ...]) -> RopeSpec:
-    """The one RoPE of every layer, as transformers 5 standardizes it (not per layer type)."""
+def _rope(r: _Reader, max_position_embeddings: int, layer_types: tuple[str, ...] | None) -> RopeSpec:
+    """The one RoPE of every layer, as transformers 5 standardizes it. `layer_types`: those of a
+    config class that has them (a RoPE dict keyed by them is then per layer type, which these
+    model types do not read: refused); None for Llama / Mistral (such keys are ignored)."""
     for key in ("rope_scaling", "rope_parameters"):
         _rope_dict(r, key)
     # transformers: `rope_parameters = rope_scaling or rope_parameters` (an empty rope_scaling is ignored)
     key = "rope_scaling" if r.data.get("rope_scaling") else "rope_parameters"
     params = dict(r.data.get(key) or {})
-    nested = sorted(k for k in params if k in layer_types)
+    nested = sorted(k for k in params if k in (layer_types or ()))
     if nested:  # transformers would then look for one set per layer type, which these models do not read
         r.fail(f"{key}.{nested[0]}", "is a RoPE per layer type: this model type has one RoPE for every layer")
-    top_theta = r.data.get("rope_theta", DEFAULT_ROPE_THETA)
-    return _rope_spec(r, key, params, top_theta, max_position_embeddings, r.data.get("partial_rotary_factor"))
+    return _rope_spec(r, key, params, "rope_theta", DEFAULT_ROPE_THETA, max_position_embeddings,
+                      r.data.get("partial_rotary_factor"))
 
 
 def _gemma3_rope(r: _Reader, max_position_embeddings: int, layer_types) -> dict[str, RopeSpec]:
@@ -360,9 +233,8 @@ def _gemma3_rope(r: _Reader, max_position_embeddings: int, layer_types) -> dict[
     out = {}
     for t in LAYER_TYPES:
         entry = params.get(t) or {"rope_type": "default"}
-        theta = r.data.get(old_keys[t], GEMMA3_THETA[t])
         if t in layer_types:  # transformers standardizes and builds only the layer types present
-            out[t] = _rope_spec(r, f"rope_parameters.{t}", entry, theta, max_position_embeddings,
+            out[t] = _rope_spec(r, f"rope_parameters.{t}", entry, old_keys[t], GEMMA3_THETA[t], max_position_embeddings,
                                 r.data.get("partial_rotary_factor"))
     return out
 
@@ -461,7 +333,8 @@ def parse_hf_config(config: Mapping[str, Any] | str | os.PathLike, *, generation
         local = ropes.get("sliding_attention")
         local = None if local is None or local == full else local
     else:
-        full, local = _rope(r, v["max_position_embeddings"], layer_types), None
+        has_types = FAMILIES[model_type].windows not in ("none", "all")
+        full, local = _rope(r, v["max_position_embeddings"], layer_types if has_types else None), None
     eos_ids = _stop_tokens(r, generation_config, v["vocab_size"])
     eos_attr = v["eos_token_id"]  # absent: the class default (an int or None); null: None; else a tuple
     return HFConfig(

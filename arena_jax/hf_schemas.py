@@ -17,6 +17,7 @@ class Field:
     kind: str  # "int", "float", "bool", "str", "ids" (int | list[int]), "types" (list[str])
     default: Any
     nullable: bool = False  # transformers' annotation includes None
+    low: int = 1  # the smallest integer accepted (sizes are positive)
 
 
 def _common(**changes) -> dict[str, Field]:
@@ -41,7 +42,7 @@ def _common(**changes) -> dict[str, Field]:
 _QWEN_WINDOWS = dict(
     use_sliding_window=Field("bool", False),
     sliding_window=Field("int", 4096, nullable=True),
-    max_window_layers=Field("int", 28),
+    max_window_layers=Field("int", 28, low=0),  # layers from this index on are sliding
     layer_types=Field("types", None, nullable=True),
 )
 _GEMMA = dict(

@@ -6,7 +6,8 @@ stays in the model's dtype: the byte figures then compare the two, and greedy to
 differ by quantization; `token_agreement` says how many are equal): one prefill call over the prompts, then `new_tokens - 1`
 decode steps. Paged: `models.prefill` / `models.decode_step` (reserve + every layer's
 append/attend + greedy sampling in one jitted call each). Dense: `models.dense_baseline`
-(`[layers, batch, max_len, kv_heads, head_dim]` written with dynamic_update_slice).
+(`[layers, batch, max_len, kv_heads, head_dim]`, one dynamic_update_slice per layer into the
+loop-carried cache, in place). Any model family (`--model`, `--model-dir`).
 
 Timing: each call is followed by `jax.block_until_ready` before the clock is read. The first
 (warm-up) runs compile and are excluded; compile time is reported separately as the first
@@ -67,7 +68,7 @@ def config_and_dtype(s):
         return models.LlamaConfig.from_hf(s.model_dir), jnp.dtype(s.dtype or "bfloat16")
     cfg = preset(s.model)
     if s.num_layers:
-        cfg = dataclasses.replace(cfg, num_layers=s.num_layers)
+        cfg = cfg.with_num_layers(s.num_layers)
     return cfg, jnp.dtype(s.dtype or ("float32" if s.model.startswith("tiny") else "bfloat16"))
 
 
@@ -194,7 +195,9 @@ class _DenseRun:
 
             heads = "tensor" if model.config.num_kv_heads % mesh.shape["tensor"] == 0 else None
             rows = NamedSharding(auto_mesh(mesh), P(None, "data", None, heads))  # [L, B, S, K, H]
-            self.placement = dense_baseline.DenseCache(k=rows, v=rows, lengths=NamedSharding(rows.mesh, P("data")))
+            self.placement = dense_baseline.DenseCache(
+                k=rows, v=rows, lengths=NamedSharding(rows.mesh, P("data")),
+                positions=NamedSharding(rows.mesh, P("data", None)), end=NamedSharding(rows.mesh, P()))
         self.config, self.dtype = model.config, model.dtype
         self.batch, self.max_len = s.batch, s.prompt_len + s.new_tokens
         self.tokens = jnp.asarray(prompts)

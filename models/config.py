@@ -260,6 +260,15 @@ class LlamaConfig:
             return self.rope_local_theta, None
         return self.rope_theta, self.rope_scaling
 
+    def with_num_layers(self, num_layers: int) -> "LlamaConfig":
+        """The same model with `num_layers` layers; mixed layer types continue their pattern
+        (the shortest period of `layer_types`: Gemma 2's alternation, Gemma 3's 5:1)."""
+        types = self.layer_types
+        if types is None:
+            return dataclasses.replace(self, num_layers=num_layers)
+        period = next(p for p in range(1, len(types) + 1) if all(types[i] == types[i % p] for i in range(len(types))))
+        return dataclasses.replace(self, num_layers=num_layers, layer_types=tuple(types[i % period] for i in range(num_layers)))
+
     def num_params(self) -> int:
         e, f, d, n, k = self.hidden_size, self.intermediate_size, self.head_dim, self.num_heads, self.num_kv_heads
         attn = e * d * (2 * n + 2 * k) + (self.qkv_bias and (n + 2 * k) * d) + (self.o_bias and e)
