@@ -18,6 +18,7 @@ transformers' generate reads them) unless given `stop_tokens`. Configs are read 
 `arena_jax.hf_config` (transformers' defaults and types); bad input of any kind is a
 ValueError naming the argument, file or key, and the limit.
 """
+from models import presets
 from models.config import LlamaConfig, RopeScaling
 from models.dense_baseline import DenseCache, dense_decode, dense_generate, dense_prefill, init_dense_cache
 from models.generate import Generation, default_layout, generate

@@ -87,7 +87,6 @@ BASES.update({
     "qwen3": dict(_without(QWEN2, "use_sliding_window", "sliding_window", "max_window_layers"), model_type="qwen3",
                   head_dim=32, attention_bias=True),
     "gemma2": GEMMA2,
-    "gemma2_layer_types": dict(GEMMA2, layer_types=["full_attention", "sliding_attention", "sliding_attention"]),
     "gemma3_v4_rope": GEMMA3,  # rope_theta / rope_local_base_freq / rope_scaling, sliding_window_pattern
     "gemma3_v5_rope": dict(  # one RoPE per layer type
         _without(GEMMA3, "rope_theta", "rope_local_base_freq", "rope_scaling", "sliding_window_pattern"),
