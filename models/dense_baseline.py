@@ -14,7 +14,7 @@ A step of T tokens writes every row's K/V at slots [end, end + T) of its layer w
 scatter, no transpose of the cache (tests/test_models.py checks the compiled HLO). A row's
 padding tokens occupy slots too, marked -1 in `positions` and never attended to; RoPE uses
 each row's own positions (`lengths + t`). The layers run in the same `jax.lax.scan` as the
-paged model (`models.llama.scan_layers`), with each layer's window, RoPE, scale and soft-cap.
+paged model (`models.llama.run_layers`), with each layer's window, RoPE, scale and soft-cap.
 A static batch (no continuous batching), greedy decoding.
 
 Step-level API (what a benchmark times):
@@ -41,7 +41,7 @@ import numpy as np
 from flax import nnx, struct
 
 from models.config import LlamaConfig
-from models.llama import Llama, scan_layers
+from models.llama import Llama, run_layers
 
 __all__ = ["DenseCache", "init_dense_cache", "dense_prefill", "dense_decode", "dense_generate"]
 
@@ -108,7 +108,7 @@ def _forward(model: Llama, cache: DenseCache, tokens, num_tokens):
         o = _attention(q, k_layer, v_layer, q_pos, key_pos, window, cfg.sm_scale, cfg.attn_logit_softcapping)
         return block.finish(x, block.attn.output(o)), (k_all, v_all)
 
-    x, (k_all, v_all) = scan_layers(model.layers, cfg, model.embed(tokens), (cache.k, cache.v), body)
+    x, (k_all, v_all) = run_layers(model, model.embed(tokens), (cache.k, cache.v), body)
     cache = DenseCache(k=k_all, v=v_all, lengths=cache.lengths + num_tokens, positions=key_pos, end=cache.end + t)
     return model.norm(x), cache
 

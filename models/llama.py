@@ -29,7 +29,9 @@ from models.checks import check_int, check_number
 from models.config import LlamaConfig
 from models.layers import _FROM_CONFIG, MLP, Attention, Embedder, RMSNorm, layer_inv_freq, layer_windows
 
-__all__ = ["Block", "Llama", "init_random", "token_positions", "layer_inputs"]
+__all__ = ["Block", "Llama", "init_random", "token_positions", "layer_inputs", "run_layers"]
+
+_List = getattr(nnx, "List", list)  # flax >= 0.12 wants nnx.List for lists of modules
 
 
 class Block(nnx.Module):
@@ -85,10 +87,20 @@ def layer_inputs(config: LlamaConfig) -> tuple[dict, dict]:
     return scanned, fixed
 
 
-def scan_layers(layers: Block, config: LlamaConfig, x, carry, body):
-    """Run `body(block, x, carry, layer, window, inv_freq) -> (x, carry)` over the stacked layers
-    with `jax.lax.scan`; returns (x, carry)."""
-    graphdef, state = nnx.split(layers)
+def run_layers(model: "Llama", x, carry, body):
+    """Run `body(block, x, carry, layer, window, inv_freq) -> (x, carry)` over the model's layers;
+    returns (x, carry).
+
+    Stacked layers (`scan_layers=True`): one `jax.lax.scan`, the per-layer data
+    (`layer_inputs`) scanned with the parameters. A list of layers: a Python loop, each layer
+    with its static index, window (None or an int) and RoPE frequencies (a constant)."""
+    config = model.config
+    if not model.scan_layers:
+        windows, inv_freq = config.layer_windows(), layer_inv_freq(config)
+        for i, block in enumerate(model.layers):
+            x, carry = body(block, x, carry, i, windows[i], inv_freq[i])
+        return x, carry
+    graphdef, state = nnx.split(model.layers)
     scanned, fixed = layer_inputs(config)
 
     def step(c, xs):
@@ -102,9 +114,15 @@ def scan_layers(layers: Block, config: LlamaConfig, x, carry, body):
 
 
 class Llama(nnx.Module):
-    """Decoder-only LM. `dtype` is the compute dtype, `param_dtype` the stored weights' dtype."""
+    """Decoder-only LM. `dtype` is the compute dtype, `param_dtype` the stored weights' dtype.
 
-    def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs):
+    `scan_layers=True` (default): one Block with every parameter stacked [L, ...], run by
+    `jax.lax.scan`: the step compiles one layer body whatever the depth. False: a list of L
+    Blocks run by a Python loop (the program grows with depth; no per-layer weight slicing,
+    see models/README or the module docstring for the trade-off)."""
+
+    def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs,
+                 scan_layers: bool = True):
         if not isinstance(config, LlamaConfig):
             raise ValueError(f"config must be a LlamaConfig, got {type(config).__name__}")
         dtype = jnp.dtype(dtype)  # canonical, so equal configs give equal (hashable) graphdefs
@@ -115,12 +133,20 @@ class Llama(nnx.Module):
         self.embed = Embedder(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
                               scale=scale)
 
-        @nnx.split_rngs(splits=config.num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=config.num_layers)
-        def stacked(rngs):
-            return Block(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        if not isinstance(scan_layers, bool):
+            raise ValueError(f"scan_layers must be a bool, got {scan_layers!r}")
+        self.scan_layers = scan_layers
+        if scan_layers:
 
-        self.layers = stacked(rngs)  # one Block, every parameter [L, ...]
+            @nnx.split_rngs(splits=config.num_layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=config.num_layers)
+            def stacked(rngs):
+                return Block(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+            self.layers = stacked(rngs)  # one Block, every parameter [L, ...]
+        else:
+            self.layers = _List([Block(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                                 for _ in range(config.num_layers)])
         style = "gemma" if config.gemma else "llama"
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, param_dtype=param_dtype, rngs=rngs, style=style)
         if config.tie_word_embeddings:
@@ -133,6 +159,8 @@ class Llama(nnx.Module):
     def layer(self, i: int) -> Block:
         """Layer i as a Block of its own (its parameters sliced out of the stack)."""
         i = check_int("i", i, 0, self.config.num_layers - 1)
+        if not self.scan_layers:
+            return self.layers[i]
         graphdef, state = nnx.split(self.layers)
         return nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
 
@@ -144,7 +172,7 @@ class Llama(nnx.Module):
             x, cache = block(x, positions, cache, layer, slots, num_tokens, window=window, inv_freq=inv_freq)
             return shard_rows(x, cache), cache
 
-        x, cache = scan_layers(self.layers, self.config, x, cache, body)
+        x, cache = run_layers(self, x, cache, body)
         return self.norm(x), cache
 
     def logits(self, x):
@@ -185,8 +213,9 @@ def init_random(
     param_dtype=None,
     mesh=None,
     tensor_axis: str | None = "tensor",
+    scan_layers: bool = True,
 ) -> Llama:
-    """A random-weight `Llama`: projections, biases and embeddings ~ N(0, std), norm scales at
+    """A random-weight `Llama` (`scan_layers`: see `Llama`): projections, biases and embeddings ~ N(0, std), norm scales at
     their neutral value (1; Gemma's (1 + w) norms 0).
 
     On CPU the weights are drawn with numpy (eager JAX would compile every initializer shape
@@ -200,7 +229,7 @@ def init_random(
     param_dtype = jnp.dtype(dtype if param_dtype is None else param_dtype)
 
     def build():
-        return Llama(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(seed))
+        return Llama(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(seed), scan_layers=scan_layers)
 
     graphdef, abstract = nnx.split(nnx.eval_shape(build))
     shardings = None

@@ -49,11 +49,12 @@ class TensorSpec(NamedTuple):
     layer: int | None = None  # the index along the stacked layers' leading axis (None: not a layer's)
 
 
-def hf_tensor_map(config: LlamaConfig) -> dict[str, TensorSpec]:
+def hf_tensor_map(config: LlamaConfig, *, scan_layers: bool = True) -> dict[str, TensorSpec]:
     """Hugging Face tensor name -> TensorSpec, for every tensor the config needs.
 
     A layer's tensors map to slices of the stacked parameters: `("layers", "attn", "q")`
-    with `layer=i` is `state["layers"]["attn"]["q"][i]`. Norm names follow the family:
+    with `layer=i` is `state["layers"]["attn"]["q"][i]` (with `scan_layers=False`, a list of
+    layers: `("layers", i, "attn", "q")`, layer None). Norm names follow the family:
     Llama / Qwen's `post_attention_layernorm` is the pre-MLP norm, Gemma's is the norm after
     attention (its pre-MLP norm is `pre_feedforward_layernorm`).
     """
@@ -105,7 +106,10 @@ def hf_tensor_map(config: LlamaConfig) -> dict[str, TensorSpec]:
         for hf_norm, ours in norms.items():
             layer[f"{hf_norm}.weight"] = ((ours, "scale"), (e,), same, same)
         for name, (path, shape, to_ours, to_hf) in layer.items():
-            out[hf + name] = TensorSpec(("layers",) + path, shape, to_ours, to_hf, i)
+            if scan_layers:
+                out[hf + name] = TensorSpec(("layers",) + path, shape, to_ours, to_hf, i)
+            else:
+                out[hf + name] = TensorSpec(("layers", i) + path, shape, to_ours, to_hf)
     out["model.norm.weight"] = TensorSpec(("norm", "scale"), (e,), same, same)
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = TensorSpec(("lm_head",), (v, e), t, t)
@@ -123,7 +127,7 @@ def export_hf_tensors(model: Llama) -> dict[str, np.ndarray]:
     host = {path: np.asarray(_value(var)) for path, var in flat.items()}
     return {
         name: np.ascontiguousarray(spec.to_hf(host[spec.path] if spec.layer is None else host[spec.path][spec.layer]))
-        for name, spec in hf_tensor_map(model.config).items()
+        for name, spec in hf_tensor_map(model.config, scan_layers=model.scan_layers).items()
     }
 
 
@@ -247,9 +251,11 @@ def load_tokenizer(model_dir: str):
 
 
 def load_pretrained(
-    model_dir, *, dtype=jnp.bfloat16, param_dtype=None, mesh=None, tensor_axis: str | None = "tensor"
+    model_dir, *, dtype=jnp.bfloat16, param_dtype=None, mesh=None, tensor_axis: str | None = "tensor",
+    scan_layers: bool = True,
 ) -> Pretrained:
     """Build a `Llama` from a Hugging Face folder; weights cast to `param_dtype` (default `dtype`).
+    `scan_layers`: stacked layers run by a scan (default) or a list of layers (see `Llama`).
 
     With a `mesh`, each tensor goes from the host straight to its devices, split Megatron style
     over `tensor_axis` (`models.parallel`): no device ever holds the whole model. The layers'
@@ -264,7 +270,7 @@ def load_pretrained(
     model_dir = os.fspath(model_dir)
     config = LlamaConfig.from_hf(model_dir)
     param_dtype = jnp.dtype(dtype if param_dtype is None else param_dtype)
-    expected = hf_tensor_map(config)
+    expected = hf_tensor_map(config, scan_layers=scan_layers)
     where = read_safetensors(model_dir)
     _check_tensor_names(model_dir, where, expected, config.tie_word_embeddings)
     for name, spec in expected.items():
@@ -282,7 +288,9 @@ def load_pretrained(
                 f"{model_dir}: config.json ties the output head to the embedding (tie_word_embeddings true), but the "
                 "checkpoint stores a different lm_head.weight; set tie_word_embeddings to false to use it"
             )
-    abstract = nnx.eval_shape(lambda: Llama(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(
+        lambda: Llama(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0), scan_layers=scan_layers)
+    )
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))
     put = lambda path, host: jnp.asarray(host, dtype=param_dtype)  # noqa: E731

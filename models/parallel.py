@@ -24,7 +24,8 @@ its own devices their parts). Each attention and MLP block is column- then row-p
     norm scales (q/k norms included)          replicated
 
 The layers' parameters are stacked on a leading [num_layers] axis (`models.llama`): their
-specs get a leading None (every device holds its part of every layer).
+specs get a leading None (every device holds its part of every layer). A model built with
+`scan_layers=False` (a list of layers) takes the per-layer specs as they are.
 
 so attention runs on each device's own heads against its own shard of the arena, and a
 decoder layer communicates twice, once after each row-parallel projection (XLA's
@@ -111,9 +112,10 @@ def state_shardings(state, config, mesh: Mesh, *, tensor_axis: str | None = "ten
 
 
 def _stacked(path) -> bool:
-    """A parameter of the stacked layers (its state path starts at the model's `layers`)."""
-    first = path[0] if path else None
-    return getattr(first, "key", getattr(first, "name", first)) == "layers"
+    """A parameter of the stacked layers: its state path starts at the model's `layers` and
+    goes on by name (a list of layers goes on by index: not stacked)."""
+    keys = [getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path[:2]]
+    return len(keys) == 2 and keys[0] == "layers" and isinstance(keys[1], str)
 
 
 def place(tree, shardings):

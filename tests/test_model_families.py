@@ -47,29 +47,30 @@ def test_dense_baseline_matches_paged():
     assert len({t for row in paged.tokens for t in row}) > 5  # not a degenerate model repeating one token
 
 
-def test_scan_equals_an_unrolled_loop_of_the_layers():
-    """The scanned layers (per-layer window and RoPE as scanned data) == a Python loop calling
-    each `model.layer(i)` with its static layer index (each Block reading its own window and
-    RoPE from the config): the same program unrolled, on the family with the most per-layer data."""
+def test_scan_equals_a_python_loop_of_the_layers():
+    """The scanned layers (per-layer window and RoPE as scanned data) == the same weights as a
+    list of layers (`scan_layers=False`: a Python loop, each Block with its static layer index,
+    window and RoPE constant), on the family with the most per-layer data. Same logits, and the
+    loaded / exported checkpoint tensors are the same either way."""
     model = _model("gemma3_text", seed=3, num_layers=3, layer_types=("sliding_attention", "full_attention") * 1 +
                    ("sliding_attention",))
+    loop = models.init_random(model.config, seed=0, scan_layers=False)
+    nnx.update(loop, nnx.state(model, nnx.Not(nnx.PathContains("layers"))))
+    for i in range(model.config.num_layers):
+        nnx.update(loop.layers[i], nnx.state(model.layer(i)))
+    tensors = models.export_hf_tensors(model)
+    assert all(np.array_equal(v, tensors[k]) for k, v in models.export_hf_tensors(loop).items())
     layout = models.default_layout(model, 2, 32, page_size=8, dtype="float32")
     tokens = jnp.asarray([PROMPTS[0][:12], PROMPTS[2][:12]], jnp.int32)
     slots, counts = jnp.arange(2, dtype=jnp.int32), jnp.asarray([12, 9], jnp.int32)
 
-    def run(unrolled: bool):
+    def run(net):
         cache, _ = aj.reserve(aj.create(layout), slots, counts)
-        positions = models.token_positions(cache, slots, counts, 12)
-        if not unrolled:
-            return model(tokens, positions, cache, slots, counts)[0]
-        x = model.embed(tokens)
-        for i in range(model.config.num_layers):
-            x, cache = model.layer(i)(x, positions, cache, i, slots, counts)
-        return model.logits(model.norm(x))
+        return net(tokens, models.token_positions(cache, slots, counts, 12), cache, slots, counts)[0]
 
-    scanned, unrolled = jax.jit(lambda: run(False))(), jax.jit(lambda: run(True))()
+    scanned, looped = jax.jit(lambda: run(model))(), jax.jit(lambda: run(loop))()
     live = np.arange(12)[None, :] < np.asarray(counts)[:, None]
-    np.testing.assert_allclose(np.asarray(scanned)[live], np.asarray(unrolled)[live], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(scanned)[live], np.asarray(looped)[live], rtol=1e-5, atol=1e-5)
 
 
 def test_step_program_does_not_grow_with_depth():
