@@ -115,6 +115,9 @@ def _add_decode_args(p: argparse.ArgumentParser, defaults: dict) -> None:
                                        "instead of random weights")
     g.add_argument("--num-layers", type=positive_int,
                    help="override the preset's depth (e.g. llama3-8b geometry on a CPU; mixed layer types keep their pattern)")
+    g.add_argument("--no-scan-layers", action="store_true",
+                   help="a list of layers run by a Python loop instead of stacked layers in a scan (compiles with depth; "
+                        "no per-layer weight slice copies)")  # fmt: skip
     g.add_argument("--batch", type=positive_int, default=defaults["batch"], help="sequences decoded together")
     g.add_argument("--prompt-len", type=positive_int, default=defaults["prompt_len"], help="random prompt tokens per sequence")
     g.add_argument("--new-tokens", type=positive_int, default=defaults["new_tokens"], help="tokens generated per sequence (>= 2)")

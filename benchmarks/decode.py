@@ -59,6 +59,7 @@ class DecodeSettings:
     num_layers: int | None = None  # override the preset's depth (random weights only)
     seed: int = 0
     mesh: tuple[int, int] | None = None  # (data-parallel, tensor-parallel) degrees; None: one device
+    scan_layers: bool = True  # layers stacked and run by a scan (False: a list run by a Python loop)
 
 
 def config_and_dtype(s):
@@ -133,9 +134,9 @@ def build_model(s: DecodeSettings, mesh=None):
     """(model, description of the weights). Random weights from the preset unless model_dir."""
     cfg, dtype = config_and_dtype(s)
     if s.model_dir:
-        model, _tok = models.load_pretrained(s.model_dir, dtype=dtype, mesh=mesh)
+        model, _tok = models.load_pretrained(s.model_dir, dtype=dtype, mesh=mesh, scan_layers=s.scan_layers)
         return model, f"checkpoint {s.model_dir}"
-    model = models.init_random(cfg, seed=s.seed, dtype=dtype, mesh=mesh)
+    model = models.init_random(cfg, seed=s.seed, dtype=dtype, mesh=mesh, scan_layers=s.scan_layers)
     depth = f", {cfg.num_layers} of {preset(s.model).num_layers} layers" if s.num_layers else ""
     return model, f"random weights{depth}"
 

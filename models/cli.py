@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-cache", action="store_true",
                    help="reuse the K/V of cached prompt prefixes (token granularity, LRU eviction); prints hit figures")  # fmt: skip
     p.add_argument("--dtype", choices=_DTYPES, default=None, help="default: bfloat16 for checkpoints, float32 for tiny")
+    p.add_argument("--no-scan-layers", action="store_true",
+                   help="run the layers as a Python loop over a list (compile time grows with depth; no per-layer "
+                        "weight slice copies) instead of one scan over stacked layers")  # fmt: skip
     p.add_argument("--kv-dtype", choices=_KV_DTYPES, default=None,
                    help="the KV arena's dtype (default: --dtype); int8 / float8_* store 8-bit values + a float32 scale "
                         "per token and KV head, quantized on write")  # fmt: skip
@@ -144,11 +147,11 @@ def main(argv=None) -> int:
 
     if args.model_dir:
         try:
-            model, tokenizer = models.load_pretrained(args.model_dir, dtype=dtype)
+            model, tokenizer = models.load_pretrained(args.model_dir, dtype=dtype, scan_layers=not args.no_scan_layers)
         except (OSError, ValueError) as exc:
             parser.error(f"--model-dir {args.model_dir}: {exc}")
     else:
-        model = models.init_random(config, seed=args.seed, dtype=dtype)
+        model = models.init_random(config, seed=args.seed, dtype=dtype, scan_layers=not args.no_scan_layers)
     prompts = [prompt] * num_prompts
     if not args.no_compile_cache:  # only once the arguments and the model are known to be good
         _enable_compile_cache(args.compile_cache)
