@@ -355,6 +355,28 @@ def fork_pages(cache: KVCache, pages, num_tokens, dst) -> KVCache:
 # ---- data path -----------------------------------------------------------------------------
 
 
+def _check_reserved(cache, slots, n, layer) -> None:
+    """On the host: every row's tokens must fit its reservation (else append would drop them)."""
+    s, lay = concrete(slots), concrete(layer)
+    if s is None or n is None or lay is None:
+        return
+    table = cache.table
+    lengths, active, written = concrete(table.lengths), concrete(table.active), concrete(table.written)[int(lay)]
+    for b in np.flatnonzero((s != PAD_SLOT) & (n > 0)):
+        slot, want = int(s[b]), int(n[b])
+        if not active[slot]:
+            raise ValueError(
+                f"slots[{b}]={slot} has no reservation (the slot is not in use): call aj.reserve(cache, slots, "
+                f"num_tokens) for the new tokens before aj.append (an unreserved append writes nothing)"
+            )
+        if int(written[slot]) + want > int(lengths[slot]):
+            raise ValueError(
+                f"slots[{b}]={slot}: appending {want} tokens at layer {int(lay)} would pass its reservation "
+                f"({int(written[slot])} written of {int(lengths[slot])} reserved): aj.reserve them first (an append "
+                "past the reservation writes nothing and counts in stats.dropped_writes)"
+            )
+
+
 @functools.partial(jax.jit, static_argnames=("backend",), donate_argnames=("cache",))
 def _append(cache, layer, slots, k, v, num_tokens, backend):
     if cache.sharding is not None:
@@ -385,6 +407,7 @@ def append(cache: KVCache, layer, slots, k, v, *, num_tokens=None, backend: str 
     n = concrete(num_tokens)
     if n is not None and n.size and n.max() > tokens:
         raise ValueError(f"num_tokens={int(n.max())} exceeds the {tokens} tokens given in k and v")
+    _check_reserved(cache, slots, n, layer)
     return _append(cache, layer, slots, jnp.asarray(k), jnp.asarray(v), num_tokens, _resolve_backend(backend, layout))
 
 
@@ -451,7 +474,9 @@ def attend(
             if n[b] > written[s[b]]:
                 raise ValueError(
                     f"num_tokens[{b}]={int(n[b])} exceeds the {int(written[s[b]])} tokens written at layer {int(lay)} "
-                    f"for slot {int(s[b])}: attend reads only appended tokens (append them first)"
+                    f"for slot {int(s[b])}: attend reads only appended tokens (append them first; an append the "
+                    f"slot had not reserved with aj.reserve writes nothing: stats.dropped_writes = "
+                    f"{int(concrete(cache.stats.dropped_writes).sum())})"
                 )
     window = sliding_window if isinstance(sliding_window, jax.core.Tracer) else None
     static_window = None if window is not None else sliding_window

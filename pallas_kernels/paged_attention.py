@@ -15,21 +15,31 @@ finds its own page (`page_map[b, pos // page_size]`), so page tables may be scra
 masked on every load and store, so nothing past a head's `head_dim` is read or written.
 Online softmax in float32. The key range is bounded by loop limits, not masks:
 it starts at the page holding the earliest key any of the program's queries may see
-(sliding window) and ends at the last query's position; split `s` of `num_splits` takes
-a contiguous share of those blocks. Inside a block, keys past the length, in unmapped pages,
-in the future (causal) or out of the window are masked with `where` before the softmax, and
-masked K/V lanes are never loaded (masked loads, `other=0`) and V is selected to zero, so
-stale or NaN page contents never reach the output.
+(sliding window: static, compiled in, or traced, read from `window_ref` with the same
+arithmetic) and ends at the last query's position; split `s` of `num_splits` takes a
+contiguous share of those blocks. Inside a block, keys past the length, in unmapped pages,
+in the future (causal) or out of the window are masked with `where` before the softmax;
+dead K/V lanes are never loaded (masked loads, `other=0`).
+
+Dtypes: the dots run in q's dtype, whatever the arena's (K/V tiles converted in registers;
+bf16/fp16: tensor cores, fp32: IEEE FMA), accumulating in float32; scores, soft-cap
+(`cap * tanh(s / cap)`, a static `soft_cap`) and softmax in float32; the weights rounded to
+q's dtype for the P @ V dot; the output rounded once.
+
+Masked means masked (the reference's rules): a V row with a NaN / inf lane is selected to
+zero and flagged (`v_ok`), as is a non-finite score (`s_ok`); a flagged (row, key) pair the
+row attends to gets weight NaN, so that query's whole output row is NaN, while a masked pair
+contributes exactly nothing (its weight is 0 and its V row finite). Selects, never products
+with zero, so stale or NaN page contents never reach a query that does not attend to them.
 
 With one split the kernel normalizes and writes the output; with several it writes
 unnormalized partials plus the running max / sum per row, merged afterwards by a
 log-sum-exp in plain jnp (`_merge_splits`). A row that saw no key has a running sum of
-exactly 0 and gives 0; a NaN in the row's own inputs (its query, or a K/V position it sees)
-makes the sum NaN and the output NaN, as in the reference (the test is `l != 0`, not `l > 0`).
+exactly 0 and gives 0; a poisoned row has a NaN sum and gives NaN, as in the reference (the
+test is `l != 0`, not `l > 0`).
 
 8-bit arenas (int8, float8_e4m3fn, float8_e5m2, with per-token scales `k_scale`, `v_scale`
-[layers, kv_heads, pages, page_size]) are dequantized inside the kernel; the dots run in q's
-dtype (bf16/fp16: tensor cores; fp32: IEEE FMA) with float32 accumulation. Every 8-bit value
+[layers, kv_heads, pages, page_size]) are dequantized inside the kernel. Every 8-bit value
 converts exactly to bf16, fp16 and f32 (int8 in [-127, 127]; e4m3 and e5m2 are narrower
 floats), so only the scale multiplication rounds:
 - K: the scale of key j multiplies every lane of its row, so it factors out of the QK^T
@@ -38,9 +48,11 @@ floats), so only the scale multiplication rounds:
 - V: bf16 / f32 compute fold the scale into the softmax weights, `o += (p * v_scale) @ vq`
   (the same factoring over keys); fp16 compute dequantizes the V tile instead,
   `(vq * v_scale).astype(fp16)`, because p * v_scale could underflow fp16's range.
-Scales are masked loads like the values: a dead key (past the length, unmapped, in the
-future, out of the window) loads neither its values nor its scale, so NaN-poisoned stale
-scales never reach the output. No fp8 tensor-core dot is used: q would have to be rounded to
+Scales are masked loads like the values: a dead key (past the length, unmapped) loads
+neither its values nor its scale, so NaN-poisoned stale scales never reach the output. With
+bf16 / f32 compute a row's poison is its value scale (8-bit values are finite by
+construction): a non-finite one is zeroed and flagged, so `p * v_scale` is 0 for masked
+pairs and NaN for attended ones; with fp16 compute the dequantized tile is checked. No fp8 tensor-core dot is used: q would have to be rounded to
 fp8 too, and decode is bound by the bytes read, which the 8-bit loads already halve.
 Contract: `pallas_kernels.reference.paged_attention_reference`.
 """
@@ -156,7 +168,6 @@ def _attention_kernel(
     # The dots run in q's dtype (the compute dtype): K / V tiles are converted to it in registers.
     compute = q_ref.dtype
     fold_v = compute != jnp.float16  # 8-bit V: scale folded into p (bf16/f32 range) or the tile (fp16)
-    v_max = float(jnp.finfo(compute).max)
 
     # Keys any row of this program may see: [lo, hi), then whole blocks from lo's page.
     t_first = tb * block_tokens
