@@ -11,13 +11,11 @@ deliberate exception is an eos id outside the vocabulary (transformers only warn
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import math
 import re
 
-import numpy as np
 
 import pytest
 
@@ -268,6 +266,8 @@ def test_family_configs_round_trip_and_refuse_mixtures():
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
+from hf_oracle import HF, check_model_config, ours  # noqa: E402  (needs transformers and torch)
+
 
 def _wrong_values(value):
     """Wrong types and edge values for a key whose good value is `value`."""
@@ -312,115 +312,6 @@ def _mutations():
                     yield base_name, what, cfg
 
 
-# model_type -> (config class, modeling module, class name prefix)
-HF_CLASSES = {
-    "llama": ("LlamaConfig", "llama", "Llama"),
-    "mistral": ("MistralConfig", "mistral", "Mistral"),
-    "qwen2": ("Qwen2Config", "qwen2", "Qwen2"),
-    "qwen3": ("Qwen3Config", "qwen3", "Qwen3"),
-    "gemma2": ("Gemma2Config", "gemma2", "Gemma2"),
-    "gemma3_text": ("Gemma3TextConfig", "gemma3", "Gemma3"),
-}
-
-
-class _HF:
-    """What transformers makes of a config.json: its config, rotary embedding and layer-0 attention."""
-
-    def __init__(self, cfg: dict):
-        self.model_type = cfg.get("model_type", "llama")
-        cls, module, prefix = HF_CLASSES[self.model_type]
-        self.config = getattr(transformers, cls).from_dict(copy.deepcopy(cfg))
-        modeling = getattr(getattr(transformers.models, module), f"modeling_{module}")
-        self.rotary = getattr(modeling, f"{prefix}RotaryEmbedding")(self.config)
-        with torch.device("meta"):  # its structure only: no weights allocated or drawn
-            self.attention = getattr(modeling, f"{prefix}Attention")(self.config, 0)
-
-    def layer_types(self) -> list[str]:
-        c = self.config
-        if self.model_type == "llama":
-            return ["full_attention"] * c.num_hidden_layers
-        if self.model_type == "mistral":
-            return ["full_attention" if c.sliding_window is None else "sliding_attention"] * c.num_hidden_layers
-        return list(c.layer_types)
-
-    def ropes(self) -> dict:
-        """layer type -> (rope_type, rope_theta, scaling) for the layer types the model has."""
-        out = {}
-        for t in sorted(set(self.layer_types())):
-            rope = self.config.rope_parameters[t] if self.model_type == "gemma3_text" else self.config.rope_parameters
-            keys = {"llama3": [k for k in LLAMA3_ROPE if k != "rope_type"], "linear": ["factor"]}.get(rope["rope_type"])
-            out[t] = (rope["rope_type"], rope["rope_theta"], None if keys is None else {k: rope[k] for k in keys})
-        return out
-
-    def inv_freq(self, layer_type: str):
-        name = f"{layer_type}_inv_freq" if self.model_type == "gemma3_text" else "inv_freq"
-        return getattr(self.rotary, name).numpy()
-
-    def values(self) -> dict:
-        c, attn = self.config, self.attention
-        eos = c.eos_token_id
-        windows = [c.sliding_window if t == "sliding_attention" else None for t in self.layer_types()]
-        return {
-            "vocab_size": c.vocab_size,
-            "hidden_size": c.hidden_size,
-            "intermediate_size": c.intermediate_size,
-            "num_hidden_layers": c.num_hidden_layers,
-            "num_attention_heads": c.num_attention_heads,
-            "num_key_value_heads": c.num_key_value_heads,
-            "head_dim": attn.head_dim,
-            "hidden_act": c.hidden_activation if self.model_type.startswith("gemma") else c.hidden_act,
-            "max_position_embeddings": c.max_position_embeddings,
-            "rms_norm_eps": c.rms_norm_eps,
-            "tie_word_embeddings": c.tie_word_embeddings,
-            "attention_bias": attn.q_proj.bias is not None,
-            "attention_output_bias": attn.o_proj.bias is not None,
-            "mlp_bias": bool(getattr(c, "mlp_bias", False)),
-            "windows": tuple(windows),
-            "ropes": self.ropes(),
-            "qk_norm": hasattr(attn, "q_norm"),
-            "sm_scale": attn.scaling,
-            "attn_logit_softcapping": attn.attn_logit_softcapping if self.model_type == "gemma2" else None,
-            "final_logit_softcapping": c.final_logit_softcapping if self.model_type.startswith("gemma") else None,
-            "use_bidirectional_attention": bool(getattr(c, "use_bidirectional_attention", False)),
-            "eos_token_id": () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,),
-        }
-
-
-def _ours(cfg) -> dict:
-    p = parse_hf_config(cfg)
-    full = (p.rope_type, p.rope_theta, p.rope_scaling)
-    local = full if p.local_rope is None else (p.local_rope.rope_type, p.local_rope.rope_theta, p.local_rope.scaling)
-    keys = ("vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads "
-            "head_dim hidden_act max_position_embeddings rms_norm_eps tie_word_embeddings attention_bias "
-            "attention_output_bias mlp_bias qk_norm attn_logit_softcapping final_logit_softcapping "
-            "use_bidirectional_attention eos_token_id").split()
-    out = {key: getattr(p, key) for key in keys}
-    out["windows"] = tuple(p.sliding_window if t == "sliding_attention" else None for t in p.layer_types)
-    out["ropes"] = {t: full if t == "full_attention" else local for t in sorted(set(p.layer_types))}
-    out["sm_scale"] = (p.head_dim if p.query_pre_attn_scalar is None else p.query_pre_attn_scalar) ** -0.5
-    return out
-
-
-def _check_model_config(cfg, hf: _HF, values: dict) -> str | None:
-    """What `models.LlamaConfig.from_hf` takes, against transformers' (None when equal)."""
-    from models.layers import rope_frequencies
-
-    m = models.LlamaConfig.from_hf(cfg)
-    got = (m.num_kv_heads, m.head_dim, m.rms_norm_eps, m.layer_windows(), m.tie_word_embeddings, m.qkv_bias, m.o_bias,
-           m.qk_norm, m.sm_scale, m.attn_logit_softcapping, m.final_logit_softcapping, m.hidden_act)
-    want = (values["num_key_value_heads"], values["head_dim"], values["rms_norm_eps"], values["windows"],
-            values["tie_word_embeddings"], values["attention_bias"], values["attention_output_bias"], values["qk_norm"],
-            values["sm_scale"], values["attn_logit_softcapping"], values["final_logit_softcapping"],
-            values["hidden_act"].replace("swish", "silu"))  # fmt: skip
-    if got != want:
-        return f"LlamaConfig.from_hf {got} != transformers {want}"
-    for i, t in enumerate(hf.layer_types()):
-        ours = rope_frequencies(m.head_dim, *m.layer_rope(i))
-        if not np.allclose(ours, hf.inv_freq(t), rtol=1e-6, atol=0):
-            return f"layer {i} ({t}) RoPE inverse frequencies differ: {ours} != {hf.inv_freq(t)}"
-    return None
-
-
 # Where we refuse what transformers accepts: range checks it does not make (it builds an empty or
 # degenerate model, computes NaN, or fails later), and its untyped RoPE dict / dtype. Each rule
 # must be hit by some mutation, so the list cannot outlive the checks.
@@ -449,12 +340,12 @@ def test_parsed_values_equal_transformers():
     for base_name, what, cfg in _mutations():
         label = f"{base_name}: {what}"
         try:
-            hf = _HF(cfg)
+            hf = HF(cfg)
             values = hf.values()
         except Exception:  # noqa: BLE001 - transformers refuses (TypeError, ValueError, KeyError, ...)
             hf = values = None
         try:
-            ours = _ours(cfg)
+            ours = ours(cfg)
         except ValueError as exc:
             ours = exc
         if values is None:
@@ -480,7 +371,7 @@ def test_parsed_values_equal_transformers():
                          and (hf.model_type != "gemma3_text" or local == "default"))  # fmt: skip
             if supported:
                 counts["model configs"] += 1
-                problem = _check_model_config(cfg, hf, values)
+                problem = check_model_config(cfg, hf, values)
                 if problem:
                     failures.append(f"{label}: {problem}")
     assert not failures, "\n".join(failures[:40])
@@ -566,7 +457,7 @@ def test_real_checkpoint_configs_match_presets():
         ours = models.LlamaConfig.from_hf(cfg)
         eos = cfg["eos_token_id"]
         assert ours == dataclasses.replace(preset, eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,))
-        hf = _HF(cfg)
-        assert _ours(cfg) == hf.values(), cfg["model_type"]
-        assert _check_model_config(cfg, hf, hf.values()) is None
+        hf = HF(cfg)
+        assert ours(cfg) == hf.values(), cfg["model_type"]
+        assert check_model_config(cfg, hf, hf.values()) is None
     assert math.isclose(models.LlamaConfig.from_hf(llama31).rms_norm_eps, 1e-5)
