@@ -109,9 +109,15 @@ def _add_capacity_args(p: argparse.ArgumentParser, defaults: dict) -> None:
 def _add_decode_args(p: argparse.ArgumentParser, defaults: dict) -> None:
     g = p.add_argument_group("decode")
     g.add_argument("--model", choices=_models(), default="tiny",
-                   help="preset with random weights (tiny-gqa: 8 query / 2 KV heads, for --mesh up to tp=8)")  # fmt: skip
-    g.add_argument("--model-dir", help="a Hugging Face Llama/Mistral checkpoint folder instead of random weights")
-    g.add_argument("--num-layers", type=positive_int, help="override the preset's depth (e.g. llama3-8b geometry on a CPU)")
+                   help="preset with random weights (tiny-gqa: 8 query / 2 KV heads, for --mesh up to tp=8; "
+                        "tiny-<family>: a tiny Mistral / Qwen 2 / Qwen 3 / Gemma 2 / Gemma 3)")  # fmt: skip
+    g.add_argument("--model-dir", help="a Hugging Face checkpoint folder (Llama, Mistral, Qwen 2 / 3, Gemma 2 / 3 text) "
+                                       "instead of random weights")
+    g.add_argument("--num-layers", type=positive_int,
+                   help="override the preset's depth (e.g. llama3-8b geometry on a CPU; mixed layer types keep their pattern)")
+    g.add_argument("--no-scan-layers", action="store_true",
+                   help="a list of layers run by a Python loop instead of stacked layers in a scan (compiles with depth; "
+                        "no per-layer weight slice copies)")  # fmt: skip
     g.add_argument("--batch", type=positive_int, default=defaults["batch"], help="sequences decoded together")
     g.add_argument("--prompt-len", type=positive_int, default=defaults["prompt_len"], help="random prompt tokens per sequence")
     g.add_argument("--new-tokens", type=positive_int, default=defaults["new_tokens"], help="tokens generated per sequence (>= 2)")
@@ -135,7 +141,7 @@ def _add_prefix_args(p: argparse.ArgumentParser) -> None:
     d = PrefixSettings()
     g = p.add_argument_group("prefix")
     g.add_argument("--model", choices=_models(), default=d.model, help="preset with random weights")
-    g.add_argument("--model-dir", help="a Hugging Face Llama/Mistral checkpoint folder instead of random weights")
+    g.add_argument("--model-dir", help="a Hugging Face checkpoint folder (any supported family) instead of random weights")
     g.add_argument("--num-layers", type=positive_int, help="override the preset's depth")
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="None: float32 for tiny, else bfloat16")
     g.add_argument("--system-prompts", type=positive_int, default=d.system_prompts, help="distinct system prompts")
