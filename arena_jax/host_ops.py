@@ -30,8 +30,8 @@ order (`stats.failed_swaps`), like `reserve`. Rejected:
 A used host page named by an earlier used entry of the call is refused even when that earlier
 row is rejected for another reason: the first naming wins, whatever becomes of it. (A row's
 used entries: swap_out, the pages its slot maps, if the slot is in range and named first;
-swap_in, the pages its num_tokens takes, if that count is valid for the slot; offload_pages,
-every row that is not padding.)
+swap_in, the pages its num_tokens takes, if dst is in range and named first and the count is
+valid for it; offload_pages, every row that is not padding.)
 """
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def swap_in_impl(cache: KVCache, host: HostArena, host_pages, num_tokens, dst):
     n = jnp.where(n_ok, num_tokens, 0)
     lp = jnp.arange(width, dtype=jnp.int32)[None, :]
     take = jnp.clip(n[:, None] - lp * page_size, 0, page_size)  # [B, W] tokens taken from each host page
-    use = take > 0
+    use = (take > 0) & live[:, None]
     covered = (host_pages >= 0) & (host_pages < n_host) & (host.held[jnp.clip(host_pages, 0, n_host - 1)] >= take)
     distinct = _first_uses(host_pages, use, n_host)
     valid = live & settled & (length % page_size == 0) & n_ok & jnp.all((covered & distinct) | ~use, axis=1)

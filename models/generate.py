@@ -54,6 +54,7 @@ import dataclasses
 import time
 from typing import Sequence
 
+import jax
 import numpy as np
 
 import arena_jax as aj
@@ -277,6 +278,7 @@ def generate(
     tier = None
     if host is not None:
         tier = HostTier(host, layout, swap_policy or SwapPolicy(), owns_pages=index is None)
+        cache = _committed(cache)  # as the host-tier ops' outputs are: the steps compile once, not again mid-run
 
     seqs = [Seq(i, p) for i, p in enumerate(prompts)]
     runner = Scheduler(
@@ -312,6 +314,16 @@ def generate(
         swapped_tokens=tier.swapped_tokens if tier is not None else 0,
         modelled_transfer_seconds=tier.modelled_transfer_s if tier is not None else 0.0,
     )
+
+
+def _committed(cache: aj.KVCache) -> aj.KVCache:
+    """A one-device cache committed to its device. The host tier's arrays are committed (they
+    name a memory kind), so every op that takes them returns committed arrays; a jitted step
+    first called with an uncommitted cache would compile again for a committed one."""
+    leaves = [x for x in jax.tree.leaves(cache) if isinstance(x, jax.Array)]
+    if cache.sharding is not None or all(x.committed for x in leaves):
+        return cache
+    return jax.device_put(cache, next(iter(cache.k.devices())))
 
 
 def _on_mesh(model: Llama, mesh, tensor_axis):
