@@ -44,7 +44,8 @@ from arena_jax.memory import to_device, to_host
 from arena_jax.prefix_ops import _page_rows
 from arena_jax.state import PAD_PAGE, PAD_SLOT, KVCache
 
-__all__ = ["swap_out_impl", "swap_in_impl", "offload_pages_impl", "drop_host_pages_impl", "move_pages"]
+__all__ = ["swap_out_impl", "swap_in_impl", "offload_pages_impl", "drop_host_pages_impl", "move_pages",
+           "move_pages_reference"]
 
 
 def _ceil_div(a, b):
@@ -69,6 +70,14 @@ def move_pages(src: dict, dst: dict, src_pages, dst_pages, moves, transfer) -> d
         }
 
     return lax.fori_loop(0, count, body, dst)
+
+
+def move_pages_reference(src: dict, dst: dict, src_pages, dst_pages, moves) -> dict:
+    """`move_pages` as one gather and one scatter, with no memory-kind transfer (every array
+    on the device): what the loop must compute, for tests on fresh random data."""
+    target = jnp.where(moves, dst_pages, dst[next(iter(dst))].shape[2])
+    return {name: x.at[:, :, target].set(src[name][:, :, jnp.where(moves, src_pages, 0)], mode="drop")
+            for name, x in dst.items()}  # fmt: skip
 
 
 def _first_uses(pages, use, num_pages: int):

@@ -278,7 +278,7 @@ def generate(
     tier = None
     if host is not None:
         tier = HostTier(host, layout, swap_policy or SwapPolicy(), owns_pages=index is None)
-        cache = _committed(cache)  # as the host-tier ops' outputs are: the steps compile once, not again mid-run
+    cache = _committed(cache)  # as the host-tier ops' outputs are: the steps compile once, not again mid-run
 
     seqs = [Seq(i, p) for i, p in enumerate(prompts)]
     runner = Scheduler(

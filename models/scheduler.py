@@ -45,11 +45,33 @@ Progress (the bound `step_bound` enforces; a test draws tiny budgets against it)
    re-admission, and evictions and finishing sequences only add pages. So no step fails while
    it is the newest: it is never preempted again.
 3. Each loop iteration serves a row (feeding at least one token), evicts a page, or preempts a
-   sequence. Tokens fed are at most twice each request's prompt + new tokens (fed once, and
-   once more after its single preemption); evictions are at most the pages ever indexed, each
-   holding a fed token; preemptions are at most the number of requests. Hence at most
+   sequence. A request is admitted at most twice (2.), and one admission feeds at most its
+   prompt + new tokens, so tokens fed are at most twice each request's prompt + new tokens.
+   An eviction frees a page the index held, and a hold is taken only on a page an admission
+   maps as its own (a page it wrote, or one it brought back from the host tier), at most its
+   final pages <= its prompt + new tokens per admission: evictions are at most twice the
+   tokens too. Preemptions are at most the number of requests. Hence at most
    `4 * sum(len(prompt) + max_new_tokens) + len(requests)` iterations (`Scheduler.step_bound`);
    `run` raises (a bug, never a hang) if it ever gets past that.
+
+The host tier (`models.host_tier`; the hooks: `_swap_out` in `_preempt`, `_restore` in
+`_admit`, `_tiered_hit` in `_plan`, `_flush_host` in `_flush`) changes what a re-admitted or
+hitting request computes, never what it is counted for, so 1.-3. hold as written:
+- Swap preemption (no prefix index): the preempted (newest) sequence's written pages go to host
+  pages and its slot is released by the same op, as a release would; it keeps `fed` and waits
+  at the head of the queue. Its re-admission follows the re-admission rule (its final pages,
+  plus everything running's remaining growth) and brings the pages back into its slot before
+  any step: pages_for(fed) <= its final pages, counted by that rule, and the device has them
+  (running sequences are counted at their whole length, never below what the device holds).
+  Whether it swaps or recomputes (`SwapPolicy`, host pages free) changes only the tokens it
+  computes. A swap_in the device refused anyway would recompute (tests assert it never does).
+- A prefix index with a host tier: a hit is its device pages (mapped and counted as before)
+  then pages only on the host, brought back into new pages the request owns: counted as pages
+  the request needs, exactly like tokens it would compute. Evictions free device pages as
+  before (a copy to the host frees the page as a drop does; host pages are never counted on the
+  device), and before bringing a hit's host pages back the scheduler evicts what the admission
+  counted as evictable, keeping those host copies. A spill that finds no host page drops the
+  page instead: the host tier's capacity never blocks a step.
 """
 from __future__ import annotations
 
