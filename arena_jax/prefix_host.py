@@ -7,7 +7,9 @@ page) pairs, `aj.offload_pages`: a copy, then the cache's hold goes; a host page
 `drop_host` may be reused here), `drop` (device holds that go without a copy, `aj.drop_pages`:
 the node keeps its host copy, or leaves the index). The index is updated as the plan says.
 
-Candidates, both in LRU order ((last_used, serial): parents are touched with their children,
+A node with children whose host copies are all kept (`keep`) and no host page to spare stays
+(the plan may free fewer pages than asked; never when `keep` is a hit's host part, whose
+device ancestors are locked). Candidates, both in LRU order ((last_used, serial): parents are touched with their children,
 so a parent is never older than its child):
   device  unlocked nodes with a device page and no child on the device;
   host    nodes with a host copy that is not pinned (`keep`: a hit about to be swapped in), that
@@ -71,7 +73,6 @@ def evict_plan(index, num_pages: int, keep=()) -> Eviction:
         while host_heap and not host_candidate(host_heap[0][2]):
             heapq.heappop(host_heap)
         if not host_heap or (x.is_leaf() and _key(x) < host_heap[0][0]):
-            assert x.is_leaf(), "a node with children on the host always finds a host page to free"
             return None
         _, _, y = heapq.heappop(host_heap)
         hp, parent = y.host_page, y.parent
@@ -106,6 +107,8 @@ def evict_plan(index, num_pages: int, keep=()) -> Eviction:
             x.page = None
         else:
             hp = free_one_host_page(x) if index.host_capacity else None
+            if hp is None and not x.is_leaf():  # its children's host copies are all kept: it stays
+                continue
             if hp is None:  # no host tier, or x is the least recently used of all: it goes
                 plan.drop.append(x.page)
                 index._remove(x)
