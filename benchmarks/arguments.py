@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from models.argtypes import INT32_MAX, float_in, positive_int, seed
+from models.argtypes import INT32_MAX, float_in, int_in, positive_int, seed
 
 GIB = 2**30
 
@@ -151,6 +151,8 @@ def _add_prefix_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--budget-gib", type=_budget_gib, help="KV budget in GiB (instead of --num-pages)")
     g.add_argument("--repeats", type=positive_int, default=d.repeats, help="timed runs per mode (alternating)")
     g.add_argument("--seed", type=seed, default=d.seed, help="workload and weights")
+    g.add_argument("--host-pages", type=int_in(0), default=d.host_pages,
+                   help="a third mode: the prefix cache with a host tier of this many pages (evicted pages spill there)")  # fmt: skip
 
 
 CAPACITY_DEFAULTS = {"budget_gib": 1.0, "requests": 100}

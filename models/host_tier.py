@@ -120,7 +120,7 @@ class HostTier:
 
     def swap_in(self, cache, rows: list[tuple[int, list[int], int]], batch: int):
         """Bring rows (dst slot, host pages, tokens) back into their slots (appended after what the
-        slot holds). Returns (cache, ok per row): a refused row's slot is unchanged."""
+        slot holds). Returns (cache, ok bool[batch] on the device: rows past len(rows) are padding)."""
         dst = np.full((batch,), aj.PAD_SLOT, np.int32)
         pages = np.full((batch, self.layout.max_pages_per_seq), aj.PAD_PAGE, np.int32)
         counts = np.zeros((batch,), np.int32)
@@ -128,10 +128,7 @@ class HostTier:
             dst[b], counts[b] = slot, tokens
             pages[b, : len(host_pages)] = host_pages
         cache, self.host, ok = swap_in_rows(cache, self.host, jnp.asarray(pages), jnp.asarray(counts), jnp.asarray(dst))
-        ok = np.asarray(ok)[: len(rows)].tolist()  # one small read-back per admission that brings pages back
-        for (_, host_pages, _), served in zip(rows, ok):
-            if served:
-                self.count_move(len(host_pages))
+        self.count_move(sum(-(-tokens // self.layout.page_size) for _, _, tokens in rows))
         return cache, ok
 
     def release(self, cache, host_pages: list[int], width: int):

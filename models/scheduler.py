@@ -64,7 +64,8 @@ hitting request computes, never what it is counted for, so 1.-3. hold as written
   any step: pages_for(fed) <= its final pages, counted by that rule, and the device has them
   (running sequences are counted at their whole length, never below what the device holds).
   Whether it swaps or recomputes (`SwapPolicy`, host pages free) changes only the tokens it
-  computes. A swap_in the device refused anyway would recompute (tests assert it never does).
+  computes. A swap_in the device refused anyway would be a broken count: the scheduler reads
+  its `ok` back with the next step's results and raises (a bug, never a wrong token).
 - A prefix index with a host tier: a hit is its device pages (mapped and counted as before)
   then pages only on the host, brought back into new pages the request owns: counted as pages
   the request needs, exactly like tokens it would compute. Evictions free device pages as
@@ -86,8 +87,8 @@ from flax import nnx
 
 import arena_jax as aj
 from models.host_tier import HostTier
-from models.steps import (decode_step, drop_host_page_rows, drop_page_rows, fork_page_rows, hold_page_rows,
-                          offload_page_rows, prefill, release_rows)  # fmt: skip
+from models.steps import (decode_step, drop_host_page_rows, drop_page_rows, evict_to_host_rows, fork_page_rows,
+                          hold_page_rows, offload_page_rows, prefill, release_rows)  # fmt: skip
 
 __all__ = ["Seq", "Scheduler", "fetch"]
 
@@ -167,6 +168,7 @@ class Scheduler:
         assert tier is None or self.dp == 1, "a host tier needs one data shard"
         self._host_drops: list[int] = []
         self._offloads: list[tuple[int, int]] = []
+        self._swap_ins: list = []  # swap_in `ok` arrays, read back with the next step's results
 
     # ---- bookkeeping --------------------------------------------------------------------
     def _running(self, shard: int | None = None) -> list[Seq]:
@@ -280,25 +282,18 @@ class Scheduler:
     def _restore(self, restore: list) -> None:
         """Bring admitted sequences' pages back from the host tier (`aj.swap_in`, appended after a
         hit's device pages). The admission counted those pages; with a prefix index, pages only
-        it holds are evicted first to free them (never the host copies being read). A row the
-        device still refuses (a broken count: never expected) recomputes its tokens instead."""
+        it holds are evicted first to free them (never the host copies being read). The op's `ok`
+        is read back with the next step's results (no extra sync): a refusal is a broken count."""
         if self.index is not None:
             keep = [n for *_, nodes in restore for n in nodes]
             self._evict(self._pages_in_use() - self.layout.num_pages, keep=keep)
         rows = [(self.slot_of[r], pages, tokens) for r, _, pages, tokens, _ in restore]
         self.cache, ok = self.tier.swap_in(self.cache, rows, self.batch)
-        for (r, seq, pages, tokens, _), served in zip(restore, ok):
-            if not served:
-                seq.fed -= tokens
-                self.prefill_tokens += tokens
-                self.recomputed_tokens += tokens if seq.preemptions else 0
-                if self.index is not None:
-                    self.hit_tokens -= tokens
-            if seq.swapped is not None:  # the scheduler's own host pages: free again
+        self._swap_ins.append(ok)
+        for r, seq, pages, tokens, _ in restore:
+            if seq.swapped is not None:  # the scheduler's own host pages: free again (after the copy, in order)
                 self.cache = self.tier.release(self.cache, seq.swapped, self.batch * self.layout.max_pages_per_seq)
                 seq.swapped = None
-        if self.CHECK_ACCOUNTING and not all(ok):
-            raise AssertionError(f"swap_in refused rows the admission counted pages for: {ok}")
 
     def _vacate(self, r: int) -> None:
         seq = self.rows[r]
@@ -321,6 +316,8 @@ class Scheduler:
         """Holds first (a finished sequence's pages are held before its slot lets them go),
         then releases, then host pages freed, then copies to the host tier (which may reuse them),
         then dropped holds. Fixed shapes: one compile each."""
+        if not (self._holds or self._to_release or self._drops or self._host_drops or self._offloads):
+            return
         width = self.batch * self.layout.max_pages_per_seq
         while self._holds:
             part, self._holds = self._holds[:width], self._holds[width:]
@@ -342,7 +339,18 @@ class Scheduler:
 
     def _flush_host(self, width: int) -> None:
         """The prefix index's host-tier moves: host pages freed, then device pages copied there
-        (their holds dropped by the same op)."""
+        (their holds dropped by the same op), then the plan's other dropped holds: one call when
+        they fit its rows (the usual case), else one call each, in that order."""
+        if (self._host_drops or self._offloads) and max(len(self._host_drops), len(self._offloads), len(self._drops)) <= width:
+            rows = [np.full((width,), aj.PAD_PAGE, np.int32) for _ in range(4)]
+            rows[0][: len(self._host_drops)] = self._host_drops
+            if self._offloads:
+                rows[1][: len(self._offloads)], rows[2][: len(self._offloads)] = zip(*self._offloads)
+            rows[3][: len(self._drops)] = self._drops
+            self.cache, self.tier.host = evict_to_host_rows(self.cache, self.tier.host, *map(jnp.asarray, rows))
+            self.tier.count_move(len(self._offloads))
+            self._host_drops, self._offloads, self._drops = [], [], []
+            return
         while self._host_drops:
             part, self._host_drops = self._host_drops[:width], self._host_drops[width:]
             pages = np.full((width,), aj.PAD_PAGE, np.int32)
@@ -502,12 +510,16 @@ class Scheduler:
 
     def _collect(self, out, slots, counts) -> set:
         """Advance the rows the step served; the data shards where a row was refused for lack of pages."""
-        wanted = [out.ok, out.tokens]
+        wanted = [out.ok, out.tokens, *self._swap_ins]
         if self.index is not None:  # the page table rows the index needs travel with the sampled tokens
             wanted.append(out.cache.table.page_map)
         if self.return_logits:
             wanted.append(out.logits)
         ok, next_tokens, *rest = fetch(*wanted)
+        swapped_in, rest = rest[: len(self._swap_ins)], rest[len(self._swap_ins) :]
+        self._swap_ins = []
+        if not all(x.all() for x in swapped_in):  # pads are True: a False is a row the admission counted
+            raise RuntimeError("swap_in refused a row the scheduler counted pages for: a bug in its page accounting")
         if self.index is not None:
             self._page_rows = rest.pop(0)
         logits = rest.pop(0) if self.return_logits else None

@@ -31,7 +31,7 @@ from models.llama import token_positions
 from models.sampling import SamplingParams, sample
 
 __all__ = ["StepOutput", "prefill", "decode_step", "release_rows", "fork_page_rows", "hold_page_rows", "drop_page_rows",
-           "swap_out_rows", "swap_in_rows", "offload_page_rows", "drop_host_page_rows", "TRACE_COUNTS"]
+           "swap_out_rows", "swap_in_rows", "offload_page_rows", "drop_host_page_rows", "evict_to_host_rows", "TRACE_COUNTS"]
 
 # Incremented each time a step is traced (= compiled): tests use it to check that nothing
 # recompiles once shapes are warm.
@@ -163,3 +163,14 @@ def drop_host_page_rows(cache: aj.KVCache, host: aj.HostArena, host_pages):
     """`aj.drop_host_pages` with host_pages i32[K]."""
     TRACE_COUNTS["drop_host_page_rows"] += 1
     return aj.drop_host_pages(cache, host, host_pages)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache", "host"))
+def evict_to_host_rows(cache: aj.KVCache, host: aj.HostArena, host_drops, pages, host_pages, drops):
+    """A prefix index's eviction plan in one call: `aj.drop_host_pages(host_drops)`, then
+    `aj.offload_pages(pages, host_pages)` (which may reuse those host pages), then
+    `aj.drop_pages(drops)`; every argument i32[K]."""
+    TRACE_COUNTS["evict_to_host_rows"] += 1
+    cache, host = aj.drop_host_pages(cache, host, host_drops)
+    cache, host = aj.offload_pages(cache, host, pages, host_pages)
+    return aj.drop_pages(cache, drops), host
