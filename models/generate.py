@@ -273,7 +273,7 @@ def generate(
     if host_pages:
         host = aj.create_host(cache, host_pages)
     if prefix_cache is True:
-        index = aj.PrefixCache(layout, tag=tag, host_pages=host_pages)
+        index = aj.PrefixCache(layout, tag=tag, host_pages=host.num_pages if host is not None else 0)
         index.bind(cache, host=host)
     tier = None
     if host is not None:
