@@ -49,8 +49,8 @@ import models
 from benchmarks.decode import config_and_dtype
 from benchmarks.presets import preset
 from models.memory import TooLarge, cache_bytes, check_fits, host_memory_limit, weight_bytes
-from models.steps import (drop_host_page_rows, drop_page_rows, evict_to_host_rows, fork_page_rows, hold_page_rows,
-                          offload_page_rows, swap_in_rows)  # fmt: skip
+from models.steps import (drop_host_page_rows, drop_page_rows, evict_to_host_rows, flush_rows, fork_page_rows,
+                          hold_page_rows, offload_page_rows, swap_in_rows)  # fmt: skip
 
 __all__ = ["PrefixSettings", "run_prefix", "make_workload", "PrefixTooLarge"]
 
@@ -160,12 +160,15 @@ def _warm_up(model, layout, s: PrefixSettings) -> None:
     rows = jnp.full((s.batch, layout.max_pages_per_seq), aj.PAD_PAGE, jnp.int32)
     cache = fork_page_rows(cache, rows, jnp.zeros((s.batch,), jnp.int32), jnp.full((s.batch,), aj.PAD_SLOT, jnp.int32))
     models.generate(model, [prompt], 2, cache=aj.create(layout), **kw)
+    slots = jnp.full((s.batch,), aj.PAD_SLOT, jnp.int32)
+    cache, _ = flush_rows(cache, None, pad_pages, jnp.ones((width,), jnp.int32), slots, *[pad_pages] * 4)
     if s.host_pages:  # the host tier's steps, on padding (and generate's with a host tier)
         hosted = models.generate(model, [prompt], 2, cache=aj.create(layout), prefix_cache=True, host_pages=s.host_pages, **kw)
         cache, host = hosted.cache, hosted.host
         cache, host = drop_host_page_rows(cache, host, pad_pages)
         cache, host = offload_page_rows(cache, host, pad_pages, pad_pages)
         cache, host = evict_to_host_rows(cache, host, pad_pages, pad_pages, pad_pages, pad_pages)
+        cache, host = flush_rows(cache, host, pad_pages, jnp.ones((width,), jnp.int32), slots, *[pad_pages] * 4)
         cache, host, _ = swap_in_rows(cache, host, rows, jnp.zeros((s.batch,), jnp.int32),
                                       jnp.full((s.batch,), aj.PAD_SLOT, jnp.int32))  # fmt: skip
     jax.block_until_ready(cache)

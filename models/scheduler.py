@@ -87,8 +87,8 @@ from flax import nnx
 
 import arena_jax as aj
 from models.host_tier import HostTier
-from models.steps import (decode_step, drop_host_page_rows, drop_page_rows, evict_to_host_rows, fork_page_rows,
-                          hold_page_rows, offload_page_rows, prefill, release_rows)  # fmt: skip
+from models.steps import (decode_step, drop_host_page_rows, drop_page_rows, evict_to_host_rows, flush_rows,
+                          fork_page_rows, hold_page_rows, offload_page_rows, prefill, release_rows)  # fmt: skip
 
 __all__ = ["Seq", "Scheduler", "fetch"]
 
@@ -270,6 +270,7 @@ class Scheduler:
             self.recomputed_tokens += max(0, seq.lost - seq.fed)  # a re-admission: what did not come back
             seq.lost = 0
         if fork:
+            self._flush()  # the pages it maps must be held
             pages = np.full((self.batch, self.layout.max_pages_per_seq), aj.PAD_PAGE, np.int32)
             counts = np.zeros((self.batch,), np.int32)
             dst = np.full((self.batch,), aj.PAD_SLOT, np.int32)
@@ -312,13 +313,20 @@ class Scheduler:
         self._host_drops += ins.drop_host
         return ins
 
-    def _flush(self) -> None:
+    def _flush(self, force: bool = True) -> None:
         """Holds first (a finished sequence's pages are held before its slot lets them go),
         then releases, then host pages freed, then copies to the host tier (which may reuse them),
-        then dropped holds. Fixed shapes: one compile each."""
+        then dropped holds. Fixed shapes: one compile each. Holds alone may wait (`force=False`:
+        a running sequence's full pages, which no step writes again) until something that needs
+        them (a fork of held pages, a release, an eviction) flushes them with it."""
         if not (self._holds or self._to_release or self._drops or self._host_drops or self._offloads):
             return
+        if not force and not (self._to_release or self._drops or self._host_drops or self._offloads):
+            return
         width = self.batch * self.layout.max_pages_per_seq
+        if self.index is not None and max(map(len, (self._holds, self._drops, self._host_drops, self._offloads))) <= width:
+            self._flush_at_once(width)
+            return
         while self._holds:
             part, self._holds = self._holds[:width], self._holds[width:]
             pages = np.full((width,), aj.PAD_PAGE, np.int32)
@@ -336,6 +344,25 @@ class Scheduler:
             pages = np.full((width,), aj.PAD_PAGE, np.int32)
             pages[: len(part)] = part
             self.cache = drop_page_rows(self.cache, jnp.asarray(pages))
+
+    def _flush_at_once(self, width: int) -> None:
+        """`_flush` as one call (`steps.flush_rows`: the same order), when everything fits its rows."""
+        holds, counts = np.full((width,), aj.PAD_PAGE, np.int32), np.ones((width,), np.int32)
+        if self._holds:
+            holds[: len(self._holds)], counts[: len(self._holds)] = zip(*self._holds)
+        slots = np.full((self.batch,), aj.PAD_SLOT, np.int32)
+        slots[self._to_release] = [self.slot_of[r] for r in self._to_release]
+        host_drops, pages, host_pages, drops = (np.full((width,), aj.PAD_PAGE, np.int32) for _ in range(4))
+        host_drops[: len(self._host_drops)] = self._host_drops
+        if self._offloads:
+            pages[: len(self._offloads)], host_pages[: len(self._offloads)] = zip(*self._offloads)
+        drops[: len(self._drops)] = self._drops
+        host = self.tier.host if self.tier is not None else None
+        self.cache, host = flush_rows(self.cache, host, *map(jnp.asarray, (holds, counts, slots, host_drops, pages, host_pages, drops)))
+        if self.tier is not None:
+            self.tier.host = host
+            self.tier.count_move(len(self._offloads))
+        self._holds, self._to_release, self._host_drops, self._offloads, self._drops = [], [], [], [], []
 
     def _flush_host(self, width: int) -> None:
         """The prefix index's host-tier moves: host pages freed, then device pages copied there
@@ -365,13 +392,16 @@ class Scheduler:
             self.tier.count_move(len(part))
 
     def _make_room(self, rows: list[int], counts) -> None:
-        """Prefix mode, before a step: evict what the step's reservations need beyond the free pages."""
+        """Prefix mode, before a step: evict what the step's reservations need beyond the free pages
+        (the host's count already is what the device will hold once the pending ops run), then
+        flush everything pending, evictions included."""
         size = self.layout.page_size
         demand = 0
         for r, n in zip(rows, counts):
             s = self.rows[r]
             demand += -(-(s.fed + n) // size) - -(-s.fed // size) + (s.cow_node is not None and n > 0)
         self._evict(demand - (self.layout.num_pages - self._pages_in_use()))
+        self._flush(force=False)
 
     def _evict(self, num_pages: int, keep=()) -> int:
         """Free up to `num_pages` device pages only the index holds (LRU; with a host tier they
@@ -447,7 +477,7 @@ class Scheduler:
             self.iterations += 1
             if self.iterations > bound:  # a broken invariant, never a hang
                 raise RuntimeError(f"the scheduler passed its bound of {bound} steps without finishing: a bug")
-            self._flush()
+            self._flush(force=False)
             self._admit(waiting)
             if not self._running():
                 raise RuntimeError("no sequence could be admitted")  # excluded by generate's size checks
@@ -464,7 +494,8 @@ class Scheduler:
         self._flush()
 
     def _prefill(self) -> set:
-        self._flush()  # pages of sequences that just finished are free for this step
+        if self.index is None:  # with an index, `_make_room` flushes (with its evictions, in one call)
+            self._flush()  # pages of sequences that just finished are free for this step
         tokens = np.zeros((self.batch, self.chunk), np.int32)
         slots = np.full((self.batch,), aj.PAD_SLOT, np.int32)
         counts = np.zeros((self.batch,), np.int32)
@@ -490,7 +521,8 @@ class Scheduler:
         return failed
 
     def _decode(self) -> set:
-        self._flush()
+        if self.index is None:
+            self._flush()
         tokens = np.zeros((self.batch,), np.int32)
         slots = np.full((self.batch,), aj.PAD_SLOT, np.int32)
         seq_ids = np.zeros((self.batch,), np.int32)

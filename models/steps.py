@@ -31,7 +31,8 @@ from models.llama import token_positions
 from models.sampling import SamplingParams, sample
 
 __all__ = ["StepOutput", "prefill", "decode_step", "release_rows", "fork_page_rows", "hold_page_rows", "drop_page_rows",
-           "swap_out_rows", "swap_in_rows", "offload_page_rows", "drop_host_page_rows", "evict_to_host_rows", "TRACE_COUNTS"]
+           "swap_out_rows", "swap_in_rows", "offload_page_rows", "drop_host_page_rows", "evict_to_host_rows",
+           "flush_rows", "TRACE_COUNTS"]
 
 # Incremented each time a step is traced (= compiled): tests use it to check that nothing
 # recompiles once shapes are warm.
@@ -173,4 +174,20 @@ def evict_to_host_rows(cache: aj.KVCache, host: aj.HostArena, host_drops, pages,
     TRACE_COUNTS["evict_to_host_rows"] += 1
     cache, host = aj.drop_host_pages(cache, host, host_drops)
     cache, host = aj.offload_pages(cache, host, pages, host_pages)
+    return aj.drop_pages(cache, drops), host
+
+
+@functools.partial(jax.jit, donate_argnames=("cache", "host"))
+def flush_rows(cache: aj.KVCache, host, hold_pages, hold_counts, release_slots, host_drops, offload_pages, offload_host_pages,
+               drops):  # fmt: skip
+    """A prefix cache's pending bookkeeping in one call, in its order: holds (`aj.hold_pages`),
+    releases (`aj.release`), then, with a host tier (`host` not None), host pages freed and
+    pages copied there (`aj.drop_host_pages`, `aj.offload_pages`), then dropped holds
+    (`aj.drop_pages`). Every argument i32[K] (release_slots i32[B]), padded. Returns (cache, host)."""
+    TRACE_COUNTS["flush_rows"] += 1
+    cache = aj.hold_pages(cache, hold_pages, hold_counts)
+    cache = aj.release(cache, release_slots)
+    if host is not None:
+        cache, host = aj.drop_host_pages(cache, host, host_drops)
+        cache, host = aj.offload_pages(cache, host, offload_pages, offload_host_pages)
     return aj.drop_pages(cache, drops), host
