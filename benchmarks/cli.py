@@ -9,6 +9,7 @@ end-to-end decode against a dense cache, the Pallas kernels, and prefix caching.
     arena-bench kernels --compile-report   static sm_90a facts of every kernel variant (no GPU)
     arena-bench accuracy              8-bit KV arenas (int8, fp8) vs bf16: attention and model error
     arena-bench prefix                multi-turn chat with and without the prefix cache, same KV budget
+    arena-bench swap                  a preemption-heavy generate run: recompute vs swap to host memory
 
 layout, capacity, decode and kernels take the KV arena's dtype (`--kv-dtype`; kernels: `--dtype`):
 bfloat16 by default, or int8 / float8_e4m3fn / float8_e5m2 (8-bit values and a float32 scale per
@@ -281,6 +282,27 @@ def _cmd_prefix(args, console, progress) -> dict:
     return result
 
 
+def _cmd_swap(args, console, progress) -> dict:
+    from benchmarks.swap import SwapSettings, SwapTooLarge, run_swap, swap_notes, swap_table
+
+    if args.model_dir and not os.path.isdir(args.model_dir):
+        raise _Fail(f"--model-dir {args.model_dir!r} is not a folder")
+    settings = SwapSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SwapSettings)})
+    console.print(f"[bold]swap[/bold]: {settings.model_dir or settings.model}, {settings.requests} requests under memory "
+                  "pressure: recompute vs swap to a host tier (compiling first) ...")  # fmt: skip
+    t0 = time.perf_counter()
+    try:
+        result = run_swap(settings, progress)
+    except (SwapTooLarge, OSError, ValueError) as exc:
+        raise _Fail(str(exc)) from None
+    result["wall_s"] = time.perf_counter() - t0
+    console.print(swap_table(result))
+    for line in swap_notes(result):
+        console.print(f"  {line}", soft_wrap=True)
+    console.print(f"  ({result['wall_s']:.1f} s)")
+    return result
+
+
 def _check_kernel_memory(k: dict) -> None:
     """What the kernel benchmark allocates, checked first. On a CPU it runs the jnp reference on
     points clamped to CPU_MAX_BATCH x CPU_MAX_CONTEXT, all of which must fit. On a GPU a point
@@ -504,6 +526,8 @@ def main(argv=None) -> int:
                 results = _cmd_accuracy(args, console, progress)
             elif command == "prefix":
                 results = _cmd_prefix(args, console, progress)
+            elif command == "swap":
+                results = _cmd_swap(args, console, progress)
             else:
                 results = _tour(args, console, progress)
     except _Fail as exc:

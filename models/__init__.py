@@ -24,6 +24,7 @@ from models import presets
 from models.config import LlamaConfig, RopeScaling
 from models.dense_baseline import DenseCache, dense_decode, dense_generate, dense_prefill, init_dense_cache
 from models.generate import Generation, default_layout, generate
+from models.host_tier import SwapPolicy
 from models.layers import MLP, Attention, Embedder, RMSNorm, apply_rope, rope_frequencies
 from models.llama import Block, Llama, init_random, token_positions
 from models.parallel import shard_model, weights_mesh
@@ -60,6 +61,7 @@ __all__ = [
     "generate",
     "Generation",
     "default_layout",
+    "SwapPolicy",
     "DenseCache",
     "init_dense_cache",
     "dense_prefill",

@@ -8,7 +8,9 @@ model on the paged cache.
 Without `--model-dir` a random-weight tiny model runs (`--model`: `LlamaConfig.tiny()` or
 `LlamaConfig.tiny_family(...)`) and the prompt's UTF-8 bytes (mod the vocabulary) are its
 token ids. `--kv-dtype int8` (or float8_e4m3fn,
-float8_e5m2) runs on an 8-bit arena: half the KV bytes of bf16. Prints the generated tokens (decoded
+float8_e5m2) runs on an 8-bit arena: half the KV bytes of bf16. `--host-pages N` adds a host-memory
+tier of N pages: a preempted sequence is swapped out and back instead of recomputed (when the
+cost model says so: `models.SwapPolicy`), or with `--prefix-cache` evicted prefixes spill there. Prints the generated tokens (decoded
 text when the checkpoint has a tokenizer.json) and tokens/s. A sequence stops at the
 checkpoint's eos tokens, as transformers' generate does (`--ignore-eos`: run to
 --max-new-tokens). Sizes are checked against the device's memory before anything is
@@ -22,7 +24,7 @@ import os
 import sys
 import time
 
-from models.argtypes import float_in, non_negative_float, positive_int, seed
+from models.argtypes import float_in, int_in, non_negative_float, positive_int, seed
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _KV_DTYPES = _DTYPES + ("int8", "float8_e4m3fn", "float8_e5m2")
@@ -56,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=seed, default=0, help="sampling (and the tiny model's weights)")
     p.add_argument("--prefix-cache", action="store_true",
                    help="reuse the K/V of cached prompt prefixes (token granularity, LRU eviction); prints hit figures")  # fmt: skip
+    p.add_argument("--host-pages", type=int_in(0), default=0,
+                   help="host-memory pages (pinned_host) for swap preemption, or the prefix cache's spill tier; 0: none")  # fmt: skip
     p.add_argument("--dtype", choices=_DTYPES, default=None, help="default: bfloat16 for checkpoints, float32 for tiny")
     p.add_argument("--no-scan-layers", action="store_true",
                    help="run the layers as a Python loop over a list (compile time grows with depth; no per-layer "
@@ -144,6 +148,12 @@ def main(argv=None) -> int:
                    limit=host_memory_limit(), hint="lower --num-prompts or --max-new-tokens")  # fmt: skip
     except TooLarge as exc:
         parser.error(f"--num-prompts {num_prompts} x {total} tokens: {exc}")
+    if args.host_pages:
+        try:
+            check_fits({f"host tier ({args.host_pages:,} pages)": args.host_pages * layout.page_bytes},
+                       limit=host_memory_limit(), hint="lower --host-pages")  # fmt: skip
+        except TooLarge as exc:
+            parser.error(f"--host-pages {args.host_pages}: {exc}")
 
     if args.model_dir:
         try:
@@ -173,7 +183,8 @@ def main(argv=None) -> int:
             again = {k: v for k, v in kwargs.items() if k != "layout"}
             models.generate(model, prompts[:1], warm_new, **again, cache=first.cache, prefix_cache=first.prefix_cache)
         warm = time.perf_counter() - warm_start
-        result = models.generate(model, prompts, args.max_new_tokens, **kwargs, prefix_cache=args.prefix_cache)
+        result = models.generate(model, prompts, args.max_new_tokens, **kwargs, prefix_cache=args.prefix_cache,
+                                 host_pages=args.host_pages)  # fmt: skip
     except ValueError as exc:
         parser.error(str(exc))
 
@@ -195,13 +206,23 @@ def main(argv=None) -> int:
             f"tokens hit (hit rate {m['prefix_hit_rate']:.1%}); {result.prefill_tokens} tokens computed in prefill; "
             f"{m['cached_pages']} pages ({m['cached_tokens']} tokens) cached; {result.evictions} evictions"
         )
+    if args.host_pages:
+        m = aj_health(result)
+        hits = f"; {m['prefix_host_hit_tokens']} hit tokens brought back from it" if args.prefix_cache else ""
+        print(
+            f"host tier: {args.host_pages} pages ({fmt_bytes(args.host_pages * layout.page_bytes)}); "
+            f"{result.swap_outs} of {result.preemptions} preemptions swapped ({result.swapped_tokens} tokens), "
+            f"{result.recomputed_tokens} tokens recomputed; {m['pages_to_host']} pages to host, {m['pages_to_device']} "
+            f"back ({fmt_bytes(m['bytes_to_host'] + m['bytes_to_device'])}: {result.modelled_transfer_seconds * 1e3:.3f} ms "
+            f"at the assumed 25 GB/s){hits}"
+        )
     return 0
 
 
 def aj_health(result) -> dict:
     import arena_jax as aj
 
-    return aj.health(result.cache, result.prefix_cache)
+    return aj.health(result.cache, result.prefix_cache, host=result.host)
 
 
 if __name__ == "__main__":

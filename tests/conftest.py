@@ -21,8 +21,11 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "arena"))
 
 
 def pytest_terminal_summary(terminalreporter):
-    from cache_model import OP_COUNTS
+    from cache_model import HOST_SERVED, OP_COUNTS
 
     if OP_COUNTS:
         per_mode = ", ".join(f"{mode} {n:,}" for mode, n in sorted(OP_COUNTS.items()))
         terminalreporter.write_line(f"model-based cache ops run: {sum(OP_COUNTS.values()):,} ({per_mode})")
+    if HOST_SERVED:
+        rows = ", ".join(f"{op} {n:,}" for op, n in sorted(HOST_SERVED.items()))
+        terminalreporter.write_line(f"model-based host-tier rows served: {rows}")
