@@ -45,43 +45,56 @@ __all__ = [
     "BACKEND_ENV",
 ]
 
-BACKENDS = ("pallas", "reference")
+# "pallas": the Pallas kernels of the platform (Triton on a GPU, Mosaic on a TPU); "pallas_tpu":
+# the Mosaic TPU kernels anywhere (TPU interpret mode on CPU); "reference": the jnp path.
+BACKENDS = ("pallas", "reference", "pallas_tpu")
 BACKEND_ENV = "ARENA_JAX_BACKEND"
 
 
 def default_backend() -> str:
-    """`$ARENA_JAX_BACKEND` if set, else Pallas on GPU and the jnp reference elsewhere."""
+    """`$ARENA_JAX_BACKEND` if set, else Pallas on a GPU or TPU and the jnp reference elsewhere."""
     chosen = os.environ.get(BACKEND_ENV, "").strip().lower()
     if chosen:
         if chosen not in BACKENDS:
             raise ValueError(f"{BACKEND_ENV}={chosen!r}; expected one of {BACKENDS}")
         return chosen
-    return "pallas" if jax.default_backend() == "gpu" else "reference"
+    from pallas_kernels.tpu_common import target_platform
+
+    return "pallas" if target_platform() in ("gpu", "tpu") else "reference"
 
 
 _FALLBACK_WARNED: set[str] = set()
 
 
-def _resolve_backend(backend: str | None, layout, group: int | None = None) -> str:
+def _resolve_backend(backend: str | None, layout, group: int | None = None, q_dtype=None) -> str:
     """The backend for one call, decided on the host before jit.
 
-    Pallas asked for (per call, or `$ARENA_JAX_BACKEND`) on a geometry the kernels cannot take
-    (`pallas_kernels.unsupported_reason`): ValueError naming the field and the limit. Pallas by
-    default (on a GPU): the reference path instead, with a warning naming the reason, once.
+    "pallas" is the platform's kernels: on a TPU (the default device's platform) the Mosaic
+    ones, "pallas_tpu". Pallas asked for (per call, or `$ARENA_JAX_BACKEND`) on a geometry the
+    kernels cannot take (`pallas_kernels.unsupported_reason`, `tpu_unsupported_reason`):
+    ValueError naming the field and the limit. Pallas by default (on a GPU or TPU): the
+    reference path instead, with a warning naming the reason, once.
     """
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; expected one of {BACKENDS}")
     asked = backend or os.environ.get(BACKEND_ENV, "").strip().lower() or None
     chosen = backend or default_backend()
-    if chosen != "pallas":
+    if chosen == "reference":
         return chosen
     from pallas_kernels import unsupported_reason
+    from pallas_kernels.tpu_common import target_platform, tpu_unsupported_reason
 
-    reason = unsupported_reason(head_dim=layout.head_dim, page_size=layout.page_size, group=group, dtype=layout.dtype)
+    if chosen == "pallas" and target_platform() == "tpu":
+        chosen = "pallas_tpu"
+    if chosen == "pallas_tpu":
+        reason = tpu_unsupported_reason(head_dim=layout.head_dim, page_size=layout.page_size, group=group,
+                                        dtype=layout.dtype, scale_dtype=layout.scale_dtype, q_dtype=q_dtype)
+    else:
+        reason = unsupported_reason(head_dim=layout.head_dim, page_size=layout.page_size, group=group, dtype=layout.dtype)
     if reason is None:
-        return "pallas"
-    if asked == "pallas":
-        raise ValueError(f"backend='pallas' cannot take this layout: {reason}")
+        return chosen
+    if asked in ("pallas", "pallas_tpu"):
+        raise ValueError(f"backend={asked!r} cannot take this layout: {reason}")
     if reason not in _FALLBACK_WARNED:
         _FALLBACK_WARNED.add(reason)
         warnings.warn(f"arena_jax: the Pallas kernels cannot take this layout ({reason}); using the jnp "
@@ -415,7 +428,7 @@ def attend(
     num_tokens = check_counts(layout, tokens if num_tokens is None else num_tokens, slots.shape[0], "num_tokens")
     sliding_window = check_sliding_window(layout, sliding_window)
     sm_scale = check_sm_scale(sm_scale)
-    backend = _resolve_backend(backend, layout, group=q.shape[2] // layout.num_kv_heads)
+    backend = _resolve_backend(backend, layout, group=q.shape[2] // layout.num_kv_heads, q_dtype=q.dtype)
     s, n, lay = concrete(slots), concrete(num_tokens), concrete(layer)
     if n is not None and n.size and n.max() > tokens:
         raise ValueError(f"num_tokens={int(n.max())} exceeds the {tokens} query tokens given in q")

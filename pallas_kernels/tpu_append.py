@@ -246,7 +246,7 @@ def tpu_paged_append(k_arena, v_arena, layer, k, v, page_map, lengths, num_token
     reason = tpu_unsupported_reason(head_dim=head_dim, page_size=page_size, dtype=k_arena.dtype,
                                     scale_dtype=None if k_scale is None else k_scale.dtype)
     if reason:
-        raise ValueError(f"k_arena {reason}")
+        raise ValueError(reason)
     layer = check_layer(layer, num_layers)[0]
     page_map, lengths, num_tokens = check_rows(page_map, lengths, num_tokens, k.shape[0])
     return _tpu_append_call(k_arena, v_arena, layer, k, v, page_map, lengths, num_tokens, k_scale, v_scale,

@@ -49,7 +49,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._common import BlockSizes, check_arena, check_layer, check_rows, check_tokens
 from pallas_kernels.quant import is_quantized
-from pallas_kernels.tpu_common import TPU_COMPUTE_DTYPES, resolve_tpu_interpret, tpu_unsupported_reason
+from pallas_kernels.tpu_common import resolve_tpu_interpret, tpu_unsupported_reason
 
 __all__ = ["tpu_paged_attention", "TpuAttentionTiles"]
 
@@ -72,7 +72,7 @@ class TpuAttentionTiles:
         elif bs.block_k is not None:
             block_k = bs.block_k
         else:  # whole pages, up to DEFAULT_BLOCK_K keys, no more than the page table holds
-            want = min(DEFAULT_BLOCK_K, max(page_size, 128, 1 << (max_pages * page_size - 1).bit_length()))
+            want = min(DEFAULT_BLOCK_K, max(page_size, 1 << (max_pages * page_size - 1).bit_length()))
             block_k = max(1, want // page_size) * page_size
         if block_k % page_size:
             raise ValueError(f"block_k={block_k} must be a multiple of page_size={page_size} on TPU (whole pages per DMA block)")
@@ -422,12 +422,9 @@ def tpu_paged_attention(
     if num_q_heads % num_kv_heads:
         raise ValueError(f"q has {num_q_heads} heads, not a multiple of the arena's {num_kv_heads} KV heads")
     reason = tpu_unsupported_reason(head_dim=head_dim, page_size=page_size, dtype=k_arena.dtype,
-                                    scale_dtype=None if k_scale is None else k_scale.dtype)
+                                    scale_dtype=None if k_scale is None else k_scale.dtype, q_dtype=q.dtype)
     if reason:
-        raise ValueError(f"k_arena {reason}")
-    if jnp.dtype(q.dtype) not in TPU_COMPUTE_DTYPES:
-        raise ValueError(f"q.dtype={jnp.dtype(q.dtype).name}: the TPU attention kernel computes in q's dtype, which "
-                         "must be bfloat16 or float32 (float16 vectors do not compile for TPU v5e / v6e)")
+        raise ValueError(reason)
     layer = check_layer(layer, num_layers)
     page_map, lengths, num_tokens = check_rows(page_map, lengths, num_tokens, batch)
     max_keys = page_map.shape[1] * page_size

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.quant import QUANTIZED_DTYPES
 
-__all__ = ["tpu_unsupported_reason", "resolve_tpu_interpret", "append_chunk", "row_packing", "TPU_PAGE_MULTIPLE"]
+__all__ = ["tpu_unsupported_reason", "resolve_tpu_interpret", "target_platform", "append_chunk", "row_packing", "TPU_PAGE_MULTIPLE"]
 
 # float16 has no Mosaic vector type on TPU v5e / v6e (its loads and stores do not compile).
 TPU_COMPUTE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -60,14 +60,15 @@ def _as_int(x) -> int | None:
         return None
 
 
-def tpu_unsupported_reason(*, head_dim, page_size=None, group=None, dtype=None, scale_dtype=None) -> str | None:
+def tpu_unsupported_reason(*, head_dim, page_size=None, group=None, dtype=None, scale_dtype=None,
+                           q_dtype=None) -> str | None:
     """Why the Mosaic TPU kernels cannot take this geometry, or None when they can.
 
     head_dim: 128 or 256; page_size: a multiple of 8 up to 256 (one page is one DMA of
     page_size x head_dim), for 8-bit arenas 128 or 256; group: any >= 1; dtype (the arena's):
     bfloat16, float32, int8, float8_e4m3fn, float8_e5m2; scale_dtype (8-bit arenas): float32.
-    The attention kernel's q (its compute dtype) must be bfloat16 or float32. The module
-    docstring says why each limit is there.
+    q_dtype (attention's q, its compute dtype): bfloat16 or float32. The module docstring
+    says why each limit is there.
     """
     if dtype is not None and jnp.dtype(dtype) not in TPU_DTYPES:
         return (f"dtype={jnp.dtype(dtype).name}: the TPU kernels take bfloat16, float32, int8, float8_e4m3fn or "
@@ -87,10 +88,22 @@ def tpu_unsupported_reason(*, head_dim, page_size=None, group=None, dtype=None, 
             return f"page_size={page_size}: the TPU kernels take multiples of {multiple} up to {TPU_MAX_PAGE_SIZE} ({why})"
     if group is not None and not (_as_int(group) or 0) >= 1:
         return f"group={group}: must be a positive int"
-    if scale_dtype is not None and jnp.dtype(scale_dtype) != jnp.dtype(jnp.float32):
+    if q_dtype is not None and jnp.dtype(q_dtype) not in TPU_COMPUTE_DTYPES:
+        return (f"q.dtype={jnp.dtype(q_dtype).name}: the TPU attention kernel computes in q's dtype, which must be "
+                "bfloat16 or float32 (float16 vectors do not compile for TPU v5e / v6e)")
+    if quantized and scale_dtype is not None and jnp.dtype(scale_dtype) != jnp.dtype(jnp.float32):
         return (f"scale_dtype={jnp.dtype(scale_dtype).name}: the TPU kernels take float32 scales (a bfloat16 "
                 "page row of scales is not addressable by one DMA)")
     return None
+
+
+def target_platform() -> str:
+    """The platform kernels are lowered for: the default device's (`jax.default_device`, which
+    the deviceless TPU compile sets to a TPU device on a CPU host), else the default backend."""
+    device = jax.config.jax_default_device
+    if device is not None:
+        return device if isinstance(device, str) else device.platform
+    return jax.default_backend()
 
 
 def resolve_tpu_interpret(interpret):
@@ -101,7 +114,7 @@ def resolve_tpu_interpret(interpret):
     from jax.experimental.pallas import tpu as pltpu
 
     if interpret is None:
-        interpret = jax.default_backend() != "tpu"
+        interpret = target_platform() != "tpu"
     if interpret is True:
         return pltpu.InterpretParams(dma_execution_mode="on_wait", uninitialized_memory="nan")
     return interpret or False
