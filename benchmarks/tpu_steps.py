@@ -17,7 +17,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-__all__ = ["StepCase", "STEP_CASES", "compile_step"]
+__all__ = ["StepCase", "STEP_CASES", "step_inputs", "compile_step"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,10 +74,9 @@ def _abstract_cache(layout, mesh):
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), cache, named)
 
 
-def compile_step(case: StepCase):
-    """Compile `case` for its TPU target; returns (compiled, cache ShapeDtypeStructs, layout)."""
-    import arena_jax as aj
-    from models import decode_step, prefill
+def step_inputs(case: StepCase):
+    """(layout, graphdef, state, cache) of `case`: the model state and the cache as placed
+    ShapeDtypeStructs on the case's TPU mesh."""
     from models.config import LlamaConfig
     from pallas_kernels import tpu_compile
 
@@ -86,7 +85,16 @@ def compile_step(case: StepCase):
     layout = config.kv_layout(page_size=case.page_size, num_pages=case.num_pages, max_seqs=case.batch,
                               max_seq_len=case.max_seq_len, dtype=case.dtype)
     graphdef, state = _abstract_model(config, mesh)
-    cache = _abstract_cache(layout, mesh)
+    return layout, graphdef, state, _abstract_cache(layout, mesh)
+
+
+def compile_step(case: StepCase):
+    """Compile `case` for its TPU target; returns (compiled, cache ShapeDtypeStructs, layout)."""
+    import arena_jax as aj
+    from models import decode_step, prefill
+    from pallas_kernels import tpu_compile
+
+    layout, graphdef, state, cache = step_inputs(case)
     rows = jax.sharding.NamedSharding(cache.k.sharding.mesh, jax.sharding.PartitionSpec("data"))
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows)  # noqa: E731
     previous = os.environ.pop(aj.BACKEND_ENV, None)  # the platform's default: Pallas, i.e. Mosaic on a TPU

@@ -117,6 +117,10 @@ class ModuleFacts:
     aliased_params: tuple  # entry parameter numbers aliased to an output
     big_copies: tuple  # (op, shape) of copies of arrays of at least `big` bytes
     kernels: tuple
+    param_shapes: dict  # entry parameter number -> "dtype[dims]" (per device in an SPMD module)
+
+    def params_of_shape(self, shape: str) -> tuple:
+        return tuple(sorted(n for n, s in self.param_shapes.items() if s == shape))
 
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2,
@@ -159,9 +163,12 @@ def module_facts(compiled, *, big: int) -> ModuleFacts:
     for m in re.finditer(r"=\s*(\w+)\[([\d,]*)\]\{[^}]*\}\s+(copy|copy-start)\(", text):
         if _shape_bytes(m.group(1), m.group(2)) >= big:
             copies.append((m.group(3), f"{m.group(1)}[{m.group(2)}]"))
+    entry = text[text.find("\nENTRY"):]
+    params = {int(m.group(3)): f"{m.group(1)}[{m.group(2)}]"
+              for m in re.finditer(r"=\s*(\w+)\[([\d,]*)\]\{[^}]*\}\s+parameter\((\d+)\)", entry)}
     return ModuleFacts(
         code_bytes=int(mem.generated_code_size_in_bytes), argument_bytes=int(mem.argument_size_in_bytes),
         output_bytes=int(mem.output_size_in_bytes), alias_bytes=int(mem.alias_size_in_bytes),
         temp_bytes=int(mem.temp_size_in_bytes), flops=float(cost.get("flops", 0.0)),
         bytes_accessed=float(cost.get("bytes accessed", 0.0)), aliased_params=aliased, big_copies=tuple(copies),
-        kernels=tuple(kernel_facts(text)))
+        kernels=tuple(kernel_facts(text)), param_shapes=params)
