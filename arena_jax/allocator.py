@@ -202,7 +202,8 @@ def release_impl(cache: KVCache, slots):
 
 def truncate_impl(cache: KVCache, slots, lengths):
     """Roll each slot back to lengths[b] (0 <= lengths[b] <= its length, else the row is
-    rejected); whole pages past the end are released and written watermarks cut to match."""
+    rejected); whole pages past the end are released and written watermarks cut to match.
+    Only rows that shorten their slot count as metadata operations."""
     table = cache.table
     live, idx = slot_rows(table, slots)
     held = jnp.where(live, table.lengths[idx], 0)
@@ -216,7 +217,9 @@ def truncate_impl(cache: KVCache, slots, lengths):
         written=table.written.at[:, target].set(jnp.minimum(table.written[:, idx], new_length[None, :]), mode="drop"),
     )
     rejected = (slots != PAD_SLOT) & ~ok
-    stats = cache.stats.bump(pages_recycled=freed, metadata_ops=jnp.sum(ok), rejected_rows=jnp.sum(rejected))
+    # A truncate that shortens nothing (an idle slot, or the slot's own length) is no operation.
+    changed = ok & (new_length < held)
+    stats = cache.stats.bump(pages_recycled=freed, metadata_ops=jnp.sum(changed), rejected_rows=jnp.sum(rejected))
     return cache.replace(table=table, stats=stats)
 
 

@@ -108,6 +108,12 @@ def _check_cache(cache):
     return check_cache_arrays(cache)
 
 
+def _check_prefix_shards(cache, op: str) -> None:
+    """The prefix ops need one data shard: refused before any other check names a page."""
+    if cache.sharding is not None:
+        sharding.one_data_shard(cache, op)
+
+
 def _check_shards(cache, num_q_heads=None, **rows):
     """A sharded cache's own limits (rows per data shard, query heads per tensor shard)."""
     if cache.sharding is None:
@@ -260,6 +266,7 @@ def hold_pages(cache: KVCache, pages, num_tokens) -> KVCache:
     hold no slot's reserved-but-unwritten positions. From then on the page is never written:
     the slots that map it share it (their next `reserve` copies a partly filled one)."""
     layout = _check_cache(cache)
+    _check_prefix_shards(cache, "hold_pages")
     pages = check_pages(layout, pages)
     counts = check_ints(num_tokens, "num_tokens")
     if counts.ndim == 0:
@@ -301,6 +308,7 @@ def drop_pages(cache: KVCache, pages) -> KVCache:
     refcount - 1; a page that no slot maps returns to the free stack (an eviction). Pages that
     slots map stay theirs."""
     layout = _check_cache(cache)
+    _check_prefix_shards(cache, "drop_pages")
     pages = check_pages(layout, pages)
     p = concrete(pages)
     if p is not None:
@@ -327,6 +335,7 @@ def fork_pages(cache: KVCache, pages, num_tokens, dst) -> KVCache:
     (refcount + 1); its next `reserve` copies a partly filled last page (copy-on-write).
     dst[b] = PAD_SLOT makes a padding row."""
     layout = _check_cache(cache)
+    _check_prefix_shards(cache, "fork_pages")
     dst = check_slots(layout, dst, "dst")
     pages = check_pages(layout, pages, ndim=2, unique=False)
     if pages.shape[0] != dst.shape[0]:

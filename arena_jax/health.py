@@ -38,7 +38,14 @@ def health(cache: KVCache, prefix=None) -> dict:
     (`arena_bytes_per_device`, `bytes_per_token_per_device`, replicated KV heads counted);
     counters are summed over data shards.
     """
-    layout = cache.layout
+    from arena_jax.prefix import PrefixCache
+    from arena_jax.validate import check_cache_arrays
+
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"cache must be a KVCache (from arena_jax.create), got {type(cache).__name__}")
+    if prefix is not None and not isinstance(prefix, PrefixCache):
+        raise ValueError(f"prefix must be an arena_jax.PrefixCache or None, got {type(prefix).__name__}")
+    layout = check_cache_arrays(cache)
     t = cache.table
     page_map, lengths, active = _host(t.page_map), _host(t.lengths), _host(t.active)
     refcount, num_free = _host(t.refcount), int(np.sum(_host(t.num_free)))  # a [dp] array when data-parallel

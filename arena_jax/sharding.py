@@ -199,7 +199,7 @@ class CacheSharding:
     def table_specs(self) -> PageTable:
         d = _spec(self.data_axis)
         return PageTable(page_map=d, lengths=d, active=d, free_stack=d, num_free=d, refcount=d,
-                         written=_spec(None, self.data_axis), held=d)  # fmt: skip
+                         written=_spec(None, self.data_axis), held=d, arena_id=P())  # fmt: skip
 
     def stats_specs(self) -> CacheStats:
         """Counters: one per data shard ([dp]), else replicated scalars."""
@@ -410,7 +410,7 @@ def fork(cache: KVCache, src, dst):
 # ---- the prefix cache's ops (one data shard: the index names global page ids) ---------------------
 
 
-def _one_data_shard(cache: KVCache, op: str) -> CacheSharding:
+def one_data_shard(cache: KVCache, op: str) -> CacheSharding:
     sh = cache.sharding
     if sh.dp > 1:
         raise ValueError(
@@ -421,19 +421,19 @@ def _one_data_shard(cache: KVCache, op: str) -> CacheSharding:
 
 
 def hold_pages(cache: KVCache, pages, num_tokens):
-    sh = _one_data_shard(cache, "hold_pages")
+    sh = one_data_shard(cache, "hold_pages")
     body = lambda local, max_seqs, pages, n: hold_pages_impl(local, pages, n)  # noqa: E731
     return _run(cache, body, (pages, num_tokens), (P(), P()), ())[0]
 
 
 def drop_pages(cache: KVCache, pages):
-    sh = _one_data_shard(cache, "drop_pages")
+    sh = one_data_shard(cache, "drop_pages")
     body = lambda local, max_seqs, pages: drop_pages_impl(local, pages)  # noqa: E731
     return _run(cache, body, (pages,), (P(),), ())[0]
 
 
 def fork_pages(cache: KVCache, pages, num_tokens, dst):
-    sh = _one_data_shard(cache, "fork_pages")
+    sh = one_data_shard(cache, "fork_pages")
     body = lambda local, max_seqs, pages, n, dst: fork_pages_impl(local, pages, n, dst)  # noqa: E731
     return _run(cache, body, (pages, num_tokens, dst), (sh.rows_spec,) * 3, ())[0]
 

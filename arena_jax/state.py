@@ -1,6 +1,7 @@
 """Cache state: immutable pytrees, all arrays, updated with `.replace` inside jit."""
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jax
@@ -42,9 +43,13 @@ class PageTable:
     refcount: jax.Array  # i32[num_pages], 0 free, 1 owned, >1 shared; = mappings + (held > 0)
     written: jax.Array  # i32[num_layers, max_seqs], tokens whose K/V are stored at each layer (<= lengths)
     held: jax.Array  # i32[num_pages], tokens of the page the cache itself holds (prefix cache), 0 = no hold
+    # i32[], a random id drawn when the arena is created and never changed by any op: page ids
+    # mean something only in their own arena, so a prefix index bound to one arena can tell
+    # another apart (`PrefixCache.check`). Data, not a static field: a new arena must not recompile.
+    arena_id: jax.Array
 
     @classmethod
-    def empty(cls, layout: KVLayout) -> "PageTable":
+    def empty(cls, layout: KVLayout, arena_id: int | None = None) -> "PageTable":
         # The stack's top is reused first; page 0 on top gives a fresh arena pages 0, 1, 2, ...
         return cls(
             page_map=jnp.full((layout.max_seqs, layout.max_pages_per_seq), -1, jnp.int32),
@@ -55,7 +60,13 @@ class PageTable:
             refcount=jnp.zeros((layout.num_pages,), jnp.int32),
             written=jnp.zeros((layout.num_layers, layout.max_seqs), jnp.int32),
             held=jnp.zeros((layout.num_pages,), jnp.int32),
+            arena_id=jnp.asarray(new_arena_id() if arena_id is None else arena_id, jnp.int32),
         )
+
+
+def new_arena_id() -> int:
+    """A random positive int32 (os.urandom: independent of any seeded generator)."""
+    return int.from_bytes(os.urandom(4), "little") % (2**31 - 1) + 1
 
 
 @struct.dataclass

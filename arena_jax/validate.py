@@ -198,6 +198,13 @@ def check_kv(layout: KVLayout, k, v, batch: int):
 def check_cache_arrays(cache) -> KVLayout:
     """The cache's layout, after checking its arrays agree with each other: k and v alike, and
     scales ([L, H, P, S], float32 / bfloat16) present exactly when the arena is 8-bit."""
+    deleted = [x for x in jax.tree.leaves(cache) if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+               and x.is_deleted()]  # fmt: skip
+    if deleted:
+        raise ValueError(
+            "cache: its arrays were donated to a later call and are deleted; every op that changes the cache "
+            "returns a new one: continue from the newest result (the cache that call returned)"
+        )
     k, v, ks, vs = cache.k, cache.v, cache.k_scale, cache.v_scale
     if k.shape != v.shape or k.dtype != v.dtype:
         raise ValueError(f"cache.k {k.shape} {k.dtype} and cache.v {v.shape} {v.dtype} must match")

@@ -122,6 +122,12 @@ def main(argv=None) -> int:
                    hint="lower --batch, --page-size, --num-pages, --max-new-tokens or --max-seq-len")  # fmt: skip
     except ValueError as exc:  # memory.TooLarge included
         parser.error(f"{sizes}: {exc}")
+    if layout.pages_for(total) > layout.num_pages:  # before any compile, in the user's own flags
+        parser.error(
+            f"--num-pages {layout.num_pages} x --page-size {layout.page_size} = {layout.token_capacity} tokens cannot "
+            f"hold one sequence: the prompt's {len(prompt)} tokens + --max-new-tokens {args.max_new_tokens} = {total} "
+            f"tokens need {layout.pages_for(total)} pages"
+        )
     try:
         check_fits({"prompts and generated tokens": num_prompts * total * HOST_BYTES_PER_TOKEN},
                    limit=host_memory_limit(), hint="lower --num-prompts or --max-new-tokens")  # fmt: skip
@@ -150,10 +156,11 @@ def main(argv=None) -> int:
             stop_tokens=() if args.ignore_eos else None,  # None: the checkpoint's eos tokens
         )
         warm_start = time.perf_counter()
-        first = models.generate(model, prompts[:1], 2, **kwargs, prefix_cache=args.prefix_cache)  # compile outside the timed run
+        warm_new = min(2, args.max_new_tokens)  # fits wherever the real run fits (checked above)
+        first = models.generate(model, prompts[:1], warm_new, **kwargs, prefix_cache=args.prefix_cache)  # compile first
         if args.prefix_cache:  # a second call hits the first: the prefix ops compile too
             again = {k: v for k, v in kwargs.items() if k != "layout"}
-            models.generate(model, prompts[:1], 2, **again, cache=first.cache, prefix_cache=first.prefix_cache)
+            models.generate(model, prompts[:1], warm_new, **again, cache=first.cache, prefix_cache=first.prefix_cache)
         warm = time.perf_counter() - warm_start
         result = models.generate(model, prompts, args.max_new_tokens, **kwargs, prefix_cache=args.prefix_cache)
     except ValueError as exc:

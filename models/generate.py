@@ -49,6 +49,7 @@ import numpy as np
 
 import arena_jax as aj
 from models.checks import INT32_MIN, check_int, token_ids
+from models.fingerprint import fingerprint
 from models.llama import Llama
 from models.sampling import Sampling
 from models.scheduler import Scheduler, Seq, fetch
@@ -73,6 +74,8 @@ class Generation:
     prefix_hit_tokens: int = 0  # tokens mapped from the prefix cache at admissions
     evictions: int = 0  # pages the prefix cache evicted (LRU) for running sequences
     first_token_seconds: list[float] | None = None  # per prompt: from the call's start to its first token
+    preempted: list[int] | None = None  # per prompt: times it was preempted (at most 1: models.scheduler)
+    scheduler_steps: int = 0  # iterations of the scheduler's loop (bounded: Scheduler.step_bound)
 
     @property
     def num_generated(self) -> int:
@@ -170,13 +173,20 @@ def generate(
     index = prefix_cache if isinstance(prefix_cache, aj.PrefixCache) else None
     if index is not None and cache is None:
         raise ValueError("prefix_cache=<PrefixCache> needs the cache holding its pages: cache=<the earlier Generation>.cache")
+    if cache is not None and not isinstance(cache, aj.KVCache):
+        raise ValueError(f"cache must be an arena_jax.KVCache (e.g. an earlier Generation's .cache), got {type(cache).__name__}")
+    if layout is not None and not isinstance(layout, aj.KVLayout):
+        raise ValueError(f"layout must be an arena_jax.KVLayout, got {type(layout).__name__}")
+    tag = fingerprint(model) if prefix_cache is not False else None  # what the cached K/V were made by
     if cache is not None:
-        layout = cache.layout
+        from arena_jax.validate import check_cache_arrays
+
+        layout = check_cache_arrays(cache)  # also: a cache donated to a later call is refused here
         num_free = int(fetch(cache.table.num_free)[0].sum())  # a [dp] array when data-parallel
         if bool(fetch(cache.table.active)[0].any()):
             raise ValueError("cache must hold no sequences (release them first): generate owns every slot")
         if index is not None:
-            index.check(cache)  # its held pages are exactly the index's
+            index.bind(cache, tag=tag)  # its arena and model, and its held pages exactly the index's
             if num_free != layout.num_pages - index.num_pages:
                 raise ValueError("cache has pages in use besides the prefix index's: generate owns every page")
         elif num_free != layout.num_pages:
@@ -196,18 +206,20 @@ def generate(
         raise ValueError(f"batch_size={batch_size} exceeds the layout's max_seqs={layout.max_seqs}")
     chunk_size = min(chunk_size, layout.max_seq_len)  # no sequence is longer: a longer chunk is pure padding
     if cache is None:
-        if mesh is not None:
-            aj.CacheSharding.plan(layout, mesh, tensor_axis=tensor_axis, data_axis=data_axis)  # its errors first
+        if mesh is not None and data_axis is not None and data_axis not in mesh.shape:
+            raise ValueError(f"data_axis={data_axis!r} is not an axis of the mesh {dict(mesh.shape)}")
         dp = mesh.shape[data_axis] if mesh is not None and data_axis else 1
     else:
         dp = cache.sharding.dp if cache.sharding is not None else 1
-    if batch_size % dp or batch_size // dp > layout.max_seqs // dp:
-        raise ValueError(
-            f"batch_size={batch_size} must split into {dp} data shards of at most max_seqs / {dp} = "
-            f"{layout.max_seqs // dp} rows each"
-        )
     if prefix_cache is not False and dp > 1:
         raise ValueError(f"prefix_cache needs one data shard; this mesh has {dp} (an index per data shard is not built)")
+    if batch_size % dp or batch_size // dp > layout.max_seqs // dp:
+        raise ValueError(
+            f"batch_size={batch_size} must split into {dp} data shards (a multiple of {dp}) of at most "
+            f"max_seqs / {dp} = {layout.max_seqs // dp} rows each"
+        )
+    if cache is None and mesh is not None:
+        aj.CacheSharding.plan(layout, mesh, tensor_axis=tensor_axis, data_axis=data_axis)  # its errors before any work
     pages_per_shard = layout.num_pages // dp
     for i, p in enumerate(prompts):
         total = len(p) + max_new_tokens
@@ -220,7 +232,8 @@ def generate(
     if cache is None:
         cache = aj.create(layout) if mesh is None else aj.create(layout, mesh=mesh, tensor_axis=tensor_axis, data_axis=data_axis)
     if prefix_cache is True:
-        index = aj.PrefixCache(layout)
+        index = aj.PrefixCache(layout, tag=tag)
+        index.bind(cache)
 
     seqs = [Seq(i, p) for i, p in enumerate(prompts)]
     runner = Scheduler(
@@ -247,6 +260,8 @@ def generate(
         prefix_hit_tokens=runner.hit_tokens,
         evictions=runner.evictions,
         first_token_seconds=[runner.first_token.get(s.index, float("nan")) for s in seqs],
+        preempted=[s.preemptions for s in seqs],
+        scheduler_steps=runner.iterations,
     )
 
 

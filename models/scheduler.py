@@ -11,7 +11,45 @@ on a data-parallel mesh).
 Prefix accounting: the host keeps an exact count of the pages in use, the index's pages (the
 cache's holds) plus, per running sequence, its mapped pages that are not indexed
 (`pages_for(fed) - in_index`: they are its own). Tests check it against the device's
-`num_free` after every step (`CHECK_ACCOUNTING`).
+`num_free` after every step (`CHECK_ACCOUNTING`). `free` below is the pages of a shard that no
+running sequence claims (each counted at its whole current length, plus the copy a pending
+copy-on-write needs), counting the index's unlocked pages as free (they can be evicted).
+
+Admission (FIFO; the head of the queue waits while it does not fit, so nothing overtakes it).
+A request's *final pages* are `pages_for(len(prompt) + max_new_tokens)`, the most it can ever
+map; `generate` refuses up front any request whose final pages exceed a shard's pages.
+- With a prefix index, the request's candidates are its longest hit, then that hit cut back to
+  its whole pages. A hit of h tokens maps h // page_size whole pages the request would need
+  anyway; a hit ending inside a page also keeps that page locked in the index until the
+  request's first step has copied it (copy-on-write): one page more than the request's own. The
+  pages a hit locks leave `free`. The first candidate that fits is taken; when nothing runs, the
+  whole-page cut is always taken (it fits: below).
+- A first admission fits when its pages for prompt + 1 token, minus the hit's whole pages, plus
+  one page of growth per running sequence of the shard, fit in `free` (the watermark).
+- A re-admission (the request was preempted before) fits only when its final pages minus the
+  hit's whole pages, plus every running sequence's remaining growth up to its final pages, fit
+  in `free`: room for the whole remaining life of everything running.
+- When nothing runs, the whole-page cut always fits: no page is locked (locks belong to
+  running sequences), so `free` = pages - hit's whole pages >= final pages - hit's whole pages.
+
+Progress (the bound `step_bound` enforces; a test draws tiny budgets against it).
+1. The oldest running sequence of a shard is never preempted while it has company (preemption
+   takes the newest), and alone it always fits: the device then holds only its own pages, a
+   pending copy it was admitted with room for, and evictable pages, and `_make_room` evicts
+   what each step needs. So it finishes.
+2. A request is preempted at most once. When it is preempted it is the newest running, so
+   everything running is older; it waits at the head of the queue, so nothing newer is
+   admitted before it; it is re-admitted with room for the whole remaining life of itself and
+   of everything running then. Sequences admitted after it are newer and are preempted
+   before it; once they are gone, every page the shard's sequences ask for was counted at its
+   re-admission, and evictions and finishing sequences only add pages. So no step fails while
+   it is the newest: it is never preempted again.
+3. Each loop iteration serves a row (feeding at least one token), evicts a page, or preempts a
+   sequence. Tokens fed are at most twice each request's prompt + new tokens (fed once, and
+   once more after its single preemption); evictions are at most the pages ever indexed, each
+   holding a fed token; preemptions are at most the number of requests. Hence at most
+   `4 * sum(len(prompt) + max_new_tokens) + len(requests)` iterations (`Scheduler.step_bound`);
+   `run` raises (a bug, never a hang) if it ever gets past that.
 """
 from __future__ import annotations
 
@@ -48,6 +86,7 @@ class Seq:
     logits: list[np.ndarray] = dataclasses.field(default_factory=list)
     fed: int = 0  # tokens of prompt + generated whose K/V are in the cache
     admitted: int = -1  # admission order (for last-in-first-out preemption)
+    preemptions: int = 0  # times it was preempted (at most once: module docstring)
     # Prefix cache bookkeeping: the deepest index node this sequence locks, how many of its
     # mapped pages are indexed, the partly used hit page its first reserve copies, and how many
     # of its full pages were indexed.
@@ -84,7 +123,7 @@ class Scheduler:
         self.pages_per_shard = layout.num_pages // self.dp
         self.slot_of = [(r // self.rows_per_shard) * (layout.max_seqs // self.dp) + r % self.rows_per_shard
                         for r in range(batch_size)]  # fmt: skip
-        self.preemptions = self.prefill_calls = self.decode_calls = 0
+        self.preemptions = self.prefill_calls = self.decode_calls = self.iterations = 0
         self.prompt_tokens = self.prefill_tokens = self.hit_tokens = self.evictions = 0
         self.first_token: dict[int, float] = {}
         self.start = time.perf_counter()
@@ -116,6 +155,35 @@ class Scheduler:
         private = sum(self.layout.pages_for(s.fed) - s.in_index for s in self._running())
         return self.index.num_pages + private
 
+    def _lifetime_growth(self, shard: int) -> int:
+        """Pages the running sequences of a shard may still take: each up to `final_pages`."""
+        return sum(max(0, self._final_pages(s) - self.layout.pages_for(len(s.ids))) for s in self._running(shard))
+
+    def _final_pages(self, seq: Seq) -> int:
+        """The most pages `seq` can ever map: its prompt plus every token it may generate."""
+        return self.layout.pages_for(len(seq.prompt) + self.max_new)
+
+    def _plan(self, seq: Seq, shard: int):
+        """(fits, hit) for admitting `seq` into `shard` now (module docstring, "Admission")."""
+        running = self._running(shard)
+        free = self._free_pages(shard)
+        hits = [None]
+        if self.index is not None:
+            hit = self.index.lookup(seq.ids, limit=len(seq.ids) - 1)
+            whole = hit.whole_pages(self.layout.page_size)
+            hits = [hit, whole] if whole.num_tokens != hit.num_tokens else [hit]
+        for hit in hits:
+            full = hit.num_tokens // self.layout.page_size if hit is not None else 0
+            # The pages a hit locks leave the evictable pool; its whole pages are the sequence's own.
+            avail = free - (sum(1 for n in hit.nodes if not n.locks) if hit is not None else 0)
+            if seq.preemptions:  # a second admission is for good: room for every running sequence's whole life
+                fits = self._final_pages(seq) - full + self._lifetime_growth(shard) <= avail
+            else:  # watermark: this sequence, plus one page of growth per running sequence
+                fits = self.layout.pages_for(len(seq.ids) + 1) - full + len(running) <= avail
+            if fits or (not running and hit is hits[-1]):
+                return fits, hit
+        return False, None
+
     def _admit(self, waiting: collections.deque) -> None:
         fork = []  # (row, hit)
         for r in range(self.batch):
@@ -124,18 +192,16 @@ class Scheduler:
             if self.rows[r] is not None:
                 continue
             seq, shard = waiting[0], r // self.rows_per_shard
-            running = len(self._running(shard))
-            hit = self.index.lookup(seq.ids, limit=len(seq.ids) - 1) if self.index is not None else None
-            need = self.layout.pages_for(len(seq.ids) + 1)
-            free = self._free_pages(shard)
-            if hit is not None:  # its full pages are there already; the pages it locks cannot be evicted
-                need -= hit.num_tokens // self.layout.page_size
-                free -= sum(1 for n in hit.nodes if not n.locks)
-            # Watermark: room for this sequence plus one page of growth per running sequence.
-            if need + running > free and running:
-                if self.dp == 1:
-                    break
-                continue  # another data shard may have room
+            fits, hit = self._plan(seq, shard)
+            if not fits:
+                if self._running(shard):
+                    if self.dp == 1:
+                        break
+                    continue  # another data shard may have room
+                raise RuntimeError(  # excluded by generate's checks: a request fits the arena alone
+                    f"prompt {seq.index} ({len(seq.prompt)} tokens + {self.max_new} new) cannot run even alone in "
+                    f"{self.pages_per_shard} pages of {self.layout.page_size}"
+                )
             waiting.popleft()
             seq.fed, seq.admitted = 0, self._admissions
             self._admissions += 1
@@ -218,6 +284,7 @@ class Scheduler:
         seq = self.rows[r]
         self._vacate(r)
         seq.fed = 0
+        seq.preemptions += 1
         self._flush()
         waiting.appendleft(seq)
         self.preemptions += 1
@@ -233,9 +300,21 @@ class Scheduler:
             self._vacate(r)
 
     # ---- the loop ---------------------------------------------------------------------------
+    @staticmethod
+    def step_bound(seqs: list[Seq], max_new: int) -> int:
+        """The most loop iterations `run` can take (module docstring, "Progress"): each feeds a
+        token, evicts a page or preempts a sequence; a sequence is fed at most twice and
+        preempted at most once, and every eviction undoes an insertion of a written page."""
+        tokens = sum(len(s.prompt) + max_new for s in seqs)
+        return 4 * tokens + len(seqs) + 1
+
     def run(self, seqs: list[Seq]) -> None:
         waiting = collections.deque(seqs)
+        bound, self.iterations = self.step_bound(seqs, self.max_new), 0
         while waiting or self._running():
+            self.iterations += 1
+            if self.iterations > bound:  # a broken invariant, never a hang
+                raise RuntimeError(f"the scheduler passed its bound of {bound} steps without finishing: a bug")
             self._flush()
             self._admit(waiting)
             if not self._running():

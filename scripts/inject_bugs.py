@@ -40,16 +40,24 @@ MUTANTS = {
         "                self._index(seq, self._page_rows[self.slot_of[r]], seq.fed)\n",
         "                self._index(seq, self._page_rows[self.slot_of[r]], min(seq.fed + 1, len(seq.ids)))\n"),
     "index: a hit does not lock its pages": ("arena_jax/prefix.py",
-        "        self.lock(hit.nodes[-1])\n        return hit.nodes[-1]", "        return hit.nodes[-1]"),
+        "        self._lock(hit.nodes[-1])\n        return hit.nodes[-1]", "        return hit.nodes[-1]"),
     "index: eviction ignores locks": ("arena_jax/prefix.py",
         "heap = [(n.last_used, n.serial, n) for n in self._leaves if not n.locks]", "heap = [(n.last_used, n.serial, n) for n in self._leaves]"),
     "index: lookup ignores the limit (a whole prompt hit)": ("arena_jax/prefix.py",
         "            take = min(best_len, limit - pos)\n", "            take = best_len\n"),
+    "index: an unlock without its lock is taken": ("arena_jax/prefix.py",
+        "            if node.locks < 1:\n                raise", "            if False:\n                raise"),
+    "index: a PAD page is indexed": ("arena_jax/prefix.py",
+        "        if p == PAD_PAGE:\n", "        if p == PAD_PAGE and False:\n"),
+    "scheduler: a partial hit kept where its copy does not fit": ("models/scheduler.py",
+        "hits = [hit, whole] if whole.num_tokens != hit.num_tokens else [hit]", "hits = [hit]"),
+    "scheduler: re-admission by the watermark (no room for whole lives)": ("models/scheduler.py",
+        "            if seq.preemptions:  # a second admission", "            if False:  # a second admission"),
 }
 TESTS = {
     "arena_jax/prefix_ops.py": ["tests/test_allocator_model.py", "tests/test_prefix.py"],
-    "models/scheduler.py": ["tests/test_prefix.py"],
-    "arena_jax/prefix.py": ["tests/test_prefix.py"],
+    "models/scheduler.py": ["tests/test_prefix.py", "tests/test_prefix_progress.py"],
+    "arena_jax/prefix.py": ["tests/test_prefix.py", "tests/test_prefix_index.py"],
 }
 
 

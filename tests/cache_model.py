@@ -290,7 +290,7 @@ class CacheModel:
             if not (first and 0 <= n <= self.length(slot)):
                 self.counters["rejected_rows"] += slot != PAD
                 continue
-            self.counters["metadata_ops"] += 1
+            self.counters["metadata_ops"] += n < self.length(slot)  # a truncate that changes nothing counts nothing
             if slot in self.slots:
                 s = self.slots[slot]
                 s.length, s.pages = n, s.pages[: ceil_div(n, self.S)]

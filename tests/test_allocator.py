@@ -213,3 +213,12 @@ def test_health_reports_utilization_waste_and_counters():
     assert report["shared_pages"] == 2
     assert report["tokens_written"] == 6 and report["pages_allocated"] == 2
     assert report["metadata_ops"] == 1  # the fork
+
+
+def test_a_truncate_that_shortens_nothing_counts_as_nothing():
+    cache, _ = aj.reserve(aj.create(LAYOUT), [0], 5)
+    cache = aj.truncate(cache, [1, 2], 0)  # idle slots
+    cache = aj.truncate(cache, [0], 5)  # to its own length
+    assert int(cache.stats.metadata_ops) == 0 and int(cache.stats.rejected_rows) == 0
+    cache = aj.truncate(cache, [0], 3)
+    assert int(cache.stats.metadata_ops) == 1

@@ -330,3 +330,34 @@ def test_cli_prefix_cache(capsys):
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "prefix cache:" in out and "hit rate" in out
+
+
+def test_generate_binds_the_index_to_its_arena_and_its_model(model, small_layout, prompts):
+    a = _run(model, small_layout, prompts[:1], new=2, prefix_cache=True)
+    b = _run(model, small_layout, prompts[:1], new=2, prefix_cache=True)
+    assert a.prefix_cache.pages() == b.prefix_cache.pages()  # the same holds: only the arenas' ids differ
+    with pytest.raises(ValueError, match="belongs to arena"):
+        _run(model, None, prompts[:1], new=2, cache=b.cache, prefix_cache=a.prefix_cache)
+    other = models.init_random(models.LlamaConfig.tiny(), seed=1, std=0.2)  # same shapes, other weights
+    with pytest.raises(ValueError, match="made with tag"):
+        _run(other, None, prompts[:1], new=2, cache=a.cache, prefix_cache=a.prefix_cache)
+    c = _run(model, None, prompts[:1], new=2, cache=a.cache, prefix_cache=a.prefix_cache)  # refusals changed nothing
+    assert c.prefix_hit_tokens > 0
+    with pytest.raises(ValueError, match="continue from the newest result"):  # a.cache was donated to that call
+        _run(model, None, prompts[:1], new=2, cache=a.cache, prefix_cache=a.prefix_cache)
+    _healthy(_run(model, None, prompts[:1], new=2, cache=c.cache, prefix_cache=c.prefix_cache))
+
+
+@pytest.mark.parametrize(
+    "call, needle",
+    [
+        (lambda m, c: aj.health(None), "cache must be a KVCache"),
+        (lambda m, c: aj.health(c, "yes"), "prefix must be an arena_jax.PrefixCache or None"),
+        (lambda m, c: models.generate(m, [[1, 2]], 2, cache={"k": 1}), "cache must be an arena_jax.KVCache"),
+        (lambda m, c: models.generate(m, [[1, 2]], 2, layout="big"), "layout must be an arena_jax.KVLayout"),
+    ],
+    ids=["health(None)", "health(cache, str)", "generate(cache=dict)", "generate(layout=str)"],
+)
+def test_wrong_types_are_value_errors(model, call, needle):
+    with pytest.raises(ValueError, match=needle):
+        call(model, aj.create(LAYOUT))
