@@ -186,7 +186,8 @@ def _tpu_append_call(k_arena, v_arena, layer, k, v, page_map, lengths, num_token
     edge = jnp.stack([jnp.zeros_like(last), last], axis=1)  # [B, 2]: the row's first and last chunk
     edge_tables = (jnp.take_along_axis(page, edge, 1), jnp.take_along_axis(offset, edge, 1), arange(2 * batch))
     partial = live & ~jnp.all(new, axis=2)  # a chunk whose old rows must be kept
-    edge_live = flat(jnp.take_along_axis(partial, edge, 1))
+    edge_live = jnp.take_along_axis(partial, edge, 1) & jnp.stack([count > 0, count > 1], axis=1)  # one chunk: once
+    edge_live = flat(edge_live)
     n_edges, e_page, e_off, e_idx = _compact(edge_live, *(flat(x) for x in edge_tables))
     s_tables, s_shapes, n_srows = (jnp.zeros((1,), jnp.int32),) * 2, (), jnp.int32(0)
     if quantized:
@@ -203,8 +204,10 @@ def _tpu_append_call(k_arena, v_arena, layer, k, v, page_map, lengths, num_token
                      chunk=chunk, interpret=interpret, name=f"tpu_append_gather_c{chunk}_d{head_dim}{dtype_tag}",
                      moved=nbytes((c_shape, c_shape) + s_shapes))
 
-    bk = jnp.arange(batch)[:, None, None]
+    # Staging in the slabs' own order [B, K, Hkv, C, D] (head before row): the gathered chunks
+    # [B, 2, Hkv, C, D] need no relayout, the new rows are taken along T of k as [B, Hkv, T, D].
     first = (arange(num_chunks) == 0)[None, :, None, None, None]  # [1, K, 1, 1, 1]
+    t_flat = t.reshape(batch, 1, num_chunks * chunk, 1)
     staged, new_scales = [], []
     for x, arena, old_edges in zip((k, v), arenas, old):
         if quantized:
@@ -212,15 +215,20 @@ def _tpu_append_call(k_arena, v_arena, layer, k, v, page_map, lengths, num_token
             new_scales.append(scale)
         else:
             values = x.astype(arena.dtype)
-        old_edges = old_edges.reshape(batch, 2, num_kv_heads, chunk, head_dim).transpose(0, 1, 3, 2, 4)
-        kept = jnp.where(first, old_edges[:, :1], old_edges[:, 1:])  # [B, K, C, Hkv, D]
-        rows = jnp.where(new[..., None, None], values[bk, t], kept)
-        staged.append(rows.transpose(0, 1, 3, 2, 4).reshape(batch * num_chunks, num_kv_heads, chunk, head_dim))
+        taken = jnp.take_along_axis(values.transpose(0, 2, 1, 3), t_flat, axis=2)  # [B, Hkv, K*C, D]
+        taken = taken.reshape(batch, num_kv_heads, num_chunks, chunk, head_dim).transpose(0, 2, 1, 3, 4)
+        old_edges = old_edges.reshape(batch, 2, num_kv_heads, chunk, head_dim)
+        kept = jnp.where(first, old_edges[:, :1], old_edges[:, 1:])  # [B, K, Hkv, C, D]
+        rows = jnp.where(new[:, :, None, :, None], taken, kept)
+        staged.append(rows.reshape(batch * num_chunks, num_kv_heads, chunk, head_dim))
     if quantized:
+        st_flat = st.reshape(batch, 1, num_spages * page_size)
         for scale, old_rows in zip(new_scales, old[2:]):  # [B, T, Hkv], [B * Kp, Hkv, 1, S]
-            old_rows = old_rows.reshape(batch, num_spages, num_kv_heads, page_size).transpose(0, 1, 3, 2)
-            rows = jnp.where(snew[..., None], scale[bk, st], old_rows)  # [B, Kp, S, Hkv]
-            staged.append(rows.transpose(0, 1, 3, 2).reshape(batch * num_spages, num_kv_heads, 1, page_size))
+            taken = jnp.take_along_axis(scale.transpose(0, 2, 1), st_flat, axis=2)  # [B, Hkv, Kp*S]
+            taken = taken.reshape(batch, num_kv_heads, num_spages, page_size).transpose(0, 2, 1, 3)
+            old_rows = old_rows.reshape(batch, num_spages, num_kv_heads, page_size)
+            rows = jnp.where(snew[:, :, None, :], taken, old_rows)  # [B, Kp, Hkv, S]
+            staged.append(rows.reshape(batch * num_spages, num_kv_heads, 1, page_size))
     n_live, c_page, c_off, c_idx = _compact(flat(live), flat(page), flat(offset), arange(batch * num_chunks))
     meta = meta.at[1].set(jnp.where(layer_ok, n_live, 0))
     return tuple(_chunk_dma((meta, c_page, c_off, c_idx) + s_tables, arenas, staged, to_arena=True, chunk=chunk,

@@ -14,10 +14,12 @@ row's page table, lengths and the layer live in SMEM (scalar prefetch); K/V stay
 - One flat loop runs over (head, block) pairs, so the DMAs of the next pair (the next block,
   or the next head's first block) are in flight while this one computes: double buffering in
   VMEM across heads, not only within one head.
-- A page that is unmapped (-1), past the page table, or wholly outside `[lo, hi)` is not
-  read: its slot is filled by DMA from a zero page instead, and a per-page flag row (1 live,
-  0 dead, `[1, page_size]` float32, DMA'd beside the page) masks its keys. So every block
-  issues the same copies and waits, and stale or NaN pages never reach VMEM.
+- A page wholly outside `[lo, hi)` (the window's first block, the last block past the
+  last query) is not read at all; one inside it that is unmapped (-1) or past the page table
+  is filled by DMA from a zero page. A per-page flag row (1 live, 0 dead, `[1, page_size]`
+  float32, DMA'd beside the page) masks dead pages' keys; V rows outside `[lo, hi)` are
+  selected to zero by position, so an unread slot's stale contents (NaN in interpret mode)
+  never reach the output.
 - Online softmax in float32, state carried through the loop, reset at each head's first block.
 
 Dtype and masking rules are the reference's (`pallas_kernels.reference`): dots in q's dtype
@@ -53,8 +55,9 @@ from pallas_kernels.tpu_common import resolve_tpu_interpret, tpu_unsupported_rea
 
 __all__ = ["tpu_paged_attention", "TpuAttentionTiles"]
 
-MAX_ROWS = 128  # query rows (tokens x group) per program in prefill
+MAX_ROWS = 512  # query rows (tokens x group) per program in prefill (each row block re-reads the KV)
 DEFAULT_BLOCK_K = 512  # keys per block: 128 KiB of bf16 K at head_dim 128
+QO_VMEM_BYTES = 4 << 20  # q + output blocks of a prefill program (Mosaic's default scoped VMEM: 16 MiB on v5e)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +68,12 @@ class TpuAttentionTiles:
     block_tokens: int
 
     @classmethod
-    def choose(cls, *, tokens: int, group: int, page_size: int, max_pages: int, block_sizes: BlockSizes | None):
+    def choose(cls, *, tokens: int, group: int, page_size: int, max_pages: int, block_sizes: BlockSizes | None,
+               num_kv_heads: int = 1, head_dim: int = 128, itemsize: int = 2):
+        """Keys per block: whole pages, up to 512 keys (no more than the page table holds).
+        Query tokens per program: up to 512 rows (tokens x group), fewer when the q and output
+        blocks of all KV heads (double-buffered) would pass QO_VMEM_BYTES; several row blocks
+        must be sublane-aligned (rows % 8 == 0)."""
         bs = block_sizes or BlockSizes()
         if bs.pages_per_block is not None:
             block_k = bs.pages_per_block * page_size
@@ -81,7 +89,8 @@ class TpuAttentionTiles:
         elif bs.block_tokens is not None:
             block_tokens = bs.block_tokens
         else:
-            block_tokens = max(1, MAX_ROWS // group)
+            per_token = 4 * num_kv_heads * group * head_dim * itemsize  # q and out blocks, 2 buffers each
+            block_tokens = max(1, min(MAX_ROWS // group, QO_VMEM_BYTES // per_token))
             block_tokens = 1 << (block_tokens.bit_length() - 1)  # a power of two
         # Several row blocks need sublane-aligned blocks (rows % 8 == 0); one block is the full dim.
         if block_tokens < tokens:
@@ -164,14 +173,18 @@ def _attention_kernel(
         return lax.div(i, safe), blk_lo + lax.rem(i, safe)
 
     def copies(i, slot):
-        """The DMAs of pair i into buffer slot `slot`, per page: (live, copies from the arena,
-        copies from the zero page / zero row, the live flag row); copies are built when used."""
+        """The DMAs of pair i into buffer slot `slot`, per page: (read, live, copies from the
+        arena, copies from the zero page / zero row, the flag row); copies are built when used.
+        A page in [lo, hi) is read from the arena if mapped (live), else from the zero page (a
+        hole: its V rows must be zero); a page outside [lo, hi) is not read at all (its keys
+        and V rows are masked by position), only its flag row (dead)."""
         h, j = pair(i)
         out = []
         for p in range(ppb):
             lp = j * ppb + p  # logical page
             page = page_map_ref[b * max_pages + jnp.minimum(lp, max_pages - 1)]
-            live = (lp < max_pages) & (page >= 0) & (lp * page_size < hi) & ((lp + 1) * page_size > lo)
+            read = (lp * page_size < hi) & ((lp + 1) * page_size > lo)
+            live = read & (lp < max_pages) & (page >= 0)
             page = jnp.clip(page, 0, num_pages - 1)
             dst, row, sem_ = pl.ds(p * page_size, page_size), pl.ds(p, 1), sem.at[slot]
 
@@ -192,17 +205,17 @@ def _attention_kernel(
                 return out
 
             flag = pltpu.make_async_copy(flags_hbm.at[pl.ds(live.astype(jnp.int32), 1)], okbuf.at[slot, row], sem_)
-            out.append((live, from_arena, from_zeros, flag))
+            out.append((read, live, from_arena, from_zeros, flag))
         return out
 
     def start_copies(i, slot):
-        for live, from_arena, from_zeros, flag in copies(i, slot):
+        for read, live, from_arena, from_zeros, flag in copies(i, slot):
             @pl.when(live)
             def _():
                 for c in from_arena():
                     c.start()
 
-            @pl.when(jnp.logical_not(live))
+            @pl.when(read & jnp.logical_not(live))
             def _():
                 for c in from_zeros():
                     c.start()
@@ -210,9 +223,12 @@ def _attention_kernel(
             flag.start()
 
     def wait_copies(i, slot):
-        for _, from_arena, _, flag in copies(i, slot):  # a wait counts bytes: both sources match
-            for c in from_arena():
-                c.wait()
+        for read, _, from_arena, _, flag in copies(i, slot):  # a wait counts bytes: both sources match
+            @pl.when(read)
+            def _():
+                for c in from_arena():
+                    c.wait()
+
             flag.wait()
 
     o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)  # rows that see no key (and heads of a row without keys)
@@ -357,18 +373,20 @@ def _tpu_attention_call(q, k_arena, v_arena, meta, page_map, lengths, num_tokens
     name = f"tpu_paged_attention_bt{block_tokens}_g{group}_bk{block_k}_d{head_dim}"
     if quantized:
         name += f"_{jnp.dtype(k_arena.dtype).name}"
-    # Upper bound of the DMA plan (every row at the page table's full length; with a window
-    # only the window's blocks), for XLA's scheduler and cost analysis.
+    # The DMA plan at its workload bound (every row at the page table's full length; with a
+    # static window, the window's pages plus one for alignment), for XLA's scheduler and cost
+    # analysis: pages read per (program, head), each K and V (and scale rows), plus flag rows.
     keys = max_pages * page_size if not has_window or window_bound is None else min(
         max_pages * page_size, window_bound + block_tokens - 1)
-    n_blocks = -(-keys // block_k) + (1 if has_window else 0)
-    scale_bytes = 2 * page_size * 4 if quantized else 0
-    per_block = ppb * (2 * page_size * head_dim * jnp.dtype(k_arena.dtype).itemsize + page_size * 4 + scale_bytes)
+    pages_read = min(max_pages, -(-keys // page_size) + (1 if has_window else 0))
+    n_blocks = -(-(pages_read * page_size) // block_k) + (1 if has_window else 0)
+    page_bytes = 2 * page_size * head_dim * jnp.dtype(k_arena.dtype).itemsize + (2 * page_size * 4 if quantized else 0)
     programs = batch * row_blocks * num_kv_heads
     cost = pl.CostEstimate(
         flops=int(4 * programs * rows * n_blocks * block_k * head_dim),
         transcendentals=int(programs * rows * n_blocks * block_k),
-        bytes_accessed=int(programs * n_blocks * per_block + 2 * qg.size * qg.dtype.itemsize),
+        bytes_accessed=int(programs * (pages_read * page_bytes + n_blocks * ppb * page_size * 4)
+                           + 2 * qg.size * qg.dtype.itemsize),
     )
     out = pl.pallas_call(
         kernel,
@@ -440,7 +458,8 @@ def tpu_paged_attention(
     window = _window_value(sliding_window, max_keys) if has_window else jnp.int32(0)
     meta = jnp.stack([jnp.clip(layer[0], 0, num_layers - 1), window]).astype(jnp.int32)
     tiles = TpuAttentionTiles.choose(tokens=tokens, group=num_q_heads // num_kv_heads, page_size=page_size,
-                                     max_pages=page_map.shape[1], block_sizes=block_sizes)
+                                     max_pages=page_map.shape[1], block_sizes=block_sizes, num_kv_heads=num_kv_heads,
+                                     head_dim=head_dim, itemsize=jnp.dtype(q.dtype).itemsize)
     return _tpu_attention_call(
         q, k_arena, v_arena, meta, page_map, lengths, num_tokens, k_scale, v_scale,
         sm_scale=float(head_dim**-0.5 if sm_scale is None else sm_scale), has_window=has_window,
