@@ -39,7 +39,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._common import check_arena, check_layer, check_rows, check_tokens
 from pallas_kernels.quant import quantize_rows
-from pallas_kernels.tpu_common import append_chunk, resolve_tpu_interpret, tpu_unsupported_reason
+from pallas_kernels.tpu_common import append_chunk, check_smem_tables, resolve_tpu_interpret, tpu_unsupported_reason
 
 __all__ = ["tpu_paged_append"]
 
@@ -257,5 +257,9 @@ def tpu_paged_append(k_arena, v_arena, layer, k, v, page_map, lengths, num_token
         raise ValueError(reason)
     layer = check_layer(layer, num_layers)[0]
     page_map, lengths, num_tokens = check_rows(page_map, lengths, num_tokens, k.shape[0])
+    batch, tokens = k.shape[:2]
+    chunks = -(-(tokens + append_chunk(page_size, k_arena.dtype) - 1) // append_chunk(page_size, k_arena.dtype))
+    scale_rows = -(-(tokens + page_size - 1) // page_size) if k_scale is not None else 0
+    check_smem_tables(f"append of [{batch}, {tokens}] tokens (chunk lists)", 3 * batch * max(chunks, 2) + 2 * batch * scale_rows + 3)
     return _tpu_append_call(k_arena, v_arena, layer, k, v, page_map, lengths, num_tokens, k_scale, v_scale,
                             interpret=resolve_tpu_interpret(interpret))

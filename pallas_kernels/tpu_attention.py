@@ -51,7 +51,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._common import BlockSizes, check_arena, check_layer, check_rows, check_tokens
 from pallas_kernels.quant import is_quantized
-from pallas_kernels.tpu_common import resolve_tpu_interpret, tpu_unsupported_reason
+from pallas_kernels.tpu_common import check_smem_tables, resolve_tpu_interpret, tpu_unsupported_reason
 
 __all__ = ["tpu_paged_attention", "TpuAttentionTiles"]
 
@@ -445,6 +445,7 @@ def tpu_paged_attention(
         raise ValueError(reason)
     layer = check_layer(layer, num_layers)
     page_map, lengths, num_tokens = check_rows(page_map, lengths, num_tokens, batch)
+    check_smem_tables(f"page_map [{batch}, {page_map.shape[1]}]", page_map.size + 2 * batch + 2)
     max_keys = page_map.shape[1] * page_size
     has_window = sliding_window is not None
     if isinstance(sliding_window, (bool, float)) or (isinstance(sliding_window, int) and sliding_window < 1):

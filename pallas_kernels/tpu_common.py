@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.quant import QUANTIZED_DTYPES
 
-__all__ = ["tpu_unsupported_reason", "resolve_tpu_interpret", "target_platform", "append_chunk", "row_packing", "TPU_PAGE_MULTIPLE"]
+__all__ = ["tpu_unsupported_reason", "resolve_tpu_interpret", "target_platform", "check_smem_tables", "append_chunk", "row_packing", "TPU_PAGE_MULTIPLE"]
 
 # float16 has no Mosaic vector type on TPU v5e / v6e (its loads and stores do not compile).
 TPU_COMPUTE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -41,6 +41,10 @@ TPU_QUANTIZED_PAGE_MULTIPLE = 128  # 8-bit scales [L, H, P, S]: row-major by def
 TPU_MAX_PAGE_SIZE = 256
 TPU_HEAD_DIM_MULTIPLE = 128  # the arena is row-major by default only when head_dim % 128 == 0
 TPU_MAX_HEAD_DIM = 256
+# Scalar-prefetched tables (page tables, chunk lists) live in SMEM: 1 MiB per core on v5e / v6e.
+# Measured: a 1 MiB page table fails to compile ("Ran out of memory in memory space smem"),
+# 512 KiB compiles; the budget leaves room for the other scalars.
+SMEM_TABLE_BYTES = 960 << 10
 
 
 def row_packing(dtype) -> int:
@@ -104,6 +108,14 @@ def target_platform() -> str:
     if device is not None:
         return device if isinstance(device, str) else device.platform
     return jax.default_backend()
+
+
+def check_smem_tables(what: str, num_ints: int) -> None:
+    """ValueError when `num_ints` int32 scalars to prefetch exceed the SMEM budget."""
+    if 4 * num_ints > SMEM_TABLE_BYTES:
+        raise ValueError(f"{what}: {4 * num_ints:,} bytes of int32 tables to prefetch into SMEM, over the TPU "
+                         f"kernels' {SMEM_TABLE_BYTES:,}-byte budget (SMEM is 1 MiB on v5e / v6e); use fewer rows "
+                         "per call or larger pages")
 
 
 def resolve_tpu_interpret(interpret):

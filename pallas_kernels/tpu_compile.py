@@ -35,8 +35,11 @@ __all__ = ["TARGETS", "tooling_problem", "tpu_devices", "tpu_lowering", "compile
 TARGETS = {"tpu-v5e": ("v5e", "TPU v5 lite"), "tpu-v6e": ("v6e", "TPU v6 lite")}
 INSTALL = "bash scripts/install_tpu_tools.sh"
 # libtpu looks these up at start-up (on a TPU VM from the metadata server); set, they silence
-# its warnings. They name no real host and change nothing about the compiled code.
-_LIBTPU_ENV = {"TPU_ACCELERATOR_TYPE": "v5litepod-4", "TPU_WORKER_HOSTNAMES": "localhost"}
+# its warnings. They name no real host and change nothing about the compiled code. libtpu also
+# takes a host-wide lock (/tmp/libtpu_lockfile) so that one process owns the TPU chips; a
+# deviceless compile owns no chip, so two processes compiling at once (two pytest runs) may share.
+_LIBTPU_ENV = {"TPU_ACCELERATOR_TYPE": "v5litepod-4", "TPU_WORKER_HOSTNAMES": "localhost",
+               "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 
 
 def tooling_problem() -> str | None:

@@ -114,6 +114,27 @@ def test_layouts_the_tpu_kernels_refuse_would_copy_the_arena(tooling, dtype, hea
     assert copies, "expected XLA to relayout the arena / scales (the reason the TPU kernels refuse this layout)"
 
 
+@pytest.mark.parametrize("rows,fits", [(16, True), (32, False)])
+def test_smem_budget_is_what_mosaic_allows(tooling, rows, fits):
+    """A 512 KiB page table compiles; a 1 MiB one does not ("Ran out of memory in memory
+    space smem"): the reason for `tpu_common.SMEM_TABLE_BYTES` (960 KiB)."""
+    from pallas_kernels.tpu_attention import TpuAttentionTiles, _tpu_attention_call
+
+    sds = jax.ShapeDtypeStruct
+    arena = sds((2, 8, 4096, 128, 128), jnp.bfloat16)  # 128-token pages: 4 DMAs per block, a quick compile
+    tiles = TpuAttentionTiles.choose(tokens=1, group=4, page_size=128, max_pages=8192, block_sizes=None)
+    fn = lambda q, ka, va, pm, lengths, n: _tpu_attention_call(  # noqa: E731
+        q, ka, va, jnp.zeros((2,), jnp.int32), pm, lengths, n, None, None, sm_scale=0.1, has_window=False,
+        window_bound=None, soft_cap=None, tiles=tiles, interpret=False)
+    args = (sds((rows, 1, 32, 128), jnp.bfloat16), arena, arena, sds((rows, 8192), jnp.int32), sds((rows,), jnp.int32),
+            sds((rows,), jnp.int32))
+    if fits:
+        tpu_compile.compile_for_tpu(fn, args, target="tpu-v5e")
+    else:
+        with pytest.raises(Exception, match="smem"):
+            tpu_compile.compile_for_tpu(fn, args, target="tpu-v5e")
+
+
 def _step_cases():
     """CI: one layer of the 32 (all identical), decode on v6e 2x4, a 64-token prefill on v5e 2x2."""
     from benchmarks.tpu_steps import STEP_CASES

@@ -325,6 +325,22 @@ def test_api_backend_matches_reference():
 # ---- what the TPU kernels refuse ------------------------------------------------------------------------
 
 
+def test_page_tables_over_the_smem_budget_are_named():
+    """The page table (and append's chunk lists) are prefetched into SMEM (1 MiB on v5e / v6e;
+    `test_compile_tpu.py` shows 1 MiB failing to compile): larger tables are a ValueError,
+    raised while tracing (shapes only: nothing is allocated)."""
+    sds = jax.ShapeDtypeStruct
+    arena = sds((1, 1, 4, 16, 128), jnp.bfloat16)
+    ints = lambda *shape: sds(shape, jnp.int32)  # noqa: E731
+    with pytest.raises(ValueError, match=r"page_map \[30, 8192\]: 983,288 bytes of int32 tables .* SMEM"):
+        jax.eval_shape(lambda q, *rows: tpu_paged_attention(q, arena, arena, 0, *rows, interpret=True),
+                       sds((30, 1, 2, 128), jnp.bfloat16), ints(30, 8192), ints(30), ints(30))
+    x = sds((4096, 300, 1, 128), jnp.bfloat16)  # 4096 rows x 20 chunks of 16 tokens
+    with pytest.raises(ValueError, match=r"append of \[4096, 300\] tokens \(chunk lists\): 983,052 bytes"):
+        jax.eval_shape(lambda x, *rows: tpu_paged_append(arena, arena, 0, x, x, *rows, interpret=True),
+                       x, ints(4096, 4), ints(4096), ints(4096))
+
+
 @pytest.mark.parametrize("change,match", [
     (dict(head_dim=64), "head_dim=64: the TPU kernels take multiples of 128 up to 256"),
     (dict(page_size=12), "page_size=12: the TPU kernels take multiples of 8 up to 256"),
