@@ -5,7 +5,9 @@
 
 Contract (shapes, masking, sliding window): `pallas_kernels.reference`. Which geometries the
 kernels take: `unsupported_reason(head_dim=, page_size=, group=, dtype=)` (None when they can).
-Compiling them for an H100 without a GPU: `pallas_kernels.sm90`.
+Compiling them for an H100 without a GPU: `pallas_kernels.sm90`. The Mosaic TPU kernels (same
+contract): `pallas_kernels.tpu_attention`, `pallas_kernels.tpu_append` (`tpu_unsupported_reason`
+in `tpu_common`; compiling for TPU v5e / v6e without a TPU: `tpu_compile`).
 """
 from pallas_kernels._common import BlockSizes, unsupported_reason
 from pallas_kernels.append import paged_append
