@@ -25,6 +25,7 @@ from arena_jax.layout import KVLayout
 from arena_jax.prefix import PrefixCache, PrefixHit
 from arena_jax.sharding import CacheSharding
 from arena_jax.state import PAD_PAGE, PAD_SLOT, CacheStats, KVCache, PageTable, create
+from arena_jax.step import CacheStep, append_attend, begin_step, positions
 
 __all__ = [
     "KVLayout",
@@ -38,6 +39,10 @@ __all__ = [
     "reserve",
     "append",
     "attend",
+    "append_attend",
+    "positions",
+    "begin_step",
+    "CacheStep",
     "release",
     "fork",
     "truncate",

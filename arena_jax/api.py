@@ -22,6 +22,7 @@ from arena_jax.validate import (
     check_ints,
     check_kv,
     check_layer,
+    check_logits_soft_cap,
     check_pages,
     check_q,
     check_sliding_window,
@@ -367,6 +368,28 @@ def fork_pages(cache: KVCache, pages, num_tokens, dst) -> KVCache:
 # ---- data path -----------------------------------------------------------------------------
 
 
+def _check_reserved(cache, slots, n, layer) -> None:
+    """On the host: every row's tokens must fit its reservation (else append would drop them)."""
+    s, lay = concrete(slots), concrete(layer)
+    if s is None or n is None or lay is None:
+        return
+    table = cache.table
+    lengths, active, written = concrete(table.lengths), concrete(table.active), concrete(table.written)[int(lay)]
+    for b in np.flatnonzero((s != PAD_SLOT) & (n > 0)):
+        slot, want = int(s[b]), int(n[b])
+        if not active[slot]:
+            raise ValueError(
+                f"slots[{b}]={slot} has no reservation (the slot is not in use): call aj.reserve(cache, slots, "
+                f"num_tokens) for the new tokens before aj.append (an unreserved append writes nothing)"
+            )
+        if int(written[slot]) + want > int(lengths[slot]):
+            raise ValueError(
+                f"slots[{b}]={slot}: appending {want} tokens at layer {int(lay)} would pass its reservation "
+                f"({int(written[slot])} written of {int(lengths[slot])} reserved): aj.reserve them first (an append "
+                "past the reservation writes nothing and counts in stats.dropped_writes)"
+            )
+
+
 @functools.partial(jax.jit, static_argnames=("backend",), donate_argnames=("cache",))
 def _append(cache, layer, slots, k, v, num_tokens, backend):
     if cache.sharding is not None:
@@ -397,14 +420,18 @@ def append(cache: KVCache, layer, slots, k, v, *, num_tokens=None, backend: str 
     n = concrete(num_tokens)
     if n is not None and n.size and n.max() > tokens:
         raise ValueError(f"num_tokens={int(n.max())} exceeds the {tokens} tokens given in k and v")
+    _check_reserved(cache, slots, n, layer)
     return _append(cache, layer, slots, jnp.asarray(k), jnp.asarray(v), num_tokens, _resolve_backend(backend, layout))
 
 
-@functools.partial(jax.jit, static_argnames=("backend", "sliding_window", "sm_scale"))
-def _attend(q, cache, layer, slots, num_tokens, backend, sliding_window, sm_scale):
+@functools.partial(jax.jit, static_argnames=("backend", "sliding_window", "sm_scale", "logits_soft_cap"))
+def _attend(q, cache, layer, slots, num_tokens, window, backend, sliding_window, sm_scale, logits_soft_cap):
+    """`sliding_window`: a static window or None; `window`: a traced one (i32[]) or None."""
+    sliding_window = sliding_window if window is None else window
     if cache.sharding is not None:
-        return sharding.attend(q, cache, layer, slots, num_tokens, backend, sliding_window, sm_scale)
-    return arena_ops.attend_impl(q, cache, layer, slots, num_tokens, backend, sliding_window, sm_scale)
+        return sharding.attend(q, cache, layer, slots, num_tokens, backend, sliding_window, sm_scale, logits_soft_cap)
+    return arena_ops.attend_impl(q, cache, layer, slots, num_tokens, backend, sliding_window, sm_scale,
+                                 logits_soft_cap)
 
 
 def attend(
@@ -414,8 +441,9 @@ def attend(
     slots,
     *,
     num_tokens=None,
-    sliding_window: int | None = None,
+    sliding_window=None,
     sm_scale: float | None = None,
+    logits_soft_cap: float | None = None,
     backend: str | None = None,
 ):
     """Attention of `q: [batch, q_tokens, num_q_heads, head_dim]` over the tokens written at `layer`.
@@ -424,9 +452,20 @@ def attend(
     `layer` in its slot; they attend causally to every token written before them (within
     `sliding_window` tokens, counting themselves, if given; a window of `max_seq_len` or more
     is no window). Reserved but unwritten positions are never read. Padded rows and tokens
-    give zeros. Returns q's shape and dtype. q is bfloat16, float16 or float32; over an 8-bit
-    arena the keys and values are dequantized in the kernel and the dots run in q's dtype
-    with float32 accumulation.
+    give zeros. Returns q's shape and dtype.
+
+    `sliding_window`: None, a positive int, or a traced integer scalar (e.g. a per-layer
+    window inside `lax.scan`; mark global layers with any value >= max_seq_len): the same
+    results as the static form; a traced value <= 0 admits no key, so those queries give
+    zeros (nothing is counted: attend returns no cache). `sm_scale` (default head_dim**-0.5)
+    and `logits_soft_cap` (Gemma 2: scores `s = q.k * sm_scale` become `cap * tanh(s / cap)`
+    before masking) are concrete numbers > 0, compiled in.
+
+    Dtypes, on both backends: the dots run in q's dtype (bfloat16, float16 or float32; K/V of
+    another dtype, 8-bit included, are converted to it), with float32 accumulation and a
+    float32 softmax. A key a query does not attend to contributes nothing, NaN and inf
+    included; a NaN / inf in a key or value it attends to makes its whole output row NaN
+    (`pallas_kernels.reference.paged_attention_reference` states the rules).
     """
     layout = _check_cache(cache)
     slots = check_slots(layout, slots)
@@ -437,6 +476,7 @@ def attend(
     num_tokens = check_counts(layout, tokens if num_tokens is None else num_tokens, slots.shape[0], "num_tokens")
     sliding_window = check_sliding_window(layout, sliding_window)
     sm_scale = check_sm_scale(sm_scale)
+    logits_soft_cap = check_logits_soft_cap(logits_soft_cap)
     backend = _resolve_backend(backend, layout, group=q.shape[2] // layout.num_kv_heads, q_dtype=q.dtype)
     s, n, lay = concrete(slots), concrete(num_tokens), concrete(layer)
     if n is not None and n.size and n.max() > tokens:
@@ -447,6 +487,11 @@ def attend(
             if n[b] > written[s[b]]:
                 raise ValueError(
                     f"num_tokens[{b}]={int(n[b])} exceeds the {int(written[s[b]])} tokens written at layer {int(lay)} "
-                    f"for slot {int(s[b])}: attend reads only appended tokens (append them first)"
+                    f"for slot {int(s[b])}: attend reads only appended tokens (append them first; an append the "
+                    f"slot had not reserved with aj.reserve writes nothing: stats.dropped_writes = "
+                    f"{int(concrete(cache.stats.dropped_writes).sum())})"
                 )
-    return _attend(jnp.asarray(q), cache, layer, slots, num_tokens, backend, sliding_window, sm_scale)
+    window = sliding_window if isinstance(sliding_window, jax.core.Tracer) else None
+    static_window = None if window is not None else sliding_window
+    return _attend(jnp.asarray(q), cache, layer, slots, num_tokens, window, backend, static_window, sm_scale,
+                   logits_soft_cap)

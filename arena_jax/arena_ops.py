@@ -81,10 +81,12 @@ def append_impl(cache: KVCache, layer, slots, k, v, num_tokens, backend: str) ->
     return cache.replace(k=k_arena, v=v_arena, table=table, stats=stats, **scales)
 
 
-def attend_impl(q, cache: KVCache, layer, slots, num_tokens, backend: str, sliding_window, sm_scale):
+def attend_impl(q, cache: KVCache, layer, slots, num_tokens, backend: str, sliding_window, sm_scale,
+                logits_soft_cap=None):
     """Attention of q [B, T, Hq, D], the last num_tokens[b] tokens written at `layer` in row b's
     slot, over that slot's tokens written at `layer`. Rows whose slot is out of range, or that
-    ask for more query tokens than T or than the slot has written, give zeros."""
+    ask for more query tokens than T or than the slot has written, give zeros. `sliding_window`:
+    None, a static int, or a traced integer scalar (a value <= 0 admits no key: zeros)."""
     table = cache.table
     layer_ok, layer_c = _layer(cache, layer)
     in_range, idx = in_range_rows(table, slots)
@@ -93,7 +95,8 @@ def attend_impl(q, cache: KVCache, layer, slots, num_tokens, backend: str, slidi
     page_map = jnp.where(good[:, None], table.page_map[idx], -1)
     lengths = jnp.where(good, written, 0)
     n = jnp.where(good, num_tokens, 0)
-    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, k_scale=cache.k_scale, v_scale=cache.v_scale)
+    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                  k_scale=cache.k_scale, v_scale=cache.v_scale)
     if backend == "pallas_tpu":
         from pallas_kernels.tpu_attention import tpu_paged_attention
 

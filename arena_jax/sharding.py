@@ -458,12 +458,15 @@ def append(cache: KVCache, layer, slots, k, v, num_tokens, backend: str):
     return _run(cache, body, (layer, slots, k, v, num_tokens), specs, (), check_vma=backend == "reference")[0]
 
 
-def attend(q, cache: KVCache, layer, slots, num_tokens, backend: str, sliding_window, sm_scale):
+def attend(q, cache: KVCache, layer, slots, num_tokens, backend: str, sliding_window, sm_scale, logits_soft_cap=None):
     sh = cache.sharding
+    static_window = sliding_window is None or isinstance(sliding_window, int)
+    window = jnp.zeros((), jnp.int32) if static_window else sliding_window  # a traced window travels as data
 
-    def body(local, max_seqs, q, layer, slots, num_tokens):
-        return attend_impl(q, local, layer, _local_slots(sh, slots, max_seqs), num_tokens, backend, sliding_window, sm_scale)
+    def body(local, max_seqs, q, layer, slots, num_tokens, window):
+        return attend_impl(q, local, layer, _local_slots(sh, slots, max_seqs), num_tokens, backend,
+                           sliding_window if static_window else window, sm_scale, logits_soft_cap)
 
-    specs = (sh.heads_spec(), P(), sh.rows_spec, sh.rows_spec)
-    return _run(cache, body, (q, layer, slots, num_tokens), specs, sh.heads_spec(), returns_cache=False,
+    specs = (sh.heads_spec(), P(), sh.rows_spec, sh.rows_spec, P())
+    return _run(cache, body, (q, layer, slots, num_tokens, window), specs, sh.heads_spec(), returns_cache=False,
                 check_vma=backend == "reference")  # fmt: skip

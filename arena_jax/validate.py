@@ -29,6 +29,7 @@ __all__ = [
     "check_q",
     "check_sliding_window",
     "check_sm_scale",
+    "check_logits_soft_cap",
 ]
 
 INT32 = np.iinfo(np.int32)
@@ -237,28 +238,51 @@ def check_q(layout: KVLayout, q, batch: int):
         raise ValueError(f"q must be bfloat16, float16 or float32, got {q.dtype}")
 
 
-def check_sliding_window(layout: KVLayout, sliding_window) -> int | None:
-    """A positive int or None. A window of max_seq_len or more can never exclude a key: it is
-    returned as None (the same attention), which keeps huge windows out of int32 arithmetic."""
+def check_sliding_window(layout: KVLayout, sliding_window):
+    """None, a positive int, or a traced integer scalar.
+
+    Concrete values (Python / NumPy integers, concrete 0-d integer arrays) must be >= 1; a
+    window of max_seq_len or more can never exclude a key and is returned as None (the same
+    attention), which keeps huge windows out of int32 arithmetic. A traced integer scalar
+    (e.g. a per-layer window inside `lax.scan`) is returned as is: the backends take it as
+    data, and a traced value <= 0 admits no key (those queries give zeros); >= max_seq_len is
+    no window.
+    """
     if sliding_window is None:
         return None
+    if isinstance(sliding_window, jax.core.Tracer):
+        dtype = sliding_window.dtype
+        if sliding_window.shape != () or dtype == jnp.bool_ or not jnp.issubdtype(dtype, jnp.integer):
+            raise ValueError(f"sliding_window must be a positive int, None or a traced integer scalar, got a traced "
+                             f"{dtype} of shape {sliding_window.shape}")
+        return sliding_window
     if not _is_int(sliding_window) or sliding_window < 1:
-        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+        raise ValueError(f"sliding_window must be a positive int, None or a traced integer scalar, got {sliding_window!r}")
     return None if sliding_window >= layout.max_seq_len else int(sliding_window)
+
+
+def _check_static_positive(value, name: str) -> float | None:
+    """None or a finite positive number known on the host (it is compiled into the kernel)."""
+    if value is None:
+        return None
+    if isinstance(value, jax.core.Tracer):
+        raise ValueError(f"{name} must be a concrete number (it is compiled into the kernel), got a traced value")
+    if isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+    try:
+        number = float(np.asarray(value).item()) if np.ndim(value) == 0 else None
+    except (TypeError, ValueError):
+        number = None
+    if number is None or not math.isfinite(number) or number <= 0:
+        raise ValueError(f"{name} must be a finite positive number, got {value!r}")
+    return number
 
 
 def check_sm_scale(sm_scale) -> float | None:
     """None or a finite positive number known on the host (it is compiled into the kernel)."""
-    if sm_scale is None:
-        return None
-    if isinstance(sm_scale, jax.core.Tracer):
-        raise ValueError("sm_scale must be a concrete number (it is compiled into the kernel), got a traced value")
-    if isinstance(sm_scale, (bool, np.bool_)):
-        raise ValueError(f"sm_scale must be a positive number, got {sm_scale!r}")
-    try:
-        value = float(np.asarray(sm_scale).item()) if np.ndim(sm_scale) == 0 else None
-    except (TypeError, ValueError):
-        value = None
-    if value is None or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"sm_scale must be a finite positive number, got {sm_scale!r}")
-    return value
+    return _check_static_positive(sm_scale, "sm_scale")
+
+
+def check_logits_soft_cap(logits_soft_cap) -> float | None:
+    """None or a finite positive number known on the host (it is compiled into the kernel)."""
+    return _check_static_positive(logits_soft_cap, "logits_soft_cap")

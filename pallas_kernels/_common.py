@@ -14,10 +14,12 @@ Version notes (the kernels use the Triton lowering of `pl.pallas_call`):
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -147,7 +149,7 @@ class BlockSizes:
     @classmethod
     def for_attention(
         cls, *, batch: int, tokens: int, num_kv_heads: int, group: int, page_size: int, head_dim: int, max_pages: int,
-        itemsize: int = 2, quantized: bool = False,
+        itemsize: int = 2, quantized: bool = False, converted: bool | None = None,
     ) -> "BlockSizes":
         """Defaults per shape, chosen so that every shape compiles for sm_90a without spills
         (tests/test_compile_sm90.py; `arena-bench kernels --compile-report` prints the facts).
@@ -162,11 +164,14 @@ class BlockSizes:
         and 16 keys per step, 4 warps, for every head size. Groups of more than 64 query
         heads (16 in float32) are split over programs (block_h) rather than growing the tile.
 
-        8-bit arenas: `itemsize` is the dot's (q's) element size; tiles are the same as a float
-        arena of q's dtype. With float32 q (FMA dots) they run one pipeline stage: with two,
-        ptxas keeps the converted K/V tiles of both stages in registers and spills (255
-        registers, ~300 B of spills at head_dim 128), with one it needs ~60.
+        `itemsize` is the dots' (q's) element size, whatever the arena's dtype: an arena of
+        another dtype (`converted`; 8-bit arenas always) has its K/V tiles converted to q's
+        dtype in registers, and its tiles are those of an arena of q's dtype. With float32 q
+        (FMA dots) a converted arena runs one pipeline stage: with two, ptxas keeps the
+        converted K/V tiles of both stages in registers and spills (8-bit: 255 registers,
+        ~300 B of spills at head_dim 128), with one it needs ~60.
         """
+        converted = quantized if converted is None else converted or quantized
         decode = tokens == 1
         tile_d = head_tile(head_dim)
         max_rows = MIN_TILE if itemsize >= 4 else 64
@@ -194,7 +199,7 @@ class BlockSizes:
             num_splits=num_splits,
             block_tokens=block_tokens,
             num_warps=4 if rows * tile_d <= 64 * 128 or itemsize >= 4 else 8,
-            num_stages=1 if quantized and itemsize >= 4 else 2,
+            num_stages=1 if converted and itemsize >= 4 else 2,
         )
 
     @classmethod
@@ -349,6 +354,48 @@ def check_tokens(name: str, x, *, batch: int | None, heads: int | None, head_dim
         raise ValueError(f"{name} has {h} heads, the arena holds {heads} KV heads")
     if d != head_dim:
         raise ValueError(f"{name} head_dim {d} != arena head_dim {head_dim}")
+
+
+def check_sliding_window(sliding_window, max_keys: int):
+    """(static window, traced window): an int >= 1 or None compiled into the kernel, or an
+    i32[1] array passed as data. `max_keys` = max_pages * page_size, the most keys a row holds.
+
+    Python / NumPy integers and concrete 0-d integer arrays must be >= 1 (ValueError); a
+    window >= max_keys excludes nothing and becomes None. A traced integer scalar is passed as
+    data, clipped into [0, max_keys] (the same mask, and no int32 overflow): a traced value
+    <= 0 admits no key, so those queries give zeros.
+    """
+    if sliding_window is None:
+        return None, None
+    if isinstance(sliding_window, jax.core.Tracer):
+        dtype = sliding_window.dtype
+        if sliding_window.shape != () or dtype == jnp.bool_ or not jnp.issubdtype(dtype, jnp.integer):
+            raise ValueError(f"sliding_window must be a positive int, None or a traced integer scalar, got a traced "
+                             f"{dtype} of shape {sliding_window.shape}")
+        return None, jnp.clip(sliding_window, 0, max_keys).astype(jnp.int32).reshape(1)
+    value = _as_int(sliding_window) if getattr(sliding_window, "ndim", 0) == 0 else None
+    if isinstance(sliding_window, (jax.Array, np.ndarray)) and sliding_window.dtype == np.bool_:
+        value = None
+    if value is None or value < 1:
+        raise ValueError(f"sliding_window must be a positive int, None or a traced integer scalar, got {sliding_window!r}")
+    return (None if value >= max_keys else value), None
+
+
+def check_static_positive(name: str, value) -> float | None:
+    """None, or a finite number > 0 known on the host (it is compiled into the kernel)."""
+    if value is None:
+        return None
+    if isinstance(value, jax.core.Tracer):
+        raise ValueError(f"{name} must be a concrete number (it is compiled into the kernel), got a traced value")
+    number = None
+    if not isinstance(value, (bool, np.bool_)) and np.ndim(value) == 0:
+        try:
+            number = float(np.asarray(value).item())
+        except (TypeError, ValueError):
+            number = None
+    if number is None or not math.isfinite(number) or number <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return number
 
 
 def index_of(*idx):

@@ -15,21 +15,31 @@ finds its own page (`page_map[b, pos // page_size]`), so page tables may be scra
 masked on every load and store, so nothing past a head's `head_dim` is read or written.
 Online softmax in float32. The key range is bounded by loop limits, not masks:
 it starts at the page holding the earliest key any of the program's queries may see
-(sliding window) and ends at the last query's position; split `s` of `num_splits` takes
-a contiguous share of those blocks. Inside a block, keys past the length, in unmapped pages,
-in the future (causal) or out of the window are masked with `where` before the softmax, and
-masked K/V lanes are never loaded (masked loads, `other=0`) and V is selected to zero, so
-stale or NaN page contents never reach the output.
+(sliding window: static, compiled in, or traced, read from `window_ref` with the same
+arithmetic) and ends at the last query's position; split `s` of `num_splits` takes a
+contiguous share of those blocks. Inside a block, keys past the length, in unmapped pages,
+in the future (causal) or out of the window are masked with `where` before the softmax;
+dead K/V lanes are never loaded (masked loads, `other=0`).
+
+Dtypes: the dots run in q's dtype, whatever the arena's (K/V tiles converted in registers;
+bf16/fp16: tensor cores, fp32: IEEE FMA), accumulating in float32; scores, soft-cap
+(`cap * tanh(s / cap)`, a static `soft_cap`) and softmax in float32; the weights rounded to
+q's dtype for the P @ V dot; the output rounded once.
+
+Masked means masked (the reference's rules): a V row with a NaN / inf lane is selected to
+zero and flagged (`v_ok`), as is a non-finite score (`s_ok`); a flagged (row, key) pair the
+row attends to gets weight NaN, so that query's whole output row is NaN, while a masked pair
+contributes exactly nothing (its weight is 0 and its V row finite). Selects, never products
+with zero, so stale or NaN page contents never reach a query that does not attend to them.
 
 With one split the kernel normalizes and writes the output; with several it writes
 unnormalized partials plus the running max / sum per row, merged afterwards by a
 log-sum-exp in plain jnp (`_merge_splits`). A row that saw no key has a running sum of
-exactly 0 and gives 0; a NaN in the row's own inputs (its query, or a K/V position it sees)
-makes the sum NaN and the output NaN, as in the reference (the test is `l != 0`, not `l > 0`).
+exactly 0 and gives 0; a poisoned row has a NaN sum and gives NaN, as in the reference (the
+test is `l != 0`, not `l > 0`).
 
 8-bit arenas (int8, float8_e4m3fn, float8_e5m2, with per-token scales `k_scale`, `v_scale`
-[layers, kv_heads, pages, page_size]) are dequantized inside the kernel; the dots run in q's
-dtype (bf16/fp16: tensor cores; fp32: IEEE FMA) with float32 accumulation. Every 8-bit value
+[layers, kv_heads, pages, page_size]) are dequantized inside the kernel. Every 8-bit value
 converts exactly to bf16, fp16 and f32 (int8 in [-127, 127]; e4m3 and e5m2 are narrower
 floats), so only the scale multiplication rounds:
 - K: the scale of key j multiplies every lane of its row, so it factors out of the QK^T
@@ -38,9 +48,11 @@ floats), so only the scale multiplication rounds:
 - V: bf16 / f32 compute fold the scale into the softmax weights, `o += (p * v_scale) @ vq`
   (the same factoring over keys); fp16 compute dequantizes the V tile instead,
   `(vq * v_scale).astype(fp16)`, because p * v_scale could underflow fp16's range.
-Scales are masked loads like the values: a dead key (past the length, unmapped, in the
-future, out of the window) loads neither its values nor its scale, so NaN-poisoned stale
-scales never reach the output. No fp8 tensor-core dot is used: q would have to be rounded to
+Scales are masked loads like the values: a dead key (past the length, unmapped) loads
+neither its values nor its scale, so NaN-poisoned stale scales never reach the output. With
+bf16 / f32 compute a row's poison is its value scale (8-bit values are finite by
+construction): a non-finite one is zeroed and flagged, so `p * v_scale` is 0 for masked
+pairs and NaN for attended ones; with fp16 compute the dequantized tile is checked. No fp8 tensor-core dot is used: q would have to be rounded to
 fp8 too, and decode is bound by the bytes read, which the 8-bit loads already halve.
 Contract: `pallas_kernels.reference.paged_attention_reference`.
 """
@@ -60,6 +72,8 @@ from pallas_kernels._common import (
     check_arena,
     check_layer,
     check_rows,
+    check_sliding_window,
+    check_static_positive,
     check_tokens,
     compiler_params,
     index_of,
@@ -75,6 +89,8 @@ from pallas_kernels.reference import paged_attention_reference, token_positions
 
 __all__ = ["paged_attention", "paged_attention_reference", "BlockSizes"]
 
+_F32_MAX = float(jnp.finfo(jnp.float32).max)
+
 
 def _dot(a, b, *, transpose_b: bool):
     """a @ b (or a @ b.T) accumulated in float32; fp32 inputs use full (IEEE) precision."""
@@ -83,22 +99,29 @@ def _dot(a, b, *, transpose_b: bool):
     return lax.dot_general(a, b, contract, precision=precision, preferred_element_type=jnp.float32)
 
 
+def _finite_rows(x):
+    """x [n, lanes] -> bool[n]: every lane finite (x * 0 is 0, or NaN for NaN / inf; summed in f32)."""
+    return jnp.sum(x.astype(jnp.float32) * 0, axis=1) == 0
+
+
 def _attention_kernel(
     # inputs
     layer_ref,  # i32[1]
     lengths_ref,  # i32[batch]
     num_tokens_ref,  # i32[batch]
     page_map_ref,  # i32[batch, max_pages]
-    q_ref,  # [batch, tokens, q_heads, head_dim] (head_dim: any multiple of 8; tiles use tile_d lanes)
-    k_ref,  # [layers, kv_heads, pages, page_size, head_dim]
-    v_ref,  # [layers, kv_heads, pages, page_size, head_dim]
+    # traced windows only: window_ref i32[1] (clipped into [0, max_pages * page_size]), then
+    # q_ref [batch, tokens, q_heads, head_dim] (head_dim: any multiple of 8; tiles use tile_d lanes),
+    # k_ref, v_ref [layers, kv_heads, pages, page_size, head_dim],
     # 8-bit arenas only: k_scale_ref, v_scale_ref [layers, kv_heads, pages, page_size], then
     # outputs: normalized (num_splits == 1) or partial (num_splits > 1)
     *refs,  # o_ref [batch, tokens, q_heads, head_dim] (q dtype)
     #       | o_ref [batch, splits, tokens, q_heads, head_dim] f32, m_ref, l_ref [batch, splits, tokens, q_heads] f32
     quantized: bool,
     sm_scale: float,
+    soft_cap: float | None,
     sliding_window: int | None,
+    traced_window: bool,
     block_tokens: int,
     group: int,
     group_pad: int,
@@ -107,6 +130,9 @@ def _attention_kernel(
     tile_d: int,
     num_splits: int,
 ):
+    if traced_window:
+        window_ref, *refs = refs
+    q_ref, k_ref, v_ref, *refs = refs
     if quantized:
         k_scale_ref, v_scale_ref, *out_refs = refs
     else:
@@ -118,6 +144,7 @@ def _attention_kernel(
     _, tokens, _, _ = q_ref.shape
     max_pages = page_map_ref.shape[1]
     rows = block_tokens * group_pad
+    window = window_ref[0] if traced_window else sliding_window  # i32[] in [0, max keys], int or None
 
     layer = jnp.clip(layer_ref[0], 0, num_layers - 1)
     length = lengths_ref[b]
@@ -138,9 +165,8 @@ def _attention_kernel(
     row_mask = row_live[:, None] & d_live  # [rows, tile_d]
     q_idx = index_of(b, jnp.minimum(t, tokens - 1)[:, None], head[:, None], d)
     q = masked_load(q_ref.at[q_idx], mask=row_mask, other=0)  # [rows, tile_d]
-    # tl.dot needs one element type: a float arena's (q may be wider), or q's for 8-bit arenas.
-    compute = q_ref.dtype if quantized else k_ref.dtype
-    q = q.astype(compute)
+    # The dots run in q's dtype (the compute dtype): K / V tiles are converted to it in registers.
+    compute = q_ref.dtype
     fold_v = compute != jnp.float16  # 8-bit V: scale folded into p (bf16/f32 range) or the tile (fp16)
 
     # Keys any row of this program may see: [lo, hi), then whole blocks from lo's page.
@@ -148,7 +174,7 @@ def _attention_kernel(
     t_last = jnp.minimum(t_first + block_tokens, n_valid) - 1
     hi = jnp.clip(jnp.minimum(start + t_last + 1, length), 0, max_pages * page_size)
     hi = jnp.where(t_first < n_valid, hi, 0)
-    lo = jnp.zeros_like(hi) if sliding_window is None else jnp.maximum(start + t_first - sliding_window + 1, 0)
+    lo = jnp.zeros_like(hi) if window is None else jnp.maximum(start + t_first - window + 1, 0)
     lo = jnp.minimum(lo, hi)
     align = min(page_size, block_k)  # whole pages per step, or whole steps per page
     kv_start = lax.div(lo, align) * align
@@ -169,6 +195,10 @@ def _attention_kernel(
         live = in_range & (page >= 0)
         kv_idx = index_of(layer, h, jnp.maximum(page, 0)[:, None], lax.rem(tok, page_size)[:, None], d)
         kv_mask = live[:, None] & d_live  # [block_k, tile_d]
+        # Poison (NaN / inf) reaches only the queries that attend to it: a V row with a
+        # non-finite lane (8-bit, bf16/f32 compute: a non-finite value scale) is selected to
+        # zero and flagged (v_ok), as is a non-finite score (s_ok); a flagged pair a query
+        # attends to gets a NaN weight, which makes that query's whole row NaN.
         if quantized:  # dead keys load no value and no scale (other=0), so stale NaN scales stay out
             # `other` as a float: Triton casts it to the arena dtype, and has no int -> fp8 cast.
             k = masked_load(k_ref.at[kv_idx], mask=kv_mask, other=0.0).astype(compute)  # [block_k, tile_d]
@@ -176,26 +206,38 @@ def _attention_kernel(
             s_idx = index_of(layer, h, jnp.maximum(page, 0), lax.rem(tok, page_size))
             k_scale = masked_load(k_scale_ref.at[s_idx], mask=live, other=0.0).astype(jnp.float32)  # [block_k]
             v_scale = masked_load(v_scale_ref.at[s_idx], mask=live, other=0.0).astype(jnp.float32)  # [block_k]
-            v = v.astype(compute) if fold_v else (v.astype(jnp.float32) * v_scale[:, None]).astype(compute)
-            v = jnp.where(kv_mask, v, jnp.zeros_like(v))  # stale V must never meet a zero weight
+            if fold_v:  # the row's poison is its scale (8-bit values are finite): zeroed, p * scale is 0
+                v_ok = jnp.abs(v_scale) <= _F32_MAX  # [block_k]
+                v_scale = jnp.where(v_ok, v_scale, 0.0)
+                v = jnp.where(kv_mask, v.astype(compute), jnp.zeros((), compute))
+            else:  # fp16: the dequantized tile itself (vq * scale may also overflow fp16)
+                v = (v.astype(jnp.float32) * v_scale[:, None]).astype(compute)
+                v_ok = _finite_rows(v)
+                v = jnp.where(kv_mask & v_ok[:, None], v, jnp.zeros_like(v))
             s = _dot(q, k, transpose_b=True) * (k_scale * sm_scale)[None, :]  # [rows, block_k] f32
         else:
-            k = masked_load(k_ref.at[kv_idx], mask=kv_mask, other=0)  # [block_k, tile_d]
-            v = masked_load(v_ref.at[kv_idx], mask=kv_mask, other=0)  # [block_k, tile_d]
-            v = jnp.where(kv_mask, v, jnp.zeros_like(v))  # stale V must never meet a zero weight
+            k = masked_load(k_ref.at[kv_idx], mask=kv_mask, other=0).astype(compute)  # [block_k, tile_d]
+            v = masked_load(v_ref.at[kv_idx], mask=kv_mask, other=0).astype(compute)  # [block_k, tile_d]
             s = _dot(q, k, transpose_b=True) * sm_scale  # [rows, block_k] f32
+            # V checked after the QK^T dot: this order keeps ptxas clear of spills (sm90 report).
+            v_ok = _finite_rows(v)
+            v = jnp.where(kv_mask & v_ok[:, None], v, jnp.zeros_like(v))
+        s_ok = jnp.abs(s) <= _F32_MAX  # [rows, block_k]
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s * (1.0 / soft_cap))
         mask = live[None, :] & (tok[None, :] <= q_pos[:, None])
-        if sliding_window is not None:
-            mask &= tok[None, :] > q_pos[:, None] - sliding_window
-        s = jnp.where(mask, s, -jnp.inf)
+        if window is not None:
+            mask &= tok[None, :] > q_pos[:, None] - window
+        s = jnp.where(mask & s_ok, s, -jnp.inf)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
         m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # rows that saw no key yet
         alpha = jnp.exp(m_prev - m_safe)
-        p = jnp.where(mask, jnp.exp(s - m_safe[:, None]), 0.0)
+        poisoned = mask & ~(s_ok & v_ok[None, :])
+        p = jnp.where(poisoned, jnp.nan, jnp.exp(s - m_safe[:, None]))  # exp(-inf) = 0 where masked
         l_next = alpha * l_prev + jnp.sum(p, axis=1)
         if quantized and fold_v:
             p = p * v_scale[None, :]  # the V scale of key j factors out of the sum over keys
-        acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, transpose_b=False)
+        acc = acc * alpha[:, None] + _dot(p.astype(compute), v, transpose_b=False)
         return acc, m_next, l_next
 
     acc = jnp.zeros((rows, tile_d), jnp.float32)
@@ -211,7 +253,7 @@ def _attention_kernel(
     if len(out_refs) == 1:
         (o_ref,) = out_refs
         # l_i == 0 exactly when the row saw no key (a seen key adds exp(0) = 1); NaN != 0, so a
-        # NaN in the row's own inputs reaches the output as in the reference.
+        # poisoned row (NaN weight) reaches the output as NaN, as in the reference.
         seen = row_live & (l_i != 0)
         out = jnp.where(seen[:, None], acc / jnp.where(seen, l_i, 1.0)[:, None], 0.0)
         o_idx = index_of(b, t_out[:, None], head[:, None], d)
@@ -241,11 +283,12 @@ def _merge_splits(o, m, l, valid, dtype):
     return jnp.where(live[..., None], out, 0.0).astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "block_sizes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "block_sizes", "interpret"))
 def _paged_attention_call(
-    q, k_arena, v_arena, layer, page_map, lengths, num_tokens, k_scale, v_scale, *, sm_scale, sliding_window,
-    block_sizes, interpret
+    q, k_arena, v_arena, layer, page_map, lengths, num_tokens, k_scale, v_scale, window, *, sm_scale, soft_cap,
+    sliding_window, block_sizes, interpret
 ):
+    """`sliding_window`: a static window (or None); `window`: a traced one, i32[1], or None."""
     batch, tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, _, page_size, _ = k_arena.shape
     group = num_q_heads // num_kv_heads
@@ -257,11 +300,14 @@ def _paged_attention_call(
     group_pad = max(block_h, MIN_TILE // block_tokens, 1)  # >= 16 rows for tl.dot
     grid = (batch, num_kv_heads * head_blocks, cdiv(tokens, block_tokens) * num_splits)
     quantized = k_scale is not None
+    traced_window = window is not None
     kernel = functools.partial(
         _attention_kernel,
         quantized=quantized,
         sm_scale=sm_scale,
+        soft_cap=soft_cap,
         sliding_window=sliding_window,
+        traced_window=traced_window,
         block_tokens=block_tokens,
         group=group,
         group_pad=group_pad,
@@ -279,9 +325,12 @@ def _paged_attention_call(
             jax.ShapeDtypeStruct((batch, num_splits, tokens, num_q_heads), jnp.float32),
         )
     name = f"paged_attention_bt{block_tokens}_g{group_pad}x{head_blocks}_bk{block_k}_d{head_tile(head_dim)}_s{num_splits}"
+    name += "_cap" if soft_cap is not None else ""
+    name += "_wt" if traced_window else ""
+    if jnp.dtype(k_arena.dtype) != jnp.dtype(q.dtype):
+        name += f"_{jnp.dtype(k_arena.dtype).name}"  # tiles converted to q's dtype (8-bit: dequantized)
     scales = (k_scale, v_scale) if quantized else ()
-    if quantized:
-        name += f"_{jnp.dtype(k_arena.dtype).name}"
+    windows = (window,) if traced_window else ()
     # No BlockSpecs: every ref is the whole array; the kernel gathers pages itself, and the
     # arena is passed whole with the layer as data (slicing a layer out would copy it).
     out = pl.pallas_call(
@@ -291,7 +340,7 @@ def _paged_attention_call(
         compiler_params=compiler_params(block_sizes.num_warps, block_sizes.num_stages),
         interpret=interpret,
         name=name,
-    )(layer, lengths, num_tokens, page_map, q, k_arena, v_arena, *scales)
+    )(layer, lengths, num_tokens, page_map, *windows, q, k_arena, v_arena, *scales)
     if num_splits == 1:
         return out
     _, valid = token_positions(lengths, num_tokens, tokens)
@@ -310,7 +359,8 @@ def paged_attention(
     k_scale=None,
     v_scale=None,
     sm_scale: float | None = None,
-    sliding_window: int | None = None,
+    sliding_window=None,
+    logits_soft_cap: float | None = None,
     interpret: bool | None = None,
     block_sizes: BlockSizes | None = None,
 ):
@@ -318,10 +368,15 @@ def paged_attention(
 
     k_arena, v_arena: [L, Hkv, P, S, D], Hq a multiple of Hkv; layer: int or traced i32 scalar;
     page_map: i32[B, M] (-1 unmapped); lengths, num_tokens: i32[B]. Causal within the new
-    tokens; `sliding_window` W lets position p see keys j with p - W < j <= p. Padded tokens
-    (t >= num_tokens[b]) give zeros. Returns [B, T, Hq, D] in q's dtype.
-    8-bit arenas (int8 / float8_e4m3fn / float8_e5m2) take their scales `k_scale, v_scale:
-    [L, Hkv, P, S]`; the dots then run in q's dtype (bf16, fp16 or fp32), accumulating in f32.
+    tokens; `sliding_window` W lets position p see keys j with p - W < j <= p: None, an int
+    >= 1 (compiled in), or a traced integer scalar (passed as data, the loop bounds computed
+    from it; clipped into [0, M*S]: a value <= 0 admits no key, so those queries give 0).
+    `logits_soft_cap` (a number > 0, compiled in): scores `s = (q . k) * sm_scale` become
+    `cap * tanh(s / cap)` before masking (Gemma 2). Padded tokens (t >= num_tokens[b]) give
+    zeros. Returns [B, T, Hq, D] in q's dtype. 8-bit arenas (int8 / float8_e4m3fn /
+    float8_e5m2) take their scales `k_scale, v_scale: [L, Hkv, P, S]`. The dots run in q's
+    dtype (bf16, fp16 or fp32) with f32 accumulation, whatever the arena's dtype; the dtype,
+    mask and NaN rules are `paged_attention_reference`'s.
     """
     num_layers, num_kv_heads, _, page_size, head_dim = check_arena(k_arena, v_arena, k_scale, v_scale)
     check_tokens("q", q, batch=None, heads=None, head_dim=head_dim)
@@ -330,11 +385,10 @@ def paged_attention(
         raise ValueError(f"q has {num_q_heads} heads, not a multiple of the arena's {num_kv_heads} KV heads")
     layer = check_layer(layer, num_layers)
     page_map, lengths, num_tokens = check_rows(page_map, lengths, num_tokens, batch)
-    if sliding_window is not None and (not isinstance(sliding_window, int) or isinstance(sliding_window, bool) or sliding_window < 1):
-        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
-    if sm_scale is None:
-        sm_scale = head_dim**-0.5
-    sm_scale = float(sm_scale)
+    sliding_window, window = check_sliding_window(sliding_window, page_map.shape[1] * page_size)
+    soft_cap = check_static_positive("logits_soft_cap", logits_soft_cap)
+    sm_scale = check_static_positive("sm_scale", head_dim**-0.5 if sm_scale is None else sm_scale)
+    quantized = is_quantized(k_arena.dtype)
     defaults = BlockSizes.for_attention(
         batch=batch,
         tokens=tokens,
@@ -343,10 +397,11 @@ def paged_attention(
         page_size=page_size,
         head_dim=head_dim,
         max_pages=page_map.shape[1],
-        # Tiles follow the dot's element type: the arena's, or q's for 8-bit arenas (their
-        # tiles are converted to q's dtype in registers).
-        itemsize=jnp.dtype(q.dtype if is_quantized(k_arena.dtype) else k_arena.dtype).itemsize,
-        quantized=is_quantized(k_arena.dtype),
+        # Tiles follow the dots' element type, q's: an arena of another dtype (8-bit included)
+        # is converted to it in registers.
+        itemsize=jnp.dtype(q.dtype).itemsize,
+        quantized=quantized,
+        converted=jnp.dtype(k_arena.dtype) != jnp.dtype(q.dtype),
     )
     block_sizes = resolve_block_k(block_sizes or BlockSizes(), page_size).filled(defaults)
     return _paged_attention_call(
@@ -359,7 +414,9 @@ def paged_attention(
         num_tokens,
         k_scale,
         v_scale,
+        window,
         sm_scale=sm_scale,
+        soft_cap=soft_cap,
         sliding_window=sliding_window,
         block_sizes=block_sizes,
         interpret=resolve_interpret(interpret),

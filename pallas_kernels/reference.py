@@ -16,16 +16,17 @@ Inputs `k, v, q` are `[batch, tokens, heads, head_dim]`; positions t >= num_toke
 are padding: they are never written, and their attention output is zero.
 
 Attention: query at position p sees key j iff `j <= p` and, with a sliding window
-W, `j > p - W` (W counts the query's own token, as in Hugging Face Mistral).
-Masking selects with `jnp.where`; stale pages (NaN, huge values) never reach
-the output.
+W, `j > p - W` (W counts the query's own token, as in Hugging Face Mistral); scores may
+be soft-capped (Gemma 2). Masking selects with `jnp.where`; stale pages (NaN, huge
+values) never reach the output, and neither does anything at a key a query does not
+attend to. The dtype, masking and NaN rules are written in `paged_attention_reference`.
 
 8-bit arenas (int8, float8_e4m3fn, float8_e5m2) come with their scales
 `k_scale, v_scale: [num_layers, num_kv_heads, num_pages, page_size]` (float32 or
 bfloat16): append quantizes each new token's row per KV head (`pallas_kernels.quant`,
-the rules written there) and writes values and scale; attention dequantizes
-(`values * scale`, float32) and runs the same float32 attention. Stale scales (NaN from an
-earlier tenant) are masked exactly like stale values.
+the rules written there) and writes values and scale; attention applies the scales as the
+kernel does (the key scale on the f32 score, the value scale on the weights). Stale scales
+(NaN from an earlier tenant) are masked exactly like stale values.
 """
 from __future__ import annotations
 
@@ -82,54 +83,133 @@ def append_reference(k_arena, v_arena, layer, k, v, page_map, lengths, num_token
     return k_arena, v_arena, k_scale, v_scale
 
 
-def paged_attention_reference(
-    q, k_arena, v_arena, layer, page_map, lengths, num_tokens, *, sm_scale=None, sliding_window=None, k_scale=None,
-    v_scale=None,
-):
-    """Attention of the new tokens over each row's pages: gather then dense masked softmax.
+def _window(sliding_window, max_keys: int):
+    """None (no window), or W clipped into [0, max_keys]: the same mask as the given W, in int32
+    (a window of max_keys or more excludes nothing; W <= 0 admits no key)."""
+    if sliding_window is None:
+        return None
+    if isinstance(sliding_window, int):
+        return max(0, min(sliding_window, max_keys))
+    return jnp.clip(sliding_window, 0, max_keys).astype(jnp.int32)
 
-    q: [B, T, Hq, D] with Hq a multiple of Hkv; returns [B, T, Hq, D] in q's dtype. An 8-bit
-    arena comes with k_scale, v_scale [L, Hkv, P, S]: keys and values are dequantized to float32.
+
+def _gather_rows(arena, layer, pages, batch, max_keys):
+    """arena [L, Hkv, P, S, ...] -> the row's keys [B, M*S, Hkv, ...] (arena dtype)."""
+    layer_arr = jax.lax.dynamic_index_in_dim(arena, layer, axis=0, keepdims=False)  # [Hkv, P, S, ...]
+    x = layer_arr[:, pages]  # [Hkv, B, M, S, ...]
+    x = jnp.moveaxis(x, 0, 3)  # [B, M, S, Hkv, ...]
+    return x.reshape(batch, max_keys, *x.shape[3:])
+
+
+def paged_attention_reference(
+    q, k_arena, v_arena, layer, page_map, lengths, num_tokens, *, sm_scale=None, sliding_window=None,
+    logits_soft_cap=None, k_scale=None, v_scale=None,
+):
+    """Attention of the new tokens over each row's pages: gather, then dense masked softmax.
+
+    q: [B, T, Hq, D] with Hq a multiple of Hkv; returns [B, T, Hq, D] in q's dtype.
+    `sliding_window`: None, an int >= 1, or a traced integer scalar (clipped into
+    [0, M*S]: a value <= 0 admits no key, one >= M*S no window). `logits_soft_cap`: None or
+    cap > 0. An 8-bit arena comes with k_scale, v_scale [L, Hkv, P, S].
+
+    The rules this function defines (the kernels follow them):
+
+    Dtypes: the compute dtype is q's. K and V tiles are converted to it (8-bit values exactly;
+    bf16 -> fp16 exactly within fp16's range; f32 -> bf16/fp16 rounds), products accumulate
+    in float32 (`q . k`, exact for 16-bit inputs), and scores, soft-cap, mask and softmax
+    (max, exp, sum) are float32. The softmax weights, unnormalized (`exp(s - max)`), are
+    rounded to the compute dtype for the P @ V product (f32 accumulation); the result is
+    divided by the f32 sum and rounded to q's dtype once. 8-bit arenas: the key scale
+    multiplies the f32 score (`(q . kq) * (k_scale * sm_scale)`); the value scale multiplies
+    the f32 weights before their rounding (`(p * v_scale) @ vq`), except with fp16 compute,
+    where the value tile is dequantized instead (`(vq * v_scale)` rounded to fp16).
+
+    Scores: `s = (q . k) * sm_scale` (f32); with a soft cap, `s = cap * tanh(s / cap)`
+    (Gemma 2, as Hugging Face transformers computes it), then the mask.
+
+    Masks: query at position p attends to key j iff j is live (j < the row's length, j's page
+    mapped), j <= p and, with a window W, j > p - W (W counts the query's own token, as in
+    Hugging Face Mistral). A key a query does not attend to contributes exactly nothing,
+    whatever it holds (NaN and inf included): masking selects (`where`), never multiplies by
+    zero, and V rows are selected to zero where they cannot contribute.
+
+    Non-finite inputs: a query row that attends to a key whose raw score `(q . k) * sm_scale`
+    is not finite (NaN or inf in q or in the key's K row, a NaN key scale, an f32 overflow),
+    or whose V row (as converted to the compute dtype, or its 8-bit value scale) holds a
+    NaN or inf in any lane, is NaN in every lane: one poisoned key poisons the whole output
+    row of each query (head) that attends to it, in float and 8-bit arenas alike. In 8-bit
+    arenas the poison is the scale: append stores a row with a NaN/inf input as a NaN scale,
+    and 8-bit values are finite by construction (quantization saturates), so with bf16 / f32
+    compute only the scales are checked; with fp16 compute the dequantized row is (it can
+    also overflow fp16). A row that attends to no key is 0.
     """
     batch, tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, _, page_size, _ = k_arena.shape
     group = num_q_heads // num_kv_heads
-    max_pages = page_map.shape[1]
+    max_keys = page_map.shape[1] * page_size
+    compute = jnp.dtype(q.dtype)
+    f32 = jnp.float32
     if sm_scale is None:
         sm_scale = head_dim**-0.5
     layer = jnp.asarray(layer, jnp.int32)
-    k_layer = jax.lax.dynamic_index_in_dim(k_arena, layer, axis=0, keepdims=False)  # [Hkv, P, S, D]
-    v_layer = jax.lax.dynamic_index_in_dim(v_arena, layer, axis=0, keepdims=False)
     pages = jnp.maximum(page_map, 0)  # unmapped entries are masked below, never trusted
-    # [Hkv, B, M, S, D] -> [B, M*S, Hkv, D]
-    k_seq = k_layer[:, pages].transpose(1, 2, 3, 0, 4).reshape(batch, max_pages * page_size, num_kv_heads, head_dim)
-    v_seq = v_layer[:, pages].transpose(1, 2, 3, 0, 4).reshape(batch, max_pages * page_size, num_kv_heads, head_dim)
-    if is_quantized(k_arena.dtype):
-        seq = []
-        for scales in (k_scale, v_scale):  # [L, Hkv, P, S] -> [B, M*S, Hkv]
-            s_layer = jax.lax.dynamic_index_in_dim(scales, layer, axis=0, keepdims=False)
-            seq.append(s_layer[:, pages].transpose(1, 2, 3, 0).reshape(batch, max_pages * page_size, num_kv_heads))
-        k_seq, v_seq = dequantize_rows(k_seq, seq[0]), dequantize_rows(v_seq, seq[1])  # f32; stale rows masked below
+    k_seq = _gather_rows(k_arena, layer, pages, batch, max_keys)  # [B, S_total, Hkv, D]
+    v_seq = _gather_rows(v_arena, layer, pages, batch, max_keys)
 
-    key_pos = jnp.arange(max_pages * page_size, dtype=jnp.int32)  # [S_total]
+    key_pos = jnp.arange(max_keys, dtype=jnp.int32)  # [S_total]
     key_live = key_pos[None, :] < lengths[:, None]  # [B, S_total]
     key_live &= jnp.repeat(page_map >= 0, page_size, axis=1)
-    v_seq = jnp.where(key_live[:, :, None, None], v_seq, 0)  # stale V must not meet a zero weight
+    live = key_live[:, :, None]  # [B, S_total, 1]: per key, for every KV head
+
+    # Scores: q . k in the compute dtype (exact products, f32 sums), scaled in f32.
+    hi = jax.lax.Precision.HIGHEST
+    qg = q.reshape(batch, tokens, num_kv_heads, group, head_dim).astype(compute).astype(f32)
+    k_c = k_seq.astype(compute).astype(f32)
+    dots = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k_c, precision=hi)
+    fold_v = False
+    if is_quantized(k_arena.dtype):
+        ks_seq = _gather_rows(k_scale, layer, pages, batch, max_keys).astype(f32)  # [B, S_total, Hkv]
+        vs_seq = _gather_rows(v_scale, layer, pages, batch, max_keys).astype(f32)
+        scale = (ks_seq * sm_scale).transpose(0, 2, 1)[:, :, None, None, :]  # [B, Hkv, 1, 1, S_total]
+        fold_v = compute != jnp.dtype(jnp.float16)
+        if fold_v:  # a row's poison is its scale (8-bit values are finite by construction)
+            v_ok = jnp.isfinite(vs_seq)  # [B, S_total, Hkv]
+            vs_seq = jnp.where(live & v_ok, vs_seq, 0.0)
+            v_c = jnp.where(live[..., None], v_seq.astype(compute), jnp.zeros((), compute))
+        else:  # fp16: the dequantized row itself (vq * scale may overflow fp16)
+            v_c = (v_seq.astype(f32) * vs_seq[..., None]).astype(compute)
+            v_ok = jnp.all(jnp.isfinite(v_c), axis=-1)
+            v_c = jnp.where((live & v_ok)[..., None], v_c, jnp.zeros_like(v_c))
+    else:
+        scale = sm_scale
+        v_c = v_seq.astype(compute)
+        v_ok = jnp.all(jnp.isfinite(v_c), axis=-1)  # [B, S_total, Hkv]
+        v_c = jnp.where((live & v_ok)[..., None], v_c, jnp.zeros_like(v_c))  # select: dead or poisoned rows are 0
+    s = dots * scale  # [B, Hkv, G, T, S_total] f32
+    s_ok = jnp.isfinite(s)
+    if logits_soft_cap is not None:
+        s = jnp.tanh(s / logits_soft_cap) * logits_soft_cap
 
     q_pos, q_valid = token_positions(lengths, num_tokens, tokens)  # [B, T]
     mask = key_live[:, None, :] & (key_pos[None, None, :] <= q_pos[:, :, None])  # [B, T, S_total]
-    if sliding_window is not None:
-        mask &= key_pos[None, None, :] > (q_pos[:, :, None] - sliding_window)
+    window = _window(sliding_window, max_keys)
+    if window is not None:
+        mask &= key_pos[None, None, :] > (q_pos[:, :, None] - window)
     mask &= q_valid[:, :, None]
+    mask = mask[:, None, None]  # [B, 1, 1, T, S_total]
 
-    qg = q.reshape(batch, tokens, num_kv_heads, group, head_dim).astype(jnp.float32)
-    logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k_seq.astype(jnp.float32)) * sm_scale
-    logits = jnp.where(mask[:, None, None], logits, -jnp.inf)
-    row_max = jnp.max(logits, axis=-1, keepdims=True)
+    s = jnp.where(mask & s_ok, s, -jnp.inf)
+    row_max = jnp.max(s, axis=-1, keepdims=True)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    weights = jnp.where(mask[:, None, None], jnp.exp(logits - row_max), 0.0)
-    denom = jnp.sum(weights, axis=-1, keepdims=True)
-    weights = weights / jnp.where(denom > 0, denom, 1.0)
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", weights, v_seq.astype(jnp.float32))
+    p = jnp.exp(s - row_max)  # 0 where masked
+    poisoned = mask & ~(s_ok & v_ok.transpose(0, 2, 1)[:, :, None, None, :])
+    p = jnp.where(poisoned, jnp.nan, p)
+    denom = jnp.sum(p, axis=-1)  # [B, Hkv, G, T]: 0 iff the row attends to no key, NaN if poisoned
+    if fold_v:
+        p = p * vs_seq.transpose(0, 2, 1)[:, :, None, None, :]
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", p.astype(compute).astype(f32), v_c.astype(f32), precision=hi)
+    denom = denom.transpose(0, 3, 1, 2)[..., None]  # [B, T, Hkv, G, 1]
+    seen = denom != 0  # NaN != 0: a poisoned row stays NaN
+    out = jnp.where(seen, out / jnp.where(seen, denom, 1.0), 0.0)
     out = jnp.where(q_valid[:, :, None, None, None], out, 0.0)
     return out.reshape(batch, tokens, num_q_heads, head_dim).astype(q.dtype)

@@ -22,7 +22,14 @@ pressure and shared memory:
   appends; e4m3 and e5m2 (which differ from int8 only in the conversion) in split decode,
   prefill and prefill append; and decode at head_dim 128 with fp32 (FMA dots, one pipeline
   stage) and fp16 (V tile dequantized) compute. The window and chunked kinds only move loop
-  bounds, which 8-bit arenas do not touch.
+  bounds, which 8-bit arenas do not touch;
+- the attention options, where they add code: logit soft-capping (`cap`: a tanh per score)
+  and traced windows (`wt`: the window read from memory, loop bounds computed from it) in
+  split decode, prefill and 8-bit arenas (bf16 at head_dim 256 / group 8, the most rows and
+  lanes) and in float32 prefill (FMA dots, whose register use is the most erratic);
+- arenas of another dtype than q (`bf16/fp32`: the K/V tiles converted to q's dtype, the
+  dots in q's dtype): a bf16 arena with float32 q (decode, split decode, prefill) and with
+  float16 q (prefill).
 """
 from __future__ import annotations
 
@@ -72,7 +79,9 @@ class Variant:
     page_size: int = 16
     group: int = 4  # query heads per KV head
 
-    compute_dtype: str | None = None  # q, k, v of an 8-bit arena (default bfloat16); None for float arenas
+    compute_dtype: str | None = None  # q's dtype (and k, v given to append): default the arena's, bf16 if 8-bit
+    soft_cap: bool = False  # attention: logits_soft_cap=50.0
+    traced_window: bool = False  # window kinds: the window passed as a traced int32 scalar
 
     @property
     def quantized(self) -> bool:
@@ -80,16 +89,17 @@ class Variant:
 
     @property
     def compute(self) -> str:
-        """The dtype of q, k, v: the arena's, or (8-bit arenas) `compute_dtype`, bfloat16 by default."""
-        return (self.compute_dtype or "bfloat16") if self.quantized else self.dtype
+        """The dtype of q, k, v: `compute_dtype`, else the arena's (bfloat16 for 8-bit arenas)."""
+        return self.compute_dtype or ("bfloat16" if self.quantized else self.dtype)
 
     @property
     def label(self) -> str:
         short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "int8": "int8", "float8_e4m3fn": "e4m3",
                  "float8_e5m2": "e5m2"}
-        dt = short[self.dtype] + (f"/{short[self.compute]}" if self.quantized else "")
+        dt = short[self.dtype] + (f"/{short[self.compute]}" if self.compute != self.dtype else "")
         g = "" if self.kind.startswith("append") else f" g{self.group}"
-        return f"{self.kind} {dt} d{self.head_dim} p{self.page_size}{g}"
+        options = (" cap" if self.soft_cap else "") + (" wt" if self.traced_window else "")
+        return f"{self.kind} {dt} d{self.head_dim} p{self.page_size}{g}{options}"
 
     def call(self):
         """(fn, args): `jax.jit(fn)(*args)` runs this variant; args are ShapeDtypeStructs."""
@@ -111,14 +121,17 @@ class Variant:
             fn = functools.partial(paged_append, interpret=False)
             return fn, (arena, arena, layer, kv, kv, *rows)
         q = sds((batch, tokens, KV_HEADS * self.group, self.head_dim), compute)
-        if self.quantized:
-            def fn(q, ka, va, layer, pm, lengths, n, ks, vs):
-                return paged_attention(q, ka, va, layer, pm, lengths, n, k_scale=ks, v_scale=vs, sliding_window=window,
-                                       interpret=False)
+        cap = 50.0 if self.soft_cap else None
+        traced = self.traced_window and window is not None
+        extra = ((scales, scales) if self.quantized else ()) + ((sds((), jnp.int32),) if traced else ())
 
-            return fn, (q, arena, arena, layer, *rows, scales, scales)
-        fn = functools.partial(paged_attention, sliding_window=window, interpret=False)
-        return fn, (q, arena, arena, layer, *rows)
+        def fn(q, ka, va, layer, pm, lengths, n, *extra):
+            ks, vs = extra[:2] if self.quantized else (None, None)
+            w = extra[-1] if traced else window
+            return paged_attention(q, ka, va, layer, pm, lengths, n, k_scale=ks, v_scale=vs, sliding_window=w,
+                                   logits_soft_cap=cap, interpret=False)
+
+        return fn, (q, arena, arena, layer, *rows, *extra)
 
 
 def _ci_variants() -> tuple[Variant, ...]:
@@ -146,6 +159,19 @@ def _ci_variants() -> tuple[Variant, ...]:
     out += [Variant("decode-split", "float16", head_dim=112, page_size=8, group=5),
             Variant("decode", "float32", head_dim=64, group=71), Variant("prefill", "float32", head_dim=64, group=71),
             Variant("chunked", "bfloat16", head_dim=160, page_size=32, group=6)]
+    # Attention options where they add code: soft-cap and traced windows in split decode,
+    # prefill, 8-bit arenas and fp32 FMA prefill; arenas of another dtype than q.
+    out += [Variant("decode-split", head_dim=256, group=8, soft_cap=True),
+            Variant("window-decode", head_dim=256, group=8, traced_window=True),
+            Variant("window-decode", "float16", head_dim=256, group=8, soft_cap=True, traced_window=True),
+            Variant("window-prefill", head_dim=256, group=8, soft_cap=True, traced_window=True),
+            Variant("window-prefill", "float32", head_dim=256, group=8, soft_cap=True, traced_window=True),
+            Variant("window-decode", "int8", head_dim=256, group=8, soft_cap=True, traced_window=True),
+            Variant("window-prefill", "int8", head_dim=256, group=8, soft_cap=True, traced_window=True)]
+    out += [Variant("decode", "bfloat16", head_dim=128, group=4, compute_dtype="float32"),
+            Variant("decode-split", "bfloat16", head_dim=256, group=8, compute_dtype="float32"),
+            Variant("prefill", "bfloat16", head_dim=128, group=4, compute_dtype="float32"),
+            Variant("prefill", "bfloat16", head_dim=256, group=8, compute_dtype="float16")]
     seen, unique = set(), []
     for v in out:
         if v.kind.startswith("append"):  # append has no query heads: the group does not matter

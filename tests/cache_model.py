@@ -158,7 +158,9 @@ class CacheModel:
                 return True
             if not 0 <= layer < self.L or any(n > tokens for n in counts):
                 return True
-            return op == "attend" and any(n > self.written(layer, s) for s, n in rows if s != PAD)
+            if op == "append":  # on the host, tokens past a row's reservation are an error naming reserve
+                return any(n > 0 and self.written(layer, s) + n > self.length(s) for s, n in rows if s != PAD)
+            return any(n > self.written(layer, s) for s, n in rows if s != PAD)
         if op == "release":
             (slots,) = args
             return self._bad_slots(slots)

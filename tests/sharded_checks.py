@@ -254,23 +254,33 @@ def test_prefix_ops_on_a_tensor_parallel_cache_equal_one_device():
 
 
 @functools.partial(jax.jit, static_argnames="backend")
-def _write_and_read(cache, k, q, backend):
-    """reserve + append + attend on the scenario's cache (not donated: run once per backend)."""
+def _write_and_read(cache, k, q, window, backend):
+    """reserve + append + attend on the scenario's cache (not donated: run once per backend);
+    then attend with a soft cap and a window, static and traced (`window`, replicated per shard)."""
     slots, n = jnp.asarray([0, PAD, 3, PAD]), jnp.asarray([3, 0, 2, 0])
     cache, _ = aj.reserve(cache, slots, n)
     cache = aj.append(cache, 0, slots, k[:, :3], -k[:, :3], num_tokens=n, backend=backend)
-    return cache.k, cache.v, aj.attend(q[:, :3], cache, 0, slots, num_tokens=n, backend=backend)
+    options = [aj.attend(q[:, :3], cache, 0, slots, num_tokens=n, sliding_window=w, logits_soft_cap=1.5, backend=backend)
+               for w in (WINDOW, window)]
+    return cache.k, cache.v, aj.attend(q[:, :3], cache, 0, slots, num_tokens=n, backend=backend), *options
+
+
+WINDOW = 4  # shorter than the rows' contexts: it excludes keys
 
 
 def test_pallas_kernels_per_shard_equal_the_reference(scenario_run):
     cache = scenario_run[1]
     k, q = scenario_inputs(HEADS)
-    want = jax.device_get(_write_and_read(cache, k, q, backend="reference"))
-    got = jax.device_get(_write_and_read(cache, k, q, backend="pallas"))
+    want = jax.device_get(_write_and_read(cache, k, q, jnp.int32(WINDOW), backend="reference"))
+    got = jax.device_get(_write_and_read(cache, k, q, jnp.int32(WINDOW), backend="pallas"))
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
-    np.testing.assert_allclose(got[2], want[2], rtol=0, atol=ATOL)
+    for out in range(2, 5):
+        np.testing.assert_allclose(got[out], want[out], rtol=0, atol=ATOL)
+    for run in (got, want):
+        np.testing.assert_array_equal(run[4], run[3])  # a traced window == the static one
     assert np.abs(want[2][[0, 2]]).sum() > 0  # the rows were served: a real comparison
+    assert np.abs(want[3] - want[2]).max() > 1e-3  # the window and the cap changed something
 
 
 def test_collective_detector_sees_a_gathered_arena():

@@ -28,8 +28,9 @@ def scramble(cache, seed):
     return cache.replace(table=cache.table.replace(free_stack=perm))
 
 
-def dense_attention(q, keys, values, num_new, window):
-    """Oracle. q: [T, Hq, D] for the last `num_new` positions; keys/values: [n, Hkv, D]."""
+def dense_attention(q, keys, values, num_new, window, cap=None):
+    """Oracle. q: [T, Hq, D] for the last `num_new` positions; keys/values: [n, Hkv, D];
+    `cap`: Gemma 2's logit soft-cap, `cap * tanh(s / cap)` on the scaled scores."""
     n, num_kv, _ = keys.shape
     group = q.shape[1] // num_kv
     out = np.zeros(q.shape, np.float64)
@@ -39,6 +40,8 @@ def dense_attention(q, keys, values, num_new, window):
         for h in range(q.shape[1]):
             kk, vv = keys[lo : pos + 1, h // group].astype(np.float64), values[lo : pos + 1, h // group].astype(np.float64)
             logits = kk @ q[t, h].astype(np.float64) / np.sqrt(q.shape[-1])
+            if cap is not None:
+                logits = cap * np.tanh(logits / cap)
             w = np.exp(logits - logits.max())
             out[t, h] = (w / w.sum()) @ vv
     return out
@@ -133,3 +136,42 @@ def test_stale_pages_of_earlier_tenants_never_reach_the_output():
 
 def clean_order(layout, seed):
     return jax.random.permutation(jax.random.key(seed), layout.num_pages).astype(jnp.int32)
+
+
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
+def test_traced_windows_in_a_scan_over_layers_equal_static_calls(backend):
+    """Per-step windows as a traced int32 array inside `lax.scan` over layers (local / global
+    layers, as Gemma 2 / 3 interleave them; a global layer marked with a window >= max_seq_len),
+    with a logit soft-cap: the same outputs as one static call per layer, and == the float64
+    oracle; a traced window <= 0 admits no key (zeros)."""
+    cache = scramble(aj.create(make_layout(2)), seed=4)
+    rng = np.random.default_rng(4)
+    slots, n, new, cap = np.arange(3), np.array([11, 6, 14]), np.array([3, 1, 4]), 2.0
+    cache, _ = aj.reserve(cache, slots, n)
+    keys = rng.standard_normal((2, 3, 14, 2, HEAD_DIM)).astype(np.float32)  # [L, B, n, Hkv, D]
+    values = rng.standard_normal(keys.shape).astype(np.float32)
+    for layer in range(2):
+        cache = aj.append(cache, layer, slots, keys[layer], values[layer], num_tokens=n)
+    layers, windows = jnp.asarray([0, 1, 1]), jnp.asarray([4, np.iinfo(np.int32).max, 0], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((3, 3, 4, 8, HEAD_DIM)), jnp.float32)  # [steps, B, T, Hq, D]
+
+    @jax.jit
+    def all_layers(cache, q, windows):
+        def layer_step(carry, xs):
+            layer, q_layer, window = xs
+            out = aj.attend(q_layer, cache, layer, slots, num_tokens=new, sliding_window=window, logits_soft_cap=cap,
+                            backend=backend)
+            return carry, out
+
+        return jax.lax.scan(layer_step, 0, (layers, q, windows))[1]
+
+    got = np.asarray(all_layers(cache, q, windows))
+    for step, window in ((0, 4), (1, None)):
+        static = aj.attend(q[step], cache, step, slots, num_tokens=new, sliding_window=window, logits_soft_cap=cap,
+                           backend=backend)
+        np.testing.assert_allclose(got[step], np.asarray(static), atol=1e-6, rtol=0)
+        for b in range(3):
+            want = dense_attention(np.asarray(q[step, b]), keys[step, b, : n[b]], values[step, b, : n[b]], new[b],
+                                   window, cap)
+            np.testing.assert_allclose(got[step, b, : new[b]], want[: new[b]], atol=ATOL["float32"], rtol=0)
+    assert not got[2].any(), "a traced window of 0 admits no key"

@@ -100,6 +100,10 @@ def test_a_layer_sees_only_what_was_appended_at_that_layer(backend):
 # ---- append never overwrites -------------------------------------------------------------------------
 
 
+append_in_jit = jax.jit(lambda c, layer, s, k, v, backend: aj.append(c, layer, s, k, v, backend=backend),
+                        static_argnums=5, donate_argnums=0)  # fmt: skip
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_append_after_a_failed_reservation_writes_nothing_and_is_counted(backend):
     cache = fill(aj.create(LAYOUT), 0, 16, 1.0)  # 4 pages
@@ -108,7 +112,9 @@ def test_append_after_a_failed_reservation_writes_nothing_and_is_counted(backend
     cache, ok = aj.reserve(cache, [1], 3)  # needs a 9th page
     assert not bool(ok[0])
     before = slot_values(cache, 1)
-    cache = aj.append(cache, 0, [1], kv(3, 9.0), kv(3, 9.0), backend=backend)
+    with pytest.raises(ValueError, match="would pass its reservation .* aj.reserve them first"):  # on the host
+        aj.append(cache, 0, [1], kv(3, 9.0), kv(3, 9.0), backend=backend)
+    cache = append_in_jit(cache, 0, jnp.asarray([1]), kv(3, 9.0), kv(3, 9.0), backend)  # inside jit: total, counted
     np.testing.assert_array_equal(slot_values(cache, 1), before)
     assert int(cache.stats.dropped_writes) == 1
     np.testing.assert_array_equal(cache.table.written[:, 1], [12, 12])
@@ -117,9 +123,13 @@ def test_append_after_a_failed_reservation_writes_nothing_and_is_counted(backend
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_append_without_or_beyond_a_reservation_writes_nothing(backend):
     cache = fill(aj.create(LAYOUT), 0, 5, 1.0)
-    cache = aj.append(cache, 0, [0], kv(2, 9.0), kv(2, 9.0), backend=backend)  # no reservation
+    with pytest.raises(ValueError, match=r"slots\[0\]=0: appending 2 tokens at layer 0 would pass its reservation"):
+        aj.append(cache, 0, [0], kv(2, 9.0), kv(2, 9.0), backend=backend)
+    with pytest.raises(ValueError, match=r"slots\[0\]=3 has no reservation .* call aj.reserve"):
+        aj.append(cache, 0, [3], kv(2, 9.0), kv(2, 9.0), backend=backend)
+    cache = append_in_jit(cache, 0, jnp.asarray([0]), kv(2, 9.0), kv(2, 9.0), backend)  # no reservation
     cache, _ = aj.reserve(cache, [0], 2)
-    cache = aj.append(cache, 0, [0], kv(3, 9.0), kv(3, 9.0), backend=backend)  # 3 > 2 reserved
+    cache = append_in_jit(cache, 0, jnp.asarray([0]), kv(3, 9.0), kv(3, 9.0), backend)  # 3 > 2 reserved
     np.testing.assert_array_equal(slot_values(cache, 0)[:5], 1.0)
     assert int(cache.stats.dropped_writes) == 2 and int(cache.stats.tokens_written) == 5
     cache = aj.append(cache, 0, [0], kv(2, 3.0), kv(2, 3.0), backend=backend)  # exactly the reservation
@@ -133,7 +143,7 @@ def test_append_refuses_a_shared_page_even_if_the_table_were_inconsistent():
     cache = aj.fork(cache, [0], [1])
     t = cache.table  # give slot 1 a pending reservation inside the shared page
     cache = cache.replace(table=t.replace(lengths=t.lengths.at[1].set(4)))
-    cache = aj.append(cache, 0, [1], kv(2, 9.0), kv(2, 9.0))
+    cache = append_in_jit(cache, 0, jnp.asarray([1]), kv(2, 9.0), kv(2, 9.0), "reference")
     np.testing.assert_array_equal(slot_values(cache, 0), [1, 1])
     assert int(cache.stats.dropped_writes) == 1
 
@@ -238,6 +248,13 @@ HOST_ERRORS = {
     "window of zero": (lambda c: aj.attend(jnp.ones((1, 1, 1, 16)), c, 0, [0], sliding_window=0), "sliding_window"),
     "window as bool": (lambda c: aj.attend(jnp.ones((1, 1, 1, 16)), c, 0, [0], sliding_window=True), "sliding_window"),
     "nan sm_scale": (lambda c: aj.attend(jnp.ones((1, 1, 1, 16)), c, 0, [0], sm_scale=float("nan")), "sm_scale"),
+    "window as float": (lambda c: aj.attend(jnp.ones((1, 1, 1, 16)), c, 0, [0], sliding_window=4.0), "sliding_window"),
+    "negative window array": (lambda c: aj.attend(jnp.ones((1, 1, 1, 16)), c, 0, [0], sliding_window=jnp.int32(-2)),
+                              "sliding_window"),
+    "zero soft cap": (lambda c: aj.attend(jnp.ones((1, 1, 1, 16)), c, 0, [0], logits_soft_cap=0.0), "logits_soft_cap"),
+    "inf soft cap": (lambda c: aj.attend(jnp.ones((1, 1, 1, 16)), c, 0, [0], logits_soft_cap=float("inf")),
+                     "logits_soft_cap"),
+    "soft cap as bool": (lambda c: aj.attend(jnp.ones((1, 1, 1, 16)), c, 0, [0], logits_soft_cap=True), "logits_soft_cap"),
     "fork from PAD": (lambda c: aj.fork(c, [aj.PAD_SLOT], [1]), "PAD_SLOT"),
 }
 
@@ -263,6 +280,16 @@ def test_sm_scale_may_be_a_concrete_jax_scalar_but_not_a_traced_one():
     np.testing.assert_allclose(aj.attend(q, cache, 0, [0], sm_scale=jnp.float32(0.5)), aj.attend(q, cache, 0, [0], sm_scale=0.5))
     with pytest.raises(ValueError, match="concrete"):
         jax.jit(lambda s: aj.attend(q, cache, 0, [0], sm_scale=s))(0.5)
+
+
+def test_soft_cap_must_be_concrete_and_a_traced_window_an_integer_scalar():
+    cache = fill(aj.create(LAYOUT), 0, 3, 1.0)
+    q = jnp.ones((1, 1, 1, 16))
+    with pytest.raises(ValueError, match="logits_soft_cap must be a concrete number"):
+        jax.jit(lambda cap: aj.attend(q, cache, 0, [0], logits_soft_cap=cap))(30.0)
+    for bad in (jnp.float32(4.0), jnp.ones(2, jnp.int32), jnp.bool_(True)):
+        with pytest.raises(ValueError, match="sliding_window must be a positive int, None or a traced integer scalar"):
+            jax.jit(lambda w: aj.attend(q, cache, 0, [0], sliding_window=w))(bad)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

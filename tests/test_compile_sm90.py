@@ -65,6 +65,18 @@ def test_matrix_covers_every_value_of_every_axis():
     for dtype in QUANT_DTYPES:  # every 8-bit dtype in split decode, prefill and append
         assert {v.kind for v in CI_VARIANTS if v.dtype == dtype} >= {"decode-split", "prefill", "append-prefill"}, dtype
     assert {v.compute for v in CI_VARIANTS if v.quantized} == set(DTYPES)  # bf16, fp16 and fp32 dots over 8-bit pages
+    # The attention options, where they add code: soft-cap and traced windows in split decode,
+    # prefill, an 8-bit arena and fp32 (FMA) prefill; a bf16 arena under f32 and f16 q.
+    def options(v):
+        return ("cap",) * v.soft_cap + ("wt",) * v.traced_window
+
+    for option in ("cap", "wt"):
+        with_option = [v for v in CI_VARIANTS if option in options(v)]
+        assert {v.kind for v in with_option} >= {"window-decode", "window-prefill"}, option
+        assert any(v.quantized for v in with_option) and any(v.compute == "float32" for v in with_option), option
+    assert any(v.soft_cap and v.kind == "decode-split" for v in CI_VARIANTS)
+    converted = {(v.dtype, v.compute, v.kind) for v in CI_VARIANTS if not v.quantized and v.compute != v.dtype}
+    assert {("bfloat16", "float32", "decode-split"), ("bfloat16", "float16", "prefill")} <= converted
 
 
 @pytest.mark.parametrize("variant", CI_VARIANTS, ids=lambda v: v.label.replace(" ", "-"))
@@ -76,8 +88,9 @@ def test_compiles_for_sm90a_without_spills(tooling, variant, tmp_path):
     assert (f.spill_stores, f.spill_loads) == (0, 0), f"{f.name} spills: {f}"
     assert f.smem <= sm90.SM90["smem_per_block"], f"{f.name} needs {f.smem} B of shared memory per block: {f}"
     assert f.ctas_per_sm >= 1
-    if variant.quantized:
-        assert f.name.endswith("_" + variant.dtype), f"{f.name} is not the 8-bit kernel"
+    if variant.compute != variant.dtype:  # 8-bit, or a float arena of another dtype than q: converted tiles
+        assert f.name.endswith("_" + variant.dtype), f"{f.name} is not the kernel over {variant.dtype} pages"
+    assert ("_cap" in f.name) == variant.soft_cap and ("_wt" in f.name) == variant.traced_window, f.name
     if not variant.kind.startswith("append"):
         splits = int(re.search(r"_s(\d+)", f.name).group(1))
         assert (splits > 1) == (variant.kind in ("decode-split", "window-decode")), f.name

@@ -137,8 +137,8 @@ class _AttentionTest:
                 expected[0, tokens - 1, 2, :] = True
             elif name == "visible k":
                 expected[1, :tokens, 0:2, :] = True
-            elif name == "visible v":
-                expected[1, :tokens, 2:4, 5] = True
+            elif name == "visible v":  # a NaN lane poisons the whole row of each query that sees it
+                expected[1, :tokens, 2:4, :] = True
             elif name == "future k":
                 expected[0, tokens - 1, 2:4, :] = True  # only the last query sees position 39
             np.testing.assert_array_equal(nan, expected, err_msg=f"reference, NaN in {name}")

@@ -139,3 +139,18 @@ def test_drawn_workloads_finish_with_the_no_cache_tokens(model, work):
             cached = models.generate(model, prompts, max_new, cache=cached.cache, prefix_cache=cached.prefix_cache,
                                      **kwargs)  # fmt: skip
     assert np.isfinite(cached.seconds)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("prefix", [False, True], ids=["no prefix cache", "prefix cache"])
+def test_a_request_preempted_once_is_readmitted_for_good(model, prefix):
+    """Four rows on ten 2-token pages: a watermark re-admission (room for the prompt plus one page
+    per running sequence) preempts the third request twice here; re-admission with room for the
+    whole remaining life of everything running preempts nobody twice."""
+    layout = model.config.kv_layout(page_size=2, num_pages=10, max_seqs=4, max_seq_len=16, dtype="float32")
+    prompts = [[0, 1, 0, 2, 2, 3], [0, 3, 0, 3], [1, 1, 1, 0], [1, 3, 0, 2, 1, 3]]
+    run = models.generate(model, prompts, 10, batch_size=4, chunk_size=4, layout=layout, stop_tokens=(), prefix_cache=prefix)
+    _served(run, prompts, 10)
+    assert run.preemptions > 0  # memory is short: the rule is exercised
+    ample = models.generate(model, prompts, 10, batch_size=4, chunk_size=4, stop_tokens=())
+    assert run.tokens == ample.tokens

@@ -1,0 +1,116 @@
+"""What a model's forward pass needs from the cache, in three calls (no plumbing of your own).
+
+    step, ok = aj.begin_step(cache, slots, num_tokens, width=T)   # reserve the new tokens' pages
+    q, k = rope(q, step.positions), rope(k, step.positions)      # positions i32[B, T] of the new tokens
+    step, out = step.attend(layer, q, k, v, sliding_window=w, logits_soft_cap=c)   # append + attend
+    cache = step.cache                                            # after the last layer
+
+or the two pieces on their own:
+
+    pos = aj.positions(cache, slots, num_tokens, width=T)          # after aj.reserve
+    cache, out = aj.append_attend(q, k, v, cache, layer, slots, num_tokens=n, sm_scale=s)
+
+`CacheStep` is a pytree (a `flax.struct` dataclass), so it passes through `jax.jit`,
+`lax.scan` over layers and NNX modules like the cache itself. Rows whose reservation failed
+(`ok` False) become padding: they write and read nothing in this step, and their slot is
+unchanged, so the caller can free pages and retry. Every op keeps the cache's rules (host
+checks outside jit, totality inside it: `arena_jax.api`).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from arena_jax import api
+from arena_jax.state import PAD_SLOT, KVCache
+from arena_jax.validate import check_counts, check_slots, concrete
+
+__all__ = ["positions", "append_attend", "CacheStep", "begin_step"]
+
+
+def _width(num_tokens, width) -> int:
+    if width is not None:
+        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+            raise ValueError(f"width must be a positive Python int (the tokens axis of this step), got {width!r}")
+        return width
+    n = concrete(num_tokens)
+    if n is None:
+        raise ValueError("width must be given inside jit (num_tokens is traced): the static tokens axis T")
+    return max(int(n.max()) if n.size else 1, 1)
+
+
+def positions(cache: KVCache, slots, num_tokens, *, width: int | None = None):
+    """Absolute positions i32[B, width] of each row's newest `num_tokens[b]` tokens: after
+    `aj.reserve(cache, slots, num_tokens)` they are the slot's last num_tokens positions,
+    `lengths[slot] - num_tokens[b] + t`. Padded rows (PAD_SLOT) and tokens t >= num_tokens[b]
+    get 0 (they are masked everywhere). `width` is the tokens axis (default: max(num_tokens),
+    which must then be concrete)."""
+    layout = api._check_cache(cache)
+    slots = check_slots(layout, slots, unique=False)
+    num_tokens = check_counts(layout, num_tokens, slots.shape[0], "num_tokens")
+    return _positions(cache, slots, num_tokens, _width(num_tokens, width))
+
+
+def _positions(cache: KVCache, slots, num_tokens, width: int):
+    max_seqs = cache.table.page_map.shape[0]
+    valid = (slots >= 0) & (slots < max_seqs)
+    if cache.sharding is not None:  # each data shard reads its own slots' lengths
+        from arena_jax.sharding import slot_lengths
+
+        lengths = slot_lengths(cache, slots)
+    else:
+        lengths = jnp.where(valid, cache.table.lengths[jnp.where(valid, slots, 0)], 0)
+    t = jnp.arange(width, dtype=jnp.int32)[None, :]
+    pos = (lengths - num_tokens)[:, None] + t
+    live = valid[:, None] & (t < num_tokens[:, None]) & (pos >= 0)
+    return jnp.where(live, pos, 0)
+
+
+def append_attend(q, k, v, cache: KVCache, layer, slots, *, num_tokens=None, backend: str | None = None, **attend_options):
+    """One layer's cache work: `aj.append(cache, layer, slots, k, v)` then `aj.attend(q, ...)`.
+
+    q [B, T, q_heads, D]; k, v [B, T, kv_heads, D]; row b's first num_tokens[b] tokens are real
+    (default all T). `attend_options`: `sm_scale`, `sliding_window` (an int, None or a traced
+    int32), `logits_soft_cap`, as `aj.attend` takes them. Returns (cache, out [B, T, q_heads, D]).
+    """
+    cache = api.append(cache, layer, slots, k, v, num_tokens=num_tokens, backend=backend)
+    out = api.attend(q, cache, layer, slots, num_tokens=num_tokens, backend=backend, **attend_options)
+    return cache, out
+
+
+@struct.dataclass
+class CacheStep:
+    """The cache during one forward pass, with the rows' slots, token counts and positions.
+
+    slots i32[B] (rows whose reservation failed are PAD_SLOT), num_tokens i32[B] (0 for those
+    rows), positions i32[B, T]."""
+
+    cache: KVCache
+    slots: jax.Array
+    num_tokens: jax.Array
+    positions: jax.Array
+
+    def attend(self, layer, q, k, v, *, backend: str | None = None, **attend_options):
+        """append + attend at `layer` (see `append_attend`); k, v are cast to a float arena's
+        dtype (an 8-bit arena quantizes them as given). Returns (the next CacheStep, out)."""
+        if self.cache.k_scale is None:
+            k, v = k.astype(self.cache.k.dtype), v.astype(self.cache.v.dtype)
+        cache, out = append_attend(q, k, v, self.cache, layer, self.slots, num_tokens=self.num_tokens, backend=backend,
+                                   **attend_options)  # fmt: skip
+        return self.replace(cache=cache), out
+
+
+def begin_step(cache: KVCache, slots, num_tokens, *, width: int | None = None) -> tuple[CacheStep, jax.Array]:
+    """Reserve `num_tokens[b]` new tokens for each row's slot (`aj.reserve`) and return the
+    `CacheStep` that the layers use, and ok bool[B] (False: the row got no pages and is padding
+    in this step; its slot is unchanged). `width`: the tokens axis T of the step's inputs."""
+    layout = api._check_cache(cache)
+    slots = check_slots(layout, slots)
+    num_tokens = check_counts(layout, num_tokens, slots.shape[0], "num_tokens")
+    width = _width(num_tokens, width)
+    num_tokens = jnp.where(slots != PAD_SLOT, num_tokens, 0)
+    cache, ok = api.reserve(cache, slots, num_tokens)
+    slots = jnp.where(ok, slots, PAD_SLOT)
+    num_tokens = jnp.where(ok, num_tokens, 0)
+    return CacheStep(cache, slots, num_tokens, _positions(cache, slots, num_tokens, width)), ok

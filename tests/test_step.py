@@ -1,0 +1,94 @@
+"""`aj.positions`, `aj.append_attend`, `aj.begin_step` / `CacheStep`: the helpers equal the ops
+they stand for, on fresh random data, on the host and inside a user's jit."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import arena_jax as aj
+
+LAYOUT = aj.KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, page_size=4, num_pages=16, max_seqs=4,
+                     max_pages_per_seq=6, dtype="float32")  # fmt: skip
+rng = np.random.default_rng(0)
+
+
+def _rand(*shape):
+    return jnp.asarray(rng.normal(size=shape), jnp.float32)
+
+
+def _prefilled(lengths, seed=1):
+    """The same prefilled cache for the same lengths and seed (fresh random K/V)."""
+    local = np.random.default_rng(seed)
+    cache = aj.create(LAYOUT)
+    slots = jnp.arange(len(lengths), dtype=jnp.int32)
+    cache, ok = aj.reserve(cache, slots, jnp.asarray(lengths, jnp.int32))
+    assert bool(ok.all())
+    t = max(lengths)
+    for layer in range(LAYOUT.num_layers):
+        k, v = (jnp.asarray(local.normal(size=(len(lengths), t, 2, 16)), jnp.float32) for _ in range(2))
+        cache = aj.append(cache, layer, slots, k, v, num_tokens=jnp.asarray(lengths, jnp.int32))
+    return cache, slots
+
+
+def test_positions_are_the_newest_reserved_tokens():
+    cache, slots = _prefilled([5, 3, 9])
+    n = jnp.asarray([2, 0, 3], jnp.int32)
+    cache, _ = aj.reserve(cache, slots, n)
+    pos = aj.positions(cache, jnp.asarray([0, 1, aj.PAD_SLOT]), jnp.asarray([2, 0, 3]))
+    np.testing.assert_array_equal(pos, [[5, 6, 0], [0, 0, 0], [0, 0, 0]])  # padded rows and tokens: 0
+    pos = aj.positions(cache, slots, n, width=4)
+    np.testing.assert_array_equal(pos, [[5, 6, 0, 0], [0, 0, 0, 0], [9, 10, 11, 0]])
+    with pytest.raises(ValueError, match="width must be given inside jit"):
+        jax.jit(lambda c, s, n: aj.positions(c, s, n))(cache, slots, n)
+    jitted = jax.jit(lambda c, s, n: aj.positions(c, s, n, width=4))(cache, slots, n)
+    np.testing.assert_array_equal(jitted, pos)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_append_attend_and_a_cache_step_equal_the_ops_they_stand_for(window):
+    lengths, new = [5, 3, 8], jnp.asarray([2, 1, 3], jnp.int32)
+    q, k, v = _rand(3, 3, 4, 16), _rand(3, 3, 2, 16), _rand(3, 3, 2, 16)
+
+    cache, slots = _prefilled(lengths)
+    cache, _ = aj.reserve(cache, slots, new)
+    want = []
+    for layer in range(2):
+        cache = aj.append(cache, layer, slots, k, v, num_tokens=new)
+        want.append(aj.attend(q, cache, layer, slots, num_tokens=new, sliding_window=window, sm_scale=0.3))
+
+    cache2, _ = _prefilled(lengths)
+    step, ok = aj.begin_step(cache2, slots, new, width=3)
+    assert bool(ok.all())
+    np.testing.assert_array_equal(step.positions, aj.positions(step.cache, slots, new, width=3))
+    for layer in range(2):
+        step, out = step.attend(layer, q, k, v, sliding_window=window, sm_scale=0.3)
+        np.testing.assert_array_equal(out, want[layer])
+    cache3, _ = _prefilled(lengths)
+    cache3, _ = aj.reserve(cache3, slots, new)
+    cache3, out = aj.append_attend(q, k, v, cache3, 0, slots, num_tokens=new, sliding_window=window, sm_scale=0.3)
+    np.testing.assert_array_equal(out, want[0])
+
+
+def test_a_step_inside_jit_pads_the_rows_that_got_no_pages():
+    cache, _ = _prefilled([16, 16, 16, 6])  # 14 of the 16 pages
+    slots, new = jnp.asarray([0, 1, 3], jnp.int32), jnp.asarray([8, 4, 1], jnp.int32)  # row 0 takes the last 2 pages
+    q, k, v = _rand(3, 8, 4, 16), _rand(3, 8, 2, 16), _rand(3, 8, 2, 16)
+
+    @jax.jit
+    def forward(cache, slots, new):
+        step, ok = aj.begin_step(cache, slots, new, width=8)
+        outs = []
+        for layer in range(2):
+            step, out = step.attend(layer, q, k, v)
+            outs.append(out)
+        return step, ok, outs
+
+    step, ok, outs = forward(cache, slots, new)
+    np.testing.assert_array_equal(ok, [True, False, True])
+    np.testing.assert_array_equal(step.slots, [0, aj.PAD_SLOT, 3])
+    np.testing.assert_array_equal(step.num_tokens, [8, 0, 1])
+    np.testing.assert_array_equal(step.cache.table.written[:, [0, 1, 3]], [[24, 16, 7]] * 2)
+    assert int(step.cache.stats.dropped_writes) == 0 and not np.asarray(outs[1][1]).any()  # the padded row: zeros
+    assert np.abs(np.asarray(outs[1][0])).sum() > 0
