@@ -26,7 +26,7 @@ import pytest
 
 import kernel_cases
 from kernel_cases import TOLERANCES, attention_ref, fill_ref
-from pallas_kernels import BlockSizes, append_reference
+from pallas_kernels import BlockSizes, append_reference, paged_attention_reference
 from pallas_kernels.quant import QUANTIZED_DTYPES
 from pallas_kernels.tpu_append import tpu_paged_append
 from pallas_kernels.tpu_attention import tpu_paged_attention
@@ -184,6 +184,72 @@ def test_chunked_prefill_equals_one_shot():
     COUNTS["chunked prefill (append + attention)"] += 1
 
 
+# ---- the contract's options and rules: soft-cap, traced windows, masked means masked, dtypes ----------
+
+reference_traced = jax.jit(paged_attention_reference, static_argnames=("sm_scale", "logits_soft_cap"))
+
+
+def assert_same_nans_and_close(got, want, dtype, label):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=label)
+    assert_close(np.where(np.isnan(want), 0, got), np.where(np.isnan(want), 0, want), dtype)
+
+
+def test_soft_cap_traced_windows_and_poison_rules():
+    """One kernel (a traced window, soft-cap 5) over scenarios == the reference: windows 3,
+    16, 0 (admits no key: zeros) and 1000 (none); NaN in a V row or K row a query attends to
+    (its whole output row is NaN), in the V of a future key or of a key outside the window
+    (contributes nothing), and in q."""
+    case = float_case(seed=21, lengths=(40, 36, 9), num_tokens=(4, 4, 0), tokens=4, q_heads=4, kv_heads=2,
+                      page_size=8, head_dim=128, dtype=jnp.float32)
+    pm, layer = np.asarray(case["page_map"]), case["layer"]
+
+    def poison(name, row, pos, head, lane):
+        return {**case, name: case[name].at[layer, head, pm[row, pos // 8], pos % 8, lane].set(jnp.nan)}
+
+    step = jax.jit(lambda c, w: tpu_paged_attention(**c, sliding_window=w, logits_soft_cap=5.0, interpret=True))
+    scenarios = [("window 3", case, 3), ("window 16", case, 16), ("window 0", case, 0), ("no window", case, 1000),
+                 ("visible v", poison("v_arena", 1, 33, 1, 5), 16), ("visible k", poison("k_arena", 1, 34, 0, 7), 16),
+                 ("future v", poison("v_arena", 0, 39, 1, 2), 1000), ("v outside the window", poison("v_arena", 1, 2, 0, 3), 16),
+                 ("q", {**case, "q": case["q"].at[0, 3, 2, 5].set(jnp.nan)}, 1000)]
+    for label, c, w in scenarios:
+        got = step(c, jnp.int32(w))
+        want = reference_traced(**c, sliding_window=jnp.int32(w), logits_soft_cap=5.0)
+        assert_same_nans_and_close(got, want, jnp.float32, label)
+        nans = int(np.isnan(np.asarray(want)).sum())
+        assert (nans > 0) == (label in ("visible v", "visible k", "future v", "q")), (label, nans)
+        if label == "window 0":
+            assert not np.asarray(got).any()
+    COUNTS["attention (soft-cap, traced windows, poison rules)"] += len(scenarios)
+
+
+@pytest.mark.parametrize("q_dtype,arena", [("float32", "bfloat16"), ("bfloat16", "float32")])
+def test_q_dtype_other_than_the_arena(q_dtype, arena):
+    """The dots run in q's dtype (the arena's values converted to it)."""
+    case = float_case(seed=23, lengths=(5, 17, 30), num_tokens=(1, 1, 1), tokens=1, q_heads=4, kv_heads=2,
+                      page_size=8, head_dim=128, dtype=jnp.dtype(arena))
+    case["q"] = case["q"].astype(q_dtype)
+    got = tpu_paged_attention(**case, interpret=True)
+    assert got.dtype == jnp.dtype(q_dtype)
+    assert_close(got, attention_ref(**case), q_dtype)
+    COUNTS["attention (float arenas)"] += 1
+
+
+def test_quantized_poisoned_scales_with_soft_cap():
+    """8-bit: a NaN key scale or value scale a query attends to NaNs its whole row (the stored
+    poison of a NaN / inf input row), with a soft-cap; elsewhere == the reference."""
+    case = quantized_case(seed=25, dtype="int8", lengths=(40, 140, 7), num_tokens=(1, 3, 0), tokens=3, q_heads=4,
+                          kv_heads=2, page_size=128, head_dim=128, q_dtype=jnp.bfloat16)
+    pm = np.asarray(case["page_map"])
+    case = {**case, "v_scale": case["v_scale"].at[1, 0, pm[1, 0], 5].set(jnp.nan),
+            "k_scale": case["k_scale"].at[1, 1, pm[0, 0], 3].set(jnp.nan)}
+    got = tpu_paged_attention(**case, logits_soft_cap=20.0, interpret=True)
+    want = reference_traced(**case, logits_soft_cap=20.0)
+    assert_same_nans_and_close(got, want, jnp.bfloat16, "8-bit poison")
+    assert np.isnan(np.asarray(want, np.float32)).any()
+    COUNTS["attention (8-bit arenas)"] += 1
+
+
 # ---- append -----------------------------------------------------------------------------------------
 
 # (page_size, kv_heads, dtype, tokens)
@@ -287,7 +353,7 @@ def test_quantized_append_matches_reference(dtype):
 def test_api_backend_matches_reference():
     """aj.append / aj.attend with the TPU kernels (interpret mode) == the reference backend:
     ragged chunks of up to 4 tokens, then single tokens (decode), over scrambled NaN-filled
-    pages, a padded row, a window; arena contents and outputs. (One width: one compile per op.)"""
+    pages, a padded row, a window, a soft-cap; arena contents and outputs. (One width: one compile per op.)"""
     import arena_jax as aj
 
     layout = aj.KVLayout(num_layers=2, num_kv_heads=2, head_dim=128, page_size=8, num_pages=16, max_seqs=3,
@@ -307,7 +373,8 @@ def test_api_backend_matches_reference():
                 k, v = (jnp.asarray(rng.standard_normal((3, width, 2, 128)), jnp.float32) for _ in range(2))
                 cache = aj.append(cache, layer, slots, k, v, num_tokens=counts, backend=backend)
                 q = jnp.asarray(rng.standard_normal((3, width, 4, 128)), jnp.float32)
-                outs.append(aj.attend(q, cache, layer, slots, num_tokens=counts, sliding_window=6, backend=backend))
+                outs.append(aj.attend(q, cache, layer, slots, num_tokens=counts, sliding_window=6, logits_soft_cap=30.0,
+                                      backend=backend))
         results[backend] = (cache, outs)
     (ref_cache, ref_outs), (tpu_cache, tpu_outs) = results["reference"], results["pallas_tpu"]
     np.testing.assert_array_equal(np.asarray(ref_cache.table.page_map), np.asarray(tpu_cache.table.page_map))
