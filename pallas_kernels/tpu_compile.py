@@ -13,8 +13,9 @@ What a compiled module tells (`kernel_facts`, `module_facts`):
 - for the module: generated code size, argument / output / alias / temp bytes
   (`memory_analysis()`), XLA's cost analysis (`cost_analysis()`: flops, bytes accessed; a
   Mosaic kernel contributes its `pl.CostEstimate`, which our kernels derive from their DMA
-  plan), the input/output aliasing, and every copy XLA inserted of an array as large as the
-  arena (a relayout or a defensive copy of the cache: must be none).
+  plan), the input/output aliasing, and every `copy` XLA inserted of an array as large as (a
+  fraction of) the arena, with the op it came from (a relayout or a defensive copy of the
+  cache must never appear; memory-space prefetches, `copy-start`, are not counted).
 """
 from __future__ import annotations
 
@@ -118,7 +119,7 @@ class ModuleFacts:
     flops: float
     bytes_accessed: float
     aliased_params: tuple  # entry parameter numbers aliased to an output
-    big_copies: tuple  # (op, shape) of copies of arrays of at least `big` bytes
+    big_copies: tuple  # (op, shape, op_name) of copies of arrays of at least `big` bytes
     kernels: tuple
     param_shapes: dict  # entry parameter number -> "dtype[dims]" (per device in an SPMD module)
 
@@ -163,9 +164,11 @@ def module_facts(compiled, *, big: int) -> ModuleFacts:
     header = text[: text.find("\n")]
     aliased = tuple(sorted({int(p) for p in re.findall(r"\}:\s*\((\d+),", header)}))
     copies = []
-    for m in re.finditer(r"=\s*(\w+)\[([\d,]*)\]\{[^}]*\}\s+(copy|copy-start)\(", text):
-        if _shape_bytes(m.group(1), m.group(2)) >= big:
-            copies.append((m.group(3), f"{m.group(1)}[{m.group(2)}]"))
+    for line in text.splitlines():
+        m = re.search(r"=\s*(\w+)\[([\d,]*)\]\{[^}]*\}\s+(copy)\(", line)
+        if m and _shape_bytes(m.group(1), m.group(2)) >= big:
+            name = re.search(r'op_name="([^"]*)"', line)
+            copies.append((m.group(3), f"{m.group(1)}[{m.group(2)}]", name.group(1) if name else ""))
     entry = text[text.find("\nENTRY"):]
     params = {int(m.group(3)): f"{m.group(1)}[{m.group(2)}]"
               for m in re.finditer(r"=\s*(\w+)\[([\d,]*)\]\{[^}]*\}\s+parameter\((\d+)\)", entry)}
