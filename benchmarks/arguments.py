@@ -239,6 +239,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--compile-report: XLA's deviceless GPU compiler (what runs on a GPU) or the CUDA plugin's Triton handler "
                         "(jaxlib <= 0.10 only)")
     p.add_argument("--only", metavar="TEXT", help="--compile-report: only variants whose label contains TEXT")
+    p.add_argument("--target", choices=("sm90", "tpu-v5e", "tpu-v6e"), default="sm90",
+                   help="--compile-report: an H100 (sm_90a; the CUDA tooling) or a TPU v5e / v6e (the Mosaic TPU kernels; "
+                        "needs scripts/install_tpu_tools.sh): VMEM, code size, DMA plan vs XLA's bytes accessed")
+    p.add_argument("--steps", action="store_true",
+                   help="--compile-report --target tpu-*: also compile the whole Llama-3-8B-shaped prefill / decode "
+                        "steps on a 2x2 (v5e) / 2x4 (v6e) mesh (minutes)")
 
     p = sub.add_parser("accuracy", formatter_class=fmt, parents=[common],
                        help="8-bit KV arenas vs bf16: attention error (outlier keys) and end-to-end logits (CPU)")

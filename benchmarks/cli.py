@@ -7,6 +7,7 @@ end-to-end decode against a dense cache, the Pallas kernels, and prefix caching.
     arena-bench decode                tokens/s and step latency, paged arena vs dense cache
     arena-bench kernels               append / paged-attention kernel timings (GPU)
     arena-bench kernels --compile-report   static sm_90a facts of every kernel variant (no GPU)
+    arena-bench kernels --compile-report --target tpu-v5e   the TPU kernels compiled for v5e (no TPU)
     arena-bench accuracy              8-bit KV arenas (int8, fp8) vs bf16: attention and model error
     arena-bench prefix                multi-turn chat with and without the prefix cache, same KV budget
     arena-bench swap                  a preemption-heavy generate run: recompute vs swap to host memory
@@ -336,8 +337,35 @@ def _check_kernel_memory(k: dict) -> None:
         raise _Fail(str(exc)) from None
 
 
+def _cmd_tpu_compile_report(args, console, progress) -> dict:
+    from benchmarks.compile_report_tpu import format_steps_table, format_tpu_table, run_tpu_compile_report
+
+    console.print(f"[bold]kernels --compile-report --target {args.target}[/bold]: every TPU kernel variant compiled "
+                  "with libtpu (XLA + Mosaic), no TPU ...")
+    del progress
+    try:
+        result = run_tpu_compile_report(target=args.target, only=args.only, steps=args.steps)
+    except RuntimeError as exc:
+        raise _Fail(str(exc)) from None
+    meta = result["metadata"]
+    print(format_tpu_table(result["rows"]))
+    copies = [r["variant"] for r in result["rows"] if r["arena_copies"]]
+    console.print(f"  {meta['variants']} variants, jax {meta['jax']}, libtpu {meta['libtpu']}, {meta['wall_s']} s; "
+                  f"arena copies: {', '.join(copies) if copies else 'none'}")
+    console.print("  VMEM: scoped memory the compiler gave each Mosaic kernel (append: gather/scatter, DMA only); code: "
+                  "the module's; DMA plan: the kernels' CostEstimate at the workload (rows at full page-table length); "
+                  "XLA bytes: cost analysis of the module (plan + what XLA adds); must move: K/V/scales read or new "
+                  "rows written. Static facts, not timings.")
+    if result["steps"]:
+        print(format_steps_table(result["steps"]))
+    return result
+
+
 def _cmd_compile_report(args, console, progress) -> dict:
     from benchmarks.compile_report import format_table, run_compile_report
+
+    if getattr(args, "target", "sm90") != "sm90":
+        return _cmd_tpu_compile_report(args, console, progress)
 
     console.print("[bold]kernels --compile-report[/bold]: every kernel variant compiled for sm_90a (H100), no GPU ...")
     del progress
