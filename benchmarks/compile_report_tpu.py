@@ -80,8 +80,8 @@ def _step_rows(target: str, progress) -> list[dict]:
             step=case.label, layers=case.num_layers, kernels=len(facts.kernels), code_bytes=facts.code_bytes,
             temp_bytes=facts.temp_bytes, xla_bytes=facts.bytes_accessed, weights_bytes=weights, kv_bytes=kv,
             arena_aliased=bool(arena_params) and set(arena_params) <= set(facts.aliased_params),
-            arena_copies=sum(not c[2].startswith("state[") for c in facts.big_copies),
-            weight_copies=sum(c[2].startswith("state[") for c in facts.big_copies), seconds=round(seconds, 1),
+            arena_copies=len(facts.cache_copies(arena_params)),
+            weight_copies=len(facts.weight_copies(arena_params)), seconds=round(seconds, 1),
         ))
     return rows
 

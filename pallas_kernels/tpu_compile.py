@@ -126,6 +126,18 @@ class ModuleFacts:
     def params_of_shape(self, shape: str) -> tuple:
         return tuple(sorted(n for n, s in self.param_shapes.items() if s == shape))
 
+    def weight_copies(self, cache_params=()) -> tuple:
+        """The big copies of model weights: named after a model parameter (`state[...]`), or of
+        the shape of an entry parameter other than `cache_params` (a stacked weight sliced in a
+        layer scan loses its op name). The rest of `big_copies` are copies of the cache."""
+        cache = set(cache_params)
+        other = {s for n, s in self.param_shapes.items() if n not in cache}
+        return tuple(c for c in self.big_copies if c[2].startswith("state[") or c[1] in other)
+
+    def cache_copies(self, cache_params=()) -> tuple:
+        weights = set(self.weight_copies(cache_params))
+        return tuple(c for c in self.big_copies if c not in weights)
+
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2,
                 "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}

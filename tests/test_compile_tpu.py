@@ -159,7 +159,7 @@ def test_model_step_compiles_for_tpu_with_the_arena_donated(tooling, case):
     assert set(arena_params) <= set(facts.aliased_params), (arena_params, facts.aliased_params)
     # A model weight may be copied (JAX 0.11 relayouts the q projection, [4096, 16, 128] per
     # device, the size of one head of this arena); the cache never.
-    cache_copies = [c for c in facts.big_copies if not c[2].startswith("state[")]
-    assert cache_copies == [], f"XLA copies arena-sized arrays: {cache_copies}"
+    cache_copies = facts.cache_copies(arena_params)
+    assert cache_copies == (), f"XLA copies arena-sized arrays: {cache_copies}"
     names = {k.name.split(".")[0].split("_bt")[0].split("_c")[0] for k in facts.kernels}
     assert names == {"tpu_paged_attention", "tpu_append_gather", "tpu_append_scatter"}, names
