@@ -11,7 +11,10 @@ Each iteration the host (1) admits waiting prompts into free rows, (2) runs ONE 
 call for rows with more than one token to feed (a fixed `chunk_size`, so long prompts take
 several calls and one compiled function), (3) runs ONE `decode_step` for rows with exactly
 one token to feed. A finished sequence releases its pages at once and its row takes the
-next prompt. Shapes never change, so nothing recompiles as sequences come and go.
+next prompt. Shapes never change, so nothing recompiles as sequences come and go. While
+decode steps follow each other, step t+1 is dispatched (fed step t's tokens on the device)
+before step t is read back, so the host's work overlaps the device's; a stop token is seen a
+step late and the extra token discarded (`models.scheduler`, "Overlap": same tokens).
 
 Memory pressure: when `reserve` cannot serve a row (ok False), the most recently admitted
 running sequence is preempted: its pages are released and it is requeued first, to be
@@ -93,6 +96,7 @@ class Generation:
     swap_outs: int = 0  # preemptions that moved the sequence's pages to the host tier (no prefix cache)
     swapped_tokens: int = 0  # tokens those preemptions moved (brought back, not recomputed)
     modelled_transfer_seconds: float = 0.0  # host <-> device copies made, at the SwapPolicy's bandwidth
+    run_ahead_steps: int = 0  # decode steps dispatched before the previous step was read back (models.scheduler)
 
     @property
     def num_generated(self) -> int:
@@ -313,6 +317,7 @@ def generate(
         swap_outs=tier.swap_outs if tier is not None else 0,
         swapped_tokens=tier.swapped_tokens if tier is not None else 0,
         modelled_transfer_seconds=tier.modelled_transfer_s if tier is not None else 0.0,
+        run_ahead_steps=runner.run_ahead_steps,
     )
 
 

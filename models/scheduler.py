@@ -73,6 +73,19 @@ hitting request computes, never what it is counted for, so 1.-3. hold as written
   device), and before bringing a hit's host pages back the scheduler evicts what the admission
   counted as evictable, keeping those host copies. A spill that finds no host page drops the
   page instead: the host tier's capacity never blocks a step.
+
+Overlap (run-ahead decode; without a prefix index). After dispatching a decode step t, the
+scheduler dispatches step t+1 before reading t back, when it can prove what t+1 is: every
+running row decoded in t (none to prefill), no admission is due (the queue is empty, or no row
+frees up at t and none was vacated since the last admission attempt: with only growing
+sequences a request that did not fit still does not), and each shard's running sequences at
+their length after t+1 fit its pages, so neither step can be refused (the device's pages in use
+are exactly the running sequences' `pages_for(fed)`: `_check_pages`). Step t+1's rows are t's
+minus those reaching max_new_tokens at t, fed t's sampled tokens on the device. A stop token is
+read one step late: that row's token from t+1 is discarded and its slot released after t+1, so
+tokens (and logits) are the same as with `RUN_AHEAD = False`; only the admission that the stop
+allows comes one step later. Slots and sequence ids are uploaded once per distinct value, and
+the steps are bound to the model's static parts once (`models.steps.bound_steps`).
 """
 from __future__ import annotations
 
@@ -87,8 +100,8 @@ from flax import nnx
 
 import arena_jax as aj
 from models.host_tier import HostTier
-from models.steps import (decode_step, drop_host_page_rows, drop_page_rows, evict_to_host_rows, flush_rows,
-                          fork_page_rows, hold_page_rows, offload_page_rows, prefill, release_rows)  # fmt: skip
+from models.steps import (bound_steps, drop_host_page_rows, drop_page_rows, evict_to_host_rows, flush_rows,
+                          fork_page_rows, hold_page_rows, offload_page_rows, release_rows)  # fmt: skip
 
 __all__ = ["Seq", "Scheduler", "fetch"]
 
@@ -137,10 +150,12 @@ class Scheduler:
     """Runs a list of `Seq`s to completion on `cache` (see the module docstring)."""
 
     CHECK_ACCOUNTING = False  # tests: compare the host's page count with the device's after each step
+    RUN_AHEAD = True  # dispatch a decode step before reading the previous one back ("Overlap"); False: the reference
 
     def __init__(self, model, cache, layout, batch_size, chunk_size, sampling, seed, stop, max_new, return_logits,
                  index=None, tier: HostTier | None = None):  # fmt: skip
         self.graphdef, self.state = nnx.split(model)
+        self.steps = bound_steps(self.graphdef, self.state)  # split and hashed once, not per step
         self.cache, self.layout = cache, layout
         self.batch, self.chunk = batch_size, chunk_size
         self.sampling = sampling.rows(batch_size)  # arrays: greedy and sampled runs share one compile
@@ -169,6 +184,12 @@ class Scheduler:
         self._host_drops: list[int] = []
         self._offloads: list[tuple[int, int]] = []
         self._swap_ins: list = []  # swap_in `ok` arrays, read back with the next step's results
+        # Run-ahead decode (module docstring, "Overlap"): the decode step dispatched before the
+        # previous one was read back, as (out, slots, the Seq each row served), or None.
+        self._ahead: tuple | None = None
+        self._admit_current = False  # no row was vacated or preempted since the last `_admit`
+        self._on_device: dict[bytes, jax.Array] = {}  # unchanged i32[B] inputs stay on the device
+        self.run_ahead_steps = 0
 
     # ---- bookkeeping --------------------------------------------------------------------
     def _running(self, shard: int | None = None) -> list[Seq]:
@@ -279,6 +300,7 @@ class Scheduler:
             self.cache = fork_page_rows(self.cache, jnp.asarray(pages), jnp.asarray(counts), jnp.asarray(dst))
         if restore:
             self._restore(restore)
+        self._admit_current = True
 
     def _restore(self, restore: list) -> None:
         """Bring admitted sequences' pages back from the host tier (`aj.swap_in`, appended after a
@@ -305,6 +327,7 @@ class Scheduler:
             seq.anchor, seq.in_index, seq.cow_node, seq.indexed_full = None, 0, None, 0
         self.rows[r] = None
         self._to_release.append(r)
+        self._admit_current = False
 
     def _index(self, seq: Seq, row: np.ndarray, num_tokens: int):
         ins = self.index.insert(seq.ids[:num_tokens], row[: self.layout.pages_for(num_tokens)])
@@ -436,6 +459,7 @@ class Scheduler:
         self._flush()
         waiting.appendleft(seq)
         self.preemptions += 1
+        self._admit_current = False
 
     def _swap_out(self, r: int, seq: Seq) -> bool:
         """Without a prefix index: move the sequence's written pages to host pages (its slot is
@@ -468,15 +492,21 @@ class Scheduler:
         token, evicts a page or preempts a sequence; a sequence is fed at most twice and
         preempted at most once, and every eviction undoes an insertion of a written page."""
         tokens = sum(len(s.prompt) + max_new for s in seqs)
-        return 4 * tokens + len(seqs) + 1
+        return 4 * tokens + 2 * len(seqs) + 1  # + a run-ahead step whose rows all stopped, per request
 
     def run(self, seqs: list[Seq]) -> None:
         waiting = collections.deque(seqs)
         bound, self.iterations = self.step_bound(seqs, self.max_new), 0
-        while waiting or self._running():
+        while waiting or self._running() or self._ahead is not None:
             self.iterations += 1
             if self.iterations > bound:  # a broken invariant, never a hang
                 raise RuntimeError(f"the scheduler passed its bound of {bound} steps without finishing: a bug")
+            if self._ahead is not None:  # this iteration's decode step is running: flush and admit were no-ops
+                out, slots, seqs_served = self._ahead
+                self._ahead = None
+                if self._finish_decode(out, slots, seqs_served, waiting):
+                    raise RuntimeError("a run-ahead decode step was refused pages the scheduler counted: a bug")
+                continue
             self._flush(force=False)
             self._admit(waiting)
             if not self._running():
@@ -485,12 +515,14 @@ class Scheduler:
             if any(s.pending > 1 for s in self._running()):
                 failed |= self._prefill()
             if any(s.pending == 1 for s in self._running()):
-                failed |= self._decode()
+                failed |= self._decode(waiting, run_ahead=not failed)
             for shard in sorted(failed):
                 # Pages only the cache holds go before any running sequence (at least one: the
                 # host's count said the step would fit, so it must be short of the device's).
                 if not (self.index is not None and self.index.evictable_pages and self._evict(1)):
                     self._preempt(waiting, shard)
+            if self.CHECK_ACCOUNTING and self.index is None:
+                self._check_pages()
         self._flush()
 
     def _prefill(self) -> set:
@@ -509,9 +541,9 @@ class Scheduler:
             live = np.flatnonzero(slots >= 0)
             self._make_room(live.tolist(), counts[live].tolist())
         start = time.perf_counter()
-        out = prefill(
-            self.graphdef, self.state, self.cache, jnp.asarray(tokens), jnp.asarray(slots), jnp.asarray(counts),
-            jnp.asarray(seq_ids), self.seed, self.sampling,
+        out = self.steps.prefill(
+            self.steps.leaves, self.cache, jnp.asarray(tokens), self._device(slots), jnp.asarray(counts),
+            self._device(seq_ids), self.seed, self.sampling,
         )  # fmt: skip
         self.cache = out.cache
         self.prefill_calls += 1
@@ -520,28 +552,93 @@ class Scheduler:
             self.tier.observe_prefill(int(counts.sum()), time.perf_counter() - start)
         return failed
 
-    def _decode(self) -> set:
+    def _device(self, rows: np.ndarray) -> jax.Array:
+        """An i32[B] input on the device, uploaded once per distinct value (slots and sequence ids
+        change only when sequences come and go)."""
+        key = rows.tobytes()
+        on = self._on_device.get(key)
+        if on is None:
+            if len(self._on_device) >= 64:
+                self._on_device.clear()
+            on = self._on_device[key] = jnp.asarray(rows)
+        return on
+
+    def _decode(self, waiting: collections.deque, run_ahead: bool = False) -> set:
         if self.index is None:
             self._flush()
         tokens = np.zeros((self.batch,), np.int32)
         slots = np.full((self.batch,), aj.PAD_SLOT, np.int32)
         seq_ids = np.zeros((self.batch,), np.int32)
+        served: list[Seq | None] = [None] * self.batch
         for r, s in enumerate(self.rows):
             if s is not None and s.pending == 1:
-                tokens[r], slots[r], seq_ids[r] = s.ids[-1], self.slot_of[r], s.index
+                tokens[r], slots[r], seq_ids[r], served[r] = s.ids[-1], self.slot_of[r], s.index, s
         if self.index is not None:
             live = np.flatnonzero(slots >= 0)
             self._make_room(live.tolist(), [1] * len(live))
-        out = decode_step(
-            self.graphdef, self.state, self.cache, jnp.asarray(tokens), jnp.asarray(slots), jnp.asarray(seq_ids),
-            self.seed, sampling=self.sampling,
-        )  # fmt: skip
+        out = self._dispatch_decode(jnp.asarray(tokens), slots, seq_ids)
+        if not run_ahead:
+            return self._collect(out, slots, (slots >= 0).astype(np.int32))
+        return self._finish_decode(out, slots, served, waiting)
+
+    def _dispatch_decode(self, tokens: jax.Array, slots: np.ndarray, seq_ids: np.ndarray):
+        out = self.steps.decode_step(
+            self.steps.leaves, self.cache, tokens, self._device(slots), self._device(seq_ids), self.seed, self.sampling
+        )
         self.cache = out.cache
         self.decode_calls += 1
-        return self._collect(out, slots, (slots >= 0).astype(np.int32))
+        return out
 
-    def _collect(self, out, slots, counts) -> set:
-        """Advance the rows the step served; the data shards where a row was refused for lack of pages."""
+    def _finish_decode(self, out, slots: np.ndarray, served: list, waiting: collections.deque) -> set:
+        """Read back a dispatched decode step, first dispatching the next one when the host can
+        prove what it will be (`_next_decode_rows`): its tokens are this step's, fed back on the
+        device, so the device runs step t+1 while the host handles step t's tokens."""
+        nxt = self._next_decode_rows(slots, served, waiting)
+        if nxt is not None:
+            next_slots, next_ids, next_served = nxt
+            ahead = self._dispatch_decode(out.tokens, next_slots, next_ids)
+            self.run_ahead_steps += 1
+        failed = self._collect(out, slots, (slots >= 0).astype(np.int32), served)
+        if nxt is not None:
+            if failed:
+                raise RuntimeError("a decode step the scheduler counted pages for was refused: a bug in its accounting")
+            self._ahead = (ahead, next_slots, next_served)
+        return failed
+
+    def _next_decode_rows(self, slots: np.ndarray, served: list, waiting: collections.deque):
+        """(slots, seq ids, Seqs) of the decode step that follows the in-flight one `slots` /
+        `served` (not read back yet), or None when it cannot be known before reading it back
+        (module docstring, "Overlap"). Rows assumed to go on: those whose Seq is still in its
+        row (a stop token read back since is only known for the step before) and that have not
+        reached max_new_tokens with the in-flight token."""
+        if not self.RUN_AHEAD or self.index is not None or self._to_release and waiting:
+            return None
+        rows = [r for r in np.flatnonzero(slots >= 0).tolist() if self.rows[r] is served[r]]
+        if not rows or any(s is not None and s.pending != 1 for s in self.rows):  # a row to prefill
+            return None
+        going = [r for r in rows if len(served[r].generated) + 1 < self.max_new]
+        if waiting and (len(going) < len(rows) or not self._admit_current):
+            return None  # a row frees up, so the next iteration admits
+        if not going:
+            return None
+        self._flush()  # releases of rows vacated since (run before the next step, after the in-flight one)
+        for shard in range(self.dp):
+            lo, hi = shard * self.rows_per_shard, (shard + 1) * self.rows_per_shard
+            pages = sum(self.layout.pages_for(self.rows[r].fed + (r in rows) + (r in going))
+                        for r in range(lo, hi) if self.rows[r] is not None)  # fmt: skip
+            if pages > self.pages_per_shard:
+                return None  # a reservation might fail: decide after reading the step back
+        next_slots = np.full((self.batch,), aj.PAD_SLOT, np.int32)
+        next_ids = np.zeros((self.batch,), np.int32)
+        next_served: list[Seq | None] = [None] * self.batch
+        for r in going:
+            next_slots[r], next_ids[r], next_served[r] = self.slot_of[r], served[r].index, served[r]
+        return next_slots, next_ids, next_served
+
+    def _collect(self, out, slots, counts, served: list | None = None) -> set:
+        """Advance the rows the step served; the data shards where a row was refused for lack of pages.
+        `served`: the Seq each row served; a row whose Seq has left it since (a stop token read
+        back after this run-ahead step was dispatched) is skipped, its token discarded."""
         wanted = [out.ok, out.tokens, *self._swap_ins]
         if self.index is not None:  # the page table rows the index needs travel with the sampled tokens
             wanted.append(out.cache.table.page_map)
@@ -558,6 +655,8 @@ class Scheduler:
         failed = set()
         for r in np.flatnonzero(slots >= 0):
             seq = self.rows[r]
+            if served is not None and seq is not served[r]:
+                continue  # it stopped at the step before: this token is one past its end
             if not ok[r]:
                 failed.add(int(r) // self.rows_per_shard)
                 continue
@@ -571,6 +670,19 @@ class Scheduler:
             in_use = self.layout.num_pages - int(self.cache.table.num_free)
             assert in_use == self._pages_in_use(), f"host counts {self._pages_in_use()} pages in use, device {in_use}"
         return failed
+
+    def _check_pages(self) -> None:
+        """Tests, without a prefix index: each shard's pages in use on the device are exactly its
+        running sequences' `pages_for(fed)`, counting the token of a run-ahead step in flight."""
+        self._flush()
+        ahead = self._ahead[2] if self._ahead is not None else [None] * self.batch
+        free = np.asarray(fetch(self.cache.table.num_free)[0]).reshape(-1)
+        for shard in range(self.dp):
+            lo, hi = shard * self.rows_per_shard, (shard + 1) * self.rows_per_shard
+            want = sum(self.layout.pages_for(self.rows[r].fed + (ahead[r] is self.rows[r]))
+                       for r in range(lo, hi) if self.rows[r] is not None)  # fmt: skip
+            have = self.pages_per_shard - int(free[shard])
+            assert have == want, f"shard {shard}: the host counts {want} pages in use, the device {have}"
 
     def _index_running(self, seq: Seq, r: int) -> None:
         """After a served step: the partly used hit page was copied; newly full pages are indexed."""

@@ -32,7 +32,7 @@ from models.sampling import SamplingParams, sample
 
 __all__ = ["StepOutput", "prefill", "decode_step", "release_rows", "fork_page_rows", "hold_page_rows", "drop_page_rows",
            "swap_out_rows", "swap_in_rows", "offload_page_rows", "drop_host_page_rows", "evict_to_host_rows",
-           "flush_rows", "TRACE_COUNTS"]
+           "flush_rows", "TRACE_COUNTS", "BoundSteps", "bound_steps"]
 
 # Incremented each time a step is traced (= compiled): tests use it to check that nothing
 # recompiles once shapes are warm.
@@ -100,6 +100,46 @@ def decode_step(
     TRACE_COUNTS["decode_step"] += 1
     num_tokens = (slots >= 0).astype(jnp.int32)
     return _step(graphdef, state, cache, tokens[:, None], slots, num_tokens, seq_ids, seed, sampling, False)
+
+
+class BoundSteps(NamedTuple):
+    """`prefill` and `decode_step` with the model's static parts bound once (`bound_steps`):
+    called with the state's leaves (a list, flattened by JAX's C++ fast path) instead of a
+    graphdef that every call would hash as a static argument. Same traces, same results."""
+
+    prefill: object  # (leaves, cache, tokens, slots, num_tokens, seq_ids, seed, sampling, all_logits=False) -> StepOutput
+    decode_step: object  # (leaves, cache, tokens, slots, seq_ids, seed, sampling) -> StepOutput
+    leaves: list  # the state's leaves, in `treedef` order
+
+
+@functools.lru_cache(maxsize=8)
+def _bound(graphdef, treedef):
+    """One pair of jitted functions per model structure, kept across `generate` calls (8 models)."""
+
+    def prefill_leaves(leaves, cache, tokens, slots, num_tokens, seq_ids, seed, sampling, all_logits=False):
+        TRACE_COUNTS["prefill"] += 1
+        state = jax.tree.unflatten(treedef, leaves)
+        return _step(graphdef, state, cache, tokens, slots, num_tokens, seq_ids, seed, sampling, all_logits)
+
+    def decode_leaves(leaves, cache, tokens, slots, seq_ids, seed, sampling):
+        TRACE_COUNTS["decode_step"] += 1
+        state = jax.tree.unflatten(treedef, leaves)
+        num_tokens = (slots >= 0).astype(jnp.int32)
+        return _step(graphdef, state, cache, tokens[:, None], slots, num_tokens, seq_ids, seed, sampling, False)
+
+    return (jax.jit(prefill_leaves, static_argnames=("all_logits",), donate_argnums=(1,)),
+            jax.jit(decode_leaves, donate_argnums=(1,)))  # fmt: skip
+
+
+def bound_steps(graphdef, state) -> BoundSteps:
+    """The steps for `nnx.split(model)`'s parts, split and hashed once here, not per call:
+
+        steps = bound_steps(*nnx.split(model))
+        out = steps.decode_step(steps.leaves, cache, tokens, slots, seq_ids, seed, sampling)
+    """
+    leaves, treedef = jax.tree.flatten(state)
+    prefill_fn, decode_fn = _bound(graphdef, treedef)
+    return BoundSteps(prefill_fn, decode_fn, leaves)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))

@@ -1,0 +1,80 @@
+"""Run-ahead decode (`models.scheduler`, "Overlap"): the scheduler dispatches decode step t+1
+before reading step t back. Against the reference (`Scheduler.RUN_AHEAD = False`: every step
+read back before the next is planned), on the same prompts: the same tokens and the same
+logits, greedy and sampled, with stop tokens read a step late, under preemption (recompute and
+swap to the host tier), and the host's page count equal to the device's after every iteration
+(`Scheduler._check_pages`). Logits are equal bit for bit where the schedule is the reference's
+(no stop token); a stop read a step late delays the admission it allows by one step, which can
+change which sequence is preempted and recomputed, and a recomputed sequence's K/V come from a
+prefill instead of decode steps: equal up to float rounding (tokens equal). The shapes are
+test_models.py's (no new compile).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import arena_jax as aj
+import models
+from models.scheduler import Scheduler
+
+BATCH, CHUNK, NEW = 4, 8, 24
+PROMPT_LENS = (3, 17, 9, 25, 1, 12, 30, 5)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return models.init_random(models.LlamaConfig.tiny(), seed=0)
+
+
+@pytest.fixture(scope="module")
+def layouts(model):
+    def layout(pages):
+        return model.config.kv_layout(page_size=16, num_pages=pages, max_seqs=BATCH, max_seq_len=64, dtype="float32")
+
+    return {"tight": layout(6)}  # 4 rows of up to 48 tokens would need 12 pages
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(3)
+    return [rng.integers(0, 128, n).tolist() for n in PROMPT_LENS]
+
+
+def _both(monkeypatch, model, layout, prompts, exact=True, **kwargs):
+    monkeypatch.setattr(Scheduler, "CHECK_ACCOUNTING", True)
+    out = {}
+    for ahead in (False, True):
+        monkeypatch.setattr(Scheduler, "RUN_AHEAD", ahead)
+        out[ahead] = models.generate(model, prompts, NEW, batch_size=BATCH, chunk_size=CHUNK, layout=layout,
+                                     return_logits=True, **kwargs)  # fmt: skip
+    ref, fast = out[False], out[True]
+    assert ref.run_ahead_steps == 0 and fast.run_ahead_steps > 0  # the fast path ran
+    assert fast.tokens == ref.tokens
+    for a, b in zip(fast.logits, ref.logits):
+        if exact:
+            np.testing.assert_array_equal(a, b)
+        else:  # float32 rounding of K/V recomputed by a prefill (module docstring)
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+    assert aj.health(fast.cache)["free_pages"] == layout.num_pages  # the extra tokens' pages came back
+    return ref, fast
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_run_ahead_equals_the_reference_with_stops(monkeypatch, model, layouts, prompts, temperature):
+    """Stop tokens that end rows mid-run while others wait, too few pages; greedy and seeded sampling."""
+    plain = models.generate(model, prompts, NEW, batch_size=BATCH, chunk_size=CHUNK, layout=layouts["tight"],
+                            stop_tokens=(), temperature=temperature, seed=11)  # fmt: skip
+    stop = sorted({t[4] for t in plain.tokens[:3]})  # tokens drawn early: several rows stop at them
+    ref, fast = _both(monkeypatch, model, layouts["tight"], prompts, exact=False, stop_tokens=stop,
+                      temperature=temperature, seed=11)  # fmt: skip
+    assert any(len(t) < NEW for t in ref.tokens)  # some rows did stop
+
+
+def test_run_ahead_equals_the_reference_under_preemption(monkeypatch, model, layouts, prompts):
+    """No stop tokens, too few pages: recompute preemption; then the same with a host tier (swap)."""
+    ref, fast = _both(monkeypatch, model, layouts["tight"], prompts, stop_tokens=())
+    assert ref.preemptions > 0 and fast.preemptions == ref.preemptions
+    assert fast.scheduler_steps == ref.scheduler_steps and fast.decode_calls == ref.decode_calls  # same schedule
+    ref, fast = _both(monkeypatch, model, layouts["tight"], prompts, stop_tokens=(), host_pages=16)
+    assert ref.swap_outs > 0 and fast.swap_outs == ref.swap_outs
