@@ -161,6 +161,24 @@ def _add_prefix_args(p: argparse.ArgumentParser) -> None:
                    help="a third mode: the prefix cache with a host tier of this many pages (evicted pages spill there)")  # fmt: skip
 
 
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    from benchmarks.serve import ServeSettings
+
+    d = ServeSettings()
+    g = p.add_argument_group("serve")
+    g.add_argument("--batch", type=positive_int, default=d.batch, help="batch rows (and prompts)")
+    g.add_argument("--prompt-len", type=positive_int, default=d.prompt_len, help="random prompt tokens per sequence")
+    g.add_argument("--new-tokens", type=int_in(2), default=d.new_tokens, help="tokens generated per sequence in the long call")
+    g.add_argument("--short-tokens", type=positive_int, default=d.short_tokens,
+                   help="tokens of the short call whose time is subtracted (prefill cancels)")  # fmt: skip
+    g.add_argument("--rounds", type=positive_int, default=d.rounds, help="alternated timing rounds (medians reported)")
+    g.add_argument("--layers", type=int_in(1), nargs="*", default=list(d.layers),
+                   help="depths whose first-call compile time is measured (none: skip)")  # fmt: skip
+    g.add_argument("--no-compile-cache-runs", action="store_true",
+                   help="skip the two arena-generate processes that measure the persistent compilation cache")  # fmt: skip
+    g.add_argument("--seed", type=seed, default=d.seed)
+
+
 def _add_swap_args(p: argparse.ArgumentParser) -> None:
     from benchmarks.swap import SwapSettings
 
@@ -204,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="With no subcommand: the tour (`arena-bench --json tour.json` works too).",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{tour,layout,capacity,decode,kernels,accuracy,prefix,swap}")
+    sub = parser.add_subparsers(dest="command", metavar="{tour,layout,capacity,decode,kernels,accuracy,prefix,swap,serve}")
     fmt = argparse.ArgumentDefaultsHelpFormatter
 
     p = sub.add_parser("tour", formatter_class=fmt, parents=[common], help="layout report + small capacity run + tiny-model decode (default)")
@@ -258,5 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("swap", formatter_class=fmt, parents=[common],
                        help="a preemption-heavy generate run: recompute vs swap to a host tier")  # fmt: skip
     _add_swap_args(p)
+    p = sub.add_parser("serve", formatter_class=fmt, parents=[common],
+                       help="generate's decode step vs the bare jitted step, host overhead, compiles per call and by depth")  # fmt: skip
+    _add_serve_args(p)
     parser.subcommands = sub.choices  # name -> subparser, to report errors per subcommand
     return parser

@@ -11,6 +11,7 @@ end-to-end decode against a dense cache, the Pallas kernels, and prefix caching.
     arena-bench accuracy              8-bit KV arenas (int8, fp8) vs bf16: attention and model error
     arena-bench prefix                multi-turn chat with and without the prefix cache, same KV budget
     arena-bench swap                  a preemption-heavy generate run: recompute vs swap to host memory
+    arena-bench serve                 generate's decode step vs the bare jitted step, compiles per call / by depth
 
 layout, capacity, decode and kernels take the KV arena's dtype (`--kv-dtype`; kernels: `--dtype`):
 bfloat16 by default, or int8 / float8_e4m3fn / float8_e5m2 (8-bit values and a float32 scale per
@@ -304,6 +305,22 @@ def _cmd_swap(args, console, progress) -> dict:
     return result
 
 
+def _cmd_serve(args, console, progress) -> dict:
+    from benchmarks.serve import ServeSettings, run_serve, serve_lines
+
+    if args.short_tokens >= args.new_tokens:
+        raise _Fail(f"--short-tokens {args.short_tokens} must be below --new-tokens {args.new_tokens}")
+    settings = ServeSettings(batch=args.batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                             short_tokens=args.short_tokens, rounds=args.rounds, layers=tuple(args.layers),
+                             compile_cache_runs=not args.no_compile_cache_runs, seed=args.seed)  # fmt: skip
+    console.print("[bold]serve[/bold]: generate's loop vs its bare jitted step, tiny model (compiling first) ...")
+    result = run_serve(settings, progress)
+    for line in serve_lines(result):
+        print(line)
+    console.print(f"  ({result['wall_s']:.0f} s)")
+    return result
+
+
 def _check_kernel_memory(k: dict) -> None:
     """What the kernel benchmark allocates, checked first. On a CPU it runs the jnp reference on
     points clamped to CPU_MAX_BATCH x CPU_MAX_CONTEXT, all of which must fit. On a GPU a point
@@ -556,6 +573,8 @@ def main(argv=None) -> int:
                 results = _cmd_prefix(args, console, progress)
             elif command == "swap":
                 results = _cmd_swap(args, console, progress)
+            elif command == "serve":
+                results = _cmd_serve(args, console, progress)
             else:
                 results = _tour(args, console, progress)
     except _Fail as exc:

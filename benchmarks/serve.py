@@ -1,0 +1,246 @@
+"""`arena-bench serve`: the serving loop against its own step (issue 17).
+
+    arena-bench serve                       # tiny model, batch 8, 128-token prompts, 128 new tokens
+    arena-bench serve --json serve.json --layers 2 8 32
+
+Figures, all in one process (a tiny random-weight `LlamaConfig.tiny()`, float32, greedy):
+- **Step time**: `generate`'s decode step (the wall time of a call with `new_tokens` minus one
+  with `short_tokens`, same prompts and layout, divided by the difference: prefill cancels)
+  against a bare loop of the same jitted `models.decode_step` (tokens fed back on the device,
+  one read back at the end), and against `generate` with run-ahead off
+  (`Scheduler.RUN_AHEAD = False`: every step read back before the next, the old loop).
+  Rounds alternate the three so that load on a shared machine hits each; medians over rounds.
+  `host_overhead_ms` = generate's step minus the bare step.
+- **Compiles per call** (`benchmarks.compile_count`: programs JAX lowered, i.e. jit cache
+  misses): the cold first `generate` call, the same call again, and a call with other prompt
+  lengths, fewer prompts and another `max_new_tokens` on the same arena.
+- **First-call compile time per depth** (`--layers`): `decode_step` and `prefill` lowered and
+  compiled for tiny-width models of each depth (layers under `lax.scan`:
+  `benchmarks.layer_scaling.measure`), and the deepest over the shallowest.
+- **Persistent compilation cache** (`--compile-cache-runs`): `arena-generate` run twice in fresh
+  processes with one `--compile-cache` folder: the first fills it, the second reads it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+__all__ = ["ServeSettings", "run_serve", "serve_lines"]
+
+
+@dataclasses.dataclass
+class ServeSettings:
+    batch: int = 8
+    prompt_len: int = 128
+    new_tokens: int = 128
+    short_tokens: int = 16
+    rounds: int = 7
+    layers: tuple = (2, 8, 32)
+    compile_cache_runs: bool = True
+    seed: int = 0
+
+
+def _model(seed: int):
+    import models
+
+    return models.init_random(models.LlamaConfig.tiny(), seed=seed)
+
+
+def _step_times(net, settings: ServeSettings, advance) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    import arena_jax as aj
+    import models
+    from models.scheduler import Scheduler
+
+    b, p, n, short = settings.batch, settings.prompt_len, settings.new_tokens, settings.short_tokens
+    rng = np.random.default_rng(settings.seed)
+    prompts = [rng.integers(0, net.config.vocab_size, p).tolist() for _ in range(b)]
+    layout = models.default_layout(net, b, p + n, dtype="float32")
+
+    def gen(tokens, ahead=True):
+        Scheduler.RUN_AHEAD = ahead
+        try:
+            t0 = time.perf_counter()
+            r = models.generate(net, prompts, tokens, batch_size=b, chunk_size=32, layout=layout, stop_tokens=())
+            return time.perf_counter() - t0, r
+        finally:
+            Scheduler.RUN_AHEAD = True
+
+    graphdef, state = nnx.split(net)
+    slots = jnp.arange(b, dtype=jnp.int32)
+    greedy = models.GREEDY.rows(b)
+
+    def bare(steps):
+        cache = jax.device_put(aj.create(layout), jax.devices()[0])  # committed, as generate's
+        out = models.prefill(graphdef, state, cache, jnp.asarray(prompts, jnp.int32), slots, jnp.full((b,), p, jnp.int32),
+                             slots, 0, greedy)  # fmt: skip
+        cache, tokens = out.cache, out.tokens
+        jax.block_until_ready(tokens)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            out = models.decode_step(graphdef, state, cache, tokens, slots, slots, 0, greedy)
+            cache, tokens = out.cache, out.tokens
+        jax.block_until_ready(tokens)
+        return (time.perf_counter() - t0) / steps, tokens
+
+    gen(short), gen(n), gen(short, False), bare(2)  # warm: compile everything once
+    diff = n - short
+    rows = {"generate": [], "generate_no_run_ahead": [], "bare": []}
+    same = None
+    for _ in range(settings.rounds):
+        t_short, _ = gen(short)
+        t_long, r = gen(n)
+        rows["generate"].append((t_long - t_short) / diff)
+        t_short, _ = gen(short, False)
+        t_long, ref = gen(n, False)
+        rows["generate_no_run_ahead"].append((t_long - t_short) / diff)
+        rows["bare"].append(bare(diff)[0])
+        same = r.tokens == ref.tokens if same is None else same and r.tokens == ref.tokens
+        advance()
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    return dict(
+        batch=b, prompt_len=p, new_tokens=n, short_tokens=short, rounds=settings.rounds,
+        generate_step_ms=round(1e3 * med["generate"], 4),
+        generate_no_run_ahead_step_ms=round(1e3 * med["generate_no_run_ahead"], 4),
+        bare_step_ms=round(1e3 * med["bare"], 4),
+        bare_over_generate=round(med["bare"] / med["generate"], 3),
+        bare_over_generate_no_run_ahead=round(med["bare"] / med["generate_no_run_ahead"], 3),
+        host_overhead_ms=round(1e3 * (med["generate"] - med["bare"]), 4),
+        host_overhead_no_run_ahead_ms=round(1e3 * (med["generate_no_run_ahead"] - med["bare"]), 4),
+        per_round_ms={k: [round(1e3 * x, 4) for x in v] for k, v in rows.items()},
+        run_ahead_steps=r.run_ahead_steps, decode_calls=r.decode_calls, same_tokens_as_no_run_ahead=bool(same),
+    )  # fmt: skip
+
+
+def _compiles_per_call(settings: ServeSettings) -> dict:
+    """A fresh model structure (other depth: nothing of the timing runs is reused) called cold,
+    again, then with other lengths on the same arena."""
+    import numpy as np
+
+    import models
+    from benchmarks.compile_count import CompileCount
+
+    net = models.init_random(models.LlamaConfig.tiny(num_layers=3), seed=settings.seed)
+    b, p, n = settings.batch, settings.prompt_len, settings.new_tokens
+    rng = np.random.default_rng(settings.seed + 1)
+    layout = models.default_layout(net, b, p + n, dtype="float32")
+    calls = [("cold", [p] * b, n), ("same again", [p] * b, n),
+             ("other lengths, fewer prompts, other max_new", [p // 2 + 3, p // 3, 7], n // 2 + 5)]  # fmt: skip
+    out = []
+    for label, lens, new in calls:
+        prompts = [rng.integers(0, net.config.vocab_size, k).tolist() for k in lens]
+        with CompileCount() as c:
+            t0 = time.perf_counter()
+            models.generate(net, prompts, new, batch_size=b, layout=layout, stop_tokens=())
+            wall = time.perf_counter() - t0
+        out.append(dict(call=label, prompts=len(lens), max_new_tokens=new, programs_compiled=c.programs,
+                        compile_s=round(c.seconds, 3), wall_s=round(wall, 3)))  # fmt: skip
+    return dict(layout="given (models.default_layout for the longest prompt + max_new_tokens)", calls=out)
+
+
+def _depth_compiles(settings: ServeSettings, advance) -> list[dict]:
+    from benchmarks.layer_scaling import measure
+
+    rows = []
+    for layers in settings.layers:
+        row = measure(layers, batch=settings.batch, prompt_len=settings.prompt_len, steps=3)
+        rows.append({k: row[k] for k in ("layers", "compile_decode_s", "compile_prefill_s", "step_ms_p50")})
+        advance()
+    return rows
+
+
+def _persistent_cache(settings: ServeSettings) -> dict:
+    """Two fresh `arena-generate` processes sharing one --compile-cache folder."""
+    argv = [sys.executable, "-m", "models.cli", "--prompt", "x" * 40, "--batch", str(settings.batch),
+            "--max-new-tokens", "16", "--seed", str(settings.seed)]  # fmt: skip
+    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+    runs = []
+    with tempfile.TemporaryDirectory() as folder:
+        for label, extra in (("no cache", ["--no-compile-cache"]), ("cold cache", ["--compile-cache", folder]),
+                             ("warm cache", ["--compile-cache", folder])):  # fmt: skip
+            t0 = time.perf_counter()
+            proc = subprocess.run(argv + extra, env=env, capture_output=True, text=True)
+            wall = time.perf_counter() - t0
+            if proc.returncode:
+                raise RuntimeError(f"arena-generate failed ({label}): {proc.stderr[-2000:]}")
+            entries = sum(len(files) for _, _, files in os.walk(folder))
+            runs.append(dict(run=label, process_wall_s=round(wall, 2), cache_entries=entries))
+    saved = runs[1]["process_wall_s"] - runs[2]["process_wall_s"]
+    return dict(command=" ".join(["arena-generate"] + argv[3:]), runs=runs, saved_s=round(saved, 2))
+
+
+def run_serve(settings: ServeSettings, progress=None) -> dict:
+    import jax
+
+    step = progress.add_task("serve", total=settings.rounds + len(settings.layers) + 2) if progress else None
+
+    def advance():
+        if step is not None:
+            step()
+
+    t0 = time.perf_counter()
+    result = dict(device=str(jax.devices()[0].device_kind), backend=jax.default_backend(), jax=jax.__version__)
+    result["compiles_per_call"] = _compiles_per_call(settings)
+    advance()
+    result["step"] = _step_times(_model(settings.seed), settings, advance)
+    result["compile_by_depth"] = _depth_compiles(settings, advance) if settings.layers else []
+    if result["compile_by_depth"]:
+        d = result["compile_by_depth"]
+        result["deepest_over_shallowest_decode_compile"] = round(d[-1]["compile_decode_s"] / d[0]["compile_decode_s"], 3)
+    result["persistent_cache"] = _persistent_cache(settings) if settings.compile_cache_runs else None
+    advance()
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    if progress is not None:
+        progress.finish_task()
+    return result
+
+
+def serve_lines(result: dict) -> list[str]:
+    s = result["step"]
+    lines = [
+        f"decode step, batch {s['batch']}, {s['prompt_len']}-token prompts, tiny model ({result['device']}; medians of "
+        f"{s['rounds']} alternated rounds):",
+        f"  bare jitted decode_step loop      {s['bare_step_ms']:8.3f} ms",
+        f"  generate (run-ahead)              {s['generate_step_ms']:8.3f} ms   bare/generate {s['bare_over_generate']:.2f}"
+        f"   host overhead {s['host_overhead_ms']:+.3f} ms/step",
+        f"  generate (RUN_AHEAD=False)        {s['generate_no_run_ahead_step_ms']:8.3f} ms   bare/generate "
+        f"{s['bare_over_generate_no_run_ahead']:.2f}   host overhead {s['host_overhead_no_run_ahead_ms']:+.3f} ms/step",
+        f"  run-ahead steps {s['run_ahead_steps']} of {s['decode_calls']} decode calls; tokens equal to RUN_AHEAD=False: "
+        f"{s['same_tokens_as_no_run_ahead']}",
+        "compiles per generate call (programs lowered = jit cache misses):",
+    ]
+    for c in result["compiles_per_call"]["calls"]:
+        lines.append(f"  {c['call']:<45} {c['prompts']} prompts, max_new {c['max_new_tokens']:4d}: "
+                     f"{c['programs_compiled']:3d} programs, {c['compile_s']:6.2f} s compiling, {c['wall_s']:6.2f} s wall")
+    if result["compile_by_depth"]:
+        lines.append("first-call compile time by depth (tiny width, layers under lax.scan):")
+        for d in result["compile_by_depth"]:
+            lines.append(f"  {d['layers']:3d} layers: decode_step {d['compile_decode_s']:6.2f} s, prefill "
+                         f"{d['compile_prefill_s']:6.2f} s, step {d['step_ms_p50']:.2f} ms")
+        lines.append(f"  deepest / shallowest decode_step compile: {result['deepest_over_shallowest_decode_compile']:.2f}x")
+    pc = result.get("persistent_cache")
+    if pc:
+        lines.append(f"persistent compilation cache ({pc['command']}, fresh processes):")
+        for r in pc["runs"]:
+            lines.append(f"  {r['run']:<11} {r['process_wall_s']:6.2f} s ({r['cache_entries']} cache entries)")
+        lines.append(f"  a warm cache saves {pc['saved_s']:.2f} s per process")
+    return lines
+
+
+def main(argv=None) -> int:  # python -m benchmarks.serve (the same as arena-bench serve)
+    from benchmarks.cli import main as cli_main
+
+    return cli_main(["serve", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
