@@ -169,8 +169,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch", type=positive_int, default=d.batch, help="batch rows (and prompts)")
     g.add_argument("--prompt-len", type=positive_int, default=d.prompt_len, help="random prompt tokens per sequence")
     g.add_argument("--new-tokens", type=int_in(2), default=d.new_tokens, help="tokens generated per sequence in the long call")
-    g.add_argument("--short-tokens", type=positive_int, default=d.short_tokens,
-                   help="tokens of the short call whose time is subtracted (prefill cancels)")  # fmt: skip
+    g.add_argument("--chunk", type=positive_int, default=d.chunk, help="bare-loop steps per timed run")
     g.add_argument("--rounds", type=positive_int, default=d.rounds, help="alternated timing rounds (medians reported)")
     g.add_argument("--layers", type=int_in(1), nargs="*", default=list(d.layers),
                    help="depths whose first-call compile time is measured (none: skip)")  # fmt: skip

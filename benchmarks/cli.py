@@ -308,10 +308,8 @@ def _cmd_swap(args, console, progress) -> dict:
 def _cmd_serve(args, console, progress) -> dict:
     from benchmarks.serve import ServeSettings, run_serve, serve_lines
 
-    if args.short_tokens >= args.new_tokens:
-        raise _Fail(f"--short-tokens {args.short_tokens} must be below --new-tokens {args.new_tokens}")
     settings = ServeSettings(batch=args.batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                             short_tokens=args.short_tokens, rounds=args.rounds, layers=tuple(args.layers),
+                             chunk=args.chunk, rounds=args.rounds, layers=tuple(args.layers),
                              compile_cache_runs=not args.no_compile_cache_runs, seed=args.seed)  # fmt: skip
     console.print("[bold]serve[/bold]: generate's loop vs its bare jitted step, tiny model (compiling first) ...")
     result = run_serve(settings, progress)

@@ -4,13 +4,15 @@
     arena-bench serve --json serve.json --layers 2 8 32
 
 Figures, all in one process (a tiny random-weight `LlamaConfig.tiny()`, float32, greedy):
-- **Step time**: `generate`'s decode step (the wall time of a call with `new_tokens` minus one
-  with `short_tokens`, same prompts and layout, divided by the difference: prefill cancels)
-  against a bare loop of the same jitted `models.decode_step` (tokens fed back on the device,
-  one read back at the end), and against `generate` with run-ahead off
-  (`Scheduler.RUN_AHEAD = False`: every step read back before the next, the old loop).
-  Rounds alternate the three so that load on a shared machine hits each; medians over rounds.
-  `host_overhead_ms` = generate's step minus the bare step.
+- **Step time**: `generate`'s decode step (`Generation.decode_step_seconds`: the wall time of
+  each scheduler iteration that was one decode step alone) against a bare loop of the same
+  jitted step (`models.steps.bound_steps`, what generate calls; and the public
+  `models.decode_step`, which hashes its graphdef per call) run `chunk` steps at a time with
+  the tokens fed back on the device and one read back at the end, and against `generate` with
+  run-ahead off (`Scheduler.RUN_AHEAD = False`: every step read back before the next is
+  planned, the old loop). Rounds alternate them so that load on a shared machine hits each;
+  medians over every step of every round. `host_overhead_ms` = generate's step minus the bare
+  step.
 - **Compiles per call** (`benchmarks.compile_count`: programs JAX lowered, i.e. jit cache
   misses): the cold first `generate` call, the same call again, and a call with other prompt
   lengths, fewer prompts and another `max_new_tokens` on the same arena.
@@ -38,7 +40,7 @@ class ServeSettings:
     batch: int = 8
     prompt_len: int = 128
     new_tokens: int = 128
-    short_tokens: int = 16
+    chunk: int = 16  # bare-loop steps per timed run
     rounds: int = 7
     layers: tuple = (2, 8, 32)
     compile_cache_runs: bool = True
@@ -60,63 +62,67 @@ def _step_times(net, settings: ServeSettings, advance) -> dict:
     import arena_jax as aj
     import models
     from models.scheduler import Scheduler
+    from models.steps import bound_steps
 
-    b, p, n, short = settings.batch, settings.prompt_len, settings.new_tokens, settings.short_tokens
+    b, p, n = settings.batch, settings.prompt_len, settings.new_tokens
     rng = np.random.default_rng(settings.seed)
     prompts = [rng.integers(0, net.config.vocab_size, p).tolist() for _ in range(b)]
     layout = models.default_layout(net, b, p + n, dtype="float32")
 
-    def gen(tokens, ahead=True):
+    def gen(ahead):
         Scheduler.RUN_AHEAD = ahead
         try:
-            t0 = time.perf_counter()
-            r = models.generate(net, prompts, tokens, batch_size=b, chunk_size=32, layout=layout, stop_tokens=())
-            return time.perf_counter() - t0, r
+            return models.generate(net, prompts, n, batch_size=b, chunk_size=32, layout=layout, stop_tokens=())
         finally:
             Scheduler.RUN_AHEAD = True
 
     graphdef, state = nnx.split(net)
+    bound = bound_steps(graphdef, state)
     slots = jnp.arange(b, dtype=jnp.int32)
-    greedy = models.GREEDY.rows(b)
+    greedy, seed = models.GREEDY.rows(b), jnp.asarray(settings.seed * 0, jnp.int32)
 
-    def bare(steps):
+    def bare(public: bool) -> list[float]:
+        """Per-step wall time of `chunk`-step runs of the jitted step, tokens fed back on the device."""
         cache = jax.device_put(aj.create(layout), jax.devices()[0])  # committed, as generate's
-        out = models.prefill(graphdef, state, cache, jnp.asarray(prompts, jnp.int32), slots, jnp.full((b,), p, jnp.int32),
-                             slots, 0, greedy)  # fmt: skip
+        out = bound.prefill(bound.leaves, cache, jnp.asarray(prompts, jnp.int32), slots, jnp.full((b,), p, jnp.int32),
+                            slots, seed, greedy)  # fmt: skip
         cache, tokens = out.cache, out.tokens
         jax.block_until_ready(tokens)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            out = models.decode_step(graphdef, state, cache, tokens, slots, slots, 0, greedy)
-            cache, tokens = out.cache, out.tokens
-        jax.block_until_ready(tokens)
-        return (time.perf_counter() - t0) / steps, tokens
+        chunk, times = settings.chunk, []
+        for _ in range((n - 1) // chunk):
+            t0 = time.perf_counter()
+            for _ in range(chunk):
+                if public:
+                    out = models.decode_step(graphdef, state, cache, tokens, slots, slots, seed, greedy)
+                else:
+                    out = bound.decode_step(bound.leaves, cache, tokens, slots, slots, seed, greedy)
+                cache, tokens = out.cache, out.tokens
+            jax.block_until_ready(tokens)
+            times.append((time.perf_counter() - t0) / chunk)
+        return times
 
-    gen(short), gen(n), gen(short, False), bare(2)  # warm: compile everything once
-    diff = n - short
-    rows = {"generate": [], "generate_no_run_ahead": [], "bare": []}
-    same = None
+    gen(True), gen(False), bare(False), bare(True)  # warm: compile everything once
+    rows = {"generate": [], "generate_no_run_ahead": [], "bare": [], "bare_public": []}
+    same, r = True, None
     for _ in range(settings.rounds):
-        t_short, _ = gen(short)
-        t_long, r = gen(n)
-        rows["generate"].append((t_long - t_short) / diff)
-        t_short, _ = gen(short, False)
-        t_long, ref = gen(n, False)
-        rows["generate_no_run_ahead"].append((t_long - t_short) / diff)
-        rows["bare"].append(bare(diff)[0])
-        same = r.tokens == ref.tokens if same is None else same and r.tokens == ref.tokens
+        r = gen(True)
+        ref = gen(False)
+        rows["generate"] += r.decode_step_seconds
+        rows["generate_no_run_ahead"] += ref.decode_step_seconds
+        rows["bare"] += bare(False)
+        rows["bare_public"] += bare(True)
+        same = same and r.tokens == ref.tokens
         advance()
     med = {k: statistics.median(v) for k, v in rows.items()}
+    ms = lambda x: round(1e3 * x, 4)  # noqa: E731
     return dict(
-        batch=b, prompt_len=p, new_tokens=n, short_tokens=short, rounds=settings.rounds,
-        generate_step_ms=round(1e3 * med["generate"], 4),
-        generate_no_run_ahead_step_ms=round(1e3 * med["generate_no_run_ahead"], 4),
-        bare_step_ms=round(1e3 * med["bare"], 4),
+        batch=b, prompt_len=p, new_tokens=n, rounds=settings.rounds, samples={k: len(v) for k, v in rows.items()},
+        generate_step_ms=ms(med["generate"]), generate_no_run_ahead_step_ms=ms(med["generate_no_run_ahead"]),
+        bare_step_ms=ms(med["bare"]), bare_public_step_ms=ms(med["bare_public"]),
         bare_over_generate=round(med["bare"] / med["generate"], 3),
         bare_over_generate_no_run_ahead=round(med["bare"] / med["generate_no_run_ahead"], 3),
-        host_overhead_ms=round(1e3 * (med["generate"] - med["bare"]), 4),
-        host_overhead_no_run_ahead_ms=round(1e3 * (med["generate_no_run_ahead"] - med["bare"]), 4),
-        per_round_ms={k: [round(1e3 * x, 4) for x in v] for k, v in rows.items()},
+        host_overhead_ms=ms(med["generate"] - med["bare"]),
+        host_overhead_no_run_ahead_ms=ms(med["generate_no_run_ahead"] - med["bare"]),
         run_ahead_steps=r.run_ahead_steps, decode_calls=r.decode_calls, same_tokens_as_no_run_ahead=bool(same),
     )  # fmt: skip
 
@@ -209,10 +215,11 @@ def serve_lines(result: dict) -> list[str]:
     lines = [
         f"decode step, batch {s['batch']}, {s['prompt_len']}-token prompts, tiny model ({result['device']}; medians of "
         f"{s['rounds']} alternated rounds):",
-        f"  bare jitted decode_step loop      {s['bare_step_ms']:8.3f} ms",
-        f"  generate (run-ahead)              {s['generate_step_ms']:8.3f} ms   bare/generate {s['bare_over_generate']:.2f}"
+        f"  bare loop of generate's jitted step {s['bare_step_ms']:8.3f} ms   (public models.decode_step: "
+        f"{s['bare_public_step_ms']:.3f} ms)",
+        f"  generate (run-ahead)                {s['generate_step_ms']:8.3f} ms   bare/generate {s['bare_over_generate']:.2f}"
         f"   host overhead {s['host_overhead_ms']:+.3f} ms/step",
-        f"  generate (RUN_AHEAD=False)        {s['generate_no_run_ahead_step_ms']:8.3f} ms   bare/generate "
+        f"  generate (RUN_AHEAD=False)          {s['generate_no_run_ahead_step_ms']:8.3f} ms   bare/generate "
         f"{s['bare_over_generate_no_run_ahead']:.2f}   host overhead {s['host_overhead_no_run_ahead_ms']:+.3f} ms/step",
         f"  run-ahead steps {s['run_ahead_steps']} of {s['decode_calls']} decode calls; tokens equal to RUN_AHEAD=False: "
         f"{s['same_tokens_as_no_run_ahead']}",

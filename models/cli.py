@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-size", type=positive_int, default=32, help="prefill chunk (tokens per prefill call)")
     p.add_argument("--page-size", type=positive_int, default=16)
     p.add_argument("--num-pages", type=positive_int, default=None, help="arena pages (default: every row at full length)")
-    p.add_argument("--max-seq-len", type=positive_int, default=None, help="per-sequence limit (default: prompt + new tokens)")
+    p.add_argument("--max-seq-len", type=positive_int, default=None, help="per-sequence limit (default: prompt + new tokens, rounded up to a power of two)")
     p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=positive_int, default=None)
     p.add_argument("--top-p", type=float_in(0.0, 1.0, low_open=True), default=None)
@@ -117,13 +117,14 @@ def main(argv=None) -> int:
         parser.error("--prompt is empty")
     num_prompts = args.num_prompts or args.batch
     total = len(prompt) + args.max_new_tokens
-    max_seq_len = args.max_seq_len or total
+    max_seq_len = args.max_seq_len or models.length_bucket(total, args.page_size)  # a bucket: the compile cache hits
     if max_seq_len < total:
         parser.error(f"--max-seq-len {max_seq_len} is shorter than prompt + new tokens ({total})")
     pages_per_seq = -(-max_seq_len // args.page_size)
     sizes = f"--batch {args.batch}, --page-size {args.page_size}"
     sizes += f", --num-pages {args.num_pages}" if args.num_pages else ""
-    sizes += f", --max-seq-len {max_seq_len}" if args.max_seq_len else f", prompt + --max-new-tokens = {total} tokens"
+    sizes += (f", --max-seq-len {max_seq_len}" if args.max_seq_len else
+              f", prompt + --max-new-tokens = {total} tokens in rows of {max_seq_len} (a power-of-two bucket)")  # fmt: skip
     try:
         layout = config.kv_layout(
             page_size=args.page_size,

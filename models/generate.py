@@ -69,7 +69,7 @@ from models.llama import Llama
 from models.sampling import Sampling
 from models.scheduler import Scheduler, Seq, fetch
 
-__all__ = ["Generation", "generate", "default_layout"]
+__all__ = ["Generation", "generate", "default_layout", "length_bucket"]
 
 
 @dataclasses.dataclass
@@ -97,6 +97,7 @@ class Generation:
     swapped_tokens: int = 0  # tokens those preemptions moved (brought back, not recomputed)
     modelled_transfer_seconds: float = 0.0  # host <-> device copies made, at the SwapPolicy's bandwidth
     run_ahead_steps: int = 0  # decode steps dispatched before the previous step was read back (models.scheduler)
+    decode_step_seconds: list[float] | None = None  # wall time of each scheduler iteration that was a decode step alone
 
     @property
     def num_generated(self) -> int:
@@ -122,6 +123,13 @@ def default_layout(
         dtype=model.dtype if dtype is None else dtype,
         scale_dtype=scale_dtype,
     )
+
+
+def length_bucket(num_tokens: int, page_size: int = 16) -> int:
+    """The sequence length generate's own arena is sized for: `num_tokens` rounded up to a power
+    of two, at least one page. Calls whose longest prompt + max_new_tokens fall in the same
+    bucket get the same layout, so they compile nothing new (a given layout or cache: never)."""
+    return max(page_size, 1 << max(0, int(num_tokens) - 1).bit_length())
 
 
 def generate(
@@ -151,7 +159,10 @@ def generate(
     """Generate up to `max_new_tokens` for each prompt (lists of token ids).
 
     `batch_size` rows run at once (row r uses cache slot r); give `layout` (or a `cache`,
-    reused and returned) to bound the arena, else it holds every row at full length.
+    reused and returned) to bound the arena, else it holds every row at full length, the
+    longest prompt + `max_new_tokens` rounded up to a power of two (`length_bucket`), so that
+    later calls with other lengths in that bucket compile nothing. A given layout or cache is
+    compiled for once: any prompts and max_new_tokens that fit it reuse its steps.
     temperature 0 is greedy; top_k / top_p filter; `seed` (an int32) makes sampling reproducible.
     A sequence stops after a token in `stop_tokens` (kept in its output). The default, None,
     means the model's `config.eos_token_ids` (a checkpoint's eos tokens, as transformers'
@@ -231,8 +242,8 @@ def generate(
             raise ValueError(f"cache must hold no pages{why}: generate owns every slot and page")
         if mesh is not None and (cache.sharding is None or cache.sharding.mesh.devices.tolist() != mesh.devices.tolist()):
             raise ValueError("mesh does not match the cache's: give one or the other")
-    elif layout is None:
-        layout = default_layout(model, batch_size, longest, dtype=kv_dtype)
+    elif layout is None:  # bucketed: other lengths in the same bucket reuse the compiled steps
+        layout = default_layout(model, batch_size, length_bucket(longest), dtype=kv_dtype)
     model = _on_mesh(model, cache.sharding.mesh if cache is not None and cache.sharding else mesh, tensor_axis)
     cfg = model.config
     for field, want in (("num_layers", cfg.num_layers), ("num_kv_heads", cfg.num_kv_heads), ("head_dim", cfg.head_dim)):
@@ -318,6 +329,7 @@ def generate(
         swapped_tokens=tier.swapped_tokens if tier is not None else 0,
         modelled_transfer_seconds=tier.modelled_transfer_s if tier is not None else 0.0,
         run_ahead_steps=runner.run_ahead_steps,
+        decode_step_seconds=runner.decode_step_seconds,
     )
 
 

@@ -190,6 +190,7 @@ class Scheduler:
         self._admit_current = False  # no row was vacated or preempted since the last `_admit`
         self._on_device: dict[bytes, jax.Array] = {}  # unchanged i32[B] inputs stay on the device
         self.run_ahead_steps = 0
+        self.decode_step_seconds: list[float] = []  # wall time of each iteration that was one decode step alone
 
     # ---- bookkeeping --------------------------------------------------------------------
     def _running(self, shard: int | None = None) -> list[Seq]:
@@ -497,6 +498,7 @@ class Scheduler:
     def run(self, seqs: list[Seq]) -> None:
         waiting = collections.deque(seqs)
         bound, self.iterations = self.step_bound(seqs, self.max_new), 0
+        last, last_decode_only = time.perf_counter(), None
         while waiting or self._running() or self._ahead is not None:
             self.iterations += 1
             if self.iterations > bound:  # a broken invariant, never a hang
@@ -506,24 +508,36 @@ class Scheduler:
                 self._ahead = None
                 if self._finish_decode(out, slots, seqs_served, waiting):
                     raise RuntimeError("a run-ahead decode step was refused pages the scheduler counted: a bug")
-                continue
-            self._flush(force=False)
-            self._admit(waiting)
-            if not self._running():
-                raise RuntimeError("no sequence could be admitted")  # excluded by generate's size checks
-            failed = set()  # data shards that refused a row for lack of pages
-            if any(s.pending > 1 for s in self._running()):
-                failed |= self._prefill()
-            if any(s.pending == 1 for s in self._running()):
-                failed |= self._decode(waiting, run_ahead=not failed)
-            for shard in sorted(failed):
-                # Pages only the cache holds go before any running sequence (at least one: the
-                # host's count said the step would fit, so it must be short of the device's).
-                if not (self.index is not None and self.index.evictable_pages and self._evict(1)):
-                    self._preempt(waiting, shard)
+                decode_only = True
+            else:
+                decode_only = self._iterate(waiting)
+            now = time.perf_counter()
+            if decode_only and last_decode_only is not None:
+                self.decode_step_seconds.append(now - last)
+            last, last_decode_only = now, decode_only
             if self.CHECK_ACCOUNTING and self.index is None:
                 self._check_pages()
         self._flush()
+
+    def _iterate(self, waiting: collections.deque) -> bool:
+        """One iteration without a run-ahead step in flight; True if it was a decode step alone."""
+        self._flush(force=False)
+        self._admit(waiting)
+        if not self._running():
+            raise RuntimeError("no sequence could be admitted")  # excluded by generate's size checks
+        failed = set()  # data shards that refused a row for lack of pages
+        prefilled = any(s.pending > 1 for s in self._running())
+        if prefilled:
+            failed |= self._prefill()
+        decoded = any(s.pending == 1 for s in self._running())
+        if decoded:
+            failed |= self._decode(waiting, run_ahead=not failed)
+        for shard in sorted(failed):
+            # Pages only the cache holds go before any running sequence (at least one: the
+            # host's count said the step would fit, so it must be short of the device's).
+            if not (self.index is not None and self.index.evictable_pages and self._evict(1)):
+                self._preempt(waiting, shard)
+        return decoded and not prefilled and not failed
 
     def _prefill(self) -> set:
         if self.index is None:  # with an index, `_make_room` flushes (with its evictions, in one call)

@@ -11,6 +11,7 @@ test_models.py's (no new compile).
 """
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -78,3 +79,27 @@ def test_run_ahead_equals_the_reference_under_preemption(monkeypatch, model, lay
     assert fast.scheduler_steps == ref.scheduler_steps and fast.decode_calls == ref.decode_calls  # same schedule
     ref, fast = _both(monkeypatch, model, layouts["tight"], prompts, stop_tokens=(), host_pages=16)
     assert ref.swap_outs > 0 and fast.swap_outs == ref.swap_outs
+
+
+def test_generate_compiles_once_for_a_length_bucket(model):
+    """generate's own arena is sized for a power-of-two bucket of the longest prompt + max_new_tokens
+    (`models.length_bucket`): other prompt lengths, fewer prompts and another max_new_tokens in
+    the same bucket compile nothing (counted from JAX's compile events), and give the tokens of a
+    run on an arena of exactly that bucket's layout."""
+    from benchmarks.compile_count import CompileCount
+
+    assert [models.length_bucket(n) for n in (1, 16, 17, 33, 64, 65)] == [16, 16, 32, 64, 64, 128]
+    rng = np.random.default_rng(7)
+    first = [rng.integers(0, 128, n).tolist() for n in (20, 9)]
+    models.generate(model, first, 30, batch_size=2, stop_tokens=())  # 50 tokens: the 64 bucket
+    again = [rng.integers(0, 128, n).tolist() for n in (33,)]
+    with CompileCount() as count:
+        before = dict(models.TRACE_COUNTS)
+        got = models.generate(model, again, 7, batch_size=2, stop_tokens=(), return_logits=True)
+    assert count.programs == 0 and dict(models.TRACE_COUNTS) == before
+    layout = models.default_layout(model, 2, 64, dtype="float32")
+    want = models.generate(model, again, 7, batch_size=2, stop_tokens=(), layout=layout, return_logits=True)
+    assert got.tokens == want.tokens and np.array_equal(got.logits[0], want.logits[0])
+    with CompileCount() as count:  # the counter does see a compile
+        jax.jit(lambda x: x * 3 + 1)(np.arange(5))
+    assert count.programs == 1
