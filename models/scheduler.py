@@ -555,13 +555,13 @@ class Scheduler:
             live = np.flatnonzero(slots >= 0)
             self._make_room(live.tolist(), counts[live].tolist())
         start = time.perf_counter()
-        out = self.steps.prefill(
+        out, packed = self.steps.prefill(
             self.steps.leaves, self.cache, jnp.asarray(tokens), self._device(slots), jnp.asarray(counts),
             self._device(seq_ids), self.seed, self.sampling,
         )  # fmt: skip
         self.cache = out.cache
         self.prefill_calls += 1
-        failed = self._collect(out, slots, counts)  # reads the step's results back: the time includes its work
+        failed = self._collect(out, packed, slots, counts)  # reads the step's results back: the time includes its work
         if self.tier is not None:
             self.tier.observe_prefill(int(counts.sum()), time.perf_counter() - start)
         return failed
@@ -592,16 +592,16 @@ class Scheduler:
             self._make_room(live.tolist(), [1] * len(live))
         out = self._dispatch_decode(jnp.asarray(tokens), slots, seq_ids)
         if not run_ahead:
-            return self._collect(out, slots, (slots >= 0).astype(np.int32))
+            return self._collect(*out, slots, (slots >= 0).astype(np.int32))
         return self._finish_decode(out, slots, served, waiting)
 
     def _dispatch_decode(self, tokens: jax.Array, slots: np.ndarray, seq_ids: np.ndarray):
         out = self.steps.decode_step(
             self.steps.leaves, self.cache, tokens, self._device(slots), self._device(seq_ids), self.seed, self.sampling
         )
-        self.cache = out.cache
+        self.cache = out[0].cache
         self.decode_calls += 1
-        return out
+        return out  # (StepOutput, packed i32[2, B])
 
     def _finish_decode(self, out, slots: np.ndarray, served: list, waiting: collections.deque) -> set:
         """Read back a dispatched decode step, first dispatching the next one when the host can
@@ -610,9 +610,9 @@ class Scheduler:
         nxt = self._next_decode_rows(slots, served, waiting)
         if nxt is not None:
             next_slots, next_ids, next_served = nxt
-            ahead = self._dispatch_decode(out.tokens, next_slots, next_ids)
+            ahead = self._dispatch_decode(out[0].tokens, next_slots, next_ids)
             self.run_ahead_steps += 1
-        failed = self._collect(out, slots, (slots >= 0).astype(np.int32), served)
+        failed = self._collect(*out, slots, (slots >= 0).astype(np.int32), served)
         if nxt is not None:
             if failed:
                 raise RuntimeError("a decode step the scheduler counted pages for was refused: a bug in its accounting")
@@ -649,16 +649,17 @@ class Scheduler:
             next_slots[r], next_ids[r], next_served[r] = self.slot_of[r], served[r].index, served[r]
         return next_slots, next_ids, next_served
 
-    def _collect(self, out, slots, counts, served: list | None = None) -> set:
+    def _collect(self, out, packed, slots, counts, served: list | None = None) -> set:
         """Advance the rows the step served; the data shards where a row was refused for lack of pages.
         `served`: the Seq each row served; a row whose Seq has left it since (a stop token read
         back after this run-ahead step was dispatched) is skipped, its token discarded."""
-        wanted = [out.ok, out.tokens, *self._swap_ins]
+        wanted = [packed, *self._swap_ins]  # packed: the sampled tokens and ok, i32[2, B]
         if self.index is not None:  # the page table rows the index needs travel with the sampled tokens
             wanted.append(out.cache.table.page_map)
         if self.return_logits:
             wanted.append(out.logits)
-        ok, next_tokens, *rest = fetch(*wanted)
+        packed, *rest = fetch(*wanted)
+        next_tokens, ok = packed.tolist()
         swapped_in, rest = rest[: len(self._swap_ins)], rest[len(self._swap_ins) :]
         self._swap_ins = []
         if not all(x.all() for x in swapped_in):  # pads are True: a False is a row the admission counted
@@ -667,18 +668,19 @@ class Scheduler:
             self._page_rows = rest.pop(0)
         logits = rest.pop(0) if self.return_logits else None
         failed = set()
-        for r in np.flatnonzero(slots >= 0):
+        counts = counts.tolist()
+        for r in np.flatnonzero(slots >= 0).tolist():
             seq = self.rows[r]
             if served is not None and seq is not served[r]:
                 continue  # it stopped at the step before: this token is one past its end
             if not ok[r]:
-                failed.add(int(r) // self.rows_per_shard)
+                failed.add(r // self.rows_per_shard)
                 continue
-            seq.fed += int(counts[r])
+            seq.fed += counts[r]
             if self.index is not None:
                 self._index_running(seq, r)
             if seq.pending == 0:  # the whole sequence is in the cache: the sample is its next token
-                self._accept(r, int(next_tokens[r]), None if logits is None else logits[r])
+                self._accept(r, next_tokens[r], None if logits is None else logits[r])
         if self.index is not None and self.CHECK_ACCOUNTING:
             self._flush()
             in_use = self.layout.num_pages - int(self.cache.table.num_free)

@@ -105,11 +105,17 @@ def decode_step(
 class BoundSteps(NamedTuple):
     """`prefill` and `decode_step` with the model's static parts bound once (`bound_steps`):
     called with the state's leaves (a list, flattened by JAX's C++ fast path) instead of a
-    graphdef that every call would hash as a static argument. Same traces, same results."""
+    graphdef that every call would hash as a static argument. Same traces, same results, and
+    beside the StepOutput the sampled tokens and `ok` packed in one i32[2, B] array (one
+    transfer for a host that reads both back)."""
 
-    prefill: object  # (leaves, cache, tokens, slots, num_tokens, seq_ids, seed, sampling, all_logits=False) -> StepOutput
-    decode_step: object  # (leaves, cache, tokens, slots, seq_ids, seed, sampling) -> StepOutput
+    prefill: object  # (leaves, cache, tokens, slots, num_tokens, seq_ids, seed, sampling, all_logits=False) -> (StepOutput, i32[2, B])
+    decode_step: object  # (leaves, cache, tokens, slots, seq_ids, seed, sampling) -> (StepOutput, i32[2, B])
     leaves: list  # the state's leaves, in `treedef` order
+
+
+def _packed(out: StepOutput):
+    return out, jnp.stack([out.tokens.astype(jnp.int32), out.ok.astype(jnp.int32)])  # [2, B]
 
 
 @functools.lru_cache(maxsize=8)
@@ -119,13 +125,13 @@ def _bound(graphdef, treedef):
     def prefill_leaves(leaves, cache, tokens, slots, num_tokens, seq_ids, seed, sampling, all_logits=False):
         TRACE_COUNTS["prefill"] += 1
         state = jax.tree.unflatten(treedef, leaves)
-        return _step(graphdef, state, cache, tokens, slots, num_tokens, seq_ids, seed, sampling, all_logits)
+        return _packed(_step(graphdef, state, cache, tokens, slots, num_tokens, seq_ids, seed, sampling, all_logits))
 
     def decode_leaves(leaves, cache, tokens, slots, seq_ids, seed, sampling):
         TRACE_COUNTS["decode_step"] += 1
         state = jax.tree.unflatten(treedef, leaves)
         num_tokens = (slots >= 0).astype(jnp.int32)
-        return _step(graphdef, state, cache, tokens[:, None], slots, num_tokens, seq_ids, seed, sampling, False)
+        return _packed(_step(graphdef, state, cache, tokens[:, None], slots, num_tokens, seq_ids, seed, sampling, False))
 
     return (jax.jit(prefill_leaves, static_argnames=("all_logits",), donate_argnums=(1,)),
             jax.jit(decode_leaves, donate_argnums=(1,)))  # fmt: skip
@@ -135,7 +141,7 @@ def bound_steps(graphdef, state) -> BoundSteps:
     """The steps for `nnx.split(model)`'s parts, split and hashed once here, not per call:
 
         steps = bound_steps(*nnx.split(model))
-        out = steps.decode_step(steps.leaves, cache, tokens, slots, seq_ids, seed, sampling)
+        out, packed = steps.decode_step(steps.leaves, cache, tokens, slots, seq_ids, seed, sampling)  # packed [2, B]
     """
     leaves, treedef = jax.tree.flatten(state)
     prefill_fn, decode_fn = _bound(graphdef, treedef)
