@@ -170,6 +170,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-len", type=positive_int, default=d.prompt_len, help="random prompt tokens per sequence")
     g.add_argument("--new-tokens", type=int_in(2), default=d.new_tokens, help="tokens generated per sequence in the long call")
     g.add_argument("--chunk", type=positive_int, default=d.chunk, help="bare-loop steps per timed run")
+    g.add_argument("--cold-layers", type=positive_int, default=d.cold_layers,
+                   help="depth of the model whose compiles per generate call are counted (the timed model has 2: "
+                        "another depth keeps its cold call cold)")  # fmt: skip
     g.add_argument("--rounds", type=positive_int, default=d.rounds, help="alternated timing rounds (medians reported)")
     g.add_argument("--layers", type=int_in(1), nargs="*", default=list(d.layers),
                    help="depths whose first-call compile time is measured (none: skip)")  # fmt: skip

@@ -309,7 +309,7 @@ def _cmd_serve(args, console, progress) -> dict:
     from benchmarks.serve import ServeSettings, run_serve, serve_lines
 
     settings = ServeSettings(batch=args.batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                             chunk=args.chunk, rounds=args.rounds, layers=tuple(args.layers),
+                             chunk=args.chunk, cold_layers=args.cold_layers, rounds=args.rounds, layers=tuple(args.layers),
                              compile_cache_runs=not args.no_compile_cache_runs, seed=args.seed)  # fmt: skip
     console.print("[bold]serve[/bold]: generate's loop vs its bare jitted step, tiny model (compiling first) ...")
     result = run_serve(settings, progress)

@@ -44,6 +44,7 @@ class ServeSettings:
     rounds: int = 7
     layers: tuple = (2, 8, 32)
     compile_cache_runs: bool = True
+    cold_layers: int = 3  # depth of the model whose cold generate call is counted (3: a structure nothing else compiled)
     seed: int = 0
 
 
@@ -84,8 +85,8 @@ def _step_times(net, settings: ServeSettings, advance) -> dict:
     def bare(public: bool) -> list[float]:
         """Per-step wall time of `chunk`-step runs of the jitted step, tokens fed back on the device."""
         cache = jax.device_put(aj.create(layout), jax.devices()[0])  # committed, as generate's
-        out = bound.prefill(bound.leaves, cache, jnp.asarray(prompts, jnp.int32), slots, jnp.full((b,), p, jnp.int32),
-                            slots, seed, greedy)  # fmt: skip
+        out, _ = bound.prefill(bound.leaves, cache, jnp.asarray(prompts, jnp.int32), slots, jnp.full((b,), p, jnp.int32),
+                               slots, seed, greedy)  # fmt: skip
         cache, tokens = out.cache, out.tokens
         jax.block_until_ready(tokens)
         chunk, times = settings.chunk, []
@@ -95,7 +96,7 @@ def _step_times(net, settings: ServeSettings, advance) -> dict:
                 if public:
                     out = models.decode_step(graphdef, state, cache, tokens, slots, slots, seed, greedy)
                 else:
-                    out = bound.decode_step(bound.leaves, cache, tokens, slots, slots, seed, greedy)
+                    out, _ = bound.decode_step(bound.leaves, cache, tokens, slots, slots, seed, greedy)
                 cache, tokens = out.cache, out.tokens
             jax.block_until_ready(tokens)
             times.append((time.perf_counter() - t0) / chunk)
@@ -135,7 +136,7 @@ def _compiles_per_call(settings: ServeSettings) -> dict:
     import models
     from benchmarks.compile_count import CompileCount
 
-    net = models.init_random(models.LlamaConfig.tiny(num_layers=3), seed=settings.seed)
+    net = models.init_random(models.LlamaConfig.tiny(num_layers=settings.cold_layers), seed=settings.seed)
     b, p, n = settings.batch, settings.prompt_len, settings.new_tokens
     rng = np.random.default_rng(settings.seed + 1)
     layout = models.default_layout(net, b, p + n, dtype="float32")

@@ -379,3 +379,20 @@ def test_first_fit_free_list():
             assert all(start + n <= s or s + m <= start for s, m in live.items())
             live[start] = n
         assert heap.free_tokens + sum(live.values()) == 100
+
+
+def test_serve(tmp_path, capsys):
+    """`arena-bench serve` on tiny settings (no depth sweep, no subprocess runs): figures consistent,
+    run-ahead used, the same tokens as the reference loop, nothing compiled by the repeated calls."""
+    args = ["serve", "--batch", "2", "--prompt-len", "8", "--new-tokens", "6", "--rounds", "1", "--chunk", "2",
+            "--layers", "--no-compile-cache-runs", "--cold-layers", "2"]  # fmt: skip (2: the timed model, compiled once)
+    res = _run(args, tmp_path)["results"]
+    s = res["step"]
+    assert s["same_tokens_as_no_run_ahead"] is True and 0 < s["run_ahead_steps"] <= s["decode_calls"]
+    for key in ("generate_step_ms", "generate_no_run_ahead_step_ms", "bare_step_ms", "bare_public_step_ms"):
+        assert s[key] > 0
+    assert s["bare_over_generate"] == pytest.approx(s["bare_step_ms"] / s["generate_step_ms"], rel=1e-2)
+    calls = res["compiles_per_call"]["calls"]
+    assert calls[0]["programs_compiled"] > 0 and calls[1]["programs_compiled"] == calls[2]["programs_compiled"] == 0
+    assert res["compile_by_depth"] == [] and res["persistent_cache"] is None
+    assert "bare/generate" in capsys.readouterr().out
