@@ -105,13 +105,17 @@ def _step_times(net, settings: ServeSettings, advance) -> dict:
     gen(True), gen(False), bare(False), bare(True)  # warm: compile everything once
     rows = {"generate": [], "generate_no_run_ahead": [], "bare": [], "bare_public": []}
     same, r = True, None
+    round_ratios = {"bare_over_generate": [], "bare_over_generate_no_run_ahead": []}
     for _ in range(settings.rounds):
         r = gen(True)
         ref = gen(False)
-        rows["generate"] += r.decode_step_seconds
-        rows["generate_no_run_ahead"] += ref.decode_step_seconds
-        rows["bare"] += bare(False)
-        rows["bare_public"] += bare(True)
+        times = dict(generate=r.decode_step_seconds, generate_no_run_ahead=ref.decode_step_seconds, bare=bare(False),
+                     bare_public=bare(True))  # fmt: skip
+        for k, v in times.items():
+            rows[k] += v
+        round_ratios["bare_over_generate"].append(statistics.median(times["bare"]) / statistics.median(times["generate"]))
+        round_ratios["bare_over_generate_no_run_ahead"].append(
+            statistics.median(times["bare"]) / statistics.median(times["generate_no_run_ahead"]))
         same = same and r.tokens == ref.tokens
         advance()
     med = {k: statistics.median(v) for k, v in rows.items()}
@@ -122,6 +126,10 @@ def _step_times(net, settings: ServeSettings, advance) -> dict:
         bare_step_ms=ms(med["bare"]), bare_public_step_ms=ms(med["bare_public"]),
         bare_over_generate=round(med["bare"] / med["generate"], 3),
         bare_over_generate_no_run_ahead=round(med["bare"] / med["generate_no_run_ahead"], 3),
+        per_round_bare_over_generate=[round(x, 3) for x in round_ratios["bare_over_generate"]],
+        per_round_bare_over_generate_no_run_ahead=[round(x, 3) for x in round_ratios["bare_over_generate_no_run_ahead"]],
+        median_round_bare_over_generate=round(statistics.median(round_ratios["bare_over_generate"]), 3),
+        median_round_bare_over_generate_no_run_ahead=round(statistics.median(round_ratios["bare_over_generate_no_run_ahead"]), 3),
         host_overhead_ms=ms(med["generate"] - med["bare"]),
         host_overhead_no_run_ahead_ms=ms(med["generate_no_run_ahead"] - med["bare"]),
         run_ahead_steps=r.run_ahead_steps, decode_calls=r.decode_calls, same_tokens_as_no_run_ahead=bool(same),
@@ -222,6 +230,9 @@ def serve_lines(result: dict) -> list[str]:
         f"   host overhead {s['host_overhead_ms']:+.3f} ms/step",
         f"  generate (RUN_AHEAD=False)          {s['generate_no_run_ahead_step_ms']:8.3f} ms   bare/generate "
         f"{s['bare_over_generate_no_run_ahead']:.2f}   host overhead {s['host_overhead_no_run_ahead_ms']:+.3f} ms/step",
+        f"  per-round bare/generate: run-ahead {s['per_round_bare_over_generate']} (median "
+        f"{s['median_round_bare_over_generate']:.2f}); RUN_AHEAD=False {s['per_round_bare_over_generate_no_run_ahead']} "
+        f"(median {s['median_round_bare_over_generate_no_run_ahead']:.2f})",
         f"  run-ahead steps {s['run_ahead_steps']} of {s['decode_calls']} decode calls; tokens equal to RUN_AHEAD=False: "
         f"{s['same_tokens_as_no_run_ahead']}",
         "compiles per generate call (programs lowered = jit cache misses):",

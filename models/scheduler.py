@@ -110,6 +110,8 @@ def fetch(*xs) -> list[np.ndarray]:
     """Device arrays on the host, whole: one transfer when this process holds them all, else
     each gathered from the other processes of a multi-host mesh."""
     if all(getattr(x, "is_fully_addressable", True) for x in xs):
+        if len(xs) == 1:  # the usual step: one array, no tree walk
+            return [np.asarray(xs[0])]
         return [np.asarray(x) for x in jax.device_get(xs)]
     from jax.experimental import multihost_utils
 
@@ -499,7 +501,7 @@ class Scheduler:
         waiting = collections.deque(seqs)
         bound, self.iterations = self.step_bound(seqs, self.max_new), 0
         last, last_decode_only = time.perf_counter(), None
-        while waiting or self._running() or self._ahead is not None:
+        while self._ahead is not None or waiting or self._running():
             self.iterations += 1
             if self.iterations > bound:  # a broken invariant, never a hang
                 raise RuntimeError(f"the scheduler passed its bound of {bound} steps without finishing: a bug")
