@@ -117,27 +117,31 @@ def main(argv=None) -> int:
         parser.error("--prompt is empty")
     num_prompts = args.num_prompts or args.batch
     total = len(prompt) + args.max_new_tokens
-    max_seq_len = args.max_seq_len or models.length_bucket(total, args.page_size)  # a bucket: the compile cache hits
-    if max_seq_len < total:
-        parser.error(f"--max-seq-len {max_seq_len} is shorter than prompt + new tokens ({total})")
-    pages_per_seq = -(-max_seq_len // args.page_size)
-    sizes = f"--batch {args.batch}, --page-size {args.page_size}"
-    sizes += f", --num-pages {args.num_pages}" if args.num_pages else ""
-    sizes += (f", --max-seq-len {max_seq_len}" if args.max_seq_len else
-              f", prompt + --max-new-tokens = {total} tokens in rows of {max_seq_len} (a power-of-two bucket)")  # fmt: skip
-    try:
-        layout = config.kv_layout(
-            page_size=args.page_size,
-            num_pages=args.num_pages or args.batch * pages_per_seq,
-            max_seqs=args.batch,
-            max_seq_len=max_seq_len,
-            dtype=args.kv_dtype or dtype,
-        )
-        arena = f"KV arena ({layout.num_pages:,} pages x {layout.page_size:,} tokens x {fmt_bytes(layout.bytes_per_token)}/token)"
-        check_fits({arena: cache_bytes(layout), f"weights ({dtype.name})": weight_bytes(config, dtype)},
-                   hint="lower --batch, --page-size, --num-pages, --max-new-tokens or --max-seq-len")  # fmt: skip
-    except ValueError as exc:  # memory.TooLarge included
-        parser.error(f"{sizes}: {exc}")
+    if args.max_seq_len is not None and args.max_seq_len < total:
+        parser.error(f"--max-seq-len {args.max_seq_len} is shorter than prompt + new tokens ({total})")
+    # Default rows: a power-of-two bucket of prompt + new tokens (other lengths in it hit the
+    # compile cache), or exactly prompt + new tokens when the bucket is refused (memory, limits).
+    lengths = [args.max_seq_len] if args.max_seq_len else [models.length_bucket(total, args.page_size), total]
+    for i, max_seq_len in enumerate(lengths):
+        pages_per_seq = -(-max_seq_len // args.page_size)
+        sizes = f"--batch {args.batch}, --page-size {args.page_size}"
+        sizes += f", --num-pages {args.num_pages}" if args.num_pages else ""
+        sizes += f", --max-seq-len {max_seq_len}" if args.max_seq_len else f", prompt + --max-new-tokens = {total} tokens"
+        try:
+            layout = config.kv_layout(
+                page_size=args.page_size,
+                num_pages=args.num_pages or args.batch * pages_per_seq,
+                max_seqs=args.batch,
+                max_seq_len=max_seq_len,
+                dtype=args.kv_dtype or dtype,
+            )
+            arena = f"KV arena ({layout.num_pages:,} pages x {layout.page_size:,} tokens x {fmt_bytes(layout.bytes_per_token)}/token)"
+            check_fits({arena: cache_bytes(layout), f"weights ({dtype.name})": weight_bytes(config, dtype)},
+                       hint="lower --batch, --page-size, --num-pages, --max-new-tokens or --max-seq-len")  # fmt: skip
+            break
+        except ValueError as exc:  # memory.TooLarge included: the bucket failing falls back to the exact length
+            if i + 1 == len(lengths):
+                parser.error(f"{sizes}: {exc}")
     if layout.pages_for(total) > layout.num_pages:  # before any compile, in the user's own flags
         parser.error(
             f"--num-pages {layout.num_pages} x --page-size {layout.page_size} = {layout.token_capacity} tokens cannot "
