@@ -384,8 +384,9 @@ def test_first_fit_free_list():
 def test_serve(tmp_path, capsys):
     """`arena-bench serve` on tiny settings (no depth sweep, no subprocess runs): figures consistent,
     run-ahead used, the same tokens as the reference loop, nothing compiled by the repeated calls."""
-    args = ["serve", "--batch", "2", "--prompt-len", "8", "--new-tokens", "6", "--rounds", "1", "--chunk", "2",
-            "--layers", "--no-compile-cache-runs", "--cold-layers", "2"]  # fmt: skip (2: the timed model, compiled once)
+    # Batch 1, 20 + 12 tokens: generate's arena is test_prefix_progress.py's (2 pages of 16), compiled once per session.
+    args = ["serve", "--batch", "1", "--prompt-len", "20", "--new-tokens", "12", "--rounds", "1", "--chunk", "2",
+            "--layers", "--no-compile-cache-runs", "--cold-layers", "2"]  # fmt: skip (2: the timed model)
     res = _run(args, tmp_path)["results"]
     s = res["step"]
     assert s["same_tokens_as_no_run_ahead"] is True and 0 < s["run_ahead_steps"] <= s["decode_calls"]
@@ -393,6 +394,6 @@ def test_serve(tmp_path, capsys):
         assert s[key] > 0
     assert s["bare_over_generate"] == pytest.approx(s["bare_step_ms"] / s["generate_step_ms"], rel=1e-2)
     calls = res["compiles_per_call"]["calls"]
-    assert calls[0]["programs_compiled"] > 0 and calls[1]["programs_compiled"] == calls[2]["programs_compiled"] == 0
+    assert calls[1]["programs_compiled"] == calls[2]["programs_compiled"] == 0  # (the cold call may find them compiled)
     assert res["compile_by_depth"] == [] and res["persistent_cache"] is None
     assert "bare/generate" in capsys.readouterr().out
