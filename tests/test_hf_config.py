@@ -265,7 +265,7 @@ def test_family_configs_round_trip_and_refuse_mixtures():
 
 from hf_reference import hf_reference, transformers  # noqa: E402,F401  (a fixture; None where not installed)
 
-from hf_oracle import HF, check_model_config, ours  # noqa: E402  (needs transformers and torch)
+from hf_oracle import HF, check_model_config, ours as our_values  # noqa: E402  (needs transformers and torch)
 
 
 def _wrong_values(value):
@@ -345,7 +345,7 @@ def test_parsed_values_equal_transformers():
         except Exception:  # noqa: BLE001 - transformers refuses (TypeError, ValueError, KeyError, ...)
             hf = values = None
         try:
-            ours = ours(cfg)
+            ours = our_values(cfg)
         except ValueError as exc:
             ours = exc
         if values is None:
@@ -460,6 +460,6 @@ def test_real_checkpoint_configs_match_presets():
         eos = cfg["eos_token_id"]
         assert ours == dataclasses.replace(preset, eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,))
         hf = HF(cfg)
-        assert ours(cfg) == hf.values(), cfg["model_type"]
+        assert our_values(cfg) == hf.values(), cfg["model_type"]
         assert check_model_config(cfg, hf, hf.values()) is None
     assert math.isclose(models.LlamaConfig.from_hf(llama31).rms_norm_eps, 1e-5)
