@@ -46,18 +46,21 @@ __all__ = [
     "BACKEND_ENV",
 ]
 
-BACKENDS = ("pallas", "reference")
+# "pallas": the Pallas kernels; "xla": jnp attention in blocks of pages, cost following the
+# context (`pallas_kernels.blockwise`); "reference": the dense jnp oracle (gathers every row's
+# whole page list; differentiable). "xla" and "reference" append with the same jnp scatter.
+BACKENDS = ("pallas", "reference", "xla")
 BACKEND_ENV = "ARENA_JAX_BACKEND"
 
 
 def default_backend() -> str:
-    """`$ARENA_JAX_BACKEND` if set, else Pallas on GPU and the jnp reference elsewhere."""
+    """`$ARENA_JAX_BACKEND` if set, else Pallas on GPU and the blockwise jnp path ("xla") elsewhere."""
     chosen = os.environ.get(BACKEND_ENV, "").strip().lower()
     if chosen:
         if chosen not in BACKENDS:
             raise ValueError(f"{BACKEND_ENV}={chosen!r}; expected one of {BACKENDS}")
         return chosen
-    return "pallas" if jax.default_backend() == "gpu" else "reference"
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
 _FALLBACK_WARNED: set[str] = set()
@@ -68,7 +71,7 @@ def _resolve_backend(backend: str | None, layout, group: int | None = None) -> s
 
     Pallas asked for (per call, or `$ARENA_JAX_BACKEND`) on a geometry the kernels cannot take
     (`pallas_kernels.unsupported_reason`): ValueError naming the field and the limit. Pallas by
-    default (on a GPU): the reference path instead, with a warning naming the reason, once.
+    default (on a GPU): the blockwise jnp path ("xla") instead, with a warning naming the reason, once.
     """
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; expected one of {BACKENDS}")
@@ -86,8 +89,8 @@ def _resolve_backend(backend: str | None, layout, group: int | None = None) -> s
     if reason not in _FALLBACK_WARNED:
         _FALLBACK_WARNED.add(reason)
         warnings.warn(f"arena_jax: the Pallas kernels cannot take this layout ({reason}); using the jnp "
-                      "reference path", RuntimeWarning, stacklevel=3)
-    return "reference"
+                      "path (backend 'xla')", RuntimeWarning, stacklevel=3)
+    return "xla"
 
 
 def _check_cache(cache):

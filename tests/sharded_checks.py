@@ -268,11 +268,13 @@ def _write_and_read(cache, k, q, window, backend):
 WINDOW = 4  # shorter than the rows' contexts: it excludes keys
 
 
-def test_pallas_kernels_per_shard_equal_the_reference(scenario_run):
+@pytest.mark.parametrize("backend", ["pallas", "xla"])
+def test_pallas_kernels_per_shard_equal_the_reference(scenario_run, backend):
+    """The Pallas kernels and the blockwise jnp path ("xla"), run per shard == the reference."""
     cache = scenario_run[1]
     k, q = scenario_inputs(HEADS)
     want = jax.device_get(_write_and_read(cache, k, q, jnp.int32(WINDOW), backend="reference"))
-    got = jax.device_get(_write_and_read(cache, k, q, jnp.int32(WINDOW), backend="pallas"))
+    got = jax.device_get(_write_and_read(cache, k, q, jnp.int32(WINDOW), backend=backend))
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
     for out in range(2, 5):
