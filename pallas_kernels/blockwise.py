@@ -135,6 +135,24 @@ def _block_operands(k_arena, v_arena, k_scale, v_scale, layer, pages, live, comp
     return k_c, score_scale, v_c, v_ok, None
 
 
+def _varying_axes(x) -> set:
+    """The manual mesh axes x varies over inside `shard_map` (empty outside): the aval's
+    `manual_axis_type.varying` (JAX 0.10, 0.11), `vma` in earlier JAX."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    return set(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
+
+
+def _varying_like(state, *inputs):
+    """The loop's initial state, marked as varying over every manual mesh axis any input varies
+    over: inside `shard_map` with `check_vma`, a `while` carry must keep one type, and the
+    block results vary wherever q, the arena or the rows do. Outside shard_map: unchanged."""
+    axes = set().union(*(_varying_axes(x) for x in inputs if x is not None))
+    if not axes:
+        return state
+    return jax.tree.map(lambda a: lax.pcast(a, tuple(sorted(axes)), to="varying"), state)
+
+
 def _key_range(q_pos, q_valid, window, max_keys):
     """[lo, hi): the keys any valid query of the batch may attend to (i32[] each, lo may be >= hi)."""
     hi = jnp.max(jnp.where(q_valid, q_pos + 1, 0), initial=0)
@@ -218,6 +236,7 @@ def paged_attention_blockwise(
 
     shape = (batch, num_kv_heads, group, tokens)
     state = (jnp.full(shape, -jnp.inf, f32), jnp.zeros(shape, f32), jnp.zeros((*shape, head_dim), f32))
+    state = _varying_like(state, q, k_arena, v_arena, k_scale, v_scale, layer, page_map, lengths, num_tokens, window)
     if big > small:  # whole big blocks first, then at most big / small - 1 tail blocks
         state = lax.fori_loop(0, num_big, lambda j, st: step(start + j * big, big_pages, st), state)
     else:
