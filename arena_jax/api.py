@@ -48,8 +48,9 @@ __all__ = [
 
 # "pallas": the Pallas kernels; "xla": jnp attention in blocks of pages, cost following the
 # context (`pallas_kernels.blockwise`); "reference": the dense jnp oracle (gathers every row's
-# whole page list; differentiable). "xla" and "reference" append with the same jnp scatter.
-BACKENDS = ("pallas", "reference", "xla")
+# whole page list; differentiable); "mosaic": experimental, opt-in (pallas_kernels/README.md).
+# "xla", "reference" and "mosaic" append with the same jnp scatter.
+BACKENDS = ("pallas", "reference", "mosaic", "xla")
 BACKEND_ENV = "ARENA_JAX_BACKEND"
 
 
@@ -66,22 +67,29 @@ def default_backend() -> str:
 _FALLBACK_WARNED: set[str] = set()
 
 
-def _resolve_backend(backend: str | None, layout, group: int | None = None) -> str:
+def _resolve_backend(backend: str | None, layout, group: int | None = None, **attend) -> str:
     """The backend for one call, decided on the host before jit.
 
     Pallas asked for (per call, or `$ARENA_JAX_BACKEND`) on a geometry the kernels cannot take
-    (`pallas_kernels.unsupported_reason`): ValueError naming the field and the limit. Pallas by
-    default (on a GPU): the blockwise jnp path ("xla") instead, with a warning naming the reason, once.
+    (`pallas_kernels.unsupported_reason`), or on a JAX without the Pallas Triton lowering:
+    ValueError naming the field and the limit (or the backend to use). Pallas by default (on a
+    GPU): the blockwise jnp path ("xla") instead, with a warning naming the reason, once. Mosaic (never a
+    default) refuses what its decode kernel cannot take (`attend`: tokens=, q_dtype=, sharded=
+    and the attention options) with a ValueError naming the backend to use; `aj.append` with
+    it writes through the reference scatter (XLA's; no Triton needed).
     """
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; expected one of {BACKENDS}")
     asked = backend or os.environ.get(BACKEND_ENV, "").strip().lower() or None
     chosen = backend or default_backend()
+    if chosen == "mosaic":
+        return _resolve_mosaic(layout, group, attend)
     if chosen != "pallas":
         return chosen
-    from pallas_kernels import unsupported_reason
+    from pallas_kernels import triton_lowering_problem, unsupported_reason
 
-    reason = unsupported_reason(head_dim=layout.head_dim, page_size=layout.page_size, group=group, dtype=layout.dtype)
+    reason = (triton_lowering_problem()
+              or unsupported_reason(head_dim=layout.head_dim, page_size=layout.page_size, group=group, dtype=layout.dtype))
     if reason is None:
         return "pallas"
     if asked == "pallas":
@@ -91,6 +99,19 @@ def _resolve_backend(backend: str | None, layout, group: int | None = None) -> s
         warnings.warn(f"arena_jax: the Pallas kernels cannot take this layout ({reason}); using the jnp "
                       "path (backend 'xla')", RuntimeWarning, stacklevel=3)
     return "xla"
+
+
+def _resolve_mosaic(layout, group, attend: dict) -> str:
+    if group is None:  # append: the reference scatter
+        return "mosaic"
+    from pallas_kernels.mosaic_decode import mosaic_unsupported_reason
+    from pallas_kernels.quant import is_quantized
+
+    reason = mosaic_unsupported_reason(head_dim=layout.head_dim, page_size=layout.page_size, group=group,
+                                       dtype=layout.dtype, quantized=is_quantized(layout.dtype), **attend)
+    if reason is not None:
+        raise ValueError(reason)
+    return "mosaic"
 
 
 def _check_cache(cache):
@@ -467,7 +488,9 @@ def attend(
     sliding_window = check_sliding_window(layout, sliding_window)
     sm_scale = check_sm_scale(sm_scale)
     logits_soft_cap = check_logits_soft_cap(logits_soft_cap)
-    backend = _resolve_backend(backend, layout, group=q.shape[2] // layout.num_kv_heads)
+    backend = _resolve_backend(backend, layout, group=q.shape[2] // layout.num_kv_heads, tokens=tokens, q_dtype=q.dtype,
+                               sharded=cache.sharding is not None, sliding_window=sliding_window,
+                               logits_soft_cap=logits_soft_cap)
     s, n, lay = concrete(slots), concrete(num_tokens), concrete(layer)
     if n is not None and n.size and n.max() > tokens:
         raise ValueError(f"num_tokens={int(n.max())} exceeds the {tokens} query tokens given in q")

@@ -63,7 +63,7 @@ def append_impl(cache: KVCache, layer, slots, k, v, num_tokens, backend: str) ->
 
     kernel_rows = (jnp.where(writable[:, None], rows, -1), start + accepted, accepted)
     scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)  # None for float arenas
-    if backend == "pallas":
+    if backend == "pallas":  # "mosaic" has no append kernel: the reference scatter (XLA's)
         from pallas_kernels.append import paged_append
 
         arenas = paged_append(cache.k, cache.v, layer_c, k, v, *kernel_rows, **scales)
@@ -102,6 +102,10 @@ def attend_impl(q, cache: KVCache, layer, slots, num_tokens, backend: str, slidi
         from pallas_kernels.paged_attention import paged_attention
 
         return paged_attention(q, cache.k, cache.v, layer_c, page_map, lengths, n, **kwargs)
+    if backend == "mosaic":  # decode only, no window (checked by the caller: api._resolve_backend)
+        from pallas_kernels.mosaic_decode import mosaic_paged_decode
+
+        return mosaic_paged_decode(q, cache.k, cache.v, layer_c, page_map, lengths, n, sm_scale=sm_scale)
     if backend == "xla":  # blocks of pages up to the longest written context
         return paged_attention_blockwise(q, cache.k, cache.v, layer_c, page_map, lengths, n, **kwargs)
     return paged_attention_reference(q, cache.k, cache.v, layer_c, page_map, lengths, n, **kwargs)

@@ -204,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "registers, spills, shared memory, CTAs/SM, tensor-core instruction, TMA "
                         "(needs scripts/install_sm90_tools.sh; JAX_PLATFORMS=cpu on a host without a GPU)")
     p.add_argument("--via", choices=("xla", "plugin"), default="xla",
-                   help="--compile-report: XLA's deviceless GPU compiler (what runs on a GPU) or the CUDA plugin's Triton handler")
+                   help="--compile-report: XLA's deviceless GPU compiler (what runs on a GPU) or the CUDA plugin's Triton handler "
+                        "(jaxlib <= 0.10 only)")
     p.add_argument("--only", metavar="TEXT", help="--compile-report: only variants whose label contains TEXT")
 
     p = sub.add_parser("accuracy", formatter_class=fmt, parents=[common],

@@ -325,6 +325,9 @@ def _cmd_compile_report(args, console, progress) -> dict:
     meta = result["metadata"]
     print(format_table(result["rows"]))
     spills = [r["variant"] for r in result["rows"] if r["spill_stores"] or r["spill_loads"]]
+    if any(not r.get("compiled", True) for r in result["rows"]):
+        console.print("  mosaic rows: lowered for sm_90a only (Mosaic GPU makes machine code when the kernel first runs "
+                      "on a GPU): registers and spills n/a; smem, wgmma and TMA from the lowering (JAX >= 0.11)")
     console.print(
         f"  {len(result['rows'])} kernels ({meta['variants']} variants), jax {meta['jax']}, via {meta['via']}, "
         f"{meta['wall_s']} s; spills: {', '.join(spills) if spills else 'none'}"

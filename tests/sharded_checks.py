@@ -26,6 +26,7 @@ from flax import nnx
 
 import arena_jax as aj
 import models
+from test_jax_bug_shardy_empty_operand import zero_sized_manual_operands
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (see the module docstring)")
 
@@ -235,6 +236,23 @@ def _prefix_scenario(cache, k, q):
     out = aj.attend(q[:, :1], cache, 0, two)
     cache = aj.drop_pages(cache, pages)
     return cache, ok, out
+
+
+@pytest.mark.parametrize("backend", ["reference", "pallas", "xla"])
+def test_no_shard_map_body_gets_a_zero_sized_operand(backend):
+    """jaxlib 0.11 segfaults compiling a shard_map that closes over a zero-sized constant (a JAX
+    bug: tests/test_jax_bug_shardy_empty_operand.py). The scenario's ops and the prefix ops,
+    lowered (not compiled) on their meshes, must give none, on every JAX."""
+    k, q = scenario_inputs(HEADS)
+    layout = dataclasses.replace(LAYOUT, num_kv_heads=HEADS)
+    cache = aj.create(layout, mesh=make_mesh(MESH), data_axis="data")
+    slots, counts = jnp.asarray(global_slots(MESH[0])), jnp.asarray(COUNTS)
+    texts = {"scenario": scenario.lower(cache, slots, counts, k, q, backend=backend).as_text()}
+    if backend == "reference":
+        texts["prefix"] = _prefix_scenario.lower(aj.create(layout, mesh=make_mesh((1, 4))), k, q).as_text()
+    for name, text in texts.items():
+        assert "sdy.manual_computation" in text, name  # shard_map bodies: the check has something to see
+        assert zero_sized_manual_operands(text) == [], name
 
 
 def test_prefix_ops_on_a_tensor_parallel_cache_equal_one_device():

@@ -174,8 +174,7 @@ def test_kv_geometry_of_other_model_types():
 
 # ---- the transformers oracle ------------------------------------------------------------------------
 
-transformers = pytest.importorskip("transformers")
-torch = pytest.importorskip("torch")
+from hf_reference import hf_reference, transformers  # noqa: E402,F401  (a fixture; None where not installed)
 
 
 def _wrong_values(value):
@@ -273,6 +272,7 @@ STRICTER = {
 }
 
 
+@pytest.mark.usefixtures("hf_reference")
 def test_parsed_values_equal_transformers():
     transformers.logging.set_verbosity_error()
     counts = {"same": 0, "both refuse": 0}
@@ -318,6 +318,7 @@ def test_parsed_values_equal_transformers():
     assert stricter == set(STRICTER), f"rules no mutation needed: {set(STRICTER) - stricter}"
 
 
+@pytest.mark.usefixtures("hf_reference")
 def test_stop_tokens_equal_transformers_generation_config(tmp_path):
     """Which eos ids transformers' generate uses, for config.json / generation_config.json combinations."""
     transformers.logging.set_verbosity_error()
@@ -340,6 +341,7 @@ def test_stop_tokens_equal_transformers_generation_config(tmp_path):
         assert models.LlamaConfig.from_hf(tmp_path).eos_token_ids == want, (eos, generation)
 
 
+@pytest.mark.usefixtures("hf_reference")
 def test_real_checkpoint_configs_match_presets():
     """config.json of Llama-3.1-8B and Mistral-7B-v0.1 as published (keys that matter)."""
     llama31 = {"architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,

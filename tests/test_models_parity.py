@@ -14,8 +14,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from hf_reference import require  # noqa: E402
+
+torch, transformers = require(module_level=True)  # the reference stack, or a skip / failure saying why
 
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
