@@ -269,7 +269,7 @@ def _greedy_run(model, prompts, new_tokens, layout, chunk):
 
 
 def test_greedy_steps_give_the_reference_backends_tokens(monkeypatch):
-    """A tiny Mistral's chunked prefill and greedy decode on backend "xla" == on
+    """A tiny one-layer Mistral's chunked prefill and greedy decode on backend "xla" == on
     "reference": the same tokens, logits to summation order (float32). Contexts up to 89
     tokens on 4-token pages: two 64-key tail blocks per call (the online softmax across
     blocks), the window of 40 masking inside them, a 9-token row beside 83-token ones. (An
@@ -282,7 +282,7 @@ def test_greedy_steps_give_the_reference_backends_tokens(monkeypatch):
     calls = []
     monkeypatch.setattr(arena_ops, "paged_attention_blockwise",
                         lambda *a, **k: calls.append(1) or paged_attention_blockwise(*a, **k))  # fmt: skip
-    model = models.init_random(models.LlamaConfig.tiny(sliding_window=40), seed=3, std=0.2)
+    model = models.init_random(models.LlamaConfig.tiny(sliding_window=40, num_layers=1), seed=3, std=0.2)
     rng = np.random.default_rng(11)
     prompts = [rng.integers(1, 128, n).tolist() for n in (70, 9, 83)]
     layout = models.default_layout(model, 3, 96, page_size=4, dtype="float32")
