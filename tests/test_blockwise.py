@@ -12,7 +12,8 @@ capacity at pages 1 / 16 / 256; every arena dtype `arena_jax` can create. Struct
 compiled step holds no array the size of the capacity. API level (`aj.attend`, and
 `tests/test_backends.py`, `tests/test_attend.py`, `tests/test_cache_safety.py`,
 `tests/sharded_checks.py` with backend "xla"): inside a user's jit with traced slots, counts
-and layers (out-of-range rows give zeros).
+and layers (out-of-range rows give zeros). Model level: a one-layer Mistral's chunked prefill
+and greedy decode give the reference backend's tokens.
 """
 from __future__ import annotations
 
