@@ -46,22 +46,26 @@ __all__ = [
     "BACKEND_ENV",
 ]
 
-# "pallas": the Pallas kernels; "xla": jnp attention in blocks of pages, cost following the
-# context (`pallas_kernels.blockwise`); "reference": the dense jnp oracle (gathers every row's
-# whole page list; differentiable); "mosaic": experimental, opt-in (pallas_kernels/README.md).
-# "xla", "reference" and "mosaic" append with the same jnp scatter.
-BACKENDS = ("pallas", "reference", "mosaic", "xla")
+# "pallas": the Pallas kernels of the platform (Triton on a GPU, Mosaic on a TPU); "pallas_tpu":
+# the Mosaic TPU kernels anywhere (TPU interpret mode on CPU); "xla": jnp attention in blocks of
+# pages, cost following the context (`pallas_kernels.blockwise`); "reference": the dense jnp
+# oracle (gathers every row's whole page list; differentiable); "mosaic": the Mosaic GPU decode
+# kernel, experimental and opt-in (pallas_kernels/README.md). "xla", "reference" and "mosaic"
+# append with the same jnp scatter.
+BACKENDS = ("pallas", "reference", "mosaic", "pallas_tpu", "xla")
 BACKEND_ENV = "ARENA_JAX_BACKEND"
 
 
 def default_backend() -> str:
-    """`$ARENA_JAX_BACKEND` if set, else Pallas on GPU and the blockwise jnp path ("xla") elsewhere."""
+    """`$ARENA_JAX_BACKEND` if set, else Pallas on a GPU or TPU and the blockwise jnp path ("xla") elsewhere."""
     chosen = os.environ.get(BACKEND_ENV, "").strip().lower()
     if chosen:
         if chosen not in BACKENDS:
             raise ValueError(f"{BACKEND_ENV}={chosen!r}; expected one of {BACKENDS}")
         return chosen
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
+    from pallas_kernels.tpu_common import target_platform
+
+    return "pallas" if target_platform() in ("gpu", "tpu") else "xla"
 
 
 _FALLBACK_WARNED: set[str] = set()
@@ -70,13 +74,15 @@ _FALLBACK_WARNED: set[str] = set()
 def _resolve_backend(backend: str | None, layout, group: int | None = None, **attend) -> str:
     """The backend for one call, decided on the host before jit.
 
-    Pallas asked for (per call, or `$ARENA_JAX_BACKEND`) on a geometry the kernels cannot take
-    (`pallas_kernels.unsupported_reason`), or on a JAX without the Pallas Triton lowering:
-    ValueError naming the field and the limit (or the backend to use). Pallas by default (on a
-    GPU): the blockwise jnp path ("xla") instead, with a warning naming the reason, once. Mosaic (never a
-    default) refuses what its decode kernel cannot take (`attend`: tokens=, q_dtype=, sharded=
-    and the attention options) with a ValueError naming the backend to use; `aj.append` with
-    it writes through the reference scatter (XLA's; no Triton needed).
+    "pallas" is the platform's kernels: on a TPU (the default device's platform) the Mosaic TPU
+    ones, "pallas_tpu". Pallas asked for (per call, or `$ARENA_JAX_BACKEND`) on a geometry the
+    kernels cannot take (`pallas_kernels.unsupported_reason`, `tpu_unsupported_reason`), or for
+    the GPU kernels on a JAX without the Pallas Triton lowering: ValueError naming the field and
+    the limit (or the backend to use). Pallas by default (on a GPU or TPU): the blockwise jnp path
+    ("xla") instead, with a warning naming the reason, once. Mosaic GPU (never a default) refuses what
+    its decode kernel cannot take (`attend`: tokens=, q_dtype=, sharded= and the attention
+    options) with a ValueError naming the backend to use; `aj.append` with it writes through the
+    reference scatter (XLA's; no Triton needed).
     """
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; expected one of {BACKENDS}")
@@ -84,16 +90,24 @@ def _resolve_backend(backend: str | None, layout, group: int | None = None, **at
     chosen = backend or default_backend()
     if chosen == "mosaic":
         return _resolve_mosaic(layout, group, attend)
-    if chosen != "pallas":
+    if chosen in ("reference", "xla"):
         return chosen
     from pallas_kernels import triton_lowering_problem, unsupported_reason
+    from pallas_kernels.tpu_common import target_platform, tpu_unsupported_reason
 
-    reason = (triton_lowering_problem()
-              or unsupported_reason(head_dim=layout.head_dim, page_size=layout.page_size, group=group, dtype=layout.dtype))
+    if chosen == "pallas" and target_platform() == "tpu":
+        chosen = "pallas_tpu"
+    if chosen == "pallas_tpu":
+        reason = tpu_unsupported_reason(head_dim=layout.head_dim, page_size=layout.page_size, group=group,
+                                        dtype=layout.dtype, scale_dtype=layout.scale_dtype,
+                                        q_dtype=attend.get("q_dtype"))  # fmt: skip
+    else:
+        reason = (triton_lowering_problem()
+                  or unsupported_reason(head_dim=layout.head_dim, page_size=layout.page_size, group=group, dtype=layout.dtype))
     if reason is None:
-        return "pallas"
-    if asked == "pallas":
-        raise ValueError(f"backend='pallas' cannot take this layout: {reason}")
+        return chosen
+    if asked in ("pallas", "pallas_tpu"):
+        raise ValueError(f"backend={asked!r} cannot take this layout: {reason}")
     if reason not in _FALLBACK_WARNED:
         _FALLBACK_WARNED.add(reason)
         warnings.warn(f"arena_jax: the Pallas kernels cannot take this layout ({reason}); using the jnp "

@@ -9,9 +9,10 @@ unwritten positions (an earlier tenant's bytes) can never be read.
 8-bit arenas pass their scales along: append quantizes the new rows (values and scales are
 written by the same kernel, under the same masks), attention dequantizes what it reads.
 
-Backends: "pallas" (the kernels), "xla" (`pallas_kernels.blockwise`: attention in blocks of
-pages, its cost following the written context) and "reference" (the dense jnp oracle);
-append is the jnp scatter on both jnp backends.
+Backends: "pallas" / "pallas_tpu" (the kernels), "mosaic" (a GPU decode kernel), "xla"
+(`pallas_kernels.blockwise`: attention in blocks of pages, its cost following the written
+context) and "reference" (the dense jnp oracle); append is the jnp scatter on "xla",
+"reference" and "mosaic".
 
 Rows follow the totality rules of `arena_jax.allocator`: pad, rejected (counted by append in
 `stats.rejected_rows`; attention gives zeros) or live. A traced layer outside
@@ -63,7 +64,11 @@ def append_impl(cache: KVCache, layer, slots, k, v, num_tokens, backend: str) ->
 
     kernel_rows = (jnp.where(writable[:, None], rows, -1), start + accepted, accepted)
     scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)  # None for float arenas
-    if backend == "pallas":  # "mosaic" has no append kernel: the reference scatter (XLA's)
+    if backend == "pallas_tpu":
+        from pallas_kernels.tpu_append import tpu_paged_append
+
+        arenas = tpu_paged_append(cache.k, cache.v, layer_c, k, v, *kernel_rows, **scales)
+    elif backend == "pallas":  # "mosaic" has no append kernel: the reference scatter (XLA's)
         from pallas_kernels.append import paged_append
 
         arenas = paged_append(cache.k, cache.v, layer_c, k, v, *kernel_rows, **scales)
@@ -98,6 +103,10 @@ def attend_impl(q, cache: KVCache, layer, slots, num_tokens, backend: str, slidi
     n = jnp.where(good, num_tokens, 0)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                   k_scale=cache.k_scale, v_scale=cache.v_scale)
+    if backend == "pallas_tpu":
+        from pallas_kernels.tpu_attention import tpu_paged_attention
+
+        return tpu_paged_attention(q, cache.k, cache.v, layer_c, page_map, lengths, n, **kwargs)
     if backend == "pallas":
         from pallas_kernels.paged_attention import paged_attention
 

@@ -8,6 +8,8 @@ kernels take: `unsupported_reason(head_dim=, page_size=, group=, dtype=)` (None 
 Compiling them for an H100 without a GPU: `pallas_kernels.sm90`. Where JAX has no Pallas Triton
 lowering any more: `triton_lowering_problem()` says so, naming the backend to use. An
 experimental Mosaic GPU decode kernel: `pallas_kernels.mosaic_decode` (opt-in, see README).
+The Mosaic TPU kernels (same contract): `pallas_kernels.tpu_attention`, `pallas_kernels.tpu_append`
+(`tpu_unsupported_reason` in `tpu_common`; compiling for TPU v5e / v6e without a TPU: `tpu_compile`).
 """
 from pallas_kernels._common import BlockSizes, triton_lowering_problem, unsupported_reason
 from pallas_kernels.append import paged_append

@@ -8,7 +8,8 @@
 #   py313: Python 3.13 -> the newest JAX pyproject.toml admits (0.11.2 today), the `test-jax`
 #          extra: no torch (3.13 has only the ~6 GB CUDA build); the parity tests skip with
 #          that reason (ARENA_HF_REFERENCE=absent), everything else runs.
-# Both get the sm_90a compile tooling (scripts/install_sm90_tools.sh) and run all of pytest.
+# Both get the sm_90a and TPU compile tooling (scripts/install_sm90_tools.sh,
+# scripts/install_tpu_tools.sh) and run all of pytest.
 #
 # Environment (all optional):
 #   ARENA_LINES="py311 py313"    which lines to run (e.g. ARENA_LINES=py313 for one)
@@ -45,6 +46,7 @@ setup_line() {  # $1: line name; a fresh venv .venv-<line> with the line's extra
         if [[ $line == py311 ]]; then pip install -q "${ARENA_TORCH:-torch==2.13.0+cpu}"; fi
         pip install -q -e ".[$extra]"
         bash scripts/install_sm90_tools.sh
+        bash scripts/install_tpu_tools.sh
         python -c 'import sys, jax, jaxlib; print(f"[{sys.argv[1]}] python {sys.version.split()[0]}, jax {jax.__version__}, jaxlib {jaxlib.__version__}")' "$line"
     )
 }

@@ -63,7 +63,7 @@ def test_pallas_backend_matches_reference_backend(backend, window):
 
 def test_backend_choice(monkeypatch):
     monkeypatch.delenv(aj.BACKEND_ENV, raising=False)
-    assert aj.default_backend() == ("pallas" if jax.default_backend() == "gpu" else "xla")
+    assert aj.default_backend() == ("pallas" if jax.default_backend() in ("gpu", "tpu") else "xla")
     for name in aj.BACKENDS:
         monkeypatch.setenv(aj.BACKEND_ENV, name)
         assert aj.default_backend() == name
