@@ -186,7 +186,7 @@ def main(argv=None) -> int:
                             layers=a.layers, repeats=a.repeats, backends=a.backends, parts=a.parts)  # fmt: skip
     print(f"# {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}, {os.cpu_count()} cores; "
           f"{json.dumps(dataclasses.asdict(s))}")  # fmt: skip
-    print("| part | backend | context | capacity-8k ms | tight ms | ratio (median of pairs) | compile s |")
+    print(f"| part | backend | context | capacity-{a.capacity} ms | tight ms | ratio (median of pairs) | compile s |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     rows = run(s)
     if a.json:
