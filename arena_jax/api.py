@@ -47,14 +47,17 @@ __all__ = [
 ]
 
 # "pallas": the Pallas kernels of the platform (Triton on a GPU, Mosaic on a TPU); "pallas_tpu":
-# the Mosaic TPU kernels anywhere (TPU interpret mode on CPU); "reference": the jnp path;
-# "mosaic": the Mosaic GPU decode kernel, experimental and opt-in (pallas_kernels/README.md).
-BACKENDS = ("pallas", "reference", "mosaic", "pallas_tpu")
+# the Mosaic TPU kernels anywhere (TPU interpret mode on CPU); "xla": jnp attention in blocks of
+# pages, cost following the context (`pallas_kernels.blockwise`); "reference": the dense jnp
+# oracle (gathers every row's whole page list; differentiable); "mosaic": the Mosaic GPU decode
+# kernel, experimental and opt-in (pallas_kernels/README.md). "xla", "reference" and "mosaic"
+# append with the same jnp scatter.
+BACKENDS = ("pallas", "reference", "mosaic", "pallas_tpu", "xla")
 BACKEND_ENV = "ARENA_JAX_BACKEND"
 
 
 def default_backend() -> str:
-    """`$ARENA_JAX_BACKEND` if set, else Pallas on a GPU or TPU and the jnp reference elsewhere."""
+    """`$ARENA_JAX_BACKEND` if set, else Pallas on a GPU or TPU and the blockwise jnp path ("xla") elsewhere."""
     chosen = os.environ.get(BACKEND_ENV, "").strip().lower()
     if chosen:
         if chosen not in BACKENDS:
@@ -62,7 +65,7 @@ def default_backend() -> str:
         return chosen
     from pallas_kernels.tpu_common import target_platform
 
-    return "pallas" if target_platform() in ("gpu", "tpu") else "reference"
+    return "pallas" if target_platform() in ("gpu", "tpu") else "xla"
 
 
 _FALLBACK_WARNED: set[str] = set()
@@ -75,8 +78,8 @@ def _resolve_backend(backend: str | None, layout, group: int | None = None, **at
     ones, "pallas_tpu". Pallas asked for (per call, or `$ARENA_JAX_BACKEND`) on a geometry the
     kernels cannot take (`pallas_kernels.unsupported_reason`, `tpu_unsupported_reason`), or for
     the GPU kernels on a JAX without the Pallas Triton lowering: ValueError naming the field and
-    the limit (or the backend to use). Pallas by default (on a GPU or TPU): the reference path
-    instead, with a warning naming the reason, once. Mosaic GPU (never a default) refuses what
+    the limit (or the backend to use). Pallas by default (on a GPU or TPU): the blockwise jnp path
+    ("xla") instead, with a warning naming the reason, once. Mosaic GPU (never a default) refuses what
     its decode kernel cannot take (`attend`: tokens=, q_dtype=, sharded= and the attention
     options) with a ValueError naming the backend to use; `aj.append` with it writes through the
     reference scatter (XLA's; no Triton needed).
@@ -87,7 +90,7 @@ def _resolve_backend(backend: str | None, layout, group: int | None = None, **at
     chosen = backend or default_backend()
     if chosen == "mosaic":
         return _resolve_mosaic(layout, group, attend)
-    if chosen == "reference":
+    if chosen in ("reference", "xla"):
         return chosen
     from pallas_kernels import triton_lowering_problem, unsupported_reason
     from pallas_kernels.tpu_common import target_platform, tpu_unsupported_reason
@@ -108,8 +111,8 @@ def _resolve_backend(backend: str | None, layout, group: int | None = None, **at
     if reason not in _FALLBACK_WARNED:
         _FALLBACK_WARNED.add(reason)
         warnings.warn(f"arena_jax: the Pallas kernels cannot take this layout ({reason}); using the jnp "
-                      "reference path", RuntimeWarning, stacklevel=3)
-    return "reference"
+                      "path (backend 'xla')", RuntimeWarning, stacklevel=3)
+    return "xla"
 
 
 def _resolve_mosaic(layout, group, attend: dict) -> str:

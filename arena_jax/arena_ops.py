@@ -9,6 +9,11 @@ unwritten positions (an earlier tenant's bytes) can never be read.
 8-bit arenas pass their scales along: append quantizes the new rows (values and scales are
 written by the same kernel, under the same masks), attention dequantizes what it reads.
 
+Backends: "pallas" / "pallas_tpu" (the kernels), "mosaic" (a GPU decode kernel), "xla"
+(`pallas_kernels.blockwise`: attention in blocks of pages, its cost following the written
+context) and "reference" (the dense jnp oracle); append is the jnp scatter on "xla",
+"reference" and "mosaic".
+
 Rows follow the totality rules of `arena_jax.allocator`: pad, rejected (counted by append in
 `stats.rejected_rows`; attention gives zeros) or live. A traced layer outside
 [0, num_layers) rejects every row on both backends.
@@ -19,6 +24,7 @@ import jax.numpy as jnp
 
 from arena_jax.allocator import in_range_rows, slot_rows
 from arena_jax.state import PAD_SLOT, KVCache
+from pallas_kernels.blockwise import paged_attention_blockwise
 from pallas_kernels.reference import append_reference, paged_attention_reference
 
 __all__ = ["append_impl", "attend_impl"]
@@ -109,4 +115,6 @@ def attend_impl(q, cache: KVCache, layer, slots, num_tokens, backend: str, slidi
         from pallas_kernels.mosaic_decode import mosaic_paged_decode
 
         return mosaic_paged_decode(q, cache.k, cache.v, layer_c, page_map, lengths, n, sm_scale=sm_scale)
+    if backend == "xla":  # blocks of pages up to the longest written context
+        return paged_attention_blockwise(q, cache.k, cache.v, layer_c, page_map, lengths, n, **kwargs)
     return paged_attention_reference(q, cache.k, cache.v, layer_c, page_map, lengths, n, **kwargs)

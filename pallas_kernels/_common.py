@@ -76,7 +76,8 @@ def triton_lowering_problem() -> str | None:
     if _triton_params_class() is not None:
         return None
     return (f"this JAX ({jax.__version__}) has no Pallas Triton lowering (jax.experimental.pallas.triton); "
-            "use backend='mosaic' (decode attention, experimental) or backend='reference'")
+            "use backend='mosaic' (decode attention, experimental), backend='xla' (jnp, in blocks of pages) "
+            "or backend='reference'")
 
 
 def compiler_params(num_warps: int, num_stages: int):

@@ -238,7 +238,7 @@ def _prefix_scenario(cache, k, q):
     return cache, ok, out
 
 
-@pytest.mark.parametrize("backend", ["reference", "pallas"])
+@pytest.mark.parametrize("backend", ["reference", "pallas", "xla"])
 def test_no_shard_map_body_gets_a_zero_sized_operand(backend):
     """jaxlib 0.11 segfaults compiling a shard_map that closes over a zero-sized constant (a JAX
     bug: tests/test_jax_bug_shardy_empty_operand.py). The scenario's ops and the prefix ops,
@@ -337,11 +337,13 @@ def _write_and_read(cache, k, q, window, backend):
 WINDOW = 4  # shorter than the rows' contexts: it excludes keys
 
 
-def test_pallas_kernels_per_shard_equal_the_reference(scenario_run):
+@pytest.mark.parametrize("backend", ["pallas", "xla"])
+def test_pallas_kernels_per_shard_equal_the_reference(scenario_run, backend):
+    """The Pallas kernels and the blockwise jnp path ("xla"), run per shard == the reference."""
     cache = scenario_run[1]
     k, q = scenario_inputs(HEADS)
     want = jax.device_get(_write_and_read(cache, k, q, jnp.int32(WINDOW), backend="reference"))
-    got = jax.device_get(_write_and_read(cache, k, q, jnp.int32(WINDOW), backend="pallas"))
+    got = jax.device_get(_write_and_read(cache, k, q, jnp.int32(WINDOW), backend=backend))
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
     for out in range(2, 5):

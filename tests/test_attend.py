@@ -47,10 +47,11 @@ def dense_attention(q, keys, values, num_new, window, cap=None):
     return out
 
 
-def run_case(cache, prompt_lens, new_lens, num_q_heads, window, seed, backend="reference"):
+def run_case(cache, prompt_lens, new_lens, num_q_heads, window, seed, backend=None):
     """Prefill each slot with a prompt, then add `new_lens` tokens per slot in one ragged batch and attend.
 
-    Returns (outputs [B, T, Hq, D], per-slot dense keys/values, q) for the oracle."""
+    Returns (outputs [B, T, Hq, D], per-slot dense keys/values, q) for the oracle. `backend`:
+    the default (Pallas on a GPU, the blockwise "xla" path elsewhere) unless given."""
     layout = cache.layout
     batch, max_new = len(prompt_lens), max(new_lens)
     slots = np.arange(batch)
@@ -138,7 +139,7 @@ def clean_order(layout, seed):
     return jax.random.permutation(jax.random.key(seed), layout.num_pages).astype(jnp.int32)
 
 
-@pytest.mark.parametrize("backend", ["reference", "pallas"])
+@pytest.mark.parametrize("backend", ["reference", "pallas", "xla"])
 def test_traced_windows_in_a_scan_over_layers_equal_static_calls(backend):
     """Per-step windows as a traced int32 array inside `lax.scan` over layers (local / global
     layers, as Gemma 2 / 3 interleave them; a global layer marked with a window >= max_seq_len),

@@ -40,19 +40,20 @@ def test_defaults_with_triton(on_gpu, monkeypatch):
     assert api.default_backend() == "mosaic"
 
 
-def test_default_on_cpu_is_the_reference(monkeypatch):
+def test_default_on_cpu_is_the_blockwise_jnp_path(monkeypatch):
     monkeypatch.delenv(api.BACKEND_ENV, raising=False)
-    assert jax.default_backend() == "cpu" and api.default_backend() == "reference"
+    assert jax.default_backend() == "cpu" and api.default_backend() == "xla"
 
 
 def test_without_triton_the_default_falls_back_with_one_warning(no_triton, on_gpu):
     problem = pallas_kernels.triton_lowering_problem()
-    assert "no Pallas Triton lowering" in problem and "backend='mosaic'" in problem and "backend='reference'" in problem
-    with pytest.warns(RuntimeWarning, match="no Pallas Triton lowering.*using the jnp reference path"):
-        assert api._resolve_backend(None, LAYOUT, group=2) == "reference"
+    assert "no Pallas Triton lowering" in problem
+    assert all(f"backend='{name}'" in problem for name in ("mosaic", "xla", "reference"))
+    with pytest.warns(RuntimeWarning, match=r"no Pallas Triton lowering.*using the jnp path \(backend 'xla'\)"):
+        assert api._resolve_backend(None, LAYOUT, group=2) == "xla"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once: the second call is silent
-        assert api._resolve_backend(None, LAYOUT, group=2) == "reference"
+        assert api._resolve_backend(None, LAYOUT, group=2) == "xla"
 
 
 def test_without_triton_asking_for_pallas_names_the_backend_to_use(no_triton):

@@ -1,7 +1,9 @@
-"""The API's two backends agree: `backend="pallas"` (interpret mode on CPU) == `backend="reference"`
-through aj.append / aj.attend, on scrambled pages whose stale contents are NaN."""
+"""The API's backends agree: `backend="pallas"` (interpret mode on CPU) and `backend="xla"` (the
+blockwise jnp path) == `backend="reference"` through aj.append / aj.attend, on scrambled pages
+whose stale contents are NaN; which backend runs by default."""
 from __future__ import annotations
 
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +25,7 @@ def dirty_cache():
                          table=cache.table.replace(free_stack=perm))
 
 
+@functools.lru_cache(maxsize=None)  # the reference's run serves every backend's comparison (arrays: immutable)
 def run(backend, window):
     cache = dirty_cache()
     slots = jnp.array([0, aj.PAD_SLOT, 2])
@@ -41,10 +44,10 @@ def run(backend, window):
     return cache, outs
 
 
-@pytest.mark.parametrize("window", [None, 6])
-def test_pallas_backend_matches_reference_backend(window):
+@pytest.mark.parametrize("backend,window", [("pallas", None), ("pallas", 6), ("xla", 6)])
+def test_pallas_backend_matches_reference_backend(backend, window):
     ref_cache, ref_outs = run("reference", window)
-    pal_cache, pal_outs = run("pallas", window)
+    pal_cache, pal_outs = run(backend, window)
     lengths = np.asarray(ref_cache.table.lengths)
     for slot in (0, 2):  # live tokens identical in the arena
         pos = np.arange(lengths[slot])
@@ -60,9 +63,10 @@ def test_pallas_backend_matches_reference_backend(window):
 
 def test_backend_choice(monkeypatch):
     monkeypatch.delenv(aj.BACKEND_ENV, raising=False)
-    assert aj.default_backend() == ("pallas" if jax.default_backend() in ("gpu", "tpu") else "reference")
-    monkeypatch.setenv(aj.BACKEND_ENV, "pallas")
-    assert aj.default_backend() == "pallas"
+    assert aj.default_backend() == ("pallas" if jax.default_backend() in ("gpu", "tpu") else "xla")
+    for name in aj.BACKENDS:
+        monkeypatch.setenv(aj.BACKEND_ENV, name)
+        assert aj.default_backend() == name
     monkeypatch.setenv(aj.BACKEND_ENV, "triton")
     with pytest.raises(ValueError, match=aj.BACKEND_ENV):
         aj.default_backend()
@@ -91,8 +95,9 @@ def test_pallas_asked_for_on_a_layout_it_cannot_take_is_a_value_error(monkeypatc
             aj.attend(q, cache, 0, jnp.array([0]), backend=backend)
 
 
-def test_default_pallas_falls_back_to_reference_with_one_warning(monkeypatch):
-    """On a GPU the default is Pallas; a layout it cannot take runs the reference, warning once."""
+def test_default_pallas_falls_back_to_the_jnp_path_with_one_warning(monkeypatch):
+    """On a GPU the default is Pallas; a layout it cannot take runs the blockwise jnp path
+    ("xla"), warning once."""
     import warnings
 
     from arena_jax import api
@@ -101,12 +106,12 @@ def test_default_pallas_falls_back_to_reference_with_one_warning(monkeypatch):
     monkeypatch.setattr(api, "default_backend", lambda: "pallas")
     monkeypatch.setattr(api, "_FALLBACK_WARNED", set())
     cache, kv, q = _odd_inputs()
-    with pytest.warns(RuntimeWarning, match=r"cannot take this layout \(head_dim=20.*using the jnp reference"):
+    with pytest.warns(RuntimeWarning, match=r"cannot take this layout \(head_dim=20.*using the jnp path \(backend 'xla'\)"):
         cache = aj.append(cache, 0, jnp.array([0]), kv, kv)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the same reason warns once per process
         out = aj.attend(q, cache, 0, jnp.array([0]))
-    assert api._resolve_backend(None, ODD) == "reference"
+    assert api._resolve_backend(None, ODD) == "xla"
     assert api._resolve_backend(None, LAYOUT, group=4) == "pallas"  # a layout it takes stays on Pallas
-    want = aj.attend(q, cache, 0, jnp.array([0]), backend="reference")
+    want = aj.attend(q, cache, 0, jnp.array([0]), backend="xla")
     np.testing.assert_array_equal(np.asarray(out), np.asarray(want))

@@ -1,0 +1,251 @@
+"""Paged attention in plain jnp whose work follows the context, not the arena's capacity.
+
+`paged_attention_blockwise` has the signature and the rules of `paged_attention_reference`
+(the oracle; its docstring states the dtype, mask, soft-cap, window and NaN rules, and this
+path performs the same operations on the same values), but instead of gathering every row's
+whole page list (`max_pages_per_seq * page_size` keys per row, whatever the row holds) it
+loops over *blocks of pages*, up to the longest context the batch's queries can see:
+
+    keys [lo, hi): hi = 1 + the last position of any valid query (causal: nothing later is
+                   ever seen; rows with no query, e.g. padded rows, do not count),
+                   lo = with a window W, the first key any valid query's window admits
+                   (min over queries of pos - W + 1), else 0
+    for block i in [lo // block_keys, ceil(hi / block_keys)):    one `lax.fori_loop`
+        gather pages page_map[:, i*P : (i+1)*P] of every row (P pages, `block_keys` keys)
+        scores, soft-cap, mask, NaN flags: exactly the reference's, on those keys
+        online softmax in float32: running max m, sum l, accumulator acc (per query head)
+    out = acc / l  (0 where l == 0: no key; NaN stays NaN: a poisoned row)
+
+So a decode step costs O(batch * longest context) and a sliding window O(batch * window),
+whatever `max_pages_per_seq` is: `generate`, which sizes its layout by the longest prompt +
+`max_new_tokens`, no longer charges every step for the capacity.
+
+Design, and why:
+
+- **One loop body, a dynamic trip count** (`lax.fori_loop` with traced bounds lowers to one
+  `while`): one compiled body of fixed shapes serves every context length, so nothing
+  recompiles as sequences grow, and compile time is one block's graph. Bucketed gathers (a
+  `lax.switch` over gather sizes 128, 256, ... capacity) would compile log2(capacity / 128)
+  copies of the whole attention graph per layer call site and still waste up to half of the
+  largest bucket.
+- **Blocks of `block_keys` keys (whole pages)**, shared by all rows of the batch (row b's
+  block i is its logical pages [i*P, (i+1)*P)): a gather of [B, P] page ids per step, no
+  per-row trip counts (XLA has no ragged loops; rows shorter than the batch's longest pay
+  masked keys, as every dense batch does). A block is at least one page (`page_size` 256:
+  256 keys) and at most the row's capacity. The default, `DEFAULT_BLOCK_KEYS` = 256, keeps
+  the loop's fixed cost per step (a few microseconds of while-loop and gather setup on CPU)
+  small against the gather of 256 keys while wasting at most 255 keys of work per call.
+- **Online softmax, float32** (as the kernels do): state m, l [B, Hkv, G, T] and acc
+  [B, Hkv, G, T, D]; each block rescales by `exp(m_old - m_new)`. A block's weights
+  `exp(s - m)` are rounded to the compute dtype for P @ V relative to the running max, as in
+  the kernels (the reference rounds relative to the global max): outputs agree with the
+  reference to the kernels' tolerances (f32: summation order only).
+- **The rules, unchanged.** Masking selects (`where`) on scores and V rows; a live key whose
+  raw score is not finite, or whose V row is not (8-bit: whose value scale is not), flags the
+  pairs that attend to it, their weight is NaN, and the NaN survives every later rescale
+  (`alpha * NaN`), so the whole output row of that query head is NaN; masked pairs contribute
+  exactly 0, so stale pages (NaN, huge values) change nothing, bit for bit, and a key that no
+  query of the batch can see is never even gathered. The key scale multiplies the f32 score,
+  the value scale the f32 weights (fp16 compute: the V rows are dequantized with
+  `quant.dequantize_rows` and rounded to fp16), exactly as the reference.
+- **8-bit and other stored formats** go through `_block_operands`, the only place that knows
+  how a block's stored K / V rows become compute-dtype operands; it dispatches on the arena
+  dtype with `quant.is_quantized` and refuses (ValueError) a format it does not know rather
+  than reading its bytes as numbers.
+- **Total**: page-map entries < 0 are masked and never trusted (clamped to page 0 for the
+  gather), the loop's range is clipped into [0, ceil(M / P)) blocks, a traced window is
+  clipped as the reference clips it (`<= 0`: no key, zeros; the loop then runs 0 steps).
+
+Not supported: reverse-mode differentiation (a `while` with a dynamic trip count has no
+transpose rule); differentiate through `paged_attention_reference` (`backend="reference"`).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.quant import dequantize_rows, is_quantized
+from pallas_kernels.reference import _window, token_positions
+
+__all__ = ["paged_attention_blockwise", "DEFAULT_BLOCK_KEYS", "block_geometry"]
+
+DEFAULT_BLOCK_KEYS = 256
+TAIL_FRACTION = 4
+_FLOAT_ARENAS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def block_geometry(page_size: int, max_pages: int, block_keys: int | None = None,
+                   tail_keys: int | None = None) -> tuple[int, int, int]:
+    """(pages per big block, pages per tail block, page-map width padded to whole tail blocks).
+
+    Big blocks hold about `block_keys` keys, tail blocks about `tail_keys` (default a quarter
+    of a big block), both whole pages, at least one page, at most the row's `max_pages`; a
+    big block is a whole number of tail blocks."""
+    big = DEFAULT_BLOCK_KEYS if block_keys is None else int(block_keys)
+    small = max(1, big // TAIL_FRACTION) if tail_keys is None else int(tail_keys)
+    if big < 1 or small < 1:
+        raise ValueError(f"block_keys={block_keys}, tail_keys={tail_keys}: keys per block must be >= 1")
+    small_pages = max(1, min(max_pages, small // page_size))
+    big_pages = max(small_pages, min(max_pages, big // page_size)) // small_pages * small_pages
+    return big_pages, small_pages, -(-max_pages // small_pages) * small_pages
+
+
+def _gather_block(arena, layer, pages):
+    """arena [L, Hkv, P_total, S, ...], pages i32[B, P] -> [B, Hkv, P*S, ...] (arena dtype):
+    one gather with (layer, page) indices (no copy of the layer)."""
+    heads = jnp.arange(arena.shape[1], dtype=jnp.int32)
+    x = arena[layer, heads[None, :, None], pages[:, None, :]]  # [B, Hkv, P, S, ...]: contiguous pages
+    return x.reshape(x.shape[0], x.shape[1], x.shape[2] * x.shape[3], *x.shape[4:])
+
+
+def _block_operands(k_arena, v_arena, k_scale, v_scale, layer, pages, live, compute, sm_scale):
+    """One block's stored rows -> (k f32 [B, Hkv, N, D] (compute-dtype values), score scale
+    (a number or f32 [B, Hkv, 1, 1, N]), v [B, Hkv, N, D] in the compute dtype, zero where the
+    key is dead or its row poisoned, v_ok bool[B, Hkv, N], weight scale or None).
+
+    `live` bool[B, 1, N]: the key exists (below the row's length, page mapped). The
+    reference's conversions, key for key (`paged_attention_reference`: "Dtypes")."""
+    f32 = jnp.float32
+    dtype = jnp.dtype(k_arena.dtype)
+    k_raw = _gather_block(k_arena, layer, pages)  # [B, Hkv, N, D]
+    v_raw = _gather_block(v_arena, layer, pages)
+    k_c = k_raw.astype(compute).astype(f32)
+    zero = jnp.zeros((), compute)
+    if dtype in _FLOAT_ARENAS:
+        v_c = v_raw.astype(compute)
+        v_ok = jnp.all(jnp.isfinite(v_c), axis=-1)  # [B, Hkv, N]
+        v_c = jnp.where((live & v_ok)[..., None], v_c, zero)
+        return k_c, sm_scale, v_c, v_ok, None
+    if not is_quantized(dtype):
+        raise ValueError(f"paged_attention_blockwise: arena dtype {dtype.name} is not a format it reads "
+                         "(float: bfloat16, float16, float32; 8-bit: pallas_kernels.quant)")
+    ks = _gather_block(k_scale, layer, pages).astype(f32)  # [B, Hkv, N]
+    vs = _gather_block(v_scale, layer, pages).astype(f32)
+    score_scale = (ks * sm_scale)[:, :, None, None, :]  # the key scale on the f32 score
+    if compute != jnp.dtype(jnp.float16):  # the value scale on the f32 weights; its poison is the scale
+        v_ok = jnp.isfinite(vs)
+        vs = jnp.where(live & v_ok, vs, 0.0)
+        v_c = jnp.where(live[..., None], v_raw.astype(compute), zero)
+        return k_c, score_scale, v_c, v_ok, vs[:, :, None, None, :]
+    v_c = dequantize_rows(v_raw, vs).astype(compute)  # fp16: the dequantized row (may overflow fp16)
+    v_ok = jnp.all(jnp.isfinite(v_c), axis=-1)
+    v_c = jnp.where((live & v_ok)[..., None], v_c, zero)
+    return k_c, score_scale, v_c, v_ok, None
+
+
+def _varying_axes(x) -> set:
+    """The manual mesh axes x varies over inside `shard_map` (empty outside): the aval's
+    `manual_axis_type.varying` (JAX 0.10, 0.11), `vma` in earlier JAX."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    return set(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
+
+
+def _varying_like(state, *inputs):
+    """The loop's initial state, marked as varying over every manual mesh axis any input varies
+    over: inside `shard_map` with `check_vma`, a `while` carry must keep one type, and the
+    block results vary wherever q, the arena or the rows do. Outside shard_map: unchanged."""
+    axes = set().union(*(_varying_axes(x) for x in inputs if x is not None))
+    if not axes:
+        return state
+    return jax.tree.map(lambda a: lax.pcast(a, tuple(sorted(axes)), to="varying"), state)
+
+
+def _key_range(q_pos, q_valid, window, max_keys):
+    """[lo, hi): the keys any valid query of the batch may attend to (i32[] each, lo may be >= hi)."""
+    hi = jnp.max(jnp.where(q_valid, q_pos + 1, 0), initial=0)
+    hi = jnp.clip(hi, 0, max_keys)
+    if window is None:
+        return jnp.zeros((), jnp.int32), hi
+    first = jnp.where(q_valid, q_pos - window + 1, max_keys)
+    return jnp.clip(jnp.min(first, initial=max_keys), 0, max_keys), hi
+
+
+def paged_attention_blockwise(
+    q, k_arena, v_arena, layer, page_map, lengths, num_tokens, *, sm_scale=None, sliding_window=None,
+    logits_soft_cap=None, k_scale=None, v_scale=None, block_keys: int | None = None, tail_keys: int | None = None,
+):
+    """Attention of the new tokens over each row's pages, block by block (module docstring).
+
+    q: [B, T, Hq, D]; arenas [L, Hkv, P_total, S, D]; page_map i32[B, M]; lengths,
+    num_tokens i32[B]; the keywords as `paged_attention_reference`'s, plus `block_keys`
+    (static: keys per loop step, rounded to whole pages, default `DEFAULT_BLOCK_KEYS`).
+    Returns [B, T, Hq, D] in q's dtype, equal to the reference's to the kernels' tolerances.
+    """
+    batch, tokens, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, _, page_size, _ = k_arena.shape
+    group = num_q_heads // num_kv_heads
+    max_pages = page_map.shape[1]
+    max_keys = max_pages * page_size
+    compute = jnp.dtype(q.dtype)
+    f32 = jnp.float32
+    if sm_scale is None:
+        sm_scale = head_dim**-0.5
+    layer = jnp.asarray(layer, jnp.int32)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    num_tokens = jnp.asarray(num_tokens, jnp.int32)
+    big_pages, small_pages, width = block_geometry(page_size, max_pages, block_keys, tail_keys)
+    big, small = big_pages * page_size, small_pages * page_size
+    page_map = jnp.pad(page_map.astype(jnp.int32), ((0, 0), (0, width - max_pages)),
+                       constant_values=-1)  # [B, width]: whole tail blocks, the padding unmapped
+
+    q_pos, q_valid = token_positions(lengths, num_tokens, tokens)  # [B, T]
+    window = _window(sliding_window, max_keys)
+    lo, hi = _key_range(q_pos, q_valid, window, max_keys)
+    start = lo // small * small
+    keys = jnp.maximum(0, (hi + small - 1) // small * small - start)  # whole tail blocks from start
+    num_big = keys // big
+
+    qg = q.reshape(batch, tokens, num_kv_heads, group, head_dim).astype(compute).astype(f32)
+    qg = qg.transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
+    q_ok = q_valid[:, :, None]  # [B, T, 1]: the mask's key-independent part
+
+    def step(first_key, num_pages, state):
+        m, l, acc = state  # [B, Hkv, G, T], same, [B, Hkv, G, T, D]
+        cols = lax.dynamic_slice_in_dim(page_map, first_key // page_size, num_pages, axis=1)  # [B, P]
+        key_pos = first_key + jnp.arange(num_pages * page_size, dtype=jnp.int32)  # [N]
+        key_live = (key_pos[None, :] < lengths[:, None]) & jnp.repeat(cols >= 0, page_size, axis=1)  # [B, N]
+        live = key_live[:, None, :]  # [B, 1, N]: per key, for every KV head
+        k_c, score_scale, v_c, v_ok, weight_scale = _block_operands(
+            k_arena, v_arena, k_scale, v_scale, layer, jnp.maximum(cols, 0), live, compute, sm_scale)
+
+        dots = jnp.einsum("BKGTD,BKND->BKGTN", qg, k_c, precision=_HIGHEST)
+        s = dots * score_scale  # [B, Hkv, G, T, N] f32
+        s_ok = jnp.isfinite(s)
+        if logits_soft_cap is not None:
+            s = jnp.tanh(s / logits_soft_cap) * logits_soft_cap
+        mask = key_live[:, None, :] & (key_pos[None, None, :] <= q_pos[:, :, None]) & q_ok  # [B, T, N]
+        if window is not None:
+            mask &= key_pos[None, None, :] > (q_pos[:, :, None] - window)
+        mask = mask[:, None, None]  # [B, 1, 1, T, N]
+
+        s = jnp.where(mask & s_ok, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_use = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        alpha = jnp.exp(m - m_use)  # 0 while nothing was seen (m = -inf); NaN * alpha stays NaN
+        p = jnp.exp(s - m_use[..., None])  # 0 where masked
+        poisoned = mask & ~(s_ok & v_ok[:, :, None, None, :])
+        p = jnp.where(poisoned, jnp.nan, p)
+        l = alpha * l + jnp.sum(p, axis=-1)
+        if weight_scale is not None:
+            p = p * weight_scale
+        pv = jnp.einsum("BKGTN,BKND->BKGTD", p.astype(compute).astype(f32), v_c.astype(f32), precision=_HIGHEST)
+        return m_new, l, alpha[..., None] * acc + pv
+
+    shape = (batch, num_kv_heads, group, tokens)
+    state = (jnp.full(shape, -jnp.inf, f32), jnp.zeros(shape, f32), jnp.zeros((*shape, head_dim), f32))
+    state = _varying_like(state, q, k_arena, v_arena, k_scale, v_scale, layer, page_map, lengths, num_tokens, window)
+    if big > small:  # whole big blocks first, then at most big / small - 1 tail blocks
+        state = lax.fori_loop(0, num_big, lambda j, st: step(start + j * big, big_pages, st), state)
+    else:
+        num_big = 0
+    tail = start + num_big * big
+    state = lax.fori_loop(0, (keys - num_big * big) // small, lambda j, st: step(tail + j * small, small_pages, st), state)
+    _, l, acc = state
+    seen = (l != 0)[..., None]  # NaN != 0: a poisoned row stays NaN
+    out = jnp.where(seen, acc / jnp.where(seen, l[..., None], 1.0), 0.0)  # [B, Hkv, G, T, D]
+    out = out.transpose(0, 3, 1, 2, 4)  # [B, T, Hkv, G, D]
+    out = jnp.where(q_valid[:, :, None, None, None], out, 0.0)
+    return out.reshape(batch, tokens, num_q_heads, head_dim).astype(q.dtype)
