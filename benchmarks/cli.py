@@ -198,18 +198,19 @@ def _decode_settings(args):
         raise _Fail(f"--model-dir {args.model_dir!r} is not a folder")
     if args.new_tokens < 2:
         raise _Fail("--new-tokens must be >= 2 (one token from prefill, at least one decode step)")
-    hf = getattr(args, "hf", "off")  # the tour runs without the transformers peer
-    if hf != "off":
+    hf_mode = getattr(args, "hf", "off")  # the tour runs without the transformers peer
+    hf = False
+    if hf_mode != "off":
         import jax
 
         from benchmarks.hf_peer import unavailable_reason
 
         reason = unavailable_reason(jax.default_backend(), getattr(args, "mesh", None))
-        if reason is not None and hf == "on":
+        if reason is not None and hf_mode == "on":
             raise _Fail(f"--hf on: {reason}")
         hf = reason is None
     return DecodeSettings(
-        hf=bool(hf),
+        hf=hf,
         hf_threads=getattr(args, "hf_threads", 1),
         model=args.model,
         model_dir=args.model_dir,

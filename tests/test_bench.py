@@ -103,6 +103,7 @@ def test_capacity_replays_lengths_file(tmp_path):
 def test_decode(tmp_path, capsys):
     res = _run(["decode", *DECODE, "--plot", str(tmp_path / "dec.png")], tmp_path)["results"]
     assert res["same_tokens"] is True and res["first_mismatch"] is None
+    assert res["transformers"] is None  # --hf off
     assert res["arena_deterministic_across_repeats"] is True
     for side in ("arena", "dense"):
         r = res[side]
