@@ -6,8 +6,10 @@ last num_tokens positions of lengths. Here `lengths` is the *written* watermark 
 never the reservation: attention reads only tokens stored at that layer, so reserved but
 unwritten positions (an earlier tenant's bytes) can never be read.
 
-8-bit arenas pass their scales along: append quantizes the new rows (values and scales are
-written by the same kernel, under the same masks), attention dequantizes what it reads.
+Quantized arenas (8-bit, int4) pass their scales along: append quantizes the new rows (values
+and scales are written by the same kernel, under the same masks), attention dequantizes what
+it reads. A cache with `rotate_keys` has its keys rotated before quantization and q rotated the
+same way in attention (both inside the kernels / references).
 
 Rows follow the totality rules of `arena_jax.allocator`: pad, rejected (counted by append in
 `stats.rejected_rows`; attention gives zeros) or live. A traced layer outside
@@ -61,11 +63,11 @@ def append_impl(cache: KVCache, layer, slots, k, v, num_tokens, backend: str) ->
     if backend == "pallas":
         from pallas_kernels.append import paged_append
 
-        arenas = paged_append(cache.k, cache.v, layer_c, k, v, *kernel_rows, **scales)
+        arenas = paged_append(cache.k, cache.v, layer_c, k, v, *kernel_rows, rotate_keys=cache.rotate_keys, **scales)
     else:
-        arenas = append_reference(cache.k, cache.v, layer_c, k, v, *kernel_rows, **scales)
+        arenas = append_reference(cache.k, cache.v, layer_c, k, v, *kernel_rows, rotate_keys=cache.rotate_keys, **scales)
     k_arena, v_arena = arenas[:2]
-    if cache.k_scale is not None:  # an 8-bit arena: values and scales written together
+    if cache.k_scale is not None:  # a quantized arena: values and scales written together
         scales = dict(k_scale=arenas[2], v_scale=arenas[3])
     target = jnp.where(writable, slots, max_seqs)
     table = table.replace(written=table.written.at[layer_c, target].add(accepted, mode="drop"))
@@ -92,7 +94,7 @@ def attend_impl(q, cache: KVCache, layer, slots, num_tokens, backend: str, slidi
     lengths = jnp.where(good, written, 0)
     n = jnp.where(good, num_tokens, 0)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                  k_scale=cache.k_scale, v_scale=cache.v_scale)
+                  k_scale=cache.k_scale, v_scale=cache.v_scale, rotate_keys=cache.rotate_keys)
     if backend == "pallas":
         from pallas_kernels.paged_attention import paged_attention
 
