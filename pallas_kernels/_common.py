@@ -151,7 +151,7 @@ class BlockSizes:
     @classmethod
     def for_attention(
         cls, *, batch: int, tokens: int, num_kv_heads: int, group: int, page_size: int, head_dim: int, max_pages: int,
-        itemsize: int = 2, quantized: bool = False, converted: bool | None = None,
+        itemsize: int = 2, quantized: bool = False, converted: bool | None = None, int4: bool = False,
     ) -> "BlockSizes":
         """Defaults per shape, chosen so that every shape compiles for sm_90a without spills
         (tests/test_compile_sm90.py; `arena-bench kernels --compile-report` prints the facts).
@@ -172,11 +172,17 @@ class BlockSizes:
         (FMA dots) a converted arena runs one pipeline stage: with two, ptxas keeps the
         converted K/V tiles of both stages in registers and spills (8-bit: 255 registers,
         ~300 B of spills at head_dim 128), with one it needs ~60.
+
+        int4 arenas (`int4`) keep one accumulator, one q part and one V code tile per group of
+        32 lanes: bf16/fp16 prefill takes 32 keys per step (64 rows at head_dim 128: 64 keys
+        spill ~100 B), and at head_dim > 128 (8 groups) 16 rows and 16 keys (64 rows spill
+        50-100 B at any block_k; 16 x 16 compiles to 128 registers, no spills).
         """
         converted = quantized if converted is None else converted or quantized
         decode = tokens == 1
         tile_d = head_tile(head_dim)
-        max_rows = MIN_TILE if itemsize >= 4 else 64
+        narrow = int4 and not decode and itemsize < 4 and tile_d > 128  # int4 prefill, 8+ groups
+        max_rows = MIN_TILE if itemsize >= 4 or narrow else 64
         block_h = min(next_pow2(group), max_rows)
         if decode:
             block_tokens = 1
@@ -187,6 +193,8 @@ class BlockSizes:
             block_k = MIN_TILE
         elif decode:  # 16 KiB K tiles, and a [rows, block_k] score tile of at most 64 x 64
             block_k = min(128, max(MIN_TILE, 16384 // (tile_d * itemsize)), max(MIN_TILE, 4096 // rows))
+        elif int4:
+            block_k = MIN_TILE if narrow else 32
         else:
             block_k = 64 if tile_d <= 128 else 32
         if decode:
@@ -205,11 +213,15 @@ class BlockSizes:
         )
 
     @classmethod
-    def for_append(cls, *, tokens: int, head_dim: int, rotate: bool = False) -> "BlockSizes":
+    def for_append(cls, *, tokens: int, head_dim: int, rotate: bool = False, int4: bool = False) -> "BlockSizes":
         """Append: up to 64 tokens x head_dim per program; a rotated append (keys rotated by a
-        dot before quantization) at least 16 (Triton's smallest dot)."""
+        dot before quantization) at least 16 (Triton's smallest dot); a rotated int4 append
+        at head_dim > 128 always 64 (its 16 narrow rotation dots spill 150-460 B as mma.sync
+        at 16 or 32 rows, and compile to ~120 registers as 64-row wgmma)."""
         block = min(next_pow2(tokens), 64)
-        return cls(block_tokens=max(block, MIN_TILE) if rotate else block,
+        if rotate:
+            block = 64 if int4 and head_tile(head_dim) > 128 else max(block, MIN_TILE)
+        return cls(block_tokens=block,
                    num_warps=4 if head_tile(head_dim) <= 128 else 8, num_stages=1)
 
     def filled(self, defaults: "BlockSizes") -> "BlockSizes":

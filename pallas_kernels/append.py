@@ -46,6 +46,7 @@ from pallas_kernels._tiles import lane_parts, part_lanes, part_width, rotated_pa
 from pallas_kernels.quant import quantize_chunks, quantize_rows
 from pallas_kernels.quant4 import GROUP, HALF, finite_flags, quantize_halves
 from pallas_kernels.reference import append_reference
+from pallas_kernels.rotation import rotate_rows
 
 __all__ = ["paged_append", "append_reference"]
 
@@ -125,9 +126,12 @@ def _append_kernel(
             continue
         # The row in parts (lanes [start, start + width)): rotated keys are computed part by part
         # from the whole row (x @ M[:, part] in f32), other rows are loaded part by part.
-        parts = lane_parts(head_dim, tile_d, int4=fmt == "int4", width=part_width)
-        if rotated:
-            x = masked_load(x_ref.at[src], mask=mask, other=0).astype(jnp.float32)  # [block_tokens, tile_d]
+        if fmt == "int4":  # the two 16-lane halves of each group: the low and high nibbles of its 16 bytes
+            parts = [(g * GROUP + half * HALF, HALF) for g in range(head_dim // GROUP) for half in (0, 1)]
+        else:
+            parts = lane_parts(head_dim, tile_d, int4=False, width=part_width)
+        if rotated:  # the dots in x's dtype (f32: three exact bf16 parts), the products exact
+            x = masked_load(x_ref.at[src], mask=mask, other=0)  # [block_tokens, tile_d]
             chunks = [rotated_part(x, m_ref, cs_ref, part, head_dim, tile_d) for part in parts]
         else:
             chunks = [masked_load(x_ref.at[index_of(b, t_src, h, part_lanes(p)[None, :])],
@@ -161,8 +165,10 @@ def _paged_append_call(k_arena, v_arena, layer, k, v, page_map, lengths, num_tok
     quantized = k_scale is not None
     tile_d = head_tile(head_dim)
     grid = (batch, num_kv_heads, cdiv(tokens, block_tokens))
+    if rotate_keys and jnp.dtype(k.dtype) == jnp.dtype(jnp.float32):  # [B, T, Hkv, D] rotated in f32, then as given
+        k, rotate_keys = rotate_rows(k), False
     kernel = functools.partial(_append_kernel, block_tokens=block_tokens, tile_d=tile_d, head_dim=head_dim, fmt=fmt,
-                               rotate=rotate_keys, part_width=part_width(tile_d, 4))
+                               rotate=rotate_keys, part_width=part_width(tile_d, 2))
     arena_shape = jax.ShapeDtypeStruct(k_arena.shape, k_arena.dtype)
     out_shape, aliases, arenas = (arena_shape, arena_shape), {6: 0, 7: 1}, (k_arena, v_arena)
     name = f"paged_append_bt{block_tokens}_d{tile_d}"
@@ -172,7 +178,7 @@ def _paged_append_call(k_arena, v_arena, layer, k, v, page_map, lengths, num_tok
         name += "_int4" if fmt == "int4" else f"_{jnp.dtype(k_arena.dtype).name}"
     rotation = ()
     if rotate_keys:
-        rotation = rotation_inputs(head_dim, jnp.float32)
+        rotation = rotation_inputs(head_dim, k.dtype)
         name += "_rot"
     # No BlockSpecs: every ref is the whole array (the kernel gathers by page itself).
     return pl.pallas_call(
@@ -226,9 +232,13 @@ def paged_append(
         raise ValueError(f"k {k.shape} and v {v.shape} must have the same shape")
     layer = check_layer(layer, num_layers)
     page_map, lengths, num_tokens = check_rows(page_map, lengths, num_tokens, k.shape[0])
-    defaults = BlockSizes.for_append(tokens=k.shape[1], head_dim=head_dim, rotate=rotate_keys)
+    # float32 keys are rotated by XLA before the kernel (`rotate_rows`, the reference's own
+    # product): the kernel's exact three-dot split of an f32 row spills at head_dim 256.
+    rotate_in_kernel = rotate_keys and jnp.dtype(k.dtype) != jnp.dtype(jnp.float32)
+    defaults = BlockSizes.for_append(tokens=k.shape[1], head_dim=head_dim, rotate=rotate_in_kernel,
+                                     int4=arena_format(k_arena.dtype) == "int4")
     block_sizes = (block_sizes or BlockSizes()).filled(defaults)
-    if rotate_keys and block_sizes.block_tokens < 16:
+    if rotate_in_kernel and block_sizes.block_tokens < 16:
         raise ValueError(f"BlockSizes.block_tokens={block_sizes.block_tokens}: a rotated append needs >= 16 "
                          "(the rotation is a dot, and Triton's dots take 16 rows or more)")
     return _paged_append_call(

@@ -85,8 +85,8 @@ from pallas_kernels._common import (
     resolve_block_k,
     resolve_interpret,
 )
-from pallas_kernels._tiles import dot, lane_parts, part_lanes, part_width, rotated_part, rotation_inputs
-from pallas_kernels.quant4 import GROUP, HALF, arena_format, nibbles
+from pallas_kernels._tiles import dot, int4_group, lane_parts, part_lanes, part_width, rotated_part, rotation_inputs
+from pallas_kernels.quant4 import GROUP, arena_format
 from pallas_kernels.reference import paged_attention_reference, token_positions
 
 __all__ = ["paged_attention", "paged_attention_reference", "BlockSizes"]
@@ -170,7 +170,7 @@ def _attention_kernel(
     # The dots run in q's dtype (the compute dtype): K / V tiles are converted to it in registers.
     compute = q_ref.dtype
     fold_v = compute != jnp.float16  # quantized V: scale folded into p (bf16/f32 range) or the tile (fp16)
-    # Rows in parts (int4: the 16-lane halves of each 32-lane group; rotated 8-bit keys: blocks
+    # Rows in parts (int4: its groups of 32 lanes; rotated 8-bit keys: blocks
     # of part_width lanes): q's parts, rotated (`(q @ M[:, part]) * col_scale`, rounded to
     # q's dtype) or loaded as they are.
     parts = lane_parts(head_dim, tile_d, int4=int4, width=part_width) if int4 or rotate else []
@@ -198,7 +198,7 @@ def _attention_kernel(
     kk = jnp.arange(block_k, dtype=jnp.int32)
 
     def body(i, carry):
-        acc, m_prev, l_prev = carry  # acc: [rows, tile_d] (int4: a tuple of [rows, 16]), [rows], [rows]
+        acc, m_prev, l_prev = carry  # acc: [rows, tile_d] (int4: a tuple of [rows, 32]), [rows], [rows]
         tok = kv_start + i * block_k + kk  # [block_k] key positions
         logical = lax.div(tok, page_size)
         in_range = (tok < hi) & (logical < max_pages)
@@ -213,8 +213,11 @@ def _attention_kernel(
         # zero and flagged (v_ok), as is a non-finite score (s_ok); a flagged pair a query
         # attends to gets a NaN weight, which makes that query's whole row NaN.
         if int4:  # dead keys load no codes and no scales (other=0), so stale NaN scales stay out
-            s, v_ok, v_parts, v_scales = _int4_tiles(k_ref, v_ref, k_scale_ref, v_scale_ref, q_parts, layer, h, page_c, offset,
-                                           live, head_dim, compute, fold_v, sm_scale)
+            s = _int4_scores(k_ref, k_scale_ref, q_parts, layer, h, page_c, offset, live, head_dim, compute, sm_scale)
+            # bf16 / f32: V's codes are loaded after the softmax (fewer live registers), its scales
+            # now (they carry the rows' poison); fp16: the dequantized halves now.
+            v_ok, v_parts, v_scales = _int4_values(v_ref, v_scale_ref, layer, h, page_c, offset, live, head_dim, compute,
+                                                   fold_v, codes=not fold_v)
         elif quantized:  # dead keys load no value and no scale (other=0), so stale NaN scales stay out
             # `other` as a float: Triton casts it to the arena dtype, and has no int -> fp8 cast.
             v = masked_load(v_ref.at[kv_idx], mask=kv_mask, other=0.0)  # [block_k, tile_d] 8-bit
@@ -264,11 +267,11 @@ def _attention_kernel(
         l_next = alpha * l_prev + jnp.sum(p, axis=1)
         if int4:  # per group: (p * v_scale_g) @ codes (fp16: p @ the dequantized tile)
             new_acc = []
-            for gi in range(len(v_parts) // 2):
-                v_lo, v_hi = v_parts[2 * gi], v_parts[2 * gi + 1]
+            for gi in range(len(acc)):  # bf16 / f32: each group's codes loaded just before its dot
+                v_g = v_parts[gi] if v_parts is not None else int4_group(
+                    v_ref, layer, h, page_c, offset, live, gi).astype(jnp.float32).astype(compute)  # [block_k, 32]
                 pg = (p * v_scales[gi][None, :] if fold_v else p).astype(compute)
-                new_acc += [acc[2 * gi] * alpha[:, None] + dot(pg, v_lo),
-                            acc[2 * gi + 1] * alpha[:, None] + dot(pg, v_hi)]
+                new_acc.append(acc[gi] * alpha[:, None] + dot(pg, v_g))
             return tuple(new_acc), m_next, l_next
         if quantized and fold_v:
             p = p * v_scale[None, :]  # the V scale of key j factors out of the sum over keys
@@ -309,40 +312,46 @@ def _attention_kernel(
         masked_store(l_ref.at[ml_idx], l_i, mask=out_live)
 
 
-def _int4_tiles(k_ref, v_ref, k_scale_ref, v_scale_ref, q_parts, layer, h, page, offset, live, head_dim, compute,
-                fold_v, sm_scale):
-    """One block of keys of an int4 arena, group by group (32 lanes: one 16-byte load of codes
-    whose low nibbles are lanes 0-15 and high nibbles 16-31, and one scale per key):
-    s = sum_g (q_lo . lo + q_hi . hi) * (k_scale_g * sm_scale). Returns (s [rows, block_k] f32,
-    v_ok bool[block_k], V parts [lo_0, hi_0, lo_1, ...] [block_k, 16] in the compute dtype (fp16:
-    dequantized), and with fold_v the value scales f32[block_k] per group (zeroed where not
-    finite), else None)."""
-    cols = jnp.arange(HALF, dtype=jnp.int32)[None, :]
-    mask = live[:, None] & (cols >= 0)  # [block_k, 16]
-    s, v_ok, v_parts, v_scales = None, None, [], []
+def _int4_scores(k_ref, k_scale_ref, q_parts, layer, h, page, offset, live, head_dim, compute, sm_scale):
+    """Scores of one block of keys of an int4 arena, group by group (32 lanes, one scale per key):
+    s = sum_g (q_g . codes_g) * (k_scale_g * sm_scale), f32 [rows, block_k]."""
+    s = None
     for gi in range(head_dim // GROUP):
-        idx = index_of(layer, h, page[:, None], offset[:, None], gi * HALF + cols)
-        s_idx = index_of(layer, h, page, offset, gi)
-        k_lo, k_hi = (c.astype(jnp.float32).astype(compute) for c in nibbles(masked_load(k_ref.at[idx], mask=mask, other=0)))
-        k_scale = masked_load(k_scale_ref.at[s_idx], mask=live, other=0.0).astype(jnp.float32)  # [block_k]
-        term = dot(q_parts[2 * gi], k_lo, transpose_b=True) + dot(q_parts[2 * gi + 1], k_hi, transpose_b=True)
-        term = term * (k_scale * sm_scale)[None, :]
+        codes = int4_group(k_ref, layer, h, page, offset, live, gi).astype(jnp.float32).astype(compute)  # [block_k, 32]
+        k_scale = masked_load(k_scale_ref.at[index_of(layer, h, page, offset, gi)], mask=live, other=0.0)
+        term = dot(q_parts[gi], codes, transpose_b=True) * (k_scale.astype(jnp.float32) * sm_scale)[None, :]
         s = term if s is None else s + term
-        v_lo, v_hi = (c.astype(jnp.float32) for c in nibbles(masked_load(v_ref.at[idx], mask=mask, other=0)))
-        v_scale = masked_load(v_scale_ref.at[s_idx], mask=live, other=0.0).astype(jnp.float32)  # [block_k]
-        if fold_v:  # codes are finite: the row's poison is in its scales
-            ok = jnp.abs(v_scale) <= _F32_MAX
-            v_scales.append(jnp.where(ok, v_scale, 0.0))
-            v_lo, v_hi = v_lo.astype(compute), v_hi.astype(compute)
-        else:  # fp16: the dequantized halves (codes * scale may overflow fp16)
-            v_lo, v_hi = ((c * v_scale[:, None]).astype(compute) for c in (v_lo, v_hi))
-            ok = _finite_rows(v_lo) & _finite_rows(v_hi)
-        v_ok = ok if v_ok is None else v_ok & ok
-        v_parts += [v_lo, v_hi]
-    if not fold_v:
-        keep = mask & v_ok[:, None]
-        v_parts = [jnp.where(keep, x, jnp.zeros_like(x)) for x in v_parts]
-    return s, v_ok, v_parts, (v_scales if fold_v else None)
+    return s
+
+
+def _int4_values(v_ref, v_scale_ref, layer, h, page, offset, live, head_dim, compute, fold_v, *, codes=True,
+                 scales=True):
+    """V of one block of keys of an int4 arena: (v_ok bool[block_k] or None, V parts, one per
+    group, [block_k, 32] in the compute dtype or None, value scales f32[block_k] per group or
+    None). fold_v (bf16 / f32): parts are the codes, the scales are zeroed where not finite
+    and flag the row (codes are finite by construction); fp16: parts are the dequantized groups
+    `codes * scale_g` (which may overflow fp16), checked and selected to zero where not finite."""
+    v_ok, parts, v_scales = None, [], []
+    for gi in range(head_dim // GROUP):
+        if scales or not fold_v:
+            v_scale = masked_load(v_scale_ref.at[index_of(layer, h, page, offset, gi)], mask=live,
+                                  other=0.0).astype(jnp.float32)  # [block_k]
+            if fold_v:
+                ok = jnp.abs(v_scale) <= _F32_MAX
+                v_scales.append(jnp.where(ok, v_scale, 0.0))
+                v_ok = ok if v_ok is None else v_ok & ok
+        if codes:
+            x = int4_group(v_ref, layer, h, page, offset, live, gi).astype(jnp.float32)  # [block_k, 32]
+            if fold_v:
+                parts.append(x.astype(compute))
+            else:
+                x = (x * v_scale[:, None]).astype(compute)
+                ok = _finite_rows(x)
+                v_ok = ok if v_ok is None else v_ok & ok
+                parts.append(x)
+    if codes and not fold_v:
+        parts = [jnp.where(live[:, None] & v_ok[:, None], x, jnp.zeros_like(x)) for x in parts]
+    return v_ok, (parts if codes else None), (v_scales if fold_v and scales else None)
 
 
 def _merge_splits(o, m, l, valid, dtype):
@@ -388,7 +397,7 @@ def _paged_attention_call(
         fmt=fmt,
         rotate=rotate_keys,
         head_dim=head_dim,
-        part_width=part_width(tile_d, jnp.dtype(q.dtype).itemsize),
+        part_width=part_width(tile_d, 2),
         sm_scale=sm_scale,
         soft_cap=soft_cap,
         sliding_window=sliding_window,
@@ -494,6 +503,7 @@ def paged_attention(
         itemsize=jnp.dtype(q.dtype).itemsize,
         quantized=quantized,
         converted=jnp.dtype(k_arena.dtype) != jnp.dtype(q.dtype),
+        int4=arena_format(k_arena.dtype) == "int4",
     )
     block_sizes = resolve_block_k(block_sizes or BlockSizes(), page_size).filled(defaults)
     return _paged_attention_call(
