@@ -83,11 +83,15 @@ def _parity(**overrides) -> models.LlamaConfig:
 
 
 PARITY_CONFIGS = {
-    "llama_gqa_rope3_tied": lambda: _parity(num_kv_heads=2, tie_word_embeddings=True, rope_theta=500000.0,
-                                            rope_scaling=models.RopeScaling(8.0, 1.0, 4.0, 16)),
-    "llama_mha": lambda: _parity(num_kv_heads=4),
-    "mistral_swa": lambda: _parity(num_kv_heads=2, sliding_window=8),
+    "llama_gqa_rope3_tied": lambda **kw: _parity(num_kv_heads=2, tie_word_embeddings=True, rope_theta=500000.0,
+                                                 rope_scaling=models.RopeScaling(8.0, 1.0, 4.0, 16), **kw),
+    "llama_mha": lambda **kw: _parity(num_kv_heads=4, **kw),
+    "mistral_swa": lambda **kw: _parity(num_kv_heads=2, sliding_window=8, **kw),
 }
+# The parity configs' heads are 16 wide; an int4 arena takes multiples of 32 (whole scale
+# groups). Its end-to-end figures use the same configs at hidden 128 (head_dim 32), each
+# measured against its own bf16 run.
+WIDE = dict(hidden_size=128, intermediate_size=256)
 
 
 # ---- 1. attention ------------------------------------------------------------------------------------
@@ -215,10 +219,21 @@ def _teacher_forced(model, dtype, sequences, score_from, chunk=32):
     return np.stack([np.concatenate(out[b])[f : f + n] for b, f in enumerate(score_from)])
 
 
+def _model_runs(s: AccuracySettings):
+    """(config name, config kwargs, formats): the parity configs for the formats that fit them,
+    and their head_dim-32 versions (`WIDE`) for every format when int4 is measured."""
+    narrow = tuple(f for f in s.model_formats if split_format(f)[0] != "int4")
+    runs = [(name, {}, narrow) for name in PARITY_CONFIGS]
+    if len(narrow) < len(s.model_formats):
+        runs += [(name + " (d32)", WIDE, tuple(s.model_formats)) for name in PARITY_CONFIGS]
+    return runs
+
+
 def model_accuracy(s: AccuracySettings, progress=None) -> list[dict]:
     rows = []
-    for name, make in PARITY_CONFIGS.items():
-        config = make()
+    for label, overrides, formats in _model_runs(s):
+        name = label.split(" ")[0]
+        config = PARITY_CONFIGS[name](**overrides)
         model = models.init_random(config, seed=s.seed, std=0.2)
         rng = np.random.default_rng(s.seed + 1)
         prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (5, 13, 20, 11)]
@@ -230,14 +245,14 @@ def model_accuracy(s: AccuracySettings, progress=None) -> list[dict]:
         score_from = [len(p) - 1 for p in prompts]
         ref_logits = _teacher_forced(model, BASELINE, sequences, score_from)  # [B, new_tokens, V]
         ref_top1 = ref_logits.argmax(-1)
-        for fmt in ("float32",) + tuple(s.model_formats):
+        for fmt in ("float32",) + formats:
             logits = _teacher_forced(model, fmt, sequences, score_from)
             norm_rel = np.linalg.norm(logits - ref_logits, axis=-1) / np.linalg.norm(ref_logits, axis=-1)
             free = run(fmt)
             same = [np.mean(np.asarray(a) == np.asarray(b)) for a, b in zip(free.tokens, ref.tokens)]
             first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b)) for a, b in zip(free.tokens, ref.tokens)]
             rows.append({
-                "config": name,
+                "config": label,
                 "format": fmt,
                 "positions": int(ref_logits.shape[0] * ref_logits.shape[1]),
                 "max_rel_logit_err": float(norm_rel.max()),

@@ -214,6 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=positive_int, default=64, help="greedy tokens per prompt in the model test")
     p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--skip-models", action="store_true", help="only the attention measurement")
+    p.add_argument("--batch", type=positive_int, default=4, help="rows in the attention test")
+    p.add_argument("--outliers", type=int, default=4, help="outlier key channels per KV head (attention test)")
+    p.add_argument("--heads", default="32,8,128", metavar="Q,KV,D",
+                   help="query heads, KV heads, head_dim of the attention test (head_dim a multiple of 32)")
     p.add_argument("--backends", default="reference,pallas",
                    help="attention backends to measure, comma-separated (pallas on CPU: interpret mode)")
     p = sub.add_parser("prefix", formatter_class=fmt, parents=[common, plot],

@@ -405,9 +405,20 @@ def _cmd_accuracy(args, console, progress) -> dict:
     backends = tuple(b for b in args.backends.split(",") if b)
     if not backends or any(b not in ("reference", "pallas") for b in backends):
         raise _Fail(f"--backends {args.backends!r}: a comma-separated list of reference, pallas")
+    try:
+        q_heads, kv_heads, head_dim = (int(x) for x in args.heads.split(","))
+    except ValueError:
+        raise _Fail(f"--heads {args.heads!r}: three integers Q,KV,D") from None
+    if q_heads < 1 or kv_heads < 1 or q_heads % kv_heads or head_dim % 32 or not 0 <= args.outliers <= head_dim:
+        raise _Fail(f"--heads {args.heads} --outliers {args.outliers}: query heads a multiple of KV heads, head_dim "
+                    "a multiple of 32 (int4 groups), 0 <= outliers <= head_dim")
     settings = AccuracySettings(context=args.context, new_tokens=args.new_tokens, seed=args.seed,
-                                skip_models=args.skip_models, backends=backends)
-    steps = len(settings.outlier_scales) + (0 if settings.skip_models else 3 * (1 + len(settings.model_formats)))
+                                skip_models=args.skip_models, backends=backends, batch=args.batch,
+                                outliers=args.outliers, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
+    from benchmarks.accuracy import _model_runs
+
+    steps = len(settings.outlier_scales) + (0 if settings.skip_models else
+                                            sum(1 + len(f) for _, _, f in _model_runs(settings)))
     console.print("[bold]accuracy[/bold]: quantized KV arenas (8-bit, int4; keys rotated or not) against float64 "
                   "attention and a bf16 arena ...")
     advance = progress.add_task("accuracy", total=steps) if progress is not None else None
