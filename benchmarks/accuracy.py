@@ -59,6 +59,7 @@ class AccuracySettings:
     new_tokens: int = 64  # generated per prompt (end to end)
     seed: int = 0
     skip_models: bool = False
+    skip_attention: bool = False
     formats: tuple = FORMATS  # the quantized arenas measured
     rotations: tuple = (False, True)  # each quantized format without and with rotated keys
     backends: tuple = ("reference", "pallas")  # attention: the first is the table's; the others are compared to it
@@ -270,7 +271,7 @@ def run_accuracy(s: AccuracySettings, progress=None) -> dict:
     if s.new_tokens < 1 or s.context < 1:
         raise ValueError("context and new_tokens must be >= 1")
     t0 = time.perf_counter()
-    attention = attention_accuracy(s, progress)
+    attention = [] if s.skip_attention else attention_accuracy(s, progress)
     models_rows = [] if s.skip_models else model_accuracy(s, progress)
     return {
         "settings": dataclasses.asdict(s),

@@ -400,7 +400,8 @@ def _cmd_kernels(args, console, progress) -> dict:
 
 
 def _cmd_accuracy(args, console, progress) -> dict:
-    from benchmarks.accuracy import AccuracySettings, format_attention_table, format_model_table, run_accuracy
+    from benchmarks.accuracy import (AccuracySettings, _model_runs, format_attention_table, format_model_table,
+                                     run_accuracy)
 
     backends = tuple(b for b in args.backends.split(",") if b)
     if not backends or any(b not in ("reference", "pallas") for b in backends):
@@ -413,12 +414,12 @@ def _cmd_accuracy(args, console, progress) -> dict:
         raise _Fail(f"--heads {args.heads} --outliers {args.outliers}: query heads a multiple of KV heads, head_dim "
                     "a multiple of 32 (int4 groups), 0 <= outliers <= head_dim")
     settings = AccuracySettings(context=args.context, new_tokens=args.new_tokens, seed=args.seed,
-                                skip_models=args.skip_models, backends=backends, batch=args.batch,
+                                skip_models=args.skip_models, skip_attention=args.skip_attention,
+                                model_formats=tuple(f for f in args.model_formats.split(",") if f),
+                                backends=backends, batch=args.batch,
                                 outliers=args.outliers, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
-    from benchmarks.accuracy import _model_runs
-
-    steps = len(settings.outlier_scales) + (0 if settings.skip_models else
-                                            sum(1 + len(f) for _, _, f in _model_runs(settings)))
+    steps = (0 if settings.skip_attention else len(settings.outlier_scales)) + (
+        0 if settings.skip_models else sum(1 + len(f) for _, _, f in _model_runs(settings)))
     console.print("[bold]accuracy[/bold]: quantized KV arenas (8-bit, int4; keys rotated or not) against float64 "
                   "attention and a bf16 arena ...")
     advance = progress.add_task("accuracy", total=steps) if progress is not None else None
@@ -429,10 +430,11 @@ def _cmd_accuracy(args, console, progress) -> dict:
     finally:
         if progress is not None:
             progress.finish_task()
-    print(f"attention: batch {settings.batch} x {settings.context} cached tokens, {settings.q_heads} query / "
-          f"{settings.kv_heads} KV heads, head_dim {settings.head_dim}, one decode query (float32), V ~ N(0, 1); "
-          f"error vs float64 attention over the unquantized K/V, per backend ({', '.join(backends)})")
-    print(format_attention_table(result["attention"]))
+    if result["attention"]:
+        print(f"attention: batch {settings.batch} x {settings.context} cached tokens, {settings.q_heads} query / "
+              f"{settings.kv_heads} KV heads, head_dim {settings.head_dim}, one decode query (float32), V ~ N(0, 1); "
+              f"error vs float64 attention over the unquantized K/V, per backend ({', '.join(backends)})")
+        print(format_attention_table(result["attention"]))
     if result["models"]:
         print()
         print(f"end to end: HF-parity tiny configs, random weights ~N(0, 0.2), float32 compute, 4 prompts x "

@@ -32,12 +32,13 @@ pressure and shared memory:
   float16 q (prefill);
 - rotated keys (`rot`: the rotation as dots before quantization in append, and on q before
   the loop in attention) and int4 arenas (uint8 pages, bf16 group scales, group-by-group
-  dots): int4 with rotated keys in every kind it changes at head_dim 256 / group 8 (8 groups:
-  the most parts, accumulators and dots), prefill at 128 / group 4 (64 rows, 32 keys), at
-  head_dim 96 (a Paley Hadamard, a padded tile), f32 (FMA) prefill and f16 (dequantized V)
-  decode, soft-cap and traced windows; int4 unrotated in split decode, prefill and append
-  (the 8-bit loop); int8 rotated in split decode, prefill and append-decode at 256 / 8, with
-  f32 q (the exact three-dot split of q), and an f32 append (keys rotated by XLA first).
+  dots), each where it has its own tiles or code: int4 rotated in split decode, prefill and
+  append-decode at head_dim 256 / group 8 (8 groups: the most parts and accumulators; 16 x 16
+  prefill tiles, 64-token append blocks), prefill at 128 / group 4 (64 rows, 32 keys), decode
+  and append at head_dim 96 (a Paley Hadamard, a padded tile), f32 (FMA) prefill and f16
+  (dequantized V) decode, soft-cap and traced windows; int4 unrotated in prefill and append;
+  int8 rotated in split decode, prefill and append-decode at 256 / 8, with f32 q (the exact
+  three-dot split of q), and an f32 append (keys rotated by XLA first).
 """
 from __future__ import annotations
 
@@ -167,7 +168,7 @@ def _ci_variants() -> tuple[Variant, ...]:
     # 8-bit arenas (bf16 compute), widest tile, most rows: every kind they change in int8; the
     # fp8 formats differ from it only in the conversion, so split decode, prefill and append.
     out += [Variant(kind, "int8", head_dim=256, group=8) for kind in QUANT_KINDS]
-    for dtype in QUANT_DTYPES[1:]:
+    for dtype in QUANT_DTYPES[1:3]:  # (int4: below)
         out += [Variant(kind, dtype, head_dim=256, group=8) for kind in ("decode-split", "prefill", "append-prefill")]
     out += [Variant("decode", "int8", head_dim=128, group=4, compute_dtype="float32"),  # f32 models: FMA dots
             Variant("decode", "float8_e5m2", head_dim=128, group=4, compute_dtype="float16")]  # fp16: V tile dequantized
@@ -187,14 +188,17 @@ def _ci_variants() -> tuple[Variant, ...]:
             Variant("decode-split", "bfloat16", head_dim=256, group=8, compute_dtype="float32"),
             Variant("prefill", "bfloat16", head_dim=128, group=4, compute_dtype="float32"),
             Variant("prefill", "bfloat16", head_dim=256, group=8, compute_dtype="float16")]
-    # Rotated keys and int4 arenas (bf16 q unless said; int4 unrotated: the loop above).
-    out += [Variant(kind, "int4", head_dim=256, group=8, rotate=True) for kind in QUANT_KINDS]
+    # Rotated keys and int4 arenas (bf16 q unless said), each where it has its own tiles or code.
+    out += [Variant(kind, "int4", head_dim=256, group=8, rotate=True) for kind in ("decode-split", "prefill",
+                                                                                   "append-decode")]
     out += [Variant("prefill", "int4", head_dim=128, group=4, rotate=True),  # 64 rows, 32 keys
             Variant("decode", "int4", head_dim=96, group=4, rotate=True),  # a Paley Hadamard, a padded tile
             Variant("append-prefill", "int4", head_dim=96, rotate=True),
             Variant("prefill", "int4", head_dim=128, group=4, compute_dtype="float32", rotate=True),
             Variant("decode", "int4", head_dim=128, group=4, compute_dtype="float16", rotate=True),
-            Variant("window-prefill", "int4", head_dim=256, group=8, soft_cap=True, traced_window=True, rotate=True)]
+            Variant("window-prefill", "int4", head_dim=256, group=8, soft_cap=True, traced_window=True, rotate=True),
+            Variant("prefill", "int4", head_dim=256, group=8),  # unrotated
+            Variant("append-prefill", "int4", head_dim=128)]
     out += [Variant(kind, "int8", head_dim=256, group=8, rotate=True) for kind in ("decode-split", "prefill",
                                                                                    "append-decode")]
     out += [Variant("decode", "int8", head_dim=128, group=4, compute_dtype="float32", rotate=True),

@@ -62,7 +62,7 @@ def test_matrix_covers_every_value_of_every_axis():
         assert {v.dtype for v in CI_VARIANTS if v.kind == kind} >= set(DTYPES), kind
     for kind in QUANT_KINDS:  # every kind an 8-bit arena changes, in int8
         assert "int8" in {v.dtype for v in CI_VARIANTS if v.kind == kind}, kind
-    for dtype in QUANT_DTYPES:  # every 8-bit dtype in split decode, prefill and append
+    for dtype in QUANT_DTYPES:  # every quantized dtype in split decode, prefill and append
         assert {v.kind for v in CI_VARIANTS if v.dtype == dtype} >= {"decode-split", "prefill", "append-prefill"}, dtype
     assert {v.compute for v in CI_VARIANTS if v.quantized} == set(DTYPES)  # bf16, fp16 and fp32 dots over 8-bit pages
     # The attention options, where they add code: soft-cap and traced windows in split decode,
@@ -78,6 +78,7 @@ def test_matrix_covers_every_value_of_every_axis():
     # int4 arenas and rotated keys: every kind an arena format changes, rotated, in int4 and int8;
     # int4 unrotated; int4 under each q dtype; rotation at a non-power-of-two head (96).
     assert {v.kind for v in CI_VARIANTS if v.dtype == "int4" and v.rotate} >= set(QUANT_KINDS)
+    assert {v.kind for v in CI_VARIANTS if v.dtype == "int4" and not v.rotate} >= {"prefill", "append-prefill"}
     assert {v.kind for v in CI_VARIANTS if v.dtype == "int8" and v.rotate} >= {"decode-split", "prefill", "append-decode"}
     assert any(v.dtype == "int4" and not v.rotate for v in CI_VARIANTS)
     assert {v.compute for v in CI_VARIANTS if v.dtype == "int4"} == set(DTYPES)
