@@ -5,6 +5,7 @@
     cache, ok = aj.reserve(cache, slots, num_tokens)
     cache = aj.append(cache, layer, slots, k, v)
     out = aj.attend(q, cache, layer, slots)
+    host = aj.create_host(cache, num_pages=N)   # a host-memory tier: swap_out / swap_in (arena_jax.host)
 """
 from arena_jax.api import (
     BACKEND_ENV,
@@ -21,6 +22,8 @@ from arena_jax.api import (
     truncate,
 )
 from arena_jax.health import health
+from arena_jax.host import HostArena, create_host, free_host_pages
+from arena_jax.host_api import drop_host_pages, offload_pages, swap_in, swap_out
 from arena_jax.layout import KVLayout
 from arena_jax.prefix import PrefixCache, PrefixHit
 from arena_jax.sharding import CacheSharding
@@ -49,6 +52,13 @@ __all__ = [
     "fork_pages",
     "hold_pages",
     "drop_pages",
+    "HostArena",
+    "create_host",
+    "free_host_pages",
+    "swap_out",
+    "swap_in",
+    "offload_pages",
+    "drop_host_pages",
     "PrefixCache",
     "PrefixHit",
     "health",

@@ -46,48 +46,86 @@ __all__ = [
     "BACKEND_ENV",
 ]
 
-BACKENDS = ("pallas", "reference")
+# "pallas": the Pallas kernels of the platform (Triton on a GPU, Mosaic on a TPU); "pallas_tpu":
+# the Mosaic TPU kernels anywhere (TPU interpret mode on CPU); "reference": the jnp path;
+# "mosaic": the Mosaic GPU decode kernel, experimental and opt-in (pallas_kernels/README.md).
+BACKENDS = ("pallas", "reference", "mosaic", "pallas_tpu")
 BACKEND_ENV = "ARENA_JAX_BACKEND"
 
 
 def default_backend() -> str:
-    """`$ARENA_JAX_BACKEND` if set, else Pallas on GPU and the jnp reference elsewhere."""
+    """`$ARENA_JAX_BACKEND` if set, else Pallas on a GPU or TPU and the jnp reference elsewhere."""
     chosen = os.environ.get(BACKEND_ENV, "").strip().lower()
     if chosen:
         if chosen not in BACKENDS:
             raise ValueError(f"{BACKEND_ENV}={chosen!r}; expected one of {BACKENDS}")
         return chosen
-    return "pallas" if jax.default_backend() == "gpu" else "reference"
+    from pallas_kernels.tpu_common import target_platform
+
+    return "pallas" if target_platform() in ("gpu", "tpu") else "reference"
 
 
 _FALLBACK_WARNED: set[str] = set()
 
 
-def _resolve_backend(backend: str | None, layout, group: int | None = None) -> str:
+def _resolve_backend(backend: str | None, layout, group: int | None = None, **attend) -> str:
     """The backend for one call, decided on the host before jit.
 
-    Pallas asked for (per call, or `$ARENA_JAX_BACKEND`) on a geometry the kernels cannot take
-    (`pallas_kernels.unsupported_reason`): ValueError naming the field and the limit. Pallas by
-    default (on a GPU): the reference path instead, with a warning naming the reason, once.
+    "pallas" is the platform's kernels: on a TPU (the default device's platform) the Mosaic TPU
+    ones, "pallas_tpu". Pallas asked for (per call, or `$ARENA_JAX_BACKEND`) on a geometry the
+    kernels cannot take (`pallas_kernels.unsupported_reason`, `tpu_unsupported_reason`), or for
+    the GPU kernels on a JAX without the Pallas Triton lowering: ValueError naming the field and
+    the limit (or the backend to use). Pallas by default (on a GPU or TPU): the reference path
+    instead, with a warning naming the reason, once. Mosaic GPU (never a default) refuses what
+    its decode kernel cannot take (`attend`: tokens=, q_dtype=, sharded= and the attention
+    options) with a ValueError naming the backend to use; `aj.append` with it writes through the
+    reference scatter (XLA's; no Triton needed).
     """
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; expected one of {BACKENDS}")
     asked = backend or os.environ.get(BACKEND_ENV, "").strip().lower() or None
     chosen = backend or default_backend()
-    if chosen != "pallas":
+    if chosen == "mosaic":
+        return _resolve_mosaic(layout, group, attend)
+    if chosen == "reference":
         return chosen
-    from pallas_kernels import unsupported_reason
+    from pallas_kernels import triton_lowering_problem, unsupported_reason
+    from pallas_kernels.tpu_common import target_platform, tpu_unsupported_reason
 
-    reason = unsupported_reason(head_dim=layout.head_dim, page_size=layout.page_size, group=group, dtype=layout.dtype)
+    if chosen == "pallas" and target_platform() == "tpu":
+        chosen = "pallas_tpu"
+    if chosen == "pallas_tpu":
+        reason = tpu_unsupported_reason(head_dim=layout.head_dim, page_size=layout.page_size, group=group,
+                                        dtype=layout.dtype, scale_dtype=layout.scale_dtype,
+                                        q_dtype=attend.get("q_dtype"))  # fmt: skip
+        if reason is None and layout.rotate_keys:
+            reason = ("rotate_keys=True (the int8 default): the TPU kernels do not rotate keys or queries yet; "
+                      "give KVLayout(rotate_keys=False) or use backend='reference'")
+    else:
+        reason = (triton_lowering_problem()
+                  or unsupported_reason(head_dim=layout.head_dim, page_size=layout.page_size, group=group, dtype=layout.dtype))
     if reason is None:
-        return "pallas"
-    if asked == "pallas":
-        raise ValueError(f"backend='pallas' cannot take this layout: {reason}")
+        return chosen
+    if asked in ("pallas", "pallas_tpu"):
+        raise ValueError(f"backend={asked!r} cannot take this layout: {reason}")
     if reason not in _FALLBACK_WARNED:
         _FALLBACK_WARNED.add(reason)
         warnings.warn(f"arena_jax: the Pallas kernels cannot take this layout ({reason}); using the jnp "
                       "reference path", RuntimeWarning, stacklevel=3)
     return "reference"
+
+
+def _resolve_mosaic(layout, group, attend: dict) -> str:
+    if group is None:  # append: the reference scatter
+        return "mosaic"
+    from pallas_kernels.mosaic_decode import mosaic_unsupported_reason
+    from pallas_kernels.quant import is_quantized
+
+    reason = mosaic_unsupported_reason(head_dim=layout.head_dim, page_size=layout.page_size, group=group,
+                                       dtype=layout.dtype, quantized=is_quantized(layout.dtype), **attend)
+    if reason is not None:
+        raise ValueError(reason)
+    return "mosaic"
 
 
 def _check_cache(cache):
@@ -464,7 +502,9 @@ def attend(
     sliding_window = check_sliding_window(layout, sliding_window)
     sm_scale = check_sm_scale(sm_scale)
     logits_soft_cap = check_logits_soft_cap(logits_soft_cap)
-    backend = _resolve_backend(backend, layout, group=q.shape[2] // layout.num_kv_heads)
+    backend = _resolve_backend(backend, layout, group=q.shape[2] // layout.num_kv_heads, tokens=tokens, q_dtype=q.dtype,
+                               sharded=cache.sharding is not None, sliding_window=sliding_window,
+                               logits_soft_cap=logits_soft_cap)
     s, n, lay = concrete(slots), concrete(num_tokens), concrete(layer)
     if n is not None and n.size and n.max() > tokens:
         raise ValueError(f"num_tokens={int(n.max())} exceeds the {tokens} query tokens given in q")

@@ -60,7 +60,11 @@ def append_impl(cache: KVCache, layer, slots, k, v, num_tokens, backend: str) ->
 
     kernel_rows = (jnp.where(writable[:, None], rows, -1), start + accepted, accepted)
     scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)  # None for float arenas
-    if backend == "pallas":
+    if backend == "pallas_tpu":
+        from pallas_kernels.tpu_append import tpu_paged_append
+
+        arenas = tpu_paged_append(cache.k, cache.v, layer_c, k, v, *kernel_rows, **scales)
+    elif backend == "pallas":  # "mosaic" has no append kernel: the reference scatter (XLA's)
         from pallas_kernels.append import paged_append
 
         arenas = paged_append(cache.k, cache.v, layer_c, k, v, *kernel_rows, rotate_keys=cache.rotate_keys, **scales)
@@ -94,9 +98,18 @@ def attend_impl(q, cache: KVCache, layer, slots, num_tokens, backend: str, slidi
     lengths = jnp.where(good, written, 0)
     n = jnp.where(good, num_tokens, 0)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                  k_scale=cache.k_scale, v_scale=cache.v_scale, rotate_keys=cache.rotate_keys)
+                  k_scale=cache.k_scale, v_scale=cache.v_scale)
+    if backend == "pallas_tpu":  # rotated keys never reach it (api._resolve_backend refuses them)
+        from pallas_kernels.tpu_attention import tpu_paged_attention
+
+        return tpu_paged_attention(q, cache.k, cache.v, layer_c, page_map, lengths, n, **kwargs)
+    kwargs["rotate_keys"] = cache.rotate_keys
     if backend == "pallas":
         from pallas_kernels.paged_attention import paged_attention
 
         return paged_attention(q, cache.k, cache.v, layer_c, page_map, lengths, n, **kwargs)
+    if backend == "mosaic":  # decode only, no window (checked by the caller: api._resolve_backend)
+        from pallas_kernels.mosaic_decode import mosaic_paged_decode
+
+        return mosaic_paged_decode(q, cache.k, cache.v, layer_c, page_map, lengths, n, sm_scale=sm_scale)
     return paged_attention_reference(q, cache.k, cache.v, layer_c, page_map, lengths, n, **kwargs)

@@ -19,7 +19,7 @@ def _host(x) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def health(cache: KVCache, prefix=None) -> dict:
+def health(cache: KVCache, prefix=None, host=None) -> dict:
     """Utilization, waste, free pages and the counters, as plain Python numbers.
 
     utilization = token positions reserved in allocated pages / their capacity (a shared page's
@@ -32,7 +32,15 @@ def health(cache: KVCache, prefix=None) -> dict:
     With `prefix` (an `arena_jax.PrefixCache`), its metrics too: prefix_lookups,
     prefix_lookup_tokens, prefix_hit_tokens, prefix_hit_rate (hit / looked-up tokens),
     prefix_cached_pages, prefix_evicted_pages, ..., and prefix_index_matches (its pages are
-    exactly the cache's held pages, with the same token counts).
+    exactly the cache's held pages, with the same token counts); an index with a host tier adds
+    its hits per tier (prefix_device_hit_tokens, prefix_host_hit_tokens), its host pages and the
+    pages it brought back or spilled.
+
+    Data moved between the tiers: bytes_to_host / bytes_to_device (the `pages_to_host` /
+    `pages_to_device` counters times `layout.page_bytes`: values and scales of every layer and KV
+    head). With `host` (an `arena_jax.HostArena`): host_pages, host_pages_held,
+    host_tokens_held, host_bytes (and, with `prefix` too, prefix_host_index_matches: the
+    index's host pages are exactly the host tier's held pages).
 
     A sharded cache adds its mesh degrees and the bytes each device holds
     (`arena_bytes_per_device`, `bytes_per_token_per_device`, replicated KV heads counted);
@@ -45,6 +53,10 @@ def health(cache: KVCache, prefix=None) -> dict:
         raise ValueError(f"cache must be a KVCache (from arena_jax.create), got {type(cache).__name__}")
     if prefix is not None and not isinstance(prefix, PrefixCache):
         raise ValueError(f"prefix must be an arena_jax.PrefixCache or None, got {type(prefix).__name__}")
+    from arena_jax.host import HostArena
+
+    if host is not None and not isinstance(host, HostArena):
+        raise ValueError(f"host must be an arena_jax.HostArena or None, got {type(host).__name__}")
     layout = check_cache_arrays(cache)
     t = cache.table
     page_map, lengths, active = _host(t.page_map), _host(t.lengths), _host(t.active)
@@ -79,10 +91,18 @@ def health(cache: KVCache, prefix=None) -> dict:
             arena_bytes_per_device=sh.arena_bytes_per_device(layout),
             bytes_per_token_per_device=sh.bytes_per_token_per_device(layout),
         )
-    extra = {}
+    extra = {"bytes_to_host": counters["pages_to_host"] * layout.page_bytes,
+             "bytes_to_device": counters["pages_to_device"] * layout.page_bytes}  # fmt: skip
     if prefix is not None:
         device = {int(p): int(held[p]) for p in np.flatnonzero(held)}
-        extra = {**prefix.metrics(), "prefix_index_matches": device == prefix.pages()}
+        extra.update(prefix.metrics(), prefix_index_matches=device == prefix.pages())
+    if host is not None:
+        host_held = _host(host.held)
+        extra.update(host_pages=int(host_held.shape[0]), host_pages_held=int(np.count_nonzero(host_held)),
+                     host_tokens_held=int(host_held.sum()), host_bytes=int(host_held.shape[0]) * layout.page_bytes)  # fmt: skip
+        if prefix is not None:
+            on_host = {int(p): int(host_held[p]) for p in np.flatnonzero(host_held)}
+            extra["prefix_host_index_matches"] = on_host == prefix.host_pages()
     return {
         "active_sequences": int(active.sum()),
         "logical_tokens": int(lengths[active].sum()),

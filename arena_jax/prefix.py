@@ -38,27 +38,48 @@ goes, and is considered in the same pass); the caller drops their holds (`aj.dro
 which frees the pages no slot maps. A locked node is never evicted, so nothing a running
 sequence maps is freed; the device's refcounts would keep it alive anyway (a drop only frees a
 page no slot maps), the locks make sure the pages evicted really free memory.
+
+A host tier (`PrefixCache(layout, host_pages=N)`, with an `aj.HostArena` of N pages): LRU
+across tiers, device -> host -> gone, as SGLang's HiCache keeps a host tier under its radix
+tree. A node's tokens live in a device page, a host page, or both (`page`, `host_page`).
+Device eviction (`evict_plan`, `arena_jax.prefix_host`) takes the least recently used unlocked
+node with no child on the device: with a host copy its device copy just goes; else it is
+copied to a free host page (`aj.offload_pages`), a host page being freed first when none is
+(the least recently used host copy whose node keeps a device copy or has no child: its host
+copy goes, and a node left without a copy leaves the index), unless the node itself is older
+and has no child: then it goes at once. A lookup walks both tiers: its hit is the nodes on the
+device (a prefix of the path: parents are touched with their children, so a node's device copy
+outlives its descendants'), then nodes only on the host, whose pages the caller brings back
+(`aj.swap_in` into the slot); when the caller's sequence indexes those tokens again, its own
+device pages become the nodes' device copies (the host copies stay: a second eviction moves
+nothing). Without a host tier nothing changes: `evict` removes leaves as before.
 """
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import itertools
 from typing import Sequence
 
-import numpy as np
 
 from arena_jax.layout import KVLayout
-from arena_jax.state import PAD_PAGE
+from arena_jax.prefix_binding import Binding
+from arena_jax.prefix_checks import check_tag as _check_tag
+from arena_jax.prefix_checks import common_prefix as _common_prefix
+from arena_jax.prefix_checks import count as _count
+from arena_jax.prefix_checks import page_ids as _page_ids
+from arena_jax.prefix_checks import token_ids as _token_ids
+from arena_jax.prefix_host import Eviction, evict_plan
 
-__all__ = ["PrefixCache", "PrefixHit", "Insertion"]
+__all__ = ["PrefixCache", "PrefixHit", "Insertion", "Eviction"]
 
 
 class _Node:
-    __slots__ = ("page", "tokens", "parent", "full", "partial", "last_used", "locks", "serial", "live", "owner")
+    __slots__ = ("page", "host_page", "tokens", "parent", "full", "partial", "last_used", "locks", "serial", "live",
+                 "owner")  # fmt: skip
 
-    def __init__(self, page: int, tokens: tuple, parent: "_Node | None", serial: int):
-        self.page = page  # physical page id (-1 for the root)
+    def __init__(self, page: int | None, tokens: tuple, parent: "_Node | None", serial: int):
+        self.page = page  # device page id (-1 for the root; None: the tokens are only on the host)
+        self.host_page: int | None = None  # host page id holding a copy (host tier), or None
         self.tokens = tokens  # the token ids the cache holds in the page
         self.parent = parent
         self.full: dict[tuple, _Node] = {}  # children holding a full page, keyed by their tokens
@@ -80,31 +101,56 @@ class _Node:
 
 @dataclasses.dataclass(frozen=True)
 class PrefixHit:
-    """The longest cached prefix of a lookup: `num_tokens` tokens held in `pages`
-    (ceil(num_tokens / page_size) of them; the last may hold more tokens than the hit uses)."""
+    """The longest cached prefix of a lookup: `num_tokens` tokens held in device `pages`, then
+    (host tier) `host_pages`: ceil(num_tokens / page_size) pages in all, the last of which may
+    hold more tokens than the hit uses. When `host_pages` is not empty, `pages` are whole."""
 
     num_tokens: int
     pages: tuple[int, ...]
     nodes: tuple = dataclasses.field(default=(), repr=False, compare=False)  # the index's nodes, for lock / unlock
+    host_pages: tuple[int, ...] = ()
+
+    @property
+    def device_tokens(self) -> int:
+        """Tokens of the hit in device pages (the rest are in host pages)."""
+        return len(self.pages) * _page_size(self) if self.host_pages else self.num_tokens
+
+    @property
+    def host_tokens(self) -> int:
+        return self.num_tokens - self.device_tokens
 
     def whole_pages(self, page_size: int) -> "PrefixHit":
         """The hit cut back to its whole pages: no partly used last page, so nothing to copy on write."""
         keep = self.num_tokens // page_size
-        return PrefixHit(keep * page_size, self.pages[:keep], self.nodes[:keep])
+        device = min(keep, len(self.pages))
+        return PrefixHit(keep * page_size, self.pages[:device], self.nodes[:keep], self.host_pages[: keep - device])
+
+    def device_part(self) -> "PrefixHit":
+        """The hit cut back to its device pages (its host pages would be recomputed instead)."""
+        if not self.host_pages:
+            return self
+        return PrefixHit(self.device_tokens, self.pages, self.nodes[: len(self.pages)])
+
+
+def _page_size(hit: PrefixHit) -> int:
+    return hit.nodes[0].owner.page_size
 
 
 @dataclasses.dataclass
 class Insertion:
-    """What `insert` changed: the caller holds `hold` ((page, tokens) pairs: new nodes) and drops
-    `drop` (pages of unlocked, partly filled nodes a longer one replaced); `nodes` are the nodes
-    holding the caller's own pages, root first (a running caller maps them: it locks the last)."""
+    """What `insert` changed: the caller holds `hold` ((page, tokens) pairs: new nodes, or host
+    nodes whose device copy the caller's page becomes) and drops `drop` (pages of unlocked,
+    partly filled nodes a longer one replaced) and `drop_host` (their host copies); `nodes` are
+    the nodes holding the caller's own pages, root first (a running caller maps them: it locks
+    the last)."""
 
     hold: list[tuple[int, int]]
     drop: list[int]
     nodes: list
+    drop_host: list[int] = dataclasses.field(default_factory=list)
 
 
-class PrefixCache:
+class PrefixCache(Binding):
     """The index of the pages a `KVCache` holds for reuse (see the module docstring).
 
     It belongs to one arena: its pages are exactly that cache's held pages (`table.held`), with
@@ -121,9 +167,10 @@ class PrefixCache:
     call order.
     """
 
-    def __init__(self, layout: KVLayout, *, tag=None):
+    def __init__(self, layout: KVLayout, *, tag=None, host_pages: int = 0):
         if not isinstance(layout, KVLayout):
             raise ValueError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        host_pages = _count(host_pages, "host_pages")
         if tag is not None:
             _check_tag(tag)
         self.layout = layout
@@ -133,12 +180,16 @@ class PrefixCache:
         self._serial = itertools.count()
         self.root = _Node(-1, (), None, next(self._serial))
         self.root.owner = self
-        self._nodes: dict[int, _Node] = {}  # page -> node
-        self._leaves: set[_Node] = set()  # nodes without children: the eviction candidates
+        self._nodes: dict[int, _Node] = {}  # device page -> node
+        self._host_nodes: dict[int, _Node] = {}  # host page -> node
+        self.host_capacity = host_pages  # the index keeps host copies in host pages [0, host_pages)
+        self._free_host = list(range(host_pages - 1, -1, -1))  # pop() gives the lowest first
+        self.host_id: int | None = None  # the HostArena's id (set by `bind`)
         self._clock = 0
-        self._locked = 0  # nodes with locks > 0
-        self.lookups = self.lookup_tokens = self.hit_tokens = 0
+        self._locked = 0  # nodes with locks > 0 (only nodes on the device are ever locked)
+        self.lookups = self.lookup_tokens = self.hit_tokens = self.host_hit_tokens = 0
         self.inserted_pages = self.evicted_pages = self.replaced_pages = 0
+        self.offloaded_pages = self.host_dropped_pages = self.promoted_pages = 0
 
     # ---- queries ------------------------------------------------------------------------------
     @property
@@ -158,6 +209,14 @@ class PrefixCache:
     def pages(self) -> dict[int, int]:
         """page -> number of tokens held: what `table.held` must say."""
         return {p: len(n.tokens) for p, n in self._nodes.items()}
+
+    def host_pages(self) -> dict[int, int]:
+        """host page -> number of tokens held: what the host tier's `held` must say."""
+        return {p: len(n.tokens) for p, n in self._host_nodes.items()}
+
+    @property
+    def num_host_pages(self) -> int:
+        return len(self._host_nodes)
 
     def lookup(self, ids: Sequence[int], limit: int | None = None) -> PrefixHit:
         """The longest cached prefix of `ids`, at most `limit` tokens. Changes nothing (no LRU
@@ -185,7 +244,12 @@ class PrefixCache:
                 nodes.append(best)
                 pos += take
             break
-        return PrefixHit(pos, tuple(n.page for n in nodes), tuple(nodes))
+        # The device part, then nodes only on the host (a node found on the device after those ends the hit).
+        d = next((i for i, n in enumerate(nodes) if n.page is None), len(nodes))
+        h = next((i for i in range(d, len(nodes)) if nodes[i].page is not None or nodes[i].host_page is None), len(nodes))
+        if h < len(nodes):
+            nodes, pos = nodes[:h], h * size  # the nodes before the cut are whole pages
+        return PrefixHit(pos, tuple(n.page for n in nodes[:d]), tuple(nodes), tuple(n.host_page for n in nodes[d:]))
 
     def _candidates(self, node: _Node, first: int):
         for tokens, child in node.full.items():
@@ -202,7 +266,9 @@ class PrefixCache:
             raise ValueError(f"hit must be a PrefixHit from lookup, got {type(hit).__name__}")
         for node in hit.nodes:
             self._check_node(node, "hit")
-        if len(hit.nodes) != len(hit.pages) or any(n.page != p for n, p in zip(hit.nodes, hit.pages)):
+        d = len(hit.pages)
+        if (len(hit.nodes) != d + len(hit.host_pages) or any(n.page != p for n, p in zip(hit.nodes, hit.pages))
+                or any(n.host_page != p for n, p in zip(hit.nodes[d:], hit.host_pages))):  # fmt: skip
             raise ValueError("hit: its pages are not its nodes' pages (a PrefixHit made by hand, not by lookup)")
         num_tokens = _count(num_tokens, "num_tokens")
         if num_tokens < hit.num_tokens:
@@ -212,9 +278,11 @@ class PrefixCache:
         self.hit_tokens += hit.num_tokens
         if not hit.nodes:
             return None
+        self.host_hit_tokens += hit.host_tokens
         self._touch(hit.nodes[-1])
-        self._lock(hit.nodes[-1])
-        return hit.nodes[-1]
+        anchor = hit.nodes[d - 1] if d else None  # the caller maps the device part only
+        self._lock(anchor)
+        return anchor
 
     def lock(self, node) -> None:
         """One more running sequence maps `node` (None: nothing) and so needs its ancestors."""
@@ -298,6 +366,8 @@ class PrefixCache:
                     child = self._add(node, chunk, page, out)
                     if child is None:  # the page is indexed elsewhere: not ours to hold twice
                         break
+                elif child.page is None and not self._promote(child, page, out):
+                    break
                 if child.page == page:
                     out.nodes.append(child)
                 node = child
@@ -306,6 +376,9 @@ class PrefixCache:
             group = node.partial.get(chunk[0], [])
             covering = [c for c in itertools.chain(group, node.full.values()) if c.tokens[: len(chunk)] == chunk]
             if covering:
+                only_host = [c for c in covering if c.page is None and c.tokens == chunk]
+                if only_host:
+                    self._promote(only_host[0], page, out)
                 mine = [c for c in covering if c.page == page]
                 if mine:
                     out.nodes.append(mine[0])
@@ -315,9 +388,7 @@ class PrefixCache:
             if added is None:
                 break
             for old in [c for c in group if c is not added and chunk[: len(c.tokens)] == c.tokens and not c.locks]:
-                self._remove(old)
-                out.drop.append(old.page)
-                self.replaced_pages += 1
+                self._replace(old, out)
             out.nodes.append(added)
             node = added
             break
@@ -329,16 +400,12 @@ class PrefixCache:
             return None
         node = _Node(page, chunk, parent, next(self._serial))
         node.owner = self
-        self._leaves.discard(parent)
-        self._leaves.add(node)
         if len(chunk) == self.page_size:
             parent.full[chunk] = node
             # Partly filled siblings this full page covers are replaced (if no sequence maps them).
             group = parent.partial.get(chunk[0], [])
             for old in [c for c in group if chunk[: len(c.tokens)] == c.tokens and not c.locks]:
-                self._remove(old)
-                out.drop.append(old.page)
-                self.replaced_pages += 1
+                self._replace(old, out)
         else:
             parent.partial.setdefault(chunk[0], []).append(node)
         self._nodes[page] = node
@@ -346,7 +413,27 @@ class PrefixCache:
         out.hold.append((page, len(chunk)))
         return node
 
+    def _promote(self, node: _Node, page: int, out: Insertion) -> bool:
+        """A node only on the host gets the caller's page (same tokens) as its device copy."""
+        if page in self._nodes:
+            return False
+        node.page = page
+        self._nodes[page] = node
+        out.hold.append((page, len(node.tokens)))
+        self.promoted_pages += 1
+        return True
+
+    def _replace(self, old: _Node, out: Insertion) -> None:
+        """A partly filled node a longer one covers leaves the index, both copies."""
+        if old.page is not None:
+            out.drop.append(old.page)
+        if old.host_page is not None:
+            out.drop_host.append(old.host_page)
+        self._remove(old)
+        self.replaced_pages += 1
+
     def _remove(self, node: _Node) -> None:
+        """An unlocked leaf leaves the index, with both its copies (the caller drops them)."""
         assert node.is_leaf() and not node.locks, "only unlocked leaves leave the index"
         parent = node.parent
         if len(node.tokens) == self.page_size:
@@ -356,11 +443,12 @@ class PrefixCache:
             group.remove(node)
             if not group:
                 del parent.partial[node.tokens[0]]
-        del self._nodes[node.page]
-        self._leaves.discard(node)
+        if node.page is not None:
+            del self._nodes[node.page]
+        if node.host_page is not None:
+            del self._host_nodes[node.host_page]
+            self._free_host.append(node.host_page)
         node.live = False
-        if parent is not self.root and parent.is_leaf():
-            self._leaves.add(parent)
 
     def _touch(self, node: _Node) -> None:
         self._clock += 1
@@ -373,21 +461,40 @@ class PrefixCache:
         """Remove up to `num_pages` unlocked leaves, least recently used first (a parent whose
         last child goes joins the candidates). Returns their pages: drop them (`aj.drop_pages`).
         Every unlocked page can go (a locked node's ancestors are locked too), so
-        `evict(evictable_pages)` empties the index of everything no sequence maps."""
+        `evict(evictable_pages)` empties the index of everything no sequence maps. An index with
+        a host tier moves pages there instead: use `evict_plan`."""
         num_pages = _count(num_pages, "num_pages")
-        if num_pages == 0:
-            return []
-        heap = [(n.last_used, n.serial, n) for n in self._leaves if not n.locks]
-        heapq.heapify(heap)
+        if self.host_capacity:
+            raise ValueError("this index has a host tier: evict_plan(num_pages) says which pages to offload and drop")
+        return evict_plan(self, num_pages).drop
+
+    def evict_plan(self, num_pages: int, keep=()) -> Eviction:
+        """Free up to `num_pages` device pages, least recently used first, across the tiers
+        (module docstring; the plan's order: `arena_jax.prefix_host`). `keep`: nodes whose host
+        copies must stay (a hit about to be brought back)."""
+        num_pages = _count(num_pages, "num_pages")
+        for node in keep:
+            self._check_node(node, "keep")
+        return evict_plan(self, num_pages, keep)
+
+    def drop_host_copies(self) -> list[int]:
+        """Every host copy goes (nodes only on the host leave the index). Returns the host pages
+        to free (`aj.drop_host_pages`)."""
         out = []
-        while heap and len(out) < num_pages:
-            _, _, node = heapq.heappop(heap)
-            parent = node.parent
-            self._remove(node)
-            out.append(node.page)
-            if parent in self._leaves and not parent.locks:
-                heapq.heappush(heap, (parent.last_used, parent.serial, parent))
-        self.evicted_pages += len(out)
+        for node in sorted(self._host_nodes.values(), key=lambda n: -n.serial):  # children before parents
+            if node.page is not None:
+                del self._host_nodes[node.host_page]
+                self._free_host.append(node.host_page)
+                out.append(node.host_page)
+                node.host_page = None
+        while True:  # host-only nodes, leaves first
+            leaves = [n for n in self._host_nodes.values() if n.is_leaf()]
+            if not leaves:
+                break
+            for node in leaves:
+                out.append(node.host_page)
+                self._remove(node)
+        self.host_dropped_pages += len(out)
         return out
 
     # ---- reports -------------------------------------------------------------------------------
@@ -403,110 +510,11 @@ class PrefixCache:
             "prefix_inserted_pages": self.inserted_pages,
             "prefix_evicted_pages": self.evicted_pages,
             "prefix_replaced_pages": self.replaced_pages,
+            "prefix_device_hit_tokens": self.hit_tokens - self.host_hit_tokens,
+            "prefix_host_hit_tokens": self.host_hit_tokens,
+            "prefix_host_capacity": self.host_capacity,
+            "prefix_host_pages": self.num_host_pages,
+            "prefix_offloaded_pages": self.offloaded_pages,
+            "prefix_host_dropped_pages": self.host_dropped_pages,
+            "prefix_promoted_pages": self.promoted_pages,
         }
-
-    # ---- the cache it belongs to ---------------------------------------------------------------
-    def check(self, cache, *, tag=None) -> None:
-        """ValueError unless `cache` is this index's arena (the id it was bound to, if bound), made
-        with the same `tag` (when both are known), and holds exactly this index's pages with the
-        same token counts (reads `table.held` back: a host check, not for a step's hot path)."""
-        import numpy as np
-
-        from arena_jax.state import KVCache
-
-        if not isinstance(cache, KVCache):
-            raise ValueError(f"cache must be a KVCache (from arena_jax.create), got {type(cache).__name__}")
-        if cache.layout.page_size != self.page_size or cache.layout.num_pages != self.layout.num_pages:
-            raise ValueError(f"the cache's layout ({cache.layout}) is not the index's ({self.layout})")
-        if tag is not None and self.tag is not None and tag != self.tag:
-            raise ValueError(
-                f"this prefix index holds K/V made with tag {self.tag!r}, not {tag!r} (another model or other "
-                "weights would read wrong values): use a new PrefixCache for it"
-            )
-        arena_id = int(np.asarray(cache.table.arena_id))
-        if self.arena_id is not None and arena_id != self.arena_id:
-            raise ValueError(
-                f"this prefix index belongs to arena {self.arena_id}, not to this cache's arena {arena_id}: "
-                "an index names pages of the one cache it was made with (continue with that cache)"
-            )
-        held = np.asarray(cache.table.held)
-        device = {int(p): int(held[p]) for p in np.flatnonzero(held)}
-        if device != self.pages():
-            extra = sorted(set(device) - set(self.pages()))[:5]
-            missing = sorted(set(self.pages()) - set(device))[:5]
-            raise ValueError(
-                f"the cache holds {len(device)} pages, the prefix index {self.num_pages} (held but not indexed: {extra}, "
-                f"indexed but not held: {missing}): this index does not belong to this cache"
-            )
-
-    def bind(self, cache, *, tag=None) -> None:
-        """`check(cache, tag=tag)`, then tie the index to the cache's arena and to `tag` (where
-        not tied yet): from now on `check` refuses any other arena or tag."""
-        if tag is not None:
-            _check_tag(tag)
-        self.check(cache, tag=tag)
-        import numpy as np
-
-        self.arena_id = int(np.asarray(cache.table.arena_id))
-        if tag is not None:
-            self.tag = tag
-
-
-def _check_tag(tag) -> None:
-    try:
-        hash(tag)
-    except TypeError:
-        raise ValueError(f"tag must be hashable (a str, or a tuple of them), got {type(tag).__name__}") from None
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
-def _count(value, name: str) -> int:
-    if not _is_int(value) or value < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-    return int(value)
-
-
-def _token_ids(ids, name: str) -> list[int]:
-    """Token ids as a list of Python ints: integers (not bools, floats or strings) in [0, 2**31)."""
-    if isinstance(ids, (str, bytes)):
-        raise ValueError(f"{name} must be a sequence of integer token ids, got a {type(ids).__name__}")
-    if isinstance(ids, np.ndarray):
-        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"{name} must be a 1-D integer array of token ids, got {ids.dtype} {ids.shape}")
-        ids = ids.tolist()
-    try:
-        ids = list(ids)
-    except TypeError:
-        raise ValueError(f"{name} must be a sequence of integer token ids, got {type(ids).__name__}") from None
-    for i, t in enumerate(ids):
-        if not _is_int(t):
-            raise ValueError(f"{name}[{i}] is {t!r} ({type(t).__name__}): token ids are integers")
-        if not 0 <= t < 2**31:
-            raise ValueError(f"{name}[{i}]={int(t)} is outside the token ids' range [0, 2**31)")
-    return [int(t) for t in ids]
-
-
-def _page_ids(pages: list, name: str, num_pages: int) -> list[int]:
-    for i, p in enumerate(pages):
-        if not _is_int(p):
-            raise ValueError(f"{name}[{i}] is {p!r} ({type(p).__name__}): page ids are integers")
-        if p == PAD_PAGE:
-            raise ValueError(f"{name}[{i}] is PAD_PAGE ({PAD_PAGE}): every page a token lies in must be a real page")
-        if not 0 <= p < num_pages:
-            raise ValueError(f"{name}[{i}]={int(p)} is outside [0, num_pages={num_pages})")
-    pages = [int(p) for p in pages]
-    if len(set(pages)) != len(pages):
-        raise ValueError(f"{name} names a page twice ({pages}): a sequence's pages are distinct")
-    return pages
-
-
-def _common_prefix(a: tuple, b: tuple) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -117,7 +117,10 @@ def fork_pages_impl(cache: KVCache, pages, num_tokens, dst):
     cache, freed = _release_rows(cache, dst, ok)
     table = cache.table
     mapped = ok[:, None] & use
-    row = jnp.full((pages.shape[0], max_pages), -1, jnp.int32).at[:, :width].set(jnp.where(mapped, pages, -1))
+    # Padded, not `full(...).at[:, :width].set(...)`: at width == max_pages that is a scatter with an
+    # empty index vector, a zero-sized constant that jaxlib 0.11 crashes on inside a shard_map
+    # (tests/test_jax_bug_shardy_empty_operand.py).
+    row = jnp.pad(jnp.where(mapped, pages, -1).astype(jnp.int32), ((0, 0), (0, max_pages - width)), constant_values=-1)
     target = jnp.where(ok, dst, max_seqs)
     table = table.replace(
         page_map=table.page_map.at[target].set(row, mode="drop"),

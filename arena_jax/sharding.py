@@ -55,8 +55,8 @@ Design, and why.
   gathers the arena or a page (checked on the compiled HLO in the tests); with the Pallas
   backend the kernels run per shard on local pages. The shard_map runs with `check_vma=True`
   on the reference path, so JAX itself verifies that table and counters come out the same
-  on every tensor shard (they are declared replicated); Pallas calls do not carry that type
-  information, so the Pallas path runs with `check_vma=False`, computing the same table.
+  on every tensor shard (they are declared replicated); Pallas calls (GPU or TPU) do not carry
+  that type information, so the Pallas paths run with `check_vma=False`, computing the same table.
 
 * Mesh axis types. The cache's mesh is kept in `Auto` mode (a mesh made by `jax.make_mesh`,
   Explicit by default in JAX 0.10, is rebuilt with Auto axes over the same devices): the ops'
@@ -456,7 +456,7 @@ def append(cache: KVCache, layer, slots, k, v, num_tokens, backend: str):
 
     kv = sh.heads_spec(split=not replicated)
     specs = (P(), sh.rows_spec, kv, kv, sh.rows_spec)
-    return _run(cache, body, (layer, slots, k, v, num_tokens), specs, (), check_vma=backend != "pallas")[0]
+    return _run(cache, body, (layer, slots, k, v, num_tokens), specs, (), check_vma=backend == "reference")[0]
 
 
 def attend(q, cache: KVCache, layer, slots, num_tokens, backend: str, sliding_window, sm_scale, logits_soft_cap=None):
@@ -470,4 +470,4 @@ def attend(q, cache: KVCache, layer, slots, num_tokens, backend: str, sliding_wi
 
     specs = (sh.heads_spec(), P(), sh.rows_spec, sh.rows_spec, P())
     return _run(cache, body, (q, layer, slots, num_tokens, window), specs, sh.heads_spec(), returns_cache=False,
-                check_vma=backend != "pallas")  # fmt: skip
+                check_vma=backend == "reference")  # fmt: skip

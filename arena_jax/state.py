@@ -86,6 +86,14 @@ class CacheStats:
     pages_held: jax.Array  # holds the cache took on pages (`hold_pages` rows served)
     holds_dropped: jax.Array  # holds the cache gave back (`drop_pages` rows served)
     pages_evicted: jax.Array  # of those, pages the drop freed (no slot mapped them): evictions
+    # The host tier (`arena_jax.host`): pages, not bytes (int32 bytes would wrap after 2 GiB);
+    # `aj.health` turns them into bytes (`layout.page_bytes` each: values and scales, all layers).
+    pages_to_host: jax.Array  # pages copied device -> host (`swap_out`, `offload_pages`)
+    pages_to_device: jax.Array  # pages copied host -> device (`swap_in`)
+    swap_outs: jax.Array  # slots swapped out (`swap_out` rows served)
+    swap_ins: jax.Array  # slots swapped in (`swap_in` rows served)
+    failed_swaps: jax.Array  # `swap_in` rows refused for lack of device pages
+    host_pages_dropped: jax.Array  # host pages freed (`drop_host_pages`)
 
     @classmethod
     def zeros(cls) -> "CacheStats":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from models.argtypes import INT32_MAX, float_in, positive_int, seed
+from models.argtypes import INT32_MAX, float_in, int_in, positive_int, seed
 
 GIB = 2**30
 
@@ -110,9 +110,15 @@ def _add_capacity_args(p: argparse.ArgumentParser, defaults: dict) -> None:
 def _add_decode_args(p: argparse.ArgumentParser, defaults: dict) -> None:
     g = p.add_argument_group("decode")
     g.add_argument("--model", choices=_models(), default="tiny",
-                   help="preset with random weights (tiny-gqa: 8 query / 2 KV heads, for --mesh up to tp=8)")  # fmt: skip
-    g.add_argument("--model-dir", help="a Hugging Face Llama/Mistral checkpoint folder instead of random weights")
-    g.add_argument("--num-layers", type=positive_int, help="override the preset's depth (e.g. llama3-8b geometry on a CPU)")
+                   help="preset with random weights (tiny-gqa: 8 query / 2 KV heads, for --mesh up to tp=8; "
+                        "tiny-<family>: a tiny Mistral / Qwen 2 / Qwen 3 / Gemma 2 / Gemma 3)")  # fmt: skip
+    g.add_argument("--model-dir", help="a Hugging Face checkpoint folder (Llama, Mistral, Qwen 2 / 3, Gemma 2 / 3 text) "
+                                       "instead of random weights")
+    g.add_argument("--num-layers", type=positive_int,
+                   help="override the preset's depth (e.g. llama3-8b geometry on a CPU; mixed layer types keep their pattern)")
+    g.add_argument("--no-scan-layers", action="store_true",
+                   help="a list of layers run by a Python loop instead of stacked layers in a scan (compiles with depth; "
+                        "no per-layer weight slice copies)")  # fmt: skip
     g.add_argument("--batch", type=positive_int, default=defaults["batch"], help="sequences decoded together")
     g.add_argument("--prompt-len", type=positive_int, default=defaults["prompt_len"], help="random prompt tokens per sequence")
     g.add_argument("--new-tokens", type=positive_int, default=defaults["new_tokens"], help="tokens generated per sequence (>= 2)")
@@ -136,7 +142,7 @@ def _add_prefix_args(p: argparse.ArgumentParser) -> None:
     d = PrefixSettings()
     g = p.add_argument_group("prefix")
     g.add_argument("--model", choices=_models(), default=d.model, help="preset with random weights")
-    g.add_argument("--model-dir", help="a Hugging Face Llama/Mistral checkpoint folder instead of random weights")
+    g.add_argument("--model-dir", help="a Hugging Face checkpoint folder (any supported family) instead of random weights")
     g.add_argument("--num-layers", type=positive_int, help="override the preset's depth")
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="None: float32 for tiny, else bfloat16")
     g.add_argument("--system-prompts", type=positive_int, default=d.system_prompts, help="distinct system prompts")
@@ -152,6 +158,32 @@ def _add_prefix_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--budget-gib", type=_budget_gib, help="KV budget in GiB (instead of --num-pages)")
     g.add_argument("--repeats", type=positive_int, default=d.repeats, help="timed runs per mode (alternating)")
     g.add_argument("--seed", type=seed, default=d.seed, help="workload and weights")
+    g.add_argument("--host-pages", type=int_in(0), default=d.host_pages,
+                   help="a third mode: the prefix cache with a host tier of this many pages (evicted pages spill there)")  # fmt: skip
+
+
+def _add_swap_args(p: argparse.ArgumentParser) -> None:
+    from benchmarks.swap import SwapSettings
+
+    d = SwapSettings()
+    g = p.add_argument_group("swap")
+    g.add_argument("--model", choices=_models(), default=d.model, help="preset with random weights")
+    g.add_argument("--model-dir", help="a Hugging Face Llama/Mistral checkpoint folder instead of random weights")
+    g.add_argument("--num-layers", type=positive_int, help="override the preset's depth")
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="None: float32 for tiny, else bfloat16")
+    g.add_argument("--requests", type=positive_int, default=d.requests, help="prompts served")
+    g.add_argument("--prompt-len", type=positive_int, default=d.prompt_len, help="mean prompt tokens (uniform in [len/2, 3len/2])")
+    g.add_argument("--new-tokens", type=positive_int, default=d.new_tokens, help="greedy tokens per request")
+    g.add_argument("--batch", type=positive_int, default=d.batch, help="batch rows")
+    g.add_argument("--chunk-size", type=positive_int, default=d.chunk_size, help="prefill chunk (tokens per prefill call)")
+    g.add_argument("--page-size", type=positive_int, default=d.page_size, help="page size in tokens")
+    g.add_argument("--num-pages", type=positive_int, help="KV budget in pages (default: 60%% of what the rows need at their longest)")
+    g.add_argument("--host-pages", type=positive_int, help="host tier pages (default: every row at full length)")
+    g.add_argument("--bandwidth-gbps", type=float_in(0.0, 1e6, low_open=True), help="SwapPolicy: host<->device GB/s (default 25)")
+    g.add_argument("--prefill-rate", type=float_in(0.0, 1e12, low_open=True),
+                   help="SwapPolicy: prefill tokens/s (default: measured in the run)")  # fmt: skip
+    g.add_argument("--repeats", type=positive_int, default=d.repeats, help="timed runs per mode (alternating)")
+    g.add_argument("--seed", type=seed, default=d.seed, help="prompts and weights")
 
 
 CAPACITY_DEFAULTS = {"budget_gib": 1.0, "requests": 100}
@@ -173,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="With no subcommand: the tour (`arena-bench --json tour.json` works too).",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{tour,layout,capacity,decode,kernels,accuracy,prefix}")
+    sub = parser.add_subparsers(dest="command", metavar="{tour,layout,capacity,decode,kernels,accuracy,prefix,swap}")
     fmt = argparse.ArgumentDefaultsHelpFormatter
 
     p = sub.add_parser("tour", formatter_class=fmt, parents=[common], help="layout report + small capacity run + tiny-model decode (default)")
@@ -205,8 +237,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "registers, spills, shared memory, CTAs/SM, tensor-core instruction, TMA "
                         "(needs scripts/install_sm90_tools.sh; JAX_PLATFORMS=cpu on a host without a GPU)")
     p.add_argument("--via", choices=("xla", "plugin"), default="xla",
-                   help="--compile-report: XLA's deviceless GPU compiler (what runs on a GPU) or the CUDA plugin's Triton handler")
+                   help="--compile-report: XLA's deviceless GPU compiler (what runs on a GPU) or the CUDA plugin's Triton handler "
+                        "(jaxlib <= 0.10 only)")
     p.add_argument("--only", metavar="TEXT", help="--compile-report: only variants whose label contains TEXT")
+    p.add_argument("--target", choices=("sm90", "tpu-v5e", "tpu-v6e"), default="sm90",
+                   help="--compile-report: an H100 (sm_90a; the CUDA tooling) or a TPU v5e / v6e (the Mosaic TPU kernels; "
+                        "needs scripts/install_tpu_tools.sh): VMEM, code size, DMA plan vs XLA's bytes accessed")
+    p.add_argument("--steps", action="store_true",
+                   help="--compile-report --target tpu-*: also compile the whole Llama-3-8B-shaped prefill / decode "
+                        "steps on a 2x2 (v5e) / 2x4 (v6e) mesh (minutes)")
 
     p = sub.add_parser("accuracy", formatter_class=fmt, parents=[common],
                        help="quantized KV arenas (8-bit, int4, rotated keys): attention error (outlier keys) and end-to-end logits")
@@ -226,5 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prefix", formatter_class=fmt, parents=[common, plot],
                        help="multi-turn chat with and without the prefix cache under one KV budget")  # fmt: skip
     _add_prefix_args(p)
+    p = sub.add_parser("swap", formatter_class=fmt, parents=[common],
+                       help="a preemption-heavy generate run: recompute vs swap to a host tier")  # fmt: skip
+    _add_swap_args(p)
     parser.subcommands = sub.choices  # name -> subparser, to report errors per subcommand
     return parser

@@ -7,8 +7,10 @@ end-to-end decode against a dense cache, the Pallas kernels, and prefix caching.
     arena-bench decode                tokens/s and step latency, paged arena vs dense cache
     arena-bench kernels               append / paged-attention kernel timings (GPU)
     arena-bench kernels --compile-report   static sm_90a facts of every kernel variant (no GPU)
+    arena-bench kernels --compile-report --target tpu-v5e   the TPU kernels compiled for v5e (no TPU)
     arena-bench accuracy              quantized KV arenas (int8, fp8, int4; rotated keys) vs float64 / bf16
     arena-bench prefix                multi-turn chat with and without the prefix cache, same KV budget
+    arena-bench swap                  a preemption-heavy generate run: recompute vs swap to host memory
 
 layout, capacity, decode and kernels take the KV arena's dtype (`--kv-dtype`; kernels: `--dtype`):
 bfloat16 by default, or int8 / float8_e4m3fn / float8_e5m2 (8-bit values and a float32 scale per
@@ -211,6 +213,7 @@ def _decode_settings(args):
         num_layers=args.num_layers,
         seed=args.seed,
         mesh=getattr(args, "mesh", None),
+        scan_layers=not getattr(args, "no_scan_layers", False),
     )
 
 
@@ -282,6 +285,27 @@ def _cmd_prefix(args, console, progress) -> dict:
     return result
 
 
+def _cmd_swap(args, console, progress) -> dict:
+    from benchmarks.swap import SwapSettings, SwapTooLarge, run_swap, swap_notes, swap_table
+
+    if args.model_dir and not os.path.isdir(args.model_dir):
+        raise _Fail(f"--model-dir {args.model_dir!r} is not a folder")
+    settings = SwapSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SwapSettings)})
+    console.print(f"[bold]swap[/bold]: {settings.model_dir or settings.model}, {settings.requests} requests under memory "
+                  "pressure: recompute vs swap to a host tier (compiling first) ...")  # fmt: skip
+    t0 = time.perf_counter()
+    try:
+        result = run_swap(settings, progress)
+    except (SwapTooLarge, OSError, ValueError) as exc:
+        raise _Fail(str(exc)) from None
+    result["wall_s"] = time.perf_counter() - t0
+    console.print(swap_table(result))
+    for line in swap_notes(result):
+        console.print(f"  {line}", soft_wrap=True)
+    console.print(f"  ({result['wall_s']:.1f} s)")
+    return result
+
+
 def _check_kernel_memory(k: dict) -> None:
     """What the kernel benchmark allocates, checked first. On a CPU it runs the jnp reference on
     points clamped to CPU_MAX_BATCH x CPU_MAX_CONTEXT, all of which must fit. On a GPU a point
@@ -315,8 +339,35 @@ def _check_kernel_memory(k: dict) -> None:
         raise _Fail(str(exc)) from None
 
 
+def _cmd_tpu_compile_report(args, console, progress) -> dict:
+    from benchmarks.compile_report_tpu import format_steps_table, format_tpu_table, run_tpu_compile_report
+
+    console.print(f"[bold]kernels --compile-report --target {args.target}[/bold]: every TPU kernel variant compiled "
+                  "with libtpu (XLA + Mosaic), no TPU ...")
+    del progress
+    try:
+        result = run_tpu_compile_report(target=args.target, only=args.only, steps=args.steps)
+    except RuntimeError as exc:
+        raise _Fail(str(exc)) from None
+    meta = result["metadata"]
+    print(format_tpu_table(result["rows"]))
+    copies = [r["variant"] for r in result["rows"] if r["arena_copies"]]
+    console.print(f"  {meta['variants']} variants, jax {meta['jax']}, libtpu {meta['libtpu']}, {meta['wall_s']} s; "
+                  f"arena copies: {', '.join(copies) if copies else 'none'}")
+    console.print("  VMEM: scoped memory the compiler gave each Mosaic kernel (append: gather/scatter, DMA only); code: "
+                  "the module's; DMA plan: the kernels' CostEstimate at the workload (rows at full page-table length); "
+                  "XLA bytes: cost analysis of the module (plan + what XLA adds); must move: K/V/scales read or new "
+                  "rows written. Static facts, not timings.")
+    if result["steps"]:
+        print(format_steps_table(result["steps"]))
+    return result
+
+
 def _cmd_compile_report(args, console, progress) -> dict:
     from benchmarks.compile_report import format_table, run_compile_report
+
+    if getattr(args, "target", "sm90") != "sm90":
+        return _cmd_tpu_compile_report(args, console, progress)
 
     console.print("[bold]kernels --compile-report[/bold]: every kernel variant compiled for sm_90a (H100), no GPU ...")
     del progress
@@ -327,6 +378,9 @@ def _cmd_compile_report(args, console, progress) -> dict:
     meta = result["metadata"]
     print(format_table(result["rows"]))
     spills = [r["variant"] for r in result["rows"] if r["spill_stores"] or r["spill_loads"]]
+    if any(not r.get("compiled", True) for r in result["rows"]):
+        console.print("  mosaic rows: lowered for sm_90a only (Mosaic GPU makes machine code when the kernel first runs "
+                      "on a GPU): registers and spills n/a; smem, wgmma and TMA from the lowering (JAX >= 0.11)")
     console.print(
         f"  {len(result['rows'])} kernels ({meta['variants']} variants), jax {meta['jax']}, via {meta['via']}, "
         f"{meta['wall_s']} s; spills: {', '.join(spills) if spills else 'none'}"
@@ -520,6 +574,8 @@ def main(argv=None) -> int:
                 results = _cmd_accuracy(args, console, progress)
             elif command == "prefix":
                 results = _cmd_prefix(args, console, progress)
+            elif command == "swap":
+                results = _cmd_swap(args, console, progress)
             else:
                 results = _tour(args, console, progress)
     except _Fail as exc:

@@ -6,6 +6,11 @@ SM (and what limits it), the tensor-core instruction (`wgmma` / `mma`), whether 
 and the compile time. These are the facts that predict speed before a GPU is available; the
 timings themselves still need one (`arena-bench kernels` on a GPU).
 
+Beside them, the experimental Mosaic GPU decode kernel (`pallas_kernels.sm90_mosaic.MOSAIC_VARIANTS`):
+lowered for an H100 only. Mosaic GPU makes machine code when the kernel first runs on a GPU,
+so its registers and spills are "n/a"; shared memory (Mosaic's plan), wgmma and TMA come from
+the lowering on JAX >= 0.11 ("n/a" on 0.10, which dumps nothing).
+
 Needs `bash scripts/install_sm90_tools.sh` and, on a host without a GPU, JAX_PLATFORMS=cpu.
 """
 from __future__ import annotations
@@ -52,15 +57,53 @@ def run_compile_report(*, via: str = "xla", only: str | None = None, progress=No
                 spill_stores=f.spill_stores, spill_loads=f.spill_loads, stack=f.stack, smem=f.smem,
                 ctas_per_sm=f.ctas_per_sm, limiter=f.limiter, tensor_core=f.tensor_core,
                 mma_shapes=list(f.mma_shapes), tma=f.tma, cp_async=f.cp_async, seconds=round(seconds, 2),
+                backend="triton", compiled=True,
             ))
+    rows += _mosaic_rows(only, progress)
     return dict(
-        metadata=dict(jax=jax.__version__, via=via, target="sm_90a (H100)", variants=len(variants),
+        metadata=dict(jax=jax.__version__, via=via, target="sm_90a (H100)",
+                      variants=len(variants) + sum(r["backend"] == "mosaic" for r in rows),
                       wall_s=round(time.perf_counter() - start, 1)),
         rows=rows,
     )
 
 
+def _mosaic_rows(only, progress) -> list[dict]:
+    """The Mosaic GPU decode kernel, lowered (not compiled: see the module docstring)."""
+    from pallas_kernels import sm90
+    from pallas_kernels.mosaic_decode import stages
+    from pallas_kernels.sm90_mosaic import MOSAIC_VARIANTS, lower_mosaic_call
+
+    rows = []
+    for variant in [v for v in MOSAIC_VARIANTS if not only or only in v.label]:
+        if progress is not None:
+            progress(0, 1, variant.label)
+        t0 = time.perf_counter()
+        f = lower_mosaic_call(*variant.call())
+        smem_ctas = (sm90.SM90["smem_per_sm"] // (f.smem + sm90.SM90["smem_reserved_per_cta"])) if f.smem else None
+        rows.append(dict(
+            variant=variant.label, kernel=f.name, launch=f"1 WG/{stages(variant.page_size, variant.head_dim)}",
+            regs=None, spill_stores=None, spill_loads=None, stack=None, smem=f.smem,
+            ctas_per_sm=min(smem_ctas, sm90.SM90["max_ctas_per_sm"]) if smem_ctas else None, limiter="smem",
+            tensor_core="wgmma" if f.wgmma else ("n/a" if f.wgmma is None else "none"), mma_shapes=[],
+            tma=bool(f.tma_loads) if f.tma_loads is not None else None, cp_async=None,
+            seconds=round(time.perf_counter() - t0, 2), backend="mosaic", compiled=False,
+        ))
+    return rows
+
+
+def _na(value) -> str:
+    return "n/a" if value is None else str(value)
+
+
 def _cells(row: dict) -> dict:
+    if row.get("backend") == "mosaic":
+        return dict(
+            variant=row["variant"], kernel=row["kernel"], launch=row["launch"], regs="n/a (runtime)", spills="n/a",
+            smem=_na(row["smem"]), ctas=f"{row['ctas_per_sm']} (smem)" if row["ctas_per_sm"] else "n/a",
+            tc=f"{row['tensor_core']} (lowered)", tma=("yes" if row["tma"] else "no") if row["tma"] is not None else "n/a",
+            seconds=f"{row['seconds']:.1f}",
+        )
     shape = next(iter(row["mma_shapes"]), "")
     mnk = shape.split(".")[4 if shape.startswith("wgmma") else 3] if shape else ""
     return dict(

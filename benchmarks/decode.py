@@ -6,7 +6,8 @@ stays in the model's dtype: the byte figures then compare the two, and greedy to
 differ by quantization; `token_agreement` says how many are equal): one prefill call over the prompts, then `new_tokens - 1`
 decode steps. Paged: `models.prefill` / `models.decode_step` (reserve + every layer's
 append/attend + greedy sampling in one jitted call each). Dense: `models.dense_baseline`
-(`[layers, batch, max_len, kv_heads, head_dim]` written with dynamic_update_slice).
+(`[layers, batch, max_len, kv_heads, head_dim]`, one dynamic_update_slice per layer into the
+loop-carried cache, in place). Any model family (`--model`, `--model-dir`).
 
 Timing: each call is followed by `jax.block_until_ready` before the clock is read. The first
 (warm-up) runs compile and are excluded; compile time is reported separately as the first
@@ -58,6 +59,7 @@ class DecodeSettings:
     num_layers: int | None = None  # override the preset's depth (random weights only)
     seed: int = 0
     mesh: tuple[int, int] | None = None  # (data-parallel, tensor-parallel) degrees; None: one device
+    scan_layers: bool = True  # layers stacked and run by a scan (False: a list run by a Python loop)
 
 
 def config_and_dtype(s):
@@ -67,7 +69,7 @@ def config_and_dtype(s):
         return models.LlamaConfig.from_hf(s.model_dir), jnp.dtype(s.dtype or "bfloat16")
     cfg = preset(s.model)
     if s.num_layers:
-        cfg = dataclasses.replace(cfg, num_layers=s.num_layers)
+        cfg = cfg.with_num_layers(s.num_layers)
     return cfg, jnp.dtype(s.dtype or ("float32" if s.model.startswith("tiny") else "bfloat16"))
 
 
@@ -132,9 +134,9 @@ def build_model(s: DecodeSettings, mesh=None):
     """(model, description of the weights). Random weights from the preset unless model_dir."""
     cfg, dtype = config_and_dtype(s)
     if s.model_dir:
-        model, _tok = models.load_pretrained(s.model_dir, dtype=dtype, mesh=mesh)
+        model, _tok = models.load_pretrained(s.model_dir, dtype=dtype, mesh=mesh, scan_layers=s.scan_layers)
         return model, f"checkpoint {s.model_dir}"
-    model = models.init_random(cfg, seed=s.seed, dtype=dtype, mesh=mesh)
+    model = models.init_random(cfg, seed=s.seed, dtype=dtype, mesh=mesh, scan_layers=s.scan_layers)
     depth = f", {cfg.num_layers} of {preset(s.model).num_layers} layers" if s.num_layers else ""
     return model, f"random weights{depth}"
 
@@ -194,7 +196,9 @@ class _DenseRun:
 
             heads = "tensor" if model.config.num_kv_heads % mesh.shape["tensor"] == 0 else None
             rows = NamedSharding(auto_mesh(mesh), P(None, "data", None, heads))  # [L, B, S, K, H]
-            self.placement = dense_baseline.DenseCache(k=rows, v=rows, lengths=NamedSharding(rows.mesh, P("data")))
+            self.placement = dense_baseline.DenseCache(
+                k=rows, v=rows, lengths=NamedSharding(rows.mesh, P("data")),
+                positions=NamedSharding(rows.mesh, P("data", None)), end=NamedSharding(rows.mesh, P()))
         self.config, self.dtype = model.config, model.dtype
         self.batch, self.max_len = s.batch, s.prompt_len + s.new_tokens
         self.tokens = jnp.asarray(prompts)

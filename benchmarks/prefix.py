@@ -15,6 +15,13 @@ batch rows need at their longest, so that half of it is left over: the prefix ca
 pages there, the run without it leaves it idle (`--num-pages` sets any other budget; below
 what the rows need, both modes wait or preempt, and the cache evicts).
 
+`host_pages` > 0 adds a third mode: the prefix cache with a host tier of that many pages
+(`generate(..., prefix_cache=True, host_pages=N)`): pages evicted from the device are copied
+to host memory and hits there are brought back. Reported besides: hits per tier, pages and
+bytes moved each way, and the transfer time a GPU would pay for them at the SwapPolicy's
+assumed bandwidth (on a CPU "host" and "device" share DRAM: the copies are memcpys inside the
+measured time, and the modelled transfer time is added on top, no overlap, as a bound).
+
 Measured per mode: prompt tokens (every admission's, recomputations after preemption
 included), prefill tokens computed (those minus prefix hits), time to first token (from the
 start of a request's round to its first generated token, p50 / p99 over all requests),
@@ -41,8 +48,9 @@ import arena_jax as aj
 import models
 from benchmarks.decode import config_and_dtype
 from benchmarks.presets import preset
-from models.memory import TooLarge, cache_bytes, check_fits, weight_bytes
-from models.steps import drop_page_rows, fork_page_rows, hold_page_rows
+from models.memory import TooLarge, cache_bytes, check_fits, host_memory_limit, weight_bytes
+from models.steps import (drop_host_page_rows, drop_page_rows, evict_to_host_rows, flush_rows, fork_page_rows,
+                          hold_page_rows, offload_page_rows, swap_in_rows)  # fmt: skip
 
 __all__ = ["PrefixSettings", "run_prefix", "make_workload", "PrefixTooLarge"]
 
@@ -72,6 +80,7 @@ class PrefixSettings:
     budget_gib: float | None = None  # KV budget in GiB instead
     repeats: int = 1
     seed: int = 0
+    host_pages: int = 0  # > 0: a third mode, the prefix cache with a host tier of this many pages
 
     @property
     def user_max(self) -> int:
@@ -110,6 +119,9 @@ def check_memory(s: PrefixSettings, cfg, dtype, layout) -> None:
         check_fits({f"weights ({cfg.num_layers} layers, {dtype.name})": weight_bytes(cfg, dtype),
                     f"KV arena and page table ({layout.num_pages:,} pages)": cache_bytes(layout),
                     "logits": 2 * s.batch * s.chunk_size * cfg.vocab_size * 4}, hint=hint)  # fmt: skip
+        if s.host_pages:
+            check_fits({f"host tier ({s.host_pages:,} pages)": s.host_pages * layout.page_bytes},
+                       limit=host_memory_limit(), hint="lower --host-pages")  # fmt: skip
     except TooLarge as exc:
         raise PrefixTooLarge(f"{s.model_dir or s.model} {exc}") from None
 
@@ -148,22 +160,34 @@ def _warm_up(model, layout, s: PrefixSettings) -> None:
     rows = jnp.full((s.batch, layout.max_pages_per_seq), aj.PAD_PAGE, jnp.int32)
     cache = fork_page_rows(cache, rows, jnp.zeros((s.batch,), jnp.int32), jnp.full((s.batch,), aj.PAD_SLOT, jnp.int32))
     models.generate(model, [prompt], 2, cache=aj.create(layout), **kw)
+    slots = jnp.full((s.batch,), aj.PAD_SLOT, jnp.int32)
+    cache, _ = flush_rows(cache, None, pad_pages, jnp.ones((width,), jnp.int32), slots, *[pad_pages] * 4)
+    if s.host_pages:  # the host tier's steps, on padding (and generate's with a host tier)
+        hosted = models.generate(model, [prompt], 2, cache=aj.create(layout), prefix_cache=True, host_pages=s.host_pages, **kw)
+        cache, host = hosted.cache, hosted.host
+        cache, host = drop_host_page_rows(cache, host, pad_pages)
+        cache, host = offload_page_rows(cache, host, pad_pages, pad_pages)
+        cache, host = evict_to_host_rows(cache, host, pad_pages, pad_pages, pad_pages, pad_pages)
+        cache, host = flush_rows(cache, host, pad_pages, jnp.ones((width,), jnp.int32), slots, *[pad_pages] * 4)
+        cache, host, _ = swap_in_rows(cache, host, rows, jnp.zeros((s.batch,), jnp.int32),
+                                      jnp.full((s.batch,), aj.PAD_SLOT, jnp.int32))  # fmt: skip
     jax.block_until_ready(cache)
 
 
-def _serve(model, layout, s: PrefixSettings, systems, users, prefix: bool) -> dict:
+def _serve(model, layout, s: PrefixSettings, systems, users, prefix: bool, host_pages: int = 0) -> dict:
     """Every round of the workload; returns per-round figures and the answers."""
-    cache, index = aj.create(layout), None
+    cache, index, host = aj.create(layout), None, None
     histories = [list(systems[c % len(systems)]) for c in range(s.conversations)]
     answers, rounds = [], []
     for t in range(s.turns):
         prompts = [histories[c] + users[c][t] for c in range(s.conversations)]
+        tier = dict(host=host) if host is not None else dict(host_pages=host_pages)
         result = models.generate(
             model, prompts, s.new_tokens, batch_size=s.batch, chunk_size=s.chunk_size, cache=cache,
-            prefix_cache=(index if index is not None else True) if prefix else False, stop_tokens=(),
+            prefix_cache=(index if index is not None else True) if prefix else False, stop_tokens=(), **tier,
         )  # fmt: skip
-        cache, index = result.cache, result.prefix_cache
-        health = aj.health(cache, index)
+        cache, index, host = result.cache, result.prefix_cache, result.host
+        health = aj.health(cache, index, host=host)
         rounds.append({
             "turn": t + 1,
             "seconds": result.seconds,
@@ -179,6 +203,10 @@ def _serve(model, layout, s: PrefixSettings, systems, users, prefix: bool) -> di
             "cached_pages": health["cached_pages"],
             "cow_copies": health["cow_copies"],
             "rejected_rows": health["rejected_rows"],
+            "host_hit_tokens": health.get("prefix_host_hit_tokens", 0),  # the index's count: all rounds so far
+            "pages_to_host": health["pages_to_host"],  # the cache's counters: all rounds so far
+            "pages_to_device": health["pages_to_device"],
+            "modelled_transfer_s": result.modelled_transfer_seconds,
         })  # fmt: skip
         answers.append(result.tokens)
         histories = [p + a for p, a in zip(prompts, result.tokens)]
@@ -189,6 +217,7 @@ def _summary(runs: list[dict]) -> dict:
     """Counts per run (every run serves the same workload the same way); times pooled over runs."""
     rounds = [r for run in runs for r in run["rounds"]]
     total = lambda key: int(round(sum(r[key] for r in rounds) / len(runs)))  # noqa: E731
+    total_f = lambda key: sum(r[key] for r in rounds) / len(runs)  # noqa: E731
     ttft = np.concatenate([r["ttft_s"] for r in rounds]) * 1e3
     seconds = sum(r["seconds"] for r in rounds) / len(runs)
     prompt = total("prompt_tokens")
@@ -207,6 +236,11 @@ def _summary(runs: list[dict]) -> dict:
         "preemptions": total("preemptions"),
         "evictions": total("evictions"),
         "cached_pages_end": runs[-1]["rounds"][-1]["cached_pages"],
+        "host_hit_tokens": runs[-1]["rounds"][-1]["host_hit_tokens"],
+        "pages_to_host": runs[-1]["rounds"][-1]["pages_to_host"],
+        "pages_to_device": runs[-1]["rounds"][-1]["pages_to_device"],
+        "modelled_transfer_s": total_f("modelled_transfer_s"),
+        "tokens_per_s_modelled": total("generated") / (seconds + total_f("modelled_transfer_s")) if seconds else float("nan"),
         "cow_copies": runs[-1]["rounds"][-1]["cow_copies"],  # the cache's counter: all of a run's rounds
         "rejected_rows": sum(run["rounds"][-1]["rejected_rows"] for run in runs),
         "per_turn": [
@@ -235,17 +269,19 @@ def run_prefix(s: PrefixSettings, progress=None) -> dict:
     model, weights = _build_model(s, cfg, dtype)
     systems, users = make_workload(s, cfg.vocab_size)
 
-    advance = progress.add_task("prefix: warm-up + runs", total=1 + 2 * s.repeats) if progress else None
+    modes = ("none", "prefix", "host") if s.host_pages else ("none", "prefix")
+    advance = progress.add_task("prefix: warm-up + runs", total=1 + len(modes) * s.repeats) if progress else None
     t0 = time.perf_counter()
     _warm_up(model, layout, s)
     warm_s = time.perf_counter() - t0
     if advance:
         advance(1)
-    runs = {"none": [], "prefix": []}
+    runs = {mode: [] for mode in modes}
     for i in range(s.repeats):
-        order = ("none", "prefix") if i % 2 == 0 else ("prefix", "none")  # alternate: drift hits both
+        order = modes if i % 2 == 0 else modes[::-1]  # alternate: drift hits every mode
         for mode in order:
-            runs[mode].append(_serve(model, layout, s, systems, users, prefix=mode == "prefix"))
+            runs[mode].append(_serve(model, layout, s, systems, users, prefix=mode != "none",
+                                     host_pages=s.host_pages if mode == "host" else 0))  # fmt: skip
             if advance:
                 advance(1)
     if progress:
@@ -253,10 +289,23 @@ def run_prefix(s: PrefixSettings, progress=None) -> dict:
 
     none, cached = _summary(runs["none"]), _summary(runs["prefix"])
     mismatch = None
-    for t, (a_turn, b_turn) in enumerate(zip(runs["none"][0]["answers"], runs["prefix"][0]["answers"])):
-        for c, (a, b) in enumerate(zip(a_turn, b_turn)):
-            if a != b and mismatch is None:
-                mismatch = {"turn": t + 1, "conversation": c, "without": a, "with": b}
+    for mode in modes[1:]:
+        for t, (a_turn, b_turn) in enumerate(zip(runs["none"][0]["answers"], runs[mode][0]["answers"])):
+            for c, (a, b) in enumerate(zip(a_turn, b_turn)):
+                if a != b and mismatch is None:
+                    mismatch = {"turn": t + 1, "conversation": c, "without": a, "with": b, "mode": mode}
+    tiered = {}
+    if s.host_pages:
+        host = _summary(runs["host"])
+        tiered = {
+            "host": host,
+            "host_speedup_tokens_per_s": host["tokens_per_s"] / none["tokens_per_s"],
+            "host_speedup_modelled": host["tokens_per_s_modelled"] / none["tokens_per_s"],
+            "host_prefill_ratio": host["prefill_tokens"] / none["prefill_tokens"] if none["prefill_tokens"] else float("nan"),
+            "host_ttft_p50_ratio": host["ttft_ms_p50"] / none["ttft_ms_p50"],
+            "page_bytes": layout.page_bytes,
+            "bandwidth_bytes_per_s": models.SwapPolicy().bandwidth_bytes_per_s,
+        }
     return {
         "settings": {
             **dataclasses.asdict(s),
@@ -276,6 +325,7 @@ def run_prefix(s: PrefixSettings, progress=None) -> dict:
         "prefill_ratio": cached["prefill_tokens"] / none["prefill_tokens"] if none["prefill_tokens"] else float("nan"),
         "speedup_tokens_per_s": cached["tokens_per_s"] / none["tokens_per_s"],
         "ttft_p50_ratio": cached["ttft_ms_p50"] / none["ttft_ms_p50"],
+        **tiered,
     }
 
 

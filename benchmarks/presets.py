@@ -11,12 +11,30 @@ def tiny_gqa() -> LlamaConfig:
     return LlamaConfig.tiny(num_heads=8, num_kv_heads=2)
 
 
+def _tiny(model_type: str):
+    def make() -> LlamaConfig:
+        return LlamaConfig.tiny_family(model_type)
+
+    make.__doc__ = f"A tiny random {model_type} (models.presets.tiny_family): its family's features, window 8."
+    return make
+
+
 PRESETS = {
     "tiny": LlamaConfig.tiny,
     "tiny-gqa": tiny_gqa,
+    "tiny-mistral": _tiny("mistral"),
+    "tiny-qwen2": _tiny("qwen2"),
+    "tiny-qwen3": _tiny("qwen3"),
+    "tiny-gemma2": _tiny("gemma2"),
+    "tiny-gemma3": _tiny("gemma3_text"),
     "mistral-7b": LlamaConfig.mistral_7b,
     "llama3-8b": LlamaConfig.llama3_8b,
     "llama3-70b": LlamaConfig.llama3_70b,
+    "qwen2.5-7b": LlamaConfig.qwen2_5_7b,
+    "qwen3-8b": LlamaConfig.qwen3_8b,
+    "gemma2-9b": LlamaConfig.gemma2_9b,
+    "gemma3-1b": LlamaConfig.gemma3_1b,
+    "gemma3-4b-text": LlamaConfig.gemma3_4b_text,
 }
 LAYOUT_MODELS = ("mistral-7b", "llama3-8b", "llama3-70b")
 

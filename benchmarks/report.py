@@ -337,6 +337,12 @@ _PREFIX_ROWS = [
     ("cached pages at the end", "cached_pages_end", _fmt),
     ("copy-on-write page copies", "cow_copies", _fmt),
 ]
+_HOST_ROWS = [
+    ("  of which hits in host pages", "host_hit_tokens", _fmt),
+    ("pages copied to host / back", "pages_moved", lambda v: v),
+    ("modelled transfer time (GPU)", "modelled_transfer_s", lambda v: f"{v * 1e3:,.2f} ms"),
+    ("throughput + modelled transfers", "tokens_per_s_modelled", lambda v: f"{v:,.1f}"),
+]
 
 
 def prefix_table(result: dict) -> Table:
@@ -349,13 +355,29 @@ def prefix_table(result: dict) -> Table:
         ),
         box=box.SIMPLE_HEAVY,
     )
-    for col, just in (("", "left"), ("no prefix cache", "right"), ("prefix cache", "right"), ("cache / none", "right")):
-        t.add_column(col, justify=just)
-    ratios = {"prefill_tokens", "ttft_ms_p50", "ttft_ms_p99", "tokens_per_s", "seconds", "prefill_calls"}
-    for label, key, fmt in _PREFIX_ROWS:
-        x, y = result["none"][key], result["prefix"][key]
-        t.add_row(label, fmt(x), fmt(y), f"{y / x:.2f}x" if key in ratios and x else "")
+    modes = ["none", "prefix"] + (["host"] if "host" in result else [])
+    cols = ["no prefix cache", "prefix cache"] + (["+ host tier"] if "host" in result else [])
+    cols += ["cache / none"] + (["host / none"] if "host" in result else [])
+    t.add_column("", justify="left")
+    for col in cols:
+        t.add_column(col, justify="right")
+    ratios = {"prefill_tokens", "ttft_ms_p50", "ttft_ms_p99", "tokens_per_s", "seconds", "prefill_calls", "tokens_per_s_modelled"}
+    rows = _PREFIX_ROWS + (_HOST_ROWS if "host" in result else [])
+    for label, key, fmt in rows:
+        values = [_prefix_value(result[m], key) for m in modes]
+        x = values[0]
+        shown = [fmt(v) if v is not None else "" for v in values]
+        extra = [f"{v / x:.2f}x" if key in ratios and x and v is not None else "" for v in values[1:]]
+        t.add_row(label, *shown, *extra)
     return t
+
+
+def _prefix_value(summary: dict, key: str):
+    if key == "pages_moved":
+        return f"{summary.get('pages_to_host', 0):,} / {summary.get('pages_to_device', 0):,}"
+    if key == "tokens_per_s_modelled":
+        return summary[key] if summary.get("pages_to_host") or summary.get("pages_to_device") else None
+    return summary.get(key, 0)
 
 
 def prefix_notes(result: dict) -> list[str]:
@@ -373,12 +395,27 @@ def prefix_notes(result: dict) -> list[str]:
         f"{pre['hit_rate']:.1%}, {pre['evictions']:,} pages evicted (LRU), {pre['preemptions']} preemptions "
         f"(vs {none['preemptions']} without)",
     ]
+    if "host" in result:
+        h = result["host"]
+        moved = (h["pages_to_host"] + h["pages_to_device"]) * result["page_bytes"]
+        lines.append(
+            f"host tier ({s['host_pages']:,} pages): prefill tokens {result['host_prefill_ratio']:.2f}x, time to first token "
+            f"p50 {result['host_ttft_p50_ratio']:.2f}x, throughput {result['host_speedup_tokens_per_s']:.2f}x of no cache "
+            f"({result['host_speedup_modelled']:.2f}x with the modelled transfers added); hit rate {h['hit_rate']:.1%} "
+            f"({h['host_hit_tokens']:,} hit tokens in host pages), {h['evictions']:,} device pages evicted"
+        )
+        lines.append(
+            f"transfers: {h['pages_to_host']:,} pages to host, {h['pages_to_device']:,} back, {fmt_bytes(moved)} per run; "
+            f"on this {result['device']} host and device share DRAM, so they are memcpys inside the measured time; a GPU "
+            f"would pay {fmt_bytes(moved)} / {result['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s (PCIe 4.0 x16, "
+            f"SwapPolicy) = {h['modelled_transfer_s'] * 1e3:.2f} ms, added on top (no overlap) in the modelled throughput"
+        )
     if result["same_tokens"]:
         lines.append("greedy tokens: [green]match[/green] (every turn of every conversation, with and without the cache)")
     else:
         m = result["first_mismatch"]
-        lines.append(f"greedy tokens: [red]MISMATCH[/red] (turn {m['turn']}, conversation {m['conversation']}: "
-                     f"{m['without']} without vs {m['with']} with the cache)")  # fmt: skip
+        lines.append(f"greedy tokens: [red]MISMATCH[/red] (turn {m['turn']}, conversation {m['conversation']}, "
+                     f"{m.get('mode', 'prefix')}: {m['without']} without vs {m['with']} with the cache)")  # fmt: skip
     if none["rejected_rows"] or pre["rejected_rows"]:
         lines.append(f"[red]rows refused by the cache's checks: {none['rejected_rows']} / {pre['rejected_rows']}[/red]")
     return lines

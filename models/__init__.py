@@ -1,4 +1,5 @@
-"""Flax NNX Llama / Mistral on the arena_jax paged KV cache.
+"""Flax NNX decoders on the arena_jax paged KV cache: Llama 2/3, Mistral, Qwen 2 / 2.5, Qwen 3
+(dense), Gemma 2 and Gemma 3 (text), one `LlamaConfig` and one `Llama` for all (see models.config).
 
     import models
     model, tokenizer = models.load_pretrained("path/to/checkpoint", dtype=jnp.bfloat16)
@@ -6,7 +7,8 @@
 
 or a random-weight model: `models.init_random(models.LlamaConfig.tiny(), seed=0)` (fast: one
 numpy draw on CPU, one jitted call elsewhere) or `models.Llama(config, rngs=nnx.Rngs(0))`.
-`prefill` / `decode_step` are the jitted steps (see models.steps); `models.dense_baseline`
+`prefill` / `decode_step` are the jitted steps (see models.steps); the layers run in one
+`jax.lax.scan` (models.llama; `scan_layers=False` for a Python loop); `models.dense_baseline`
 runs the same model with a conventional dense KV cache for comparison.
 
 Many devices: `init_random(..., mesh=)` / `load_pretrained(..., mesh=)` place the weights
@@ -18,9 +20,11 @@ transformers' generate reads them) unless given `stop_tokens`. Configs are read 
 `arena_jax.hf_config` (transformers' defaults and types); bad input of any kind is a
 ValueError naming the argument, file or key, and the limit.
 """
+from models import presets
 from models.config import LlamaConfig, RopeScaling
 from models.dense_baseline import DenseCache, dense_decode, dense_generate, dense_prefill, init_dense_cache
 from models.generate import Generation, default_layout, generate
+from models.host_tier import SwapPolicy
 from models.layers import MLP, Attention, Embedder, RMSNorm, apply_rope, rope_frequencies
 from models.llama import Block, Llama, init_random, token_positions
 from models.parallel import shard_model, weights_mesh
@@ -57,6 +61,7 @@ __all__ = [
     "generate",
     "Generation",
     "default_layout",
+    "SwapPolicy",
     "DenseCache",
     "init_dense_cache",
     "dense_prefill",

@@ -1,11 +1,16 @@
-"""`arena-generate`: generate text (or token ids) with a Llama / Mistral on the paged cache.
+"""`arena-generate`: generate text (or token ids) with a Llama, Mistral, Qwen 2 / 3 or Gemma 2 / 3
+model on the paged cache.
 
     arena-generate --model-dir path/to/checkpoint --prompt "Hello" --max-new-tokens 64
     arena-generate --prompt "Hello" --batch 4 --num-prompts 8     # built-in random-weight tiny model
+    arena-generate --model tiny-gemma2 --prompt "Hello"           # a tiny random model of another family
 
-Without `--model-dir` a random-weight `LlamaConfig.tiny()` model runs and the prompt's
-UTF-8 bytes (mod the vocabulary) are its token ids. `--kv-dtype int8` (or float8_e4m3fn,
-float8_e5m2) runs on an 8-bit arena: half the KV bytes of bf16. Prints the generated tokens (decoded
+Without `--model-dir` a random-weight tiny model runs (`--model`: `LlamaConfig.tiny()` or
+`LlamaConfig.tiny_family(...)`) and the prompt's UTF-8 bytes (mod the vocabulary) are its
+token ids. `--kv-dtype int8` (or float8_e4m3fn,
+float8_e5m2) runs on an 8-bit arena: half the KV bytes of bf16. `--host-pages N` adds a host-memory
+tier of N pages: a preempted sequence is swapped out and back instead of recomputed (when the
+cost model says so: `models.SwapPolicy`), or with `--prefix-cache` evicted prefixes spill there. Prints the generated tokens (decoded
 text when the checkpoint has a tokenizer.json) and tokens/s. A sequence stops at the
 checkpoint's eos tokens, as transformers' generate does (`--ignore-eos`: run to
 --max-new-tokens). Sizes are checked against the device's memory before anything is
@@ -19,19 +24,24 @@ import os
 import sys
 import time
 
-from models.argtypes import float_in, non_negative_float, positive_int, seed
+from models.argtypes import float_in, int_in, non_negative_float, positive_int, seed
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _KV_DTYPES = _DTYPES + ("int8", "float8_e4m3fn", "float8_e5m2")
 CACHE_ENV = "ARENA_JAX_COMPILE_CACHE"
+TINY_MODELS = {"tiny": "llama", "tiny-mistral": "mistral", "tiny-qwen2": "qwen2", "tiny-qwen3": "qwen3",
+               "tiny-gemma2": "gemma2", "tiny-gemma3": "gemma3_text"}  # fmt: skip
 HOST_BYTES_PER_TOKEN = 64  # a token id held in the host's Python lists (list slot + int object), rounded up
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="arena-generate", description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--model-dir", help="Hugging Face checkpoint folder (config.json, *.safetensors); default: tiny random model"
+        "--model-dir", help="Hugging Face checkpoint folder (config.json, *.safetensors; model_type llama, mistral, "
+                            "qwen2, qwen3, gemma2 or gemma3_text); default: a tiny random model (--model)"
     )
+    p.add_argument("--model", choices=sorted(TINY_MODELS), default="tiny",
+                   help="the tiny random-weight model run without --model-dir")  # fmt: skip
     p.add_argument("--prompt", default="The arena holds every page.", help="prompt text")
     p.add_argument("--num-prompts", type=positive_int, default=None, help="copies of the prompt to run (default: --batch)")
     p.add_argument("--max-new-tokens", type=positive_int, default=32)
@@ -48,7 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=seed, default=0, help="sampling (and the tiny model's weights)")
     p.add_argument("--prefix-cache", action="store_true",
                    help="reuse the K/V of cached prompt prefixes (token granularity, LRU eviction); prints hit figures")  # fmt: skip
+    p.add_argument("--host-pages", type=int_in(0), default=0,
+                   help="host-memory pages (pinned_host) for swap preemption, or the prefix cache's spill tier; 0: none")  # fmt: skip
     p.add_argument("--dtype", choices=_DTYPES, default=None, help="default: bfloat16 for checkpoints, float32 for tiny")
+    p.add_argument("--no-scan-layers", action="store_true",
+                   help="run the layers as a Python loop over a list (compile time grows with depth; no per-layer "
+                        "weight slice copies) instead of one scan over stacked layers")  # fmt: skip
     p.add_argument("--kv-dtype", choices=_KV_DTYPES, default=None,
                    help="the KV arena's dtype (default: --dtype); int8 / float8_* store 8-bit values + a float32 scale "
                         "per token and KV head, quantized on write")  # fmt: skip
@@ -90,7 +105,7 @@ def main(argv=None) -> int:
             parser.error(f"--model-dir {args.model_dir}: {exc}")
     else:
         dtype = jnp.dtype(args.dtype or "float32")
-        config = models.LlamaConfig.tiny()
+        config = models.LlamaConfig.tiny_family(TINY_MODELS[args.model])
     vocab = config.vocab_size
     if args.top_k is not None and args.top_k > vocab:
         parser.error(f"--top-k {args.top_k} exceeds the model's vocab_size {vocab}")
@@ -133,14 +148,20 @@ def main(argv=None) -> int:
                    limit=host_memory_limit(), hint="lower --num-prompts or --max-new-tokens")  # fmt: skip
     except TooLarge as exc:
         parser.error(f"--num-prompts {num_prompts} x {total} tokens: {exc}")
+    if args.host_pages:
+        try:
+            check_fits({f"host tier ({args.host_pages:,} pages)": args.host_pages * layout.page_bytes},
+                       limit=host_memory_limit(), hint="lower --host-pages")  # fmt: skip
+        except TooLarge as exc:
+            parser.error(f"--host-pages {args.host_pages}: {exc}")
 
     if args.model_dir:
         try:
-            model, tokenizer = models.load_pretrained(args.model_dir, dtype=dtype)
+            model, tokenizer = models.load_pretrained(args.model_dir, dtype=dtype, scan_layers=not args.no_scan_layers)
         except (OSError, ValueError) as exc:
             parser.error(f"--model-dir {args.model_dir}: {exc}")
     else:
-        model = models.init_random(config, seed=args.seed, dtype=dtype)
+        model = models.init_random(config, seed=args.seed, dtype=dtype, scan_layers=not args.no_scan_layers)
     prompts = [prompt] * num_prompts
     if not args.no_compile_cache:  # only once the arguments and the model are known to be good
         _enable_compile_cache(args.compile_cache)
@@ -162,7 +183,8 @@ def main(argv=None) -> int:
             again = {k: v for k, v in kwargs.items() if k != "layout"}
             models.generate(model, prompts[:1], warm_new, **again, cache=first.cache, prefix_cache=first.prefix_cache)
         warm = time.perf_counter() - warm_start
-        result = models.generate(model, prompts, args.max_new_tokens, **kwargs, prefix_cache=args.prefix_cache)
+        result = models.generate(model, prompts, args.max_new_tokens, **kwargs, prefix_cache=args.prefix_cache,
+                                 host_pages=args.host_pages)  # fmt: skip
     except ValueError as exc:
         parser.error(str(exc))
 
@@ -184,13 +206,23 @@ def main(argv=None) -> int:
             f"tokens hit (hit rate {m['prefix_hit_rate']:.1%}); {result.prefill_tokens} tokens computed in prefill; "
             f"{m['cached_pages']} pages ({m['cached_tokens']} tokens) cached; {result.evictions} evictions"
         )
+    if args.host_pages:
+        m = aj_health(result)
+        hits = f"; {m['prefix_host_hit_tokens']} hit tokens brought back from it" if args.prefix_cache else ""
+        print(
+            f"host tier: {args.host_pages} pages ({fmt_bytes(args.host_pages * layout.page_bytes)}); "
+            f"{result.swap_outs} of {result.preemptions} preemptions swapped ({result.swapped_tokens} tokens), "
+            f"{result.recomputed_tokens} tokens recomputed; {m['pages_to_host']} pages to host, {m['pages_to_device']} "
+            f"back ({fmt_bytes(m['bytes_to_host'] + m['bytes_to_device'])}: {result.modelled_transfer_seconds * 1e3:.3f} ms "
+            f"at the assumed 25 GB/s){hits}"
+        )
     return 0
 
 
 def aj_health(result) -> dict:
     import arena_jax as aj
 
-    return aj.health(result.cache, result.prefix_cache)
+    return aj.health(result.cache, result.prefix_cache, host=result.host)
 
 
 if __name__ == "__main__":

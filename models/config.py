@@ -1,11 +1,25 @@
-"""`LlamaConfig`: one frozen, validated config for Llama 2 / Llama 3 and Mistral.
+"""`LlamaConfig`: one frozen, validated config for every decoder family the models run:
+Llama 2 / 3, Mistral, Qwen 2 / 2.5, Qwen 3 (dense), Gemma 2 and Gemma 3 (text).
 
     cfg = LlamaConfig.from_hf("path/to/checkpoint")        # config.json, a dict, or its folder
-    cfg = LlamaConfig.llama3_8b()                          # presets: llama3_70b, mistral_7b, tiny
+    cfg = LlamaConfig.llama3_8b()                          # presets: models.presets (qwen3_8b, gemma2_9b, ...)
+    cfg = LlamaConfig.tiny_family("gemma2")                # tiny per-family variants for tests
     layout = cfg.kv_layout(page_size=16, budget_bytes=8 << 30, max_seqs=64, max_seq_len=4096)
 
-The config is hashable (a frozen dataclass of scalars), so it can sit in an NNX graphdef
-that is a static argument of `jax.jit`.
+The defaults are Llama's. `model_type` names the family; what a family fixes in its
+architecture follows from it (properties, not settable: no checkpoint mixes them, and
+`to_hf` must write a config.json transformers reads the same way):
+
+    gemma       (gemma2, gemma3_text): RMSNorm x * (1 + w) in float32, sandwich norms (after
+                attention, before and after the MLP), embeddings * sqrt(hidden_size)
+    qk_norm     (qwen3, gemma3_text): RMSNorm over head_dim of each query and key head
+    qkv_bias / o_bias: Qwen 2 biases q, k, v (not o); Llama, Qwen 3 and Gemma all four
+                with `attention_bias`; Mistral none
+
+What varies within a family is a field: `hidden_act`, `attention_bias`, the RoPE bases and
+scaling, the windows per layer (`layer_types`, `sliding_window`), `query_pre_attn_scalar`
+and the soft-caps. The config is hashable (a frozen dataclass of scalars and tuples), so it
+can sit in an NNX graphdef that is a static argument of `jax.jit`.
 """
 from __future__ import annotations
 
@@ -17,28 +31,41 @@ from typing import Any, Mapping
 import numpy as np
 
 import arena_jax as aj
-from arena_jax.hf_config import INT32_MAX, parse_hf_config
+from arena_jax.hf_config import INT32_MAX
 
-__all__ = ["LlamaConfig", "RopeScaling"]
+__all__ = ["LlamaConfig", "RopeScaling", "MODEL_TYPES", "HIDDEN_ACTS", "NO_WINDOW"]
+
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# A layer without a window, in the per-layer int32 windows the layer scan carries: any value
+# >= max_seq_len is no window to `aj.attend` (which clips it), and the dense baseline's
+# `key > query - window` cannot overflow with it.
+NO_WINDOW = INT32_MAX
+_GEMMA = ("gemma2", "gemma3_text")
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3.1 `rope_scaling` (rope_type "llama3"): low frequencies divided by `factor`,
-    high frequencies kept, a smooth blend in between."""
+    """RoPE frequency scaling. rope_type "llama3" (Llama 3.1): low frequencies divided by
+    `factor`, high frequencies kept, a smooth blend in between. "linear" (Gemma 3's global
+    layers): every frequency divided by `factor` (the other fields are unused)."""
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    rope_type: str = "llama3"
 
     def __post_init__(self):
+        if self.rope_type not in ("llama3", "linear"):
+            raise ValueError(f"rope_scaling.rope_type must be 'llama3' or 'linear', got {self.rope_type!r}")
         for name in ("factor", "low_freq_factor", "high_freq_factor"):
             value = getattr(self, name)
             if not _positive_number(value):
                 raise ValueError(f"rope_scaling.{name} must be a finite number > 0, got {value!r}")
             object.__setattr__(self, name, float(value))
-        if self.high_freq_factor <= self.low_freq_factor:
+        if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
             raise ValueError(
                 f"rope_scaling.high_freq_factor={self.high_freq_factor} must exceed "
                 f"low_freq_factor={self.low_freq_factor}"
@@ -52,22 +79,31 @@ def _positive_int(obj, name: str, prefix: str = ""):
         raise ValueError(f"{prefix}{name} must be an integer in [1, {INT32_MAX}], got {value!r}")
 
 
-def _eos_json(ids: tuple[int, ...]):
-    """config.json's `eos_token_id`: an int, a list, or null (no stop token: transformers'
-    generate then runs to max_new_tokens, as ours does)."""
-    return None if not ids else ids[0] if len(ids) == 1 else list(ids)
-
-
 def _positive_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
+def _optional_float(obj, name: str):
+    value = getattr(obj, name)
+    if value is not None:
+        if not _positive_number(value):
+            raise ValueError(f"{name} must be a finite number > 0 or None, got {value!r}")
+        object.__setattr__(obj, name, float(value))
+
+
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-    """Architecture of a Llama-family decoder (Llama 2, Llama 3/3.1, Mistral).
+    """Architecture of a decoder of one of `MODEL_TYPES` (see the module docstring).
 
     `head_dim` defaults to hidden_size // num_heads; `num_kv_heads` < `num_heads` is GQA.
-    `sliding_window` (Mistral) limits each query to the last `sliding_window` keys, itself included.
+    Windows: `layer_types` (per layer "full_attention" / "sliding_attention"; None: every
+    layer sliding when `sliding_window` is set, else every layer full, as Llama / Mistral) and
+    `sliding_window` (a query sees the last `sliding_window` keys, itself included).
+    RoPE: `rope_theta` / `rope_scaling` for every layer, except the sliding layers when
+    `rope_local_theta` is set (Gemma 3: those use that base, unscaled).
+    Attention: `sm_scale = query_pre_attn_scalar ** -0.5` (default head_dim ** -0.5);
+    `attn_logit_softcapping` caps scores as `cap * tanh(s / cap)`, `final_logit_softcapping`
+    the logits (in float32).
     """
 
     vocab_size: int
@@ -84,6 +120,14 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = ()  # generation stops after one of these; random models have none
+    model_type: str | None = None  # None: "mistral" when sliding_window is set, else "llama"
+    hidden_act: str = "silu"  # the MLP's gate activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU)
+    attention_bias: bool | None = None  # None: the family's (Qwen 2: True, others False)
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
@@ -107,6 +151,8 @@ class LlamaConfig:
             if not _positive_number(value):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
             object.__setattr__(self, name, float(value))
+        for name in ("rope_local_theta", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+            _optional_float(self, name)
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise ValueError(f"rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
         if self.sliding_window is not None:
@@ -120,16 +166,114 @@ class LlamaConfig:
             if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)) or not 0 <= t < self.vocab_size:
                 raise ValueError(f"eos_token_ids must be integers in [0, vocab_size={self.vocab_size}), got {t!r}")
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in ids))
+        self._check_family()
+
+    def _check_family(self):
+        """model_type, hidden_act, attention_bias and the windows: resolved and consistent."""
+        if self.model_type is None:
+            object.__setattr__(self, "model_type", "mistral" if self.sliding_window is not None else "llama")
+        kind = self.model_type
+        if kind not in MODEL_TYPES:
+            raise ValueError(f"model_type must be one of {MODEL_TYPES} or None, got {kind!r}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
+        if self.attention_bias is None:
+            object.__setattr__(self, "attention_bias", kind == "qwen2")
+        if not isinstance(self.attention_bias, bool):
+            raise ValueError(f"attention_bias must be a bool or None, got {self.attention_bias!r}")
+        if kind == "qwen2" and not self.attention_bias:
+            raise ValueError("attention_bias=False: Qwen 2 always has q, k and v biases")
+        if kind == "mistral" and self.attention_bias:
+            raise ValueError("attention_bias=True: Mistral's projections have no biases")
+        types = self.layer_types
+        if types is not None:
+            if isinstance(types, (str, bytes)) or not isinstance(types, (tuple, list)) or not all(t in LAYER_TYPES for t in types):
+                raise ValueError(f"layer_types must be a tuple of {LAYER_TYPES} entries or None, got {types!r}")
+            types = tuple(types)
+            if len(types) != self.num_layers:
+                raise ValueError(f"layer_types has {len(types)} entries but num_layers={self.num_layers}")
+            if "sliding_attention" in types and self.sliding_window is None:
+                raise ValueError("layer_types has sliding_attention layers but sliding_window is None")
+            uniform = ("sliding_attention" if self.sliding_window is not None else "full_attention",) * self.num_layers
+            object.__setattr__(self, "layer_types", None if types == uniform else types)  # one spelling per model
+        if kind == "llama" and self.sliding_window is not None:
+            raise ValueError("sliding_window is set but model_type is 'llama' (transformers' Llama has no window): "
+                             "use model_type 'mistral' or None")
+        if kind == "mistral" and self.layer_types is not None:
+            raise ValueError("layer_types: Mistral windows every layer alike (use qwen2 / gemma model types for mixed layers)")
+        if kind == "gemma3_text" and self.attn_logit_softcapping is not None:
+            raise ValueError("attn_logit_softcapping is set but model_type is 'gemma3_text': Gemma 3's attention "
+                             "(transformers 5) does not apply it")
+        if self.rope_local_theta is not None and kind != "gemma3_text":
+            raise ValueError(f"rope_local_theta is Gemma 3's (sliding layers' RoPE base), not {kind!r}'s")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+            if getattr(self, name) is not None and not self.gemma:
+                raise ValueError(f"{name} is set but model_type {kind!r} has no such key (Gemma 2 / 3 only)")
+
+    # ---- what the family fixes ----------------------------------------------------------------
+    @property
+    def gemma(self) -> bool:
+        """(1 + w) float32 RMSNorms, sandwich norms, embeddings scaled by sqrt(hidden_size)."""
+        return self.model_type in _GEMMA
+
+    @property
+    def qk_norm(self) -> bool:
+        """An RMSNorm over head_dim of each query and key head, before RoPE."""
+        return self.model_type in ("qwen3", "gemma3_text")
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.attention_bias
+
+    @property
+    def o_bias(self) -> bool:
+        return self.attention_bias and self.model_type != "qwen2"
 
     @property
     def group_size(self) -> int:
         """Query heads per KV head."""
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def sm_scale(self) -> float:
+        """The attention's score scale: query_pre_attn_scalar ** -0.5, else head_dim ** -0.5."""
+        return (self.head_dim if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar) ** -0.5
+
+    @property
+    def resolved_layer_types(self) -> tuple[str, ...]:
+        if self.layer_types is not None:
+            return self.layer_types
+        return ("sliding_attention" if self.sliding_window is not None else "full_attention",) * self.num_layers
+
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Per layer: its sliding window, or None."""
+        return tuple(self.sliding_window if t == "sliding_attention" else None for t in self.resolved_layer_types)
+
+    def uniform_window(self) -> tuple[bool, int | None]:
+        """(every layer has the same window, that window): one static window for `aj.attend`."""
+        windows = set(self.layer_windows())
+        return len(windows) == 1, next(iter(windows)) if len(windows) == 1 else None
+
+    def layer_rope(self, layer: int) -> tuple[float, RopeScaling | None]:
+        """(theta, scaling) of a layer's RoPE."""
+        if self.rope_local_theta is not None and self.resolved_layer_types[layer] == "sliding_attention":
+            return self.rope_local_theta, None
+        return self.rope_theta, self.rope_scaling
+
+    def with_num_layers(self, num_layers: int) -> "LlamaConfig":
+        """The same model with `num_layers` layers; mixed layer types continue their pattern
+        (the shortest period of `layer_types`: Gemma 2's alternation, Gemma 3's 5:1)."""
+        types = self.layer_types
+        if types is None:
+            return dataclasses.replace(self, num_layers=num_layers)
+        period = next(p for p in range(1, len(types) + 1) if all(types[i] == types[i % p] for i in range(len(types))))
+        return dataclasses.replace(self, num_layers=num_layers, layer_types=tuple(types[i % period] for i in range(num_layers)))
+
     def num_params(self) -> int:
-        e, f, d = self.hidden_size, self.intermediate_size, self.head_dim
-        attn = e * d * (2 * self.num_heads + 2 * self.num_kv_heads)
-        per_layer = attn + 3 * e * f + 2 * e
+        e, f, d, n, k = self.hidden_size, self.intermediate_size, self.head_dim, self.num_heads, self.num_kv_heads
+        attn = e * d * (2 * n + 2 * k) + (self.qkv_bias and (n + 2 * k) * d) + (self.o_bias and e)
+        norms = (4 if self.gemma else 2) * e + (2 * d if self.qk_norm else 0)
+        per_layer = attn + 3 * e * f + norms
         head = 0 if self.tie_word_embeddings else self.vocab_size * e
         return self.vocab_size * e + self.num_layers * per_layer + e + head
 
@@ -179,7 +323,7 @@ class LlamaConfig:
             scale_dtype=scale_dtype,
         )
 
-    # ---- Hugging Face config.json -------------------------------------------------------------
+    # ---- Hugging Face config.json (models.config_hf) --------------------------------------------
     @classmethod
     def from_hf(cls, config: Mapping[str, Any] | str | os.PathLike, *, generation_config=None) -> "LlamaConfig":
         """From a Hugging Face `config.json` (a dict, the file, or its folder).
@@ -190,116 +334,84 @@ class LlamaConfig:
         transformers' `generate` stops at: `generation_config.json` beside a config path (or
         the `generation_config` dict given), else config.json's `eos_token_id`.
         """
-        hf = parse_hf_config(config, generation_config=generation_config)
-        where = hf.source
-        if hf.hidden_act not in ("silu", "swish"):  # transformers: both name torch's SiLU
-            raise ValueError(f"{where}: hidden_act={hf.hidden_act!r} is not supported; expected 'silu' (SwiGLU)")
-        for flag in ("attention_bias", "mlp_bias"):
-            if getattr(hf, flag):
-                raise ValueError(f"{where}: {flag}=true is not supported (these projections have no bias)")
-        if hf.quantized:
-            raise ValueError(f"{where}: quantization_config is set: quantized checkpoints are not supported")
-        if hf.partial_rotary_factor not in (None, 1.0):
-            raise ValueError(f"{where}: partial_rotary_factor={hf.partial_rotary_factor} is not supported (only 1.0)")
-        if hf.rope_type == "llama3":
-            scaling = RopeScaling(**hf.rope_scaling)
-        elif hf.rope_type == "default":
-            scaling = None
-        else:
-            raise ValueError(f"{where}: rope_type={hf.rope_type!r} is not supported; expected 'default' or 'llama3'")
-        return cls(
-            vocab_size=hf.vocab_size,
-            hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size,
-            num_layers=hf.num_hidden_layers,
-            num_heads=hf.num_attention_heads,
-            num_kv_heads=hf.num_key_value_heads,
-            head_dim=hf.head_dim,
-            rms_norm_eps=hf.rms_norm_eps,
-            rope_theta=hf.rope_theta,
-            rope_scaling=scaling,
-            max_position_embeddings=hf.max_position_embeddings,
-            tie_word_embeddings=hf.tie_word_embeddings,
-            sliding_window=hf.sliding_window,
-            eos_token_ids=hf.eos_token_ids,
-        )
+        from models.config_hf import config_from_hf
+
+        return config_from_hf(cls, config, generation_config=generation_config)
 
     def to_hf(self) -> dict[str, Any]:
-        """A Hugging Face `config.json` dict (transformers-4 spelling, which both 4 and 5 read)."""
-        out = {
-            "architectures": ["MistralForCausalLM" if self.sliding_window else "LlamaForCausalLM"],
-            "model_type": "mistral" if self.sliding_window else "llama",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "sliding_window": self.sliding_window,
-            "eos_token_id": _eos_json(self.eos_token_ids),
-        }
-        if self.rope_scaling is not None:
-            out["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
-        return out
+        """A Hugging Face `config.json` dict that transformers reads as this config."""
+        from models.config_hf import config_to_hf
 
-    # ---- presets ----------------------------------------------------------------------------
+        return config_to_hf(self)
+
+    # ---- presets (models.presets) ---------------------------------------------------------------
     @classmethod
     def llama3_8b(cls) -> "LlamaConfig":
         """Meta-Llama-3.1-8B."""
-        return cls(
-            vocab_size=128256,
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_layers=32,
-            num_heads=32,
-            num_kv_heads=8,
-            rms_norm_eps=1e-5,
-            rope_theta=500000.0,
-            rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192),
-            max_position_embeddings=131072,
-        )
+        from models import presets
+
+        return presets.llama3_8b()
 
     @classmethod
     def llama3_70b(cls) -> "LlamaConfig":
         """Meta-Llama-3.1-70B."""
-        return dataclasses.replace(
-            cls.llama3_8b(), hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64, head_dim=128
-        )
+        from models import presets
+
+        return presets.llama3_70b()
 
     @classmethod
     def mistral_7b(cls) -> "LlamaConfig":
         """Mistral-7B-v0.1 (sliding window 4096)."""
-        return cls(
-            vocab_size=32000,
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_layers=32,
-            num_heads=32,
-            num_kv_heads=8,
-            rms_norm_eps=1e-5,
-            rope_theta=10000.0,
-            max_position_embeddings=32768,
-            sliding_window=4096,
-        )
+        from models import presets
+
+        return presets.mistral_7b()
+
+    @classmethod
+    def qwen2_5_7b(cls) -> "LlamaConfig":
+        """Qwen2.5-7B-Instruct (q/k/v biases)."""
+        from models import presets
+
+        return presets.qwen2_5_7b()
+
+    @classmethod
+    def qwen3_8b(cls) -> "LlamaConfig":
+        """Qwen3-8B (q/k norms)."""
+        from models import presets
+
+        return presets.qwen3_8b()
+
+    @classmethod
+    def gemma2_9b(cls) -> "LlamaConfig":
+        """gemma-2-9b (soft-caps, alternating 4096 windows)."""
+        from models import presets
+
+        return presets.gemma2_9b()
+
+    @classmethod
+    def gemma3_1b(cls) -> "LlamaConfig":
+        """gemma-3-1b (5 local : 1 global layers, two RoPE bases, q/k norms)."""
+        from models import presets
+
+        return presets.gemma3_1b()
+
+    @classmethod
+    def gemma3_4b_text(cls) -> "LlamaConfig":
+        """The text decoder of gemma-3-4b (linear RoPE scaling on the global layers)."""
+        from models import presets
+
+        return presets.gemma3_4b_text()
 
     @classmethod
     def tiny(cls, **overrides) -> "LlamaConfig":
-        """A small random-weight model for tests and the CPU demo (GQA 4/2, head_dim 16)."""
-        base = dict(
-            vocab_size=128,
-            hidden_size=64,
-            intermediate_size=128,
-            num_layers=2,
-            num_heads=4,
-            num_kv_heads=2,
-            rms_norm_eps=1e-6,
-            max_position_embeddings=512,
-        )
-        base.update(overrides)
-        return cls(**base)
+        """A small random-weight Llama for tests and the CPU demo (GQA 4/2, head_dim 16)."""
+        from models import presets
+
+        return presets.tiny(**overrides)
+
+    @classmethod
+    def tiny_family(cls, model_type: str, **overrides) -> "LlamaConfig":
+        """A tiny random-weight model of `model_type` with its family's features switched on
+        (windows shorter than test sequences, soft-caps, two RoPE bases, biases, q/k norms)."""
+        from models import presets
+
+        return presets.tiny_family(model_type, **overrides)

@@ -1,11 +1,20 @@
-"""The same `Llama` (same modules, same weights) with a conventional dense KV cache: the
-baseline that the benchmarks compare the paged arena against.
+"""The same `Llama` (same modules, same weights, every family) with a conventional dense KV
+cache: the baseline that the benchmarks compare the paged arena against.
 
-The cache is preallocated per batch row at full length, the usual JAX way:
+The cache is what a well-written dense Flax sampler keeps, preallocated per batch row at full
+length:
 
-    k, v: [num_layers, batch, max_len, num_kv_heads, head_dim]   lengths: i32[batch]
+    k, v: [num_layers, batch, max_len, num_kv_heads, head_dim]
+    positions: i32[batch, max_len]   each cache slot's token position, -1 for an empty slot
+    lengths: i32[batch]              tokens held per row
+    end: i32[]                       slots used, the same for every row
 
-and each step writes its new K/V with `jax.lax.dynamic_update_slice` at each row's length.
+A step of T tokens writes every row's K/V at slots [end, end + T) of its layer with ONE
+`jax.lax.dynamic_update_slice` per layer (K and V) into the loop-carried cache: in place, no
+scatter, no transpose of the cache (tests/test_models.py checks the compiled HLO). A row's
+padding tokens occupy slots too, marked -1 in `positions` and never attended to; RoPE uses
+each row's own positions (`lengths + t`). The layers run in the same `jax.lax.scan` as the
+paged model (`models.llama.run_layers`), with each layer's window, RoPE, scale and soft-cap.
 A static batch (no continuous batching), greedy decoding.
 
 Step-level API (what a benchmark times):
@@ -16,8 +25,8 @@ Step-level API (what a benchmark times):
     next_tokens, cache = dense_decode(graphdef, state, cache, next_tokens)          # tokens i32[B]
 
 Both steps are jitted with the cache donated; `next_tokens` are greedy. Row b's real prompt
-tokens are its first num_tokens[b] of the [B, T] chunk; the caller keeps
-`lengths + T <= max_len` (dynamic_update_slice would otherwise clamp the write position).
+tokens are its first num_tokens[b] of the [B, T] chunk; the caller keeps `end + T <= max_len`
+(dynamic_update_slice would otherwise clamp the write position).
 
 Whole loop: `dense_generate(model, prompts, max_new_tokens, stop_tokens=()) -> list[list[int]]`.
 """
@@ -32,7 +41,7 @@ import numpy as np
 from flax import nnx, struct
 
 from models.config import LlamaConfig
-from models.llama import Llama
+from models.llama import Llama, run_layers
 
 __all__ = ["DenseCache", "init_dense_cache", "dense_prefill", "dense_decode", "dense_generate"]
 
@@ -42,32 +51,35 @@ class DenseCache:
     k: jax.Array  # [L, B, S, K, H]
     v: jax.Array  # [L, B, S, K, H]
     lengths: jax.Array  # i32[B] tokens held per row
+    positions: jax.Array  # i32[B, S] token position per slot, -1 empty
+    end: jax.Array  # i32[] slots used (every row)
 
 
 def init_dense_cache(config: LlamaConfig, batch: int, max_len: int, dtype=jnp.float32) -> DenseCache:
     shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
-    return DenseCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32))
+    return DenseCache(
+        k=jnp.zeros(shape, dtype),
+        v=jnp.zeros(shape, dtype),
+        lengths=jnp.zeros((batch,), jnp.int32),
+        positions=jnp.full((batch, max_len), -1, jnp.int32),
+        end=jnp.zeros((), jnp.int32),
+    )
 
 
-def _write(buf, layer: int, new, start):
-    """buf [L, B, S, K, H] <- new [B, T, K, H] at (layer, b, start[b]) per row."""
-
-    def row(buf_b, new_b, s):  # [L, S, K, H], [T, K, H]
-        return jax.lax.dynamic_update_slice(buf_b, new_b[None], (layer, s, 0, 0))
-
-    return jax.vmap(row, in_axes=(1, 0, 0), out_axes=1)(buf, new, start)
-
-
-def _attention(q, k, v, q_pos, total, sliding_window):
-    """q [B, T, N, H], k/v [B, S, K, H], q_pos i32[B, T], total i32[B] -> [B, T, N, H]."""
+def _attention(q, k, v, q_pos, key_pos, window, sm_scale, soft_cap):
+    """q [B, T, N, H], k/v [B, S, K, H], q_pos i32[B, T], key_pos i32[B, S] (-1: empty slot),
+    window None or i32[] -> [B, T, N, H]. Query at position p sees keys at 0 <= j <= p (and
+    j > p - window)."""
     b, t, n, h = q.shape
     kv_heads = k.shape[2]
     qg = q.reshape(b, t, kv_heads, n // kv_heads, h).astype(jnp.float32)
-    scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k.astype(jnp.float32)) * h**-0.5
-    key_pos = jnp.arange(k.shape[1], dtype=jnp.int32)[None, None, :]  # [1, 1, S]
-    mask = (key_pos <= q_pos[:, :, None]) & (key_pos < total[:, None, None])  # [B, T, S]
-    if sliding_window is not None:
-        mask &= key_pos > q_pos[:, :, None] - sliding_window
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k.astype(jnp.float32)) * sm_scale
+    if soft_cap is not None:
+        scores = jnp.tanh(scores / soft_cap) * soft_cap
+    keys = key_pos[:, None, :]  # [B, 1, S]
+    mask = (keys >= 0) & (keys <= q_pos[:, :, None])  # [B, T, S]
+    if window is not None:
+        mask &= keys > q_pos[:, :, None] - window
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     weights = jax.nn.softmax(scores, axis=-1)
     weights = jnp.where(mask[:, None, None], weights, 0.0)  # rows with no key (padding) give 0, not NaN
@@ -77,20 +89,28 @@ def _attention(q, k, v, q_pos, total, sliding_window):
 
 def _forward(model: Llama, cache: DenseCache, tokens, num_tokens):
     """tokens [B, T] at positions lengths + t; returns (hidden [B, T, E], cache)."""
+    cfg = model.config
     t = tokens.shape[1]
-    start = cache.lengths
-    q_pos = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    total = start + num_tokens
-    k_all, v_all = cache.k, cache.v
-    x = model.embed(tokens)
-    for i, block in enumerate(model.layers):
-        q, k, v = block.attn.project(block.attn_norm(x), q_pos)
-        k_all = _write(k_all, i, k.astype(k_all.dtype), start)
-        v_all = _write(v_all, i, v.astype(v_all.dtype), start)
-        o = _attention(q, k_all[i], v_all[i], q_pos, total, model.config.sliding_window)
-        x = x + block.attn.output(o)
-        x = x + block.mlp(block.mlp_norm(x))
-    return model.norm(x), DenseCache(k=k_all, v=v_all, lengths=total)
+    steps = jnp.arange(t, dtype=jnp.int32)[None, :]
+    q_pos = cache.lengths[:, None] + steps  # [B, T]
+    slot_pos = jnp.where(steps < num_tokens[:, None], q_pos, -1)
+    key_pos = jax.lax.dynamic_update_slice(cache.positions, slot_pos, (0, cache.end))  # [B, S]
+    zero = jnp.zeros((), jnp.int32)
+
+    def body(block, x, kv, layer, window, inv_freq):
+        k_all, v_all = kv
+        q, k, v = block.attn.project(block.attn_norm(x), q_pos, inv_freq)
+        at = (layer, zero, cache.end, zero, zero)
+        k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), at)
+        v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), at)
+        k_layer = jax.lax.dynamic_index_in_dim(k_all, layer, keepdims=False)  # [B, S, K, H]
+        v_layer = jax.lax.dynamic_index_in_dim(v_all, layer, keepdims=False)
+        o = _attention(q, k_layer, v_layer, q_pos, key_pos, window, cfg.sm_scale, cfg.attn_logit_softcapping)
+        return block.finish(x, block.attn.output(o)), (k_all, v_all)
+
+    x, (k_all, v_all) = run_layers(model, model.embed(tokens), (cache.k, cache.v), body)
+    cache = DenseCache(k=k_all, v=v_all, lengths=cache.lengths + num_tokens, positions=key_pos, end=cache.end + t)
+    return model.norm(x), cache
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))

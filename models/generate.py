@@ -34,6 +34,15 @@ holds, least recently used leaves first (`aj.drop_pages`); a sequence is preempt
 nothing is left to evict. The page table rows the scheduler needs come back with the step's
 sampled tokens, in the same transfer.
 
+Host tier (`host_pages=N`: `aj.create_host(cache, N)`; `models.host_tier`): without a prefix
+cache, a preempted sequence's written pages go to host memory and come back into its slot when
+it is re-admitted (`aj.swap_out` / `aj.swap_in`) instead of being recomputed, when the cost
+model (`SwapPolicy`: bytes at an assumed bandwidth vs tokens at the prefill rate) says moving is
+cheaper and host pages are free. With a prefix cache, the index spills evicted pages to host
+memory (LRU device -> host -> gone) and a hit on them brings them back. Tokens are the same
+either way. The result's `host` continues it: `generate(..., cache=r.cache,
+prefix_cache=r.prefix_cache, host=r.host)`.
+
 8-bit arenas: `kv_dtype="int8"` (or "float8_e4m3fn", "float8_e5m2") when generate sizes the arena.
 Many devices: `mesh=` (the cache and, if needed, the weights are placed on it); with a data
 axis, rows split into one block per data shard (`models.scheduler`). The scheduler itself
@@ -45,11 +54,14 @@ import dataclasses
 import time
 from typing import Sequence
 
+import jax
 import numpy as np
 
 import arena_jax as aj
+from arena_jax.host import check_pair
 from models.checks import INT32_MIN, check_int, token_ids
 from models.fingerprint import fingerprint
+from models.host_tier import HostTier, SwapPolicy
 from models.llama import Llama
 from models.sampling import Sampling
 from models.scheduler import Scheduler, Seq, fetch
@@ -76,6 +88,11 @@ class Generation:
     first_token_seconds: list[float] | None = None  # per prompt: from the call's start to its first token
     preempted: list[int] | None = None  # per prompt: times it was preempted (at most 1: models.scheduler)
     scheduler_steps: int = 0  # iterations of the scheduler's loop (bounded: Scheduler.step_bound)
+    host: aj.HostArena | None = None  # the host tier (host_pages=... or host=...), reusable with `cache`
+    recomputed_tokens: int = 0  # tokens preempted sequences had in the cache and computed again
+    swap_outs: int = 0  # preemptions that moved the sequence's pages to the host tier (no prefix cache)
+    swapped_tokens: int = 0  # tokens those preemptions moved (brought back, not recomputed)
+    modelled_transfer_seconds: float = 0.0  # host <-> device copies made, at the SwapPolicy's bandwidth
 
     @property
     def num_generated(self) -> int:
@@ -123,6 +140,9 @@ def generate(
     mesh=None,
     tensor_axis: str | None = "tensor",
     data_axis: str | None = None,
+    host_pages: int = 0,
+    host: aj.HostArena | None = None,
+    swap_policy: SwapPolicy | None = None,
 ) -> Generation:
     """Generate up to `max_new_tokens` for each prompt (lists of token ids).
 
@@ -147,6 +167,11 @@ def generate(
     into dp blocks of batch_size / dp, each served by its data shard's slots and pages (no
     prefix cache there: its index would be per shard).
 
+    `host_pages=N` adds a host-memory tier of N pages (module docstring): swap preemption, or
+    with a prefix cache its spill tier; `host` continues an earlier result's tier (with its
+    `cache`, and its `prefix_cache` if it had one); `swap_policy` overrides the cost model's
+    constants (`models.SwapPolicy`). One data shard only.
+
     Token ids must be integers (Python or numpy; not floats, strings or bools) in
     [0, vocab_size); every bad argument is a ValueError naming it.
     """
@@ -159,6 +184,13 @@ def generate(
     batch_size = check_int("batch_size", batch_size, low=1)
     chunk_size = check_int("chunk_size", chunk_size, low=1)
     seed = check_int("seed", seed, low=INT32_MIN)
+    host_pages = check_int("host_pages", host_pages, low=0)
+    if swap_policy is not None and not isinstance(swap_policy, SwapPolicy):
+        raise ValueError(f"swap_policy must be a models.SwapPolicy, got {type(swap_policy).__name__}")
+    if host is not None and not isinstance(host, aj.HostArena):
+        raise ValueError(f"host must be an arena_jax.HostArena (an earlier Generation's .host), got {type(host).__name__}")
+    if host is not None and (host_pages or cache is None):
+        raise ValueError("give host (with the cache it belongs to) to continue a host tier, or host_pages to make one")
     stop = model.config.eos_token_ids if stop_tokens is None else token_ids("stop_tokens", stop_tokens, vocab)
     for i, p in enumerate(prompts):
         if not p:
@@ -186,7 +218,7 @@ def generate(
         if bool(fetch(cache.table.active)[0].any()):
             raise ValueError("cache must hold no sequences (release them first): generate owns every slot")
         if index is not None:
-            index.bind(cache, tag=tag)  # its arena and model, and its held pages exactly the index's
+            index.bind(cache, tag=tag, host=host)  # its arena, model and host tier; its held pages exactly the index's
             if num_free != layout.num_pages - index.num_pages:
                 raise ValueError("cache has pages in use besides the prefix index's: generate owns every page")
         elif num_free != layout.num_pages:
@@ -213,6 +245,13 @@ def generate(
         dp = cache.sharding.dp if cache.sharding is not None else 1
     if prefix_cache is not False and dp > 1:
         raise ValueError(f"prefix_cache needs one data shard; this mesh has {dp} (an index per data shard is not built)")
+    if (host_pages or host is not None) and dp > 1:
+        raise ValueError(f"host_pages needs one data shard; this mesh has {dp} (a host tier per data shard is not built)")
+    if host is not None and index is None:
+        check_pair(cache, host)
+        if fetch(host.held)[0].any():
+            why = " (a prefix cache's host copies: pass its PrefixCache as prefix_cache)" if prefix_cache is False else ""
+            raise ValueError(f"host must hold no pages{why}: generate owns every host page")
     if batch_size % dp or batch_size // dp > layout.max_seqs // dp:
         raise ValueError(
             f"batch_size={batch_size} must split into {dp} data shards (a multiple of {dp}) of at most "
@@ -231,13 +270,20 @@ def generate(
             )
     if cache is None:
         cache = aj.create(layout) if mesh is None else aj.create(layout, mesh=mesh, tensor_axis=tensor_axis, data_axis=data_axis)
+    if host_pages:
+        host = aj.create_host(cache, host_pages)
     if prefix_cache is True:
-        index = aj.PrefixCache(layout, tag=tag)
-        index.bind(cache)
+        index = aj.PrefixCache(layout, tag=tag, host_pages=host.num_pages if host is not None else 0)
+        index.bind(cache, host=host)
+    tier = None
+    if host is not None:
+        tier = HostTier(host, layout, swap_policy or SwapPolicy(), owns_pages=index is None)
+    cache = _committed(cache)  # as the host-tier ops' outputs are: the steps compile once, not again mid-run
 
     seqs = [Seq(i, p) for i, p in enumerate(prompts)]
     runner = Scheduler(
-        model, cache, layout, batch_size, chunk_size, sampling, seed, set(stop), max_new_tokens, return_logits, index
+        model, cache, layout, batch_size, chunk_size, sampling, seed, set(stop), max_new_tokens, return_logits, index,
+        tier,
     )
     start = runner.start = time.perf_counter()
     if max_new_tokens > 0:
@@ -262,7 +308,22 @@ def generate(
         first_token_seconds=[runner.first_token.get(s.index, float("nan")) for s in seqs],
         preempted=[s.preemptions for s in seqs],
         scheduler_steps=runner.iterations,
+        host=tier.host if tier is not None else None,
+        recomputed_tokens=runner.recomputed_tokens,
+        swap_outs=tier.swap_outs if tier is not None else 0,
+        swapped_tokens=tier.swapped_tokens if tier is not None else 0,
+        modelled_transfer_seconds=tier.modelled_transfer_s if tier is not None else 0.0,
     )
+
+
+def _committed(cache: aj.KVCache) -> aj.KVCache:
+    """A one-device cache committed to its device. The host tier's arrays are committed (they
+    name a memory kind), so every op that takes them returns committed arrays; a jitted step
+    first called with an uncommitted cache would compile again for a committed one."""
+    leaves = [x for x in jax.tree.leaves(cache) if isinstance(x, jax.Array)]
+    if cache.sharding is not None or all(x.committed for x in leaves):
+        return cache
+    return jax.device_put(cache, next(iter(cache.k.devices())))
 
 
 def _on_mesh(model: Llama, mesh, tensor_axis):

@@ -1,12 +1,15 @@
-"""Flax NNX building blocks of a Llama-family decoder.
+"""Flax NNX building blocks of the decoder families (Llama, Mistral, Qwen 2 / 3, Gemma 2 / 3).
 
 Einsum axes (single letters, used the same way in every module):
     B batch   T new tokens   S key positions   E hidden (embedding)   F MLP hidden
     N query heads   K KV heads   G query heads per KV head   H head_dim   V vocabulary
+    L layers
 
 Kernels are stored JAX-style `[in, ..., out]` (Hugging Face stores `[out, in]`; the loader
 transposes). The KV cache is never module state: `Attention.__call__` takes the cache
-and returns the updated one.
+and returns the updated one. What differs per layer (window, RoPE frequencies) is data the
+caller passes (`models.llama` scans the layers), with `layer_windows` / `layer_inv_freq` as
+the per-layer tables; a module called alone reads its layer's entry from them.
 """
 from __future__ import annotations
 
@@ -18,65 +21,88 @@ import numpy as np
 from flax import nnx
 
 import arena_jax as aj
-from models.config import LlamaConfig, RopeScaling
+from models.config import NO_WINDOW, LlamaConfig, RopeScaling
 
-__all__ = ["Embedder", "RMSNorm", "MLP", "Attention", "rope_frequencies", "apply_rope"]
+__all__ = [
+    "Embedder", "RMSNorm", "MLP", "Attention", "rope_frequencies", "apply_rope", "layer_inv_freq", "layer_windows",
+]
 
 _init = nnx.initializers.normal(stddev=0.02)
+_FROM_CONFIG = object()  # "the layer's own window / RoPE, from the config"
 
 
 class Embedder(nnx.Module):
-    """Token embedding table `[V, E]`; `decode` is the tied LM head."""
+    """Token embedding table `[V, E]`; `decode` is the tied LM head. `scale` (Gemma:
+    sqrt(hidden_size)) multiplies the embeddings, in the compute dtype, as transformers does."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, vocab_size: int, hidden_size: int, *, dtype, param_dtype, rngs: nnx.Rngs, scale=None):
         self.embedding = nnx.Param(_init(rngs.params(), (vocab_size, hidden_size), param_dtype))
         self.dtype = dtype
+        self.scale = scale
 
     def __call__(self, tokens):  # [B, T] -> [B, T, E]
-        return jnp.take(self.embedding[...], tokens, axis=0, mode="clip").astype(self.dtype)
+        x = jnp.take(self.embedding[...], tokens, axis=0, mode="clip").astype(self.dtype)
+        return x if self.scale is None else x * jnp.asarray(self.scale, self.dtype)
 
     def decode(self, x):  # [B, T, E] -> [B, T, V] float32
         return jnp.einsum("BTE,VE->BTV", x, self.embedding[...].astype(x.dtype), preferred_element_type=jnp.float32)
 
 
 class RMSNorm(nnx.Module):
-    """x / rms(x) * scale, the statistics in float32 (as Hugging Face Llama)."""
+    """RMSNorm over the last axis, its statistics in float32.
 
-    def __init__(self, hidden_size: int, eps: float, *, param_dtype, rngs: nnx.Rngs):
+    style "llama" (Llama, Mistral, Qwen): `scale * (x / rms(x))`, the normalized x cast back
+    to x's dtype before the multiply; scale starts at 1.
+    style "gemma": `(x / rms(x)) * (1 + scale)` all in float32, then cast; scale starts at 0.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, *, param_dtype, rngs: nnx.Rngs, style: str = "llama"):
         del rngs
-        self.scale = nnx.Param(jnp.ones((hidden_size,), param_dtype))
+        if style not in ("llama", "gemma"):
+            raise ValueError(f"style must be 'llama' or 'gemma', got {style!r}")
+        init = jnp.zeros if style == "gemma" else jnp.ones
+        self.scale = nnx.Param(init((hidden_size,), param_dtype))
         self.eps = eps
+        self.style = style
 
     def __call__(self, x):  # [..., E]
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.style == "gemma":
+            return (normed * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
         return self.scale[...].astype(x.dtype) * normed.astype(x.dtype)
 
 
-class MLP(nnx.Module):
-    """SwiGLU: down(silu(x @ gate) * (x @ up))."""
+_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+
+class MLP(nnx.Module):
+    """Gated MLP: down(act(x @ gate) * (x @ up)); act silu (SwiGLU) or tanh-GELU (GeGLU)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype, param_dtype, rngs: nnx.Rngs, act: str = "silu"):
         self.gate = nnx.Param(_init(rngs.params(), (hidden_size, intermediate_size), param_dtype))
         self.up = nnx.Param(_init(rngs.params(), (hidden_size, intermediate_size), param_dtype))
         self.down = nnx.Param(_init(rngs.params(), (intermediate_size, hidden_size), param_dtype))
         self.dtype = dtype
+        self.act = act
 
     def __call__(self, x):  # [B, T, E] -> [B, T, E]
         gate = jnp.einsum("BTE,EF->BTF", x, self.gate[...].astype(self.dtype))
         up = jnp.einsum("BTE,EF->BTF", x, self.up[...].astype(self.dtype))
-        return jnp.einsum("BTF,FE->BTE", jax.nn.silu(gate) * up, self.down[...].astype(self.dtype))
+        return jnp.einsum("BTF,FE->BTE", _ACTIVATIONS[self.act](gate) * up, self.down[...].astype(self.dtype))
 
 
 # ---- rotary position embedding -------------------------------------------------------------
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
-    """Inverse frequencies f32[head_dim // 2], with Llama 3.1 scaling when given (host-side numpy)."""
+    """Inverse frequencies f32[head_dim // 2], with Llama 3.1 or linear scaling when given (host-side numpy)."""
     inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
     inv_freq = inv_freq.astype(np.float32)
     if scaling is None:
         return inv_freq
+    if scaling.rope_type == "linear":
+        return (inv_freq / np.float32(scaling.factor)).astype(np.float32)
     old_len = scaling.original_max_position_embeddings
     low_wavelen = old_len / scaling.low_freq_factor
     high_wavelen = old_len / scaling.high_freq_factor
@@ -98,11 +124,26 @@ def apply_rope(x, positions, inv_freq):
     return x * cos + rotated * sin
 
 
+def layer_inv_freq(config: LlamaConfig) -> np.ndarray:
+    """f32[L, H/2]: each layer's RoPE inverse frequencies (Gemma 3: two sets)."""
+    return np.stack([rope_frequencies(config.head_dim, *config.layer_rope(i)) for i in range(config.num_layers)])
+
+
+def layer_windows(config: LlamaConfig) -> np.ndarray:
+    """i32[L]: each layer's sliding window, `NO_WINDOW` (INT32_MAX) for a full-attention layer."""
+    return np.asarray([NO_WINDOW if w is None else w for w in config.layer_windows()], np.int32)
+
+
 # ---- attention over the paged cache ------------------------------------------------------------
 
 
 class Attention(nnx.Module):
-    """Grouped-query attention; K/V go to the arena with `aj.append`, attention reads pages with `aj.attend`."""
+    """Grouped-query attention; K/V go to the arena with `aj.append`, attention reads pages with `aj.attend`.
+
+    Per family (from the config): q/k/v (and o) biases, an RMSNorm of each query / key head
+    before RoPE (`qk_norm`), the score scale `config.sm_scale` and the soft-cap
+    `config.attn_logit_softcapping`.
+    """
 
     def __init__(self, config: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
         e, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
@@ -110,31 +151,71 @@ class Attention(nnx.Module):
         self.k = nnx.Param(_init(rngs.params(), (e, k, h), param_dtype))
         self.v = nnx.Param(_init(rngs.params(), (e, k, h), param_dtype))
         self.o = nnx.Param(_init(rngs.params(), (n, h, e), param_dtype))
-        self.inv_freq = tuple(float(f) for f in rope_frequencies(h, config.rope_theta, config.rope_scaling))
-        self.sliding_window = config.sliding_window
+        if config.qkv_bias:
+            self.q_bias = nnx.Param(_init(rngs.params(), (n, h), param_dtype))
+            self.k_bias = nnx.Param(_init(rngs.params(), (k, h), param_dtype))
+            self.v_bias = nnx.Param(_init(rngs.params(), (k, h), param_dtype))
+        if config.o_bias:
+            self.o_bias = nnx.Param(_init(rngs.params(), (e,), param_dtype))
+        if config.qk_norm:
+            style = "gemma" if config.gemma else "llama"
+            self.q_norm = RMSNorm(h, config.rms_norm_eps, param_dtype=param_dtype, rngs=rngs, style=style)
+            self.k_norm = RMSNorm(h, config.rms_norm_eps, param_dtype=param_dtype, rngs=rngs, style=style)
+        self.config = config
         self.dtype = dtype
 
-    def project(self, x, positions):
-        """x [B, T, E], positions i32[B, T] -> q [B, T, N, H], k, v [B, T, K, H] (RoPE applied to q, k)."""
-        w = lambda p: p[...].astype(self.dtype)  # noqa: E731
-        q = jnp.einsum("BTE,ENH->BTNH", x, w(self.q))
-        k = jnp.einsum("BTE,EKH->BTKH", x, w(self.k))
-        v = jnp.einsum("BTE,EKH->BTKH", x, w(self.v))
-        inv_freq = np.asarray(self.inv_freq, np.float32)
+    def _weight(self, name):
+        return getattr(self, name)[...].astype(self.dtype)
+
+    def _layer_inv_freq(self, layer, inv_freq):
+        if inv_freq is not None:
+            return inv_freq
+        table = layer_inv_freq(self.config)
+        if (table == table[0]).all():
+            return table[0]
+        return jnp.asarray(table)[layer]
+
+    def project(self, x, positions, inv_freq=None, *, layer=0):
+        """x [B, T, E], positions i32[B, T] -> q [B, T, N, H], k, v [B, T, K, H] (biases, q/k
+        norms and RoPE applied). inv_freq f32[H/2]: the layer's RoPE (default: `layer`'s)."""
+        cfg = self.config
+        q = jnp.einsum("BTE,ENH->BTNH", x, self._weight("q"))
+        k = jnp.einsum("BTE,EKH->BTKH", x, self._weight("k"))
+        v = jnp.einsum("BTE,EKH->BTKH", x, self._weight("v"))
+        if cfg.qkv_bias:
+            q, k, v = q + self._weight("q_bias"), k + self._weight("k_bias"), v + self._weight("v_bias")
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq = self._layer_inv_freq(layer, inv_freq)
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
     def output(self, o):  # [B, T, N, H] -> [B, T, E]
-        return jnp.einsum("BTNH,NHE->BTE", o, self.o[...].astype(self.dtype))
+        out = jnp.einsum("BTNH,NHE->BTE", o, self._weight("o"))
+        return out + self._weight("o_bias") if self.config.o_bias else out
 
-    def __call__(self, x, positions, cache: aj.KVCache, layer: int, slots, num_tokens):
+    def attend_options(self, layer, window=_FROM_CONFIG) -> dict:
+        """`aj.attend`'s sliding_window / sm_scale / logits_soft_cap for `layer` (a static window
+        when every layer has the same one, else the layer's entry of `layer_windows`)."""
+        cfg = self.config
+        if window is _FROM_CONFIG:
+            uniform, window = cfg.uniform_window()
+            if not uniform:
+                window = jnp.asarray(layer_windows(cfg))[layer]
+        return dict(sliding_window=window, sm_scale=None if cfg.query_pre_attn_scalar is None else cfg.sm_scale,
+                    logits_soft_cap=cfg.attn_logit_softcapping)
+
+    def __call__(self, x, positions, cache: aj.KVCache, layer, slots, num_tokens, *, window=_FROM_CONFIG,
+                 inv_freq=None):
         """One layer's attention for tokens already reserved in `cache`.
 
         x [B, T, E]; positions i32[B, T]; slots i32[B] (PAD_SLOT rows do nothing);
-        num_tokens i32[B] (row b's first num_tokens[b] tokens are real). Returns (out [B, T, E], cache).
+        num_tokens i32[B] (row b's first num_tokens[b] tokens are real); layer: an int or a
+        traced i32[]. `window` (None, an int or a traced i32[]; NO_WINDOW is none) and
+        `inv_freq` f32[H/2] default to the layer's own. Returns (out [B, T, E], cache).
         """
-        q, k, v = self.project(x, positions)
+        q, k, v = self.project(x, positions, inv_freq, layer=layer)
         if cache.k_scale is None:  # a float arena stores its own dtype; an 8-bit one quantizes k, v as computed
             k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
         cache = aj.append(cache, layer, slots, k, v, num_tokens=num_tokens)
-        o = aj.attend(q, cache, layer, slots, num_tokens=num_tokens, sliding_window=self.sliding_window)
+        o = aj.attend(q, cache, layer, slots, num_tokens=num_tokens, **self.attend_options(layer, window))
         return self.output(o), cache

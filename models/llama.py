@@ -1,13 +1,22 @@
-"""`Llama`: the Llama / Mistral decoder in Flax NNX, reading and writing the paged arena.
+"""`Llama`: the decoder (Llama, Mistral, Qwen 2 / 3, Gemma 2 / 3) in Flax NNX, reading and
+writing the paged arena.
 
     model = Llama(LlamaConfig.tiny(), dtype=jnp.float32, rngs=nnx.Rngs(0))
     logits, cache = model(tokens, positions, cache, slots, num_tokens)
 
 The cache must already hold reservations for the new tokens (`aj.reserve`); the model
-appends their K/V layer by layer and attends over the pages. See `models.generate` for
+appends their K/V layer by layer and attends over the pages. See `models.steps` for
 the jitted steps that do reserve + forward + sample in one call.
+
+Layers are one `Block` whose parameters carry a leading [num_layers] axis (`model.layers`;
+`model.layer(i)` is layer i alone), run by `jax.lax.scan` carrying (x, cache): the step's
+program holds ONE layer body whatever the depth, so compile time does not grow with it. The
+per-layer data (layer index, window, RoPE frequencies) are scanned inputs, and the arena is
+updated in place through the loop (tests/test_donation.py checks the compiled HLO).
 """
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -18,44 +27,128 @@ import arena_jax as aj
 from arena_jax.sharding import shard_rows, slot_lengths
 from models.checks import check_int, check_number
 from models.config import LlamaConfig
-from models.layers import MLP, Attention, Embedder, RMSNorm
+from models.layers import _FROM_CONFIG, MLP, Attention, Embedder, RMSNorm, layer_inv_freq, layer_windows
 
-__all__ = ["Block", "Llama", "init_random", "token_positions"]
+__all__ = ["Block", "Llama", "init_random", "token_positions", "layer_inputs", "run_layers"]
 
 _List = getattr(nnx, "List", list)  # flax >= 0.12 wants nnx.List for lists of modules
 
 
 class Block(nnx.Module):
-    """Pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x)). Gemma adds sandwich
+    norms: x + post_attn_norm(attn(norm(x))), then x + post_mlp_norm(mlp(norm(x)))."""
 
     def __init__(self, config: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
-        e = config.hidden_size
-        self.attn_norm = RMSNorm(e, config.rms_norm_eps, param_dtype=param_dtype, rngs=rngs)
+        e, eps = config.hidden_size, config.rms_norm_eps
+        style = "gemma" if config.gemma else "llama"
+        norm = lambda: RMSNorm(e, eps, param_dtype=param_dtype, rngs=rngs, style=style)  # noqa: E731
+        self.attn_norm = norm()
         self.attn = Attention(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.mlp_norm = RMSNorm(e, config.rms_norm_eps, param_dtype=param_dtype, rngs=rngs)
-        self.mlp = MLP(e, config.intermediate_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.mlp_norm = norm()
+        self.mlp = MLP(e, config.intermediate_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs, act=config.hidden_act)
+        if config.gemma:
+            self.post_attn_norm = norm()
+            self.post_mlp_norm = norm()
+        self.sandwich = config.gemma
 
-    def __call__(self, x, positions, cache, layer: int, slots, num_tokens):
-        h, cache = self.attn(self.attn_norm(x), positions, cache, layer, slots, num_tokens)
+    def finish(self, x, h):
+        """The rest of the layer after attention: x [B, T, E] residual, h [B, T, E] attention output."""
+        if self.sandwich:
+            h = self.post_attn_norm(h)
         x = x + h
-        return x + self.mlp(self.mlp_norm(x)), cache
+        m = self.mlp(self.mlp_norm(x))
+        if self.sandwich:
+            m = self.post_mlp_norm(m)
+        return x + m
+
+    def __call__(self, x, positions, cache, layer, slots, num_tokens, *, window=_FROM_CONFIG, inv_freq=None):
+        """One layer over the paged cache; `layer` an int or a traced i32[] (see `Attention`)."""
+        h, cache = self.attn(self.attn_norm(x), positions, cache, layer, slots, num_tokens, window=window,
+                             inv_freq=inv_freq)
+        return self.finish(x, h), cache
+
+
+def layer_inputs(config: LlamaConfig) -> tuple[dict, dict]:
+    """(scanned, fixed): the per-layer inputs of the layer scan. `scanned` holds arrays with a
+    leading [L] axis (layer i32[L]; window i32[L] when the layers' windows differ; inv_freq
+    f32[L, H/2] when their RoPEs differ); `fixed` the rest, the same for every layer."""
+    scanned = {"layer": jnp.arange(config.num_layers, dtype=jnp.int32)}
+    fixed = {}
+    uniform, window = config.uniform_window()
+    if uniform:
+        fixed["window"] = window
+    else:
+        scanned["window"] = jnp.asarray(layer_windows(config))
+    inv_freq = layer_inv_freq(config)
+    if (inv_freq == inv_freq[0]).all():
+        fixed["inv_freq"] = inv_freq[0]
+    else:
+        scanned["inv_freq"] = jnp.asarray(inv_freq)
+    return scanned, fixed
+
+
+def run_layers(model: "Llama", x, carry, body):
+    """Run `body(block, x, carry, layer, window, inv_freq) -> (x, carry)` over the model's layers;
+    returns (x, carry).
+
+    Stacked layers (`scan_layers=True`): one `jax.lax.scan`, the per-layer data
+    (`layer_inputs`) scanned with the parameters. A list of layers: a Python loop, each layer
+    with its static index, window (None or an int) and RoPE frequencies (a constant)."""
+    config = model.config
+    if not model.scan_layers:
+        windows, inv_freq = config.layer_windows(), layer_inv_freq(config)
+        for i, block in enumerate(model.layers):
+            x, carry = body(block, x, carry, i, windows[i], inv_freq[i])
+        return x, carry
+    graphdef, state = nnx.split(model.layers)
+    scanned, fixed = layer_inputs(config)
+
+    def step(c, xs):
+        x, carry = c
+        per_layer = dict(fixed, **{k: v for k, v in xs.items() if k != "state"})
+        block = nnx.merge(graphdef, xs["state"])
+        return body(block, x, carry, per_layer["layer"], per_layer["window"], per_layer["inv_freq"]), None
+
+    (x, carry), _ = jax.lax.scan(step, (x, carry), dict(scanned, state=state))
+    return x, carry
 
 
 class Llama(nnx.Module):
-    """Decoder-only LM. `dtype` is the compute dtype, `param_dtype` the stored weights' dtype."""
+    """Decoder-only LM. `dtype` is the compute dtype, `param_dtype` the stored weights' dtype.
 
-    def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs):
+    `scan_layers=True` (default): one Block with every parameter stacked [L, ...], run by
+    `jax.lax.scan`: the step compiles one layer body whatever the depth. False: a list of L
+    Blocks run by a Python loop (the program grows with depth; no per-layer weight slicing,
+    see models/README or the module docstring for the trade-off)."""
+
+    def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs,
+                 scan_layers: bool = True):
         if not isinstance(config, LlamaConfig):
             raise ValueError(f"config must be a LlamaConfig, got {type(config).__name__}")
         dtype = jnp.dtype(dtype)  # canonical, so equal configs give equal (hashable) graphdefs
         param_dtype = dtype if param_dtype is None else jnp.dtype(param_dtype)
         self.config = config
         self.dtype = dtype
-        self.embed = Embedder(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.layers = _List(
-            [Block(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs) for _ in range(config.num_layers)]
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, param_dtype=param_dtype, rngs=rngs)
+        scale = math.sqrt(config.hidden_size) if config.gemma else None
+        self.embed = Embedder(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                              scale=scale)
+
+        if not isinstance(scan_layers, bool):
+            raise ValueError(f"scan_layers must be a bool, got {scan_layers!r}")
+        self.scan_layers = scan_layers
+        if scan_layers:
+
+            @nnx.split_rngs(splits=config.num_layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=config.num_layers)
+            def stacked(rngs):
+                return Block(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+            self.layers = stacked(rngs)  # one Block, every parameter [L, ...]
+        else:
+            self.layers = _List([Block(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                                 for _ in range(config.num_layers)])
+        style = "gemma" if config.gemma else "llama"
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, param_dtype=param_dtype, rngs=rngs, style=style)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -63,19 +156,33 @@ class Llama(nnx.Module):
                 nnx.initializers.normal(0.02)(rngs.params(), (config.hidden_size, config.vocab_size), param_dtype)
             )
 
+    def layer(self, i: int) -> Block:
+        """Layer i as a Block of its own (its parameters sliced out of the stack)."""
+        i = check_int("i", i, 0, self.config.num_layers - 1)
+        if not self.scan_layers:
+            return self.layers[i]
+        graphdef, state = nnx.split(self.layers)
+        return nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
+
     def hidden(self, tokens, positions, cache: aj.KVCache, slots, num_tokens):
         """tokens i32[B, T] -> final-normed hidden states [B, T, E] and the updated cache."""
         x = shard_rows(self.embed(tokens), cache)  # a sharded cache: rows over data, replicated over tensor
-        for i, block in enumerate(self.layers):
-            x, cache = block(x, positions, cache, i, slots, num_tokens)
-            x = shard_rows(x, cache)
+
+        def body(block, x, cache, layer, window, inv_freq):
+            x, cache = block(x, positions, cache, layer, slots, num_tokens, window=window, inv_freq=inv_freq)
+            return shard_rows(x, cache), cache
+
+        x, cache = run_layers(self, x, cache, body)
         return self.norm(x), cache
 
     def logits(self, x):
-        """[B, T, E] -> float32 [B, T, V] (tied head: the embedding table)."""
+        """[B, T, E] -> float32 [B, T, V] (tied head: the embedding table; Gemma 2: soft-capped)."""
         if self.lm_head is None:
-            return self.embed.decode(x)
-        return jnp.einsum("BTE,EV->BTV", x, self.lm_head[...].astype(x.dtype), preferred_element_type=jnp.float32)
+            logits = self.embed.decode(x)
+        else:
+            logits = jnp.einsum("BTE,EV->BTV", x, self.lm_head[...].astype(x.dtype), preferred_element_type=jnp.float32)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else jnp.tanh(logits / cap) * cap
 
     def __call__(self, tokens, positions, cache: aj.KVCache, slots, num_tokens):
         """Logits f32[B, T, V] of the new tokens, and the cache with their K/V appended."""
@@ -106,8 +213,10 @@ def init_random(
     param_dtype=None,
     mesh=None,
     tensor_axis: str | None = "tensor",
+    scan_layers: bool = True,
 ) -> Llama:
-    """A random-weight `Llama`: projections and embeddings ~ N(0, std), norm scales 1.
+    """A random-weight `Llama` (`scan_layers`: see `Llama`): projections, biases and embeddings ~ N(0, std), norm scales at
+    their neutral value (1; Gemma's (1 + w) norms 0).
 
     On CPU the weights are drawn with numpy (eager JAX would compile every initializer shape
     separately, seconds for a tiny model); elsewhere in one jitted call on the device.
@@ -120,7 +229,7 @@ def init_random(
     param_dtype = jnp.dtype(dtype if param_dtype is None else param_dtype)
 
     def build():
-        return Llama(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(seed))
+        return Llama(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(seed), scan_layers=scan_layers)
 
     graphdef, abstract = nnx.split(nnx.eval_shape(build))
     shardings = None
@@ -130,10 +239,11 @@ def init_random(
         shardings = state_shardings(abstract, config, mesh, tensor_axis=tensor_axis)
     if jax.default_backend() == "cpu":
         rng = np.random.default_rng(seed)
+        neutral = 0.0 if config.gemma else 1.0
 
         def draw(path, leaf):
             if "['scale']" in jax.tree_util.keystr(path):
-                return np.ones(leaf.shape, leaf.dtype)
+                return np.full(leaf.shape, neutral, leaf.dtype)
             return rng.normal(0.0, std, leaf.shape).astype(np.float32).astype(leaf.dtype)
 
         host = jax.tree_util.tree_map_with_path(draw, abstract)

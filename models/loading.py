@@ -1,4 +1,5 @@
-"""`load_pretrained`: a Hugging Face Llama / Mistral checkpoint folder -> `Llama` (+ tokenizer).
+"""`load_pretrained`: a Hugging Face checkpoint folder (Llama, Mistral, Qwen 2 / 3, Gemma 2 / 3
+text; dispatched on config.json's model_type) -> `Llama` (+ tokenizer).
 
     model, tokenizer = load_pretrained("path/to/Meta-Llama-3.1-8B", dtype=jnp.bfloat16)
 
@@ -45,10 +46,18 @@ class TensorSpec(NamedTuple):
     hf_shape: tuple[int, ...]  # the Hugging Face tensor's shape ([out, in] for projections)
     to_ours: Callable[[np.ndarray], np.ndarray]
     to_hf: Callable[[np.ndarray], np.ndarray]
+    layer: int | None = None  # the index along the stacked layers' leading axis (None: not a layer's)
 
 
-def hf_tensor_map(config: LlamaConfig) -> dict[str, TensorSpec]:
-    """Hugging Face tensor name -> TensorSpec, for every tensor the config needs."""
+def hf_tensor_map(config: LlamaConfig, *, scan_layers: bool = True) -> dict[str, TensorSpec]:
+    """Hugging Face tensor name -> TensorSpec, for every tensor the config needs.
+
+    A layer's tensors map to slices of the stacked parameters: `("layers", "attn", "q")`
+    with `layer=i` is `state["layers"]["attn"]["q"][i]` (with `scan_layers=False`, a list of
+    layers: `("layers", i, "attn", "q")`, layer None). Norm names follow the family:
+    Llama / Qwen's `post_attention_layernorm` is the pre-MLP norm, Gemma's is the norm after
+    attention (its pre-MLP norm is `pre_feedforward_layernorm`).
+    """
     e, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
     n, k, h = config.num_heads, config.num_kv_heads, config.head_dim
     same = lambda w: w  # noqa: E731
@@ -60,24 +69,47 @@ def hf_tensor_map(config: LlamaConfig) -> dict[str, TensorSpec]:
             lambda w: np.transpose(w, (1, 2, 0)).reshape(count * h, e),
         )
 
+    def bias(count):  # [count*H] <-> [count, H]
+        return lambda w: w.reshape(count, h), lambda w: w.reshape(count * h)
+
+    norms = {"input_layernorm": "attn_norm"}
+    if config.gemma:
+        norms.update(post_attention_layernorm="post_attn_norm", pre_feedforward_layernorm="mlp_norm",
+                     post_feedforward_layernorm="post_mlp_norm")
+    else:
+        norms["post_attention_layernorm"] = "mlp_norm"
     out = {"model.embed_tokens.weight": TensorSpec(("embed", "embedding"), (v, e), same, same)}
     for i in range(config.num_layers):
-        hf, ours = f"model.layers.{i}.", ("layers", i)
-        out.update(
-            {
-                hf + "self_attn.q_proj.weight": TensorSpec(ours + ("attn", "q"), (n * h, e), *heads(n)),
-                hf + "self_attn.k_proj.weight": TensorSpec(ours + ("attn", "k"), (k * h, e), *heads(k)),
-                hf + "self_attn.v_proj.weight": TensorSpec(ours + ("attn", "v"), (k * h, e), *heads(k)),
-                hf + "self_attn.o_proj.weight": TensorSpec(  # [E, N*H] <-> [N, H, E]
-                    ours + ("attn", "o"), (e, n * h), lambda w: w.T.reshape(n, h, e), lambda w: w.reshape(n * h, e).T
-                ),
-                hf + "mlp.gate_proj.weight": TensorSpec(ours + ("mlp", "gate"), (f, e), t, t),
-                hf + "mlp.up_proj.weight": TensorSpec(ours + ("mlp", "up"), (f, e), t, t),
-                hf + "mlp.down_proj.weight": TensorSpec(ours + ("mlp", "down"), (e, f), t, t),
-                hf + "input_layernorm.weight": TensorSpec(ours + ("attn_norm", "scale"), (e,), same, same),
-                hf + "post_attention_layernorm.weight": TensorSpec(ours + ("mlp_norm", "scale"), (e,), same, same),
-            }
-        )
+        hf = f"model.layers.{i}."
+        layer = {
+            "self_attn.q_proj.weight": (("attn", "q"), (n * h, e), *heads(n)),
+            "self_attn.k_proj.weight": (("attn", "k"), (k * h, e), *heads(k)),
+            "self_attn.v_proj.weight": (("attn", "v"), (k * h, e), *heads(k)),
+            # [E, N*H] <-> [N, H, E]
+            "self_attn.o_proj.weight": (("attn", "o"), (e, n * h), lambda w: w.T.reshape(n, h, e),
+                                        lambda w: w.reshape(n * h, e).T),
+            "mlp.gate_proj.weight": (("mlp", "gate"), (f, e), t, t),
+            "mlp.up_proj.weight": (("mlp", "up"), (f, e), t, t),
+            "mlp.down_proj.weight": (("mlp", "down"), (e, f), t, t),
+        }
+        if config.qkv_bias:
+            layer.update({
+                "self_attn.q_proj.bias": (("attn", "q_bias"), (n * h,), *bias(n)),
+                "self_attn.k_proj.bias": (("attn", "k_bias"), (k * h,), *bias(k)),
+                "self_attn.v_proj.bias": (("attn", "v_bias"), (k * h,), *bias(k)),
+            })
+        if config.o_bias:
+            layer["self_attn.o_proj.bias"] = (("attn", "o_bias"), (e,), same, same)
+        if config.qk_norm:
+            layer["self_attn.q_norm.weight"] = (("attn", "q_norm", "scale"), (h,), same, same)
+            layer["self_attn.k_norm.weight"] = (("attn", "k_norm", "scale"), (h,), same, same)
+        for hf_norm, ours in norms.items():
+            layer[f"{hf_norm}.weight"] = ((ours, "scale"), (e,), same, same)
+        for name, (path, shape, to_ours, to_hf) in layer.items():
+            if scan_layers:
+                out[hf + name] = TensorSpec(("layers",) + path, shape, to_ours, to_hf, i)
+            else:
+                out[hf + name] = TensorSpec(("layers", i) + path, shape, to_ours, to_hf)
     out["model.norm.weight"] = TensorSpec(("norm", "scale"), (e,), same, same)
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = TensorSpec(("lm_head",), (v, e), t, t)
@@ -92,9 +124,10 @@ def _value(var):
 def export_hf_tensors(model: Llama) -> dict[str, np.ndarray]:
     """The model's weights as Hugging Face named numpy arrays (the inverse of loading)."""
     flat = dict(nnx.to_flat_state(nnx.state(model)))
+    host = {path: np.asarray(_value(var)) for path, var in flat.items()}
     return {
-        name: np.ascontiguousarray(spec.to_hf(np.asarray(_value(flat[spec.path]))))
-        for name, spec in hf_tensor_map(model.config).items()
+        name: np.ascontiguousarray(spec.to_hf(host[spec.path] if spec.layer is None else host[spec.path][spec.layer]))
+        for name, spec in hf_tensor_map(model.config, scan_layers=model.scan_layers).items()
     }
 
 
@@ -218,12 +251,16 @@ def load_tokenizer(model_dir: str):
 
 
 def load_pretrained(
-    model_dir, *, dtype=jnp.bfloat16, param_dtype=None, mesh=None, tensor_axis: str | None = "tensor"
+    model_dir, *, dtype=jnp.bfloat16, param_dtype=None, mesh=None, tensor_axis: str | None = "tensor",
+    scan_layers: bool = True,
 ) -> Pretrained:
     """Build a `Llama` from a Hugging Face folder; weights cast to `param_dtype` (default `dtype`).
+    `scan_layers`: stacked layers run by a scan (default) or a list of layers (see `Llama`).
 
     With a `mesh`, each tensor goes from the host straight to its devices, split Megatron style
-    over `tensor_axis` (`models.parallel`): no device ever holds the whole model.
+    over `tensor_axis` (`models.parallel`): no device ever holds the whole model. The layers'
+    tensors of one kind (e.g. every q_proj) are stacked on the host, then transferred at once:
+    host memory peaks at one kind's share of the weights.
 
     The checkpoint must hold exactly the tensors its config.json describes, with their shapes
     and a float dtype (else ValueError listing the names); old checkpoints' per-layer
@@ -233,7 +270,7 @@ def load_pretrained(
     model_dir = os.fspath(model_dir)
     config = LlamaConfig.from_hf(model_dir)
     param_dtype = jnp.dtype(dtype if param_dtype is None else param_dtype)
-    expected = hf_tensor_map(config)
+    expected = hf_tensor_map(config, scan_layers=scan_layers)
     where = read_safetensors(model_dir)
     _check_tensor_names(model_dir, where, expected, config.tie_word_embeddings)
     for name, spec in expected.items():
@@ -251,7 +288,9 @@ def load_pretrained(
                 f"{model_dir}: config.json ties the output head to the embedding (tie_word_embeddings true), but the "
                 "checkpoint stores a different lm_head.weight; set tie_word_embeddings to false to use it"
             )
-    abstract = nnx.eval_shape(lambda: Llama(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(
+        lambda: Llama(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0), scan_layers=scan_layers)
+    )
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))
     put = lambda path, host: jnp.asarray(host, dtype=param_dtype)  # noqa: E731
@@ -260,11 +299,20 @@ def load_pretrained(
 
         placement = dict(nnx.to_flat_state(state_shardings(state, config, mesh, tensor_axis=tensor_axis)))
         put = lambda path, host: place(np.asarray(host).astype(param_dtype), _value(placement[path]))  # noqa: E731
+    by_path: dict[tuple, list[tuple[str, TensorSpec]]] = {}
     for name, spec in expected.items():
-        value = put(spec.path, spec.to_ours(_get_tensor(where[name], name)))
-        expected_shape = _value(flat[spec.path]).shape
-        assert value.shape == expected_shape, (name, value.shape, expected_shape)  # our own mapping, not user input
-        flat[spec.path] = flat[spec.path].replace(value)
+        by_path.setdefault(spec.path, []).append((name, spec))
+    for path, specs in by_path.items():
+        shape = _value(flat[path]).shape
+        if specs[0][1].layer is None:
+            (name, spec), = specs
+            host = spec.to_ours(_get_tensor(where[name], name))
+        else:  # a stacked parameter: every layer's tensor into its slice, on the host, then one transfer
+            host = np.empty(shape, param_dtype)
+            for name, spec in specs:
+                host[spec.layer] = spec.to_ours(_get_tensor(where[name], name))
+        assert host.shape == shape, (path, host.shape, shape)  # our own mapping, not user input
+        flat[path] = flat[path].replace(put(path, host))
     state = nnx.from_flat_state(list(flat.items()))
     model = nnx.merge(graphdef, state)
     leftover = [p for p, var in nnx.to_flat_state(nnx.state(model)) if isinstance(_value(var), jax.ShapeDtypeStruct)]

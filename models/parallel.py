@@ -1,4 +1,4 @@
-"""Megatron-style tensor parallelism for `Llama` on a `jax.sharding.Mesh`.
+"""Megatron-style tensor parallelism for `Llama` (every family) on a `jax.sharding.Mesh`.
 
     mesh = jax.make_mesh((1, 8), ("data", "tensor"))
     model = models.init_random(config, mesh=mesh)                 # or load_pretrained(..., mesh=mesh)
@@ -19,7 +19,13 @@ its own devices their parts). Each attention and MLP block is column- then row-p
     gate, up [E, F] -> P(None, tensor)        column-parallel (F % tp == 0)
     down [F, E]  -> P(tensor, None)           row-parallel: one all-reduce
     embedding [V, E], lm_head [E, V]          vocabulary split when V % tp == 0, else replicated
-    norm scales                               replicated
+    q_bias [N, H], k_bias, v_bias [K, H]      split like their projection's output heads
+    o_bias [E]                                replicated (added after the all-reduce)
+    norm scales (q/k norms included)          replicated
+
+The layers' parameters are stacked on a leading [num_layers] axis (`models.llama`): their
+specs get a leading None (every device holds its part of every layer). A model built with
+`scan_layers=False` (a list of layers) takes the per-layer specs as they are.
 
 so attention runs on each device's own heads against its own shard of the arena, and a
 decoder layer communicates twice, once after each row-parallel projection (XLA's
@@ -62,7 +68,8 @@ def check_tensor_parallel(config, tp: int, tensor_axis) -> None:
 
 
 def param_spec(name: str, config, tp: int, tensor_axis) -> P:
-    """The PartitionSpec of one parameter (by its name in the model) for tensor degree tp."""
+    """The PartitionSpec of one parameter (by its name in the model) for tensor degree tp; a
+    layer's parameter (stacked over layers) takes `P(None, *spec)`."""
     t = tensor_axis
     vocab = t if config.vocab_size % tp == 0 else None
     kv = t if config.num_kv_heads % tp == 0 else None
@@ -74,6 +81,10 @@ def param_spec(name: str, config, tp: int, tensor_axis) -> P:
         "gate": P(None, t),
         "up": P(None, t),
         "down": P(t, None),
+        "q_bias": P(t, None),
+        "k_bias": P(kv, None),
+        "v_bias": P(kv, None),
+        "o_bias": P(None),
         "embedding": P(vocab, None),
         "lm_head": P(None, vocab),
         "scale": P(),
@@ -92,9 +103,19 @@ def state_shardings(state, config, mesh: Mesh, *, tensor_axis: str | None = "ten
     mesh = auto_mesh(mesh)
     tp = mesh.shape[tensor_axis] if tensor_axis else 1
     check_tensor_parallel(config, tp, tensor_axis)
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: NamedSharding(mesh, param_spec(_name(path), config, tp, tensor_axis)), state
-    )
+
+    def spec(path):
+        one = param_spec(_name(path), config, tp, tensor_axis)
+        return P(None, *one) if _stacked(path) else one
+
+    return jax.tree_util.tree_map_with_path(lambda path, _: NamedSharding(mesh, spec(path)), state)
+
+
+def _stacked(path) -> bool:
+    """A parameter of the stacked layers: its state path starts at the model's `layers` and
+    goes on by name (a list of layers goes on by index: not stacked)."""
+    keys = [getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path[:2]]
+    return len(keys) == 2 and keys[0] == "layers" and isinstance(keys[1], str)
 
 
 def place(tree, shardings):

@@ -45,11 +45,34 @@ Progress (the bound `step_bound` enforces; a test draws tiny budgets against it)
    re-admission, and evictions and finishing sequences only add pages. So no step fails while
    it is the newest: it is never preempted again.
 3. Each loop iteration serves a row (feeding at least one token), evicts a page, or preempts a
-   sequence. Tokens fed are at most twice each request's prompt + new tokens (fed once, and
-   once more after its single preemption); evictions are at most the pages ever indexed, each
-   holding a fed token; preemptions are at most the number of requests. Hence at most
+   sequence. A request is admitted at most twice (2.), and one admission feeds at most its
+   prompt + new tokens, so tokens fed are at most twice each request's prompt + new tokens.
+   An eviction frees a page the index held, and a hold is taken only on a page an admission
+   maps as its own (a page it wrote, or one it brought back from the host tier), at most its
+   final pages <= its prompt + new tokens per admission: evictions are at most twice the
+   tokens too. Preemptions are at most the number of requests. Hence at most
    `4 * sum(len(prompt) + max_new_tokens) + len(requests)` iterations (`Scheduler.step_bound`);
    `run` raises (a bug, never a hang) if it ever gets past that.
+
+The host tier (`models.host_tier`; the hooks: `_swap_out` in `_preempt`, `_restore` in
+`_admit`, `_tiered_hit` in `_plan`, `_flush_host` in `_flush`) changes what a re-admitted or
+hitting request computes, never what it is counted for, so 1.-3. hold as written:
+- Swap preemption (no prefix index): the preempted (newest) sequence's written pages go to host
+  pages and its slot is released by the same op, as a release would; it keeps `fed` and waits
+  at the head of the queue. Its re-admission follows the re-admission rule (its final pages,
+  plus everything running's remaining growth) and brings the pages back into its slot before
+  any step: pages_for(fed) <= its final pages, counted by that rule, and the device has them
+  (running sequences are counted at their whole length, never below what the device holds).
+  Whether it swaps or recomputes (`SwapPolicy`, host pages free) changes only the tokens it
+  computes. A swap_in the device refused anyway would be a broken count: the scheduler reads
+  its `ok` back with the next step's results and raises (a bug, never a wrong token).
+- A prefix index with a host tier: a hit is its device pages (mapped and counted as before)
+  then pages only on the host, brought back into new pages the request owns: counted as pages
+  the request needs, exactly like tokens it would compute. Evictions free device pages as
+  before (a copy to the host frees the page as a drop does; host pages are never counted on the
+  device), and before bringing a hit's host pages back the scheduler evicts what the admission
+  counted as evictable, keeping those host copies. A spill that finds no host page drops the
+  page instead: the host tier's capacity never blocks a step.
 """
 from __future__ import annotations
 
@@ -63,7 +86,9 @@ import numpy as np
 from flax import nnx
 
 import arena_jax as aj
-from models.steps import decode_step, drop_page_rows, fork_page_rows, hold_page_rows, prefill, release_rows
+from models.host_tier import HostTier
+from models.steps import (decode_step, drop_host_page_rows, drop_page_rows, evict_to_host_rows, flush_rows,
+                          fork_page_rows, hold_page_rows, offload_page_rows, prefill, release_rows)  # fmt: skip
 
 __all__ = ["Seq", "Scheduler", "fetch"]
 
@@ -94,6 +119,10 @@ class Seq:
     in_index: int = 0
     cow_node: object = None
     indexed_full: int = 0
+    # Swap preemption: the host pages holding its first `fed` tokens while it waits (None: none).
+    swapped: list[int] | None = None
+    swapped_tokens: int = 0
+    lost: int = 0  # tokens it had in the cache when preempted
 
     @property
     def ids(self) -> list[int]:
@@ -110,7 +139,7 @@ class Scheduler:
     CHECK_ACCOUNTING = False  # tests: compare the host's page count with the device's after each step
 
     def __init__(self, model, cache, layout, batch_size, chunk_size, sampling, seed, stop, max_new, return_logits,
-                 index=None):  # fmt: skip
+                 index=None, tier: HostTier | None = None):  # fmt: skip
         self.graphdef, self.state = nnx.split(model)
         self.cache, self.layout = cache, layout
         self.batch, self.chunk = batch_size, chunk_size
@@ -124,7 +153,7 @@ class Scheduler:
         self.slot_of = [(r // self.rows_per_shard) * (layout.max_seqs // self.dp) + r % self.rows_per_shard
                         for r in range(batch_size)]  # fmt: skip
         self.preemptions = self.prefill_calls = self.decode_calls = self.iterations = 0
-        self.prompt_tokens = self.prefill_tokens = self.hit_tokens = self.evictions = 0
+        self.prompt_tokens = self.prefill_tokens = self.hit_tokens = self.evictions = self.recomputed_tokens = 0
         self.first_token: dict[int, float] = {}
         self.start = time.perf_counter()
         self._admissions = 0
@@ -134,6 +163,12 @@ class Scheduler:
         self._holds: list[tuple[int, int]] = []  # (page, tokens) the cache must hold, before any release
         self._drops: list[int] = []  # pages whose holds go, after the releases
         self._page_rows: np.ndarray | None = None  # page_map as of the last step
+        # The host tier (models.host_tier): host pages to free, then (page, host page) copies to make.
+        self.tier = tier
+        assert tier is None or self.dp == 1, "a host tier needs one data shard"
+        self._host_drops: list[int] = []
+        self._offloads: list[tuple[int, int]] = []
+        self._swap_ins: list = []  # swap_in `ok` arrays, read back with the next step's results
 
     # ---- bookkeeping --------------------------------------------------------------------
     def _running(self, shard: int | None = None) -> list[Seq]:
@@ -169,13 +204,15 @@ class Scheduler:
         free = self._free_pages(shard)
         hits = [None]
         if self.index is not None:
-            hit = self.index.lookup(seq.ids, limit=len(seq.ids) - 1)
+            hit = self._tiered_hit(self.index.lookup(seq.ids, limit=len(seq.ids) - 1))
             whole = hit.whole_pages(self.layout.page_size)
             hits = [hit, whole] if whole.num_tokens != hit.num_tokens else [hit]
         for hit in hits:
-            full = hit.num_tokens // self.layout.page_size if hit is not None else 0
-            # The pages a hit locks leave the evictable pool; its whole pages are the sequence's own.
-            avail = free - (sum(1 for n in hit.nodes if not n.locks) if hit is not None else 0)
+            # The device pages a hit maps are pages the sequence would need anyway (a partly used
+            # last one is copied: not counted); its host pages are brought back into new pages.
+            full = 0 if hit is None else len(hit.pages) if hit.host_pages else hit.num_tokens // self.layout.page_size
+            # The pages a hit locks (its device part) leave the evictable pool.
+            avail = free - (sum(1 for n in hit.nodes[: len(hit.pages)] if not n.locks) if hit is not None else 0)
             if seq.preemptions:  # a second admission is for good: room for every running sequence's whole life
                 fits = self._final_pages(seq) - full + self._lifetime_growth(shard) <= avail
             else:  # watermark: this sequence, plus one page of growth per running sequence
@@ -184,8 +221,16 @@ class Scheduler:
                 return fits, hit
         return False, None
 
+    def _tiered_hit(self, hit):
+        """A hit whose tail is on the host keeps that tail only if bringing it back costs less
+        than recomputing it (`SwapPolicy`); else the hit is cut to its device pages."""
+        if hit.host_pages and not (self.tier is not None and self.tier.worth_moving(hit.host_tokens, len(hit.host_pages), 1)):
+            return hit.device_part()
+        return hit
+
     def _admit(self, waiting: collections.deque) -> None:
         fork = []  # (row, hit)
+        restore = []  # (row, seq, host pages, tokens, index nodes): brought back from the host tier after the forks
         for r in range(self.batch):
             if not waiting:
                 break
@@ -207,22 +252,49 @@ class Scheduler:
             self._admissions += 1
             self.rows[r] = seq
             self.prompt_tokens += len(seq.ids)
+            if seq.swapped is not None:  # swapped out when preempted: its pages come back
+                restore.append((r, seq, seq.swapped, seq.swapped_tokens, []))
+                seq.fed = seq.swapped_tokens
             if hit is not None:
                 seq.anchor = self.index.acquire(hit, len(seq.ids))
-                seq.fed, seq.in_index = hit.num_tokens, len(hit.nodes)
-                seq.cow_node = hit.nodes[-1] if hit.num_tokens % self.layout.page_size else None
-                seq.indexed_full = hit.num_tokens // self.layout.page_size
+                seq.fed, seq.in_index = hit.num_tokens, len(hit.pages)
+                partial = hit.num_tokens % self.layout.page_size and not hit.host_pages
+                seq.cow_node = hit.nodes[-1] if partial else None
+                seq.indexed_full = len(hit.pages) if hit.host_pages else hit.num_tokens // self.layout.page_size
                 self.hit_tokens += hit.num_tokens
-                if hit.num_tokens:
+                if hit.device_tokens:
                     fork.append((r, hit))
+                if hit.host_pages:
+                    restore.append((r, seq, list(hit.host_pages), hit.host_tokens, hit.nodes[len(hit.pages) :]))
             self.prefill_tokens += len(seq.ids) - seq.fed
+            self.recomputed_tokens += max(0, seq.lost - seq.fed)  # a re-admission: what did not come back
+            seq.lost = 0
         if fork:
+            self._flush()  # the pages it maps must be held
             pages = np.full((self.batch, self.layout.max_pages_per_seq), aj.PAD_PAGE, np.int32)
             counts = np.zeros((self.batch,), np.int32)
             dst = np.full((self.batch,), aj.PAD_SLOT, np.int32)
             for r, hit in fork:
-                pages[r, : len(hit.pages)], counts[r], dst[r] = hit.pages, hit.num_tokens, self.slot_of[r]
+                pages[r, : len(hit.pages)], counts[r], dst[r] = hit.pages, hit.device_tokens, self.slot_of[r]
             self.cache = fork_page_rows(self.cache, jnp.asarray(pages), jnp.asarray(counts), jnp.asarray(dst))
+        if restore:
+            self._restore(restore)
+
+    def _restore(self, restore: list) -> None:
+        """Bring admitted sequences' pages back from the host tier (`aj.swap_in`, appended after a
+        hit's device pages). The admission counted those pages; with a prefix index, pages only
+        it holds are evicted first to free them (never the host copies being read). The op's `ok`
+        is read back with the next step's results (no extra sync): a refusal is a broken count."""
+        if self.index is not None:
+            keep = [n for *_, nodes in restore for n in nodes]
+            self._evict(self._pages_in_use() - self.layout.num_pages, keep=keep)
+        rows = [(self.slot_of[r], pages, tokens) for r, _, pages, tokens, _ in restore]
+        self.cache, ok = self.tier.swap_in(self.cache, rows, self.batch)
+        self._swap_ins.append(ok)
+        for r, seq, pages, tokens, _ in restore:
+            if seq.swapped is not None:  # the scheduler's own host pages: free again (after the copy, in order)
+                self.cache = self.tier.release(self.cache, seq.swapped, self.batch * self.layout.max_pages_per_seq)
+                seq.swapped = None
 
     def _vacate(self, r: int) -> None:
         seq = self.rows[r]
@@ -238,12 +310,23 @@ class Scheduler:
         ins = self.index.insert(seq.ids[:num_tokens], row[: self.layout.pages_for(num_tokens)])
         self._holds += ins.hold
         self._drops += ins.drop
+        self._host_drops += ins.drop_host
         return ins
 
-    def _flush(self) -> None:
+    def _flush(self, force: bool = True) -> None:
         """Holds first (a finished sequence's pages are held before its slot lets them go),
-        then releases, then dropped holds. Fixed shapes: one compile each."""
+        then releases, then host pages freed, then copies to the host tier (which may reuse them),
+        then dropped holds. Fixed shapes: one compile each. Holds alone may wait (`force=False`:
+        a running sequence's full pages, which no step writes again) until something that needs
+        them (a fork of held pages, a release, an eviction) flushes them with it."""
+        if not (self._holds or self._to_release or self._drops or self._host_drops or self._offloads):
+            return
+        if not force and not (self._to_release or self._drops or self._host_drops or self._offloads):
+            return
         width = self.batch * self.layout.max_pages_per_seq
+        if self.index is not None and max(map(len, (self._holds, self._drops, self._host_drops, self._offloads))) <= width:
+            self._flush_at_once(width)
+            return
         while self._holds:
             part, self._holds = self._holds[:width], self._holds[width:]
             pages = np.full((width,), aj.PAD_PAGE, np.int32)
@@ -255,39 +338,118 @@ class Scheduler:
             slots[self._to_release] = [self.slot_of[r] for r in self._to_release]
             self.cache = release_rows(self.cache, jnp.asarray(slots))
             self._to_release = []
+        self._flush_host(width)
         while self._drops:
             part, self._drops = self._drops[:width], self._drops[width:]
             pages = np.full((width,), aj.PAD_PAGE, np.int32)
             pages[: len(part)] = part
             self.cache = drop_page_rows(self.cache, jnp.asarray(pages))
 
+    def _flush_at_once(self, width: int) -> None:
+        """`_flush` as one call (`steps.flush_rows`: the same order), when everything fits its rows."""
+        holds, counts = np.full((width,), aj.PAD_PAGE, np.int32), np.ones((width,), np.int32)
+        if self._holds:
+            holds[: len(self._holds)], counts[: len(self._holds)] = zip(*self._holds)
+        slots = np.full((self.batch,), aj.PAD_SLOT, np.int32)
+        slots[self._to_release] = [self.slot_of[r] for r in self._to_release]
+        host_drops, pages, host_pages, drops = (np.full((width,), aj.PAD_PAGE, np.int32) for _ in range(4))
+        host_drops[: len(self._host_drops)] = self._host_drops
+        if self._offloads:
+            pages[: len(self._offloads)], host_pages[: len(self._offloads)] = zip(*self._offloads)
+        drops[: len(self._drops)] = self._drops
+        host = self.tier.host if self.tier is not None else None
+        self.cache, host = flush_rows(self.cache, host, *map(jnp.asarray, (holds, counts, slots, host_drops, pages, host_pages, drops)))
+        if self.tier is not None:
+            self.tier.host = host
+            self.tier.count_move(len(self._offloads))
+        self._holds, self._to_release, self._host_drops, self._offloads, self._drops = [], [], [], [], []
+
+    def _flush_host(self, width: int) -> None:
+        """The prefix index's host-tier moves: host pages freed, then device pages copied there
+        (their holds dropped by the same op), then the plan's other dropped holds: one call when
+        they fit its rows (the usual case), else one call each, in that order."""
+        if (self._host_drops or self._offloads) and max(len(self._host_drops), len(self._offloads), len(self._drops)) <= width:
+            rows = [np.full((width,), aj.PAD_PAGE, np.int32) for _ in range(4)]
+            rows[0][: len(self._host_drops)] = self._host_drops
+            if self._offloads:
+                rows[1][: len(self._offloads)], rows[2][: len(self._offloads)] = zip(*self._offloads)
+            rows[3][: len(self._drops)] = self._drops
+            self.cache, self.tier.host = evict_to_host_rows(self.cache, self.tier.host, *map(jnp.asarray, rows))
+            self.tier.count_move(len(self._offloads))
+            self._host_drops, self._offloads, self._drops = [], [], []
+            return
+        while self._host_drops:
+            part, self._host_drops = self._host_drops[:width], self._host_drops[width:]
+            pages = np.full((width,), aj.PAD_PAGE, np.int32)
+            pages[: len(part)] = part
+            self.cache, self.tier.host = drop_host_page_rows(self.cache, self.tier.host, jnp.asarray(pages))
+        while self._offloads:
+            part, self._offloads = self._offloads[:width], self._offloads[width:]
+            pages = np.full((width,), aj.PAD_PAGE, np.int32)
+            host_pages = np.full((width,), aj.PAD_PAGE, np.int32)
+            pages[: len(part)], host_pages[: len(part)] = zip(*part)
+            self.cache, self.tier.host = offload_page_rows(self.cache, self.tier.host, jnp.asarray(pages), jnp.asarray(host_pages))
+            self.tier.count_move(len(part))
+
     def _make_room(self, rows: list[int], counts) -> None:
-        """Prefix mode, before a step: evict what the step's reservations need beyond the free pages."""
+        """Prefix mode, before a step: evict what the step's reservations need beyond the free pages
+        (the host's count already is what the device will hold once the pending ops run), then
+        flush everything pending, evictions included."""
         size = self.layout.page_size
         demand = 0
         for r, n in zip(rows, counts):
             s = self.rows[r]
             demand += -(-(s.fed + n) // size) - -(-s.fed // size) + (s.cow_node is not None and n > 0)
         self._evict(demand - (self.layout.num_pages - self._pages_in_use()))
+        self._flush(force=False)
 
-    def _evict(self, num_pages: int) -> int:
-        pages = self.index.evict(num_pages) if num_pages > 0 else []
-        self.evictions += len(pages)
-        self._drops += pages
+    def _evict(self, num_pages: int, keep=()) -> int:
+        """Free up to `num_pages` device pages only the index holds (LRU; with a host tier they
+        are copied there first, `PrefixCache.evict_plan`). Returns how many."""
+        if num_pages <= 0:
+            return 0
+        if self.index.host_capacity:
+            plan = self.index.evict_plan(num_pages, keep=keep)
+            self._host_drops += plan.drop_host
+            self._offloads += plan.offload
+            self._drops += plan.drop
+            freed = plan.device_pages
+        else:
+            pages = self.index.evict(num_pages)
+            self._drops += pages
+            freed = len(pages)
+        self.evictions += freed
         self._flush()
-        return len(pages)
+        return freed
 
     def _preempt(self, waiting: collections.deque, shard: int = 0) -> None:
-        """Release the most recently admitted running sequence of a data shard and requeue it first."""
+        """Release the most recently admitted running sequence of a data shard and requeue it first:
+        swapped out to the host tier if the cost model says so (`_swap_out`), else recomputed."""
         rows = range(shard * self.rows_per_shard, (shard + 1) * self.rows_per_shard)
         r = max((r for r in rows if self.rows[r] is not None), key=lambda r: self.rows[r].admitted)
         seq = self.rows[r]
-        self._vacate(r)
-        seq.fed = 0
+        seq.lost = seq.fed  # tokens whose K/V it had: recomputed unless they come back
+        if not self._swap_out(r, seq):
+            self._vacate(r)
+            seq.fed = 0
         seq.preemptions += 1
         self._flush()
         waiting.appendleft(seq)
         self.preemptions += 1
+
+    def _swap_out(self, r: int, seq: Seq) -> bool:
+        """Without a prefix index: move the sequence's written pages to host pages (its slot is
+        released by the same op) and keep `fed`; with one, preemption indexes the pages and
+        eviction spills them (`_evict`). False: recompute it."""
+        if self.tier is None or self.index is not None:
+            return False
+        self._flush()  # pending releases first: the slot's own release comes with the swap
+        self.cache, pages = self.tier.swap_out(self.cache, self.slot_of[r], seq.fed, self.batch)
+        if pages is None:
+            return False
+        seq.swapped, seq.swapped_tokens = pages, seq.fed
+        self.rows[r] = None
+        return True
 
     def _accept(self, r: int, token: int, logits) -> None:
         seq = self.rows[r]
@@ -315,7 +477,7 @@ class Scheduler:
             self.iterations += 1
             if self.iterations > bound:  # a broken invariant, never a hang
                 raise RuntimeError(f"the scheduler passed its bound of {bound} steps without finishing: a bug")
-            self._flush()
+            self._flush(force=False)
             self._admit(waiting)
             if not self._running():
                 raise RuntimeError("no sequence could be admitted")  # excluded by generate's size checks
@@ -332,7 +494,8 @@ class Scheduler:
         self._flush()
 
     def _prefill(self) -> set:
-        self._flush()  # pages of sequences that just finished are free for this step
+        if self.index is None:  # with an index, `_make_room` flushes (with its evictions, in one call)
+            self._flush()  # pages of sequences that just finished are free for this step
         tokens = np.zeros((self.batch, self.chunk), np.int32)
         slots = np.full((self.batch,), aj.PAD_SLOT, np.int32)
         counts = np.zeros((self.batch,), np.int32)
@@ -345,16 +508,21 @@ class Scheduler:
         if self.index is not None:
             live = np.flatnonzero(slots >= 0)
             self._make_room(live.tolist(), counts[live].tolist())
+        start = time.perf_counter()
         out = prefill(
             self.graphdef, self.state, self.cache, jnp.asarray(tokens), jnp.asarray(slots), jnp.asarray(counts),
             jnp.asarray(seq_ids), self.seed, self.sampling,
         )  # fmt: skip
         self.cache = out.cache
         self.prefill_calls += 1
-        return self._collect(out, slots, counts)
+        failed = self._collect(out, slots, counts)  # reads the step's results back: the time includes its work
+        if self.tier is not None:
+            self.tier.observe_prefill(int(counts.sum()), time.perf_counter() - start)
+        return failed
 
     def _decode(self) -> set:
-        self._flush()
+        if self.index is None:
+            self._flush()
         tokens = np.zeros((self.batch,), np.int32)
         slots = np.full((self.batch,), aj.PAD_SLOT, np.int32)
         seq_ids = np.zeros((self.batch,), np.int32)
@@ -374,12 +542,16 @@ class Scheduler:
 
     def _collect(self, out, slots, counts) -> set:
         """Advance the rows the step served; the data shards where a row was refused for lack of pages."""
-        wanted = [out.ok, out.tokens]
+        wanted = [out.ok, out.tokens, *self._swap_ins]
         if self.index is not None:  # the page table rows the index needs travel with the sampled tokens
             wanted.append(out.cache.table.page_map)
         if self.return_logits:
             wanted.append(out.logits)
         ok, next_tokens, *rest = fetch(*wanted)
+        swapped_in, rest = rest[: len(self._swap_ins)], rest[len(self._swap_ins) :]
+        self._swap_ins = []
+        if not all(x.all() for x in swapped_in):  # pads are True: a False is a row the admission counted
+            raise RuntimeError("swap_in refused a row the scheduler counted pages for: a bug in its page accounting")
         if self.index is not None:
             self._page_rows = rest.pop(0)
         logits = rest.pop(0) if self.return_logits else None

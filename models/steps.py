@@ -30,7 +30,9 @@ import arena_jax as aj
 from models.llama import token_positions
 from models.sampling import SamplingParams, sample
 
-__all__ = ["StepOutput", "prefill", "decode_step", "release_rows", "fork_page_rows", "hold_page_rows", "drop_page_rows", "TRACE_COUNTS"]
+__all__ = ["StepOutput", "prefill", "decode_step", "release_rows", "fork_page_rows", "hold_page_rows", "drop_page_rows",
+           "swap_out_rows", "swap_in_rows", "offload_page_rows", "drop_host_page_rows", "evict_to_host_rows",
+           "flush_rows", "TRACE_COUNTS"]
 
 # Incremented each time a step is traced (= compiled): tests use it to check that nothing
 # recompiles once shapes are warm.
@@ -130,3 +132,62 @@ def drop_page_rows(cache: aj.KVCache, pages) -> aj.KVCache:
     """`aj.drop_pages` with pages i32[K]."""
     TRACE_COUNTS["drop_page_rows"] += 1
     return aj.drop_pages(cache, pages)
+
+
+# The host tier's ops with fixed shapes (`arena_jax.host`): one compile each, no host check.
+
+
+@functools.partial(jax.jit, donate_argnames=("cache", "host"))
+def swap_out_rows(cache: aj.KVCache, host: aj.HostArena, slots, host_pages):
+    """`aj.swap_out` with slots i32[B], host_pages i32[B, max_pages_per_seq]. Returns (cache, host)."""
+    TRACE_COUNTS["swap_out_rows"] += 1
+    cache, host, _ = aj.swap_out(cache, host, slots, host_pages)
+    return cache, host
+
+
+@functools.partial(jax.jit, donate_argnames=("cache", "host"))
+def swap_in_rows(cache: aj.KVCache, host: aj.HostArena, host_pages, num_tokens, dst):
+    """`aj.swap_in` with host_pages i32[B, max_pages_per_seq], num_tokens i32[B], dst i32[B]."""
+    TRACE_COUNTS["swap_in_rows"] += 1
+    return aj.swap_in(cache, host, host_pages, num_tokens, dst)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache", "host"))
+def offload_page_rows(cache: aj.KVCache, host: aj.HostArena, pages, host_pages):
+    """`aj.offload_pages` with pages, host_pages i32[K]."""
+    TRACE_COUNTS["offload_page_rows"] += 1
+    return aj.offload_pages(cache, host, pages, host_pages)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache", "host"))
+def drop_host_page_rows(cache: aj.KVCache, host: aj.HostArena, host_pages):
+    """`aj.drop_host_pages` with host_pages i32[K]."""
+    TRACE_COUNTS["drop_host_page_rows"] += 1
+    return aj.drop_host_pages(cache, host, host_pages)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache", "host"))
+def evict_to_host_rows(cache: aj.KVCache, host: aj.HostArena, host_drops, pages, host_pages, drops):
+    """A prefix index's eviction plan in one call: `aj.drop_host_pages(host_drops)`, then
+    `aj.offload_pages(pages, host_pages)` (which may reuse those host pages), then
+    `aj.drop_pages(drops)`; every argument i32[K]."""
+    TRACE_COUNTS["evict_to_host_rows"] += 1
+    cache, host = aj.drop_host_pages(cache, host, host_drops)
+    cache, host = aj.offload_pages(cache, host, pages, host_pages)
+    return aj.drop_pages(cache, drops), host
+
+
+@functools.partial(jax.jit, donate_argnames=("cache", "host"))
+def flush_rows(cache: aj.KVCache, host, hold_pages, hold_counts, release_slots, host_drops, offload_pages, offload_host_pages,
+               drops):  # fmt: skip
+    """A prefix cache's pending bookkeeping in one call, in its order: holds (`aj.hold_pages`),
+    releases (`aj.release`), then, with a host tier (`host` not None), host pages freed and
+    pages copied there (`aj.drop_host_pages`, `aj.offload_pages`), then dropped holds
+    (`aj.drop_pages`). Every argument i32[K] (release_slots i32[B]), padded. Returns (cache, host)."""
+    TRACE_COUNTS["flush_rows"] += 1
+    cache = aj.hold_pages(cache, hold_pages, hold_counts)
+    cache = aj.release(cache, release_slots)
+    if host is not None:
+        cache, host = aj.drop_host_pages(cache, host, host_drops)
+        cache, host = aj.offload_pages(cache, host, offload_pages, offload_host_pages)
+    return aj.drop_pages(cache, drops), host

@@ -31,8 +31,8 @@ try:  # the Triton-specific Pallas API
 except ImportError:  # pragma: no cover - very old JAX
     plgpu = None
 
-__all__ = ["BlockSizes", "unsupported_reason", "head_tile", "masked_load", "masked_store", "compiler_params",
-           "resolve_interpret", "arena_format"]
+__all__ = ["BlockSizes", "unsupported_reason", "triton_lowering_problem", "head_tile", "masked_load", "masked_store",
+           "compiler_params", "resolve_interpret", "arena_format"]
 
 # What q, k, v (the compute dtypes) may be, and what an arena may store.
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -62,13 +62,31 @@ def masked_store(ref_view, value, *, mask):
     return pl.store(ref_view, (), value, mask=mask)  # pragma: no cover - JAX < 0.7
 
 
-def compiler_params(num_warps: int, num_stages: int):
-    """Triton compiler params; passing them also selects the Triton lowering on GPU."""
+def _triton_params_class():
     for owner, name in ((plgpu, "CompilerParams"), (plgpu, "TritonCompilerParams"), (pl, "TritonCompilerParams")):
         cls = getattr(owner, name, None) if owner is not None else None
         if cls is not None:
-            return cls(num_warps=num_warps, num_stages=num_stages)
-    raise ImportError("this JAX has no Pallas Triton CompilerParams")  # pragma: no cover
+            return cls
+    return None
+
+
+def triton_lowering_problem() -> str | None:
+    """Why this JAX cannot run the Pallas (Triton) kernels, naming the backend to use; None
+    when it can. JAX 0.11 deprecates the Triton lowering of `pallas_call` (removal announced);
+    where it is gone (`jax.experimental.pallas.triton` or its CompilerParams missing), the
+    "pallas" backend is unavailable (pallas_kernels/README.md, "JAX versions and backends")."""
+    if _triton_params_class() is not None:
+        return None
+    return (f"this JAX ({jax.__version__}) has no Pallas Triton lowering (jax.experimental.pallas.triton); "
+            "use backend='mosaic' (decode attention, experimental) or backend='reference'")
+
+
+def compiler_params(num_warps: int, num_stages: int):
+    """Triton compiler params; passing them also selects the Triton lowering on GPU."""
+    cls = _triton_params_class()
+    if cls is None:
+        raise ValueError(triton_lowering_problem())
+    return cls(num_warps=num_warps, num_stages=num_stages)
 
 
 def resolve_interpret(interpret: bool | None) -> bool:

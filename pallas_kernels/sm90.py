@@ -10,17 +10,19 @@ No GPU and no CUDA driver are needed, only three wheels on top of the project
 and the CUDA plugin must load without a GPU: run with `JAX_PLATFORMS=cpu` (the plugin then
 skips its CUDA-library check) or `JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`.
 
-Steps for one kernel call (`compile_call`):
-1. Lower for CUDA (`jax.export(..., platforms=["cuda"])`) and pull each Pallas kernel (the
-   `__gpu$xla.gpu.triton` custom call: Triton IR bytecode, num_warps, num_stages, grid) out of
-   the StableHLO.
+Steps for one kernel call (`compile_call`); what differs between JAX releases is in
+`pallas_kernels.sm90_compat` (JAX 0.10 and 0.11 both work):
+1. Lower for CUDA (`jax.export(..., platforms=["cuda"])`, an abstract H100 named as the
+   target) and pull each Pallas kernel (the `__gpu$xla.gpu.triton` custom call: Triton IR
+   bytecode, num_warps, num_stages, grid) out of the StableHLO.
 2. Triton IR -> PTX, by one of two routes:
    - "xla" (default): XLA's whole GPU compiler, deviceless, for an H100 target description
      (`jax.experimental.topologies`); PTX and launch shared memory come from its dump. This is
      what runs on a GPU with jaxlib 0.10 and 0.11 (both emit the `__gpu$xla.gpu.triton` custom
      call that XLA compiles with its bundled Triton), so the spill checks use it.
-   - "plugin": the CUDA plugin's Triton handler (`jax._src.lib.triton.compile`). Same Triton,
-     different LLVM/PTX options (it reports slightly different registers), about as fast.
+   - "plugin" (jaxlib <= 0.10 only): the CUDA plugin's Triton handler. Same Triton, different
+     LLVM/PTX options (it reports slightly different registers), about as fast. jaxlib 0.11
+     removed the handler; there `tooling_problem("plugin")` says so.
 3. `ptxas -arch=sm_90a -v` on the PTX: registers, spill stores/loads, stack, static shared
    memory; the PTX itself tells the tensor-core instruction (`wgmma` / `mma.sync`) and TMA use
    (`cp.async.bulk.tensor`).
@@ -34,16 +36,15 @@ import re
 import shutil
 import subprocess
 import tempfile
-import warnings
 
 import jax
+
+from pallas_kernels import sm90_compat
+from pallas_kernels.sm90_compat import H100_KIND, TRITON_DEPRECATION  # noqa: F401  (re-exported)
 
 __all__ = ["SM90", "KernelFacts", "tooling_problem", "compile_call", "lower_triton_calls", "h100_lowering", "occupancy"]
 
 TRITON_TARGET = "__gpu$xla.gpu.triton"
-# JAX >= 0.11 warns that the Pallas Triton lowering is deprecated (id `jax-pallas-triton`); we
-# select it on purpose (pallas_kernels/README.md, "JAX versions"), so the warning is expected here.
-TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
 
 # H100 (sm_90) per-SM and per-block limits, for the occupancy estimate and the smem check.
 SM90 = dict(
@@ -69,7 +70,6 @@ gpu_device_info {
 platform_name: "CUDA"
 device_description_str: "NVIDIA H100 80GB HBM3"
 """
-H100_KIND = "NVIDIA H100 80GB HBM3"
 
 
 @dataclasses.dataclass
@@ -142,36 +142,23 @@ def tooling_problem(via: str = "xla") -> str | None:
         import jax_plugins.xla_cuda12  # noqa: F401
     except ImportError:
         return f"jax-cuda12-plugin=={version} is not installed ({install})"
-    from jax._src.lib import triton
-
-    jax.devices()  # make sure plugins were discovered and initialized
-    if not triton.has_compilation_handler("cuda"):
-        return ("the CUDA plugin is installed but did not load (without a GPU it loads only with "
-                "JAX_PLATFORMS=cpu or JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 set before jax starts); "
-                f"or its version differs from jax {version} ({install})")
+    problem = sm90_compat.cuda_topology_problem(H100_TARGET_CONFIG)
+    if problem is not None:
+        return ("the CUDA plugin is installed but XLA's deviceless GPU compiler is unavailable "
+                f"({problem}); without a GPU the plugin loads only with JAX_PLATFORMS=cpu or "
+                f"JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 set before jax starts, and its version must be "
+                f"jax's {version} ({install})")
     if find_ptxas() is None:
         return f"ptxas not found: pip install nvidia-cuda-nvcc-cu12 ({install})"
+    if via == "plugin" and sm90_compat.triton_handler() is None:
+        return (f"via='plugin' needs the CUDA plugin's Triton compilation handler, which jaxlib "
+                f"{jax.__version__} does not have (removed in jaxlib 0.11); use via='xla'")
     return None
 
 
-@contextlib.contextmanager
 def h100_lowering():
-    """JAX >= 0.11 asks the default device which GPU the Triton lowering targets; on a host
-    without one, name an H100 through an abstract mesh. JAX 0.10 needs nothing."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
-        try:
-            from jax._src.pallas.triton import gpu_info  # noqa: F401  (JAX >= 0.11)
-        except ImportError:
-            yield
-            return
-        if jax.default_backend() == "gpu":
-            yield
-            return
-        device = jax.sharding.AbstractDevice(device_kind=H100_KIND, num_cores=132, platform="cuda")
-        mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
-        with jax.sharding.use_abstract_mesh(mesh):
-            yield
+    """Lower for an H100 on a host without a GPU (`sm90_compat.h100_target`; a context manager)."""
+    return sm90_compat.h100_target()
 
 
 @dataclasses.dataclass
@@ -220,21 +207,13 @@ def lower_triton_calls(fn, args) -> list[_TritonCall]:
     return calls
 
 
-_H100_SHARDING = None
-
-
 def _xla_ptx(fn, args, names, workdir) -> dict:
     """Deviceless XLA compile for an H100: {kernel name: (ptx, dynamic smem bytes)}."""
-    global _H100_SHARDING
-    from jax.experimental import topologies
-
-    if _H100_SHARDING is None:
-        topo = topologies.get_topology_desc("", "cuda", target_config=H100_TARGET_CONFIG, topology="1x1x1")
-        _H100_SHARDING = jax.sharding.SingleDeviceSharding(topo.devices[0])
-    placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_H100_SHARDING) for a in args]
+    h100 = jax.sharding.SingleDeviceSharding(sm90_compat.cuda_topology(H100_TARGET_CONFIG).devices[0])
+    placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=h100) for a in args]
     dump = tempfile.mkdtemp(prefix="xla_", dir=workdir)
     with h100_lowering():
-        jax.jit(fn).trace(*placed).lower().compile({"xla_dump_to": dump})
+        jax.jit(fn).trace(*placed).lower().compile({"xla_dump_to": dump, **sm90_compat.PTX_DUMP_OPTIONS})
     files = sorted(os.listdir(dump))
     ptxs = [open(os.path.join(dump, f)).read() for f in files if f.endswith(".ptx")]
     thunks = "".join(open(os.path.join(dump, f)).read() for f in files if f.endswith("thunk_sequence.txt"))
@@ -249,9 +228,10 @@ def _xla_ptx(fn, args, names, workdir) -> dict:
 
 
 def _plugin_ptx(call: _TritonCall) -> tuple[str, int]:
-    from jax._src.lib import triton
-
-    result = triton.compile("cuda", call.ir, "9.0", num_warps=call.num_warps, num_ctas=1, num_stages=call.num_stages)
+    compile_triton = sm90_compat.triton_handler()
+    if compile_triton is None:
+        raise RuntimeError(tooling_problem("plugin"))
+    result = compile_triton("cuda", call.ir, "9.0", num_warps=call.num_warps, num_ctas=1, num_stages=call.num_stages)
     return result.asm, result.smem_bytes
 
 
@@ -291,6 +271,8 @@ def compile_call(fn, args, *, via: str = "xla", workdir: str | None = None) -> l
     """Every Pallas kernel of `jax.jit(fn)(*args)` compiled for sm_90a, with its static facts."""
     if via not in ("xla", "plugin"):
         raise ValueError(f"via={via!r}; expected 'xla' or 'plugin'")
+    if via == "plugin" and sm90_compat.triton_handler() is None:
+        raise ValueError(tooling_problem("plugin"))
     with contextlib.ExitStack() as stack:
         if workdir is None:
             workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="sm90_"))

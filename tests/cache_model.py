@@ -8,7 +8,9 @@ the page. Every op takes arbitrary rows, classifies each exactly as the document
 (pad / rejected / served or refused) and returns what the cache must answer; `host_error` says
 whether the host checks must raise instead. The page ops (`hold_pages`, `drop_pages`,
 `fork_pages`) name physical pages: a `resolve(page) -> object | None` (None: a free page)
-turns them into the model's objects.
+turns them into the model's objects. The host tier (`host`: host page id -> the ids of the
+tokens it holds per layer) is addressed by id directly: `swap_out`, `swap_in`,
+`offload_pages`, `drop_host_pages` (`arena_jax.host_ops` has the rules mirrored here).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import numpy as np
 PAD = -1
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 OP_COUNTS: collections.Counter = collections.Counter()  # ops run per mode (and 8-bit arena dtype), reported after the session
+HOST_SERVED: collections.Counter = collections.Counter()  # host-tier rows served / refused, reported after the session
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -114,8 +117,10 @@ class Held:
 
 
 class CacheModel:
-    def __init__(self, *, num_layers, page_size, num_pages, max_seqs, max_pages_per_seq):
-        self.L, self.S, self.P = num_layers, page_size, num_pages
+    def __init__(self, *, num_layers, page_size, num_pages, max_seqs, max_pages_per_seq, host_pages=0):
+        self.L, self.S, self.P, self.HP = num_layers, page_size, num_pages, host_pages
+        self.max_pages = max_pages_per_seq
+        self.host: dict[int, list[list[int]]] = {}  # host page -> token ids per layer (its held tokens)
         self.max_seqs, self.max_len = max_seqs, max_pages_per_seq * page_size
         self.slots: dict[int, Slot] = {}  # the active ones
         self.held: dict[int, Held] = {}  # id(page object) -> the cache's hold
@@ -228,6 +233,8 @@ class CacheModel:
                 return True
             served = self._hold_rows(rows, resolve) if op == "hold_pages" else self._drop_rows(pages, resolve)
             return any(p != PAD and not ok for p, ok in zip(pages, served))
+        if op in ("swap_out", "swap_in", "offload_pages", "drop_host_pages"):
+            return self._host_tier_error(op, *args)
         if op == "fork_pages":
             rows, width, resolve = args
             dst, counts = [r[0] for r in rows], [r[2] for r in rows]
@@ -430,3 +437,166 @@ class CacheModel:
             self.counters["prefix_forks"] += 1
             self.counters["prefix_tokens"] += n
         self.slots.update(made)  # each dst released first
+
+    # ---- the host tier -------------------------------------------------------------------------
+    def _host_in_range(self, hp) -> bool:
+        return 0 <= hp < self.HP
+
+    def _bad_host_pages(self, values, *, unique: bool) -> bool:
+        live = [v for v in values if v != PAD]
+        return self._bad_ints(values) or any(not self._host_in_range(v) for v in live) or (unique and len(set(live)) < len(live))
+
+    def _host_tier_error(self, op, *args) -> bool:
+        if op == "swap_out":
+            (rows,) = args  # (slot, host pages [width])
+            slots = [r[0] for r in rows]
+            if self._bad_slots(slots) or self._bad_host_pages([p for r in rows for p in r[1]], unique=False):
+                return True
+            used = []
+            for slot, hps in rows:
+                if slot == PAD:
+                    continue
+                if slot not in self.slots or not self.slots[slot].settled():
+                    return True
+                need = ceil_div(self.slots[slot].length, self.S)
+                if need > len(hps) or any(p == PAD or p in self.host for p in hps[:need]):
+                    return True
+                used += hps[:need]
+            return len(set(used)) < len(used)
+        if op == "swap_in":
+            rows, width = args  # (dst, host pages [width], tokens)
+            dst, counts = [r[0] for r in rows], [r[2] for r in rows]
+            if self._bad_slots(dst) or self._bad_ints(counts, counts=True):
+                return True
+            if self._bad_host_pages([p for r in rows for p in r[1]], unique=False):
+                return True
+            used = []
+            for slot, hps, n in rows:
+                if slot == PAD:
+                    continue
+                s = self.slots.get(slot)
+                if s is not None and (not s.settled() or s.length % self.S):
+                    return True
+                if n > width * self.S or self.length(slot) + n > self.max_len:
+                    return True
+                for j, p in enumerate(hps[: ceil_div(n, self.S)]):
+                    if p == PAD or len(self.host.get(p, [[]])[0]) < min(self.S, n - j * self.S):
+                        return True
+                    used.append(p)
+            return len(set(used)) < len(used)
+        if op == "offload_pages":
+            rows, resolve = args  # (device page, host page)
+            pages, hps = [r[0] for r in rows], [r[1] for r in rows]
+            live = [p for p in pages if p != PAD]
+            if self._bad_ints(pages) or any(not 0 <= p < self.P for p in live) or len(set(live)) < len(live):
+                return True
+            if self._bad_host_pages(hps, unique=True):
+                return True
+            for p, hp in rows:
+                if p != PAD and (resolve(p) is None or id(resolve(p)) not in self.held or hp == PAD or hp in self.host):
+                    return True
+            return False
+        (hps,) = args  # drop_host_pages
+        return self._bad_host_pages(hps, unique=True) or any(p != PAD and p not in self.host for p in hps)
+
+    def swap_out(self, rows) -> list[bool]:
+        """rows: (slot, host pages [width]). Per row: served (or padding)."""
+        claimed, served = set(), []
+        for (slot, hps), first in zip(rows, self.first_occurrences([r[0] for r in rows])):
+            s = self.slots.get(slot) if first else None
+            need = ceil_div(s.length, self.S) if s is not None else 0
+            entries_ok = True
+            for p in hps[:need]:
+                ok = self._host_in_range(p) and p not in claimed and p not in self.host
+                if self._host_in_range(p):
+                    claimed.add(p)
+                entries_ok &= ok
+            served.append(s is not None and s.settled() and entries_ok)
+        for (slot, hps), ok in zip(rows, served):
+            if not ok:
+                self.counters["rejected_rows"] += slot != PAD
+                continue
+            s = self.slots.pop(slot)
+            for j in range(ceil_div(s.length, self.S)):
+                self.host[hps[j]] = [x[j * self.S : (j + 1) * self.S] for x in s.ids]
+            self.counters["swap_outs"] += 1
+            HOST_SERVED["swap_out"] += 1
+            self.counters["pages_to_host"] += ceil_div(s.length, self.S)
+        return [slot == PAD or ok for (slot, _), ok in zip(rows, served)]
+
+    def swap_in(self, rows, width) -> list[bool]:
+        """rows: (dst, host pages [width], tokens). Per row: served (or padding)."""
+        claimed, valid, demands = set(), [], []
+        for (slot, hps, n), first in zip(rows, self.first_occurrences([r[0] for r in rows])):
+            length = self.length(slot) if first else 0
+            n_ok = INT32_MIN <= n <= INT32_MAX and 0 <= n <= width * self.S and n <= self.max_len - length
+            count = n if n_ok else 0
+            entries_ok = True
+            for j in range(ceil_div(count, self.S)) if first else ():
+                p, take = hps[j], min(self.S, count - j * self.S)
+                ok = self._host_in_range(p) and p not in claimed and p in self.host and len(self.host[p][0]) >= take
+                if self._host_in_range(p):
+                    claimed.add(p)
+                entries_ok &= ok
+            s = self.slots.get(slot)
+            settled = s is None or (s.settled() and s.length % self.S == 0)
+            valid.append(first and settled and n_ok and entries_ok)
+            demands.append(ceil_div(count, self.S) if valid[-1] else 0)
+        free = self.P - len(self.pages_in_use())
+        served, running = [], 0
+        for ok, demand in zip(valid, demands):
+            running += demand
+            served.append(ok and (demand == 0 or running <= free))
+        for (slot, hps, n), ok, served_row in zip(rows, valid, served):
+            if not ok:
+                self.counters["rejected_rows"] += slot != PAD
+                continue
+            if not served_row:
+                self.counters["failed_swaps"] += 1
+                HOST_SERVED["swap_in refused (no pages)"] += 1
+                continue
+            s = self.slots.setdefault(slot, Slot(self.L))
+            for j in range(ceil_div(n, self.S)):
+                take = min(self.S, n - j * self.S)
+                s.pages.append(object())
+                for layer in range(self.L):
+                    s.ids[layer].extend(self.host[hps[j]][layer][:take])
+            s.length += n
+            self.counters["swap_ins"] += 1
+            HOST_SERVED["swap_in"] += 1
+            self.counters["pages_to_device"] += ceil_div(n, self.S)
+        return [slot == PAD or ok for (slot, _, _), ok in zip(rows, served)]
+
+    def offload_pages(self, rows, resolve) -> None:
+        """rows: (device page, host page)."""
+        claimed, served = set(), []
+        for (p, hp), first in zip(rows, self._first_pages([r[0] for r in rows])):
+            first_use = self._host_in_range(hp) and hp not in claimed
+            if p != PAD and self._host_in_range(hp):
+                claimed.add(hp)
+            obj = resolve(p) if first else None
+            served.append(obj is not None and id(obj) in self.held and first_use and hp not in self.host)
+        for (p, hp), ok in zip(rows, served):
+            if not ok:
+                self.counters["rejected_rows"] += p != PAD
+                continue
+            hold = self.held.pop(id(resolve(p)))
+            self.host[hp] = [list(x) for x in hold.ids]
+            self.counters["pages_to_host"] += 1
+            self.counters["holds_dropped"] += 1
+            HOST_SERVED["offload_pages"] += 1
+            if not self.mappings(hold.page):
+                self.counters["pages_evicted"] += 1
+
+    def drop_host_pages(self, hps) -> None:
+        seen = set()
+        for p in hps:
+            ok = self._host_in_range(p) and p not in seen and p in self.host
+            if self._host_in_range(p):
+                seen.add(p)
+            if ok:
+                del self.host[p]
+                self.counters["host_pages_dropped"] += 1
+                HOST_SERVED["drop_host_pages"] += 1
+            else:
+                self.counters["rejected_rows"] += p != PAD

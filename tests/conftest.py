@@ -21,8 +21,18 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "arena"))
 
 
 def pytest_terminal_summary(terminalreporter):
-    from cache_model import OP_COUNTS
+    import sys
 
+    from cache_model import HOST_SERVED, OP_COUNTS
+
+    tpu = sys.modules.get("test_kernels_tpu")
+    if tpu is not None and tpu.COUNTS:
+        grid = "full" if tpu.FULL else "CI"
+        terminalreporter.write_line(f"TPU interpret-mode kernel cases run ({grid} grid): "
+                                    + ", ".join(f"{k} {v}" for k, v in sorted(tpu.COUNTS.items())))
     if OP_COUNTS:
         per_mode = ", ".join(f"{mode} {n:,}" for mode, n in sorted(OP_COUNTS.items()))
         terminalreporter.write_line(f"model-based cache ops run: {sum(OP_COUNTS.values()):,} ({per_mode})")
+    if HOST_SERVED:
+        rows = ", ".join(f"{op} {n:,}" for op, n in sorted(HOST_SERVED.items()))
+        terminalreporter.write_line(f"model-based host-tier rows served: {rows}")

@@ -26,6 +26,7 @@ from flax import nnx
 
 import arena_jax as aj
 import models
+from test_jax_bug_shardy_empty_operand import zero_sized_manual_operands
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (see the module docstring)")
 
@@ -237,6 +238,23 @@ def _prefix_scenario(cache, k, q):
     return cache, ok, out
 
 
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
+def test_no_shard_map_body_gets_a_zero_sized_operand(backend):
+    """jaxlib 0.11 segfaults compiling a shard_map that closes over a zero-sized constant (a JAX
+    bug: tests/test_jax_bug_shardy_empty_operand.py). The scenario's ops and the prefix ops,
+    lowered (not compiled) on their meshes, must give none, on every JAX."""
+    k, q = scenario_inputs(HEADS)
+    layout = dataclasses.replace(LAYOUT, num_kv_heads=HEADS)
+    cache = aj.create(layout, mesh=make_mesh(MESH), data_axis="data")
+    slots, counts = jnp.asarray(global_slots(MESH[0])), jnp.asarray(COUNTS)
+    texts = {"scenario": scenario.lower(cache, slots, counts, k, q, backend=backend).as_text()}
+    if backend == "reference":
+        texts["prefix"] = _prefix_scenario.lower(aj.create(layout, mesh=make_mesh((1, 4))), k, q).as_text()
+    for name, text in texts.items():
+        assert "sdy.manual_computation" in text, name  # shard_map bodies: the check has something to see
+        assert zero_sized_manual_operands(text) == [], name
+
+
 def test_prefix_ops_on_a_tensor_parallel_cache_equal_one_device():
     layout = dataclasses.replace(LAYOUT, num_kv_heads=HEADS)
     k, q = scenario_inputs(HEADS)
@@ -251,6 +269,57 @@ def test_prefix_ops_on_a_tensor_parallel_cache_equal_one_device():
     assert int(want[0].stats.cow_copies) == 1 and np.abs(want[2][2]).sum() > 0  # the scenario did what it says
     with pytest.raises(ValueError, match="data axis"):
         _prefix_scenario(aj.create(layout, mesh=make_mesh(MESH), data_axis="data"), k, q)
+
+
+@jax.jit
+def _host_scenario(cache, host, k, q):
+    """A slot written and swapped out to host pages, its pages reused by another slot, swapped
+    back into a third slot (appended after nothing) and read; a held page spilled to the host."""
+    one, two, three = (jnp.asarray([s, PAD, PAD, PAD]) for s in (0, 1, 2))
+    cache, _ = aj.reserve(cache, one, 8)
+    cache = aj.append(cache, 0, one, k[:, :8], -k[:, :8])
+    cache, host, ok_out = aj.swap_out(cache, host, one, jnp.full((4, 4), aj.PAD_PAGE).at[0, :2].set(jnp.asarray([3, 1])))
+    cache, _ = aj.reserve(cache, two, 9)
+    cache = aj.append(cache, 0, two, 3 * k[:, :9], k[:, :9])
+    cache, host, ok_in = aj.swap_in(cache, host, jnp.full((4, 4), aj.PAD_PAGE).at[0, :2].set(jnp.asarray([3, 1])),
+                                    jnp.asarray([8, 0, 0, 0]), three)  # fmt: skip
+    out = aj.attend(q[:, :2], cache, 0, three)
+    page = cache.table.page_map[1, 0]
+    cache = aj.hold_pages(cache, page[None], jnp.asarray([5]))
+    cache = aj.release(cache, two)
+    cache, host = aj.offload_pages(cache, host, page[None], jnp.asarray([0]))
+    return cache, host, ok_out, ok_in, out
+
+
+def test_host_tier_on_a_tensor_parallel_cache_equals_one_device():
+    """The host tier split like the arena (KV heads over the tensor axis, in pinned_host memory):
+    the same moves as on one device (tables, counters, host page table, attention over swapped-in
+    pages, every host head equal to the head it replicates), and no collective in the compiled
+    ops (each device moves its own heads between its own memories). A data axis is refused."""
+    layout = dataclasses.replace(LAYOUT, num_kv_heads=HEADS)
+    k, q = scenario_inputs(HEADS)
+    one = aj.create(layout)
+    want = jax.device_get(_host_scenario(one, aj.create_host(one, 4), k, q))
+    mesh = make_mesh((1, 4))
+    cache = aj.create(layout, mesh=mesh)
+    host = aj.create_host(cache, 4)
+    assert host.pages["k"].sharding.memory_kind == "pinned_host" and host.pages["k"].sharding.spec == cache.sharding.arena_spec
+    found = collectives(_host_scenario.lower(cache, host, k, q).compile().as_text())
+    assert not found, f"the host tier's moves communicate: {found}"
+    got = jax.device_get(_host_scenario(cache, host, k, q))
+    jax.tree.map(np.testing.assert_array_equal, got[0].table.replace(arena_id=want[0].table.arena_id), want[0].table)
+    for f in dataclasses.fields(want[0].stats):
+        np.testing.assert_array_equal(getattr(got[0].stats, f.name), getattr(want[0].stats, f.name), err_msg=f.name)
+    np.testing.assert_array_equal(got[1].held, want[1].held)
+    replicas = cache.sharding.kv_replicas  # stored head h is one-device head h // replicas
+    for name in ("k", "v"):
+        np.testing.assert_array_equal(got[1].pages[name], np.repeat(want[1].pages[name], replicas, axis=1), err_msg=name)
+    np.testing.assert_array_equal(got[2], want[2])
+    np.testing.assert_array_equal(got[3], want[3])
+    np.testing.assert_allclose(got[4], want[4], rtol=0, atol=1e-6)
+    assert int(want[0].stats.swap_ins) == 1 and int(want[0].stats.pages_to_host) == 3 and np.abs(want[4][0]).sum() > 0
+    with pytest.raises(ValueError, match="data axis"):
+        aj.create_host(aj.create(layout, mesh=make_mesh(MESH), data_axis="data"), 4)
 
 
 @functools.partial(jax.jit, static_argnames="backend")
@@ -364,15 +433,18 @@ def test_sharded_decode_equals_one_device(single, name, shape):
     """Megatron weights + sharded arena: greedy tokens and logits of the single-device run; the
     compiled step moves no page between devices (its only collectives: one all-reduce after
     each row-parallel projection, one for the vocabulary-split embedding, and the gather of the
-    vocabulary-split argmax); every shard of the arena is updated in place."""
+    vocabulary-split argmax; the layers run in one loop, so its body holds each layer's two);
+    every shard of the arena is updated in place."""
     model, prompts, want_tokens, want_logits = single
     mesh = make_mesh(shape)
     dp, tp = shape
     sharded = models.init_random(CONFIG, seed=3, mesh=mesh)
     for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(sharded))):
         np.testing.assert_array_equal(a, b)
-    q, o = sharded.layers[0].attn.q[...], sharded.layers[0].attn.o[...]
-    assert q.sharding.shard_shape(q.shape) == (64, 8 // tp, 8) and o.sharding.shard_shape(o.shape) == (8 // tp, 8, 64)
+    q, o = sharded.layers.attn.q[...], sharded.layers.attn.o[...]  # stacked over layers: [L, E, N, H], [L, N, H, E]
+    layers = CONFIG.num_layers
+    assert q.sharding.shard_shape(q.shape) == (layers, 64, 8 // tp, 8)
+    assert o.sharding.shard_shape(o.shape) == (layers, 8 // tp, 8, 64)
     graphdef, state = nnx.split(sharded)
     cache = aj.create(models.default_layout(model, 4, PROMPT + NEW, page_size=5), mesh=mesh,
                       data_axis="data" if dp > 1 else None)  # fmt: skip
@@ -383,7 +455,7 @@ def test_sharded_decode_equals_one_device(single, name, shape):
     moving = [c for c in found if moves_pages(c[1], 5, CONFIG.head_dim)]
     assert not moving, f"pages move between devices: {moving}"
     reduces = [shape for op, shape in found if op == "all-reduce" and re.search(rf",{CONFIG.hidden_size}\]", shape)]
-    assert len(reduces) == (2 * CONFIG.num_layers + 1 if tp > 1 else 0), found
+    assert len(reduces) == (2 + 1 if tp > 1 else 0), found  # 2 in the layer loop's body (run per layer) + embedding
     assert tp > 1 or not found, found
     print(f"{name} decode step collectives:", json.dumps(found))
 
@@ -416,8 +488,22 @@ def test_prefix_cache_on_a_tensor_parallel_mesh_equals_one_device(single):
     assert aj.health(b.cache, b.prefix_cache)["prefix_index_matches"]
     with pytest.raises(ValueError, match="one data shard"):
         models.generate(model, first, NEW, batch_size=2, prefix_cache=True, mesh=make_mesh((2, 4)), data_axis="data")
+    with pytest.raises(ValueError, match="host_pages needs one data shard"):
+        models.generate(model, first, NEW, batch_size=2, host_pages=4, mesh=make_mesh((2, 4)), data_axis="data")
     with pytest.raises(ValueError, match=r"batch_size=3 must split into 2 data shards \(a multiple of 2\)"):
         models.generate(model, first, NEW, batch_size=3, mesh=make_mesh((2, 4)), data_axis="data")
+
+
+def test_swap_preemption_on_a_tensor_parallel_mesh_equals_one_device(single):
+    """generate on tp=4 with too few pages for two rows and a host tier: preempted sequences are
+    swapped out and back (per tensor shard); the single-device greedy tokens."""
+    model, prompts, want_tokens, _ = single
+    # 2-token pages: both rows are admitted (3 pages each for prompt + 1) and then outgrow 7 pages.
+    layout = model.config.kv_layout(page_size=2, num_pages=7, max_seqs=2, max_seq_len=10, dtype=model.dtype)
+    got = models.generate(model, prompts.tolist(), NEW, batch_size=2, chunk_size=4, layout=layout, mesh=make_mesh((1, 4)),
+                          host_pages=4, swap_policy=models.SwapPolicy(prefill_tokens_per_s=1.0))  # fmt: skip
+    assert got.tokens == want_tokens.tolist()
+    assert got.swap_outs > 0 and got.recomputed_tokens == 0 and not np.asarray(got.host.held).any()
 
 
 def test_load_pretrained_places_each_tensor_on_its_devices(tmp_path, single):
@@ -429,7 +515,7 @@ def test_load_pretrained_places_each_tensor_on_its_devices(tmp_path, single):
     mesh = make_mesh((1, 4))
     loaded, _ = models.load_pretrained(tmp_path, dtype=jnp.float32, mesh=mesh)
     assert models.weights_mesh(loaded) is not None
-    o = loaded.layers[1].attn.o[...]
-    assert o.sharding.shard_shape(o.shape) == (2, 8, 64)  # row-parallel: query heads split
+    o = loaded.layers.attn.o[...]
+    assert o.sharding.shard_shape(o.shape) == (CONFIG.num_layers, 2, 8, 64)  # row-parallel: query heads split
     for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(loaded))):
         np.testing.assert_array_equal(a, b)

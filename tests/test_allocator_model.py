@@ -28,6 +28,10 @@ multiples of 1/16, so the rotation's sums are exact in float32 in any order and 
 backend rotates them to the same bits), and the attention oracle takes their dequantized
 values (rotated back in float64). Stale pages start NaN-poisoned (values and scales) so a
 stale read shows.
+The host tier (`model_host_ops.py`): swap_out / swap_in round trips, spills of held pages
+(offload_pages), drop_host_pages and raw rows of each, drawn beside the other ops; its NaN-
+poisoned host arena's held tokens are checked after every step, and after the final clearing no
+host page may stay held.
 
 Soak: `HYPOTHESIS_PROFILE=soak pytest tests/test_allocator_model.py -s` (see conftest.py);
 `ARENA_MODEL_MODES=jit` (or `host,host-numpy`) soaks one mode; `ARENA_MODEL_QUANT` the quantized
@@ -50,6 +54,8 @@ from hypothesis import strategies as st
 import arena_jax as aj
 from cache_model import (INT32_MAX, INT32_MIN, OP_COUNTS, PAD, CacheModel, ceil_div, numpy_dequantize4, numpy_quantize,
                          numpy_quantize4, numpy_rotation)
+from model_host_ops import HOST_OPS, HOST_PAGES, HOST_ROUND_TRIP, HostDriver, check_host, expand, host_ops, jitted_calls, poisoned_host
+from model_host_ops import calls as host_calls
 
 LAYOUT = aj.KVLayout(  # head_dim 32: the smallest int4 row (16 bytes)
     num_layers=2, num_kv_heads=2, head_dim=32, page_size=4, num_pages=10, max_seqs=4, max_pages_per_seq=6, dtype="float32"
@@ -122,6 +128,7 @@ def _ops(backend):
         "hold_pages": lambda c, p, n: aj.hold_pages(c, p, n),
         "drop_pages": lambda c, p: aj.drop_pages(c, p),
         "fork_pages": lambda c, p, n, d: aj.fork_pages(c, p, n, d),
+        **host_calls(),
     }
 
 
@@ -130,7 +137,7 @@ def jitted(backend):
     ops = _ops(backend)
     out = {name: jax.jit(f, donate_argnums=0) for name, f in ops.items() if name != "attend"}
     out["attend"] = jax.jit(ops["attend"], static_argnums=5)
-    return out
+    return {**out, **jitted_calls()}
 
 
 def i32(values):
@@ -229,6 +236,7 @@ def _op(bad: bool):
         st.tuples(st.just("fork"), st.just(bad), pairs),
         st.tuples(st.just("truncate"), st.just(bad), rows_of(bad)),
         *_prefix_ops(bad),
+        *host_ops(bad, slot_choice, page_choice, LAYOUT.max_pages_per_seq, BAD_COUNTS),
     )
 
 
@@ -427,7 +435,8 @@ def check_state(cache, model: CacheModel, pages: Pages, dtype: str = "float32"):
 
     stats = cache.stats
     for name in ("cow_copies", "failed_reservations", "dropped_writes", "rejected_rows", "metadata_ops", "tokens_written",
-                 "prefix_forks", "prefix_tokens", "pages_held", "holds_dropped", "pages_evicted"):  # fmt: skip
+                 "prefix_forks", "prefix_tokens", "pages_held", "holds_dropped", "pages_evicted", "pages_to_host",
+                 "pages_to_device", "swap_outs", "swap_ins", "failed_swaps", "host_pages_dropped"):  # fmt: skip
         assert int(getattr(stats, name)) == model.counters[name], f"stats.{name}={int(getattr(stats, name))}, model {model.counters[name]}"
     assert int(stats.pages_allocated) - int(stats.pages_recycled) == np.count_nonzero(refcount)
 
@@ -474,10 +483,13 @@ def run_ops(ops, mode: str, backend: str, window, dtype: str = "float32", seed: 
     # as NaN): any read of an unwritten position or a recycled page's old tokens shows.
     nan = {f: jnp.full_like(getattr(cache, f), jnp.nan) for f in ("k", "v", "k_scale", "v_scale")
            if getattr(cache, f) is not None and jnp.issubdtype(getattr(cache, f).dtype, jnp.floating)}
-    cache = cache.replace(**nan)
+    # Committed to its device, as the host tier's arrays are (an op taking both returns committed
+    # arrays): every op then compiles once per example setup, not once more after a host-tier op.
+    cache = jax.device_put(cache.replace(**nan), jax.devices()[0])
+    host = poisoned_host(cache)  # the host tier's stale pages are NaN too
     model = CacheModel(
         num_layers=L, page_size=S, num_pages=LAYOUT.num_pages, max_seqs=LAYOUT.max_seqs,
-        max_pages_per_seq=LAYOUT.max_pages_per_seq,
+        max_pages_per_seq=LAYOUT.max_pages_per_seq, host_pages=HOST_PAGES,
     )  # fmt: skip
     rng = np.random.default_rng(seed)
     pages = Pages()
@@ -488,6 +500,8 @@ def run_ops(ops, mode: str, backend: str, window, dtype: str = "float32", seed: 
         args = lambda x: np.asarray(x, np.int64) if isinstance(x, (list, tuple)) else np.int64(x)  # noqa: E731
     else:  # Python ints, any size
         args = lambda x: list(x) if isinstance(x, (list, tuple)) else x  # noqa: E731
+
+    driver = HostDriver(model, pages, mode, calls, args, ROWS)
 
     def host_refuses(op, *model_args) -> bool:
         """Host mode: when the host checks must refuse, check they do and that nothing changed."""
@@ -508,7 +522,7 @@ def run_ops(ops, mode: str, backend: str, window, dtype: str = "float32", seed: 
             expanded += [("hold_pages", bad, ("slot", src), False),
                          ("fork_pages", bad, (LAYOUT.max_pages_per_seq, [(dst, ("slot", src), ("valid", frac))]), True)]  # fmt: skip
         else:
-            expanded.append((name, bad, payload, True))
+            expanded += expand(name, bad, payload, LAYOUT.max_pages_per_seq)  # host-tier composites; any other op as it is
     for name, bad, payload, check in expanded:
         OP_COUNTS[mode if dtype == "float32" else f"{mode} {dtype}"] += 1
         if name == "reserve":
@@ -605,6 +619,8 @@ def run_ops(ops, mode: str, backend: str, window, dtype: str = "float32", seed: 
             else:
                 model.fork_pages(rows, width, pages.resolve)
                 cache = calls["fork_pages"](cache, args(page_rows), args(counts), args(dst))
+        elif name in HOST_OPS:
+            cache, host = driver.step(name, bad, payload, cache, host, resolve_slot, dedupe)
         elif name == "truncate":
             rows = [(resolve_slot(model, s), c) for s, c in payload]
             rows = [(s, int(v * model.length(s)) if kind == "frac" else v) for s, (kind, v) in rows]
@@ -618,15 +634,17 @@ def run_ops(ops, mode: str, backend: str, window, dtype: str = "float32", seed: 
         assert model.next_id < MAX_IDS
         if check:
             check_state(cache, model, pages, dtype)
+            check_host(host, model, *stored(dtype)[:2])
             if name not in ("hold_pages", "drop_pages"):  # holds change no slot's tokens: attention is as it was
                 check_attention(cache, model, calls["attend"], args, rng, window, over_ask=mode == "jit", dtype=dtype)
 
-    # Dropping every hold and releasing everything returns every page exactly once.
+    # Dropping every host page and every hold and releasing everything returns every page exactly once.
+    cache, host = driver.clear(cache, host)
     held = sorted(pages.phys(h.page) for h in model.held.values())
     for i in range(0, len(held), ROWS):
         cache = calls["drop_pages"](cache, args(pad_rows(held[i : i + ROWS], PAD)))
     cache = calls["release"](cache, args(list(range(LAYOUT.max_seqs)) + [PAD] * (ROWS - LAYOUT.max_seqs)))
-    return cache.table
+    return cache.table, host.held
 
 
 def assert_everything_free(table):
@@ -716,12 +734,19 @@ setup_st = st.sampled_from(DTYPES).flatmap(
 @example(ops=COW_STARVED, setup=("float32", "jit", None), backend="pallas")
 @example(ops=COW_STARVED, setup=("int8", "jit", None), backend="pallas")  # COW copies the scales
 @example(ops=COW_STARVED, setup=("int4+rot", "jit", None), backend="pallas")  # and an int4 arena's group scales
+@example(ops=HOST_ROUND_TRIP, setup=("float32", "host", None), backend="reference")
+@example(ops=HOST_ROUND_TRIP, setup=("float32", "jit", None), backend="reference")
+@example(ops=HOST_ROUND_TRIP, setup=("int8", "jit", None), backend="pallas")  # host pages carry the scales
+@example(ops=HOST_ROUND_TRIP, setup=("int4+rot", "jit", None), backend="pallas")  # and group scales
 @example(ops=REVIEW_HOLES, setup=("float32", "jit", None), backend="reference")
 @example(ops=REVIEW_HOLES, setup=("float32", "jit", 3), backend="pallas")
 @example(ops=REVIEW_HOLES, setup=("int8", "jit", None), backend="reference")
 @example(ops=REVIEW_HOLES, setup=("float32", "host", None), backend="reference")
 @example(ops=REVIEW_HOLES, setup=("float32", "host-numpy", None), backend="pallas")
 def test_random_operation_sequences_match_model(ops, setup, backend):
-    """Every step is checked against the model inside run_ops; at the end nothing may leak."""
+    """Every step is checked against the model inside run_ops; at the end nothing may leak (no
+    device page, no host page)."""
     dtype, mode, window = setup
-    assert_everything_free(run_ops(ops, mode, backend, window, dtype))
+    table, host_held = run_ops(ops, mode, backend, window, dtype)
+    assert_everything_free(table)
+    assert not np.asarray(host_held).any(), "a host page is still held after clearing"

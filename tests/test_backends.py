@@ -60,7 +60,7 @@ def test_pallas_backend_matches_reference_backend(window):
 
 def test_backend_choice(monkeypatch):
     monkeypatch.delenv(aj.BACKEND_ENV, raising=False)
-    assert aj.default_backend() == ("pallas" if jax.default_backend() == "gpu" else "reference")
+    assert aj.default_backend() == ("pallas" if jax.default_backend() in ("gpu", "tpu") else "reference")
     monkeypatch.setenv(aj.BACKEND_ENV, "pallas")
     assert aj.default_backend() == "pallas"
     monkeypatch.setenv(aj.BACKEND_ENV, "triton")

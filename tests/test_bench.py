@@ -113,6 +113,14 @@ def test_decode(tmp_path, capsys):
     assert "greedy tokens: match" in capsys.readouterr().out
 
 
+def test_decode_another_family(tmp_path):
+    """A Gemma 3 preset (5 local : 1 global layers, windows of 8 shorter than the 12-token prompts,
+    two RoPE bases): arena and dense baseline give the same greedy tokens."""
+    args = ["decode", "--model", "tiny-gemma3", "--batch", "2", "--prompt-len", "12", "--new-tokens", "5", "--repeats", "1"]
+    res = _run(args, tmp_path)["results"]
+    assert res["same_tokens"] is True and res["first_mismatch"] is None
+
+
 def test_prefix(tmp_path, capsys):
     res = _run(["prefix", *PREFIX, "--plot", str(tmp_path / "prefix.png")], tmp_path)["results"]
     assert res["settings"]["layout"]["max_seq_len"] == 64 and res["same_tokens"] is True

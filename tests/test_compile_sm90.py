@@ -17,9 +17,10 @@ from __future__ import annotations
 import os
 import re
 
+import jax
 import pytest
 
-from pallas_kernels import sm90
+from pallas_kernels import sm90, sm90_compat
 from pallas_kernels.sm90_variants import CI_VARIANTS, DTYPES, GROUPS, HEAD_DIMS, KINDS, PAGE_SIZES, QUANT_DTYPES, QUANT_KINDS
 
 IN_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
@@ -46,6 +47,37 @@ def test_gate_fails_in_ci_and_skips_elsewhere():
     assert gate(None, True) is None and gate(None, False) is None
     assert gate("ptxas not found", True) == ("fail", "CI must run the sm_90a compile checks, but: ptxas not found")
     assert gate("ptxas not found", False)[0] == "skip"
+
+
+def _jaxlib_minor() -> tuple[int, int]:
+    return tuple(int(x) for x in jax.lib.__version__.split(".")[:2])
+
+
+def test_version_paths(tooling, capsys, tmp_path):
+    """Which path of `sm90_compat` this JAX takes, checked against the jaxlib version: an abstract
+    H100 names the target without a GPU; the CUDA plugin's own Triton compiler (via="plugin")
+    exists up to jaxlib 0.10 (there it and XLA compile the same kernel without spills; registers
+    may differ: other LLVM/PTX options) and is refused, with the reason, from 0.11 on."""
+    from pallas_kernels.sm90_variants import Variant
+
+    paths = sm90_compat.paths()
+    with capsys.disabled():
+        print(f"\nsm90 paths on jax {jax.__version__}: {paths}")
+    assert paths["target"] == ("gpu" if jax.default_backend() == "gpu" else "abstract-h100")
+    assert paths["ptx"] == "xla-dump-emitter-ptx"
+    call = Variant("decode", head_dim=128, group=4).call()
+    if _jaxlib_minor() <= (0, 10):
+        assert paths["plugin_route"] == "jaxlib-triton-handler"
+        assert sm90.tooling_problem("plugin") is None
+        (xla,) = sm90.compile_call(*call, via="xla", workdir=str(tmp_path))
+        (plugin,) = sm90.compile_call(*call, via="plugin", workdir=str(tmp_path))
+        assert xla.name == plugin.name and xla.tensor_core == plugin.tensor_core
+        assert (xla.spill_stores, plugin.spill_stores) == (0, 0) and xla.regs > 0 and plugin.regs > 0
+    else:
+        assert paths["plugin_route"] is None
+        assert "use via='xla'" in sm90.tooling_problem("plugin")
+        with pytest.raises(ValueError, match="removed in jaxlib 0.11"):
+            sm90.compile_call(*call, via="plugin")
 
 
 def test_matrix_covers_every_value_of_every_axis():

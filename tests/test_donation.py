@@ -85,3 +85,28 @@ def test_prefix_ops_keep_the_arena_in_place():
         assert cache.k.unsafe_buffer_pointer() == ptr
     assert int(cache.stats.pages_held) == 4 and int(cache.stats.holds_dropped) == 4 and int(cache.stats.prefix_forks) == 1
     assert int(cache.stats.rejected_rows) == 0 and int(cache.stats.pages_evicted) == 0  # the slots still map them
+
+
+def test_layer_scan_keeps_the_arena_in_place():
+    """The model's decode step runs its layers in one `lax.scan` (a while loop) carrying the
+    cache: the arena is updated in place inside the loop (no copy of it anywhere in the
+    program), the donated arena still aliases the output, and the same buffers come back."""
+    from flax import nnx
+
+    import models
+
+    cfg = models.LlamaConfig.tiny_family("gemma2")  # mixed windows: the traced per-layer window path
+    model = models.init_random(cfg)
+    layout = models.default_layout(model, 4, 32, page_size=8, dtype="float32")
+    graphdef, state = nnx.split(model)
+    cache = aj.create(layout)
+    compiled = models.decode_step.lower(graphdef, state, cache, SLOTS, SLOTS).compile()
+    hlo = compiled.as_text()
+    arena = re.escape("f32[" + ",".join(map(str, layout.arena_shape)) + "]")
+    copies = [line.strip() for line in hlo.splitlines() if re.search(r"= " + arena + r"\S* copy(-start)?\(", line)]
+    assert not copies, "arena copies in the scanned step:\n" + "\n".join(copies)
+    assert "input_output_alias" in hlo
+    assert len(re.findall(r"= \(.*\) while\(", hlo)) == 1  # the layer loop
+    ptr = cache.k.unsafe_buffer_pointer()
+    out = compiled(state, cache, SLOTS, SLOTS)
+    assert out.cache.k.unsafe_buffer_pointer() == ptr

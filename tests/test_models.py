@@ -131,6 +131,11 @@ def test_presets_and_kv_layout():
     assert models.LlamaConfig.llama3_8b().num_params() == 8_030_261_248
     assert models.LlamaConfig.llama3_70b().num_params() == 70_553_706_496
     assert models.LlamaConfig.mistral_7b().num_params() == 7_241_732_096
+    # the published parameter counts: biases, q/k norms, sandwich norms and tied heads counted right
+    assert models.LlamaConfig.qwen2_5_7b().num_params() == 7_615_616_512
+    assert models.LlamaConfig.qwen3_8b().num_params() == 8_190_735_360
+    assert models.LlamaConfig.gemma2_9b().num_params() == 9_241_705_984
+    assert models.LlamaConfig.gemma3_1b().num_params() == 999_885_952
     layout = models.LlamaConfig.llama3_70b().kv_layout(budget_bytes=1 << 30, max_seqs=4, max_seq_len=4096)
     assert layout.num_kv_heads == 8 and layout.head_dim == 128  # sized by KV heads, never 64 query heads
     assert layout.bytes_per_token == 2 * 80 * 8 * 128 * 2
@@ -139,7 +144,7 @@ def test_presets_and_kv_layout():
         models.LlamaConfig.tiny().kv_layout()
 
 
-@pytest.mark.parametrize("preset", ["mistral_7b", "llama3_8b"])
+@pytest.mark.parametrize("preset", ["mistral_7b", "llama3_8b", "qwen2_5_7b", "qwen3_8b", "gemma2_9b", "gemma3_1b"])
 def test_full_size_models_eval_shape(preset):
     """The full models, their arenas and a whole decode step, traced abstractly (never allocated)."""
     cfg = getattr(models.LlamaConfig, preset)()
@@ -148,7 +153,8 @@ def test_full_size_models_eval_shape(preset):
     assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state)) == cfg.num_params()
     layout = cfg.kv_layout(page_size=16, budget_bytes=16 << 30, max_seqs=8, max_seq_len=8192)
     cache = jax.eval_shape(lambda: aj.create(layout))
-    assert cache.k.shape == (32, 8, layout.num_pages, 16, 128) and cache.k.dtype == jnp.bfloat16
+    assert cache.k.shape == (cfg.num_layers, cfg.num_kv_heads, layout.num_pages, 16, cfg.head_dim)
+    assert cache.k.dtype == jnp.bfloat16
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
     out = jax.eval_shape(lambda s, c, t, sl: models.decode_step(graphdef, s, c, t, sl), state, cache, i32(8), i32(8))
     assert out.logits.shape == (8, cfg.vocab_size) and out.tokens.shape == (8,)

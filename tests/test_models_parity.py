@@ -1,21 +1,26 @@
-"""Oracle: our Llama / Mistral on the paged cache == Hugging Face `transformers` on the same
-random weights (torch on CPU, float32, eager attention).
+"""Oracle: our models on the paged cache == Hugging Face `transformers` on the same random
+weights (torch on CPU, float32, eager attention), for every family: Llama, Mistral, Qwen 2,
+Qwen 3, Gemma 2, Gemma 3 (text).
 
-Each case saves a tiny random `LlamaForCausalLM` / `MistralForCausalLM` with
-`save_pretrained(safe_serialization=True)`, loads it with `models.load_pretrained`, then
-compares (1) chunked, ragged prefill logits at every prompt position, (2) 24 decode-step
-logits, (3) greedy tokens, and (4) `models.generate` (continuous batching, 4 prompts on
-3 rows) against Hugging Face's `generate` (greedy). Each checkpoint's eos token is one that
-greedy decoding produces, so both sides must stop at it (HF's generate does by default; so
-does ours, reading it from the saved generation_config.json).
+Each case saves a tiny random `<Family>ForCausalLM` with `save_pretrained(safe_serialization=True)`
+(transformers writes config.json and safetensors), loads it with `models.load_pretrained`
+(dispatching on model_type), then compares (1) chunked, ragged prefill logits at every prompt
+position, (2) 31 decode-step logits, (3) 32 greedy tokens per row, and (4) for some cases
+`models.generate` (continuous batching, 4 prompts on 3 rows) against Hugging Face's
+`generate` (greedy). Windows (8) are shorter than the sequences, prompts (up to 20 tokens)
+cross 16-token page boundaries, and the soft-caps (attention 5, logits 8) are below the
+scores and logits these weights produce (up to ~11 and ~13), so a missing cap shows. Each
+checkpoint's eos token is one that greedy decoding produces, so both sides must stop at it
+(HF's generate does by default; so does ours, reading it from the saved generation_config.json).
 """
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from hf_reference import require  # noqa: E402
+
+torch, transformers = require(module_level=True)  # the reference stack, or a skip / failure saying why
 
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
@@ -32,7 +37,7 @@ RTOL = 1e-4
 B = 3  # batch rows: fixed so every step compiles once per case
 CHUNK = 8  # prefill chunk: prompts longer than it are prefilled in several calls
 PROMPT_LENS = (5, 13, 20)  # ragged rows; 20 > sliding window 8 and > CHUNK
-DECODE_STEPS = 24
+DECODE_STEPS = 31  # + the token prefill samples: 32 greedy tokens per row
 EXTRA_PROMPT_LEN = 11  # a 4th prompt for generate: it waits for a free row
 GENERATE_STEPS = 20
 
@@ -55,6 +60,28 @@ CASES = {
     "llama_mha": dict(arch="llama", num_key_value_heads=4, tie_word_embeddings=False),
     # Mistral: GQA with a sliding window shorter than every long sequence here.
     "mistral_swa": dict(arch="mistral", num_key_value_heads=2, sliding_window=8),
+    # Qwen 2: q/k/v biases; sliding window on layer 1 only (use_sliding_window, max_window_layers).
+    "qwen2_bias_swa": dict(arch="qwen2", num_key_value_heads=2, rope_theta=1000000.0, use_sliding_window=True,
+                           sliding_window=8, max_window_layers=1),
+    # Qwen 3: q/k RMSNorms, head_dim 32 (not hidden / heads), biases on all four projections.
+    "qwen3_qknorm_bias": dict(arch="qwen3", num_key_value_heads=2, head_dim=32, attention_bias=True),
+    # Gemma 2: GeGLU, (1 + w) and sandwich norms, sqrt(hidden) embeddings, query_pre_attn_scalar,
+    # attention and final soft-caps, windows on alternating layers, tied head.
+    "gemma2_softcap_swa": dict(arch="gemma2", num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+                               sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=8.0),
+    # Gemma 3: 5 sliding : 1 global layers, local RoPE base 1e4 and global 1e6 linearly scaled by 8,
+    # q/k norms (1 + w), final soft-cap.
+    "gemma3_5to1": dict(arch="gemma3_text", num_hidden_layers=6, num_key_value_heads=2, head_dim=16,
+                        query_pre_attn_scalar=24, sliding_window=8, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                        rope_scaling={"rope_type": "linear", "factor": 8.0}, final_logit_softcapping=8.0),
+}
+HF_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
 
 
@@ -75,15 +102,12 @@ def _hf_model(case: dict):
         attn_implementation="eager",
     )
     common.update(kwargs)
-    if arch == "llama":
-        config, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
-    else:
-        config, cls = transformers.MistralConfig(**common), transformers.MistralForCausalLM
+    config_cls, model_cls = (getattr(transformers, name) for name in HF_CLASSES[arch])
     torch.manual_seed(0)
-    model = cls(config).eval()
-    with torch.no_grad():  # norms start at ones: perturb them so their loading is checked too
+    model = model_cls(config_cls(**common)).eval()
+    with torch.no_grad():  # norms start at ones (Gemma: zeros) and biases at zeros: perturb them so their loading shows
         for name, param in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith(".bias"):
                 param.add_(0.3 * torch.randn_like(param))
     return model
 
@@ -195,8 +219,8 @@ def test_prefill_and_decode_logits_match_hf(pair):
     print(f"{name}: max relative logit error {worst:.2e}")
 
 
-# The scheduler is architecture-blind: the GQA and sliding-window cases suffice (each costs compiles).
-@pytest.mark.parametrize("pair", [name for name in CASES if name != "llama_mha"], indirect=True)
+# The scheduler is architecture-blind: a few cases suffice (each costs compiles).
+@pytest.mark.parametrize("pair", ["llama_gqa_rope3_tied", "mistral_swa", "gemma2_softcap_swa"], indirect=True)
 def test_generate_matches_hf_greedy(pair):
     """Continuous batching (4 prompts, 3 rows), chunked prefill, per-step logits, eos stops."""
     name, hf, model, prompts = pair

@@ -178,6 +178,106 @@ IndexMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=3
 test_index_counters_stay_consistent_under_any_call_order = IndexMachine.TestCase
 
 
+class TieredIndexMachine(IndexMachine):
+    """The same calls on an index with a host tier of 3 pages: evictions are plans (host pages
+    freed, device pages copied there, holds dropped), hits may end in host pages, and inserting
+    tokens a host-only node holds makes the caller's page its device copy."""
+
+    HOST = 3
+
+    def __init__(self):
+        super().__init__()
+        self.ix = aj.PrefixCache(LAYOUT, host_pages=self.HOST)
+
+    @rule(ids=st.lists(st.integers(0, 2), min_size=1, max_size=12))
+    def acquire(self, ids):
+        hit = self.ix.lookup(ids, limit=len(ids) - 1)
+        assert len(hit.pages) + len(hit.host_pages) == -(-hit.num_tokens // LAYOUT.page_size)
+        assert set(hit.pages) <= set(self.ix.pages()) and set(hit.host_pages) <= set(self.ix.host_pages())
+        assert not hit.host_pages or hit.device_tokens == len(hit.pages) * LAYOUT.page_size
+        anchor = self.ix.acquire(hit, len(ids))
+        if anchor is not None:
+            assert anchor.page is not None  # only device nodes are locked
+            self.anchors.append(anchor)
+
+    @rule(n=st.integers(0, 9), data=st.data())
+    def evict(self, n, data):
+        ix = self.ix
+        pages, on_host, evictable = ix.pages(), ix.host_pages(), ix.evictable_pages
+        keep = data.draw(st.lists(st.sampled_from(list(ix._host_nodes.values())), max_size=2)) if on_host else []
+        kept = {k.host_page for k in keep}
+        plan = ix.evict_plan(n, keep=keep)
+        assert plan.device_pages == min(n, evictable)
+        assert set(plan.drop_host) <= set(on_host) and not set(plan.drop_host) & kept  # pinned copies stay
+        free = set(range(self.HOST)) - (set(on_host) - set(plan.drop_host))
+        targets = [hp for _, hp in plan.offload]
+        assert len(set(targets)) == len(targets) and set(targets) <= free  # only free host pages are written
+        gone = {p for p, _ in plan.offload} | set(plan.drop)
+        assert gone <= set(pages) and not gone & set(ix.pages()) and len(gone) == plan.device_pages
+        assert set(ix.host_pages()) == (set(on_host) - set(plan.drop_host)) | set(targets)
+
+    @rule()
+    def drop_every_host_copy(self):
+        on_host = set(self.ix.host_pages())
+        assert set(self.ix.drop_host_copies()) == on_host and not self.ix.host_pages()
+
+    @invariant()
+    def counters_agree_with_a_recount(self):
+        ix = self.ix
+        nodes = list(ix._nodes.values())
+        expect = {id(n): 0 for n in nodes}
+        for anchor in self.anchors:
+            node = anchor
+            while node is not ix.root:
+                assert node.live and node.page is not None, "a locked node left the device"
+                expect[id(node)] += 1
+                node = node.parent
+        assert {id(n): n.locks for n in nodes} == expect
+        assert ix.evictable_pages == sum(1 for n in nodes if n.locks == 0)
+        assert ix.pages() == {n.page: len(n.tokens) for n in nodes}
+        assert ix.host_pages() == {n.host_page: len(n.tokens) for n in ix._host_nodes.values()}
+        assert sorted(ix._free_host + list(ix.host_pages())) == list(range(self.HOST))  # each host page once
+        for node in set(nodes) | set(ix._host_nodes.values()):
+            assert node.live and (node.page is not None or node.host_page is not None)
+            assert node.page is None or node.parent is ix.root or node.parent.page is not None  # device nodes: an upper subtree
+        trial = copy.deepcopy(ix)
+        assert trial.evict_plan(trial.evictable_pages).device_pages == ix.evictable_pages
+        assert trial.num_pages == ix.num_pages - ix.evictable_pages
+
+
+TieredIndexMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+test_a_tiered_index_stays_consistent_under_any_call_order = TieredIndexMachine.TestCase
+
+
+def test_eviction_across_tiers_is_lru_device_then_host_then_gone():
+    """Three device pages for three 4-token prompts on one host page: the oldest goes to the host,
+    then the next oldest takes the host page and the oldest leaves the index; a lookup of the
+    prompt on the host finds its host page, and its return as a device page keeps the copy."""
+    ix = aj.PrefixCache(LAYOUT, host_pages=1)
+    for i, page in enumerate((5, 6, 7)):
+        ix.insert([i] * 4, [page])
+    plan = ix.evict_plan(1)
+    assert (plan.offload, plan.drop, plan.drop_host) == ([(5, 0)], [], [])
+    plan = ix.evict_plan(1)  # page 6 is older than nothing on the host but prompt 0: prompt 0 goes
+    assert (plan.offload, plan.drop, plan.drop_host) == ([(6, 0)], [], [0])
+    assert ix.lookup([0] * 4).num_tokens == 0
+    hit = ix.lookup([1] * 5, limit=4)
+    assert (hit.num_tokens, hit.pages, hit.host_pages) == (4, (), (0,))
+    ins = ix.insert([1] * 4, [3])  # the prompt came back into page 3: it becomes the device copy
+    assert ins.hold == [(3, 4)] and ix.pages() == {3: 4, 7: 4} and ix.host_pages() == {0: 4}
+    plan = ix.evict_plan(2)  # LRU: prompt 2 (page 7) is older than prompt 1; both have to go
+    assert (plan.offload, sorted(plan.drop), plan.drop_host) == ([], [3, 7], [])  # 7: no room; 3: copy exists
+    assert ix.host_pages() == {0: 4} and not ix.pages()
+
+
+def test_an_index_with_a_host_tier_needs_evict_plan():
+    ix = aj.PrefixCache(LAYOUT, host_pages=2)
+    with pytest.raises(ValueError, match="evict_plan"):
+        ix.evict(1)
+    with pytest.raises(ValueError, match="host_pages must be a non-negative integer"):
+        aj.PrefixCache(LAYOUT, host_pages=-1)
+
+
 # ---- binding: one arena, one model -------------------------------------------------------------------------
 
 

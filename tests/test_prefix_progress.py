@@ -154,3 +154,32 @@ def test_a_request_preempted_once_is_readmitted_for_good(model, prefix):
     assert run.preemptions > 0  # memory is short: the rule is exercised
     ample = models.generate(model, prompts, 10, batch_size=4, chunk_size=4, stop_tokens=())
     assert run.tokens == ample.tokens
+
+
+# The same drawn workloads with a host tier of 3 pages: swap preemption (the cost model forced to
+# swap whenever host pages are free; too few of them, and the rest recompute), or the prefix
+# cache spilling to host pages and hitting there. Same bound, same single preemption, same tokens.
+FORCE_SWAP = models.SwapPolicy(prefill_tokens_per_s=1.0)
+
+
+@settings(max_examples=int(os.environ.get("ARENA_PROGRESS_HOST_EXAMPLES", "8")), deadline=None)
+@given(work=workloads(), tier=st.sampled_from(["swap", "prefix"]))
+def test_drawn_workloads_with_a_host_tier_finish_with_the_no_cache_tokens(model, work, tier):
+    page_size, num_pages, max_new, prompts, temperature, turns = work
+    layout = model.config.kv_layout(page_size=page_size, num_pages=num_pages, max_seqs=2, max_seq_len=MAX_LEN,
+                                     dtype="float32")  # fmt: skip
+    kwargs = dict(batch_size=2, chunk_size=4, temperature=temperature, top_k=3, seed=7, stop_tokens=(), swap_policy=FORCE_SWAP)
+    plain = models.generate(model, prompts, max_new, layout=layout, **{k: v for k, v in kwargs.items() if k != "swap_policy"})
+    got = models.generate(model, prompts, max_new, layout=layout, host_pages=3, prefix_cache=tier == "prefix", **kwargs)
+    for turn in range(turns):
+        _served(got, prompts, max_new)
+        assert got.tokens == plain.tokens
+        h = aj.health(got.cache, got.prefix_cache, host=got.host)
+        assert h["active_sequences"] == 0 and h["rejected_rows"] == 0 and h["failed_swaps"] == 0
+        if tier == "prefix":
+            assert h["prefix_index_matches"] and h["prefix_host_index_matches"]
+        else:
+            assert h["host_pages_held"] == 0 and h["swap_ins"] == h["swap_outs"] == got.swap_outs
+        if turn + 1 < turns:
+            got = models.generate(model, prompts, max_new, cache=got.cache, prefix_cache=got.prefix_cache or False,
+                                  host=got.host, **kwargs)  # fmt: skip

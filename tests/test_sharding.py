@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -151,6 +152,24 @@ def test_megatron_rules_and_limits():
     assert param_spec("lm_head", cfg, 4, "tensor") == P(None, "tensor")  # vocabulary split
     assert param_spec("lm_head", models.LlamaConfig.tiny(vocab_size=130), 4, "tensor") == P(None, None)
     check_tensor_parallel(cfg, 4, "tensor")
+    # the families' own parameters: biases split like their projection's heads, q/k norms replicated
+    assert param_spec("q_bias", cfg, 4, "tensor") == P("tensor", None)
+    assert param_spec("k_bias", cfg, 2, "tensor") == P("tensor", None)
+    assert param_spec("v_bias", cfg, 4, "tensor") == P(None, None)  # 2 KV heads on tp=4: replicated, as k / v
+    assert param_spec("o_bias", cfg, 4, "tensor") == P(None)
+    # stacked layers: a leading None; what lies outside the layers keeps its own spec
+    from models.parallel import state_shardings
+
+    qwen3 = models.LlamaConfig.tiny_family("qwen3", attention_bias=True)
+    abstract = nnx.state(nnx.eval_shape(lambda: models.Llama(qwen3, rngs=nnx.Rngs(0))))
+    mesh = jax.make_mesh((1,), ("tensor",))
+    specs = {jax.tree_util.keystr(p): s.spec for p, s in jax.tree_util.tree_leaves_with_path(state_shardings(abstract, qwen3, mesh))}
+    find = lambda *names: next(v for k, v in specs.items() if all(f"'{n}'" in k for n in names))  # noqa: E731
+    assert find("layers", "attn", "q") == P(None, None, "tensor", None)
+    assert find("layers", "q_bias") == P(None, "tensor", None)
+    assert find("layers", "o_bias") == P(None, None)
+    assert find("layers", "q_norm", "scale") == P(None)
+    assert find("embed", "embedding") == P("tensor", None)
     with pytest.raises(ValueError, match="num_heads=4 is not divisible by the tensor axis 'tensor' of size 8"):
         check_tensor_parallel(cfg, 8, "tensor")
     with pytest.raises(ValueError, match="num_kv_heads=2 and the tensor axis 'tensor' of size 3"):

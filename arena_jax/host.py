@@ -1,0 +1,168 @@
+"""The host tier: a second arena of pages in host memory, and its page table.
+
+    host = aj.create_host(cache, num_pages=1024)                   # pages in pinned_host memory
+    cache, host, ok = aj.swap_out(cache, host, slots, host_pages)  # a slot's written pages -> host pages; slot released
+    cache, host, ok = aj.swap_in(cache, host, host_pages, num_tokens, dst)  # host pages -> fresh device pages
+    cache, host = aj.offload_pages(cache, host, pages, host_pages)  # held pages -> host pages; holds dropped
+    cache, host = aj.drop_host_pages(cache, host, host_pages)       # host pages freed
+
+Design, and why.
+
+* A separate pytree (`HostArena`), not new fields of `KVCache`. Every existing op keeps its
+  signature, its jit cache and its donation; a cache without a host tier is exactly the cache
+  it was (same leaves, same StableHLO); the host tier can be created, replaced or dropped
+  without touching the arena; and the ops that move pages take both, donated, and return both.
+  A `aj.create(layout, host_pages=N)` returning a pair would have changed `create`'s return
+  type for everyone.
+* Generic over the cache's per-page arrays. `HostArena.pages` is a dict with one host array for
+  every per-page array of the cache (`page_arrays`: `k`, `v` and, for 8-bit arenas, `k_scale`,
+  `v_scale`; any future field shaped `[layers, heads, pages, ...]`, e.g. an int4 format's group
+  scales, is picked up by name), each `[layers, heads, host_pages, ...]` with the cache's dtype.
+  The moves copy every one of them, so values never travel without their scales.
+* The caller names the host pages (`host_pages` arguments), as `hold_pages` names device
+  pages. The host page table is one array, `held i32[host_pages]`: how many tokens host page p
+  holds (0: free). A scheduler or a prefix index knows which host pages are free the moment
+  it decides a move (no device read-back, no free stack to mirror), and inside jit a named page
+  that is not free (or not held for the tokens asked) is refused like any invalid input.
+  Host pages are exclusive: one holder each (a swapped-out sequence, a prefix index node), no
+  refcount. Moves copy: `swap_in` leaves the host pages held (drop them with
+  `drop_host_pages`, or keep them as a second copy, as a prefix index does: a page back on the
+  device that is evicted again needs no new copy).
+* Where the bytes live. `pages` are in `pinned_host` memory (page-locked, DMA-able), placed
+  shard by shard from numpy at creation (never through device memory); `held` is a small
+  integer array in device memory beside the page table (the ops validate against it inside
+  jit). `arena_jax.memory` is the one shim that knows how JAX spells the transfers.
+* How a page moves (`host_ops`). Inside one jitted op: a loop over the moves (compacted to the
+  front, a dynamic trip count), each a `dynamic_slice` of one page from the source arena, a
+  memory-kind transfer, and a `dynamic_update_slice` into the destination arena. A slice of a
+  device buffer moved to host and written into a host buffer by `dynamic_update_slice` (and the
+  reverse) is the pattern XLA's host offloader turns into asynchronous copies (the one scan
+  activation offloading uses); a scatter at computed indices into host memory is not (it
+  would be host compute). Verified on CPU (JAX 0.10 and 0.11), where host and device share
+  DRAM; on a GPU it is unverified here (no GPU in these sessions).
+* On a mesh the host tier is split like the arena: `P(None, tensor, None, ...)` in host
+  memory, KV heads over the tensor axis (each device's host memory holds its own heads: a move
+  never crosses devices), `held` replicated. A cache with a data axis (dp > 1) is refused: a host
+  tier per data shard (local host page ids, as `page_map` has local device ids) is not built.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.sharding import NamedSharding, SingleDeviceSharding
+
+from arena_jax.layout import KVLayout
+from arena_jax.memory import host_memory_kind, host_zeros
+from arena_jax.state import KVCache
+
+__all__ = ["HostArena", "create_host", "page_arrays", "free_host_pages"]
+
+# Fields of KVCache that are not per-page arrays.
+_NOT_PAGES = ("table", "stats", "sharding")
+
+
+def page_arrays(cache: KVCache) -> dict[str, jax.Array]:
+    """The cache's per-page arrays by field name (`[layers, heads, pages, ...]`): k, v and an
+    8-bit arena's scales; whatever per-page field a future format adds."""
+    out = {}
+    for f in dataclasses.fields(cache):
+        value = getattr(cache, f.name)
+        if f.name not in _NOT_PAGES and f.metadata.get("pytree_node", True) and value is not None:
+            out[f.name] = value
+    return out
+
+
+@struct.dataclass
+class HostArena:
+    """Pages in host memory, one array per per-page array of the cache, and which are held."""
+
+    pages: dict  # name -> [layers, heads, host_pages, page_size, ...] in pinned_host memory (the cache's dtypes)
+    held: jax.Array  # i32[host_pages], tokens each host page holds (0: free); device memory
+    # i32[], a random id drawn at creation: a prefix index that keeps pages here binds to it.
+    host_id: jax.Array
+    sharding: Any = struct.field(pytree_node=False, default=None)  # the cache's CacheSharding, or None
+
+    @property
+    def num_pages(self) -> int:
+        return self.held.shape[0]
+
+
+def _geometry(cache: KVCache) -> dict[str, tuple]:
+    """Per field: (shape with the page axis removed, dtype)."""
+    return {name: (x.shape[:2] + x.shape[3:], jnp.dtype(x.dtype)) for name, x in page_arrays(cache).items()}
+
+
+def check_pair(cache: KVCache, host) -> None:
+    """ValueError unless `host` is a HostArena whose pages match the cache's per-page arrays."""
+    if not isinstance(host, HostArena):
+        raise ValueError(f"host must be a HostArena (from arena_jax.create_host), got {type(host).__name__}")
+    want = _geometry(cache)
+    have = {name: (x.shape[:2] + x.shape[3:], jnp.dtype(x.dtype)) for name, x in host.pages.items()}
+    if want != have:
+        raise ValueError(
+            f"host: its pages {have} do not match the cache's per-page arrays {want} (make it with "
+            "aj.create_host(cache, ...))"
+        )
+    if host.sharding != cache.sharding:
+        raise ValueError("host: it is placed on another mesh than the cache (make it with aj.create_host(cache, ...))")
+    deleted = [x for x in jax.tree.leaves(host) if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+               and x.is_deleted()]  # fmt: skip
+    if deleted:
+        raise ValueError("host: its arrays were donated to a later call: continue from the newest HostArena returned")
+
+
+def create_host(cache: KVCache, num_pages: int) -> HostArena:
+    """A host tier of `num_pages` free pages for `cache`: its per-page arrays' geometry and
+    dtypes, in `pinned_host` memory, placed on the cache's devices (split over the tensor axis
+    like the arena on a mesh; a data axis is refused)."""
+    from arena_jax.validate import check_cache_arrays
+
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"cache must be a KVCache (from arena_jax.create), got {type(cache).__name__}")
+    check_cache_arrays(cache)
+    if isinstance(num_pages, (bool, np.bool_)) or not isinstance(num_pages, (int, np.integer)) or not 1 <= num_pages < 2**31:
+        raise ValueError(f"num_pages must be an integer in [1, 2**31), got {num_pages!r}")
+    num_pages = int(num_pages)
+    sh = cache.sharding
+    if sh is not None and sh.dp > 1:
+        raise ValueError(
+            f"a host tier on a cache split over the data axis {sh.data_axis!r} ({sh.dp} shards) is not supported (a "
+            "host tier per data shard is not built): use a mesh without a data axis (tensor-parallel only)"
+        )
+    devices = list(sh.mesh.devices.flat) if sh is not None else [_device_of(cache)]
+    kind = host_memory_kind(devices)
+    pages = {}
+    for name, x in page_arrays(cache).items():
+        shape = x.shape[:2] + (num_pages,) + x.shape[3:]
+        if sh is None:
+            where = SingleDeviceSharding(devices[0], memory_kind=kind)
+        else:
+            where = NamedSharding(sh.mesh, sh.arena_spec, memory_kind=kind)
+        pages[name] = host_zeros(shape, np.dtype(x.dtype), where)
+    small = SingleDeviceSharding(devices[0]) if sh is None else sh.named(jax.sharding.PartitionSpec())
+    held = jax.device_put(np.zeros((num_pages,), np.int32), small)
+    host_id = jax.device_put(np.asarray(int.from_bytes(os.urandom(4), "little") % (2**31 - 1) + 1, np.int32), small)
+    return HostArena(pages=pages, held=held, host_id=host_id, sharding=sh)
+
+
+def _device_of(cache: KVCache):
+    devices = getattr(cache.k, "devices", None)
+    return next(iter(devices())) if callable(devices) else jax.devices()[0]
+
+
+def free_host_pages(host: HostArena) -> list[int]:
+    """The host pages no one holds (reads `held` back: a host-side helper, not for a hot path)."""
+    if not isinstance(host, HostArena):
+        raise ValueError(f"host must be a HostArena (from arena_jax.create_host), got {type(host).__name__}")
+    return np.flatnonzero(np.asarray(host.held) == 0).tolist()
+
+
+def host_layout_bytes(layout: KVLayout, num_pages: int) -> int:
+    """Bytes a host tier of `num_pages` holds (values and scales, all layers, unreplicated heads)."""
+    return layout.page_bytes * num_pages

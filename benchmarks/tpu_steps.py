@@ -1,0 +1,112 @@
+"""The whole model step (`models.prefill`, `models.decode_step`) compiled for TPU v5e / v6e without a TPU.
+
+A Llama-3-8B-shaped model (32 layers, 32 query / 8 KV heads, head_dim 128, bf16) and its paged
+cache are built as ShapeDtypeStructs placed on a TPU topology mesh (`data` x `tensor`, e.g.
+2x2 on v5e, 2x4 on v6e): weights Megatron-style over `tensor` (`models.parallel`), the arena
+over KV heads (`tensor`) and pages (`data`) (`arena_jax.sharding`). Nothing is allocated; the
+8B weights exist only as shapes. The step is the real jitted step with the cache donated, so
+the compiled module shows whether the arena is aliased in place, whether XLA copies it, which
+Mosaic kernels run, and what XLA's cost analysis says the step reads. On the TPU the arena ops
+take the Mosaic kernels (`backend="pallas"` resolves to them on a TPU device).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["StepCase", "STEP_CASES", "step_inputs", "compile_step"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCase:
+    """One model step to compile: which step, target, mesh and sizes."""
+
+    step: str  # "prefill" | "decode"
+    target: str  # "tpu-v5e" | "tpu-v6e"
+    mesh: str  # "2x2" | "2x4": (data, tensor)
+    batch: int
+    tokens: int  # new tokens per row (1 for decode)
+    num_pages: int  # arena pages in all (split over `data`)
+    page_size: int = 16
+    max_seq_len: int = 4096
+    num_layers: int = 32  # Llama-3-8B has 32; fewer keep a CI compile short (every layer is the same)
+    dtype: str = "bfloat16"  # the arena's
+
+    @property
+    def label(self) -> str:
+        layers = "" if self.num_layers == 32 else f" {self.num_layers} layers"
+        return (f"{self.step} {self.target} {self.mesh} B={self.batch} T={self.tokens} page={self.page_size} "
+                f"{self.dtype}{layers}")
+
+
+# Sized to fit the chips: v5e 16 GiB (weights 8 GB per chip at tp=2 + 4 GiB of KV), v6e 32 GiB.
+STEP_CASES = (
+    StepCase("decode", "tpu-v5e", "2x2", batch=32, tokens=1, num_pages=8192),
+    StepCase("prefill", "tpu-v5e", "2x2", batch=8, tokens=512, num_pages=8192),
+    StepCase("decode", "tpu-v6e", "2x4", batch=64, tokens=1, num_pages=16384),
+    StepCase("prefill", "tpu-v6e", "2x4", batch=8, tokens=512, num_pages=16384),
+)
+
+
+def _abstract_model(config, mesh):
+    from flax import nnx
+
+    from models.llama import Llama
+    from models.parallel import state_shardings
+
+    graphdef, abstract = nnx.split(nnx.eval_shape(
+        lambda: Llama(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))
+    shardings = state_shardings(abstract, config, mesh, tensor_axis="tensor")
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    return graphdef, state
+
+
+def _abstract_cache(layout, mesh):
+    import arena_jax as aj
+    from arena_jax.sharding import _cache_specs
+
+    cache = jax.eval_shape(lambda: aj.create(layout, mesh=mesh, tensor_axis="tensor", data_axis="data"))
+    specs = _cache_specs(cache)
+    named = jax.tree.map(cache.sharding.named, specs)
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), cache, named)
+
+
+def step_inputs(case: StepCase):
+    """(layout, graphdef, state, cache) of `case`: the model state and the cache as placed
+    ShapeDtypeStructs on the case's TPU mesh."""
+    from models.config import LlamaConfig
+    from pallas_kernels import tpu_compile
+
+    config = dataclasses.replace(LlamaConfig.llama3_8b(), num_layers=case.num_layers)
+    mesh = tpu_compile.mesh_of(case.target, case.mesh, ("data", "tensor"))
+    layout = config.kv_layout(page_size=case.page_size, num_pages=case.num_pages, max_seqs=case.batch,
+                              max_seq_len=case.max_seq_len, dtype=case.dtype)
+    graphdef, state = _abstract_model(config, mesh)
+    return layout, graphdef, state, _abstract_cache(layout, mesh)
+
+
+def compile_step(case: StepCase):
+    """Compile `case` for its TPU target; returns (compiled, cache ShapeDtypeStructs, layout)."""
+    import arena_jax as aj
+    from models import decode_step, prefill
+    from pallas_kernels import tpu_compile
+
+    layout, graphdef, state, cache = step_inputs(case)
+    rows = jax.sharding.NamedSharding(cache.k.sharding.mesh, jax.sharding.PartitionSpec("data"))
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows)  # noqa: E731
+    previous = os.environ.pop(aj.BACKEND_ENV, None)  # the platform's default: Pallas, i.e. Mosaic on a TPU
+    try:
+        with tpu_compile.tpu_lowering(case.target):
+            if case.step == "decode":
+                lowered = decode_step.trace(graphdef, state, cache, i32(case.batch), i32(case.batch)).lower()
+            else:
+                lowered = prefill.trace(graphdef, state, cache, i32(case.batch, case.tokens), i32(case.batch),
+                                        i32(case.batch)).lower()
+            compiled = lowered.compile()
+    finally:
+        if previous is not None:
+            os.environ[aj.BACKEND_ENV] = previous
+    return compiled, cache, layout

@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# The whole test suite on both JAX lines, each in its own fresh venv; fails if either fails.
+# This is the README's test command and exactly what .ci/run runs.
+#
+#   py311: Python 3.11 -> JAX 0.10.2 (the newest JAX the registry serves to 3.11), the `test`
+#          extra: the Hugging Face reference stack included (torch 2.13.0+cpu, installed first
+#          so that pip does not pull a CUDA build), so the parity tests run here.
+#   py313: Python 3.13 -> the newest JAX pyproject.toml admits (0.11.2 today), the `test-jax`
+#          extra: no torch (3.13 has only the ~6 GB CUDA build); the parity tests skip with
+#          that reason (ARENA_HF_REFERENCE=absent), everything else runs.
+# Both get the sm_90a and TPU compile tooling (scripts/install_sm90_tools.sh,
+# scripts/install_tpu_tools.sh) and run all of pytest.
+#
+# Environment (all optional):
+#   ARENA_LINES="py311 py313"    which lines to run (e.g. ARENA_LINES=py313 for one)
+#   ARENA_PYTHON_311 / _313      interpreters (default: `pyenv prefix 3.11` / `3.13` + /bin/python)
+#   ARENA_TORCH="torch==2.13.0+cpu"   the torch requirement of the py311 line
+#   ARENA_SERIAL=1               run the lines' pytest one after the other (default: at the same
+#                                time; the lines' logs go to .ci-logs/ and their tails are printed)
+#   extra arguments              passed to both pytest runs (e.g. -x, -k ...)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export JAX_PLATFORMS=cpu  # also lets the CUDA plugin load without a GPU (sm_90a compile checks)
+# No .pyc compile at install (modules compile when first imported): 2.5x faster installs.
+export PIP_NO_COMPILE=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+LINES=${ARENA_LINES:-"py311 py313"}
+LOGS=.ci-logs
+mkdir -p "$LOGS"
+
+interpreter() {  # $1: 3.11 | 3.13
+    local var="ARENA_PYTHON_${1/./}"
+    if [[ -n "${!var:-}" ]]; then echo "${!var}"; else echo "$(pyenv prefix "$1")/bin/python"; fi
+}
+
+setup_line() {  # $1: line name; a fresh venv .venv-<line> with the line's extra and the sm_90a tools
+    local line=$1 venv=".venv-$1"
+    local python extra
+    case $line in
+        py311) python=$(interpreter 3.11) extra="test" ;;
+        py313) python=$(interpreter 3.13) extra="test-jax" ;;
+        *) echo "unknown line $line (expected py311 or py313)" >&2; return 2 ;;
+    esac
+    "$python" -m venv --clear "$venv"
+    (
+        . "$venv/bin/activate"
+        if [[ $line == py311 ]]; then pip install -q "${ARENA_TORCH:-torch==2.13.0+cpu}"; fi
+        pip install -q -e ".[$extra]"
+        bash scripts/install_sm90_tools.sh
+        bash scripts/install_tpu_tools.sh
+        python -c 'import sys, jax, jaxlib; print(f"[{sys.argv[1]}] python {sys.version.split()[0]}, jax {jax.__version__}, jaxlib {jaxlib.__version__}")' "$line"
+    )
+}
+
+run_line() {  # $1: line name; pytest in its venv ($2...: extra pytest arguments)
+    local line=$1; shift
+    local env=()
+    [[ $line == py313 ]] && env=(ARENA_HF_REFERENCE=absent)
+    # -rs: every skip with its reason; `time`: the line's CPU time (load-independent), on stderr
+    local TIMEFORMAT="[$line] pytest: %R s wall, %U s user + %S s system CPU"
+    time env "${env[@]}" ".venv-$line/bin/python" -m pytest -p no:cacheprovider -rs "$@"
+}
+
+start=$SECONDS
+pids=()
+for line in $LINES; do  # installs are mostly I/O: both at once
+    (t0=$SECONDS; setup_line "$line" > "$LOGS/$line.setup.log" 2>&1; rc=$?;
+     echo "[$line] setup rc=$rc in $((SECONDS - t0)) s" >> "$LOGS/$line.setup.log"; exit $rc) &
+    pids+=($!)
+done
+failed=0
+for i in "${!pids[@]}"; do
+    line=$(echo $LINES | cut -d' ' -f$((i + 1)))
+    if ! wait "${pids[$i]}"; then echo "[$line] setup FAILED:"; tail -30 "$LOGS/$line.setup.log"; failed=1; fi
+done
+[[ $failed == 0 ]] || exit 1
+for line in $LINES; do tail -2 "$LOGS/$line.setup.log"; done
+echo "setup: $((SECONDS - start)) s"
+
+declare -A rcs secs
+if [[ -n "${ARENA_SERIAL:-}" ]]; then
+    for line in $LINES; do
+        t0=$SECONDS
+        set +e; run_line "$line" "$@" 2>&1 | tee "$LOGS/$line.log"; rcs[$line]=${PIPESTATUS[0]}; set -e
+        secs[$line]=$((SECONDS - t0))
+    done
+else
+    pids=()
+    for line in $LINES; do
+        (t0=$SECONDS; set +e; run_line "$line" "$@" > "$LOGS/$line.log" 2>&1; rc=$?;
+         echo "$rc $((SECONDS - t0))" > "$LOGS/$line.rc"; exit $rc) &
+        pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid" || true; done
+    for line in $LINES; do
+        read -r rcs[$line] secs[$line] < "$LOGS/$line.rc"
+        echo "==================== [$line] pytest (tail of $LOGS/$line.log) ===================="
+        tail -40 "$LOGS/$line.log"
+    done
+fi
+status=0
+for line in $LINES; do
+    grep -h "^\[$line\] pytest: " "$LOGS/$line.log" || true
+    echo "[$line] pytest rc=${rcs[$line]} in ${secs[$line]} s"
+    [[ ${rcs[$line]} == 0 ]] || status=1
+done
+echo "total: $((SECONDS - start)) s"
+exit $status

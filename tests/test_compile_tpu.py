@@ -1,0 +1,165 @@
+"""The Mosaic TPU kernels, and whole model steps that use them, compile for TPU v5e / v6e without a TPU.
+
+`libtpu` (`bash scripts/install_tpu_tools.sh`: the `jax[tpu]` extra's libtpu pinned to the
+installed jax) gives TPU devices of a topology (`v5e:2x2`, `v6e:2x4`) on any host; a jitted
+function lowered with inputs placed on them compiles with the TPU's XLA and Mosaic compilers
+(`pallas_kernels.tpu_compile`). The tests check what the compiled module says:
+
+- every kernel variant (`pallas_kernels.tpu_variants`) compiles for v5e (a subset for v6e), XLA
+  copies no array as large as a quarter of the arena (no relayout, no defensive copy), append
+  aliases the donated arena (and scales) to its outputs, attention fits VMEM;
+- the two limits of `tpu_unsupported_reason` that come from layouts are real: a head_dim-64
+  arena, and the scales of an 8-bit arena with 16-token pages, get copied whole by XLA;
+- `models.prefill` / `models.decode_step` of a Llama-3-8B-shaped model (1 of its 32 identical
+  layers in CI; `arena-bench kernels --compile-report --target tpu-v5e --steps` compiles all
+  32), on a data x tensor mesh of v5e 2x2 / v6e 2x4 devices with the cache donated: the
+  arena's parameters are aliased to outputs, never copied, and the Mosaic kernels are in it.
+
+Without libtpu the tests skip with the reason; under CI (CI=true) they fail instead.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels import tpu_compile
+from pallas_kernels.tpu_variants import CI_VARIANTS, KINDS, V6E_VARIANTS
+
+IN_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+VMEM_LIMIT = 16 << 20  # Mosaic's default scoped VMEM on v5e (v6e: 32 MiB)
+
+
+def gate(problem: str | None, in_ci: bool):
+    """What to do when the tooling is missing: ("fail" | "skip", message), or None to run."""
+    if problem is None:
+        return None
+    if in_ci:
+        return "fail", f"CI must run the TPU compile checks, but: {problem}"
+    return "skip", f"TPU compile checks need libtpu: {problem}"
+
+
+@pytest.fixture(scope="module")
+def tooling():
+    action = gate(tpu_compile.tooling_problem(), IN_CI)
+    if action is not None:
+        kind, message = action
+        (pytest.fail if kind == "fail" else pytest.skip)(message)
+
+
+def test_gate_fails_in_ci_and_skips_elsewhere():
+    assert gate(None, True) is None and gate(None, False) is None
+    assert gate("libtpu is not installed", True) == ("fail", "CI must run the TPU compile checks, but: libtpu is not installed")
+    assert gate("libtpu is not installed", False)[0] == "skip"
+
+
+def test_matrix_covers_every_kind_and_value():
+    assert {v.kind for v in CI_VARIANTS} == set(KINDS)
+    attention = [v for v in CI_VARIANTS if not v.kind.startswith("append")]
+    assert {v.head_dim for v in CI_VARIANTS} == {128, 256}
+    assert {v.group for v in attention} >= {1, 4, 8}
+    assert {v.page_size for v in CI_VARIANTS} >= {8, 16, 64, 128, 256}
+    assert {v.dtype for v in CI_VARIANTS} == {"bfloat16", "float32", "int8", "float8_e4m3fn", "float8_e5m2"}
+    assert {v.compute for v in CI_VARIANTS if v.quantized} == {"bfloat16", "float32"}
+    assert {v.kind for v in V6E_VARIANTS} >= {"decode", "append-prefill"} and any(v.quantized for v in V6E_VARIANTS)
+
+
+@pytest.mark.parametrize("target,variant", [("tpu-v5e", v) for v in CI_VARIANTS] + [("tpu-v6e", v) for v in V6E_VARIANTS],
+                         ids=lambda x: x if isinstance(x, str) else x.label.replace(" ", "-"))
+def test_kernel_compiles_for_tpu_without_copying_the_arena(tooling, target, variant):
+    fn, args, donate = variant.call()
+    compiled = tpu_compile.compile_for_tpu(fn, args, target=target, donate_argnums=donate)
+    facts = tpu_compile.module_facts(compiled, big=variant.arena_bytes() // 4)
+    assert facts.big_copies == (), f"XLA copies arena-sized arrays: {facts.big_copies}"
+    names = sorted(k.name.split(".")[0] for k in facts.kernels)
+    if variant.kind.startswith("append"):
+        assert [n.split("_c")[0] for n in names] == ["tpu_append_gather", "tpu_append_scatter"], names
+        assert set(donate) <= set(facts.aliased_params), f"arena params {donate} not all aliased: {facts.aliased_params}"
+    else:
+        assert len(names) == 1 and names[0].startswith("tpu_paged_attention"), names
+        (kernel,) = facts.kernels
+        assert 0 < kernel.vmem_bytes <= VMEM_LIMIT, f"{kernel.name}: {kernel.vmem_bytes} B of VMEM"
+    if variant.quantized:
+        assert all(n.endswith("_" + variant.dtype) for n in names), names
+
+
+@pytest.mark.parametrize("dtype,head_dim,page_size", [("bfloat16", 64, 16), ("int8", 128, 16)], ids=str)
+def test_layouts_the_tpu_kernels_refuse_would_copy_the_arena(tooling, dtype, head_dim, page_size):
+    """What `tpu_unsupported_reason` refuses, measured: the kernel itself compiles (called
+    past the wrapper's check), but the TPU's default layout for a minor dim < 128 is not
+    row-major, so XLA relayouts the whole arena (head_dim 64) or the scales (pages of 16)
+    around the kernel on every call."""
+    from pallas_kernels.tpu_attention import TpuAttentionTiles, _tpu_attention_call
+
+    sds = jax.ShapeDtypeStruct
+    arena = sds((2, 8, 2048, page_size, head_dim), jnp.dtype(dtype))
+    quantized = dtype == "int8"
+    scale = sds((2, 8, 2048, page_size), jnp.float32) if quantized else None
+    q, rows = sds((8, 1, 32, head_dim), jnp.bfloat16), (sds((8, 64), jnp.int32), sds((8,), jnp.int32), sds((8,), jnp.int32))
+    tiles = TpuAttentionTiles.choose(tokens=1, group=4, page_size=page_size, max_pages=64, block_sizes=None)
+
+    def fn(q, ka, va, pm, lengths, n, *scales):
+        meta = jnp.zeros((2,), jnp.int32)
+        ks, vs = scales if quantized else (None, None)
+        return _tpu_attention_call(q, ka, va, meta, pm, lengths, n, ks, vs, sm_scale=0.1, has_window=False,
+                                   window_bound=None, soft_cap=None, tiles=tiles, interpret=False)
+
+    extra = (scale, scale) if quantized else ()
+    compiled = tpu_compile.compile_for_tpu(fn, (q, arena, arena, *rows, *extra), target="tpu-v5e")
+    big = (scale.size * 4 if quantized else arena.size * arena.dtype.itemsize) // 2
+    copies = tpu_compile.module_facts(compiled, big=big).big_copies
+    assert copies, "expected XLA to relayout the arena / scales (the reason the TPU kernels refuse this layout)"
+
+
+@pytest.mark.parametrize("rows,fits", [(16, True), (32, False)])
+def test_smem_budget_is_what_mosaic_allows(tooling, rows, fits):
+    """A 512 KiB page table compiles; a 1 MiB one does not ("Ran out of memory in memory
+    space smem"): the reason for `tpu_common.SMEM_TABLE_BYTES` (960 KiB)."""
+    from pallas_kernels.tpu_attention import TpuAttentionTiles, _tpu_attention_call
+
+    sds = jax.ShapeDtypeStruct
+    arena = sds((2, 8, 4096, 128, 128), jnp.bfloat16)  # 128-token pages: 4 DMAs per block, a quick compile
+    tiles = TpuAttentionTiles.choose(tokens=1, group=4, page_size=128, max_pages=8192, block_sizes=None)
+    fn = lambda q, ka, va, pm, lengths, n: _tpu_attention_call(  # noqa: E731
+        q, ka, va, jnp.zeros((2,), jnp.int32), pm, lengths, n, None, None, sm_scale=0.1, has_window=False,
+        window_bound=None, soft_cap=None, tiles=tiles, interpret=False)
+    args = (sds((rows, 1, 32, 128), jnp.bfloat16), arena, arena, sds((rows, 8192), jnp.int32), sds((rows,), jnp.int32),
+            sds((rows,), jnp.int32))
+    if fits:
+        tpu_compile.compile_for_tpu(fn, args, target="tpu-v5e")
+    else:
+        with pytest.raises(Exception, match="smem"):
+            tpu_compile.compile_for_tpu(fn, args, target="tpu-v5e")
+
+
+def _step_cases():
+    """CI: one layer of the 32 (all identical), decode on v6e 2x4, a 64-token prefill on v5e 2x2."""
+    from benchmarks.tpu_steps import STEP_CASES
+
+    by_name = {(c.step, c.target): c for c in STEP_CASES}
+    return [dataclasses.replace(by_name[("decode", "tpu-v6e")], num_layers=1),
+            dataclasses.replace(by_name[("prefill", "tpu-v5e")], num_layers=1, tokens=64)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", _step_cases(), ids=lambda c: c.label.replace(" ", "-"))
+def test_model_step_compiles_for_tpu_with_the_arena_donated(tooling, case):
+    from benchmarks.tpu_steps import compile_step
+
+    compiled, cache, layout = compile_step(case)
+    local = cache.k.sharding.shard_shape(cache.k.shape)
+    dtype = {"bfloat16": "bf16", "float32": "f32"}[case.dtype]
+    shape = f"{dtype}[{','.join(map(str, local))}]"
+    facts = tpu_compile.module_facts(compiled, big=(cache.k.size * cache.k.dtype.itemsize) // cache.k.sharding.num_devices // 4)
+    arena_params = facts.params_of_shape(shape)
+    assert len(arena_params) == 2, f"expected k and v params of shape {shape}: {facts.param_shapes}"
+    assert set(arena_params) <= set(facts.aliased_params), (arena_params, facts.aliased_params)
+    # A model weight may be copied (JAX 0.11 relayouts the q projection, [4096, 16, 128] per
+    # device, the size of one head of this arena); the cache never.
+    cache_copies = facts.cache_copies(arena_params)
+    assert cache_copies == (), f"XLA copies arena-sized arrays: {cache_copies}"
+    names = {k.name.split(".")[0].split("_bt")[0].split("_c")[0] for k in facts.kernels}
+    assert names == {"tpu_paged_attention", "tpu_append_gather", "tpu_append_scatter"}, names

@@ -1,0 +1,433 @@
+"""Mosaic TPU kernels == the jnp references, in TPU interpret mode on CPU, on fresh random data.
+
+TPU interpret mode (`pltpu.InterpretParams`, what `interpret=True` selects for these kernels)
+runs a kernel on CPU modelling HBM, VMEM, SMEM, the DMAs (executed when waited on) and the
+semaphores, and fills never-written VMEM with NaN: a read before its DMA landed, a wait that
+does not match its copy, or a missing mask shows. Every geometry here is one the TPU kernels
+take (`tpu_unsupported_reason`: head_dim 128 / 256, pages multiples of 8 up to 256, 8-bit
+pages 128 / 256); `tests/test_compile_tpu.py` compiles the same kernels for v5e / v6e.
+
+CI runs a lean grid (interpret mode compiles a program per shape: ~5-10 s each, ~0.5 s per
+call after); `ARENA_TPU_GRID=full` runs the full grid (GQA 1/4/8 x pages 8-256 x head 128/256
+x bf16/f32 x decode/prefill x window, every 8-bit dtype x q dtype, appends over every page
+size); the run's summary prints how many cases of each kind ran.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import itertools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kernel_cases
+from kernel_cases import TOLERANCES, attention_ref, fill_ref
+from pallas_kernels import BlockSizes, append_reference, paged_attention_reference
+from pallas_kernels.quant import QUANTIZED_DTYPES
+from pallas_kernels.tpu_append import tpu_paged_append
+from pallas_kernels.tpu_attention import tpu_paged_attention
+
+FULL = os.environ.get("ARENA_TPU_GRID", "").strip().lower() == "full"
+NUM_PAGES = 40  # one pool size: the permutation compiles once
+COUNTS: collections.Counter = collections.Counter()  # cases run per kind (printed at the end with -s)
+append_ref = jax.jit(append_reference)
+
+
+def rows_for(page_size: int, tokens: int):
+    """Lengths 1, S-1, S, S+1, long, and a padded row; num_tokens up to `tokens`."""
+    s = page_size
+    lengths = (1, max(s - 1, 2), s, s + 1, 3 * s + 5, 7)
+    num_tokens = tuple(min(n, tokens) for n in (1, max(s - 1, 2), 2, s + 1, tokens, 0))
+    return lengths, num_tokens
+
+
+def float_case(*, seed, lengths, num_tokens, tokens, q_heads, kv_heads, page_size, head_dim, dtype, stale=np.nan,
+               layers=2, layer=1, max_pages=None):
+    """A filled arena (live positions random, every other position `stale`) plus queries."""
+    rng = np.random.default_rng(seed)
+    lengths = np.asarray(lengths)
+    batch = len(lengths)
+    max_pages = max_pages or int(-(-lengths.max() // page_size))
+    page_map = kernel_cases.scrambled_page_map(seed, lengths, page_size, max_pages, NUM_PAGES)
+    arena = jnp.full((layers, kv_heads, NUM_PAGES, page_size, head_dim), stale, dtype)
+    n = int(lengths.max())
+    k, v = (jnp.asarray(rng.standard_normal((batch, n, kv_heads, head_dim)), dtype) for _ in range(2))
+    lens = jnp.asarray(lengths, jnp.int32)
+    k_arena, v_arena = fill_ref(arena, arena, layer, k, v, page_map, lens, lens)
+    q = jnp.asarray(rng.standard_normal((batch, tokens, q_heads, head_dim)), dtype)
+    return dict(q=q, k_arena=k_arena, v_arena=v_arena, layer=layer, page_map=page_map, lengths=lens,
+                num_tokens=jnp.asarray(num_tokens, jnp.int32))
+
+
+def quantized_case(*, seed, dtype, lengths, num_tokens, tokens, q_heads, kv_heads, page_size, head_dim, q_dtype,
+                   stale_scale=np.nan, layer=1):
+    """An 8-bit arena filled by the reference append over random-byte garbage (fp8 NaN bit
+    patterns included) with stale scales `stale_scale`, plus queries."""
+    rng = np.random.default_rng(seed)
+    lengths = np.asarray(lengths)
+    batch = len(lengths)
+    max_pages = int(-(-lengths.max() // page_size))
+    page_map = kernel_cases.scrambled_page_map(seed, lengths, page_size, max_pages, NUM_PAGES)
+    bits = rng.integers(0, 256, (2, kv_heads, NUM_PAGES, page_size, head_dim), dtype=np.uint8)
+    values = jax.lax.bitcast_convert_type(jnp.asarray(bits), jnp.dtype(dtype))
+    scales = jnp.full((2, kv_heads, NUM_PAGES, page_size), stale_scale, jnp.float32)
+    n = int(lengths.max())
+    k = rng.standard_normal((batch, n, kv_heads, head_dim)) * np.where(np.arange(head_dim) % 7 == 3, 20.0, 1.0)
+    v = rng.standard_normal((batch, n, kv_heads, head_dim))
+    lens = jnp.asarray(lengths, jnp.int32)
+    ka, va, ks, vs = fill_ref(values, values, layer, jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32),
+                              page_map, lens, lens, k_scale=scales, v_scale=scales)
+    q = jnp.asarray(rng.standard_normal((batch, tokens, q_heads, head_dim)), q_dtype)
+    return dict(q=q, k_arena=ka, v_arena=va, layer=layer, page_map=page_map, lengths=lens,
+                num_tokens=jnp.asarray(num_tokens, jnp.int32), k_scale=ks, v_scale=vs)
+
+
+def assert_close(got, want, dtype):
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **TOLERANCES[jnp.dtype(dtype)])
+
+
+def padded_rows_are_zero(out, num_tokens):
+    pad = np.arange(out.shape[1])[None, :] >= np.asarray(num_tokens)[:, None]
+    return not np.asarray(out, np.float32)[pad].any()
+
+
+# ---- attention over float arenas ----------------------------------------------------------------
+
+# (q_heads, kv_heads, page_size, head_dim, dtype, tokens, window, block_k)
+ATTENTION_CI = [
+    (8, 2, 16, 128, "bfloat16", 1, None, None),  # decode, GQA 4, default tiles (one block)
+    (2, 2, 8, 128, "float32", 1, 5, 16),  # decode, GQA 1, blocks of 2 pages, a window
+    (8, 1, 256, 256, "bfloat16", 1, None, None),  # GQA 8, 256-token pages, head 256
+    (4, 1, 8, 128, "float32", 6, 10, 16),  # prefill: 6 tokens in row blocks of 4 tokens x 4 heads, a window
+]
+ATTENTION_FULL = [
+    (g * kv, kv, s, d, dt, t, w, None)
+    for (g, kv), s, d, dt, (t, w) in itertools.product(
+        ((1, 2), (4, 2), (8, 1)), (8, 16, 64, 256), (128, 256), ("bfloat16", "float32"), ((1, None), (1, 5), (6, None), (6, 10)))
+]
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,page_size,head_dim,dtype,tokens,window,block_k",
+                         ATTENTION_FULL if FULL else ATTENTION_CI, ids=str)
+def test_attention_matches_reference(q_heads, kv_heads, page_size, head_dim, dtype, tokens, window, block_k):
+    """Kernel == reference; NaN in every unwritten position, in pages past the length and behind
+    unmapped entries gives finite output, bit-equal to the same run over a zero-filled arena."""
+    lengths, num_tokens = rows_for(page_size, tokens)
+    kwargs = dict(seed=q_heads + page_size + head_dim + tokens, lengths=lengths, num_tokens=num_tokens, tokens=tokens,
+                  q_heads=q_heads, kv_heads=kv_heads, page_size=page_size, head_dim=head_dim, dtype=jnp.dtype(dtype))
+    dirty = float_case(**kwargs, stale=np.nan)
+    bs = BlockSizes(block_k=block_k, block_tokens=4 if tokens > 1 else None) if block_k else None
+    got = tpu_paged_attention(**dirty, sliding_window=window, interpret=True, block_sizes=bs)
+    assert got.shape == dirty["q"].shape and got.dtype == dirty["q"].dtype
+    assert np.isfinite(np.asarray(got, np.float32)).all()
+    assert_close(got, attention_ref(**dirty, sliding_window=window), dtype)
+    assert padded_rows_are_zero(got, num_tokens)
+    if not FULL:  # stale NaN never reaches the output: bit-equal to a clean arena
+        clean = float_case(**kwargs, stale=0.0)
+        again = tpu_paged_attention(**clean, sliding_window=window, interpret=True, block_sizes=bs)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(again))
+    COUNTS["attention (float arenas)"] += 1
+
+
+def test_unmapped_page_inside_a_row_is_masked_under_jit():
+    """A -1 entry inside a row's range (its keys are dead, as in the reference), a traced
+    layer, and the kernel inlined in a user's jit."""
+    case = float_case(seed=4, lengths=(40, 20, 9), num_tokens=(1, 1, 0), tokens=1, q_heads=4, kv_heads=2, page_size=8,
+                      head_dim=128, dtype=jnp.float32)
+    case["page_map"] = case["page_map"].at[0, 2].set(-1)
+    step = jax.jit(lambda c, layer: tpu_paged_attention(**{**c, "layer": layer}, interpret=True,
+                                                        block_sizes=BlockSizes(block_k=16)))
+    got = step({k: v for k, v in case.items() if k != "layer"}, jnp.int32(case["layer"]))
+    assert np.isfinite(np.asarray(got)).all()
+    assert_close(got, attention_ref(**case), jnp.float32)
+    COUNTS["attention (float arenas)"] += 1
+
+
+def test_chunked_prefill_equals_one_shot():
+    """TPU append + TPU attention in chunks of 4 tokens (ragged rows of 13 and 9 tokens over
+    8-token pages: chunks that start mid-page and cross pages; a 10-token window, smaller than
+    the context; NaN everywhere unwritten) == one-shot prefill; the arena after the chunks is
+    bit-equal to the one-shot append's. (Token-by-token decode: the decode cases above and
+    `test_api_backend_matches_reference`.)"""
+    n = np.array([13, 9, 0])
+    rng = np.random.default_rng(11)
+    q_heads, kv_heads, page_size, head_dim, window, n_max = 4, 2, 8, 128, 10, 13
+    k, v, q = (rng.standard_normal((3, n_max, h, head_dim)).astype(np.float32) for h in (kv_heads, kv_heads, q_heads))
+    page_map = kernel_cases.scrambled_page_map(11, np.full(3, n_max), page_size, 2, NUM_PAGES)
+    arena = jnp.full((1, kv_heads, NUM_PAGES, page_size, head_dim), jnp.nan, jnp.float32)
+    lens = jnp.asarray(n, jnp.int32)
+    ka, va = tpu_paged_append(arena, arena, 0, k, v, page_map, lens, lens, interpret=True)
+    for got, want in zip((ka, va), append_ref(arena, arena, 0, k, v, page_map, lens, lens)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    one_shot = tpu_paged_attention(q, ka, va, 0, page_map, lens, lens, sliding_window=window, interpret=True)
+    assert_close(one_shot, attention_ref(q, ka, va, 0, page_map, lens, lens, sliding_window=window), jnp.float32)
+    one_shot = np.asarray(one_shot)
+    for chunk in (4,):
+        kc_arena, vc_arena = arena, arena
+        for start in range(0, n_max, chunk):
+            take = np.clip(n - start, 0, chunk)
+            lc, cnt = jnp.asarray(start + take, jnp.int32), jnp.asarray(take, jnp.int32)
+            pad = ((0, 0), (0, max(0, start + chunk - n_max)), (0, 0), (0, 0))
+            kc, vc, qc = (np.pad(x[:, start: start + chunk], pad) for x in (k, v, q))
+            kc_arena, vc_arena = tpu_paged_append(kc_arena, vc_arena, 0, kc, vc, page_map, lc, cnt, interpret=True)
+            out = np.asarray(tpu_paged_attention(qc, kc_arena, vc_arena, 0, page_map, lc, cnt, sliding_window=window,
+                                                 interpret=True))
+            for b in range(3):
+                assert_close(out[b, : take[b]], one_shot[b, start: start + take[b]], jnp.float32)
+            assert padded_rows_are_zero(out, take)
+        np.testing.assert_array_equal(np.asarray(kc_arena), np.asarray(ka))
+        np.testing.assert_array_equal(np.asarray(vc_arena), np.asarray(va))
+    COUNTS["chunked prefill (append + attention)"] += 1
+
+
+# ---- the contract's options and rules: soft-cap, traced windows, masked means masked, dtypes ----------
+
+reference_traced = jax.jit(paged_attention_reference, static_argnames=("sm_scale", "logits_soft_cap"))
+
+
+def assert_same_nans_and_close(got, want, dtype, label):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=label)
+    assert_close(np.where(np.isnan(want), 0, got), np.where(np.isnan(want), 0, want), dtype)
+
+
+def test_soft_cap_traced_windows_and_poison_rules():
+    """One kernel (a traced window, soft-cap 5) over scenarios == the reference: windows 3,
+    16, 0 (admits no key: zeros) and 1000 (none); NaN in a V row or K row a query attends to
+    (its whole output row is NaN), in the V of a future key or of a key outside the window
+    (contributes nothing), and in q."""
+    case = float_case(seed=21, lengths=(40, 36, 9), num_tokens=(4, 4, 0), tokens=4, q_heads=4, kv_heads=2,
+                      page_size=8, head_dim=128, dtype=jnp.float32)
+    pm, layer = np.asarray(case["page_map"]), case["layer"]
+
+    def poison(name, row, pos, head, lane):
+        return {**case, name: case[name].at[layer, head, pm[row, pos // 8], pos % 8, lane].set(jnp.nan)}
+
+    step = jax.jit(lambda c, w: tpu_paged_attention(**c, sliding_window=w, logits_soft_cap=5.0, interpret=True))
+    scenarios = [("window 3", case, 3), ("window 16", case, 16), ("window 0", case, 0), ("no window", case, 1000),
+                 ("visible v", poison("v_arena", 1, 33, 1, 5), 16), ("visible k", poison("k_arena", 1, 34, 0, 7), 16),
+                 ("future v", poison("v_arena", 0, 39, 1, 2), 1000), ("v outside the window", poison("v_arena", 1, 2, 0, 3), 16),
+                 ("q", {**case, "q": case["q"].at[0, 3, 2, 5].set(jnp.nan)}, 1000)]
+    for label, c, w in scenarios:
+        got = step(c, jnp.int32(w))
+        want = reference_traced(**c, sliding_window=jnp.int32(w), logits_soft_cap=5.0)
+        assert_same_nans_and_close(got, want, jnp.float32, label)
+        nans = int(np.isnan(np.asarray(want)).sum())
+        assert (nans > 0) == (label in ("visible v", "visible k", "future v", "q")), (label, nans)
+        if label == "window 0":
+            assert not np.asarray(got).any()
+    COUNTS["attention (soft-cap, traced windows, poison rules)"] += len(scenarios)
+
+
+@pytest.mark.parametrize("q_dtype,arena", [("float32", "bfloat16"), ("bfloat16", "float32")])
+def test_q_dtype_other_than_the_arena(q_dtype, arena):
+    """The dots run in q's dtype (the arena's values converted to it)."""
+    case = float_case(seed=23, lengths=(5, 17, 30), num_tokens=(1, 1, 1), tokens=1, q_heads=4, kv_heads=2,
+                      page_size=8, head_dim=128, dtype=jnp.dtype(arena))
+    case["q"] = case["q"].astype(q_dtype)
+    got = tpu_paged_attention(**case, interpret=True)
+    assert got.dtype == jnp.dtype(q_dtype)
+    assert_close(got, attention_ref(**case), q_dtype)
+    COUNTS["attention (float arenas)"] += 1
+
+
+def test_quantized_poisoned_scales_with_soft_cap():
+    """8-bit: a NaN key scale or value scale a query attends to NaNs its whole row (the stored
+    poison of a NaN / inf input row), with a soft-cap; elsewhere == the reference."""
+    case = quantized_case(seed=25, dtype="int8", lengths=(40, 140, 7), num_tokens=(1, 3, 0), tokens=3, q_heads=4,
+                          kv_heads=2, page_size=128, head_dim=128, q_dtype=jnp.bfloat16)
+    pm = np.asarray(case["page_map"])
+    case = {**case, "v_scale": case["v_scale"].at[1, 0, pm[1, 0], 5].set(jnp.nan),
+            "k_scale": case["k_scale"].at[1, 1, pm[0, 0], 3].set(jnp.nan)}
+    got = tpu_paged_attention(**case, logits_soft_cap=20.0, interpret=True)
+    want = reference_traced(**case, logits_soft_cap=20.0)
+    assert_same_nans_and_close(got, want, jnp.bfloat16, "8-bit poison")
+    assert np.isnan(np.asarray(want, np.float32)).any()
+    COUNTS["attention (8-bit arenas)"] += 1
+
+
+# ---- append -----------------------------------------------------------------------------------------
+
+# (page_size, kv_heads, dtype, tokens)
+APPEND_CI = [(8, 1, "float32", 9), (16, 2, "bfloat16", 1), (32, 2, "bfloat16", 20)]
+APPEND_FULL = list(itertools.product((8, 16, 32, 64, 128, 256), (2,), ("float32", "bfloat16"), (1, 9, 40)))
+
+
+def append_inputs(*, seed, page_size, kv_heads, dtype, tokens, head_dim=128, max_pages=4):
+    rng = np.random.default_rng(seed)
+    lengths, num_tokens = rows_for(page_size, tokens)
+    shape = (2, kv_heads, NUM_PAGES, page_size, head_dim)
+    k_arena, v_arena = (jnp.asarray(rng.standard_normal(shape), dtype) for _ in range(2))
+    k, v = (jnp.asarray(rng.standard_normal((6, tokens, kv_heads, head_dim)), dtype) for _ in range(2))
+    page_map = kernel_cases.scrambled_page_map(seed, lengths, page_size, max_pages, NUM_PAGES)
+    return k_arena, v_arena, k, v, page_map, jnp.asarray(lengths, jnp.int32), jnp.asarray(num_tokens, jnp.int32)
+
+
+@pytest.mark.parametrize("page_size,kv_heads,dtype,tokens", APPEND_FULL if FULL else APPEND_CI, ids=str)
+def test_append_matches_reference(page_size, kv_heads, dtype, tokens):
+    """Bit-equal to the reference: lengths 1, S-1, S, S+1, long, a padded row; tokens that
+    straddle pages and start mid-chunk (the chunk's other rows must keep their contents)."""
+    k_arena, v_arena, k, v, page_map, lengths, num_tokens = append_inputs(
+        seed=page_size + tokens, page_size=page_size, kv_heads=kv_heads, dtype=jnp.dtype(dtype), tokens=tokens)
+    got = tpu_paged_append(k_arena, v_arena, 1, k, v, page_map, lengths, num_tokens, interpret=True)
+    for g, w in zip(got, append_ref(k_arena, v_arena, 1, k, v, page_map, lengths, num_tokens)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    COUNTS["append (float arenas)"] += 1
+
+
+def test_append_unmapped_pages_past_the_table_and_donation_under_jit():
+    """Traced layer, donated arena, a -1 page inside a row's range, a row whose last tokens
+    fall past its page table (dropped), a layer out of range (writes nothing)."""
+    k_arena, v_arena, k, v, page_map, _, _ = append_inputs(seed=3, page_size=8, kv_heads=2, dtype=jnp.float32, tokens=9)
+    lengths, num_tokens = jnp.array([1, 7, 8, 35, 30, 5], jnp.int32), jnp.array([1, 5, 8, 9, 9, 0], jnp.int32)
+    page_map = page_map.at[4, 1].set(-1)
+    want = append_ref(k_arena, v_arena, 0, k, v, page_map, lengths, num_tokens)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(k_arena, v_arena, layer):
+        return tpu_paged_append(k_arena, v_arena, layer, k, v, page_map, lengths, num_tokens, interpret=True)
+
+    before = (np.asarray(k_arena), np.asarray(v_arena))
+    got = step(k_arena, v_arena, jnp.int32(0))
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    untouched = step(*(jnp.asarray(b) for b in before), jnp.int32(5))  # layer 5 of 2: no write
+    for g, b in zip(untouched, before):
+        np.testing.assert_array_equal(np.asarray(g), b)
+    COUNTS["append (float arenas)"] += 2
+
+
+# ---- 8-bit arenas (page sizes 128 / 256: their scales' default TPU layout) ----------------------------
+
+# (dtype, q_heads, kv_heads, page_size, q_dtype, tokens)
+QUANT_CI = [("int8", 8, 2, 128, "bfloat16", 1), ("float8_e5m2", 4, 1, 128, "float32", 5)]
+QUANT_FULL = [(jnp.dtype(d).name, g * 2, 2, s, qd, t) for d, g, s, qd, t in itertools.product(
+    QUANTIZED_DTYPES, (1, 4), (128, 256), ("bfloat16", "float32"), (1, 5))]
+
+
+@pytest.mark.parametrize("dtype,q_heads,kv_heads,page_size,q_dtype,tokens", QUANT_FULL if FULL else QUANT_CI, ids=str)
+def test_quantized_attention_with_nan_poisoned_stale_scales(dtype, q_heads, kv_heads, page_size, q_dtype, tokens):
+    """Stale values are random bytes, stale scales NaN: output finite, bit-equal to the same
+    arena with stale scales 0, and close to the reference."""
+    lengths, num_tokens = (1, 127, 129, 300, 7), (1, 1, tokens, tokens, 0)
+    kwargs = dict(seed=page_size + q_heads + tokens, dtype=dtype, lengths=lengths, num_tokens=num_tokens, tokens=tokens,
+                  q_heads=q_heads, kv_heads=kv_heads, page_size=page_size, head_dim=128, q_dtype=jnp.dtype(q_dtype))
+    dirty, clean = quantized_case(**kwargs, stale_scale=np.nan), quantized_case(**kwargs, stale_scale=0.0)
+    got = tpu_paged_attention(**dirty, interpret=True)
+    assert np.isfinite(np.asarray(got, np.float32)).all()
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(tpu_paged_attention(**clean, interpret=True)))
+    assert_close(got, attention_ref(**dirty), q_dtype)
+    assert padded_rows_are_zero(got, num_tokens)
+    COUNTS["attention (8-bit arenas)"] += 1
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED_DTYPES if FULL else [jnp.dtype("float8_e4m3fn")], ids=str)
+def test_quantized_append_matches_reference(dtype):
+    """Values and scales bit-equal to the reference (same `quantize_rows`), with the rule rows:
+    a zero row (scale 0), a NaN and an inf (scale NaN, values 0), values past fp8's range."""
+    s, tokens, head_dim = 128, 9, 128
+    rng = np.random.default_rng(5)
+    lengths, num_tokens = (1, s - 1, s, s + 1, 2 * s + 2, 4), (1, 9, 2, 9, 9, 0)
+    bits = rng.integers(0, 256, (2, 2, NUM_PAGES, s, head_dim), dtype=np.uint8)
+    values = jax.lax.bitcast_convert_type(jnp.asarray(bits), dtype)
+    scales = jnp.asarray(rng.standard_normal((2, 2, NUM_PAGES, s)), jnp.float32)  # stale: must stay where not written
+    k = rng.standard_normal((6, tokens, 2, head_dim)) * 3
+    k[4, 0], k[4, 1, 0, 3], k[4, 2, 1, 0], k[4, 3, 0, :3] = 0.0, np.nan, -np.inf, (1e5, -1e5, 1e-3)
+    k, v = jnp.asarray(k, jnp.bfloat16), jnp.asarray(rng.standard_normal((6, tokens, 2, head_dim)), jnp.bfloat16)
+    page_map = kernel_cases.scrambled_page_map(5, lengths, s, 3, NUM_PAGES)
+    args = (values, values, 1, k, v, page_map, jnp.asarray(lengths, jnp.int32), jnp.asarray(num_tokens, jnp.int32))
+    got = tpu_paged_append(*args, k_scale=scales, v_scale=scales, interpret=True)
+    want = fill_ref(*args, k_scale=scales, v_scale=scales)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    COUNTS["append (8-bit arenas)"] += 1
+
+
+# ---- through the API: backend="pallas_tpu" == backend="reference" --------------------------------------
+
+
+def test_api_backend_matches_reference():
+    """aj.append / aj.attend with the TPU kernels (interpret mode) == the reference backend:
+    ragged chunks of up to 4 tokens, then single tokens (decode), over scrambled NaN-filled
+    pages, a padded row, a window, a soft-cap; arena contents and outputs. (One width: one compile per op.)"""
+    import arena_jax as aj
+
+    layout = aj.KVLayout(num_layers=2, num_kv_heads=2, head_dim=128, page_size=8, num_pages=16, max_seqs=3,
+                         max_pages_per_seq=4, dtype="float32")
+    results = {}
+    for backend in ("reference", "pallas_tpu"):
+        cache = aj.create(layout)
+        perm = jax.random.permutation(jax.random.key(0), layout.num_pages).astype(jnp.int32)
+        cache = cache.replace(k=jnp.full_like(cache.k, jnp.nan), v=jnp.full_like(cache.v, jnp.nan),
+                              table=cache.table.replace(free_stack=perm))
+        slots, rng, outs = jnp.array([0, aj.PAD_SLOT, 2]), np.random.default_rng(1), []
+        for counts in ([4, 0, 3], [4, 0, 4], [2, 0, 1], [1, 0, 1], [1, 0, 1]):
+            counts, width = jnp.array(counts, jnp.int32), 4
+            cache, ok = aj.reserve(cache, slots, counts)
+            assert np.asarray(ok).all()
+            for layer in range(layout.num_layers):
+                k, v = (jnp.asarray(rng.standard_normal((3, width, 2, 128)), jnp.float32) for _ in range(2))
+                cache = aj.append(cache, layer, slots, k, v, num_tokens=counts, backend=backend)
+                q = jnp.asarray(rng.standard_normal((3, width, 4, 128)), jnp.float32)
+                outs.append(aj.attend(q, cache, layer, slots, num_tokens=counts, sliding_window=6, logits_soft_cap=30.0,
+                                      backend=backend))
+        results[backend] = (cache, outs)
+    (ref_cache, ref_outs), (tpu_cache, tpu_outs) = results["reference"], results["pallas_tpu"]
+    np.testing.assert_array_equal(np.asarray(ref_cache.table.page_map), np.asarray(tpu_cache.table.page_map))
+    for slot in (0, 2):
+        pos = np.arange(int(ref_cache.table.lengths[slot]))
+        pages = np.asarray(ref_cache.table.page_map[slot])[pos // 8]
+        for a, b in ((ref_cache.k, tpu_cache.k), (ref_cache.v, tpu_cache.v)):
+            np.testing.assert_array_equal(np.asarray(a)[:, :, pages, pos % 8], np.asarray(b)[:, :, pages, pos % 8])
+    for got, want in zip(tpu_outs, ref_outs):
+        assert np.isfinite(np.asarray(got)).all()
+        assert_close(got, want, jnp.float32)
+    COUNTS["API (aj.append / aj.attend)"] += len(tpu_outs)
+
+
+# ---- what the TPU kernels refuse ------------------------------------------------------------------------
+
+
+def test_page_tables_over_the_smem_budget_are_named():
+    """The page table (and append's chunk lists) are prefetched into SMEM (1 MiB on v5e / v6e;
+    `test_compile_tpu.py` shows 1 MiB failing to compile): larger tables are a ValueError,
+    raised while tracing (shapes only: nothing is allocated)."""
+    sds = jax.ShapeDtypeStruct
+    arena = sds((1, 1, 4, 16, 128), jnp.bfloat16)
+    ints = lambda *shape: sds(shape, jnp.int32)  # noqa: E731
+    with pytest.raises(ValueError, match=r"page_map \[30, 8192\]: 983,288 bytes of int32 tables .* SMEM"):
+        jax.eval_shape(lambda q, *rows: tpu_paged_attention(q, arena, arena, 0, *rows, interpret=True),
+                       sds((30, 1, 2, 128), jnp.bfloat16), ints(30, 8192), ints(30), ints(30))
+    x = sds((4096, 300, 1, 128), jnp.bfloat16)  # 4096 rows x 20 chunks of 16 tokens
+    with pytest.raises(ValueError, match=r"append of \[4096, 300\] tokens \(chunk lists\): 983,052 bytes"):
+        jax.eval_shape(lambda x, *rows: tpu_paged_append(arena, arena, 0, x, x, *rows, interpret=True),
+                       x, ints(4096, 4), ints(4096), ints(4096))
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(head_dim=64), "head_dim=64: the TPU kernels take multiples of 128 up to 256"),
+    (dict(page_size=12), "page_size=12: the TPU kernels take multiples of 8 up to 256"),
+    (dict(dtype=jnp.float16), "dtype=float16: the TPU kernels take bfloat16, float32"),
+    (dict(q_dtype=jnp.float16), "q.dtype=float16: the TPU attention kernel computes in q's dtype"),
+    (dict(dtype=jnp.int8, page_size=16), "page_size=16: the TPU kernels take multiples of 128 up to 256"),
+    (dict(dtype=jnp.int8, page_size=128, scale_dtype=jnp.bfloat16), "scale_dtype=bfloat16: the TPU kernels take float32"),
+])
+def test_unsupported_geometries_are_named(change, match):
+    geo = dict(head_dim=128, page_size=16, dtype=jnp.bfloat16, q_dtype=jnp.bfloat16, scale_dtype=jnp.float32)
+    geo.update(change)
+    quantized = jnp.dtype(geo["dtype"]) in QUANTIZED_DTYPES
+    arena = jnp.zeros((1, 1, 4, geo["page_size"], geo["head_dim"]), geo["dtype"])
+    scales = dict(k_scale=jnp.zeros(arena.shape[:4], geo["scale_dtype"]),
+                  v_scale=jnp.zeros(arena.shape[:4], geo["scale_dtype"])) if quantized else {}
+    rows = (jnp.zeros((1, 1), jnp.int32), jnp.ones(1, jnp.int32), jnp.ones(1, jnp.int32))
+    q = jnp.zeros((1, 1, 2, geo["head_dim"]), geo["q_dtype"])
+    with pytest.raises(ValueError, match=match):
+        tpu_paged_attention(q, arena, arena, 0, *rows, interpret=True, **scales)
+    if "q_dtype" not in change:
+        x = jnp.zeros((1, 1, 1, geo["head_dim"]), jnp.bfloat16)
+        with pytest.raises(ValueError, match=match):
+            tpu_paged_append(arena, arena, 0, x, x, *rows, interpret=True, **scales)
