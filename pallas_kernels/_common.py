@@ -233,12 +233,13 @@ class BlockSizes:
     @classmethod
     def for_append(cls, *, tokens: int, head_dim: int, rotate: bool = False, int4: bool = False) -> "BlockSizes":
         """Append: up to 64 tokens x head_dim per program; a rotated append (keys rotated by a
-        dot before quantization) at least 16 (Triton's smallest dot); a rotated int4 append
-        at head_dim > 128 always 64 (its 16 narrow rotation dots spill 150-460 B as mma.sync
-        at 16 or 32 rows, and compile to ~120 registers as 64-row wgmma)."""
+        dot before quantization) at least 16 (Triton's smallest dot), and at head_dim > 128
+        always 64: as 16- or 32-row mma.sync the rotation dots spill (int4's 16 narrow dots
+        150-460 B; int8 4 B under JAX 0.11's 128-register cap), as 64-row wgmma they compile to
+        116-120 (int4) / 163-179 (int8) registers. (`int4` is accepted for the record; the rule is the same.)"""
         block = min(next_pow2(tokens), 64)
         if rotate:
-            block = 64 if int4 and head_tile(head_dim) > 128 else max(block, MIN_TILE)
+            block = 64 if head_tile(head_dim) > 128 else max(block, MIN_TILE)
         return cls(block_tokens=block,
                    num_warps=4 if head_tile(head_dim) <= 128 else 8, num_stages=1)
 
