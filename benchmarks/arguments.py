@@ -134,6 +134,11 @@ def _add_decode_args(p: argparse.ArgumentParser, defaults: dict) -> None:
                    help="run sharded over dp*tp devices: 'tp=8' (KV heads and Megatron weights over 8 devices), "
                         "'dp=2,tp=4' (also slots, pages and batch rows over 2 data shards); on a CPU give it host "
                         "devices with XLA_FLAGS=--xla_force_host_platform_device_count=N (a functional check, not a speed)")  # fmt: skip
+    g.add_argument("--hf", choices=("auto", "on", "off"), default="auto",
+                   help="also run transformers on the same weights (CPU, one device; auto: when torch and transformers "
+                        "are installed); for one thread on both sides set XLA_FLAGS='--xla_cpu_multi_thread_eigen=false "
+                        "intra_op_parallelism_threads=1'")  # fmt: skip
+    g.add_argument("--hf-threads", type=positive_int, default=1, help="torch threads for the transformers run")
 
 
 def _add_prefix_args(p: argparse.ArgumentParser) -> None:

@@ -199,7 +199,19 @@ def _decode_settings(args):
         raise _Fail(f"--model-dir {args.model_dir!r} is not a folder")
     if args.new_tokens < 2:
         raise _Fail("--new-tokens must be >= 2 (one token from prefill, at least one decode step)")
+    hf = getattr(args, "hf", "off")  # the tour runs without the transformers peer
+    if hf != "off":
+        import jax
+
+        from benchmarks.hf_peer import unavailable_reason
+
+        reason = unavailable_reason(jax.default_backend(), getattr(args, "mesh", None))
+        if reason is not None and hf == "on":
+            raise _Fail(f"--hf on: {reason}")
+        hf = reason is None
     return DecodeSettings(
+        hf=bool(hf),
+        hf_threads=getattr(args, "hf_threads", 1),
         model=args.model,
         model_dir=args.model_dir,
         batch=args.batch,
@@ -253,6 +265,14 @@ def _cmd_decode(args, console, progress) -> dict:
     else:
         m = result["first_mismatch"]
         console.print(f"  greedy tokens: [red]MISMATCH[/red] (first at row {m['row']}, token {m['token_index']}: arena {m['arena']} vs dense {m['dense']})" if m else "  greedy tokens: [red]MISMATCH[/red]")
+    h = result.get("transformers")
+    if h:
+        agree = "[green]match[/green]" if h["same_tokens"] else f"{h['token_agreement']:.1%} equal position by position"
+        console.print(
+            f"  transformers ({h['model_class']}, its own KV cache, torch threads {h['torch_threads']}; JAX threads "
+            f"{h['jax_threads']}): arena / transformers decode tokens/s [bold]{a['tokens_per_s'] / h['tokens_per_s']:.2f}x"
+            f"[/bold]; greedy tokens vs the arena's: {agree}"
+        )
     console.print(
         f"  arena held {a['pages_in_use']} pages ({a['utilization']:.1%} of their positions filled); "
         f"dense cache sized to prompt + new tokens = {result['settings']['dense_max_len']} per row (its best case)"

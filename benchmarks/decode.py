@@ -20,6 +20,10 @@ Megatron style (`models.parallel`), the arena split over KV heads (tensor) and o
 and pages (data, when dp > 1), the dense baseline's cache split alike ([L, B, S, K, H]:
 rows over data, KV heads over tensor when they divide); greedy tokens are compared as
 without a mesh. On a CPU with host devices it is a functional check.
+
+`hf=True`: a third run, `transformers` on the same weights and prompts (`benchmarks.hf_peer`:
+its own model class and KV cache, a hand greedy loop timed like ours, torch on `hf_threads`
+threads), alternated with the other two; its tokens are compared with the arena's.
 """
 from __future__ import annotations
 
@@ -60,6 +64,8 @@ class DecodeSettings:
     seed: int = 0
     mesh: tuple[int, int] | None = None  # (data-parallel, tensor-parallel) degrees; None: one device
     scan_layers: bool = True  # layers stacked and run by a scan (False: a list run by a Python loop)
+    hf: bool = False  # also run transformers on the same weights (CPU, one device; benchmarks.hf_peer)
+    hf_threads: int = 1  # torch threads for the transformers run
 
 
 def config_and_dtype(s):
@@ -266,12 +272,20 @@ def run_decode(s: DecodeSettings, progress=None) -> dict:
     rng = np.random.default_rng(s.seed)
     prompts = rng.integers(0, cfg.vocab_size, size=(s.batch, s.prompt_len), dtype=np.int32)
     arena, dense = _ArenaRun(model, s, prompts, mesh), _DenseRun(model, s, prompts, mesh)
+    runners = {"arena": arena, "dense": dense}
+    if s.hf:
+        from benchmarks import hf_peer
 
-    advance = progress.add_task("decode: warm-up + repeats", total=2 * (s.warmup + s.repeats)) if progress else None
-    results = {"arena": ([], [], []), "dense": ([], [], [])}  # tokens, prefills, step lists
+        reason = hf_peer.unavailable_reason(jax.default_backend(), mesh)
+        if reason is not None:
+            raise ValueError(f"--hf: {reason}")
+        runners["transformers"] = hf_peer.HFRun(model, prompts, s.new_tokens, threads=s.hf_threads)
+
+    advance = progress.add_task("decode: warm-up + repeats", total=len(runners) * (s.warmup + s.repeats)) if progress else None
+    results = {name: ([], [], []) for name in runners}  # tokens, prefills, step lists
     first = {}
     for i in range(s.warmup + s.repeats):
-        for name, runner in (("arena", arena), ("dense", dense)):
+        for name, runner in runners.items():
             toks, pre, steps = runner.run()
             if i == 0:
                 first[name] = (pre, steps)
@@ -324,7 +338,19 @@ def run_decode(s: DecodeSettings, progress=None) -> dict:
         kv_bytes_reserved=dense.reserved,
         kv_bytes_reserved_per_token=dense.reserved / held,
     )
+    peer = None
+    if s.hf:
+        from benchmarks import hf_peer
+
+        hf_tokens = results["transformers"][0]
+        peer = _summary(results["transformers"][1], results["transformers"][2], s.batch, *first["transformers"])
+        peer.update(
+            model_class=runners["transformers"].name, torch_threads=s.hf_threads, jax_threads=hf_peer.jax_threads(),
+            same_tokens=bool(all(np.array_equal(a, h) for a, h in zip(arena_tokens, hf_tokens))),
+            token_agreement=float(np.mean([np.mean(a == h) for a, h in zip(arena_tokens, hf_tokens)])),
+        )
     return {
+        "transformers": peer,
         "settings": {
             **dataclasses.asdict(s),
             "weights": weights,

@@ -302,13 +302,20 @@ def decode_table(result: dict) -> Table:
         caption=f"{s['weights']}, {s['dtype']}; {s['repeats']} timed repeats after {s['warmup']} warm-up",
         box=box.SIMPLE_HEAVY,
     )
-    for col, just in (("", "left"), ("paged arena", "right"), ("dense cache", "right"), ("arena / dense", "right")):
+    h = result.get("transformers")
+    cols = [("", "left"), ("paged arena", "right"), ("dense cache", "right"), ("arena / dense", "right")]
+    if h:
+        cols += [("transformers", "right"), ("arena / transformers", "right")]
+    for col, just in cols:
         t.add_column(col, justify=just)
 
     def row(label, key, fmt, ratio=True):
         x, y = a[key], d[key]
-        r = f"{x / y:.2f}x" if ratio and y else ""
-        t.add_row(label, fmt(x), fmt(y), r)
+        cells = [label, fmt(x), fmt(y), f"{x / y:.2f}x" if ratio and y else ""]
+        if h:
+            z = h.get(key)
+            cells += ["" if z is None else fmt(z), f"{x / z:.2f}x" if ratio and z else ""]
+        t.add_row(*cells)
 
     row("decode tokens/s (median)", "tokens_per_s", lambda v: f"{v:,.1f}")
     row("step latency p50", "step_ms_p50", lambda v: f"{v:.3f} ms")

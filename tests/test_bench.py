@@ -15,10 +15,11 @@ from benchmarks import cli
 from benchmarks.allocators import FirstFit
 from benchmarks.capacity import CapacitySettings, run_capacity
 from benchmarks.workload import WorkloadError, load_lengths, synthetic
+from hf_reference import hf_reference  # noqa: F401  (a fixture: skips / fails as the CI line says where torch is absent)
 
 # 128 MiB of Mistral-7B KV = 1,024 tokens = 64 pages; 256-token slabs: 4 max-length sequences.
 CAPACITY = ["--budget-gib", "0.125", "--max-seq-len", "256", "--max-seqs", "32", "--requests", "40"]
-DECODE = ["--batch", "2", "--prompt-len", "8", "--new-tokens", "5", "--repeats", "2", "--num-layers", "1"]
+DECODE = ["--batch", "2", "--prompt-len", "8", "--new-tokens", "5", "--repeats", "2", "--num-layers", "1", "--hf", "off"]
 # test_models.py's shapes (tiny model, std 0.2, 4 rows, 6 pages of 16, 64 tokens, chunks of 8): compiled once per session.
 PREFIX = ["--conversations", "5", "--turns", "2", "--system-prompts", "2", "--system-len", "24", "--user-len", "8",
           "--new-tokens", "6", "--num-pages", "6", "--chunk-size", "8"]  # fmt: skip
@@ -119,6 +120,20 @@ def test_decode_another_family(tmp_path):
     args = ["decode", "--model", "tiny-gemma3", "--batch", "2", "--prompt-len", "12", "--new-tokens", "5", "--repeats", "1"]
     res = _run(args, tmp_path)["results"]
     assert res["same_tokens"] is True and res["first_mismatch"] is None
+
+
+@pytest.mark.usefixtures("hf_reference")
+def test_decode_against_transformers(tmp_path, capsys):
+    """The second peer: transformers' own Gemma 2 model (soft-caps, a window of 8 on every other
+    layer, shorter than the 12-token prompts) on the same weights gives the arena's greedy tokens."""
+    args = ["decode", "--model", "tiny-gemma2", "--batch", "2", "--prompt-len", "12", "--new-tokens", "5", "--repeats", "1",
+            "--hf", "on"]  # fmt: skip
+    res = _run(args, tmp_path)["results"]
+    peer = res["transformers"]
+    assert peer["model_class"] == "Gemma2ForCausalLM" and peer["torch_threads"] == 1
+    assert peer["same_tokens"] is True and peer["token_agreement"] == 1.0 and res["same_tokens"] is True
+    assert peer["tokens_per_s"] > 0 and len(peer["step_ms"]) == 4
+    assert "greedy tokens vs the arena's: match" in capsys.readouterr().out
 
 
 def test_prefix(tmp_path, capsys):
