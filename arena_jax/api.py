@@ -90,6 +90,11 @@ def _resolve_backend(backend: str | None, layout, group: int | None = None, **at
     chosen = backend or default_backend()
     if chosen == "mosaic":
         return _resolve_mosaic(layout, group, attend)
+    if chosen == "xla" and layout.dtype.name == "int4":  # the blockwise path does not read int4 pages yet
+        if asked == "xla":
+            raise ValueError("backend='xla' cannot take an int4 arena yet (the blockwise path reads float and 8-bit "
+                             "pages); use backend='reference' (or 'pallas' on a GPU)")
+        return "reference"
     if chosen in ("reference", "xla"):
         return chosen
     from pallas_kernels import triton_lowering_problem, unsupported_reason
@@ -101,6 +106,9 @@ def _resolve_backend(backend: str | None, layout, group: int | None = None, **at
         reason = tpu_unsupported_reason(head_dim=layout.head_dim, page_size=layout.page_size, group=group,
                                         dtype=layout.dtype, scale_dtype=layout.scale_dtype,
                                         q_dtype=attend.get("q_dtype"))  # fmt: skip
+        if reason is None and layout.rotate_keys:
+            reason = ("rotate_keys=True (the int8 default): the TPU kernels do not rotate keys or queries yet; "
+                      "give KVLayout(rotate_keys=False) or use backend='reference'")
     else:
         reason = (triton_lowering_problem()
                   or unsupported_reason(head_dim=layout.head_dim, page_size=layout.page_size, group=group, dtype=layout.dtype))
@@ -108,11 +116,12 @@ def _resolve_backend(backend: str | None, layout, group: int | None = None, **at
         return chosen
     if asked in ("pallas", "pallas_tpu"):
         raise ValueError(f"backend={asked!r} cannot take this layout: {reason}")
+    fallback = "reference" if layout.dtype.name == "int4" else "xla"  # the blockwise path reads no int4 pages yet
     if reason not in _FALLBACK_WARNED:
         _FALLBACK_WARNED.add(reason)
         warnings.warn(f"arena_jax: the Pallas kernels cannot take this layout ({reason}); using the jnp "
-                      "path (backend 'xla')", RuntimeWarning, stacklevel=3)
-    return "xla"
+                      f"path (backend {fallback!r})", RuntimeWarning, stacklevel=3)
+    return fallback
 
 
 def _resolve_mosaic(layout, group, attend: dict) -> str:

@@ -6,8 +6,10 @@ last num_tokens positions of lengths. Here `lengths` is the *written* watermark 
 never the reservation: attention reads only tokens stored at that layer, so reserved but
 unwritten positions (an earlier tenant's bytes) can never be read.
 
-8-bit arenas pass their scales along: append quantizes the new rows (values and scales are
-written by the same kernel, under the same masks), attention dequantizes what it reads.
+Quantized arenas (8-bit, int4) pass their scales along: append quantizes the new rows (values
+and scales are written by the same kernel, under the same masks), attention dequantizes what
+it reads. A cache with `rotate_keys` has its keys rotated before quantization and q rotated the
+same way in attention (both inside the kernels / references).
 
 Backends: "pallas" / "pallas_tpu" (the kernels), "mosaic" (a GPU decode kernel), "xla"
 (`pallas_kernels.blockwise`: attention in blocks of pages, its cost following the written
@@ -25,6 +27,7 @@ import jax.numpy as jnp
 from arena_jax.allocator import in_range_rows, slot_rows
 from arena_jax.state import PAD_SLOT, KVCache
 from pallas_kernels.blockwise import paged_attention_blockwise
+from pallas_kernels.rotation import rotate_rows
 from pallas_kernels.reference import append_reference, paged_attention_reference
 
 __all__ = ["append_impl", "attend_impl"]
@@ -71,11 +74,11 @@ def append_impl(cache: KVCache, layer, slots, k, v, num_tokens, backend: str) ->
     elif backend == "pallas":  # "mosaic" has no append kernel: the reference scatter (XLA's)
         from pallas_kernels.append import paged_append
 
-        arenas = paged_append(cache.k, cache.v, layer_c, k, v, *kernel_rows, **scales)
+        arenas = paged_append(cache.k, cache.v, layer_c, k, v, *kernel_rows, rotate_keys=cache.rotate_keys, **scales)
     else:
-        arenas = append_reference(cache.k, cache.v, layer_c, k, v, *kernel_rows, **scales)
+        arenas = append_reference(cache.k, cache.v, layer_c, k, v, *kernel_rows, rotate_keys=cache.rotate_keys, **scales)
     k_arena, v_arena = arenas[:2]
-    if cache.k_scale is not None:  # an 8-bit arena: values and scales written together
+    if cache.k_scale is not None:  # a quantized arena: values and scales written together
         scales = dict(k_scale=arenas[2], v_scale=arenas[3])
     target = jnp.where(writable, slots, max_seqs)
     table = table.replace(written=table.written.at[layer_c, target].add(accepted, mode="drop"))
@@ -103,10 +106,11 @@ def attend_impl(q, cache: KVCache, layer, slots, num_tokens, backend: str, slidi
     n = jnp.where(good, num_tokens, 0)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                   k_scale=cache.k_scale, v_scale=cache.v_scale)
-    if backend == "pallas_tpu":
+    if backend == "pallas_tpu":  # rotated keys never reach it (api._resolve_backend refuses them)
         from pallas_kernels.tpu_attention import tpu_paged_attention
 
         return tpu_paged_attention(q, cache.k, cache.v, layer_c, page_map, lengths, n, **kwargs)
+    kwargs["rotate_keys"] = cache.rotate_keys
     if backend == "pallas":
         from pallas_kernels.paged_attention import paged_attention
 
@@ -115,6 +119,8 @@ def attend_impl(q, cache: KVCache, layer, slots, num_tokens, backend: str, slidi
         from pallas_kernels.mosaic_decode import mosaic_paged_decode
 
         return mosaic_paged_decode(q, cache.k, cache.v, layer_c, page_map, lengths, n, sm_scale=sm_scale)
-    if backend == "xla":  # blocks of pages up to the longest written context
+    if backend == "xla":  # blocks of pages up to the longest written context; q rotated as the reference does
+        if kwargs.pop("rotate_keys"):
+            q = rotate_rows(q, q.dtype)
         return paged_attention_blockwise(q, cache.k, cache.v, layer_c, page_map, lengths, n, **kwargs)
     return paged_attention_reference(q, cache.k, cache.v, layer_c, page_map, lengths, n, **kwargs)

@@ -10,7 +10,8 @@ import numpy as np
 
 from arena_jax.hf_config import kv_geometry, read_hf_config  # read_hf_config: re-exported
 
-__all__ = ["KVLayout", "ROW_ALIGN_BYTES", "ARENA_DTYPES", "QUANTIZED_DTYPES", "SCALE_DTYPES", "read_hf_config"]
+__all__ = ["KVLayout", "ROW_ALIGN_BYTES", "ARENA_DTYPES", "QUANTIZED_DTYPES", "EIGHT_BIT_DTYPES", "SCALE_DTYPES",
+           "INT4_GROUP", "ROTATE_KEYS_DEFAULT", "read_hf_config"]
 
 # One token of one head (head_dim * itemsize) is a whole number of 16-byte vectors. Why this
 # rule and no other:
@@ -22,16 +23,25 @@ __all__ = ["KVLayout", "ROW_ALIGN_BYTES", "ARENA_DTYPES", "QUANTIZED_DTYPES", "S
 #   head_dim 96 in bf16 is 192 bytes) for no correctness reason: the kernels gather every key
 #   row by itself, so page alignment beyond the row's buys nothing.
 # - No real model is excluded: head sizes are multiples of 8 (bf16/fp16: 16 bytes) and of 16
-#   for 8-bit arenas.
+#   for 8-bit arenas. int4 rows are head_dim / 2 bytes: head_dim a multiple of 32 (which is
+#   also whole scale groups): 32, 64, 96, 128, 160, 192, 224, 256 (not 80 or 112).
 # Which geometries the Pallas kernels take is a separate question (head_dim a multiple of 8 up
 # to 256): `pallas_kernels.unsupported_reason`, asked by arena_jax's backend choice.
 ROW_ALIGN_BYTES = 16
 
 # What an arena can hold (what `jnp.zeros(..., dtype)` really stores, on every backend).
 # 8-bit arenas also hold one scale per (layer, KV head, page, token): `pallas_kernels.quant`.
-QUANTIZED_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")
+# int4 arenas store two codes a byte (uint8 arrays, head_dim / 2 wide) and one scale per
+# group of INT4_GROUP lanes of each token: `pallas_kernels.quant4`.
+EIGHT_BIT_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")
+QUANTIZED_DTYPES = EIGHT_BIT_DTYPES + ("int4",)
 ARENA_DTYPES = ("bfloat16", "float16", "float32") + QUANTIZED_DTYPES
 SCALE_DTYPES = ("float32", "bfloat16")
+INT4_GROUP = 32
+# Keys rotated before quantization (`pallas_kernels.rotation`) unless the layout says otherwise:
+# on where it lowers attention error (int8: 4-6x less at x10-x50 key outliers, int4: 1.5-2.5x
+# at x10-x20), off where it raises it (fp8: every outlier scale; pallas_kernels/README.md).
+ROTATE_KEYS_DEFAULT = {"int8": True, "int4": True, "float8_e4m3fn": False, "float8_e5m2": False}
 
 
 def _canonical_dtype(dtype, name: str = "dtype") -> np.dtype:
@@ -45,20 +55,34 @@ def _canonical_dtype(dtype, name: str = "dtype") -> np.dtype:
 
 def _scale_dtype(dtype: np.dtype, scale_dtype) -> np.dtype | None:
     """The scale dtype of an arena of `dtype`: float32 (default) or bfloat16 for 8-bit arenas,
-    None for float arenas (which have no scales)."""
+    bfloat16 (default) or float32 for int4 (bf16: 3.56x bf16's tokens at head_dim 128, f32:
+    3.2x), None for float arenas (which have no scales)."""
     if dtype.name not in QUANTIZED_DTYPES:
         if scale_dtype is not None:
-            raise ValueError(f"scale_dtype={scale_dtype!r} applies to 8-bit arenas only; a {dtype.name} arena has no scales")
+            raise ValueError(f"scale_dtype={scale_dtype!r} applies to quantized (8-bit, int4) arenas only; a "
+                             f"{dtype.name} arena has no scales")
         return None
-    scale = _canonical_dtype("float32" if scale_dtype is None else scale_dtype, "scale_dtype")
+    default = "bfloat16" if dtype.name == "int4" else "float32"
+    scale = _canonical_dtype(default if scale_dtype is None else scale_dtype, "scale_dtype")
     if scale.name not in SCALE_DTYPES:
         raise ValueError(f"scale_dtype={scale.name} is not supported: scales are one of {', '.join(SCALE_DTYPES)}")
     return scale
 
 
+def _bits(dtype: np.dtype) -> int:
+    return 4 if dtype.name == "int4" else 8 * dtype.itemsize
+
+
+def _scale_groups(head_dim: int, dtype: np.dtype) -> int:
+    """Scales per token row: 0 (float), 1 (8-bit), head_dim / 32 (int4)."""
+    if dtype.name == "int4":
+        return head_dim // INT4_GROUP
+    return 1 if dtype.name in QUANTIZED_DTYPES else 0
+
+
 def _bytes_per_token(num_layers, num_kv_heads, head_dim, dtype: np.dtype, scale_dtype: np.dtype | None) -> int:
-    scale = scale_dtype.itemsize if scale_dtype is not None else 0
-    return 2 * num_layers * num_kv_heads * (head_dim * dtype.itemsize + scale)
+    scale = _scale_groups(head_dim, dtype) * scale_dtype.itemsize if scale_dtype is not None else 0
+    return 2 * num_layers * num_kv_heads * (head_dim * _bits(dtype) // 8 + scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,12 +90,20 @@ class KVLayout:
     """Arena geometry. Only KV heads are stored: GQA/MQA size by `num_kv_heads`.
 
     Arena buffers `k`, `v` are each `[num_layers, num_kv_heads, num_pages, page_size, head_dim]`.
-    `dtype`: bfloat16, float16, float32, or an 8-bit format (int8, float8_e4m3fn, float8_e5m2).
-    An 8-bit arena also holds `k_scale`, `v_scale`: `[num_layers, num_kv_heads, num_pages,
-    page_size]` in `scale_dtype` (float32 by default, or bfloat16), one per token and KV head,
-    in the same paged geometry as the values, so every page operation moves them together.
+    `dtype`: bfloat16, float16, float32, an 8-bit format (int8, float8_e4m3fn, float8_e5m2) or
+    int4. An 8-bit arena also holds `k_scale`, `v_scale`: `[num_layers, num_kv_heads,
+    num_pages, page_size]` in `scale_dtype` (float32 by default, or bfloat16), one per token and
+    KV head. An int4 arena stores `k`, `v` as uint8 `[..., head_dim / 2]` (two codes a byte)
+    and one scale per group of 32 lanes, `k_scale`, `v_scale`: `[num_layers, num_kv_heads,
+    num_pages, page_size, head_dim / 32]` (bfloat16 by default, or float32). Scales are in the
+    same paged geometry as the values, so every page operation moves them together.
     `scale_dtype` is None for float arenas. Sizes (`bytes_per_token`, `page_bytes`,
-    `arena_bytes`, `for_memory_budget`) count the scales.
+    `arena_bytes`, `for_memory_budget`) count every scale.
+
+    `rotate_keys` (quantized arenas): keys are rotated by a fixed randomized Hadamard transform
+    before quantization and queries by the same one in attention (`pallas_kernels.rotation`),
+    which spreads outlier channels over the whole row; scores are unchanged up to rounding.
+    None takes `ROTATE_KEYS_DEFAULT[dtype]` (int8, int4: on; fp8: off); float arenas: False.
     """
 
     num_layers: int
@@ -83,6 +115,7 @@ class KVLayout:
     max_pages_per_seq: int
     dtype: Any = "bfloat16"
     scale_dtype: Any = None
+    rotate_keys: Any = None
 
     def __post_init__(self):
         for name in ("num_layers", "num_kv_heads", "head_dim", "page_size", "num_pages", "max_seqs", "max_pages_per_seq"):
@@ -98,7 +131,25 @@ class KVLayout:
             )
         object.__setattr__(self, "dtype", dtype)
         object.__setattr__(self, "scale_dtype", _scale_dtype(dtype, self.scale_dtype))
-        row = self.head_dim * dtype.itemsize
+        rotate = self.rotate_keys
+        if rotate is None:
+            rotate = ROTATE_KEYS_DEFAULT.get(dtype.name, False)
+        elif not isinstance(rotate, (bool, np.bool_)):
+            raise ValueError(f"rotate_keys must be True, False or None (the format's default), got {rotate!r}")
+        elif rotate and dtype.name not in QUANTIZED_DTYPES:
+            raise ValueError(f"rotate_keys=True applies to quantized (8-bit, int4) arenas only; a {dtype.name} arena "
+                             "stores keys as given")
+        object.__setattr__(self, "rotate_keys", bool(rotate))
+        if dtype.name == "int4":
+            row = self.head_dim // 2
+            if self.head_dim % (2 * ROW_ALIGN_BYTES):
+                raise ValueError(
+                    f"head_dim * 4 bits = {self.head_dim}*4 bits = {self.head_dim / 2:g} bytes must be a multiple of "
+                    f"{ROW_ALIGN_BYTES} bytes (one token of one head: 16-byte vector loads and TMA strides); int4 "
+                    f"arenas need head_dim a multiple of 32 (32, 64, 96, 128, ...), which is also whole groups of "
+                    f"{INT4_GROUP} lanes per scale"
+                )
+        row = self.head_dim * _bits(dtype) // 8
         if row % ROW_ALIGN_BYTES:
             raise ValueError(
                 f"head_dim * itemsize = {self.head_dim}*{dtype.itemsize} = {row} bytes must be a multiple of "
@@ -111,17 +162,44 @@ class KVLayout:
     # ---- derived sizes -------------------------------------------------------------
     @property
     def itemsize(self) -> int:
+        """Bytes of one stored element (`dtype.itemsize`; int4 packs two codes in one byte: see `bits`)."""
         return self.dtype.itemsize
 
     @property
+    def bits(self) -> int:
+        """Bits of one value: 32, 16, 8, or 4 (int4)."""
+        return _bits(self.dtype)
+
+    @property
     def quantized(self) -> bool:
-        """An 8-bit arena (values plus per-token scales)."""
+        """A quantized arena (8-bit or int4: values plus scales)."""
         return self.scale_dtype is not None
+
+    @property
+    def int4(self) -> bool:
+        return self.dtype.name == "int4"
+
+    @property
+    def storage_dtype(self) -> np.dtype:
+        """The dtype of the `k`, `v` arrays: `dtype`, or uint8 for int4 (two codes a byte)."""
+        return np.dtype(np.uint8) if self.int4 else self.dtype
+
+    @property
+    def scale_groups(self) -> int:
+        """Scales per token row of one head: 0 (float), 1 (8-bit), head_dim / 32 (int4)."""
+        return _scale_groups(self.head_dim, self.dtype)
+
+    @property
+    def scale_bytes_per_token(self) -> int:
+        """The scales' share of `bytes_per_token` (K and V, all layers and KV heads)."""
+        if not self.quantized:
+            return 0
+        return 2 * self.num_layers * self.num_kv_heads * self.scale_groups * self.scale_dtype.itemsize
 
     @property
     def bytes_per_token(self) -> int:
         """K and V of one token across all layers and KV heads, scales included:
-        `2 * num_layers * num_kv_heads * (head_dim * itemsize + scale itemsize)`."""
+        `2 * num_layers * num_kv_heads * (head_dim * bits / 8 + scale_groups * scale itemsize)`."""
         return _bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.scale_dtype)
 
     @property
@@ -143,12 +221,16 @@ class KVLayout:
 
     @property
     def arena_shape(self) -> tuple[int, int, int, int, int]:
-        return (self.num_layers, self.num_kv_heads, self.num_pages, self.page_size, self.head_dim)
+        """Shape of `k` / `v`; the last axis is head_dim, or head_dim / 2 bytes for int4."""
+        row = self.head_dim // 2 if self.int4 else self.head_dim
+        return (self.num_layers, self.num_kv_heads, self.num_pages, self.page_size, row)
 
     @property
-    def scale_shape(self) -> tuple[int, int, int, int]:
-        """Shape of `k_scale` / `v_scale` (8-bit arenas): one scale per token of each page and head."""
-        return (self.num_layers, self.num_kv_heads, self.num_pages, self.page_size)
+    def scale_shape(self) -> tuple[int, ...]:
+        """Shape of `k_scale` / `v_scale`: one scale per token of each page and head (8-bit), or
+        per group of 32 lanes of each token (int4: a trailing head_dim / 32 axis)."""
+        shape = (self.num_layers, self.num_kv_heads, self.num_pages, self.page_size)
+        return shape + (self.scale_groups,) if self.int4 else shape
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-int(num_tokens) // self.page_size)
@@ -167,8 +249,9 @@ class KVLayout:
         max_seq_len: int = 8192,
         dtype: Any = "bfloat16",
         scale_dtype: Any = None,
+        rotate_keys: Any = None,
     ) -> "KVLayout":
-        """As many pages as `budget_bytes` holds (K and V, all layers, scales of 8-bit arenas included)."""
+        """As many pages as `budget_bytes` holds (K and V, all layers, every scale of a quantized arena included)."""
         dt = _canonical_dtype(dtype)
         sdt = _scale_dtype(dt, scale_dtype) if dt.name in ARENA_DTYPES else None  # others: __post_init__ says why
         per_page = _bytes_per_token(num_layers, num_kv_heads, head_dim, dt, sdt) * page_size
@@ -185,6 +268,7 @@ class KVLayout:
             max_pages_per_seq=-(-max_seq_len // page_size),
             dtype=dtype,
             scale_dtype=scale_dtype,
+            rotate_keys=rotate_keys,
         )
 
     @classmethod
@@ -199,6 +283,7 @@ class KVLayout:
         max_seq_len: int | None = None,
         dtype: Any = None,
         scale_dtype: Any = None,
+        rotate_keys: Any = None,
     ) -> "KVLayout":
         """Geometry from a Hugging Face `config.json` (a dict, the file, or its folder).
 
@@ -207,7 +292,8 @@ class KVLayout:
         KV heads: `num_key_value_heads`, else `num_attention_heads`.
         head_dim: `head_dim`, else `hidden_size // num_attention_heads`.
         dtype: the config's `dtype` / `torch_dtype`, else bfloat16 (give e.g. "int8" for an 8-bit
-        arena; `scale_dtype` then float32 or bfloat16). max_seq_len: `max_position_embeddings`.
+        arena, "int4" for a 4-bit one; `scale_dtype` then float32 or bfloat16, `rotate_keys` as
+        in the class). max_seq_len: `max_position_embeddings`.
         Give exactly one of `num_pages` and `budget_bytes`.
         """
         if (num_pages is None) == (budget_bytes is None):
@@ -230,6 +316,7 @@ class KVLayout:
                 max_seq_len=max_seq_len,
                 dtype=dtype,
                 scale_dtype=scale_dtype,
+                rotate_keys=rotate_keys,
             )
         return cls(
             num_layers=geometry.num_layers,
@@ -241,4 +328,5 @@ class KVLayout:
             max_pages_per_seq=math.ceil(max_seq_len / page_size),
             dtype=dtype,
             scale_dtype=scale_dtype,
+            rotate_keys=rotate_keys,
         )

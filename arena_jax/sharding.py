@@ -169,8 +169,8 @@ class CacheSharding:
         return self.stored_kv_heads(layout) // self.tp
 
     def bytes_per_token_per_device(self, layout: KVLayout) -> int:
-        """K and V of one token, all layers, on ONE device (replicated heads counted; an 8-bit
-        arena's per-token scales included, as in `KVLayout.bytes_per_token`)."""
+        """K and V of one token, all layers, on ONE device (replicated heads counted; a quantized
+        arena's scales included, as in `KVLayout.bytes_per_token`)."""
         return layout.bytes_per_token // layout.num_kv_heads * self.kv_heads_per_device(layout)
 
     def arena_bytes_per_device(self, layout: KVLayout) -> int:
@@ -178,8 +178,8 @@ class CacheSharding:
         return self.bytes_per_token_per_device(layout) * layout.page_size * (layout.num_pages // self.dp)
 
     def arena_shape(self, layout: KVLayout) -> tuple[int, ...]:
-        """The global shape of `k` and `v` (heads counted with their replicas)."""
-        return (layout.num_layers, self.stored_kv_heads(layout), layout.num_pages, layout.page_size, layout.head_dim)
+        """The global shape of `k` and `v` (heads counted with their replicas; int4: head_dim / 2 bytes)."""
+        return (layout.num_layers, self.stored_kv_heads(layout)) + layout.arena_shape[2:]
 
     # ---- partition specs (trailing Nones dropped: jit gives outputs specs in that form, and a
     # created cache must have the shardings of a stepped one, or the first step compiles twice)
@@ -229,10 +229,11 @@ def create_sharded(layout: KVLayout, mesh, *, tensor_axis: str | None = "tensor"
             stats = jax.tree.map(lambda x: jnp.zeros((sh.dp,), x.dtype), stats)
         shape = sh.arena_shape(layout)
         scales = {}
-        if layout.quantized:  # [layers, heads, pages, page_size]: split like the arena
-            scales = {name: jnp.zeros(shape[:4], layout.scale_dtype) for name in ("k_scale", "v_scale")}
-        return KVCache(k=jnp.zeros(shape, layout.dtype), v=jnp.zeros(shape, layout.dtype), table=table, stats=stats,
-                       sharding=sh, **scales)  # fmt: skip
+        if layout.quantized:  # [layers, heads, pages, page_size(, groups)]: split like the arena
+            scale_shape = shape[:4] + layout.scale_shape[4:]
+            scales = {name: jnp.zeros(scale_shape, layout.scale_dtype) for name in ("k_scale", "v_scale")}
+        return KVCache(k=jnp.zeros(shape, layout.storage_dtype), v=jnp.zeros(shape, layout.storage_dtype), table=table,
+                       stats=stats, sharding=sh, rotate_keys=layout.rotate_keys, **scales)  # fmt: skip
 
     specs = _cache_specs(jax.eval_shape(build))
     return jax.jit(build, out_shardings=jax.tree.map(sh.named, specs))()

@@ -105,12 +105,15 @@ class CacheStats:
 
 @struct.dataclass
 class KVCache:
-    """The arena (K/V values, and the scales of an 8-bit arena), its page table and counters.
+    """The arena (K/V values, and the scales of a quantized arena), its page table and counters.
 
     8-bit arenas (int8, float8_e4m3fn, float8_e5m2) carry `k_scale`, `v_scale`:
     `[num_layers, num_kv_heads, num_pages, page_size]` (float32 or bfloat16), one scale per
-    token and KV head, so that a stored row is `values * scale` (`pallas_kernels.quant`). Float
-    arenas have `k_scale = v_scale = None`. Why this representation:
+    token and KV head, so that a stored row is `values * scale` (`pallas_kernels.quant`). int4
+    arenas store `k`, `v` as uint8 `[..., head_dim / 2]` (two codes a byte) with one scale per
+    group of 32 lanes, `[num_layers, num_kv_heads, num_pages, page_size, head_dim / 32]`
+    (`pallas_kernels.quant4`). Float arenas have `k_scale = v_scale = None`. Why this
+    representation:
     - Same paged geometry as the values (indexed by the same physical page and offset): fork,
       truncate, release and prefix sharing move page *ids*, so they move scales with values
       and need nothing new; the one op that copies page data (copy-on-write in `reserve`)
@@ -118,45 +121,54 @@ class KVCache:
     - None is an empty pytree node: a float arena's cache has exactly the leaves it had before
       (same jit signatures, same donation, same `tree_map`s); an 8-bit arena's scales are
       ordinary leaves, donated and updated in place with the values.
-    - `layout` stays derivable from shapes and dtypes alone (the scale dtype from `k_scale`).
+    - `layout` stays derivable from shapes and dtypes alone (the scale dtype from `k_scale`; a
+      uint8 arena is int4, head_dim twice its last axis), plus one static field:
+    - `rotate_keys` (static, like `sharding`): the keys were rotated before quantization
+      (`pallas_kernels.rotation`), so attention rotates q the same way. A property of how the
+      bytes were written, not of any page: every op that moves pages stays oblivious, and a
+      static field costs nothing in a jit and travels with the cache through every op.
     """
 
     k: jax.Array  # [num_layers, num_kv_heads, num_pages, page_size, head_dim]
     v: jax.Array  # [num_layers, num_kv_heads, num_pages, page_size, head_dim]
     table: PageTable
     stats: CacheStats
-    k_scale: jax.Array | None = None  # [num_layers, num_kv_heads, num_pages, page_size], 8-bit arenas only
-    v_scale: jax.Array | None = None  # [num_layers, num_kv_heads, num_pages, page_size], 8-bit arenas only
+    k_scale: jax.Array | None = None  # [num_layers, num_kv_heads, num_pages, page_size(, head_dim / 32 for int4)]
+    v_scale: jax.Array | None = None  # the same; None for float arenas
     # None: one device. A sharded cache (`create(layout, mesh=...)`) carries its static
     # `arena_jax.sharding.CacheSharding` here; the ops then run per shard (see that module).
     sharding: Any = struct.field(pytree_node=False, default=None)
+    rotate_keys: bool = struct.field(pytree_node=False, default=False)  # keys stored rotated (quantized arenas)
 
     @property
     def layout(self) -> KVLayout:
         """The geometry, read back from the shapes (works on tracers and ShapeDtypeStructs)."""
         num_layers, num_kv_heads, num_pages, page_size, head_dim = self.k.shape
+        int4 = self.k.dtype == jnp.uint8  # two codes a byte
         if self.sharding is not None:  # heads replicated over the tensor axis are stored kv_replicas times
             num_kv_heads //= self.sharding.kv_replicas
         max_seqs, max_pages_per_seq = self.table.page_map.shape
         return KVLayout(
             num_layers=num_layers,
             num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
+            head_dim=2 * head_dim if int4 else head_dim,
             page_size=page_size,
             num_pages=num_pages,
             max_seqs=max_seqs,
             max_pages_per_seq=max_pages_per_seq,
-            dtype=self.k.dtype,
+            dtype="int4" if int4 else self.k.dtype,
             scale_dtype=None if self.k_scale is None else self.k_scale.dtype,
+            rotate_keys=self.rotate_keys,
         )
 
     @property
     def quantized(self) -> bool:
+        """8-bit or int4 (values plus scales)."""
         return self.k_scale is not None
 
 
 def create(layout: KVLayout, *, mesh=None, tensor_axis: str | None = "tensor", data_axis: str | None = None) -> KVCache:
-    """Allocate the arena once (zeros; an 8-bit arena's scales too) with every page free.
+    """Allocate the arena once (zeros; a quantized arena's scales too) with every page free.
 
     Jittable; size a layout without allocating with `jax.eval_shape(lambda: aj.create(layout))`.
     With a `jax.sharding.Mesh`, the arena is split over KV heads on `tensor_axis` and, if
@@ -173,9 +185,10 @@ def create(layout: KVLayout, *, mesh=None, tensor_axis: str | None = "tensor", d
         scales = dict(k_scale=jnp.zeros(layout.scale_shape, layout.scale_dtype),
                       v_scale=jnp.zeros(layout.scale_shape, layout.scale_dtype))
     return KVCache(
-        k=jnp.zeros(layout.arena_shape, layout.dtype),
-        v=jnp.zeros(layout.arena_shape, layout.dtype),
+        k=jnp.zeros(layout.arena_shape, layout.storage_dtype),
+        v=jnp.zeros(layout.arena_shape, layout.storage_dtype),
         table=PageTable.empty(layout),
         stats=CacheStats.zeros(),
+        rotate_keys=layout.rotate_keys,
         **scales,
     )

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from arena_jax.layout import QUANTIZED_DTYPES, KVLayout
+from arena_jax.layout import EIGHT_BIT_DTYPES, KVLayout
 from arena_jax.state import PAD_PAGE, PAD_SLOT
 
 __all__ = [
@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 INT32 = np.iinfo(np.int32)
-QUANTIZED = tuple(jnp.dtype(d) for d in QUANTIZED_DTYPES)
+QUANTIZED = tuple(jnp.dtype(d) for d in EIGHT_BIT_DTYPES) + (jnp.dtype(jnp.uint8),)  # uint8: packed int4
 # What k, v (float arenas: exactly the arena's dtype; 8-bit arenas: any of these, quantized on
 # write) and q (any arena; with an 8-bit arena the attention dots run in q's dtype) may be.
 COMPUTE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -186,7 +186,7 @@ def check_kv(layout: KVLayout, k, v, batch: int):
             if jnp.dtype(x.dtype) not in COMPUTE_DTYPES:
                 raise ValueError(
                     f"{name} has dtype {x.dtype}; the {layout.dtype} arena quantizes on write: give k and v in "
-                    "bfloat16, float16 or float32 (8-bit values without their scales cannot be stored)"
+                    "bfloat16, float16 or float32 (quantized values without their scales cannot be stored)"
                 )
         elif x.dtype != layout.dtype:
             raise ValueError(f"{name} has dtype {x.dtype}; the cache stores {layout.dtype}")
@@ -198,7 +198,8 @@ def check_kv(layout: KVLayout, k, v, batch: int):
 
 def check_cache_arrays(cache) -> KVLayout:
     """The cache's layout, after checking its arrays agree with each other: k and v alike, and
-    scales ([L, H, P, S], float32 / bfloat16) present exactly when the arena is 8-bit."""
+    scales (8-bit: [L, H, P, S]; int4, a uint8 arena: [L, H, P, S, head_dim / 32]; float32 /
+    bfloat16) present exactly when the arena is quantized."""
     deleted = [x for x in jax.tree.leaves(cache) if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
                and x.is_deleted()]  # fmt: skip
     if deleted:
@@ -212,14 +213,18 @@ def check_cache_arrays(cache) -> KVLayout:
     quantized = jnp.dtype(k.dtype) in QUANTIZED
     if quantized != (ks is not None) or quantized != (vs is not None):
         raise ValueError(
-            f"cache.k_scale / v_scale must be present exactly for 8-bit arenas: the arena is {k.dtype}, "
+            f"cache.k_scale / v_scale must be present exactly for 8-bit arenas (and int4 ones): the arena is {k.dtype}, "
             f"k_scale {'present' if ks is not None else 'None'}, v_scale {'present' if vs is not None else 'None'} "
             "(build caches with arena_jax.create)"
         )
     if quantized:
+        want = tuple(k.shape[:4]) + ((2 * k.shape[4] // 32,) if k.dtype == jnp.uint8 else ())
         for name, x in (("k_scale", ks), ("v_scale", vs)):
-            if tuple(x.shape) != tuple(k.shape[:4]) or x.dtype != ks.dtype:
-                raise ValueError(f"cache.{name} must be {tuple(k.shape[:4])} {ks.dtype}, got {x.shape} {x.dtype}")
+            if tuple(x.shape) != want or x.dtype != ks.dtype:
+                raise ValueError(f"cache.{name} must be {want} {ks.dtype}, got {x.shape} {x.dtype}")
+    if not isinstance(cache.rotate_keys, (bool, np.bool_)) or (cache.rotate_keys and not quantized):
+        raise ValueError(f"cache.rotate_keys={cache.rotate_keys!r}: True or False, and True only for quantized arenas "
+                         "(build caches with arena_jax.create)")
     return cache.layout
 
 

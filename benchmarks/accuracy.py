@@ -1,15 +1,16 @@
-"""`arena-bench accuracy`: what storing the KV cache in 8 bits does to attention and to a model.
-
-Two measurements, both on CPU through the jnp reference path (== the Pallas kernels, within
-the tolerances tests/test_kernels_quantized.py checks):
+"""`arena-bench accuracy`: what storing the KV cache in 8 or 4 bits (with and without rotated
+keys) does to attention and to a model.
 
 1. Attention. One decode query per row over `context` cached tokens, Llama-3-8B-shaped heads
-   (32 query / 8 KV heads, head_dim 128), stored in a bf16 arena and in each 8-bit arena
-   (per-token absmax scales, float32). q ~ N(0, 1) in float32 (so only the cache's storage
-   differs); V ~ N(0, 1); K ~ N(0, 1) except `outliers` channels of every KV head scaled by
-   `outlier_scale` (real LLM keys carry a few such channels, 10-50x the rest). Reported: the
-   relative error ||o - o_bf16|| / ||o_bf16|| of the attention output against the bf16 arena,
-   its largest element-wise error, and each arena's relative error against exact float32.
+   (32 query / 8 KV heads, head_dim 128), stored in a bf16 arena and in each quantized arena
+   (int8 / fp8: per-token absmax scales, float32; int4: per-32-lane-group scales, bf16), each
+   without and with rotated keys (`KVLayout(rotate_keys=...)`). q ~ N(0, 1) in float32 (so only
+   the cache's storage differs); V ~ N(0, 1); K ~ N(0, 1) except `outliers` channels of every
+   KV head scaled by `outlier_scale` (real LLM keys carry a few such channels, 10-50x the
+   rest). Reported per backend (the jnp reference and the Pallas kernels; on CPU the kernels
+   run in interpret mode): the relative error ||o - o_exact|| / ||o_exact|| against float64
+   attention over the unquantized K/V; the backends' largest element-wise difference; and the
+   error against the bf16 arena's output.
 2. End to end. The Hugging Face parity configs of tests/test_models_parity.py (tiny Llama /
    Mistral, 2 layers, GQA and MHA, Llama-3 RoPE scaling, a sliding window), random weights
    ~N(0, 0.2), float32 compute. Greedy generation of `new_tokens` tokens for 4 prompts with a
@@ -39,9 +40,10 @@ from flax import nnx
 import arena_jax as aj
 import models
 
-__all__ = ["AccuracySettings", "run_accuracy", "attention_accuracy", "model_accuracy", "PARITY_CONFIGS", "FORMATS"]
+__all__ = ["AccuracySettings", "run_accuracy", "attention_accuracy", "model_accuracy", "exact_attention", "PARITY_CONFIGS",
+           "FORMATS"]
 
-FORMATS = ("int8", "float8_e4m3fn", "float8_e5m2")
+FORMATS = ("int8", "float8_e4m3fn", "float8_e5m2", "int4")
 BASELINE = "bfloat16"
 
 
@@ -50,11 +52,26 @@ class AccuracySettings:
     context: int = 1024  # cached tokens per row (attention)
     batch: int = 4
     outliers: int = 4  # outlier channels per KV head
-    outlier_scales: tuple = (1.0, 10.0, 50.0)  # 1.0: no outliers
+    q_heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    outlier_scales: tuple = (1.0, 10.0, 20.0, 50.0)  # 1.0: no outliers
     new_tokens: int = 64  # generated per prompt (end to end)
     seed: int = 0
     skip_models: bool = False
-    formats: tuple = ("int8", "float8_e4m3fn", "float8_e5m2")  # the 8-bit arenas measured
+    skip_attention: bool = False
+    formats: tuple = FORMATS  # the quantized arenas measured
+    rotations: tuple = (False, True)  # each quantized format without and with rotated keys
+    backends: tuple = ("reference", "pallas")  # attention: the first is the table's; the others are compared to it
+    model_formats: tuple = ("int8", "int8+rot", "float8_e4m3fn", "int4", "int4+rot")  # end to end
+
+
+def split_format(fmt: str) -> tuple[str, bool | None]:
+    """"int4+rot" -> ("int4", True); "int4" -> ("int4", False); a float format -> (fmt, None)."""
+    dtype, _, rot = fmt.partition("+")
+    if dtype not in FORMATS:
+        return dtype, None
+    return dtype, rot == "rot"
 
 
 # tests/test_models_parity.py's configs (vocab 128, hidden 64, MLP 128, 2 layers, 4 query heads,
@@ -67,11 +84,15 @@ def _parity(**overrides) -> models.LlamaConfig:
 
 
 PARITY_CONFIGS = {
-    "llama_gqa_rope3_tied": lambda: _parity(num_kv_heads=2, tie_word_embeddings=True, rope_theta=500000.0,
-                                            rope_scaling=models.RopeScaling(8.0, 1.0, 4.0, 16)),
-    "llama_mha": lambda: _parity(num_kv_heads=4),
-    "mistral_swa": lambda: _parity(num_kv_heads=2, sliding_window=8),
+    "llama_gqa_rope3_tied": lambda **kw: _parity(num_kv_heads=2, tie_word_embeddings=True, rope_theta=500000.0,
+                                                 rope_scaling=models.RopeScaling(8.0, 1.0, 4.0, 16), **kw),
+    "llama_mha": lambda **kw: _parity(num_kv_heads=4, **kw),
+    "mistral_swa": lambda **kw: _parity(num_kv_heads=2, sliding_window=8, **kw),
 }
+# The parity configs' heads are 16 wide; an int4 arena takes multiples of 32 (whole scale
+# groups). Its end-to-end figures use the same configs at hidden 128 (head_dim 32), each
+# measured against its own bf16 run.
+WIDE = dict(hidden_size=128, intermediate_size=256)
 
 
 # ---- 1. attention ------------------------------------------------------------------------------------
@@ -86,8 +107,8 @@ def _keys_values(rng, batch, context, kv_heads, head_dim, outliers, scale):
     return k, v
 
 
-@functools.partial(jax.jit, static_argnames=("layout",))
-def _fill_and_attend(layout, q, k, v):
+@functools.partial(jax.jit, static_argnames=("layout", "backend"))
+def _fill_and_attend(layout, q, k, v, backend):
     """One call: an arena of `layout`, every row's K/V appended, one decode query attended."""
     batch, context = k.shape[:2]
     cache = aj.create(layout)
@@ -95,39 +116,67 @@ def _fill_and_attend(layout, q, k, v):
     cache, ok = aj.reserve(cache, slots, jnp.full((batch,), context, jnp.int32))
     if not layout.quantized:
         k, v = k.astype(layout.dtype), v.astype(layout.dtype)
-    cache = aj.append(cache, 0, slots, k, v, backend="reference")
-    return aj.attend(q, cache, 0, slots, backend="reference"), ok
+    cache = aj.append(cache, 0, slots, k, v, backend=backend)
+    return aj.attend(q, cache, 0, slots, backend=backend), ok
 
 
-def _attend_with(dtype, q, k, v, page_size=16):
+def _attend_with(dtype, rotate, q, k, v, backend="reference", page_size=16):
     batch, context, kv_heads, head_dim = k.shape
     pages = -(-context // page_size)
     layout = aj.KVLayout(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
-                         num_pages=batch * pages, max_seqs=batch, max_pages_per_seq=pages, dtype=dtype)
-    out, ok = _fill_and_attend(layout, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
+                         num_pages=batch * pages, max_seqs=batch, max_pages_per_seq=pages, dtype=dtype,
+                         rotate_keys=rotate)
+    out, ok = _fill_and_attend(layout, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), backend)
     assert bool(np.all(ok))
     return np.asarray(out, np.float64)  # [B, 1, Hq, D]
 
 
+def exact_attention(q, k, v):
+    """float64 attention of one decode query per row over all of its K/V (unquantized):
+    q [B, 1, Hq, D], k, v [B, S, Hkv, D] -> [B, 1, Hq, D]."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    group = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)  # [B, S, Hq, D]
+    s = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(q.shape[-1])
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("bhts,bshd->bthd", p, v)
+
+
+def _formats(s: AccuracySettings):
+    """(label, dtype, rotate): bf16, then each quantized format without / with rotated keys."""
+    out = [(BASELINE, BASELINE, False)]
+    for fmt in s.formats:
+        out += [(fmt + ("+rot" if rot else ""), fmt, rot) for rot in s.rotations]
+    return out
+
+
 def attention_accuracy(s: AccuracySettings, progress=None) -> list[dict]:
+    """Rows per (outlier scale, format): the relative error ||o - o_exact|| / ||o_exact|| of
+    each backend's attention against float64 attention over the unquantized K/V, the bf16
+    arena's output as a second reference, and how far the backends are from each other."""
     rng = np.random.default_rng(s.seed)
-    q_heads, kv_heads, head_dim = 32, 8, 128
+    q_heads, kv_heads, head_dim = s.q_heads, s.kv_heads, s.head_dim
     rows = []
     for scale in s.outlier_scales:
         k, v = _keys_values(rng, s.batch, s.context, kv_heads, head_dim, s.outliers if scale != 1.0 else 0, scale)
         q = rng.standard_normal((s.batch, 1, q_heads, head_dim)).astype(np.float32)
-        exact = _attend_with("float32", q, k, v)
-        base = _attend_with(BASELINE, q, k, v)
+        exact = exact_attention(q, k, v)
+        norm = np.linalg.norm(exact)
+        base = _attend_with(BASELINE, False, q, k, v)
         label = "K ~ N(0, 1), no outliers" if scale == 1.0 else f"K with {s.outliers} outlier channels x{scale:g}"
-        for fmt in (BASELINE,) + tuple(s.formats):
-            out = base if fmt == BASELINE else _attend_with(fmt, q, k, v)
+        for name, dtype, rotate in _formats(s):
+            outs = {b: base if (dtype == BASELINE and b == "reference") else _attend_with(dtype, rotate, q, k, v, b)
+                    for b in s.backends}
+            first = outs[s.backends[0]]
             rows.append({
                 "keys": label,
                 "outlier_scale": scale,
-                "format": fmt,
-                "rel_err_vs_bf16": float(np.linalg.norm(out - base) / np.linalg.norm(base)),
-                "max_abs_err_vs_bf16": float(np.abs(out - base).max()),
-                "rel_err_vs_f32": float(np.linalg.norm(out - exact) / np.linalg.norm(exact)),
+                "format": name,
+                "rel_err_vs_f64": {b: float(np.linalg.norm(o - exact) / norm) for b, o in outs.items()},
+                "backend_max_diff": max((float(np.abs(o - first).max()) for o in outs.values()), default=0.0),
+                "rel_err_vs_bf16": float(np.linalg.norm(first - base) / np.linalg.norm(base)),
+                "max_abs_err_vs_bf16": float(np.abs(first - base).max()),
             })
         if progress is not None:
             progress()
@@ -137,8 +186,11 @@ def attention_accuracy(s: AccuracySettings, progress=None) -> list[dict]:
 # ---- 2. end to end -----------------------------------------------------------------------------------
 
 
-def _layout(model, dtype, batch, max_len, page_size=16):
-    return models.default_layout(model, batch, max_len, page_size=page_size, dtype=dtype)
+def _layout(model, fmt, batch, max_len, page_size=16):
+    """The arena for a format label ("int4+rot": an int4 arena with rotated keys)."""
+    dtype, rotate = split_format(fmt)
+    layout = models.default_layout(model, batch, max_len, page_size=page_size, dtype=dtype)
+    return layout if rotate is None else dataclasses.replace(layout, rotate_keys=rotate)
 
 
 def _teacher_forced(model, dtype, sequences, score_from, chunk=32):
@@ -168,28 +220,40 @@ def _teacher_forced(model, dtype, sequences, score_from, chunk=32):
     return np.stack([np.concatenate(out[b])[f : f + n] for b, f in enumerate(score_from)])
 
 
+def _model_runs(s: AccuracySettings):
+    """(config name, config kwargs, formats): the parity configs for the formats that fit them,
+    and their head_dim-32 versions (`WIDE`) for every format when int4 is measured."""
+    narrow = tuple(f for f in s.model_formats if split_format(f)[0] != "int4")
+    runs = [(name, {}, narrow) for name in PARITY_CONFIGS]
+    if len(narrow) < len(s.model_formats):
+        runs += [(name + " (d32)", WIDE, tuple(s.model_formats)) for name in PARITY_CONFIGS]
+    return runs
+
+
 def model_accuracy(s: AccuracySettings, progress=None) -> list[dict]:
     rows = []
-    for name, make in PARITY_CONFIGS.items():
-        config = make()
+    for label, overrides, formats in _model_runs(s):
+        name = label.split(" ")[0]
+        config = PARITY_CONFIGS[name](**overrides)
         model = models.init_random(config, seed=s.seed, std=0.2)
         rng = np.random.default_rng(s.seed + 1)
         prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (5, 13, 20, 11)]
-        run = lambda dtype: models.generate(model, prompts, s.new_tokens, batch_size=len(prompts), chunk_size=32,  # noqa: E731
-                                            kv_dtype=dtype, stop_tokens=())
+        longest = max(len(p) for p in prompts) + s.new_tokens
+        run = lambda fmt: models.generate(model, prompts, s.new_tokens, batch_size=len(prompts), chunk_size=32,  # noqa: E731
+                                          layout=_layout(model, fmt, len(prompts), longest), stop_tokens=())
         ref = run(BASELINE)
         sequences = [p + t[:-1] for p, t in zip(prompts, ref.tokens)]  # position P-1+i predicts token i
         score_from = [len(p) - 1 for p in prompts]
         ref_logits = _teacher_forced(model, BASELINE, sequences, score_from)  # [B, new_tokens, V]
         ref_top1 = ref_logits.argmax(-1)
-        for fmt in ("float32",) + tuple(s.formats):
+        for fmt in ("float32",) + formats:
             logits = _teacher_forced(model, fmt, sequences, score_from)
             norm_rel = np.linalg.norm(logits - ref_logits, axis=-1) / np.linalg.norm(ref_logits, axis=-1)
             free = run(fmt)
             same = [np.mean(np.asarray(a) == np.asarray(b)) for a, b in zip(free.tokens, ref.tokens)]
             first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b)) for a, b in zip(free.tokens, ref.tokens)]
             rows.append({
-                "config": name,
+                "config": label,
                 "format": fmt,
                 "positions": int(ref_logits.shape[0] * ref_logits.shape[1]),
                 "max_rel_logit_err": float(norm_rel.max()),
@@ -207,12 +271,12 @@ def run_accuracy(s: AccuracySettings, progress=None) -> dict:
     if s.new_tokens < 1 or s.context < 1:
         raise ValueError("context and new_tokens must be >= 1")
     t0 = time.perf_counter()
-    attention = attention_accuracy(s, progress)
+    attention = [] if s.skip_attention else attention_accuracy(s, progress)
     models_rows = [] if s.skip_models else model_accuracy(s, progress)
     return {
         "settings": dataclasses.asdict(s),
         "device": f"{jax.devices()[0].device_kind} ({jax.default_backend()})",
-        "backend": "reference",
+        "backends": list(s.backends),
         "attention": attention,
         "models": models_rows,
         "wall_s": time.perf_counter() - t0,
@@ -221,8 +285,14 @@ def run_accuracy(s: AccuracySettings, progress=None) -> dict:
 
 # ---- tables (plain fixed width: copied as they are into benchmarks/RESULTS.md) -------------------------------
 
-_SHORT = {"bfloat16": "bf16 (reference)", "float32": "float32", "int8": "int8", "float8_e4m3fn": "fp8 e4m3",
-          "float8_e5m2": "fp8 e5m2"}
+_SHORT = {"bfloat16": "bf16", "float32": "float32", "int8": "int8", "float8_e4m3fn": "fp8 e4m3",
+          "float8_e5m2": "fp8 e5m2", "int4": "int4"}
+
+
+def short_name(fmt: str) -> str:
+    """"int4+rot" -> "int4 + rotation"."""
+    dtype, rotate = split_format(fmt)
+    return _SHORT[dtype] + (" + rotation" if rotate else "")
 
 
 def _table(header: list[str], body: list[list[str]]) -> str:
@@ -233,16 +303,20 @@ def _table(header: list[str], body: list[list[str]]) -> str:
 
 
 def format_attention_table(rows: list[dict]) -> str:
-    header = ["keys", "KV format", "rel. error vs bf16", "max |error| vs bf16", "rel. error vs float32"]
-    body = [[r["keys"], _SHORT[r["format"]], f"{r['rel_err_vs_bf16']:.2e}", f"{r['max_abs_err_vs_bf16']:.3f}",
-             f"{r['rel_err_vs_f32']:.2e}"] for r in rows]
+    """One row per (keys, format): the error vs float64 per backend, the backends' largest
+    element-wise difference, and the error vs the bf16 arena (first backend)."""
+    backends = list(rows[0]["rel_err_vs_f64"]) if rows else []
+    header = (["keys", "KV format"] + [f"rel. error vs f64 ({b})" for b in backends]
+              + ["max |backend diff|", "rel. error vs bf16"])
+    body = [[r["keys"], short_name(r["format"])] + [f"{r['rel_err_vs_f64'][b]:.2e}" for b in backends]
+            + [f"{r['backend_max_diff']:.1e}", f"{r['rel_err_vs_bf16']:.2e}"] for r in rows]
     return _table(header, body)
 
 
 def format_model_table(rows: list[dict]) -> str:
     header = ["config", "KV format", "max rel. logit error", "max |dlogit| / max |logit|", "top-1 agreement",
               "free-run tokens equal", "first difference (per prompt)"]
-    body = [[r["config"], _SHORT[r["format"]].replace(" (reference)", ""), f"{r['max_rel_logit_err']:.2e}",
+    body = [[r["config"], short_name(r["format"]), f"{r['max_rel_logit_err']:.2e}",
              f"{r['max_abs_logit_err_rel_to_max']:.2e}", f"{r['top1_agreement']:.1%}",
              f"{r['free_run_token_agreement']:.1%}", " ".join(str(x) for x in r["free_run_first_difference"])]
             for r in rows]

@@ -75,12 +75,13 @@ def _models():
 
 
 KV_DTYPES = ("bfloat16", "float16", "float32", "int8", "float8_e4m3fn", "float8_e5m2")
+SIZED_KV_DTYPES = KV_DTYPES + ("int4",)  # layout / capacity: sizes only (bytes per token, scales counted)
 
 
 def _add_kv_dtype(g, default="bfloat16", flag="--kv-dtype"):
-    g.add_argument(flag, choices=KV_DTYPES, default=default,
+    g.add_argument(flag, choices=SIZED_KV_DTYPES, default=default,
                    help="the KV arena's dtype; int8 / float8_* store 8-bit values + a float32 scale per token and KV "
-                        "head (counted in the bytes)")  # fmt: skip
+                        "head, int4 two values a byte + a bf16 scale per 32 lanes (scales counted in the bytes)")  # fmt: skip
 
 
 def _add_capacity_args(p: argparse.ArgumentParser, defaults: dict) -> None:
@@ -272,11 +273,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "steps on a 2x2 (v5e) / 2x4 (v6e) mesh (minutes)")
 
     p = sub.add_parser("accuracy", formatter_class=fmt, parents=[common],
-                       help="8-bit KV arenas vs bf16: attention error (outlier keys) and end-to-end logits (CPU)")
+                       help="quantized KV arenas (8-bit, int4, rotated keys): attention error (outlier keys) and end-to-end logits")
     p.add_argument("--context", type=positive_int, default=1024, help="cached tokens per row in the attention test")
     p.add_argument("--new-tokens", type=positive_int, default=64, help="greedy tokens per prompt in the model test")
     p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--skip-models", action="store_true", help="only the attention measurement")
+    p.add_argument("--skip-attention", action="store_true", help="only the end-to-end measurement")
+    p.add_argument("--model-formats", default="int8,int8+rot,float8_e4m3fn,int4,int4+rot",
+                   help="end-to-end arenas, comma-separated (+rot: rotated keys; int4 runs head_dim-32 configs)")
+    p.add_argument("--batch", type=positive_int, default=4, help="rows in the attention test")
+    p.add_argument("--outliers", type=int, default=4, help="outlier key channels per KV head (attention test)")
+    p.add_argument("--heads", default="32,8,128", metavar="Q,KV,D",
+                   help="query heads, KV heads, head_dim of the attention test (head_dim a multiple of 32)")
+    p.add_argument("--backends", default="reference,pallas",
+                   help="attention backends to measure, comma-separated (pallas on CPU: interpret mode)")
     p = sub.add_parser("prefix", formatter_class=fmt, parents=[common, plot],
                        help="multi-turn chat with and without the prefix cache under one KV budget")  # fmt: skip
     _add_prefix_args(p)

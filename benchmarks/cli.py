@@ -8,7 +8,7 @@ end-to-end decode against a dense cache, the Pallas kernels, and prefix caching.
     arena-bench kernels               append / paged-attention kernel timings (GPU)
     arena-bench kernels --compile-report   static sm_90a facts of every kernel variant (no GPU)
     arena-bench kernels --compile-report --target tpu-v5e   the TPU kernels compiled for v5e (no TPU)
-    arena-bench accuracy              8-bit KV arenas (int8, fp8) vs bf16: attention and model error
+    arena-bench accuracy              quantized KV arenas (int8, fp8, int4; rotated keys) vs float64 / bf16
     arena-bench prefix                multi-turn chat with and without the prefix cache, same KV budget
     arena-bench swap                  a preemption-heavy generate run: recompute vs swap to host memory
     arena-bench serve                 generate's decode step vs the bare jitted step, compiles per call / by depth
@@ -98,7 +98,9 @@ def _cmd_layout(args, console) -> dict:
         "  Only KV heads are stored (GQA): sizing by query heads would need the right-hand column's bytes per token."
     )
     if rows and rows[0]["scale_bytes_per_token"]:
-        console.print(f"  {kv_dtype}: bytes/token include one float32 scale per token, KV head and layer, for K and V "
+        what = ("one bf16 scale per 32 lanes of each token, KV head and layer" if kv_dtype == "int4"
+                else "one float32 scale per token, KV head and layer")
+        console.print(f"  {kv_dtype}: bytes/token include {what}, for K and V "
                       f"({rows[0]['scale_bytes_per_token']:,} B/token of {rows[0]['model']}'s).")
     return {"budget_bytes": budget, "page_size": args.page_size, "kv_dtype": kv_dtype, "models": rows}
 
@@ -488,12 +490,28 @@ def _cmd_kernels(args, console, progress) -> dict:
 
 
 def _cmd_accuracy(args, console, progress) -> dict:
-    from benchmarks.accuracy import AccuracySettings, format_attention_table, format_model_table, run_accuracy
+    from benchmarks.accuracy import (AccuracySettings, _model_runs, format_attention_table, format_model_table,
+                                     run_accuracy)
 
+    backends = tuple(b for b in args.backends.split(",") if b)
+    if not backends or any(b not in ("reference", "pallas") for b in backends):
+        raise _Fail(f"--backends {args.backends!r}: a comma-separated list of reference, pallas")
+    try:
+        q_heads, kv_heads, head_dim = (int(x) for x in args.heads.split(","))
+    except ValueError:
+        raise _Fail(f"--heads {args.heads!r}: three integers Q,KV,D") from None
+    if q_heads < 1 or kv_heads < 1 or q_heads % kv_heads or head_dim % 32 or not 0 <= args.outliers <= head_dim:
+        raise _Fail(f"--heads {args.heads} --outliers {args.outliers}: query heads a multiple of KV heads, head_dim "
+                    "a multiple of 32 (int4 groups), 0 <= outliers <= head_dim")
     settings = AccuracySettings(context=args.context, new_tokens=args.new_tokens, seed=args.seed,
-                                skip_models=args.skip_models)
-    steps = len(settings.outlier_scales) + (0 if settings.skip_models else 3 * 4)
-    console.print("[bold]accuracy[/bold]: 8-bit KV arenas against a bf16 arena (jnp reference path) ...")
+                                skip_models=args.skip_models, skip_attention=args.skip_attention,
+                                model_formats=tuple(f for f in args.model_formats.split(",") if f),
+                                backends=backends, batch=args.batch,
+                                outliers=args.outliers, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
+    steps = (0 if settings.skip_attention else len(settings.outlier_scales)) + (
+        0 if settings.skip_models else sum(1 + len(f) for _, _, f in _model_runs(settings)))
+    console.print("[bold]accuracy[/bold]: quantized KV arenas (8-bit, int4; keys rotated or not) against float64 "
+                  "attention and a bf16 arena ...")
     advance = progress.add_task("accuracy", total=steps) if progress is not None else None
     try:
         result = run_accuracy(settings, advance)
@@ -502,9 +520,11 @@ def _cmd_accuracy(args, console, progress) -> dict:
     finally:
         if progress is not None:
             progress.finish_task()
-    print(f"attention: batch {settings.batch} x {settings.context} cached tokens, 32 query / 8 KV heads, head_dim 128, "
-          "one decode query (float32), V ~ N(0, 1)")
-    print(format_attention_table(result["attention"]))
+    if result["attention"]:
+        print(f"attention: batch {settings.batch} x {settings.context} cached tokens, {settings.q_heads} query / "
+              f"{settings.kv_heads} KV heads, head_dim {settings.head_dim}, one decode query (float32), V ~ N(0, 1); "
+              f"error vs float64 attention over the unquantized K/V, per backend ({', '.join(backends)})")
+        print(format_attention_table(result["attention"]))
     if result["models"]:
         print()
         print(f"end to end: HF-parity tiny configs, random weights ~N(0, 0.2), float32 compute, 4 prompts x "

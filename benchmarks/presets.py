@@ -44,8 +44,9 @@ def preset(name: str) -> LlamaConfig:
 
 
 def layout_report(budget_bytes: int, *, page_size: int = 16, dtype: str = "bfloat16", models=LAYOUT_MODELS) -> list[dict]:
-    """Per model: the `arena_jax.KVLayout` for `budget_bytes` of KV (bf16 by default; 8-bit arenas
-    count their float32 scales in every byte figure)."""
+    """Per model: the `arena_jax.KVLayout` for `budget_bytes` of KV (bf16 by default; quantized
+    arenas count their scales in every byte figure: 8-bit one float32 per token and KV head, int4
+    one bf16 per 32 lanes)."""
     rows = []
     for name in models:
         cfg = preset(name)
@@ -59,9 +60,7 @@ def layout_report(budget_bytes: int, *, page_size: int = 16, dtype: str = "bfloa
                 "head_dim": cfg.head_dim,
                 "kv_dtype": layout.dtype.name,
                 "bytes_per_token": layout.bytes_per_token,
-                "scale_bytes_per_token": (
-                    2 * layout.num_layers * layout.num_kv_heads * layout.scale_dtype.itemsize if layout.quantized else 0
-                ),
+                "scale_bytes_per_token": layout.scale_bytes_per_token,
                 # What a cache sized by query heads would need: the GQA factor wasted.
                 "bytes_per_token_if_q_heads": layout.bytes_per_token * cfg.num_heads // cfg.num_kv_heads,
                 "page_bytes": layout.page_bytes,

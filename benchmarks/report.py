@@ -180,7 +180,8 @@ def _fmt(value) -> str:
 
 
 def layout_table(rows: list[dict], budget_bytes: int, page_size: int, kv_dtype: str = "bfloat16") -> Table:
-    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(kv_dtype, kv_dtype + " + f32 scales")
+    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32",
+             "int4": "int4 + bf16 scales per 32 lanes"}.get(kv_dtype, kv_dtype + " + f32 scales")
     t = Table(
         title=f"KV layout per model (arena_jax.KVLayout, {short}, {fmt_bytes(budget_bytes)} budget, {page_size}-token pages)",
         box=box.SIMPLE_HEAVY,

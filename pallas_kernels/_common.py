@@ -24,6 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.quant import QUANTIZED_DTYPES, SCALE_DTYPES
+from pallas_kernels.quant4 import GROUP, INT4, PACKED_DTYPE, arena_format
 
 try:  # the Triton-specific Pallas API
     from jax.experimental.pallas import triton as plgpu
@@ -31,11 +32,12 @@ except ImportError:  # pragma: no cover - very old JAX
     plgpu = None
 
 __all__ = ["BlockSizes", "unsupported_reason", "triton_lowering_problem", "head_tile", "masked_load", "masked_store",
-           "compiler_params", "resolve_interpret"]
+           "compiler_params", "resolve_interpret", "arena_format"]
 
 # What q, k, v (the compute dtypes) may be, and what an arena may store.
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-ARENA_DTYPES = SUPPORTED_DTYPES + QUANTIZED_DTYPES
+# int4 arenas store two codes a byte: their arrays are uint8, `head_dim / 2` bytes a row.
+ARENA_DTYPES = SUPPORTED_DTYPES + QUANTIZED_DTYPES + (PACKED_DTYPE,)
 # Triton's tensor dims must be powers of two, and tl.dot needs every dim >= 16: the kernels pad
 # head_dim to HEAD_TILE(head_dim) = next power of two >= 16 and mask the padding lanes.
 MIN_TILE = 16
@@ -168,7 +170,7 @@ class BlockSizes:
     @classmethod
     def for_attention(
         cls, *, batch: int, tokens: int, num_kv_heads: int, group: int, page_size: int, head_dim: int, max_pages: int,
-        itemsize: int = 2, quantized: bool = False, converted: bool | None = None,
+        itemsize: int = 2, quantized: bool = False, converted: bool | None = None, int4: bool = False,
     ) -> "BlockSizes":
         """Defaults per shape, chosen so that every shape compiles for sm_90a without spills
         (tests/test_compile_sm90.py; `arena-bench kernels --compile-report` prints the facts).
@@ -189,11 +191,17 @@ class BlockSizes:
         (FMA dots) a converted arena runs one pipeline stage: with two, ptxas keeps the
         converted K/V tiles of both stages in registers and spills (8-bit: 255 registers,
         ~300 B of spills at head_dim 128), with one it needs ~60.
+
+        int4 arenas (`int4`) keep one accumulator, one q part and one V code tile per group of
+        32 lanes: bf16/fp16 prefill takes 32 keys per step (64 rows at head_dim 128: 64 keys
+        spill ~100 B), and at head_dim > 128 (8 groups) 16 rows and 16 keys (64 rows spill
+        50-100 B at any block_k; 16 x 16 compiles to 128 registers, no spills).
         """
         converted = quantized if converted is None else converted or quantized
         decode = tokens == 1
         tile_d = head_tile(head_dim)
-        max_rows = MIN_TILE if itemsize >= 4 else 64
+        narrow = int4 and not decode and itemsize < 4 and tile_d > 128  # int4 prefill, 8+ groups
+        max_rows = MIN_TILE if itemsize >= 4 or narrow else 64
         block_h = min(next_pow2(group), max_rows)
         if decode:
             block_tokens = 1
@@ -204,6 +212,8 @@ class BlockSizes:
             block_k = MIN_TILE
         elif decode:  # 16 KiB K tiles, and a [rows, block_k] score tile of at most 64 x 64
             block_k = min(128, max(MIN_TILE, 16384 // (tile_d * itemsize)), max(MIN_TILE, 4096 // rows))
+        elif int4:
+            block_k = MIN_TILE if narrow else 32
         else:
             block_k = 64 if tile_d <= 128 else 32
         if decode:
@@ -222,10 +232,17 @@ class BlockSizes:
         )
 
     @classmethod
-    def for_append(cls, *, tokens: int, head_dim: int) -> "BlockSizes":
-        """Append: up to 64 tokens x head_dim per program."""
-        return cls(block_tokens=min(next_pow2(tokens), 64), num_warps=4 if head_tile(head_dim) <= 128 else 8,
-                   num_stages=1)
+    def for_append(cls, *, tokens: int, head_dim: int, rotate: bool = False, int4: bool = False) -> "BlockSizes":
+        """Append: up to 64 tokens x head_dim per program; a rotated append (keys rotated by a
+        dot before quantization) at least 16 (Triton's smallest dot), and at head_dim > 128
+        always 64: as 16- or 32-row mma.sync the rotation dots spill (int4's 16 narrow dots
+        150-460 B; int8 4 B under JAX 0.11's 128-register cap), as 64-row wgmma they compile to
+        116-120 (int4) / 163-179 (int8) registers. (`int4` is accepted for the record; the rule is the same.)"""
+        block = min(next_pow2(tokens), 64)
+        if rotate:
+            block = 64 if head_tile(head_dim) > 128 else max(block, MIN_TILE)
+        return cls(block_tokens=block,
+                   num_warps=4 if head_tile(head_dim) <= 128 else 8, num_stages=1)
 
     def filled(self, defaults: "BlockSizes") -> "BlockSizes":
         """Self with None fields taken from `defaults`."""
@@ -271,14 +288,15 @@ def unsupported_reason(*, head_dim, page_size=None, group=None, dtype=None) -> s
     """Why the Pallas kernels cannot take this geometry, or None when they can.
 
     head_dim: any multiple of 8 up to 256 (padded in-kernel to a power-of-two tile, the
-    padding masked); page_size: any >= 1 (attention steps over keys, each key finds its own
-    page); group (query heads per KV head): any >= 1; dtype (the arena's): bfloat16, float16,
-    float32, int8, float8_e5m2, and float8_e4m3fn (on a GPU: compute capability 8.9 or newer,
-    where Triton converts it). `arena_jax` asks this before choosing the Pallas backend.
+    padding masked; int4 arenas: a multiple of 32, whole scale groups); page_size: any >= 1
+    (attention steps over keys, each key finds its own page); group (query heads per KV
+    head): any >= 1; dtype (the arena's): bfloat16, float16, float32, int8, float8_e5m2,
+    float8_e4m3fn (on a GPU: compute capability 8.9 or newer, where Triton converts it) and
+    int4 (or its packed storage, uint8). `arena_jax` asks this before choosing the Pallas backend.
     """
-    if dtype is not None and jnp.dtype(dtype) not in ARENA_DTYPES:
+    if dtype is not None and jnp.dtype(dtype) not in ARENA_DTYPES + (INT4,):
         return (f"dtype={jnp.dtype(dtype).name}: the Pallas kernels take bfloat16, float16, float32, int8, "
-                "float8_e4m3fn or float8_e5m2")
+                "float8_e4m3fn, float8_e5m2 or int4")
     if dtype is not None and jnp.dtype(dtype) == jnp.dtype(jnp.float8_e4m3fn):
         cc = _gpu_compute_capability()
         if cc is not None and cc < 8.9:
@@ -286,6 +304,8 @@ def unsupported_reason(*, head_dim, page_size=None, group=None, dtype=None) -> s
     d = _as_int(head_dim)
     if d is None or not 0 < d <= MAX_HEAD_DIM or d % HEAD_DIM_MULTIPLE:
         return f"head_dim={head_dim}: the Pallas kernels take multiples of {HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM}"
+    if dtype is not None and arena_format(dtype) == "int4" and d % GROUP:
+        return f"head_dim={head_dim}: int4 arenas take multiples of {GROUP} (whole scale groups)"
     for name, value in (("page_size", page_size), ("group", group)):
         if value is not None and not (_as_int(value) or 0) >= 1:
             return f"{name}={value}: must be a positive int"
@@ -296,34 +316,51 @@ def unsupported_reason(*, head_dim, page_size=None, group=None, dtype=None) -> s
 
 
 def check_arena(k_arena, v_arena, k_scale=None, v_scale=None):
-    """Returns (L, Hkv, P, S, D) after checking both arenas, and the scales of an 8-bit arena
-    (given exactly when the arena is int8 / fp8: [L, Hkv, P, S], float32 or bfloat16)."""
+    """Returns (L, Hkv, P, S, D) after checking both arenas (D: the head size; an int4 arena,
+    uint8, stores D / 2 bytes a row), and the scales of a quantized arena (given exactly when
+    the arena is int8 / fp8: [L, Hkv, P, S]; int4: [L, Hkv, P, S, D / 32]; float32 or bfloat16)."""
     for name, arr in (("k_arena", k_arena), ("v_arena", v_arena)):
         if getattr(arr, "ndim", None) != 5:
             raise ValueError(f"{name} must be 5-D [layers, kv_heads, pages, page_size, head_dim], got shape {getattr(arr, 'shape', None)}")
         if jnp.dtype(arr.dtype) not in ARENA_DTYPES:
-            raise ValueError(f"{name}.dtype must be one of bfloat16/float16/float32/int8/float8_e4m3fn/float8_e5m2, got {arr.dtype}")
+            raise ValueError(f"{name}.dtype must be one of bfloat16/float16/float32/int8/float8_e4m3fn/float8_e5m2/"
+                             f"uint8 (packed int4), got {arr.dtype}")
     if k_arena.shape != v_arena.shape or k_arena.dtype != v_arena.dtype:
         raise ValueError(f"k_arena {k_arena.shape} {k_arena.dtype} and v_arena {v_arena.shape} {v_arena.dtype} must match")
-    reason = unsupported_reason(head_dim=k_arena.shape[4])
+    fmt = arena_format(k_arena.dtype)
+    shape = tuple(k_arena.shape)
+    if fmt == "int4":
+        shape = shape[:4] + (2 * shape[4],)
+    reason = unsupported_reason(head_dim=shape[4], dtype=k_arena.dtype)
     if reason:
         raise ValueError(f"k_arena {reason}")
-    quantized = jnp.dtype(k_arena.dtype) in QUANTIZED_DTYPES
+    quantized = fmt != "float"
     if quantized != (k_scale is not None) or quantized != (v_scale is not None):
         raise ValueError(
-            f"k_scale and v_scale must be given exactly when the arena is 8-bit: the arena is {k_arena.dtype}, "
-            f"k_scale {'given' if k_scale is not None else 'None'}, v_scale {'given' if v_scale is not None else 'None'}"
+            f"k_scale and v_scale must be given exactly when the arena is 8-bit or int4 (quantized): the arena is "
+            f"{k_arena.dtype}, k_scale {'given' if k_scale is not None else 'None'}, v_scale "
+            f"{'given' if v_scale is not None else 'None'}"
         )
     if quantized:
+        want = shape[:4] + ((shape[4] // GROUP,) if fmt == "int4" else ())
+        axes = "[layers, kv_heads, pages, page_size" + (", head_dim / 32]" if fmt == "int4" else "]")
         for name, arr in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if tuple(getattr(arr, "shape", ())) != tuple(k_arena.shape[:4]):
-                raise ValueError(f"{name} must be [layers, kv_heads, pages, page_size] = {tuple(k_arena.shape[:4])}, "
-                                 f"got shape {getattr(arr, 'shape', None)}")
+            if tuple(getattr(arr, "shape", ())) != want:
+                raise ValueError(f"{name} must be {axes} = {want}, got shape {getattr(arr, 'shape', None)}")
             if jnp.dtype(arr.dtype) not in SCALE_DTYPES:
                 raise ValueError(f"{name}.dtype must be float32 or bfloat16, got {arr.dtype}")
         if k_scale.dtype != v_scale.dtype:
             raise ValueError(f"k_scale {k_scale.dtype} and v_scale {v_scale.dtype} must have the same dtype")
-    return tuple(k_arena.shape)
+    return shape
+
+
+def check_rotate(rotate_keys, fmt: str) -> bool:
+    """rotate_keys: a bool, and only for quantized arenas (a float arena stores keys as given)."""
+    if not isinstance(rotate_keys, (bool, np.bool_)):
+        raise ValueError(f"rotate_keys must be True or False, got {rotate_keys!r}")
+    if rotate_keys and fmt == "float":
+        raise ValueError("rotate_keys=True applies to quantized arenas (int8, fp8, int4) only")
+    return bool(rotate_keys)
 
 
 def check_layer(layer, num_layers: int):

@@ -71,6 +71,7 @@ from pallas_kernels._common import (
     cdiv,
     check_arena,
     check_layer,
+    check_rotate,
     check_rows,
     check_sliding_window,
     check_static_positive,
@@ -84,19 +85,13 @@ from pallas_kernels._common import (
     resolve_block_k,
     resolve_interpret,
 )
-from pallas_kernels.quant import is_quantized
+from pallas_kernels._tiles import dot, int4_group, lane_parts, part_lanes, part_width, rotated_part, rotation_inputs
+from pallas_kernels.quant4 import GROUP, arena_format
 from pallas_kernels.reference import paged_attention_reference, token_positions
 
 __all__ = ["paged_attention", "paged_attention_reference", "BlockSizes"]
 
 _F32_MAX = float(jnp.finfo(jnp.float32).max)
-
-
-def _dot(a, b, *, transpose_b: bool):
-    """a @ b (or a @ b.T) accumulated in float32; fp32 inputs use full (IEEE) precision."""
-    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    contract = (((1,), (1,)) if transpose_b else ((1,), (0,)), ((), ()))
-    return lax.dot_general(a, b, contract, precision=precision, preferred_element_type=jnp.float32)
 
 
 def _finite_rows(x):
@@ -112,12 +107,16 @@ def _attention_kernel(
     page_map_ref,  # i32[batch, max_pages]
     # traced windows only: window_ref i32[1] (clipped into [0, max_pages * page_size]), then
     # q_ref [batch, tokens, q_heads, head_dim] (head_dim: any multiple of 8; tiles use tile_d lanes),
-    # k_ref, v_ref [layers, kv_heads, pages, page_size, head_dim],
-    # 8-bit arenas only: k_scale_ref, v_scale_ref [layers, kv_heads, pages, page_size], then
+    # k_ref, v_ref [layers, kv_heads, pages, page_size, head_dim] (int4: head_dim / 2 bytes),
+    # quantized arenas: k_scale_ref, v_scale_ref [layers, kv_heads, pages, page_size(, head_dim / 32)],
+    # rotated keys: m_ref [head_dim, head_dim] (q's dtype), cs_ref f32[head_dim], then
     # outputs: normalized (num_splits == 1) or partial (num_splits > 1)
     *refs,  # o_ref [batch, tokens, q_heads, head_dim] (q dtype)
     #       | o_ref [batch, splits, tokens, q_heads, head_dim] f32, m_ref, l_ref [batch, splits, tokens, q_heads] f32
-    quantized: bool,
+    fmt: str,
+    rotate: bool,
+    head_dim: int,
+    part_width: int,
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
@@ -133,14 +132,16 @@ def _attention_kernel(
     if traced_window:
         window_ref, *refs = refs
     q_ref, k_ref, v_ref, *refs = refs
+    quantized, int4 = fmt != "float", fmt == "int4"
     if quantized:
-        k_scale_ref, v_scale_ref, *out_refs = refs
-    else:
-        out_refs = refs
+        k_scale_ref, v_scale_ref, *refs = refs
+    if rotate:
+        m_ref, cs_ref, *refs = refs
+    out_refs = refs
     b, hj, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     h, hb = lax.div(hj, head_blocks), lax.rem(hj, head_blocks)  # KV head, block of its query heads
     tb, split = lax.div(j, num_splits), lax.rem(j, num_splits)
-    num_layers, _, _, page_size, head_dim = k_ref.shape
+    num_layers, _, _, page_size, _ = k_ref.shape
     _, tokens, _, _ = q_ref.shape
     max_pages = page_map_ref.shape[1]
     rows = block_tokens * group_pad
@@ -163,11 +164,22 @@ def _attention_kernel(
     d = jnp.arange(tile_d, dtype=jnp.int32)[None, :]  # [1, tile_d]
     d_live = d < head_dim if tile_d != head_dim else jnp.ones((1, tile_d), jnp.bool_)
     row_mask = row_live[:, None] & d_live  # [rows, tile_d]
-    q_idx = index_of(b, jnp.minimum(t, tokens - 1)[:, None], head[:, None], d)
+    t_q = jnp.minimum(t, tokens - 1)[:, None]
+    q_idx = index_of(b, t_q, head[:, None], d)
     q = masked_load(q_ref.at[q_idx], mask=row_mask, other=0)  # [rows, tile_d]
     # The dots run in q's dtype (the compute dtype): K / V tiles are converted to it in registers.
     compute = q_ref.dtype
-    fold_v = compute != jnp.float16  # 8-bit V: scale folded into p (bf16/f32 range) or the tile (fp16)
+    fold_v = compute != jnp.float16  # quantized V: scale folded into p (bf16/f32 range) or the tile (fp16)
+    # Rows in parts (int4: its groups of 32 lanes; rotated 8-bit keys: blocks
+    # of part_width lanes): q's parts, rotated (`(q @ M[:, part]) * col_scale`, rounded to
+    # q's dtype) or loaded as they are.
+    parts = lane_parts(head_dim, tile_d, int4=int4, width=part_width) if int4 or rotate else []
+    if rotate:
+        q_parts = [rotated_part(q, m_ref, cs_ref, part, head_dim, tile_d).astype(compute) for part in parts]
+    else:
+        q_parts = [masked_load(q_ref.at[index_of(b, t_q, head[:, None], part_lanes(part)[None, :])],
+                               mask=row_live[:, None] & (part_lanes(part)[None, :] < head_dim), other=0)
+                   for part in parts]
 
     # Keys any row of this program may see: [lo, hi), then whole blocks from lo's page.
     t_first = tb * block_tokens
@@ -186,24 +198,30 @@ def _attention_kernel(
     kk = jnp.arange(block_k, dtype=jnp.int32)
 
     def body(i, carry):
-        acc, m_prev, l_prev = carry  # [rows, tile_d], [rows], [rows]
+        acc, m_prev, l_prev = carry  # acc: [rows, tile_d] (int4: a tuple of [rows, 32]), [rows], [rows]
         tok = kv_start + i * block_k + kk  # [block_k] key positions
         logical = lax.div(tok, page_size)
         in_range = (tok < hi) & (logical < max_pages)
         pm_idx = index_of(b, jnp.minimum(logical, max_pages - 1))
         page = masked_load(page_map_ref.at[pm_idx], mask=in_range, other=-1)  # [block_k]
         live = in_range & (page >= 0)
-        kv_idx = index_of(layer, h, jnp.maximum(page, 0)[:, None], lax.rem(tok, page_size)[:, None], d)
+        page_c, offset = jnp.maximum(page, 0), lax.rem(tok, page_size)
+        kv_idx = index_of(layer, h, page_c[:, None], offset[:, None], d)
         kv_mask = live[:, None] & d_live  # [block_k, tile_d]
         # Poison (NaN / inf) reaches only the queries that attend to it: a V row with a
-        # non-finite lane (8-bit, bf16/f32 compute: a non-finite value scale) is selected to
+        # non-finite lane (quantized, bf16/f32 compute: a non-finite value scale) is selected to
         # zero and flagged (v_ok), as is a non-finite score (s_ok); a flagged pair a query
         # attends to gets a NaN weight, which makes that query's whole row NaN.
-        if quantized:  # dead keys load no value and no scale (other=0), so stale NaN scales stay out
+        if int4:  # dead keys load no codes and no scales (other=0), so stale NaN scales stay out
+            s = _int4_scores(k_ref, k_scale_ref, q_parts, layer, h, page_c, offset, live, head_dim, compute, sm_scale)
+            # bf16 / f32: V's codes are loaded after the softmax (fewer live registers), its scales
+            # now (they carry the rows' poison); fp16: the dequantized halves now.
+            v_ok, v_parts, v_scales = _int4_values(v_ref, v_scale_ref, layer, h, page_c, offset, live, head_dim, compute,
+                                                   fold_v, codes=not fold_v)
+        elif quantized:  # dead keys load no value and no scale (other=0), so stale NaN scales stay out
             # `other` as a float: Triton casts it to the arena dtype, and has no int -> fp8 cast.
-            k = masked_load(k_ref.at[kv_idx], mask=kv_mask, other=0.0).astype(compute)  # [block_k, tile_d]
             v = masked_load(v_ref.at[kv_idx], mask=kv_mask, other=0.0)  # [block_k, tile_d] 8-bit
-            s_idx = index_of(layer, h, jnp.maximum(page, 0), lax.rem(tok, page_size))
+            s_idx = index_of(layer, h, page_c, offset)
             k_scale = masked_load(k_scale_ref.at[s_idx], mask=live, other=0.0).astype(jnp.float32)  # [block_k]
             v_scale = masked_load(v_scale_ref.at[s_idx], mask=live, other=0.0).astype(jnp.float32)  # [block_k]
             if fold_v:  # the row's poison is its scale (8-bit values are finite): zeroed, p * scale is 0
@@ -214,12 +232,24 @@ def _attention_kernel(
                 v = (v.astype(jnp.float32) * v_scale[:, None]).astype(compute)
                 v_ok = _finite_rows(v)
                 v = jnp.where(kv_mask & v_ok[:, None], v, jnp.zeros_like(v))
-            s = _dot(q, k, transpose_b=True) * (k_scale * sm_scale)[None, :]  # [rows, block_k] f32
+            if rotate:  # rotated q meets the stored (rotated) keys part by part
+                s = None
+                for part, q_part in zip(parts, q_parts):
+                    lanes = part_lanes(part)[None, :]
+                    k_part = masked_load(k_ref.at[index_of(layer, h, page_c[:, None], offset[:, None], lanes)],
+                                         mask=live[:, None] & (lanes < head_dim), other=0.0).astype(compute)
+                    term = dot(q_part, k_part, transpose_b=True)
+                    s = term if s is None else s + term
+            else:
+                k = masked_load(k_ref.at[kv_idx], mask=kv_mask, other=0.0).astype(compute)  # [block_k, tile_d]
+                s = dot(q, k, transpose_b=True)
+            s = s * (k_scale * sm_scale)[None, :]  # [rows, block_k] f32
+            v_parts = None
         else:
             k = masked_load(k_ref.at[kv_idx], mask=kv_mask, other=0).astype(compute)  # [block_k, tile_d]
             v = masked_load(v_ref.at[kv_idx], mask=kv_mask, other=0).astype(compute)  # [block_k, tile_d]
-            s = _dot(q, k, transpose_b=True) * sm_scale  # [rows, block_k] f32
-            # V checked after the QK^T dot: this order keeps ptxas clear of spills (sm90 report).
+            s = dot(q, k, transpose_b=True) * sm_scale  # [rows, block_k] f32
+            # V checked after the QK dot: this order keeps ptxas clear of spills (sm90 report).
             v_ok = _finite_rows(v)
             v = jnp.where(kv_mask & v_ok[:, None], v, jnp.zeros_like(v))
         s_ok = jnp.abs(s) <= _F32_MAX  # [rows, block_k]
@@ -235,12 +265,23 @@ def _attention_kernel(
         poisoned = mask & ~(s_ok & v_ok[None, :])
         p = jnp.where(poisoned, jnp.nan, jnp.exp(s - m_safe[:, None]))  # exp(-inf) = 0 where masked
         l_next = alpha * l_prev + jnp.sum(p, axis=1)
+        if int4:  # per group: (p * v_scale_g) @ codes (fp16: p @ the dequantized tile)
+            new_acc = []
+            for gi in range(len(acc)):  # bf16 / f32: each group's codes loaded just before its dot
+                v_g = v_parts[gi] if v_parts is not None else int4_group(
+                    v_ref, layer, h, page_c, offset, live, gi).astype(jnp.float32).astype(compute)  # [block_k, 32]
+                pg = (p * v_scales[gi][None, :] if fold_v else p).astype(compute)
+                new_acc.append(acc[gi] * alpha[:, None] + dot(pg, v_g))
+            return tuple(new_acc), m_next, l_next
         if quantized and fold_v:
             p = p * v_scale[None, :]  # the V scale of key j factors out of the sum over keys
-        acc = acc * alpha[:, None] + _dot(p.astype(compute), v, transpose_b=False)
+        acc = acc * alpha[:, None] + dot(p.astype(compute), v)
         return acc, m_next, l_next
 
-    acc = jnp.zeros((rows, tile_d), jnp.float32)
+    if int4:
+        acc = tuple(jnp.zeros((rows, width), jnp.float32) for _, width in parts)
+    else:
+        acc = jnp.zeros((rows, tile_d), jnp.float32)
     m_i = jnp.full((rows,), -jnp.inf, jnp.float32)
     l_i = jnp.zeros((rows,), jnp.float32)
     acc, m_i, l_i = lax.fori_loop(blk_lo, blk_hi, body, (acc, m_i, l_i))
@@ -249,21 +290,68 @@ def _attention_kernel(
     # GPU, dropped when interpret mode discharges the store into a scatter.
     out_live = (t < tokens) & (g < group)
     t_out = jnp.where(out_live, t, tokens)
-    out_mask = out_live[:, None] & d_live  # [rows, tile_d]
+    out_parts = list(zip(acc, parts)) if int4 else [(acc, None)]
     if len(out_refs) == 1:
         (o_ref,) = out_refs
         # l_i == 0 exactly when the row saw no key (a seen key adds exp(0) = 1); NaN != 0, so a
         # poisoned row (NaN weight) reaches the output as NaN, as in the reference.
         seen = row_live & (l_i != 0)
-        out = jnp.where(seen[:, None], acc / jnp.where(seen, l_i, 1.0)[:, None], 0.0)
-        o_idx = index_of(b, t_out[:, None], head[:, None], d)
-        masked_store(o_ref.at[o_idx], out.astype(o_ref.dtype), mask=out_mask)
+        for a, part in out_parts:
+            lanes = d if part is None else part_lanes(part)[None, :]
+            out = jnp.where(seen[:, None], a / jnp.where(seen, l_i, 1.0)[:, None], 0.0)
+            o_idx = index_of(b, t_out[:, None], head[:, None], lanes)
+            masked_store(o_ref.at[o_idx], out.astype(o_ref.dtype), mask=out_live[:, None] & (lanes < head_dim))
     else:
         o_ref, m_ref, l_ref = out_refs
-        masked_store(o_ref.at[index_of(b, split, t_out[:, None], head[:, None], d)], acc, mask=out_mask)
+        for a, part in out_parts:
+            lanes = d if part is None else part_lanes(part)[None, :]
+            masked_store(o_ref.at[index_of(b, split, t_out[:, None], head[:, None], lanes)], a,
+                         mask=out_live[:, None] & (lanes < head_dim))
         ml_idx = index_of(b, split, t_out, head)
         masked_store(m_ref.at[ml_idx], m_i, mask=out_live)
         masked_store(l_ref.at[ml_idx], l_i, mask=out_live)
+
+
+def _int4_scores(k_ref, k_scale_ref, q_parts, layer, h, page, offset, live, head_dim, compute, sm_scale):
+    """Scores of one block of keys of an int4 arena, group by group (32 lanes, one scale per key):
+    s = sum_g (q_g . codes_g) * (k_scale_g * sm_scale), f32 [rows, block_k]."""
+    s = None
+    for gi in range(head_dim // GROUP):
+        codes = int4_group(k_ref, layer, h, page, offset, live, gi).astype(jnp.float32).astype(compute)  # [block_k, 32]
+        k_scale = masked_load(k_scale_ref.at[index_of(layer, h, page, offset, gi)], mask=live, other=0.0)
+        term = dot(q_parts[gi], codes, transpose_b=True) * (k_scale.astype(jnp.float32) * sm_scale)[None, :]
+        s = term if s is None else s + term
+    return s
+
+
+def _int4_values(v_ref, v_scale_ref, layer, h, page, offset, live, head_dim, compute, fold_v, *, codes=True,
+                 scales=True):
+    """V of one block of keys of an int4 arena: (v_ok bool[block_k] or None, V parts, one per
+    group, [block_k, 32] in the compute dtype or None, value scales f32[block_k] per group or
+    None). fold_v (bf16 / f32): parts are the codes, the scales are zeroed where not finite
+    and flag the row (codes are finite by construction); fp16: parts are the dequantized groups
+    `codes * scale_g` (which may overflow fp16), checked and selected to zero where not finite."""
+    v_ok, parts, v_scales = None, [], []
+    for gi in range(head_dim // GROUP):
+        if scales or not fold_v:
+            v_scale = masked_load(v_scale_ref.at[index_of(layer, h, page, offset, gi)], mask=live,
+                                  other=0.0).astype(jnp.float32)  # [block_k]
+            if fold_v:
+                ok = jnp.abs(v_scale) <= _F32_MAX
+                v_scales.append(jnp.where(ok, v_scale, 0.0))
+                v_ok = ok if v_ok is None else v_ok & ok
+        if codes:
+            x = int4_group(v_ref, layer, h, page, offset, live, gi).astype(jnp.float32)  # [block_k, 32]
+            if fold_v:
+                parts.append(x.astype(compute))
+            else:
+                x = (x * v_scale[:, None]).astype(compute)
+                ok = _finite_rows(x)
+                v_ok = ok if v_ok is None else v_ok & ok
+                parts.append(x)
+    if codes and not fold_v:
+        parts = [jnp.where(live[:, None] & v_ok[:, None], x, jnp.zeros_like(x)) for x in parts]
+    return v_ok, (parts if codes else None), (v_scales if fold_v and scales else None)
 
 
 def _merge_splits(o, m, l, valid, dtype):
@@ -283,10 +371,11 @@ def _merge_splits(o, m, l, valid, dtype):
     return jnp.where(live[..., None], out, 0.0).astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "block_sizes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "rotate_keys", "block_sizes",
+                                             "interpret"))
 def _paged_attention_call(
     q, k_arena, v_arena, layer, page_map, lengths, num_tokens, k_scale, v_scale, window, *, sm_scale, soft_cap,
-    sliding_window, block_sizes, interpret
+    sliding_window, rotate_keys, block_sizes, interpret
 ):
     """`sliding_window`: a static window (or None); `window`: a traced one, i32[1], or None."""
     batch, tokens, num_q_heads, head_dim = q.shape
@@ -300,10 +389,15 @@ def _paged_attention_call(
     group_pad = max(block_h, MIN_TILE // block_tokens, 1)  # >= 16 rows for tl.dot
     grid = (batch, num_kv_heads * head_blocks, cdiv(tokens, block_tokens) * num_splits)
     quantized = k_scale is not None
+    fmt = arena_format(k_arena.dtype)
     traced_window = window is not None
+    tile_d = head_tile(head_dim)
     kernel = functools.partial(
         _attention_kernel,
-        quantized=quantized,
+        fmt=fmt,
+        rotate=rotate_keys,
+        head_dim=head_dim,
+        part_width=part_width(tile_d, 2),
         sm_scale=sm_scale,
         soft_cap=soft_cap,
         sliding_window=sliding_window,
@@ -313,7 +407,7 @@ def _paged_attention_call(
         group_pad=group_pad,
         head_blocks=head_blocks,
         block_k=block_k,
-        tile_d=head_tile(head_dim),
+        tile_d=tile_d,
         num_splits=num_splits,
     )
     if num_splits == 1:
@@ -327,10 +421,12 @@ def _paged_attention_call(
     name = f"paged_attention_bt{block_tokens}_g{group_pad}x{head_blocks}_bk{block_k}_d{head_tile(head_dim)}_s{num_splits}"
     name += "_cap" if soft_cap is not None else ""
     name += "_wt" if traced_window else ""
-    if jnp.dtype(k_arena.dtype) != jnp.dtype(q.dtype):
-        name += f"_{jnp.dtype(k_arena.dtype).name}"  # tiles converted to q's dtype (8-bit: dequantized)
+    if jnp.dtype(k_arena.dtype) != jnp.dtype(q.dtype):  # tiles converted to q's dtype (quantized: dequantized)
+        name += "_int4" if fmt == "int4" else f"_{jnp.dtype(k_arena.dtype).name}"
     scales = (k_scale, v_scale) if quantized else ()
     windows = (window,) if traced_window else ()
+    rotation = rotation_inputs(head_dim, q.dtype) if rotate_keys else ()
+    name += "_rot" if rotate_keys else ""
     # No BlockSpecs: every ref is the whole array; the kernel gathers pages itself, and the
     # arena is passed whole with the layer as data (slicing a layer out would copy it).
     out = pl.pallas_call(
@@ -340,7 +436,7 @@ def _paged_attention_call(
         compiler_params=compiler_params(block_sizes.num_warps, block_sizes.num_stages),
         interpret=interpret,
         name=name,
-    )(layer, lengths, num_tokens, page_map, *windows, q, k_arena, v_arena, *scales)
+    )(layer, lengths, num_tokens, page_map, *windows, q, k_arena, v_arena, *scales, *rotation)
     if num_splits == 1:
         return out
     _, valid = token_positions(lengths, num_tokens, tokens)
@@ -361,6 +457,7 @@ def paged_attention(
     sm_scale: float | None = None,
     sliding_window=None,
     logits_soft_cap: float | None = None,
+    rotate_keys: bool = False,
     interpret: bool | None = None,
     block_sizes: BlockSizes | None = None,
 ):
@@ -374,11 +471,15 @@ def paged_attention(
     `logits_soft_cap` (a number > 0, compiled in): scores `s = (q . k) * sm_scale` become
     `cap * tanh(s / cap)` before masking (Gemma 2). Padded tokens (t >= num_tokens[b]) give
     zeros. Returns [B, T, Hq, D] in q's dtype. 8-bit arenas (int8 / float8_e4m3fn /
-    float8_e5m2) take their scales `k_scale, v_scale: [L, Hkv, P, S]`. The dots run in q's
-    dtype (bf16, fp16 or fp32) with f32 accumulation, whatever the arena's dtype; the dtype,
-    mask and NaN rules are `paged_attention_reference`'s.
+    float8_e5m2) take their scales `k_scale, v_scale: [L, Hkv, P, S]`; int4 arenas (uint8
+    [L, Hkv, P, S, D / 2], two codes a byte) theirs per group of 32 lanes, [L, Hkv, P, S,
+    D / 32]. `rotate_keys` (quantized arenas whose keys were appended rotated): q is rotated
+    the same way in the kernel. The dots run in q's dtype (bf16, fp16 or fp32) with f32
+    accumulation, whatever the arena's dtype; the dtype, mask and NaN rules are
+    `paged_attention_reference`'s.
     """
     num_layers, num_kv_heads, _, page_size, head_dim = check_arena(k_arena, v_arena, k_scale, v_scale)
+    rotate_keys = check_rotate(rotate_keys, arena_format(k_arena.dtype))
     check_tokens("q", q, batch=None, heads=None, head_dim=head_dim)
     batch, tokens, num_q_heads, _ = q.shape
     if num_q_heads % num_kv_heads:
@@ -388,7 +489,7 @@ def paged_attention(
     sliding_window, window = check_sliding_window(sliding_window, page_map.shape[1] * page_size)
     soft_cap = check_static_positive("logits_soft_cap", logits_soft_cap)
     sm_scale = check_static_positive("sm_scale", head_dim**-0.5 if sm_scale is None else sm_scale)
-    quantized = is_quantized(k_arena.dtype)
+    quantized = arena_format(k_arena.dtype) != "float"
     defaults = BlockSizes.for_attention(
         batch=batch,
         tokens=tokens,
@@ -402,6 +503,7 @@ def paged_attention(
         itemsize=jnp.dtype(q.dtype).itemsize,
         quantized=quantized,
         converted=jnp.dtype(k_arena.dtype) != jnp.dtype(q.dtype),
+        int4=arena_format(k_arena.dtype) == "int4",
     )
     block_sizes = resolve_block_k(block_sizes or BlockSizes(), page_size).filled(defaults)
     return _paged_attention_call(
@@ -418,6 +520,7 @@ def paged_attention(
         sm_scale=sm_scale,
         soft_cap=soft_cap,
         sliding_window=sliding_window,
+        rotate_keys=rotate_keys,
         block_sizes=block_sizes,
         interpret=resolve_interpret(interpret),
     )

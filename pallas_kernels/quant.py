@@ -34,7 +34,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["QUANTIZED_DTYPES", "SCALE_DTYPES", "QMAX", "is_quantized", "quantize_rows", "dequantize_rows", "error_bound"]
+__all__ = ["QUANTIZED_DTYPES", "SCALE_DTYPES", "QMAX", "is_quantized", "quantize_rows", "quantize_chunks", "dequantize_rows",
+           "error_bound"]
 
 QUANTIZED_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 SCALE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -56,28 +57,55 @@ def _round_half_to_even(y):
     return f + jnp.where((d > 0.5) | ((d == 0.5) & odd), 1.0, 0.0)
 
 
+def row_scale(absmax, finite, dtype, scale_dtype):
+    """(scale [...] scale_dtype, 1 / stored scale f32 [...], live bool[...]) of rows with this
+    absmax and finiteness flag (the rules above)."""
+    qmax = QMAX[jnp.dtype(dtype)]
+    live = finite & (absmax >= TINY_ABSMAX)
+    scale = jnp.where(live, absmax * np.float32(1.0 / qmax), 0.0)
+    scale = jnp.where(finite, scale, jnp.nan).astype(scale_dtype)
+    stored = scale.astype(jnp.float32)
+    inv = jnp.where(live, 1.0 / jnp.where(live, stored, 1.0), 0.0)
+    return scale, inv, live
+
+
+def quantize_values(x, inv, live, dtype):
+    """x f32 [..., n] (lanes of rows whose `row_scale` gave inv, live [...]) -> values [..., n] dtype."""
+    dtype = jnp.dtype(dtype)
+    qmax = QMAX[dtype]
+    y = jnp.where(live[..., None], jnp.clip(x * inv[..., None], -qmax, qmax), 0.0)  # NaN * 0 is NaN: select
+    if dtype == jnp.dtype(jnp.int8):
+        y = _round_half_to_even(y)
+    return y.astype(dtype)
+
+
+def _absmax_finite(x):
+    mag = jnp.abs(x)
+    # NaN compares False: a row is finite iff every |x| <= FLT_MAX (max of 0/1 flags: no NaN in a max).
+    return jnp.max(mag, axis=-1), jnp.max(jnp.where(mag <= _F32_MAX, 0.0, 1.0), axis=-1)
+
+
 def quantize_rows(x, dtype, scale_dtype=jnp.float32):
     """x [..., D] (any float dtype; the last axis is one row) -> (values [..., D] dtype, scale [...] scale_dtype).
 
     Padding lanes must be zero (the kernel's masked loads give 0): they change neither the
     absmax nor the finiteness of a row.
     """
+    (values,), scale = quantize_chunks([x], dtype, scale_dtype)
+    return values, scale
+
+
+def quantize_chunks(chunks, dtype, scale_dtype=jnp.float32):
+    """A row given as lane chunks [..., n_i] (e.g. the column blocks of a rotated row): one scale
+    over all of them -> ([values [..., n_i] dtype], scale [...]). Same rules as `quantize_rows`."""
     dtype, scale_dtype = jnp.dtype(dtype), jnp.dtype(scale_dtype)
-    qmax = QMAX[dtype]
-    x = x.astype(jnp.float32)
-    mag = jnp.abs(x)
-    absmax = jnp.max(mag, axis=-1)
-    # NaN compares False: a row is finite iff every |x| <= FLT_MAX (max of 0/1 flags: no NaN in a max).
-    finite = jnp.max(jnp.where(mag <= _F32_MAX, 0.0, 1.0), axis=-1) == 0.0
-    live = finite & (absmax >= TINY_ABSMAX)
-    scale = jnp.where(live, absmax * np.float32(1.0 / qmax), 0.0)
-    scale = jnp.where(finite, scale, jnp.nan).astype(scale_dtype)
-    stored = scale.astype(jnp.float32)
-    inv = jnp.where(live, 1.0 / jnp.where(live, stored, 1.0), 0.0)
-    y = jnp.where(live[..., None], jnp.clip(x * inv[..., None], -qmax, qmax), 0.0)  # NaN * 0 is NaN: select
-    if dtype == jnp.dtype(jnp.int8):
-        y = _round_half_to_even(y)
-    return y.astype(dtype), scale
+    chunks = [c.astype(jnp.float32) for c in chunks]
+    absmax, bad = _absmax_finite(chunks[0])
+    for c in chunks[1:]:
+        a, b = _absmax_finite(c)
+        absmax, bad = jnp.maximum(absmax, a), jnp.maximum(bad, b)
+    scale, inv, live = row_scale(absmax, bad == 0.0, dtype, scale_dtype)
+    return [quantize_values(c, inv, live, dtype) for c in chunks], scale
 
 
 def dequantize_rows(values, scale):

@@ -33,7 +33,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.quant import dequantize_rows, is_quantized, quantize_rows
+from pallas_kernels.quant import quantize_rows
+from pallas_kernels.quant4 import GROUP, arena_format, quantize_groups, unpack_codes
+from pallas_kernels.rotation import rotate_rows
 
 __all__ = ["append_reference", "paged_attention_reference", "token_positions"]
 
@@ -49,13 +51,17 @@ def token_positions(lengths, num_tokens, tokens: int):
     return start + t, valid
 
 
-def append_reference(k_arena, v_arena, layer, k, v, page_map, lengths, num_tokens, *, k_scale=None, v_scale=None):
+def append_reference(k_arena, v_arena, layer, k, v, page_map, lengths, num_tokens, *, k_scale=None, v_scale=None,
+                     rotate_keys=False):
     """Scatter new K/V into their pages (in place when the arena is donated).
 
     k_arena, v_arena: [L, Hkv, P, S, D]; k, v: [B, T, Hkv, D]; page_map: i32[B, M];
-    lengths, num_tokens: i32[B]. Returns the updated (k_arena, v_arena); for an 8-bit arena
-    (k_scale, v_scale: [L, Hkv, P, S] given) k, v are quantized per token and head and the
-    updated (k_arena, v_arena, k_scale, v_scale) are returned.
+    lengths, num_tokens: i32[B]. Returns the updated (k_arena, v_arena); for a quantized arena
+    (k_scale, v_scale given) k, v are quantized and the updated (k_arena, v_arena, k_scale,
+    v_scale) are returned: 8-bit, per token and head (`quant.quantize_rows`, scales
+    [L, Hkv, P, S]); int4 (uint8 arenas [L, Hkv, P, S, D / 2]), per group of 32 lanes
+    (`quant4.quantize_groups`, scales [L, Hkv, P, S, D / 32]). `rotate_keys`: keys are
+    rotated first (`rotation.rotate_rows`: `(k @ M) * col_scale` in float32), then quantized.
     """
     _, _, num_pages, page_size, _ = k_arena.shape
     tokens = k.shape[1]
@@ -69,14 +75,19 @@ def append_reference(k_arena, v_arena, layer, k, v, page_map, lengths, num_token
     offset = jnp.where(ok, pos % page_size, 0)
     layer = jnp.asarray(layer, jnp.int32)
     # arena[layer][:, page, offset] <- k[b, t] for every (b, t): indices broadcast to [B, T],
-    # the head axis is a slice, so the update is [B, T, Hkv, D].
+    # the head axis is a slice, so the update is [B, T, Hkv, D] (int4: D / 2 bytes).
     if k_scale is None:
         k_arena = k_arena.at[layer, :, page, offset].set(k.astype(k_arena.dtype), mode="drop")
         v_arena = v_arena.at[layer, :, page, offset].set(v.astype(v_arena.dtype), mode="drop")
         return k_arena, v_arena
+    int4 = arena_format(k_arena.dtype) == "int4"
     out = []
-    for x, arena, scales in ((k, k_arena, k_scale), (v, v_arena, v_scale)):
-        values, scale = quantize_rows(x, arena.dtype, scales.dtype)  # [B, T, Hkv, D], [B, T, Hkv]
+    for x, arena, scales, rotated in ((k, k_arena, k_scale, rotate_keys), (v, v_arena, v_scale, False)):
+        x = rotate_rows(x) if rotated else x
+        if int4:
+            values, scale = quantize_groups(x, scales.dtype)  # [B, T, Hkv, D / 2], [B, T, Hkv, D / 32]
+        else:
+            values, scale = quantize_rows(x, arena.dtype, scales.dtype)  # [B, T, Hkv, D], [B, T, Hkv]
         out.append((arena.at[layer, :, page, offset].set(values, mode="drop"),
                     scales.at[layer, :, page, offset].set(scale, mode="drop")))
     (k_arena, k_scale), (v_arena, v_scale) = out
@@ -101,28 +112,96 @@ def _gather_rows(arena, layer, pages, batch, max_keys):
     return x.reshape(batch, max_keys, *x.shape[3:])
 
 
+def _scores_and_values(q, k_seq, v_seq, k_scale, v_scale, live, fmt, compute, sm_scale, group):
+    """(s [B, Hkv, G, T, S] f32 before soft-cap and mask, v_ok bool[B, S, Hkv], weights_fn, v
+    [B, S, Hkv, D] f32 as it meets the weights): the format-specific half of the reference.
+    `weights_fn(p)` turns the f32 softmax weights into the P @ V operand and contracts it."""
+    f32 = jnp.float32
+    hi = jax.lax.Precision.HIGHEST
+    batch, tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_seq.shape[2]
+    qg = q.reshape(batch, tokens, num_kv_heads, group, head_dim).astype(compute).astype(f32)
+    fold_v = fmt != "float" and compute != jnp.dtype(jnp.float16)
+    if fmt == "int4":  # per group of 32 lanes: (q_g . codes_g) * (k_scale_g * sm_scale), summed over groups
+        n = head_dim // GROUP
+        k_c = unpack_codes(k_seq).astype(f32).reshape(*k_seq.shape[:3], n, GROUP)  # [B, S, Hkv, N, 32]
+        dots = jnp.einsum("BTKGNL,BSKNL->BKGTSN", qg.reshape(*qg.shape[:4], n, GROUP), k_c, precision=hi)
+        ks = (k_scale.astype(f32) * sm_scale).transpose(0, 2, 1, 3)[:, :, None, None]  # [B, Hkv, 1, 1, S, N]
+        s = jnp.sum(dots * ks, axis=-1)
+        v_codes = unpack_codes(v_seq).astype(f32).reshape(*v_seq.shape[:3], n, GROUP)  # [B, S, Hkv, N, 32]
+        vs = v_scale.astype(f32)  # [B, S, Hkv, N]
+        if fold_v:  # each group's scale on the weights: (p * v_scale_g) @ codes_g
+            v_ok = jnp.all(jnp.isfinite(vs), axis=-1)
+            vs = jnp.where((live & v_ok)[..., None], vs, 0.0)
+
+            def weights(p):  # p [B, Hkv, G, T, S]
+                pg = (p[..., None] * vs.transpose(0, 2, 1, 3)[:, :, None, None]).astype(compute).astype(f32)
+                out = jnp.einsum("BKGTSN,BSKNL->BTKGNL", pg, v_codes, precision=hi)
+                return out.reshape(*out.shape[:4], head_dim)
+
+            return s, v_ok, weights
+        v_c = (v_codes * vs[..., None]).astype(compute).reshape(v_seq.shape[:3] + (head_dim,))  # fp16: dequantized
+    else:
+        k_c = k_seq.astype(compute).astype(f32)
+        dots = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k_c, precision=hi)
+        if fmt == "8bit":
+            ks = (k_scale.astype(f32) * sm_scale).transpose(0, 2, 1)[:, :, None, None, :]  # [B, Hkv, 1, 1, S]
+            s = dots * ks
+            vs = v_scale.astype(f32)  # [B, S, Hkv]
+            if fold_v:  # a row's poison is its scale (8-bit values are finite by construction)
+                v_ok = jnp.isfinite(vs)
+                vs = jnp.where(live & v_ok, vs, 0.0)
+                v_c = jnp.where(live[..., None], v_seq.astype(compute), jnp.zeros((), compute))
+
+                def weights(p):
+                    pv = (p * vs.transpose(0, 2, 1)[:, :, None, None, :]).astype(compute).astype(f32)
+                    return jnp.einsum("BKGTS,BSKH->BTKGH", pv, v_c.astype(f32), precision=hi)
+
+                return s, v_ok, weights
+            v_c = (v_seq.astype(f32) * vs[..., None]).astype(compute)  # fp16: the dequantized row
+        else:
+            s = dots * sm_scale
+            v_c = v_seq.astype(compute)
+    v_ok = jnp.all(jnp.isfinite(v_c), axis=-1)  # [B, S, Hkv]
+    v_c = jnp.where((live & v_ok)[..., None], v_c, jnp.zeros_like(v_c))  # select: dead or poisoned rows are 0
+
+    def weights(p):
+        return jnp.einsum("BKGTS,BSKH->BTKGH", p.astype(compute).astype(f32), v_c.astype(f32), precision=hi)
+
+    return s, v_ok, weights
+
+
 def paged_attention_reference(
     q, k_arena, v_arena, layer, page_map, lengths, num_tokens, *, sm_scale=None, sliding_window=None,
-    logits_soft_cap=None, k_scale=None, v_scale=None,
+    logits_soft_cap=None, k_scale=None, v_scale=None, rotate_keys=False,
 ):
     """Attention of the new tokens over each row's pages: gather, then dense masked softmax.
 
     q: [B, T, Hq, D] with Hq a multiple of Hkv; returns [B, T, Hq, D] in q's dtype.
     `sliding_window`: None, an int >= 1, or a traced integer scalar (clipped into
     [0, M*S]: a value <= 0 admits no key, one >= M*S no window). `logits_soft_cap`: None or
-    cap > 0. An 8-bit arena comes with k_scale, v_scale [L, Hkv, P, S].
+    cap > 0. A quantized arena comes with k_scale, v_scale (8-bit: [L, Hkv, P, S]; int4, a
+    uint8 arena [L, Hkv, P, S, D / 2]: [L, Hkv, P, S, D / 32]). `rotate_keys`: the arena's
+    keys were rotated on append; q is rotated the same way first.
 
     The rules this function defines (the kernels follow them):
 
-    Dtypes: the compute dtype is q's. K and V tiles are converted to it (8-bit values exactly;
-    bf16 -> fp16 exactly within fp16's range; f32 -> bf16/fp16 rounds), products accumulate
-    in float32 (`q . k`, exact for 16-bit inputs), and scores, soft-cap, mask and softmax
-    (max, exp, sum) are float32. The softmax weights, unnormalized (`exp(s - max)`), are
-    rounded to the compute dtype for the P @ V product (f32 accumulation); the result is
-    divided by the f32 sum and rounded to q's dtype once. 8-bit arenas: the key scale
-    multiplies the f32 score (`(q . kq) * (k_scale * sm_scale)`); the value scale multiplies
-    the f32 weights before their rounding (`(p * v_scale) @ vq`), except with fp16 compute,
-    where the value tile is dequantized instead (`(vq * v_scale)` rounded to fp16).
+    Dtypes: the compute dtype is q's. K and V tiles are converted to it (8-bit values and
+    int4 codes exactly; bf16 -> fp16 exactly within fp16's range; f32 -> bf16/fp16 rounds),
+    products accumulate in float32 (`q . k`, exact for 16-bit inputs), and scores, soft-cap,
+    mask and softmax (max, exp, sum) are float32. The softmax weights, unnormalized
+    (`exp(s - max)`), are rounded to the compute dtype for the P @ V product (f32
+    accumulation); the result is divided by the f32 sum and rounded to q's dtype once.
+    8-bit arenas: the key scale multiplies the f32 score (`(q . kq) * (k_scale * sm_scale)`);
+    the value scale multiplies the f32 weights before their rounding (`(p * v_scale) @ vq`),
+    except with fp16 compute, where the value tile is dequantized instead (`(vq * v_scale)`
+    rounded to fp16). int4 arenas, per group g of 32 lanes: `s = sum_g (q_g . codes_g) *
+    (k_scale_g * sm_scale)` and `sum_g (p * v_scale_g) @ codes_g` (fp16: the dequantized
+    tile `codes * v_scale_g` rounded to fp16).
+
+    Rotated keys: q is rotated as the keys were, `(q @ M) * col_scale` (the product with M's
+    +-1 entries exact, f32 sums), and rounded to the compute dtype; then everything above
+    runs on the rotated q. Scores equal the unrotated ones up to that rounding.
 
     Scores: `s = (q . k) * sm_scale` (f32); with a soft cap, `s = cap * tanh(s / cap)`
     (Gemma 2, as Hugging Face transformers computes it), then the mask.
@@ -135,57 +214,39 @@ def paged_attention_reference(
 
     Non-finite inputs: a query row that attends to a key whose raw score `(q . k) * sm_scale`
     is not finite (NaN or inf in q or in the key's K row, a NaN key scale, an f32 overflow),
-    or whose V row (as converted to the compute dtype, or its 8-bit value scale) holds a
-    NaN or inf in any lane, is NaN in every lane: one poisoned key poisons the whole output
-    row of each query (head) that attends to it, in float and 8-bit arenas alike. In 8-bit
-    arenas the poison is the scale: append stores a row with a NaN/inf input as a NaN scale,
-    and 8-bit values are finite by construction (quantization saturates), so with bf16 / f32
-    compute only the scales are checked; with fp16 compute the dequantized row is (it can
-    also overflow fp16). A row that attends to no key is 0.
+    or whose V row (as converted to the compute dtype, or its value scales) holds a NaN or
+    inf in any lane, is NaN in every lane: one poisoned key poisons the whole output row of
+    each query (head) that attends to it, in float and quantized arenas alike. In quantized
+    arenas the poison is the scale: append stores a row with a NaN/inf input as NaN scales
+    (8-bit: its one scale; int4: every group's), and quantized values are finite by
+    construction (quantization saturates), so with bf16 / f32 compute only the scales are
+    checked; with fp16 compute the dequantized row is (it can also overflow fp16). A row that
+    attends to no key is 0.
     """
     batch, tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, _, page_size, _ = k_arena.shape
     group = num_q_heads // num_kv_heads
     max_keys = page_map.shape[1] * page_size
     compute = jnp.dtype(q.dtype)
-    f32 = jnp.float32
+    fmt = arena_format(k_arena.dtype)
     if sm_scale is None:
         sm_scale = head_dim**-0.5
     layer = jnp.asarray(layer, jnp.int32)
     pages = jnp.maximum(page_map, 0)  # unmapped entries are masked below, never trusted
-    k_seq = _gather_rows(k_arena, layer, pages, batch, max_keys)  # [B, S_total, Hkv, D]
+    k_seq = _gather_rows(k_arena, layer, pages, batch, max_keys)  # [B, S_total, Hkv, D] (int4: D / 2 bytes)
     v_seq = _gather_rows(v_arena, layer, pages, batch, max_keys)
+    scales = [None, None]
+    if fmt != "float":  # [B, S_total, Hkv] (int4: [B, S_total, Hkv, D / 32])
+        scales = [_gather_rows(x, layer, pages, batch, max_keys) for x in (k_scale, v_scale)]
 
     key_pos = jnp.arange(max_keys, dtype=jnp.int32)  # [S_total]
     key_live = key_pos[None, :] < lengths[:, None]  # [B, S_total]
     key_live &= jnp.repeat(page_map >= 0, page_size, axis=1)
     live = key_live[:, :, None]  # [B, S_total, 1]: per key, for every KV head
 
-    # Scores: q . k in the compute dtype (exact products, f32 sums), scaled in f32.
-    hi = jax.lax.Precision.HIGHEST
-    qg = q.reshape(batch, tokens, num_kv_heads, group, head_dim).astype(compute).astype(f32)
-    k_c = k_seq.astype(compute).astype(f32)
-    dots = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k_c, precision=hi)
-    fold_v = False
-    if is_quantized(k_arena.dtype):
-        ks_seq = _gather_rows(k_scale, layer, pages, batch, max_keys).astype(f32)  # [B, S_total, Hkv]
-        vs_seq = _gather_rows(v_scale, layer, pages, batch, max_keys).astype(f32)
-        scale = (ks_seq * sm_scale).transpose(0, 2, 1)[:, :, None, None, :]  # [B, Hkv, 1, 1, S_total]
-        fold_v = compute != jnp.dtype(jnp.float16)
-        if fold_v:  # a row's poison is its scale (8-bit values are finite by construction)
-            v_ok = jnp.isfinite(vs_seq)  # [B, S_total, Hkv]
-            vs_seq = jnp.where(live & v_ok, vs_seq, 0.0)
-            v_c = jnp.where(live[..., None], v_seq.astype(compute), jnp.zeros((), compute))
-        else:  # fp16: the dequantized row itself (vq * scale may overflow fp16)
-            v_c = (v_seq.astype(f32) * vs_seq[..., None]).astype(compute)
-            v_ok = jnp.all(jnp.isfinite(v_c), axis=-1)
-            v_c = jnp.where((live & v_ok)[..., None], v_c, jnp.zeros_like(v_c))
-    else:
-        scale = sm_scale
-        v_c = v_seq.astype(compute)
-        v_ok = jnp.all(jnp.isfinite(v_c), axis=-1)  # [B, S_total, Hkv]
-        v_c = jnp.where((live & v_ok)[..., None], v_c, jnp.zeros_like(v_c))  # select: dead or poisoned rows are 0
-    s = dots * scale  # [B, Hkv, G, T, S_total] f32
+    if rotate_keys:
+        q = rotate_rows(q, compute)
+    s, v_ok, weights = _scores_and_values(q, k_seq, v_seq, *scales, live, fmt, compute, sm_scale, group)
     s_ok = jnp.isfinite(s)
     if logits_soft_cap is not None:
         s = jnp.tanh(s / logits_soft_cap) * logits_soft_cap
@@ -205,9 +266,7 @@ def paged_attention_reference(
     poisoned = mask & ~(s_ok & v_ok.transpose(0, 2, 1)[:, :, None, None, :])
     p = jnp.where(poisoned, jnp.nan, p)
     denom = jnp.sum(p, axis=-1)  # [B, Hkv, G, T]: 0 iff the row attends to no key, NaN if poisoned
-    if fold_v:
-        p = p * vs_seq.transpose(0, 2, 1)[:, :, None, None, :]
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", p.astype(compute).astype(f32), v_c.astype(f32), precision=hi)
+    out = weights(p)  # [B, T, Hkv, G, D]
     denom = denom.transpose(0, 3, 1, 2)[..., None]  # [B, T, Hkv, G, 1]
     seen = denom != 0  # NaN != 0: a poisoned row stays NaN
     out = jnp.where(seen, out / jnp.where(seen, denom, 1.0), 0.0)

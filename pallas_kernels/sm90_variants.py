@@ -29,7 +29,16 @@ pressure and shared memory:
   lanes) and in float32 prefill (FMA dots, whose register use is the most erratic);
 - arenas of another dtype than q (`bf16/fp32`: the K/V tiles converted to q's dtype, the
   dots in q's dtype): a bf16 arena with float32 q (decode, split decode, prefill) and with
-  float16 q (prefill).
+  float16 q (prefill);
+- rotated keys (`rot`: the rotation as dots before quantization in append, and on q before
+  the loop in attention) and int4 arenas (uint8 pages, bf16 group scales, group-by-group
+  dots), each where it has its own tiles or code: int4 rotated in split decode, prefill and
+  append-decode at head_dim 256 / group 8 (8 groups: the most parts and accumulators; 16 x 16
+  prefill tiles, 64-token append blocks), prefill at 128 / group 4 (64 rows, 32 keys), decode
+  and append at head_dim 96 (a Paley Hadamard, a padded tile), f32 (FMA) prefill and f16
+  (dequantized V) decode, soft-cap and traced windows; int4 unrotated in prefill and append;
+  int8 rotated in split decode, prefill and append-decode at 256 / 8, with f32 q (the exact
+  three-dot split of q), and an f32 append (keys rotated by XLA first).
 """
 from __future__ import annotations
 
@@ -51,7 +60,7 @@ KINDS = ("decode", "decode-split", "prefill", "chunked", "window-decode", "windo
          "append-prefill")
 DTYPES = ("bfloat16", "float16", "float32")
 # 8-bit arenas: q, k, v in bfloat16 (`Variant.compute`), the arena int8 / fp8 with float32 scales.
-QUANT_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")
+QUANT_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2", "int4")
 QUANT_KINDS = ("decode", "decode-split", "prefill", "append-decode", "append-prefill")
 HEAD_DIMS = (64, 80, 96, 112, 120, 128, 160, 192, 256)
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -82,6 +91,7 @@ class Variant:
     compute_dtype: str | None = None  # q's dtype (and k, v given to append): default the arena's, bf16 if 8-bit
     soft_cap: bool = False  # attention: logits_soft_cap=50.0
     traced_window: bool = False  # window kinds: the window passed as a traced int32 scalar
+    rotate: bool = False  # quantized arenas: keys rotated (append) and q rotated (attention)
 
     @property
     def quantized(self) -> bool:
@@ -95,27 +105,33 @@ class Variant:
     @property
     def label(self) -> str:
         short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "int8": "int8", "float8_e4m3fn": "e4m3",
-                 "float8_e5m2": "e5m2"}
+                 "float8_e5m2": "e5m2", "int4": "int4"}
         dt = short[self.dtype] + (f"/{short[self.compute]}" if self.compute != self.dtype else "")
         g = "" if self.kind.startswith("append") else f" g{self.group}"
-        options = (" cap" if self.soft_cap else "") + (" wt" if self.traced_window else "")
+        options = (" cap" if self.soft_cap else "") + (" wt" if self.traced_window else "") + (" rot" if self.rotate else "")
         return f"{self.kind} {dt} d{self.head_dim} p{self.page_size}{g}{options}"
 
     def call(self):
         """(fn, args): `jax.jit(fn)(*args)` runs this variant; args are ShapeDtypeStructs."""
         batch, tokens, window = _SHAPES[self.kind]
         sds = jax.ShapeDtypeStruct
-        dtype, compute = jnp.dtype(self.dtype), jnp.dtype(self.compute)
+        dtype = jnp.dtype(jnp.uint8 if self.dtype == "int4" else self.dtype)
+        compute = jnp.dtype(self.compute)
         max_pages = -(-CONTEXT // self.page_size)
-        arena = sds((LAYERS, KV_HEADS, 1024, self.page_size, self.head_dim), dtype)
-        scales = sds((LAYERS, KV_HEADS, 1024, self.page_size), jnp.float32) if self.quantized else None
+        if self.dtype == "int4":  # uint8 pages (two codes a byte), bf16 scales per group of 32 lanes
+            arena = sds((LAYERS, KV_HEADS, 1024, self.page_size, self.head_dim // 2), jnp.uint8)
+            scales = sds((LAYERS, KV_HEADS, 1024, self.page_size, self.head_dim // 32), jnp.bfloat16)
+        else:
+            arena = sds((LAYERS, KV_HEADS, 1024, self.page_size, self.head_dim), dtype)
+            scales = sds((LAYERS, KV_HEADS, 1024, self.page_size), jnp.float32) if self.quantized else None
         rows = (sds((batch, max_pages), jnp.int32), sds((batch,), jnp.int32), sds((batch,), jnp.int32))
         layer = sds((), jnp.int32)
         if self.kind.startswith("append"):
             kv = sds((batch, tokens, KV_HEADS, self.head_dim), compute)
             if self.quantized:
                 def fn(ka, va, layer, k, v, pm, lengths, n, ks, vs):
-                    return paged_append(ka, va, layer, k, v, pm, lengths, n, k_scale=ks, v_scale=vs, interpret=False)
+                    return paged_append(ka, va, layer, k, v, pm, lengths, n, k_scale=ks, v_scale=vs,
+                                        rotate_keys=self.rotate, interpret=False)
 
                 return fn, (arena, arena, layer, kv, kv, *rows, scales, scales)
             fn = functools.partial(paged_append, interpret=False)
@@ -129,7 +145,7 @@ class Variant:
             ks, vs = extra[:2] if self.quantized else (None, None)
             w = extra[-1] if traced else window
             return paged_attention(q, ka, va, layer, pm, lengths, n, k_scale=ks, v_scale=vs, sliding_window=w,
-                                   logits_soft_cap=cap, interpret=False)
+                                   logits_soft_cap=cap, rotate_keys=self.rotate, interpret=False)
 
         return fn, (q, arena, arena, layer, *rows, *extra)
 
@@ -152,7 +168,7 @@ def _ci_variants() -> tuple[Variant, ...]:
     # 8-bit arenas (bf16 compute), widest tile, most rows: every kind they change in int8; the
     # fp8 formats differ from it only in the conversion, so split decode, prefill and append.
     out += [Variant(kind, "int8", head_dim=256, group=8) for kind in QUANT_KINDS]
-    for dtype in QUANT_DTYPES[1:]:
+    for dtype in QUANT_DTYPES[1:3]:  # (int4: below)
         out += [Variant(kind, dtype, head_dim=256, group=8) for kind in ("decode-split", "prefill", "append-prefill")]
     out += [Variant("decode", "int8", head_dim=128, group=4, compute_dtype="float32"),  # f32 models: FMA dots
             Variant("decode", "float8_e5m2", head_dim=128, group=4, compute_dtype="float16")]  # fp16: V tile dequantized
@@ -172,6 +188,21 @@ def _ci_variants() -> tuple[Variant, ...]:
             Variant("decode-split", "bfloat16", head_dim=256, group=8, compute_dtype="float32"),
             Variant("prefill", "bfloat16", head_dim=128, group=4, compute_dtype="float32"),
             Variant("prefill", "bfloat16", head_dim=256, group=8, compute_dtype="float16")]
+    # Rotated keys and int4 arenas (bf16 q unless said), each where it has its own tiles or code.
+    out += [Variant(kind, "int4", head_dim=256, group=8, rotate=True) for kind in ("decode-split", "prefill",
+                                                                                   "append-decode")]
+    out += [Variant("prefill", "int4", head_dim=128, group=4, rotate=True),  # 64 rows, 32 keys
+            Variant("decode", "int4", head_dim=96, group=4, rotate=True),  # a Paley Hadamard, a padded tile
+            Variant("append-prefill", "int4", head_dim=96, rotate=True),
+            Variant("prefill", "int4", head_dim=128, group=4, compute_dtype="float32", rotate=True),
+            Variant("decode", "int4", head_dim=128, group=4, compute_dtype="float16", rotate=True),
+            Variant("window-prefill", "int4", head_dim=256, group=8, soft_cap=True, traced_window=True, rotate=True),
+            Variant("prefill", "int4", head_dim=256, group=8),  # unrotated
+            Variant("append-prefill", "int4", head_dim=128)]
+    out += [Variant(kind, "int8", head_dim=256, group=8, rotate=True) for kind in ("decode-split", "prefill",
+                                                                                   "append-decode")]
+    out += [Variant("decode", "int8", head_dim=128, group=4, compute_dtype="float32", rotate=True),
+            Variant("append-prefill", "int8", head_dim=256, compute_dtype="float32", rotate=True)]
     seen, unique = set(), []
     for v in out:
         if v.kind.startswith("append"):  # append has no query heads: the group does not matter

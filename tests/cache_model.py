@@ -51,6 +51,45 @@ def numpy_quantize(x, dtype: str, scale_dtype: str = "float32"):
     return values, scale
 
 
+def numpy_quantize4(x, scale_dtype: str = "bfloat16"):
+    """int4 rows as `pallas_kernels.quant4` documents them, again with numpy and ml_dtypes:
+    x [..., D] -> (packed uint8 [..., D / 2], scales [..., D / 32]). Groups of 32 lanes, codes
+    rint(x / scale) clipped to [-7, 7]; byte 16 g + j = lane 32 g + j (low nibble) | lane
+    32 g + 16 + j (high nibble); a non-finite lane anywhere makes every group's scale NaN."""
+    x = np.asarray(x, np.float32)
+    g = x.reshape(*x.shape[:-1], -1, 32)
+    absmax = np.abs(g).max(axis=-1)
+    finite = np.isfinite(x).all(axis=-1)[..., None]
+    live = finite & (absmax >= np.float32(2.0**-64))
+    scale = np.where(live, absmax * np.float32(1 / 7), np.float32(0)).astype(np.float32)
+    scale = np.where(finite, scale, np.nan).astype(ml_dtypes.bfloat16 if scale_dtype == "bfloat16" else np.float32)
+    stored = scale.astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inv = np.where(live, np.float32(1) / np.where(live, stored, 1), 0).astype(np.float32)
+        y = np.clip(g * inv[..., None], -7, 7)
+    codes = np.rint(np.where(live[..., None], y, 0)).astype(np.int64)  # [..., G, 32]
+    nib = codes & 15
+    packed = (nib[..., :16] | (nib[..., 16:] << 4)).astype(np.uint8)
+    return packed.reshape(*x.shape[:-1], x.shape[-1] // 2), scale
+
+
+def numpy_dequantize4(packed, scale):
+    """packed uint8 [..., D / 2], scales [..., D / 32] -> float64 [..., D]."""
+    b = np.asarray(packed).astype(np.int64).reshape(*packed.shape[:-1], -1, 16)
+    lo, hi = b & 15, b >> 4
+    codes = np.concatenate([np.where(lo > 7, lo - 16, lo), np.where(hi > 7, hi - 16, hi)], axis=-1)  # [..., G, 32]
+    out = codes * np.asarray(scale, np.float64)[..., None]
+    return out.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def numpy_rotation(head_dim: int):
+    """The rotation as float32 numpy (M with +-1 entries, column scales) and as float64 R = M * col_scale."""
+    from pallas_kernels.rotation import rotation
+
+    m, col_scale = rotation(head_dim)
+    return m, col_scale, m.astype(np.float64) * col_scale.astype(np.float64)[None, :]
+
+
 class Slot:
     def __init__(self, num_layers: int):
         self.length = 0  # reserved tokens

@@ -250,9 +250,9 @@ def check_host(host, model, values, scales) -> None:
             at = (layer, slice(None), p, slice(0, len(x)))
             np.testing.assert_array_equal(k[at], values[0, x, layer].transpose(1, 0, 2))  # [H, T, D]
             np.testing.assert_array_equal(v[at], values[1, x, layer].transpose(1, 0, 2))
-            if scales is not None:
-                np.testing.assert_array_equal(np.asarray(host.pages["k_scale"])[at], scales[0, x, layer].T)
-                np.testing.assert_array_equal(np.asarray(host.pages["v_scale"])[at], scales[1, x, layer].T)
+            if scales is not None:  # [T, H] per token (8-bit) or [T, H, D / 32] per group (int4) -> [H, T, ...]
+                np.testing.assert_array_equal(np.asarray(host.pages["k_scale"])[at], np.swapaxes(scales[0, x, layer], 0, 1))
+                np.testing.assert_array_equal(np.asarray(host.pages["v_scale"])[at], np.swapaxes(scales[1, x, layer], 0, 1))
 
 
 # Named: a slot out and back (into another slot, which then writes on in its own pages), a

@@ -18,19 +18,25 @@ reserved-but-unwritten positions sit in private pages; every written token's K a
 layer is where the model says, and every held token's too; attention at every layer over
 every active slot equals a float64 dense oracle over the model's tokens (on the backend drawn
 for the example); and every counter matches the model.
-Arena dtype, drawn per example: float32 (most examples) or an 8-bit arena (int8, in jit
-mode), whose appends quantize (values and per-token scales) and whose pages are copied,
-shared, held and recycled with their scales: the stored values and scales must equal, bit
-for bit, an independent numpy quantization of the token's K and V
-(`cache_model.numpy_quantize`), and the attention oracle takes their dequantized values.
-Stale pages start NaN-poisoned (values and scales) so a stale read shows.
+Arena format, drawn per example: float32 (most examples) or a quantized arena (in CI int8 and
+int4 with rotated keys, their defaults; in jit mode), whose appends quantize (values and
+scales: per token, or per group of 32 lanes for int4; keys rotated first) and whose pages
+are copied, shared, held and recycled with their scales: the stored values and scales must
+equal, bit for bit, an independent numpy quantization of the token's K and V
+(`cache_model.numpy_quantize` / `numpy_quantize4`, after a numpy rotation: token values are
+multiples of 1/16, so the rotation's sums are exact in float32 in any order and every
+backend rotates them to the same bits), and the attention oracle takes their dequantized
+values (rotated back in float64). Stale pages start NaN-poisoned (values and scales) so a
+stale read shows.
 The host tier (`model_host_ops.py`): swap_out / swap_in round trips, spills of held pages
 (offload_pages), drop_host_pages and raw rows of each, drawn beside the other ops; its NaN-
 poisoned host arena's held tokens are checked after every step, and after the final clearing no
 host page may stay held.
 
 Soak: `HYPOTHESIS_PROFILE=soak pytest tests/test_allocator_model.py -s` (see conftest.py);
-`ARENA_MODEL_MODES=jit` (or `host,host-numpy`) soaks one mode; `ARENA_MODEL_8BIT` the 8-bit formats.
+`ARENA_MODEL_MODES=jit` (or `host,host-numpy`) soaks one mode; `ARENA_MODEL_QUANT` the quantized
+formats (e.g. `int8,int8+rot,int4,int4+rot,float8_e4m3fn,float8_e5m2+rot`; `+rot`: rotated keys;
+`ARENA_MODEL_8BIT`, its former name, still works).
 """
 from __future__ import annotations
 
@@ -46,12 +52,13 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import arena_jax as aj
-from cache_model import INT32_MAX, INT32_MIN, OP_COUNTS, PAD, CacheModel, ceil_div, numpy_quantize
+from cache_model import (INT32_MAX, INT32_MIN, OP_COUNTS, PAD, CacheModel, ceil_div, numpy_dequantize4, numpy_quantize,
+                         numpy_quantize4, numpy_rotation)
 from model_host_ops import HOST_OPS, HOST_PAGES, HOST_ROUND_TRIP, HostDriver, check_host, expand, host_ops, jitted_calls, poisoned_host
 from model_host_ops import calls as host_calls
 
-LAYOUT = aj.KVLayout(
-    num_layers=2, num_kv_heads=2, head_dim=16, page_size=4, num_pages=10, max_seqs=4, max_pages_per_seq=6, dtype="float32"
+LAYOUT = aj.KVLayout(  # head_dim 32: the smallest int4 row (16 bytes)
+    num_layers=2, num_kv_heads=2, head_dim=32, page_size=4, num_pages=10, max_seqs=4, max_pages_per_seq=6, dtype="float32"
 )
 L, H, D, S = LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, LAYOUT.page_size
 NUM_Q_HEADS = 4  # GQA: 2 query heads per KV head
@@ -60,30 +67,51 @@ MAX_T = 7  # tokens per append call
 TQ = 3  # query tokens per attend call
 WINDOWS = (None, 1, 3, 6)
 
-# K/V of token id i at layer l: VALUES[0 or 1, i, l] ([H, D] float32), distinct for every (i, l).
+# K/V of token id i at layer l: VALUES[0 or 1, i, l] ([H, D] float32), distinct for every (i, l):
+# multiples of 1/16 in [-2, 2], so that a rotation's sums (+-1 weights) are exact in float32.
 MAX_IDS = 4096
-VALUES = np.random.default_rng(0).standard_normal((2, MAX_IDS, L, H, D)).astype(np.float32)
+VALUES = (np.random.default_rng(0).integers(-32, 33, (2, MAX_IDS, L, H, D)) / 16).astype(np.float32)
 GARBAGE = 1e6  # what rows that must write nothing carry
-ATOL = 2e-5  # f32 kernels vs the float64 oracle (head_dim 16, values ~N(0, 1); 8-bit arenas: the
+ATOL = 2e-5  # f32 kernels vs the float64 oracle (head_dim 32, values ~U[-2, 2]; quantized arenas: the
 # oracle takes the dequantized values, and the kernels compute in f32, so the same bound holds)
-# Arena dtype, drawn per example: an 8-bit arena in a quarter of them (int8 in CI; the fp8
-# formats differ only inside the kernels, which test_kernels_quantized.py covers, and a soak
-# draws them with ARENA_MODEL_8BIT=int8,float8_e4m3fn,float8_e5m2). 8-bit
-# examples run in jit mode (where totality is at stake; the host checks of 8-bit inputs are
-# test_quantized.py's) without a window (windows are the kernels' business, tested there):
-# every (mode, window, backend) is a separate compile, so this keeps the CI cost small.
+# Arena format, drawn per example: a quantized arena in a quarter of them (in CI int8 and int4,
+# keys rotated: what KVLayout gives by default; unrotated int8 in the explicit examples below;
+# the fp8 formats differ only inside the kernels, which test_kernels_quantized.py covers, and a
+# soak draws any of them with ARENA_MODEL_QUANT). Quantized examples run in jit mode (where
+# totality is at stake; the host checks of their inputs are test_quantized.py's) without a
+# window (windows are the kernels' business, tested there): every (mode, window, backend) is a
+# separate compile, so this keeps the CI cost small.
 MODES = tuple(os.environ.get("ARENA_MODEL_MODES", "host,host-numpy,jit,jit").split(","))  # a soak may pick one
-EIGHT_BIT = tuple(os.environ.get("ARENA_MODEL_8BIT", "int8").split(","))
-DTYPES = ("float32",) * 3 * len(EIGHT_BIT) + EIGHT_BIT if "jit" in MODES else ("float32",)
+QUANT = tuple(os.environ.get("ARENA_MODEL_QUANT", os.environ.get("ARENA_MODEL_8BIT", "int8+rot,int4+rot")).split(","))
+DTYPES = ("float32",) * 3 * len(QUANT) + QUANT if "jit" in MODES else ("float32",)
+
+
+def arena_format(fmt: str) -> tuple[str, bool]:
+    """"int4+rot" -> ("int4", True): the arena dtype and whether keys are rotated."""
+    dtype, _, rot = fmt.partition("+")
+    return dtype, rot == "rot"
 
 
 @functools.lru_cache(maxsize=None)
-def stored(dtype: str):
-    """What an arena of `dtype` holds for VALUES: (values, scales or None, float64 values it means)."""
+def stored(fmt: str):
+    """What an arena of `fmt` holds for VALUES: (values, scales or None, float64 values it means:
+    dequantized, and rotated back for rotated keys)."""
+    dtype, rotate = arena_format(fmt)
     if dtype == "float32":
         return VALUES, None, VALUES.astype(np.float64)
-    values, scales = numpy_quantize(VALUES, dtype)  # [2, MAX_IDS, L, H, D], [2, MAX_IDS, L, H]
-    return values, scales, values.astype(np.float64) * scales.astype(np.float64)[..., None]
+    x = VALUES
+    if rotate:  # keys only; exact sums (multiples of 1/16), then one f32 rounding by the column scale
+        m, col_scale, _ = numpy_rotation(D)
+        x = np.stack([(VALUES[0] @ m) * col_scale, VALUES[1]]).astype(np.float32)
+    if dtype == "int4":
+        values, scales = numpy_quantize4(x)  # [2, MAX_IDS, L, H, D / 2], [2, MAX_IDS, L, H, D / 32]
+        meant = numpy_dequantize4(values, scales)
+    else:
+        values, scales = numpy_quantize(x, dtype)  # [2, MAX_IDS, L, H, D], [2, MAX_IDS, L, H]
+        meant = values.astype(np.float64) * scales.astype(np.float64)[..., None]
+    if rotate:
+        meant[0] = meant[0] @ numpy_rotation(D)[2].T  # R^T: (q R) . k_stored == q . (k_stored R^T)
+    return values, scales, meant
 
 
 # ---- the calls, eager (host mode) or inside the test's own jit (jit mode) --------------------------
@@ -392,7 +420,7 @@ def check_state(cache, model: CacheModel, pages: Pages, dtype: str = "float32"):
                 np.testing.assert_array_equal(k[at], values[0, ids, layer])  # [T, H, D]
                 np.testing.assert_array_equal(v[at], values[1, ids, layer])
                 if scales is not None:
-                    np.testing.assert_array_equal(k_scale[at], scales[0, ids, layer])  # [T, H]
+                    np.testing.assert_array_equal(k_scale[at], scales[0, ids, layer])  # [T, H(, G)]
                     np.testing.assert_array_equal(v_scale[at], scales[1, ids, layer])
 
     # The tokens the cache holds are intact, at every layer and head.
@@ -402,8 +430,8 @@ def check_state(cache, model: CacheModel, pages: Pages, dtype: str = "float32"):
             np.testing.assert_array_equal(k[at], values[0, ids, layer].transpose(1, 0, 2))  # [H, T, D]
             np.testing.assert_array_equal(v[at], values[1, ids, layer].transpose(1, 0, 2))
             if scales is not None:
-                np.testing.assert_array_equal(k_scale[at], scales[0, ids, layer].T)  # [H, T]
-                np.testing.assert_array_equal(v_scale[at], scales[1, ids, layer].T)
+                np.testing.assert_array_equal(k_scale[at], np.swapaxes(scales[0, ids, layer], 0, 1))  # [H, T(, G)]
+                np.testing.assert_array_equal(v_scale[at], np.swapaxes(scales[1, ids, layer], 0, 1))
 
     stats = cache.stats
     for name in ("cow_copies", "failed_reservations", "dropped_writes", "rejected_rows", "metadata_ops", "tokens_written",
@@ -448,7 +476,9 @@ def kv_rows(model, layer, rows, written_ids):
 def run_ops(ops, mode: str, backend: str, window, dtype: str = "float32", seed: int = 0):
     """Run `ops` on a fresh cache and on the model, checking state (and attention) after each;
     then drop every hold and release every slot. Returns the final page table."""
-    cache = aj.create(dataclasses.replace(LAYOUT, dtype=dtype))
+    arena_dtype, rotate = arena_format(dtype)
+    cache = aj.create(dataclasses.replace(LAYOUT, dtype=arena_dtype, rotate_keys=rotate))
+    assert cache.rotate_keys == rotate
     # Stale pages NaN everywhere (values; and scales, the one stale thing an int8 arena can hold
     # as NaN): any read of an unwritten position or a recycled page's old tokens shows.
     nan = {f: jnp.full_like(getattr(cache, f), jnp.nan) for f in ("k", "v", "k_scale", "v_scale")
@@ -697,14 +727,17 @@ setup_st = st.sampled_from(DTYPES).flatmap(
 @example(ops=PREFIX_PARTIAL, setup=("float32", "host", None), backend="reference")
 @example(ops=PREFIX_PARTIAL, setup=("float32", "jit", None), backend="reference")
 @example(ops=PREFIX_PARTIAL, setup=("int8", "jit", None), backend="pallas")  # held pages keep their scales
+@example(ops=PREFIX_PARTIAL, setup=("int8+rot", "jit", None), backend="reference")
 @example(ops=PREFIX_REFUSALS, setup=("float32", "jit", None), backend="reference")
 @example(ops=PREFIX_REFUSALS, setup=("float32", "host-numpy", None), backend="reference")
 @example(ops=COW_STARVED, setup=("float32", "host", None), backend="reference")
 @example(ops=COW_STARVED, setup=("float32", "jit", None), backend="pallas")
 @example(ops=COW_STARVED, setup=("int8", "jit", None), backend="pallas")  # COW copies the scales
+@example(ops=COW_STARVED, setup=("int4+rot", "jit", None), backend="pallas")  # and an int4 arena's group scales
 @example(ops=HOST_ROUND_TRIP, setup=("float32", "host", None), backend="reference")
 @example(ops=HOST_ROUND_TRIP, setup=("float32", "jit", None), backend="reference")
 @example(ops=HOST_ROUND_TRIP, setup=("int8", "jit", None), backend="pallas")  # host pages carry the scales
+@example(ops=HOST_ROUND_TRIP, setup=("int4+rot", "jit", None), backend="pallas")  # and group scales
 @example(ops=REVIEW_HOLES, setup=("float32", "jit", None), backend="reference")
 @example(ops=REVIEW_HOLES, setup=("float32", "jit", 3), backend="pallas")
 @example(ops=REVIEW_HOLES, setup=("int8", "jit", None), backend="reference")

@@ -192,19 +192,38 @@ def test_layout_and_capacity_count_8bit_scales(tmp_path, capsys):
     assert cli._decode_settings(cli.build_parser().parse_args(["decode", "--kv-dtype", "int8"])).kv_dtype == "int8"
 
 
+def test_layout_and_capacity_count_int4_group_scales(tmp_path, capsys):
+    """int4: head_dim / 2 bytes + a bf16 scale per 32 lanes, for K and V: 3.56x bf16's tokens per budget."""
+    res = _run(["layout", "--kv-dtype", "int4"], tmp_path)["results"]
+    by = {r["model"]: r for r in res["models"]}
+    assert by["mistral-7b"]["bytes_per_token"] == 2 * 32 * 8 * (128 // 2 + (128 // 32) * 2) == 36_864
+    assert by["mistral-7b"]["scale_bytes_per_token"] == 2 * 32 * 8 * 4 * 2
+    assert "int4 + bf16 scales per 32 lanes" in capsys.readouterr().out
+    import argparse
+
+    args = cli.build_parser().parse_args(["capacity", "--kv-dtype", "int4"])
+    settings, bf16 = cli._capacity_settings(args), cli._capacity_settings(argparse.Namespace(**{**vars(args), "kv_dtype": "bfloat16"}))
+    assert settings.budget_tokens == 2**30 // 36_864 == 29_127 and settings.budget_tokens >= 3.5 * bf16.budget_tokens
+
+
 def test_accuracy_attention_measurement():
-    """`arena-bench accuracy`'s attention measurement on tiny settings (one 8-bit format, to keep
-    compiles few): bf16 is its own reference (error 0) and errs against float32 by bf16's
-    rounding; int8 errs more, and more with outlier keys (a per-token scale is set by the
-    outliers); the table prints every row."""
+    """`arena-bench accuracy`'s attention measurement on tiny settings (int4 with rotated keys
+    only and tiny heads, to keep compiles few): bf16 errs against float64 by bf16's rounding and
+    is its own reference; int4 errs more; the Pallas kernels (interpret mode) agree with the
+    reference; the table prints every row. (Rotation vs none: test_quantized4.py.)"""
     from benchmarks.accuracy import AccuracySettings, attention_accuracy, format_attention_table
 
-    rows = attention_accuracy(AccuracySettings(context=16, batch=1, outlier_scales=(1.0, 50.0), formats=("int8",)))
+    settings = AccuracySettings(context=16, batch=1, outliers=1, q_heads=4, kv_heads=2, head_dim=64,
+                                outlier_scales=(1.0, 50.0), formats=("int4",), rotations=(True,))
+    rows = attention_accuracy(settings)
     by = {(r["outlier_scale"], r["format"]): r for r in rows}
-    assert by[(1.0, "bfloat16")]["rel_err_vs_bf16"] == 0 and 0 < by[(1.0, "bfloat16")]["rel_err_vs_f32"] < 1e-2
-    assert by[(1.0, "bfloat16")]["rel_err_vs_f32"] < by[(1.0, "int8")]["rel_err_vs_f32"] < 0.05
-    assert by[(1.0, "int8")]["rel_err_vs_bf16"] < by[(50.0, "int8")]["rel_err_vs_bf16"] < 0.5
-    assert len(format_attention_table(rows).splitlines()) == 2 + 4
+    err = lambda scale, fmt: by[(scale, fmt)]["rel_err_vs_f64"]["reference"]  # noqa: E731
+    assert by[(1.0, "bfloat16")]["rel_err_vs_bf16"] == 0 and 0 < err(1.0, "bfloat16") < 1e-2
+    assert err(1.0, "bfloat16") < err(1.0, "int4+rot") < 0.3 and err(50.0, "bfloat16") < err(50.0, "int4+rot") < 0.5
+    for r in rows:
+        assert r["backend_max_diff"] < 1e-4, r
+        assert abs(r["rel_err_vs_f64"]["pallas"] - r["rel_err_vs_f64"]["reference"]) < 1e-4, r
+    assert len(format_attention_table(rows).splitlines()) == 2 + 2 * 2
 
 
 def test_kernels_compile_report(tmp_path, capsys):

@@ -296,3 +296,29 @@ def test_greedy_steps_give_the_reference_backends_tokens(monkeypatch):
     for got, want in zip(runs["xla"][1], runs["reference"][1]):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
     assert len(set(runs["xla"][0].ravel().tolist())) > 3  # the model says something: a real comparison
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_rotated_and_int4_arenas_through_the_api(dtype):
+    """Quantized arenas with rotated keys (int8's and int4's default): "xla" rotates q as the
+    reference does and equals it (int8); int4 pages, which the blockwise path does not read yet,
+    run the reference path by default and are a ValueError naming the way out when "xla" is asked."""
+    rng = np.random.default_rng(11)
+    layout = aj.KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, page_size=4, num_pages=16, max_seqs=2,
+                         max_pages_per_seq=6, dtype=dtype)  # fmt: skip
+    assert layout.rotate_keys
+    cache, slots, lengths = aj.create(layout), jnp.asarray([0, 1]), jnp.asarray([9, 21])
+    cache, ok = aj.reserve(cache, slots, lengths)
+    kv = jnp.asarray(rng.standard_normal((2, 2, 21, 2, 64)), jnp.float32)
+    cache = aj.append(cache, 0, slots, kv[0], kv[1], num_tokens=lengths, backend="reference")
+    q = jnp.asarray(rng.standard_normal((2, 2, 8, 64)), jnp.float32)
+    counts = jnp.asarray([2, 1])
+    want = np.asarray(aj.attend(q, cache, 0, slots, num_tokens=counts, backend="reference"))
+    assert np.abs(want).sum() > 0
+    if dtype == "int4":
+        with pytest.raises(ValueError, match="backend='xla' cannot take an int4 arena"):
+            aj.attend(q, cache, 0, slots, num_tokens=counts, backend="xla")
+        np.testing.assert_array_equal(np.asarray(aj.attend(q, cache, 0, slots, num_tokens=counts)), want)  # default
+    else:
+        got = np.asarray(aj.attend(q, cache, 0, slots, num_tokens=counts, backend="xla"))
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)

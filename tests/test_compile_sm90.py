@@ -94,7 +94,7 @@ def test_matrix_covers_every_value_of_every_axis():
         assert {v.dtype for v in CI_VARIANTS if v.kind == kind} >= set(DTYPES), kind
     for kind in QUANT_KINDS:  # every kind an 8-bit arena changes, in int8
         assert "int8" in {v.dtype for v in CI_VARIANTS if v.kind == kind}, kind
-    for dtype in QUANT_DTYPES:  # every 8-bit dtype in split decode, prefill and append
+    for dtype in QUANT_DTYPES:  # every quantized dtype in split decode, prefill and append
         assert {v.kind for v in CI_VARIANTS if v.dtype == dtype} >= {"decode-split", "prefill", "append-prefill"}, dtype
     assert {v.compute for v in CI_VARIANTS if v.quantized} == set(DTYPES)  # bf16, fp16 and fp32 dots over 8-bit pages
     # The attention options, where they add code: soft-cap and traced windows in split decode,
@@ -107,6 +107,14 @@ def test_matrix_covers_every_value_of_every_axis():
         assert {v.kind for v in with_option} >= {"window-decode", "window-prefill"}, option
         assert any(v.quantized for v in with_option) and any(v.compute == "float32" for v in with_option), option
     assert any(v.soft_cap and v.kind == "decode-split" for v in CI_VARIANTS)
+    # int4 arenas and rotated keys: every kind an arena format changes, rotated, in int4 and int8;
+    # int4 unrotated; int4 under each q dtype; rotation at a non-power-of-two head (96).
+    assert {v.kind for v in CI_VARIANTS if v.dtype == "int4" and v.rotate} >= set(QUANT_KINDS)
+    assert {v.kind for v in CI_VARIANTS if v.dtype == "int4" and not v.rotate} >= {"prefill", "append-prefill"}
+    assert {v.kind for v in CI_VARIANTS if v.dtype == "int8" and v.rotate} >= {"decode-split", "prefill", "append-decode"}
+    assert any(v.dtype == "int4" and not v.rotate for v in CI_VARIANTS)
+    assert {v.compute for v in CI_VARIANTS if v.dtype == "int4"} == set(DTYPES)
+    assert any(v.rotate and v.head_dim == 96 for v in CI_VARIANTS)
     converted = {(v.dtype, v.compute, v.kind) for v in CI_VARIANTS if not v.quantized and v.compute != v.dtype}
     assert {("bfloat16", "float32", "decode-split"), ("bfloat16", "float16", "prefill")} <= converted
 
@@ -120,8 +128,11 @@ def test_compiles_for_sm90a_without_spills(tooling, variant, tmp_path):
     assert (f.spill_stores, f.spill_loads) == (0, 0), f"{f.name} spills: {f}"
     assert f.smem <= sm90.SM90["smem_per_block"], f"{f.name} needs {f.smem} B of shared memory per block: {f}"
     assert f.ctas_per_sm >= 1
-    if variant.compute != variant.dtype:  # 8-bit, or a float arena of another dtype than q: converted tiles
-        assert f.name.endswith("_" + variant.dtype), f"{f.name} is not the kernel over {variant.dtype} pages"
+    if variant.compute != variant.dtype:  # 8-bit / int4, or a float arena of another dtype than q: converted tiles
+        assert f.name.removesuffix("_rot").endswith("_" + variant.dtype), f"{f.name}: not the {variant.dtype} kernel"
+    # Rotated keys are rotated in the kernel (append: but float32 keys, which XLA rotates first).
+    in_kernel = variant.rotate and not (variant.kind.startswith("append") and variant.compute == "float32")
+    assert f.name.endswith("_rot") == in_kernel, f.name
     assert ("_cap" in f.name) == variant.soft_cap and ("_wt" in f.name) == variant.traced_window, f.name
     if not variant.kind.startswith("append"):
         splits = int(re.search(r"_s(\d+)", f.name).group(1))
