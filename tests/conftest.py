@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+import zlib
 
 from hypothesis import HealthCheck, Phase, settings
 
@@ -20,8 +21,56 @@ settings.register_profile("find", max_examples=int(os.environ.get("ARENA_MODEL_E
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "arena"))
 
 
+# Kernel grids the CI lines split between them. `ARENA_GRID_SHARE=i/n` (scripts/test_all.sh sets
+# 0/2 and 1/2 when it runs both JAX lines): in these files, a parametrized test's first case runs on
+# every line and each other case on one line only (the case id's CRC32 mod n == i), so the lines
+# together run every case and each line runs every test function. Unset (pytest by hand, one
+# line alone): every case.
+GRID_FILES = {"test_compile_sm90.py", "test_compile_tpu.py", "test_kernels_tpu.py", "test_kernels_attention.py",
+              "test_kernels_append.py", "test_kernels_options.py", "test_kernels_quantized.py", "test_kernels_int4.py",
+              "test_blockwise.py"}  # fmt: skip
+_LEFT_TO_OTHER_LINES = []
+
+
+def grid_share(value: str | None) -> tuple[int, int] | None:
+    """'i/n' -> (i, n) with 0 <= i < n; None or '' -> None; anything else is a ValueError."""
+    if not value:
+        return None
+    try:
+        i, n = (int(x) for x in value.split("/"))
+    except ValueError:
+        raise ValueError(f"ARENA_GRID_SHARE={value!r}: expected 'i/n', e.g. '0/2'") from None
+    if not 0 <= i < n:
+        raise ValueError(f"ARENA_GRID_SHARE={value!r}: expected 0 <= i < n")
+    return i, n
+
+
+def pytest_collection_modifyitems(config, items):
+    share = grid_share(os.environ.get("ARENA_GRID_SHARE"))
+    if share is None:
+        return
+    index, lines = share
+    seen, keep = set(), []
+    for item in items:
+        func = (item.path.name, getattr(item, "originalname", item.name), item.cls)
+        if item.path.name not in GRID_FILES or not hasattr(item, "callspec") or func not in seen:
+            seen.add(func)
+            keep.append(item)
+        elif zlib.crc32(item.nodeid.encode()) % lines == index:
+            keep.append(item)
+        else:
+            _LEFT_TO_OTHER_LINES.append(item)
+    if _LEFT_TO_OTHER_LINES:
+        config.hook.pytest_deselected(items=_LEFT_TO_OTHER_LINES)
+        items[:] = keep
+
+
 def pytest_terminal_summary(terminalreporter):
     import sys
+
+    if _LEFT_TO_OTHER_LINES:
+        terminalreporter.write_line(f"kernel grid cases left to the other CI line(s) (ARENA_GRID_SHARE="
+                                    f"{os.environ.get('ARENA_GRID_SHARE')}): {len(_LEFT_TO_OTHER_LINES)}")
 
     from cache_model import HOST_SERVED, OP_COUNTS
 

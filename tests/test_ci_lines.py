@@ -47,3 +47,22 @@ def test_hf_reference_gate():
     assert kind == "fail" and "No module named 'torch'" in why
     kind, why = gate("No module named 'torch'", deliberately_absent=False, in_ci=False)
     assert kind == "skip" and ".[test]" in why
+
+
+def test_the_lines_split_the_kernel_grids_without_losing_a_case():
+    """ARENA_GRID_SHARE i/n keeps a grid case on exactly one of the n lines (and every
+    non-grid test, and a grid function's first case, on all of them); bad values are refused."""
+    import zlib
+
+    import pytest
+    from conftest import grid_share
+
+    assert grid_share(None) is None and grid_share("") is None and grid_share("1/2") == (1, 2)
+    for bad in ("2/2", "-1/2", "x", "1"):
+        with pytest.raises(ValueError, match="ARENA_GRID_SHARE"):
+            grid_share(bad)
+    ids = [f"tests/test_compile_sm90.py::test_variant[{k}]" for k in range(200)]
+    owners = [[i for i in range(2) if zlib.crc32(nid.encode()) % 2 == i] for nid in ids]
+    assert all(len(o) == 1 for o in owners) and {o[0] for o in owners} == {0, 1}
+    script = (ROOT / "scripts" / "test_all.sh").read_text()
+    assert "ARENA_GRID_SHARE=$i/$n" in script
