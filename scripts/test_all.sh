@@ -8,7 +8,7 @@
 #   py313: Python 3.13 -> the newest JAX pyproject.toml admits (0.11.2 today), the `test-jax`
 #          extra: no torch (3.13 has only the ~6 GB CUDA build); the parity tests skip with
 #          that reason (ARENA_HF_REFERENCE=absent), everything else runs.
-# With both lines the kernel grids are split between them (ARENA_GRID_SHARE, tests/conftest.py):
+# With both lines the parametrized grids are split between them (ARENA_GRID_SHARE, tests/conftest.py):
 # every test function runs on both, every grid case on one. Both get the sm_90a and TPU compile tooling (scripts/install_sm90_tools.sh,
 # scripts/install_tpu_tools.sh) and run all of pytest.
 #
@@ -56,8 +56,8 @@ run_line() {  # $1: line name; pytest in its venv ($2...: extra pytest arguments
     local line=$1; shift
     local env=()
     [[ $line == py313 ]] && env=(ARENA_HF_REFERENCE=absent)
-    # Both lines running: they split the kernel grids (tests/conftest.py, GRID_FILES): each line
-    # runs every test function, each grid case runs on one of the two lines.
+    # Both lines running: they split the parametrized grids (tests/conftest.py): each line
+    # runs every test function, each other case runs on one of the two lines.
     local n i=0 all=($LINES)
     n=${#all[@]}
     if (( n > 1 )); then

@@ -133,11 +133,15 @@ def test_ragged_lengths_with_nan_stale_pages(name):
 
 
 def test_every_arena_dtype_is_read():
-    """Each dtype an arena can hold (`arena_jax.layout.ARENA_DTYPES`) is read by the blockwise
-    path (traced for each; a new storage format must be taught to it as to the reference), and
+    """Each dtype an arena can hold (`arena_jax.layout.ARENA_DTYPES`) but int4 is read by the
+    blockwise path (traced for each; a new storage format must be taught to it as to the
+    reference, or routed elsewhere by `aj.attend` as int4 is), and
     the one no other case stores, float16, equals the reference."""
     sds = jax.ShapeDtypeStruct
+    assert set(aj.layout.ARENA_DTYPES) - {"int4"} == {"bfloat16", "float16", "float32", *aj.layout.EIGHT_BIT_DTYPES}
     for dtype in aj.layout.ARENA_DTYPES:
+        if dtype == "int4":  # not read yet: `aj.attend` routes int4 arenas to the reference (test below)
+            continue
         arena = sds((1, 2, 7, 4, HEAD_DIM), jnp.dtype(dtype))
         scales = dict(k_scale=sds((1, 2, 7, 4), jnp.float32), v_scale=sds((1, 2, 7, 4), jnp.float32)) \
             if dtype in aj.layout.QUANTIZED_DTYPES else {}

@@ -106,7 +106,9 @@ def test_layer_scan_keeps_the_arena_in_place():
     copies = [line.strip() for line in hlo.splitlines() if re.search(r"= " + arena + r"\S* copy(-start)?\(", line)]
     assert not copies, "arena copies in the scanned step:\n" + "\n".join(copies)
     assert "input_output_alias" in hlo
-    assert len(re.findall(r"= \(.*\) while\(", hlo)) == 1  # the layer loop
+    # the layer loop: the one while loop that carries the arena (the blockwise attention's block
+    # loops, nested in it on the "xla" backend, carry no arena)
+    assert len([w for w in re.findall(r"= \((.*)\) while\(", hlo) if re.search(arena, w)]) == 1
     ptr = cache.k.unsafe_buffer_pointer()
     out = compiled(state, cache, SLOTS, SLOTS)
     assert out.cache.k.unsafe_buffer_pointer() == ptr
