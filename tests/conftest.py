@@ -17,8 +17,15 @@ _COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, Healt
 # With the CI lines splitting the grids (ARENA_GRID_SHARE i/n, below), each line draws 1/n of the
 # model-based test's examples: the lines draw independently, so together they run the budget.
 _SHARE = os.environ.get("ARENA_GRID_SHARE", "").split("/")
-_LINES = int(_SHARE[1]) if len(_SHARE) == 2 and _SHARE[1].isdigit() and int(_SHARE[1]) > 0 else 1
-MODEL_EXAMPLES = int(os.environ.get("ARENA_MODEL_EXAMPLES", str(max(1, 60 // _LINES))))
+CI_LINES = int(_SHARE[1]) if len(_SHARE) == 2 and _SHARE[1].isdigit() and int(_SHARE[1]) > 0 else 1
+
+
+def per_line(examples: int) -> int:
+    """A hypothesis budget for one of the CI lines drawing it together (ARENA_GRID_SHARE)."""
+    return max(1, examples // CI_LINES)
+
+
+MODEL_EXAMPLES = int(os.environ.get("ARENA_MODEL_EXAMPLES", str(per_line(60))))
 settings.register_profile("arena", max_examples=MODEL_EXAMPLES, **_COMMON)
 settings.register_profile("soak", max_examples=int(os.environ.get("ARENA_SOAK_EXAMPLES", "5000")), **_COMMON)
 settings.register_profile("find", max_examples=int(os.environ.get("ARENA_MODEL_EXAMPLES", "60")),
