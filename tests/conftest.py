@@ -42,6 +42,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "arena"))
 # Unset (pytest by hand, one line alone): every case.
 BOTH_LINES_FILES = {"test_models_parity.py", "test_hf_config.py", "test_mosaic_decode.py",
                     "test_jax_bug_shardy_empty_operand.py", "test_ci_lines.py"}  # fmt: skip
+# The 8-device checks (one child pytest, test_sharding.py) are the costliest file: each of its
+# tests, parametrized or not, runs on one line.
+WHOLE_SPLIT_FILES = {"sharded_checks.py"}
 _LEFT_TO_OTHER_LINES = []
 
 
@@ -63,9 +66,13 @@ def pytest_collection_modifyitems(config, items):
     if share is None:
         return
     index, lines = share
-    seen, keep = set(), []
+    seen, keep, dealt = set(), [], 0
     for item in items:
         func = (item.path.name, getattr(item, "originalname", item.name), item.cls)
+        if item.path.name in WHOLE_SPLIT_FILES:  # dealt round-robin in file order: balanced shares
+            dealt += 1
+            (keep if (dealt - 1) % lines == index else _LEFT_TO_OTHER_LINES).append(item)
+            continue
         whole = item.path.name in BOTH_LINES_FILES or "hf_reference" in getattr(item, "fixturenames", ())
         if whole or not hasattr(item, "callspec") or func not in seen:
             seen.add(func)
