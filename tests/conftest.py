@@ -36,15 +36,17 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "arena"))
 # Parametrized grids the CI lines split between them. `ARENA_GRID_SHARE=i/n` (scripts/test_all.sh
 # sets 0/2 and 1/2 when it runs both JAX lines): a parametrized test's first case runs on every
 # line and each other case on one line only (the case id's CRC32 mod n == i), so the lines
-# together run every case and each line runs every test function. Not split: the files whose
+# together run every case and each line runs every test function (but in WHOLE_SPLIT_FILES). Not split: the files whose
 # cases skip on one line (the HF reference stack lives on the py311 line only; the Mosaic GPU
 # interpret mode and the JAX bug repro are version-specific) and tests using `hf_reference`.
 # Unset (pytest by hand, one line alone): every case.
 BOTH_LINES_FILES = {"test_models_parity.py", "test_hf_config.py", "test_mosaic_decode.py",
                     "test_jax_bug_shardy_empty_operand.py", "test_ci_lines.py"}  # fmt: skip
-# The 8-device checks (one child pytest, test_sharding.py) are the costliest file: each of its
-# tests, parametrized or not, runs on one line.
-WHOLE_SPLIT_FILES = {"sharded_checks.py"}
+# The costliest files, whose tests drive whole models (generate, the scheduler, the CLIs) or the
+# 8-device checks (one child pytest, test_sharding.py): each of their tests, parametrized or
+# not, runs on one line (dealt round-robin); those needing the HF stack run on both.
+WHOLE_SPLIT_FILES = {"sharded_checks.py", "test_models.py", "test_prefix.py", "test_host_tier.py", "test_bench.py",
+                     "test_overlap.py"}  # fmt: skip
 _LEFT_TO_OTHER_LINES = []
 
 
@@ -69,11 +71,12 @@ def pytest_collection_modifyitems(config, items):
     seen, keep, dealt = set(), [], 0
     for item in items:
         func = (item.path.name, getattr(item, "originalname", item.name), item.cls)
-        if item.path.name in WHOLE_SPLIT_FILES:  # dealt round-robin in file order: balanced shares
+        hf = "hf_reference" in getattr(item, "fixturenames", ())
+        if item.path.name in WHOLE_SPLIT_FILES and not hf:  # dealt round-robin in file order: balanced shares
             dealt += 1
             (keep if (dealt - 1) % lines == index else _LEFT_TO_OTHER_LINES).append(item)
             continue
-        whole = item.path.name in BOTH_LINES_FILES or "hf_reference" in getattr(item, "fixturenames", ())
+        whole = item.path.name in BOTH_LINES_FILES or hf
         if whole or not hasattr(item, "callspec") or func not in seen:
             seen.add(func)
             keep.append(item)
