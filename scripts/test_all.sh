@@ -8,8 +8,8 @@
 #   py313: Python 3.13 -> the newest JAX pyproject.toml admits (0.11.2 today), the `test-jax`
 #          extra: no torch (3.13 has only the ~6 GB CUDA build); the parity tests skip with
 #          that reason (ARENA_HF_REFERENCE=absent), everything else runs.
-# With both lines the parametrized grids are split between them (ARENA_GRID_SHARE, tests/conftest.py):
-# every test function runs on both, every grid case on one. Both get the sm_90a and TPU compile tooling (scripts/install_sm90_tools.sh,
+# With both lines the tests are dealt between them (ARENA_GRID_SHARE, tests/conftest.py): each
+# test on one line (HF-parity, Mosaic GPU and JAX-bug files on both). Both get the sm_90a and TPU compile tooling (scripts/install_sm90_tools.sh,
 # scripts/install_tpu_tools.sh) and run all of pytest.
 #
 # Environment (all optional):
@@ -56,8 +56,8 @@ run_line() {  # $1: line name; pytest in its venv ($2...: extra pytest arguments
     local line=$1; shift
     local env=()
     [[ $line == py313 ]] && env=(ARENA_HF_REFERENCE=absent)
-    # Both lines running: they split the parametrized grids (tests/conftest.py): each line
-    # runs every test function, each other case runs on one of the two lines.
+    # Both lines running: they deal the tests between them (tests/conftest.py): each test
+    # runs on one of the two lines.
     local n i=0 all=($LINES)
     n=${#all[@]}
     if (( n > 1 )); then
