@@ -7,7 +7,7 @@
 
 or a random-weight model: `models.init_random(models.LlamaConfig.tiny(), seed=0)` (fast: one
 numpy draw on CPU, one jitted call elsewhere) or `models.Llama(config, rngs=nnx.Rngs(0))`.
-`prefill` / `decode_step` are the jitted steps (see models.steps); the layers run in one
+`prefill` / `decode_step` / `mixed_step` are the jitted steps (see models.steps); the layers run in one
 `jax.lax.scan` (models.llama; `scan_layers=False` for a Python loop); `models.dense_baseline`
 runs the same model with a conventional dense KV cache for comparison.
 
@@ -30,7 +30,7 @@ from models.llama import Block, Llama, init_random, token_positions
 from models.parallel import shard_model, weights_mesh
 from models.loading import Pretrained, TensorSpec, export_hf_tensors, hf_tensor_map, load_pretrained, load_tokenizer
 from models.sampling import GREEDY, Sampling, SamplingParams, filter_logits, sample
-from models.steps import TRACE_COUNTS, StepOutput, decode_step, prefill, release_rows
+from models.steps import TRACE_COUNTS, StepOutput, decode_step, mixed_step, prefill, release_rows
 
 __all__ = [
     "LlamaConfig",
@@ -55,6 +55,7 @@ __all__ = [
     "Pretrained",
     "prefill",
     "decode_step",
+    "mixed_step",
     "release_rows",
     "StepOutput",
     "TRACE_COUNTS",

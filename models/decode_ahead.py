@@ -93,6 +93,8 @@ class RunAhead:
         going = [r for r in rows if len(served[r].generated) + 1 < self.max_new]
         if waiting and (len(going) < len(rows) or not self._admit_current):
             return None  # a row frees up, so the next iteration admits
+        if waiting and self._admit_clock < waiting[0].arrival <= self._clock():
+            return None  # a request arrived since the last admission: the next iteration tries it
         if not going:
             return None
         self._flush()  # releases of rows vacated since (run before the next step, after the in-flight one)

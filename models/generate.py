@@ -98,6 +98,8 @@ class Generation:
     modelled_transfer_seconds: float = 0.0  # host <-> device copies made, at the SwapPolicy's bandwidth
     run_ahead_steps: int = 0  # decode steps dispatched before the previous step was read back (models.scheduler)
     decode_step_seconds: list[float] | None = None  # wall time of each scheduler iteration that was a decode step alone
+    mixed_calls: int = 0  # mixed steps (mixed_steps=True): decode rows and prompt chunks in one call
+    token_seconds: list[list[float]] | None = None  # per prompt: when each generated token was read back (s after the start)
 
     @property
     def num_generated(self) -> int:
@@ -155,6 +157,9 @@ def generate(
     host_pages: int = 0,
     host: aj.HostArena | None = None,
     swap_policy: SwapPolicy | None = None,
+    mixed_steps: bool = False,
+    token_budget: int | None = None,
+    arrivals: Sequence[float] | None = None,
 ) -> Generation:
     """Generate up to `max_new_tokens` for each prompt (lists of token ids).
 
@@ -187,6 +192,18 @@ def generate(
     `cache`, and its `prefix_cache` if it had one); `swap_policy` overrides the cost model's
     constants (`models.SwapPolicy`). One data shard only.
 
+    `mixed_steps=True`: an iteration with prompt tokens to feed runs one `mixed_step` that
+    carries every decoding row's next token together with prompt chunks of `chunk_size`, as
+    many as `token_budget` (tokens per step, default `batch_size + chunk_size`: one chunk) holds
+    beside the `batch_size` decode tokens, so a long prompt arriving mid-run does not stall the
+    running sequences for a whole batch-wide prefill. Same tokens as without (greedy and
+    seeded sampling; up to float rounding of differently shaped products). One data shard only.
+
+    `arrivals` (seconds after the call starts, one per prompt, non-decreasing): an online
+    workload; a prompt is admitted only once it has arrived. The result's `token_seconds`
+    give each token's read-back time on the same clock (time to first token, inter-token
+    latency: `arena-bench serve`).
+
     Token ids must be integers (Python or numpy; not floats, strings or bools) in
     [0, vocab_size); every bad argument is a ValueError naming it.
     """
@@ -200,6 +217,13 @@ def generate(
     chunk_size = check_int("chunk_size", chunk_size, low=1)
     seed = check_int("seed", seed, low=INT32_MIN)
     host_pages = check_int("host_pages", host_pages, low=0)
+    if not isinstance(mixed_steps, bool):
+        raise ValueError(f"mixed_steps must be a bool, got {mixed_steps!r}")
+    if token_budget is not None:
+        if not mixed_steps:
+            raise ValueError("token_budget is the mixed steps' size: give it with mixed_steps=True")
+        token_budget = check_int("token_budget", token_budget, low=1)
+    arrivals = _check_arrivals(arrivals, len(prompts))
     if swap_policy is not None and not isinstance(swap_policy, SwapPolicy):
         raise ValueError(f"swap_policy must be a models.SwapPolicy, got {type(swap_policy).__name__}")
     if host is not None and not isinstance(host, aj.HostArena):
@@ -252,6 +276,15 @@ def generate(
     if batch_size > layout.max_seqs:
         raise ValueError(f"batch_size={batch_size} exceeds the layout's max_seqs={layout.max_seqs}")
     chunk_size = min(chunk_size, layout.max_seq_len)  # no sequence is longer: a longer chunk is pure padding
+    mixed_chunks = 0
+    if mixed_steps:
+        budget = batch_size + chunk_size if token_budget is None else token_budget
+        if budget < batch_size + chunk_size:
+            raise ValueError(
+                f"token_budget={budget} must hold the batch's decode tokens (batch_size={batch_size}) plus at least "
+                f"one prompt chunk (chunk_size={chunk_size}): at least {batch_size + chunk_size}"
+            )
+        mixed_chunks = min(batch_size, (budget - batch_size) // chunk_size)
     if cache is None:
         if mesh is not None and data_axis is not None and data_axis not in mesh.shape:
             raise ValueError(f"data_axis={data_axis!r} is not an axis of the mesh {dict(mesh.shape)}")
@@ -260,6 +293,8 @@ def generate(
         dp = cache.sharding.dp if cache.sharding is not None else 1
     if prefix_cache is not False and dp > 1:
         raise ValueError(f"prefix_cache needs one data shard; this mesh has {dp} (an index per data shard is not built)")
+    if mixed_steps and dp > 1:
+        raise ValueError(f"mixed_steps needs one data shard; this mesh has {dp} (chunks are not split over data shards)")
     if (host_pages or host is not None) and dp > 1:
         raise ValueError(f"host_pages needs one data shard; this mesh has {dp} (a host tier per data shard is not built)")
     if host is not None and index is None:
@@ -295,10 +330,10 @@ def generate(
         tier = HostTier(host, layout, swap_policy or SwapPolicy(), owns_pages=index is None)
     cache = _committed(cache)  # as the host-tier ops' outputs are: the steps compile once, not again mid-run
 
-    seqs = [Seq(i, p) for i, p in enumerate(prompts)]
+    seqs = [Seq(i, p, arrival=a) for i, (p, a) in enumerate(zip(prompts, arrivals))]
     runner = Scheduler(
         model, cache, layout, batch_size, chunk_size, sampling, seed, set(stop), max_new_tokens, return_logits, index,
-        tier,
+        tier, mixed_chunks,
     )
     start = runner.start = time.perf_counter()
     if max_new_tokens > 0:
@@ -330,7 +365,27 @@ def generate(
         modelled_transfer_seconds=tier.modelled_transfer_s if tier is not None else 0.0,
         run_ahead_steps=runner.run_ahead_steps,
         decode_step_seconds=runner.decode_step_seconds,
+        mixed_calls=runner.mixed_calls,
+        token_seconds=[s.times for s in seqs],
     )
+
+
+def _check_arrivals(arrivals, num_prompts: int) -> list[float]:
+    """Arrival times: finite seconds >= 0, one per prompt, non-decreasing (the queue is FIFO)."""
+    if arrivals is None:
+        return [0.0] * num_prompts
+    if isinstance(arrivals, (str, bytes)) or not hasattr(arrivals, "__len__"):
+        raise ValueError(f"arrivals must be a sequence of seconds, one per prompt, got {type(arrivals).__name__}")
+    if len(arrivals) != num_prompts:
+        raise ValueError(f"arrivals has {len(arrivals)} entries for {num_prompts} prompts: give one per prompt")
+    out = []
+    for i, a in enumerate(arrivals):
+        if isinstance(a, bool) or not isinstance(a, (int, float, np.integer, np.floating)) or not np.isfinite(a) or a < 0:
+            raise ValueError(f"arrivals[{i}]={a!r} must be a finite number of seconds >= 0")
+        if out and a < out[-1]:
+            raise ValueError(f"arrivals[{i}]={a!r} is before arrivals[{i - 1}]={out[-1]!r}: arrivals must be non-decreasing")
+        out.append(float(a))
+    return out
 
 
 def _committed(cache: aj.KVCache) -> aj.KVCache:

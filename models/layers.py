@@ -214,8 +214,32 @@ class Attention(nnx.Module):
         `inv_freq` f32[H/2] default to the layer's own. Returns (out [B, T, E], cache).
         """
         q, k, v = self.project(x, positions, inv_freq, layer=layer)
+        o, cache = self._append_attend(q, k, v, cache, layer, slots, num_tokens, window)
+        return self.output(o), cache
+
+    def _append_attend(self, q, k, v, cache, layer, slots, num_tokens, window):
+        """q [B, T, N, H], k, v [B, T, K, H] -> (o [B, T, N, H], cache): k, v appended, then attention."""
         if cache.k_scale is None:  # a float arena stores its own dtype; an 8-bit one quantizes k, v as computed
             k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
         cache = aj.append(cache, layer, slots, k, v, num_tokens=num_tokens)
         o = aj.attend(q, cache, layer, slots, num_tokens=num_tokens, **self.attend_options(layer, window))
-        return self.output(o), cache
+        return o, cache
+
+    def mixed(self, x, positions, cache: aj.KVCache, layer, groups, *, window=_FROM_CONFIG, inv_freq=None):
+        """One layer's attention for a mixed step: the tokens of several row groups packed flat.
+
+        x [1, N, E], positions i32[1, N]: the groups' [R_i, T_i] tokens flattened one after the
+        other (N = sum R_i * T_i); groups: (slots i32[R_i], num_tokens i32[R_i], T_i) per group
+        (e.g. decode rows, T = 1, and prefill rows, T = a chunk). The projections run once over
+        the N tokens (one read of the weights); each group appends and attends as a batch of its
+        own, so each takes its kernel (decode or chunked prefill). Returns (out [1, N, E], cache).
+        """
+        q, k, v = self.project(x, positions, inv_freq, layer=layer)  # [1, N, ., H]
+        outs, start = [], 0
+        for slots, num_tokens, width in groups:
+            size = slots.shape[0] * width
+            part = lambda a: a[0, start : start + size].reshape(slots.shape[0], width, *a.shape[2:])  # noqa: E731
+            o, cache = self._append_attend(part(q), part(k), part(v), cache, layer, slots, num_tokens, window)
+            outs.append(o.reshape(1, size, *o.shape[2:]))
+            start += size
+        return self.output(jnp.concatenate(outs, axis=1)), cache

@@ -67,6 +67,11 @@ class Block(nnx.Module):
                              inv_freq=inv_freq)
         return self.finish(x, h), cache
 
+    def mixed(self, x, positions, cache, layer, groups, *, window=_FROM_CONFIG, inv_freq=None):
+        """One layer over row groups packed flat (x [1, N, E]; see `Attention.mixed`)."""
+        h, cache = self.attn.mixed(self.attn_norm(x), positions, cache, layer, groups, window=window, inv_freq=inv_freq)
+        return self.finish(x, h), cache
+
 
 def layer_inputs(config: LlamaConfig) -> tuple[dict, dict]:
     """(scanned, fixed): the per-layer inputs of the layer scan. `scanned` holds arrays with a
@@ -174,6 +179,30 @@ class Llama(nnx.Module):
 
         x, cache = run_layers(self, x, cache, body)
         return self.norm(x), cache
+
+    def hidden_mixed(self, groups, cache: aj.KVCache):
+        """A mixed step's forward: groups of rows, each (tokens i32[R, T], positions i32[R, T],
+        slots i32[R], num_tokens i32[R]), e.g. decode rows (T = 1) and prefill chunks. Their
+        tokens run packed flat through the dense parts (N = sum R * T tokens: the cost follows
+        the tokens, not a [rows, widest] padding) and each group attends with its own kernel.
+        Returns the final-normed hidden states per group ([R, T, E] each) and the updated cache."""
+        shapes = [g[0].shape for g in groups]
+        flat = lambda i: jnp.concatenate([g[i].reshape(1, -1) for g in groups], axis=1)  # noqa: E731
+        x = shard_rows(self.embed(flat(0)), cache)  # [1, N, E]
+        positions = flat(1)  # i32[1, N]
+        meta = [(g[2], g[3], s[1]) for g, s in zip(groups, shapes)]
+
+        def body(block, x, cache, layer, window, inv_freq):
+            x, cache = block.mixed(x, positions, cache, layer, meta, window=window, inv_freq=inv_freq)
+            return shard_rows(x, cache), cache
+
+        x, cache = run_layers(self, x, cache, body)
+        x = self.norm(x)
+        out, start = [], 0
+        for rows, width in shapes:
+            out.append(x[0, start : start + rows * width].reshape(rows, width, -1))
+            start += rows * width
+        return out, cache
 
     def logits(self, x):
         """[B, T, E] -> float32 [B, T, V] (tied head: the embedding table; Gemma 2: soft-capped)."""

@@ -74,6 +74,16 @@ hitting request computes, never what it is counted for, so 1.-3. hold as written
   counted as evictable, keeping those host copies. A spill that finds no host page drops the
   page instead: the host tier's capacity never blocks a step.
 
+Mixed steps (`mixed_chunks` > 0, `generate(mixed_steps=True)`). An iteration with prompt tokens
+to feed runs ONE `models.steps.mixed_step`: every decoding row's token plus up to
+`mixed_chunks` chunks of the rows admitted first (the rest wait for the next step), so running
+sequences advance in every step while a long prompt is fed, and the step's dense work is its
+B + mixed_chunks * chunk tokens. Each step still serves a row, so the bound below holds.
+
+Arrivals (an online workload: `Seq.arrival`). A request is admitted only once the run is
+`arrival` seconds old; FIFO still holds (a request not arrived yet holds the queue); with
+nothing running the loop sleeps until the next arrival (not an iteration).
+
 Overlap (run-ahead decode; without a prefix index). After dispatching a decode step t, the
 scheduler dispatches step t+1 before reading t back, when it can prove what t+1 is: every
 running row decoded in t (none to prefill), no admission is due (the queue is empty, or no row
@@ -139,6 +149,8 @@ class Seq:
     swapped: list[int] | None = None
     swapped_tokens: int = 0
     lost: int = 0  # tokens it had in the cache when preempted
+    arrival: float = 0.0  # seconds after the run's start when it may be admitted (an online workload)
+    times: list[float] = dataclasses.field(default_factory=list)  # when each generated token was read back (s after start)
 
     @property
     def ids(self) -> list[int]:
@@ -155,7 +167,7 @@ class Scheduler(RunAhead):
     CHECK_ACCOUNTING = False  # tests: compare the host's page count with the device's after each step
 
     def __init__(self, model, cache, layout, batch_size, chunk_size, sampling, seed, stop, max_new, return_logits,
-                 index=None, tier: HostTier | None = None):  # fmt: skip
+                 index=None, tier: HostTier | None = None, mixed_chunks: int = 0):  # fmt: skip
         self.graphdef, self.state = nnx.split(model)
         self.steps = bound_steps(self.graphdef, self.state)  # split and hashed once, not per step
         self.cache, self.layout = cache, layout
@@ -169,7 +181,11 @@ class Scheduler(RunAhead):
         self.pages_per_shard = layout.num_pages // self.dp
         self.slot_of = [(r // self.rows_per_shard) * (layout.max_seqs // self.dp) + r % self.rows_per_shard
                         for r in range(batch_size)]  # fmt: skip
-        self.preemptions = self.prefill_calls = self.decode_calls = self.iterations = 0
+        self.preemptions = self.prefill_calls = self.decode_calls = self.mixed_calls = self.iterations = 0
+        # Mixed steps (module docstring, "Mixed steps"): prompt chunks per step beside the decode rows; 0: off.
+        assert mixed_chunks == 0 or self.dp == 1, "mixed steps need one data shard"
+        self.mixed_chunks = mixed_chunks
+        self._admit_clock = -1.0  # when `_admit` last ran (s after start): an arrival since makes admission due
         self.prompt_tokens = self.prefill_tokens = self.hit_tokens = self.evictions = self.recomputed_tokens = 0
         self.first_token: dict[int, float] = {}
         self.start = time.perf_counter()
@@ -255,8 +271,9 @@ class Scheduler(RunAhead):
     def _admit(self, waiting: collections.deque) -> None:
         fork = []  # (row, hit)
         restore = []  # (row, seq, host pages, tokens, index nodes): brought back from the host tier after the forks
+        now = self._admit_clock = self._clock()
         for r in range(self.batch):
-            if not waiting:
+            if not waiting or waiting[0].arrival > now:  # FIFO: a request not arrived yet holds the queue
                 break
             if self.rows[r] is not None:
                 continue
@@ -481,8 +498,9 @@ class Scheduler(RunAhead):
     def _accept(self, r: int, token: int, logits) -> None:
         seq = self.rows[r]
         seq.generated.append(token)
+        seq.times.append(time.perf_counter() - self.start)
         if len(seq.generated) == 1:
-            self.first_token[seq.index] = time.perf_counter() - self.start
+            self.first_token[seq.index] = seq.times[-1]
         if logits is not None:
             seq.logits.append(logits)
         if token in self.stop or len(seq.generated) >= self.max_new:
@@ -502,6 +520,9 @@ class Scheduler(RunAhead):
         bound, self.iterations = self.step_bound(seqs, self.max_new), 0
         last, last_decode_only = time.perf_counter(), None
         while self._ahead is not None or waiting or self._running():
+            if self._ahead is None and not self._running() and waiting[0].arrival > self._clock():
+                time.sleep(waiting[0].arrival - self._clock())  # idle until the next request arrives
+                continue
             self.iterations += 1
             if self.iterations > bound:  # a broken invariant, never a hang
                 raise RuntimeError(f"the scheduler passed its bound of {bound} steps without finishing: a bug")
@@ -521,6 +542,9 @@ class Scheduler(RunAhead):
                 self._check_pages()
         self._flush()
 
+    def _clock(self) -> float:
+        return time.perf_counter() - self.start
+
     def _iterate(self, waiting: collections.deque) -> bool:
         """One iteration without a run-ahead step in flight; True if it was a decode step alone."""
         self._flush(force=False)
@@ -529,9 +553,11 @@ class Scheduler(RunAhead):
             raise RuntimeError("no sequence could be admitted")  # excluded by generate's size checks
         failed = set()  # data shards that refused a row for lack of pages
         prefilled = any(s.pending > 1 for s in self._running())
-        if prefilled:
+        if prefilled and self.mixed_chunks:
+            failed |= self._mixed()
+        elif prefilled:
             failed |= self._prefill()
-        decoded = any(s.pending == 1 for s in self._running())
+        decoded = not (prefilled and self.mixed_chunks) and any(s.pending == 1 for s in self._running())
         if decoded:
             failed |= self._decode(waiting, run_ahead=not failed)
         for shard in sorted(failed):
@@ -566,6 +592,45 @@ class Scheduler(RunAhead):
         failed = self._collect(out, packed, slots, counts)  # reads the step's results back: the time includes its work
         if self.tier is not None:
             self.tier.observe_prefill(int(counts.sum()), time.perf_counter() - start)
+        return failed
+
+    def _mixed(self) -> set:
+        """One mixed step: every decoding row's token and up to `mixed_chunks` prompt chunks
+        (of the rows admitted first) in one call (`models.steps.mixed_step`)."""
+        if self.index is None:
+            self._flush()
+        batch, width = self.batch, self.chunk
+        tokens, seq_ids = np.zeros((batch,), np.int32), np.zeros((batch,), np.int32)
+        slots = np.full((batch,), aj.PAD_SLOT, np.int32)  # the decode part's rows
+        chunks = np.zeros((self.mixed_chunks, width), np.int32)
+        chunk_slots = np.full((self.mixed_chunks,), aj.PAD_SLOT, np.int32)
+        chunk_counts = np.zeros((self.mixed_chunks,), np.int32)
+        chunk_rows = np.full((self.mixed_chunks,), -1, np.int32)
+        served, counts = np.full((batch,), aj.PAD_SLOT, np.int32), np.zeros((batch,), np.int32)  # per batch row
+        prefilling = [r for r, s in enumerate(self.rows) if s is not None and s.pending > 1]
+        for i, r in enumerate(sorted(prefilling, key=lambda r: self.rows[r].admitted)[: self.mixed_chunks]):
+            s = self.rows[r]
+            piece = s.ids[s.fed : s.fed + width]
+            chunks[i, : len(piece)], chunk_slots[i], chunk_counts[i], chunk_rows[i] = piece, self.slot_of[r], len(piece), r
+            served[r], counts[r], seq_ids[r] = self.slot_of[r], len(piece), s.index
+        for r, s in enumerate(self.rows):
+            if s is not None and s.pending == 1:
+                tokens[r], slots[r], seq_ids[r] = s.ids[-1], self.slot_of[r], s.index
+                served[r], counts[r] = self.slot_of[r], 1
+        if self.index is not None:
+            live = np.flatnonzero(served >= 0)
+            self._make_room(live.tolist(), counts[live].tolist())
+        start = time.perf_counter()
+        out, packed = self.steps.mixed(
+            self.steps.leaves, self.cache, jnp.asarray(tokens), self._device(slots), jnp.asarray(chunks),
+            jnp.asarray(chunk_slots), jnp.asarray(chunk_counts), jnp.asarray(chunk_rows), self._device(seq_ids), self.seed,
+            self.sampling,
+        )  # fmt: skip
+        self.cache = out.cache
+        self.mixed_calls += 1
+        failed = self._collect(out, packed, served, counts)
+        if self.tier is not None:
+            self.tier.observe_prefill(int(chunk_counts.sum()), time.perf_counter() - start)
         return failed
 
     def _collect(self, out, packed, slots, counts, served: list | None = None) -> set:

@@ -30,7 +30,7 @@ import arena_jax as aj
 from models.llama import token_positions
 from models.sampling import SamplingParams, sample
 
-__all__ = ["StepOutput", "prefill", "decode_step", "release_rows", "fork_page_rows", "hold_page_rows", "drop_page_rows",
+__all__ = ["StepOutput", "prefill", "decode_step", "mixed_step", "release_rows", "fork_page_rows", "hold_page_rows", "drop_page_rows",
            "swap_out_rows", "swap_in_rows", "offload_page_rows", "drop_host_page_rows", "evict_to_host_rows",
            "flush_rows", "TRACE_COUNTS", "BoundSteps", "bound_steps"]
 
@@ -66,6 +66,59 @@ def _step(graphdef, state, cache, tokens, slots, num_tokens, seq_ids, seed, samp
     seq_ids = slots if seq_ids is None else seq_ids
     next_tokens = sample(logits, sampling, seed, seq_ids, new_position)
     return StepOutput(cache=cache, tokens=next_tokens, logits=every, ok=ok)
+
+
+def _mixed(graphdef, state, cache, tokens, slots, chunks, chunk_slots, chunk_counts, chunk_rows, seq_ids, seed, sampling):
+    """The mixed step (see `mixed_step`); outputs in batch-row order."""
+    model = nnx.merge(graphdef, state)
+    batch, (prefills, width) = tokens.shape[0], chunks.shape
+    rows = jnp.concatenate([slots, chunk_slots]).astype(jnp.int32)  # [B + P]: every row the step serves
+    counts = jnp.concatenate([jnp.ones((batch,), jnp.int32), chunk_counts.astype(jnp.int32)])
+    counts = jnp.where(rows >= 0, counts, 0)
+    cache, ok = aj.reserve(cache, rows, counts)
+    rows = jnp.where(ok, rows, aj.PAD_SLOT)  # a refused row writes and reads nothing this step
+    counts = jnp.where(ok, counts, 0)
+    d_slots, p_slots, d_counts, p_counts = rows[:batch], rows[batch:], counts[:batch], counts[batch:]
+    d_pos, p_pos = token_positions(cache, d_slots, d_counts, 1), token_positions(cache, p_slots, p_counts, width)
+    (xd, xp), cache = model.hidden_mixed(
+        [(tokens[:, None], d_pos, d_slots, d_counts), (chunks, p_pos, p_slots, p_counts)], cache
+    )  # [B, 1, E], [P, T, E]
+    last = jnp.maximum(p_counts - 1, 0)
+    h = jnp.concatenate([xd, jnp.take_along_axis(xp, last[:, None, None], axis=1)])  # [B + P, 1, E]
+    logits = model.logits(h)[:, 0]  # [B + P, V]
+    position = jnp.concatenate([d_pos[:, 0], jnp.take_along_axis(p_pos, last[:, None], axis=1)[:, 0]]) + 1
+    where = jnp.where(chunk_rows >= 0, chunk_rows, batch)  # [P] each chunk's batch row (batch: none)
+    of_chunks = lambda a: jnp.concatenate([a, a[jnp.minimum(where, batch - 1)]])  # noqa: E731  [B] -> [B + P]
+    if isinstance(sampling, SamplingParams):  # per batch row: a chunk samples with its row's settings
+        sampling = jax.tree.map(of_chunks, sampling)
+    drawn = sample(logits, sampling, seed, of_chunks(seq_ids), position)  # [B + P]
+
+    def to_rows(a):  # [B + P, ...] -> [B, ...]: each chunk's result in its batch row
+        return a[:batch].at[where].set(a[batch:], mode="drop")
+
+    return StepOutput(cache=cache, tokens=to_rows(drawn), logits=to_rows(logits), ok=to_rows(ok))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+def mixed_step(graphdef, state, cache: aj.KVCache, tokens, slots, chunks, chunk_slots, chunk_counts, chunk_rows,
+               seq_ids=None, seed=0, sampling: SamplingParams | None = None) -> StepOutput:  # fmt: skip
+    """Decode rows and prefill chunks in ONE call (continuous batching's mixed step).
+
+    Decode part, one token per batch row: tokens i32[B], slots i32[B] (PAD_SLOT: the row does
+    not decode). Prefill part, P chunks of width T: chunks i32[P, T], chunk_slots i32[P],
+    chunk_counts i32[P] (0..T real tokens each), chunk_rows i32[P] (the batch row each chunk
+    belongs to, -1 for an unused chunk; a row decodes or prefills, not both). seq_ids i32[B]
+    per batch row (default: the slots). The tokens of both parts run packed flat through the
+    dense layers, B + P * T of them (the step's token budget), and each part attends with its
+    own kernel (`Llama.hidden_mixed`). Returns a StepOutput in batch-row order: `tokens` i32[B]
+    sampled at each row's last new token, `logits` f32[B, V], `ok` bool[B] (True for rows the
+    step does not serve). Outputs equal a `prefill` of the chunks plus a `decode_step` of the
+    rest, up to float rounding of the differently shaped products.
+    """
+    TRACE_COUNTS["mixed_step"] += 1
+    seq_ids = slots if seq_ids is None else seq_ids
+    return _mixed(graphdef, state, cache, tokens, slots, chunks, chunk_slots, chunk_counts, chunk_rows, seq_ids, seed,
+                  sampling)  # fmt: skip
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "all_logits"), donate_argnames=("cache",))
@@ -112,6 +165,7 @@ class BoundSteps(NamedTuple):
     prefill: object  # (leaves, cache, tokens, slots, num_tokens, seq_ids, seed, sampling, all_logits=False) -> (StepOutput, i32[2, B])
     decode_step: object  # (leaves, cache, tokens, slots, seq_ids, seed, sampling) -> (StepOutput, i32[2, B])
     leaves: list  # the state's leaves, in `treedef` order
+    mixed: object = None  # (leaves, cache, tokens, slots, chunks, chunk_slots, chunk_counts, chunk_rows, seq_ids, seed, sampling) -> (StepOutput, i32[2, B])
 
 
 def _packed(out: StepOutput):
@@ -133,8 +187,14 @@ def _bound(graphdef, treedef):
         num_tokens = (slots >= 0).astype(jnp.int32)
         return _packed(_step(graphdef, state, cache, tokens[:, None], slots, num_tokens, seq_ids, seed, sampling, False))
 
+    def mixed_leaves(leaves, cache, tokens, slots, chunks, chunk_slots, chunk_counts, chunk_rows, seq_ids, seed, sampling):
+        TRACE_COUNTS["mixed_step"] += 1
+        state = jax.tree.unflatten(treedef, leaves)
+        return _packed(_mixed(graphdef, state, cache, tokens, slots, chunks, chunk_slots, chunk_counts, chunk_rows,
+                              seq_ids, seed, sampling))  # fmt: skip
+
     return (jax.jit(prefill_leaves, static_argnames=("all_logits",), donate_argnums=(1,)),
-            jax.jit(decode_leaves, donate_argnums=(1,)))  # fmt: skip
+            jax.jit(decode_leaves, donate_argnums=(1,)), jax.jit(mixed_leaves, donate_argnums=(1,)))  # fmt: skip
 
 
 def bound_steps(graphdef, state) -> BoundSteps:
@@ -144,8 +204,8 @@ def bound_steps(graphdef, state) -> BoundSteps:
         out, packed = steps.decode_step(steps.leaves, cache, tokens, slots, seq_ids, seed, sampling)  # packed [2, B]
     """
     leaves, treedef = jax.tree.flatten(state)
-    prefill_fn, decode_fn = _bound(graphdef, treedef)
-    return BoundSteps(prefill_fn, decode_fn, leaves)
+    prefill_fn, decode_fn, mixed_fn = _bound(graphdef, treedef)
+    return BoundSteps(prefill_fn, decode_fn, leaves, mixed_fn)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
