@@ -184,6 +184,16 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="depths whose first-call compile time is measured (none: skip)")  # fmt: skip
     g.add_argument("--no-compile-cache-runs", action="store_true",
                    help="skip the two arena-generate processes that measure the persistent compilation cache")  # fmt: skip
+    from benchmarks.arrivals import ArrivalSettings
+
+    a = ArrivalSettings()
+    g.add_argument("--arrivals-model", choices=("tiny", "mid"), default=a.model,
+                   help="model of the Poisson-arrival run (mixed steps vs separate prefill; mid: hidden 512, 8 layers)")  # fmt: skip
+    g.add_argument("--arrivals-requests", type=int_in(0), default=a.requests, help="requests of that run (0: skip it)")
+    g.add_argument("--arrivals-rounds", type=positive_int, default=a.rounds, help="alternated rounds of that run")
+    g.add_argument("--arrivals-load", type=float, default=a.load,
+                   help="arrival rate as a fraction of the rate served when every request is there at once")  # fmt: skip
+    g.add_argument("--arrivals-only", action="store_true", help="run only the Poisson-arrival part")
     g.add_argument("--seed", type=seed, default=d.seed)
 
 

@@ -329,11 +329,17 @@ def _cmd_swap(args, console, progress) -> dict:
 
 
 def _cmd_serve(args, console, progress) -> dict:
+    from benchmarks.arrivals import ArrivalSettings
     from benchmarks.serve import ServeSettings, run_serve, serve_lines
 
     settings = ServeSettings(batch=args.batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                              chunk=args.chunk, cold_layers=args.cold_layers, rounds=args.rounds, layers=tuple(args.layers),
-                             compile_cache_runs=not args.no_compile_cache_runs, seed=args.seed)  # fmt: skip
+                             compile_cache_runs=not args.no_compile_cache_runs, seed=args.seed,
+                             arrivals=ArrivalSettings(requests=args.arrivals_requests, rounds=args.arrivals_rounds,
+                                                      load=args.arrivals_load, model=args.arrivals_model, seed=args.seed),
+                             arrivals_only=args.arrivals_only)  # fmt: skip
+    if not 0 < args.arrivals_load <= 10:
+        raise ValueError(f"--arrivals-load={args.arrivals_load} must be in (0, 10]")
     console.print("[bold]serve[/bold]: generate's loop vs its bare jitted step, tiny model (compiling first) ...")
     result = run_serve(settings, progress)
     for line in serve_lines(result):

@@ -21,6 +21,9 @@ Figures, all in one process (a tiny random-weight `LlamaConfig.tiny()`, float32,
   `benchmarks.layer_scaling.measure`), and the deepest over the shallowest.
 - **Persistent compilation cache** (`--compile-cache-runs`): `arena-generate` run twice in fresh
   processes with one `--compile-cache` folder: the first fills it, the second reads it.
+- **Poisson arrivals** (`benchmarks.arrivals`): time to first token and inter-token latency
+  p50 / p99, mixed steps (`generate(mixed_steps=True)`) vs separate prefill, on the same
+  arrivals (`--arrivals-*`; `--arrivals-only` runs this part alone).
 """
 from __future__ import annotations
 
@@ -46,6 +49,8 @@ class ServeSettings:
     compile_cache_runs: bool = True
     cold_layers: int = 3  # depth of the model whose cold generate call is counted (3: a structure nothing else compiled)
     seed: int = 0
+    arrivals: object = None  # benchmarks.arrivals.ArrivalSettings (None: its defaults; requests=0: skipped)
+    arrivals_only: bool = False
 
 
 def _model(seed: int):
@@ -196,7 +201,12 @@ def _persistent_cache(settings: ServeSettings) -> dict:
 def run_serve(settings: ServeSettings, progress=None) -> dict:
     import jax
 
-    step = progress.add_task("serve", total=settings.rounds + len(settings.layers) + 2) if progress else None
+    from benchmarks.arrivals import ArrivalSettings, measure_arrivals
+
+    arrivals = settings.arrivals if settings.arrivals is not None else ArrivalSettings(seed=settings.seed)
+    total = (arrivals.rounds + 1 if arrivals.requests else 0) + (0 if settings.arrivals_only else
+                                                                 settings.rounds + len(settings.layers) + 2)  # fmt: skip
+    step = progress.add_task("serve", total=total) if progress else None
 
     def advance():
         if step is not None:
@@ -204,6 +214,10 @@ def run_serve(settings: ServeSettings, progress=None) -> dict:
 
     t0 = time.perf_counter()
     result = dict(device=str(jax.devices()[0].device_kind), backend=jax.default_backend(), jax=jax.__version__)
+    result["arrivals"] = measure_arrivals(arrivals, advance) if arrivals.requests else None
+    if settings.arrivals_only:
+        result["wall_s"] = round(time.perf_counter() - t0, 1)
+        return result
     result["compiles_per_call"] = _compiles_per_call(settings)
     advance()
     result["step"] = _step_times(_model(settings.seed), settings, advance)
@@ -220,6 +234,11 @@ def run_serve(settings: ServeSettings, progress=None) -> dict:
 
 
 def serve_lines(result: dict) -> list[str]:
+    from benchmarks.arrivals import arrival_lines
+
+    tail = arrival_lines(result["arrivals"]) if result.get("arrivals") else []
+    if "step" not in result:  # --arrivals-only
+        return tail
     s = result["step"]
     lines = [
         f"decode step, batch {s['batch']}, {s['prompt_len']}-token prompts, tiny model ({result['device']}; medians of "
@@ -252,7 +271,7 @@ def serve_lines(result: dict) -> list[str]:
         for r in pc["runs"]:
             lines.append(f"  {r['run']:<11} {r['process_wall_s']:6.2f} s ({r['cache_entries']} cache entries)")
         lines.append(f"  a warm cache saves {pc['saved_s']:.2f} s per process")
-    return lines
+    return lines + tail
 
 
 def main(argv=None) -> int:  # python -m benchmarks.serve (the same as arena-bench serve)

@@ -214,16 +214,11 @@ class Attention(nnx.Module):
         `inv_freq` f32[H/2] default to the layer's own. Returns (out [B, T, E], cache).
         """
         q, k, v = self.project(x, positions, inv_freq, layer=layer)
-        o, cache = self._append_attend(q, k, v, cache, layer, slots, num_tokens, window)
-        return self.output(o), cache
-
-    def _append_attend(self, q, k, v, cache, layer, slots, num_tokens, window):
-        """q [B, T, N, H], k, v [B, T, K, H] -> (o [B, T, N, H], cache): k, v appended, then attention."""
         if cache.k_scale is None:  # a float arena stores its own dtype; an 8-bit one quantizes k, v as computed
             k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
         cache = aj.append(cache, layer, slots, k, v, num_tokens=num_tokens)
         o = aj.attend(q, cache, layer, slots, num_tokens=num_tokens, **self.attend_options(layer, window))
-        return o, cache
+        return self.output(o), cache
 
     def mixed(self, x, positions, cache: aj.KVCache, layer, groups, *, window=_FROM_CONFIG, inv_freq=None):
         """One layer's attention for a mixed step: the tokens of several row groups packed flat.
@@ -232,14 +227,22 @@ class Attention(nnx.Module):
         other (N = sum R_i * T_i); groups: (slots i32[R_i], num_tokens i32[R_i], T_i) per group
         (e.g. decode rows, T = 1, and prefill rows, T = a chunk). The projections run once over
         the N tokens (one read of the weights); each group appends and attends as a batch of its
-        own, so each takes its kernel (decode or chunked prefill). Returns (out [1, N, E], cache).
+        own, so each takes its kernel (decode or chunked prefill). Every group appends before any
+        attends (the groups' slots differ, so no group reads what another writes): the arena's
+        writes form one chain that XLA updates in place, with no read between them that would
+        make it copy the arena. Returns (out [1, N, E], cache).
         """
         q, k, v = self.project(x, positions, inv_freq, layer=layer)  # [1, N, ., H]
-        outs, start = [], 0
+        if cache.k_scale is None:  # a float arena stores its own dtype; an 8-bit one quantizes k, v as computed
+            k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
+        parts, start = [], 0
         for slots, num_tokens, width in groups:
-            size = slots.shape[0] * width
-            part = lambda a: a[0, start : start + size].reshape(slots.shape[0], width, *a.shape[2:])  # noqa: E731
-            o, cache = self._append_attend(part(q), part(k), part(v), cache, layer, slots, num_tokens, window)
-            outs.append(o.reshape(1, size, *o.shape[2:]))
+            rows, size = slots.shape[0], slots.shape[0] * width
+            parts.append([a[0, start : start + size].reshape(rows, width, *a.shape[2:]) for a in (q, k, v)])
             start += size
+        for (_, k_part, v_part), (slots, num_tokens, _) in zip(parts, groups):
+            cache = aj.append(cache, layer, slots, k_part, v_part, num_tokens=num_tokens)
+        options = self.attend_options(layer, window)
+        outs = [aj.attend(q_part, cache, layer, slots, num_tokens=num_tokens, **options).reshape(1, -1, *q.shape[2:])
+                for (q_part, _, _), (slots, num_tokens, _) in zip(parts, groups)]  # fmt: skip
         return self.output(jnp.concatenate(outs, axis=1)), cache

@@ -74,8 +74,13 @@ def _mixed(graphdef, state, cache, tokens, slots, chunks, chunk_slots, chunk_cou
     batch, (prefills, width) = tokens.shape[0], chunks.shape
     rows = jnp.concatenate([slots, chunk_slots]).astype(jnp.int32)  # [B + P]: every row the step serves
     counts = jnp.concatenate([jnp.ones((batch,), jnp.int32), chunk_counts.astype(jnp.int32)])
-    counts = jnp.where(rows >= 0, counts, 0)
-    cache, ok = aj.reserve(cache, rows, counts)
+    # A slot given twice (a decode row and a chunk, or two chunks) keeps its first row only: the
+    # others are refused (ok False, nothing written), so any input leaves every slot consistent.
+    index = jnp.arange(rows.shape[0])
+    repeated = jnp.any((rows[:, None] == rows[None, :]) & (index[None, :] < index[:, None]), axis=1) & (rows >= 0)
+    counts = jnp.where((rows >= 0) & ~repeated, counts, 0)
+    cache, ok = aj.reserve(cache, jnp.where(repeated, aj.PAD_SLOT, rows), counts)
+    ok = ok & ~repeated
     rows = jnp.where(ok, rows, aj.PAD_SLOT)  # a refused row writes and reads nothing this step
     counts = jnp.where(ok, counts, 0)
     d_slots, p_slots, d_counts, p_counts = rows[:batch], rows[batch:], counts[:batch], counts[batch:]
@@ -107,7 +112,8 @@ def mixed_step(graphdef, state, cache: aj.KVCache, tokens, slots, chunks, chunk_
     Decode part, one token per batch row: tokens i32[B], slots i32[B] (PAD_SLOT: the row does
     not decode). Prefill part, P chunks of width T: chunks i32[P, T], chunk_slots i32[P],
     chunk_counts i32[P] (0..T real tokens each), chunk_rows i32[P] (the batch row each chunk
-    belongs to, -1 for an unused chunk; a row decodes or prefills, not both). seq_ids i32[B]
+    belongs to, -1 for an unused chunk; a row decodes or prefills, not both: a slot given twice
+    is served in its first place only, the others refused with ok False). seq_ids i32[B]
     per batch row (default: the slots). The tokens of both parts run packed flat through the
     dense layers, B + P * T of them (the step's token budget), and each part attends with its
     own kernel (`Llama.hidden_mixed`). Returns a StepOutput in batch-row order: `tokens` i32[B]

@@ -421,8 +421,9 @@ def test_serve(tmp_path, capsys):
     run-ahead used, the same tokens as the reference loop, nothing compiled by the repeated calls."""
     # Batch 1, 20 + 12 tokens: generate's arena is test_prefix_progress.py's (2 pages of 16), compiled once per session.
     args = ["serve", "--batch", "1", "--prompt-len", "20", "--new-tokens", "12", "--rounds", "1", "--chunk", "2",
-            "--layers", "--no-compile-cache-runs", "--cold-layers", "2"]  # fmt: skip (2: the timed model)
+            "--layers", "--no-compile-cache-runs", "--cold-layers", "2", "--arrivals-requests", "0"]  # fmt: skip (2: the timed model)
     res = _run(args, tmp_path)["results"]
+    assert res["arrivals"] is None
     s = res["step"]
     assert s["same_tokens_as_no_run_ahead"] is True and 0 < s["run_ahead_steps"] <= s["decode_calls"]
     for key in ("generate_step_ms", "generate_no_run_ahead_step_ms", "bare_step_ms", "bare_public_step_ms"):
@@ -432,3 +433,23 @@ def test_serve(tmp_path, capsys):
     assert calls[1]["programs_compiled"] == calls[2]["programs_compiled"] == 0  # (the cold call may find them compiled)
     assert res["compile_by_depth"] == [] and res["persistent_cache"] is None
     assert "bare/generate" in capsys.readouterr().out
+
+
+def test_serve_arrivals():
+    """The Poisson-arrival part of `arena-bench serve` on a tiny workload: every schedule gives
+    the separate schedule's tokens, latencies are positive and ordered (p50 <= p99)."""
+    from benchmarks.arrivals import ArrivalSettings, arrival_lines, measure_arrivals
+
+    res = measure_arrivals(ArrivalSettings(requests=4, short_len=8, long_len=40, long_every=2, new_tokens=4, batch=2,
+                                           chunk=16, chunks=(1,), rounds=1))  # fmt: skip
+    assert [r["schedule"] for r in res["schedules"]] == ["separate", "mixed, budget 18"]
+    for row in res["schedules"]:
+        assert row["same_tokens"] is True
+        for part in ("ttft", "itl"):
+            assert 0 < row[part]["p50_ms"] <= row[part]["p99_ms"]
+    assert res["arrival_rate_per_s"] > 0 and "TTFT p99" in "\n".join(arrival_lines(res))
+
+
+def test_serve_refuses_a_bad_load(tmp_path):
+    with pytest.raises(ValueError, match=r"--arrivals-load=0.0 must be in \(0, 10\]"):
+        _run(["serve", "--arrivals-only", "--arrivals-load", "0"], tmp_path)

@@ -8,6 +8,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import arena_jax as aj
 
@@ -87,10 +88,12 @@ def test_prefix_ops_keep_the_arena_in_place():
     assert int(cache.stats.rejected_rows) == 0 and int(cache.stats.pages_evicted) == 0  # the slots still map them
 
 
-def test_layer_scan_keeps_the_arena_in_place():
-    """The model's decode step runs its layers in one `lax.scan` (a while loop) carrying the
-    cache: the arena is updated in place inside the loop (no copy of it anywhere in the
-    program), the donated arena still aliases the output, and the same buffers come back."""
+@pytest.mark.parametrize("which", ["decode_step", "mixed_step"])
+def test_layer_scan_keeps_the_arena_in_place(which):
+    """The model's decode step (and the mixed step: decode rows and prompt chunks) runs its
+    layers in one `lax.scan` (a while loop) carrying the cache: the arena is updated in place
+    inside the loop (no copy of it anywhere in the program), the donated arena still aliases
+    the output, and the same buffers come back."""
     from flax import nnx
 
     import models
@@ -100,7 +103,12 @@ def test_layer_scan_keeps_the_arena_in_place():
     layout = models.default_layout(model, 4, 32, page_size=8, dtype="float32")
     graphdef, state = nnx.split(model)
     cache = aj.create(layout)
-    compiled = models.decode_step.lower(graphdef, state, cache, SLOTS, SLOTS).compile()
+    args = (SLOTS, SLOTS)
+    if which == "mixed_step":  # slots 0, 1 decode; slots 2, 3 bring chunks of 5 and 8 tokens
+        chunks = jnp.ones((2, 8), jnp.int32)
+        decode = jnp.asarray([0, 1, aj.PAD_SLOT, aj.PAD_SLOT], jnp.int32)
+        args = (SLOTS, decode, chunks, SLOTS[2:], jnp.asarray([5, 8], jnp.int32), SLOTS[2:], SLOTS)
+    compiled = getattr(models, which).lower(graphdef, state, cache, *args).compile()
     hlo = compiled.as_text()
     arena = re.escape("f32[" + ",".join(map(str, layout.arena_shape)) + "]")
     copies = [line.strip() for line in hlo.splitlines() if re.search(r"= " + arena + r"\S* copy(-start)?\(", line)]
@@ -110,5 +118,7 @@ def test_layer_scan_keeps_the_arena_in_place():
     # loops, nested in it on the "xla" backend, carry no arena)
     assert len([w for w in re.findall(r"= \((.*)\) while\(", hlo) if re.search(arena, w)]) == 1
     ptr = cache.k.unsafe_buffer_pointer()
-    out = compiled(state, cache, SLOTS, SLOTS)
+    out = compiled(state, cache, *args)
     assert out.cache.k.unsafe_buffer_pointer() == ptr
+    if which == "mixed_step":
+        assert np.asarray(out.cache.table.lengths).tolist() == [1, 1, 5, 8]

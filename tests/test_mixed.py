@@ -146,6 +146,13 @@ def test_a_refused_chunk_leaves_its_slot_and_the_others_intact():
     assert np.asarray(mixed.cache.table.lengths).tolist() == [6, 8, 2, 0]
     assert (np.asarray(mixed.cache.table.page_map)[2] == before).all()
     assert aj.health(mixed.cache)["free_pages"] == 1  # the refused chunk (2 more pages) took none of them
+    # A slot given twice (decoding and bringing a chunk): its chunk is refused, the rest served.
+    twice = models.mixed_step(graphdef, state, mixed.cache, jnp.asarray(nxt), jnp.asarray([0, 1, -1, -1], jnp.int32),
+                              jnp.asarray(chunk[None]), jnp.asarray([1], jnp.int32), jnp.asarray([2], jnp.int32),
+                              jnp.asarray([3], jnp.int32))  # fmt: skip
+    assert np.asarray(twice.ok).tolist() == [True, True, True, False]
+    assert np.asarray(twice.cache.table.lengths).tolist() == [7, 9, 2, 0]
+    assert aj.health(twice.cache)["free_pages"] == 0  # slot 1's 9th token took the last page
 
 
 def test_arrivals_admit_in_time_and_keep_the_tokens(model, tight, prompts):
