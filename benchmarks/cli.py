@@ -340,7 +340,9 @@ def _cmd_serve(args, console, progress) -> dict:
                              arrivals_only=args.arrivals_only)  # fmt: skip
     if not 0 < args.arrivals_load <= 10:
         raise ValueError(f"--arrivals-load={args.arrivals_load} must be in (0, 10]")
-    console.print("[bold]serve[/bold]: generate's loop vs its bare jitted step, tiny model (compiling first) ...")
+    what = ("Poisson arrivals, mixed steps vs separate prefill" if args.arrivals_only else
+            "generate's loop vs its bare jitted step, tiny model; Poisson arrivals, mixed vs separate")  # fmt: skip
+    console.print(f"[bold]serve[/bold]: {what} (compiling first) ...")
     result = run_serve(settings, progress)
     for line in serve_lines(result):
         print(line)

@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"JAX persistent compilation cache folder, so later runs skip compiling (default ${CACHE_ENV} or %(default)s)",
     )
     p.add_argument("--no-compile-cache", action="store_true", help="do not use a persistent compilation cache")
+    p.add_argument("--mixed-steps", action="store_true",
+                   help="feed prompt chunks together with the decoding rows' tokens, one call per step")  # fmt: skip
+    p.add_argument("--token-budget", type=positive_int, default=None,
+                   help="tokens per mixed step (default --batch + --chunk-size: one chunk); needs --mixed-steps")  # fmt: skip
     return p
 
 
@@ -180,6 +184,8 @@ def main(argv=None) -> int:
             top_p=args.top_p,
             seed=args.seed,
             stop_tokens=() if args.ignore_eos else None,  # None: the checkpoint's eos tokens
+            mixed_steps=args.mixed_steps,
+            token_budget=args.token_budget,
         )
         warm_start = time.perf_counter()
         warm_new = min(2, args.max_new_tokens)  # fits wherever the real run fits (checked above)
@@ -201,7 +207,7 @@ def main(argv=None) -> int:
     stops = "none" if args.ignore_eos or not model.config.eos_token_ids else list(model.config.eos_token_ids)
     print(
         f"{result.num_generated} tokens in {result.seconds:.3f} s: {result.tokens_per_second:.1f} tokens/s "
-        f"(batch {args.batch}, {result.prefill_calls} prefill + {result.decode_calls} decode calls, "
+        f"(batch {args.batch}, {result.prefill_calls} prefill + {result.mixed_calls} mixed + {result.decode_calls} decode calls, "
         f"{result.preemptions} preemptions; stop tokens {stops}; KV arena {layout.dtype.name}; warm-up {warm:.1f} s)"
     )
     if args.prefix_cache:

@@ -466,6 +466,10 @@ def test_cli_tiny_model(capsys):
     assert main(args + ["--chunk-size", "8", "--max-seq-len", "64", "--num-prompts", "5"]) == 0
     out = capsys.readouterr().out
     assert "tokens/s" in out and out.startswith("[0] ")
+    assert main(args + ["--chunk-size", "8", "--max-seq-len", "64", "--num-prompts", "5", "--mixed-steps"]) == 0
+    mixed = capsys.readouterr().out
+    assert re.search(r"0 prefill \+ [1-9]\d* mixed \+ \d+ decode calls", mixed)
+    assert mixed.splitlines()[:5] == out.splitlines()[:5]  # the same tokens
 
 
 @pytest.mark.parametrize(
@@ -482,6 +486,8 @@ def test_cli_tiny_model(capsys):
         (["--seed", "-1"], "--seed: expected an integer in"),
         (["--batch", "3000000000"], r"--batch: expected an integer in \[1, 2,?147,?483,?647\]"),
         (["--top-k", "1000"], "--top-k 1000 exceeds the model's vocab_size 128"),
+        (["--token-budget", "40"], "token_budget is the mixed steps' size: give it with mixed_steps=True"),
+        (["--mixed-steps", "--token-budget", "5"], r"token_budget=5 must hold .* at least 36"),
         (["--model-dir", "/nonexistent/dir"], "--model-dir /nonexistent/dir"),
         # sizes the device cannot hold: refused before allocating, with needed and available bytes
         (["--page-size", "1000000000"], r"--page-size 1000000000.*needs .* bytes.*KV arena.*more than 90% of the .* bytes"),
