@@ -191,6 +191,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="model of the Poisson-arrival run (mixed steps vs separate prefill; mid: hidden 512, 8 layers)")  # fmt: skip
     g.add_argument("--arrivals-requests", type=int_in(0), default=a.requests, help="requests of that run (0: skip it)")
     g.add_argument("--arrivals-rounds", type=positive_int, default=a.rounds, help="alternated rounds of that run")
+    g.add_argument("--arrivals-short-len", type=int_in(2), default=a.short_len, help="short prompts' tokens (+-50%%)")
+    g.add_argument("--arrivals-long-len", type=positive_int, default=a.long_len, help="long prompts' tokens")
+    g.add_argument("--arrivals-long-every", type=positive_int, default=a.long_every,
+                   help="every N-th prompt is long (1: all of them)")  # fmt: skip
     g.add_argument("--arrivals-load", type=float, default=a.load,
                    help="arrival rate as a fraction of the rate served when every request is there at once")  # fmt: skip
     g.add_argument("--arrivals-only", action="store_true", help="run only the Poisson-arrival part")

@@ -13,6 +13,9 @@ Schedules, alternated round by round on the same arrivals:
 - "mixed": `generate(mixed_steps=True)`: one `mixed_step` with every decoding row's token and
   `chunks` prompt chunks (token budget batch + chunks * chunk).
 
+Throughput beside it: "all at once" is the wall time of the same requests all there at the
+start (an offline batch), per schedule, in the same rounds.
+
 Per request: time to first token (TTFT) = its first token's read-back time minus its arrival;
 inter-token latency (ITL) = the gaps between its tokens' read-back times. Percentiles pool
 every request of every round. Tokens are compared between schedules (greedy: equal).
@@ -85,7 +88,7 @@ def measure_arrivals(settings: ArrivalSettings, advance=lambda: None) -> dict:
     arrivals = np.cumsum(rng.exponential(1.0 / rate, s.requests)).tolist()
     arrivals = [a - arrivals[0] for a in arrivals]
     advance()
-    pooled = {name: ([], [], []) for name in schedules}  # ttft, itl, wall
+    pooled = {name: ([], [], [], []) for name in schedules}  # ttft, itl, wall, all-at-once wall
     tokens = {}
     for _ in range(s.rounds):
         for name, extra in schedules.items():
@@ -94,13 +97,15 @@ def measure_arrivals(settings: ArrivalSettings, advance=lambda: None) -> dict:
             pooled[name][0].extend(ttft)
             pooled[name][1].extend(itl)
             pooled[name][2].append(r.seconds)
+            pooled[name][3].append(models.generate(net, prompts, s.new_tokens, **common, **extra).seconds)
             tokens.setdefault(name, r.tokens)
         advance()
     ref = tokens["separate"]
     rows = []
-    for name, (ttft, itl, wall) in pooled.items():
+    for name, (ttft, itl, wall, burst_wall) in pooled.items():
         rows.append(dict(schedule=name, ttft=_percentiles(ttft), itl=_percentiles(itl),
-                         wall_s=round(statistics.median(wall), 3), same_tokens=tokens[name] == ref))  # fmt: skip
+                         wall_s=round(statistics.median(wall), 3), all_at_once_s=round(statistics.median(burst_wall), 3),
+                         same_tokens=tokens[name] == ref))  # fmt: skip
     return dict(
         model=s.model, requests=s.requests, prompt_lens=dict(short=s.short_len, long=s.long_len, long_every=s.long_every),
         new_tokens=s.new_tokens, batch=s.batch, chunk=s.chunk, load=s.load,
@@ -109,18 +114,24 @@ def measure_arrivals(settings: ArrivalSettings, advance=lambda: None) -> dict:
     )  # fmt: skip
 
 
+def _prompts(lens: dict) -> str:
+    if lens["long_every"] == 1:
+        return f"every prompt {lens['long']} tokens"
+    return f"every {lens['long_every']}th prompt {lens['long']} tokens, the rest ~{lens['short']}"
+
+
 def arrival_lines(result: dict) -> list[str]:
     r = result
     lines = [
-        f"Poisson arrivals, {r['model']} model: {r['requests']} requests (every {r['prompt_lens']['long_every']}th prompt "
-        f"{r['prompt_lens']['long']} tokens, the rest ~{r['prompt_lens']['short']}), {r['new_tokens']} new tokens each, "
+        f"Poisson arrivals, {r['model']} model: {r['requests']} requests ({_prompts(r['prompt_lens'])}), {r['new_tokens']} new tokens each, "
         f"batch {r['batch']}, chunk {r['chunk']}; {r['arrival_rate_per_s']} requests/s = {r['load']} x the all-at-once "
         f"rate ({r['burst_requests_per_s']}/s); {r['rounds']} alternated rounds, latencies pooled:",
-        f"  {'schedule':<22} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'ITL mean':>9} {'wall':>7}  tokens",
+        f"  {'schedule':<22} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'ITL mean':>9} {'wall':>7}"
+        f"  {'all at once':>11}  tokens",
     ]
     for row in r["schedules"]:
         t, i = row["ttft"], row["itl"]
         lines.append(f"  {row['schedule']:<22} {t['p50_ms']:7.1f}ms {t['p99_ms']:7.1f}ms {i['p50_ms']:6.2f}ms "
-                     f"{i['p99_ms']:6.2f}ms {i['mean_ms']:7.2f}ms {row['wall_s']:6.2f}s  "
+                     f"{i['p99_ms']:6.2f}ms {i['mean_ms']:7.2f}ms {row['wall_s']:6.2f}s  {row['all_at_once_s']:10.3f}s  "
                      f"{'equal' if row['same_tokens'] else 'DIFFER'}")  # fmt: skip
     return lines

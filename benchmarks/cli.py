@@ -336,7 +336,9 @@ def _cmd_serve(args, console, progress) -> dict:
                              chunk=args.chunk, cold_layers=args.cold_layers, rounds=args.rounds, layers=tuple(args.layers),
                              compile_cache_runs=not args.no_compile_cache_runs, seed=args.seed,
                              arrivals=ArrivalSettings(requests=args.arrivals_requests, rounds=args.arrivals_rounds,
-                                                      load=args.arrivals_load, model=args.arrivals_model, seed=args.seed),
+                                                      load=args.arrivals_load, model=args.arrivals_model, seed=args.seed,
+                                                      short_len=args.arrivals_short_len, long_len=args.arrivals_long_len,
+                                                      long_every=args.arrivals_long_every),
                              arrivals_only=args.arrivals_only)  # fmt: skip
     if not 0 < args.arrivals_load <= 10:
         raise ValueError(f"--arrivals-load={args.arrivals_load} must be in (0, 10]")

@@ -198,6 +198,8 @@ def generate(
     beside the `batch_size` decode tokens, so a long prompt arriving mid-run does not stall the
     running sequences for a whole batch-wide prefill. Same tokens as without (greedy and
     seeded sampling; up to float rounding of differently shaped products). One data shard only.
+    Off by default: it lowers latency under arrivals, but an offline batch of equal-length
+    prompts runs faster with batch-wide prefills (benchmarks/RESULTS.md, "Mixed steps").
 
     `arrivals` (seconds after the call starts, one per prompt, non-decreasing): an online
     workload; a prompt is admitted only once it has arrived. The result's `token_seconds`
