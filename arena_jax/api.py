@@ -90,11 +90,6 @@ def _resolve_backend(backend: str | None, layout, group: int | None = None, **at
     chosen = backend or default_backend()
     if chosen == "mosaic":
         return _resolve_mosaic(layout, group, attend)
-    if chosen == "xla" and layout.dtype.name == "int4":  # the blockwise path does not read int4 pages yet
-        if asked == "xla":
-            raise ValueError("backend='xla' cannot take an int4 arena yet (the blockwise path reads float and 8-bit "
-                             "pages); use backend='reference' (or 'pallas' on a GPU)")
-        return "reference"
     if chosen in ("reference", "xla"):
         return chosen
     from pallas_kernels import triton_lowering_problem, unsupported_reason
@@ -116,7 +111,7 @@ def _resolve_backend(backend: str | None, layout, group: int | None = None, **at
         return chosen
     if asked in ("pallas", "pallas_tpu"):
         raise ValueError(f"backend={asked!r} cannot take this layout: {reason}")
-    fallback = "reference" if layout.dtype.name == "int4" else "xla"  # the blockwise path reads no int4 pages yet
+    fallback = "xla"
     if reason not in _FALLBACK_WARNED:
         _FALLBACK_WARNED.add(reason)
         warnings.warn(f"arena_jax: the Pallas kernels cannot take this layout ({reason}); using the jnp "

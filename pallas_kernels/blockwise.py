@@ -48,10 +48,11 @@ Design, and why:
   query of the batch can see is never even gathered. The key scale multiplies the f32 score,
   the value scale the f32 weights (fp16 compute: the V rows are dequantized with
   `quant.dequantize_rows` and rounded to fp16), exactly as the reference.
-- **8-bit and other stored formats** go through `_block_operands`, the only place that knows
-  how a block's stored K / V rows become compute-dtype operands; it dispatches on the arena
-  dtype with `quant.is_quantized` and refuses (ValueError) a format it does not know rather
-  than reading its bytes as numbers.
+- **8-bit, int4 and other stored formats** go through `_block_operands`, the only place that
+  knows how a block's stored K / V rows become scores and P @ V; it dispatches on the arena
+  dtype (`quant.is_quantized`, `quant4.arena_format`: int4 per group of 32 lanes, as the
+  reference) and refuses (ValueError) a format it does not know rather than reading its bytes
+  as numbers.
 - **Total**: page-map entries < 0 are masked and never trusted (clamped to page 0 for the
   gather), the loop's range is clipped into [0, ceil(M / P)) blocks, a traced window is
   clipped as the reference clips it (`<= 0`: no key, zeros; the loop then runs 0 steps).
@@ -66,6 +67,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.quant import dequantize_rows, is_quantized
+from pallas_kernels.quant4 import GROUP, arena_format, unpack_codes
 from pallas_kernels.reference import _window, token_positions
 
 __all__ = ["paged_attention_blockwise", "DEFAULT_BLOCK_KEYS", "block_geometry"]
@@ -101,38 +103,90 @@ def _gather_block(arena, layer, pages):
 
 
 def _block_operands(k_arena, v_arena, k_scale, v_scale, layer, pages, live, compute, sm_scale):
-    """One block's stored rows -> (k f32 [B, Hkv, N, D] (compute-dtype values), score scale
-    (a number or f32 [B, Hkv, 1, 1, N]), v [B, Hkv, N, D] in the compute dtype, zero where the
-    key is dead or its row poisoned, v_ok bool[B, Hkv, N], weight scale or None).
+    """One block's stored rows -> (scores, v_ok, values): `scores(qg)` maps the queries
+    f32 [B, Hkv, G, T, D] (compute-dtype values) to the f32 scores [B, Hkv, G, T, N] before
+    soft-cap and mask; v_ok bool[B, Hkv, N] is False where a V row is poisoned; `values(p)` maps
+    the f32 weights [B, Hkv, G, T, N] (zero where masked) to P @ V f32 [B, Hkv, G, T, D].
 
     `live` bool[B, 1, N]: the key exists (below the row's length, page mapped). The
     reference's conversions, key for key (`paged_attention_reference`: "Dtypes")."""
     f32 = jnp.float32
     dtype = jnp.dtype(k_arena.dtype)
-    k_raw = _gather_block(k_arena, layer, pages)  # [B, Hkv, N, D]
+    k_raw = _gather_block(k_arena, layer, pages)  # [B, Hkv, N, D] (int4: D / 2 bytes)
     v_raw = _gather_block(v_arena, layer, pages)
-    k_c = k_raw.astype(compute).astype(f32)
     zero = jnp.zeros((), compute)
+
+    def dot_scores(k_c, scale):
+        return lambda qg: jnp.einsum("BKGTD,BKND->BKGTN", qg, k_c, precision=_HIGHEST) * scale
+
+    def dot_values(v_c, weight_scale=None):
+        def values(p):
+            if weight_scale is not None:
+                p = p * weight_scale
+            return jnp.einsum("BKGTN,BKND->BKGTD", p.astype(compute).astype(f32), v_c.astype(f32), precision=_HIGHEST)
+
+        return values
+
     if dtype in _FLOAT_ARENAS:
         v_c = v_raw.astype(compute)
         v_ok = jnp.all(jnp.isfinite(v_c), axis=-1)  # [B, Hkv, N]
         v_c = jnp.where((live & v_ok)[..., None], v_c, zero)
-        return k_c, sm_scale, v_c, v_ok, None
+        return dot_scores(k_raw.astype(compute).astype(f32), sm_scale), v_ok, dot_values(v_c)
+    if arena_format(dtype) == "int4":
+        return _int4_operands(k_raw, v_raw, k_scale, v_scale, layer, pages, live, compute, sm_scale)
     if not is_quantized(dtype):
         raise ValueError(f"paged_attention_blockwise: arena dtype {dtype.name} is not a format it reads "
-                         "(float: bfloat16, float16, float32; 8-bit: pallas_kernels.quant)")
+                         "(float: bfloat16, float16, float32; 8-bit: pallas_kernels.quant; int4: pallas_kernels.quant4)")
+    k_c = k_raw.astype(compute).astype(f32)
     ks = _gather_block(k_scale, layer, pages).astype(f32)  # [B, Hkv, N]
     vs = _gather_block(v_scale, layer, pages).astype(f32)
-    score_scale = (ks * sm_scale)[:, :, None, None, :]  # the key scale on the f32 score
+    scores = dot_scores(k_c, (ks * sm_scale)[:, :, None, None, :])  # the key scale on the f32 score
     if compute != jnp.dtype(jnp.float16):  # the value scale on the f32 weights; its poison is the scale
         v_ok = jnp.isfinite(vs)
         vs = jnp.where(live & v_ok, vs, 0.0)
         v_c = jnp.where(live[..., None], v_raw.astype(compute), zero)
-        return k_c, score_scale, v_c, v_ok, vs[:, :, None, None, :]
+        return scores, v_ok, dot_values(v_c, vs[:, :, None, None, :])
     v_c = dequantize_rows(v_raw, vs).astype(compute)  # fp16: the dequantized row (may overflow fp16)
     v_ok = jnp.all(jnp.isfinite(v_c), axis=-1)
     v_c = jnp.where((live & v_ok)[..., None], v_c, zero)
-    return k_c, score_scale, v_c, v_ok, None
+    return scores, v_ok, dot_values(v_c)
+
+
+def _int4_operands(k_raw, v_raw, k_scale, v_scale, layer, pages, live, compute, sm_scale):
+    """`_block_operands` for int4 pages (`quant4`: codes uint8 [B, Hkv, N, D / 2], a scale per
+    group of 32 lanes): per group g, `s = sum_g (q_g . codes_g) * (k_scale_g * sm_scale)` and
+    `P @ V = sum_g (p * v_scale_g) @ codes_g` (fp16 compute: the V rows dequantized and rounded
+    to fp16), as the reference computes them."""
+    f32 = jnp.float32
+    head_dim = 2 * k_raw.shape[-1]
+    n = head_dim // GROUP
+    k_codes = unpack_codes(k_raw).astype(f32).reshape(*k_raw.shape[:3], n, GROUP)  # [B, Hkv, N, n, 32]
+    v_codes = unpack_codes(v_raw).astype(f32).reshape(*v_raw.shape[:3], n, GROUP)
+    ks = _gather_block(k_scale, layer, pages).astype(f32) * sm_scale  # [B, Hkv, N, n]
+    vs = _gather_block(v_scale, layer, pages).astype(f32)
+
+    def scores(qg):  # [B, Hkv, G, T, D]
+        dots = jnp.einsum("BKGTnL,BKNnL->BKGTNn", qg.reshape(*qg.shape[:4], n, GROUP), k_codes, precision=_HIGHEST)
+        return jnp.sum(dots * ks[:, :, None, None], axis=-1)
+
+    if compute != jnp.dtype(jnp.float16):  # each group's value scale on the f32 weights
+        v_ok = jnp.all(jnp.isfinite(vs), axis=-1)  # [B, Hkv, N]
+        vs = jnp.where((live & v_ok)[..., None], vs, 0.0)
+
+        def values(p):  # [B, Hkv, G, T, N]
+            pg = (p[..., None] * vs[:, :, None, None]).astype(compute).astype(f32)  # [B, Hkv, G, T, N, n]
+            out = jnp.einsum("BKGTNn,BKNnL->BKGTnL", pg, v_codes, precision=_HIGHEST)
+            return out.reshape(*out.shape[:4], head_dim)
+
+        return scores, v_ok, values
+    v_c = (v_codes * vs[..., None]).astype(compute).reshape(*v_raw.shape[:3], head_dim)  # fp16: dequantized
+    v_ok = jnp.all(jnp.isfinite(v_c), axis=-1)
+    v_c = jnp.where((live & v_ok)[..., None], v_c, jnp.zeros((), compute))
+
+    def values(p):
+        return jnp.einsum("BKGTN,BKND->BKGTD", p.astype(compute).astype(f32), v_c.astype(f32), precision=_HIGHEST)
+
+    return scores, v_ok, values
 
 
 def _varying_axes(x) -> set:
@@ -208,11 +262,9 @@ def paged_attention_blockwise(
         key_pos = first_key + jnp.arange(num_pages * page_size, dtype=jnp.int32)  # [N]
         key_live = (key_pos[None, :] < lengths[:, None]) & jnp.repeat(cols >= 0, page_size, axis=1)  # [B, N]
         live = key_live[:, None, :]  # [B, 1, N]: per key, for every KV head
-        k_c, score_scale, v_c, v_ok, weight_scale = _block_operands(
+        scores, v_ok, values = _block_operands(
             k_arena, v_arena, k_scale, v_scale, layer, jnp.maximum(cols, 0), live, compute, sm_scale)
-
-        dots = jnp.einsum("BKGTD,BKND->BKGTN", qg, k_c, precision=_HIGHEST)
-        s = dots * score_scale  # [B, Hkv, G, T, N] f32
+        s = scores(qg)  # [B, Hkv, G, T, N] f32
         s_ok = jnp.isfinite(s)
         if logits_soft_cap is not None:
             s = jnp.tanh(s / logits_soft_cap) * logits_soft_cap
@@ -229,10 +281,7 @@ def paged_attention_blockwise(
         poisoned = mask & ~(s_ok & v_ok[:, :, None, None, :])
         p = jnp.where(poisoned, jnp.nan, p)
         l = alpha * l + jnp.sum(p, axis=-1)
-        if weight_scale is not None:
-            p = p * weight_scale
-        pv = jnp.einsum("BKGTN,BKND->BKGTD", p.astype(compute).astype(f32), v_c.astype(f32), precision=_HIGHEST)
-        return m_new, l, alpha[..., None] * acc + pv
+        return m_new, l, alpha[..., None] * acc + values(p)
 
     shape = (batch, num_kv_heads, group, tokens)
     state = (jnp.full(shape, -jnp.inf, f32), jnp.zeros(shape, f32), jnp.zeros((*shape, head_dim), f32))

@@ -133,27 +133,66 @@ def test_ragged_lengths_with_nan_stale_pages(name):
 
 
 def test_every_arena_dtype_is_read():
-    """Each dtype an arena can hold (`arena_jax.layout.ARENA_DTYPES`) but int4 is read by the
-    blockwise path (traced for each; a new storage format must be taught to it as to the
-    reference, or routed elsewhere by `aj.attend` as int4 is), and
-    the one no other case stores, float16, equals the reference."""
+    """Each dtype an arena can hold (`arena_jax.layout.ARENA_DTYPES`) is read by the blockwise
+    path (traced for each; a new storage format must be taught to it as to the reference), and
+    the one no other case stores, float16, equals the reference; bytes of a format it does not
+    know are refused."""
     sds = jax.ShapeDtypeStruct
-    assert set(aj.layout.ARENA_DTYPES) - {"int4"} == {"bfloat16", "float16", "float32", *aj.layout.EIGHT_BIT_DTYPES}
+    assert set(aj.layout.ARENA_DTYPES) == {"bfloat16", "float16", "float32", "int4", *aj.layout.EIGHT_BIT_DTYPES}
     for dtype in aj.layout.ARENA_DTYPES:
-        if dtype == "int4":  # not read yet: `aj.attend` routes int4 arenas to the reference (test below)
-            continue
-        arena = sds((1, 2, 7, 4, HEAD_DIM), jnp.dtype(dtype))
-        scales = dict(k_scale=sds((1, 2, 7, 4), jnp.float32), v_scale=sds((1, 2, 7, 4), jnp.float32)) \
-            if dtype in aj.layout.QUANTIZED_DTYPES else {}
-        out = jax.eval_shape(paged_attention_blockwise, sds((2, 1, 4, HEAD_DIM), jnp.float32), arena, arena, 0,
+        head_dim = 32 if dtype == "int4" else HEAD_DIM
+        if dtype == "int4":  # two codes a byte, a scale per group of 32 lanes
+            arena = sds((1, 2, 7, 4, head_dim // 2), jnp.uint8)
+            scale = sds((1, 2, 7, 4, head_dim // 32), jnp.bfloat16)
+            scales = dict(k_scale=scale, v_scale=scale)
+        else:
+            arena = sds((1, 2, 7, 4, head_dim), jnp.dtype(dtype))
+            scales = dict(k_scale=sds((1, 2, 7, 4), jnp.float32), v_scale=sds((1, 2, 7, 4), jnp.float32)) \
+                if dtype in aj.layout.QUANTIZED_DTYPES else {}
+        out = jax.eval_shape(paged_attention_blockwise, sds((2, 1, 4, head_dim), jnp.float32), arena, arena, 0,
                              sds((2, 3), jnp.int32), sds((2,), jnp.int32), sds((2,), jnp.int32), **scales)
-        assert out.shape == (2, 1, 4, HEAD_DIM) and out.dtype == jnp.float32, dtype
+        assert out.shape == (2, 1, 4, head_dim) and out.dtype == jnp.float32, dtype
     case = make_case(seed=3, arena="float16", q_dtype=jnp.float32, lengths=(9, 4), num_tokens=(2, 1), tokens=2,
                      q_heads=4, kv_heads=2, page_size=4, max_pages=3)
     np.testing.assert_allclose(np.asarray(blockwise(**case)), np.asarray(reference(**case)), atol=1e-6, rtol=0)
-    bad = dict(case, k_arena=case["k_arena"].astype(jnp.uint8), v_arena=case["v_arena"].astype(jnp.uint8))
-    with pytest.raises(ValueError, match="arena dtype uint8 is not a format it reads"):
+    bad = dict(case, k_arena=case["k_arena"].astype(jnp.int16), v_arena=case["v_arena"].astype(jnp.int16))
+    with pytest.raises(ValueError, match="arena dtype int16 is not a format it reads"):
         jax.eval_shape(paged_attention_blockwise, **bad)
+
+
+# head_dim, q_heads, kv_heads, page_size, q dtype: GQA 1 / 8 / 4, pages 1 / 16 / 4, every q dtype.
+INT4_CASES = [(32, 2, 2, 1, jnp.float32), (64, 8, 1, 16, jnp.bfloat16), (96, 8, 2, 4, jnp.float16)]
+
+
+@pytest.mark.parametrize("head_dim,q_heads,kv_heads,page_size,q_dtype", INT4_CASES)
+def test_int4_pages_equal_the_reference(head_dim, q_heads, kv_heads, page_size, q_dtype):
+    """int4 pages (codes two a byte, a scale per group of 32 lanes) on fresh random data: decode
+    over stale NaN scales, then a ragged 5-token chunk with a window and a soft-cap, each at
+    the default and at small blocks; a NaN group scale poisons exactly the queries that see it."""
+    from kernel_cases import TOLERANCES
+    from test_kernels_int4 import make_case as int4_case, scale_at
+
+    s = page_size
+    lengths = (1, s + 1, 3 * s + 3, 7) if s > 1 else (1, 2, 9, 7)
+    base = dict(fmt="int4", seed=head_dim + s, head_dim=head_dim, q_heads=q_heads, kv_heads=kv_heads, page_size=s,
+                q_dtype=q_dtype, lengths=lengths)  # fmt: skip
+    decode = int4_case(**base, num_tokens=(1, 1, 1, 0), tokens=1)
+    chunk = int4_case(**base, num_tokens=(1, 2, 5, 0), tokens=5)
+    options = dict(sliding_window=6, logits_soft_cap=20.0)
+    for case, extra in ((decode, {}), (chunk, options)):
+        case = {k: v for k, v in case.items() if k != "rotate_keys"}
+        want = np.asarray(paged_attention_reference(**case, **extra), np.float32)
+        for sizes in ({}, dict(block_keys=2 * s, tail_keys=s)):
+            got = np.asarray(paged_attention_blockwise(**case, **extra, **sizes), np.float32)
+            assert np.isfinite(got).all() and not got[3].any()  # stale NaN never read; the padded row is 0
+            np.testing.assert_allclose(got, want, **TOLERANCES[jnp.dtype(q_dtype)])
+    case = {k: v for k, v in decode.items() if k != "rotate_keys"}
+    k_at, v_at = scale_at(case, 1, 0, s) + (head_dim // 32 - 1,), scale_at(case, 2, 2, s) + (0,)
+    poisoned = dict(case, k_scale=case["k_scale"].at[k_at].set(jnp.nan), v_scale=case["v_scale"].at[v_at].set(jnp.nan))
+    expected = np.zeros(case["q"].shape, bool)
+    expected[[1, 2], :, : q_heads // kv_heads, :] = True
+    np.testing.assert_array_equal(np.isnan(np.asarray(paged_attention_blockwise(**poisoned), np.float32)), expected)
+    np.testing.assert_array_equal(np.isnan(np.asarray(paged_attention_reference(**poisoned), np.float32)), expected)
 
 
 def test_key_range_and_block_geometry():
@@ -305,8 +344,7 @@ def test_greedy_steps_give_the_reference_backends_tokens(monkeypatch):
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
 def test_rotated_and_int4_arenas_through_the_api(dtype):
     """Quantized arenas with rotated keys (int8's and int4's default): "xla" rotates q as the
-    reference does and equals it (int8); int4 pages, which the blockwise path does not read yet,
-    run the reference path by default and are a ValueError naming the way out when "xla" is asked."""
+    reference does and equals it, asked for or as the default off-GPU."""
     rng = np.random.default_rng(11)
     layout = aj.KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, page_size=4, num_pages=16, max_seqs=2,
                          max_pages_per_seq=6, dtype=dtype)  # fmt: skip
@@ -319,10 +357,7 @@ def test_rotated_and_int4_arenas_through_the_api(dtype):
     counts = jnp.asarray([2, 1])
     want = np.asarray(aj.attend(q, cache, 0, slots, num_tokens=counts, backend="reference"))
     assert np.abs(want).sum() > 0
-    if dtype == "int4":
-        with pytest.raises(ValueError, match="backend='xla' cannot take an int4 arena"):
-            aj.attend(q, cache, 0, slots, num_tokens=counts, backend="xla")
-        np.testing.assert_array_equal(np.asarray(aj.attend(q, cache, 0, slots, num_tokens=counts)), want)  # default
-    else:
-        got = np.asarray(aj.attend(q, cache, 0, slots, num_tokens=counts, backend="xla"))
-        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    got = np.asarray(aj.attend(q, cache, 0, slots, num_tokens=counts, backend="xla"))
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    if jax.default_backend() == "cpu":  # the default here is "xla"
+        np.testing.assert_array_equal(np.asarray(aj.attend(q, cache, 0, slots, num_tokens=counts)), got)
