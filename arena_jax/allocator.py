@@ -27,6 +27,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.scatter import set_at
 from arena_jax.state import PAD_SLOT, KVCache, PageTable
 
 __all__ = ["reserve_impl", "release_impl", "fork_impl", "truncate_impl", "slot_rows", "in_range_rows"]
@@ -144,11 +145,12 @@ def reserve_impl(cache: KVCache, slots, num_tokens):
     # The private copy of a shared page, all layers and heads: [L, H, B, S, D] (and an 8-bit
     # arena's scales, [L, H, B, S]: a page's values mean nothing without them).
     src = jnp.where(do_cow, last_page, 0)
-    k = cache.k.at[:, :, cow_page].set(cache.k[:, :, src], mode="drop")
-    v = cache.v.at[:, :, cow_page].set(cache.v[:, :, src], mode="drop")
+    every = slice(None)
+    k = set_at(cache.k, (every, every, cow_page), cache.k[:, :, src])  # set_at: in place for bf16 on CPU too
+    v = set_at(cache.v, (every, every, cow_page), cache.v[:, :, src])
     scales = {}
     if cache.k_scale is not None:
-        scales = {name: x.at[:, :, cow_page].set(x[:, :, src], mode="drop")
+        scales = {name: set_at(x, (every, every, cow_page), x[:, :, src])
                   for name, x in (("k_scale", cache.k_scale), ("v_scale", cache.v_scale))}
 
     stats = cache.stats.bump(

@@ -57,6 +57,7 @@ class Settings:
     kv_heads: int = 2
     vocab: int = 32000
     dtype: str = "float32"
+    kv_dtype: str | None = None  # the arena's dtype (None: `dtype`, the model's)
     repeats: int = 7
     backends: tuple[str, ...] = ("xla", "reference")
     parts: tuple[str, ...] = PARTS
@@ -72,7 +73,7 @@ def _layout(s: Settings, cfg, capacity: int, layers: int) -> aj.KVLayout:
     pages = -(-capacity // s.page_size)
     return dataclasses.replace(cfg, num_layers=layers).kv_layout(
         page_size=s.page_size, num_pages=s.batch * pages, max_seqs=s.batch, max_seq_len=pages * s.page_size,
-        dtype=s.dtype)  # fmt: skip
+        dtype=s.kv_dtype or s.dtype)  # fmt: skip
 
 
 def _filled_cache(s: Settings, layout: aj.KVLayout, context: int, rng) -> aj.KVCache:
@@ -82,7 +83,8 @@ def _filled_cache(s: Settings, layout: aj.KVLayout, context: int, rng) -> aj.KVC
     assert bool(np.all(jax.device_get(ok))), "the arena refused the context"
     shape = (s.batch, context, layout.num_kv_heads, layout.head_dim)
     for layer in range(layout.num_layers):
-        k, v = (jnp.asarray(rng.standard_normal(shape), layout.dtype) for _ in range(2))
+        written = layout.dtype if not layout.quantized else jnp.float32  # a quantized arena quantizes on write
+        k, v = (jnp.asarray(rng.standard_normal(shape), written) for _ in range(2))
         cache = aj.append(cache, layer, slots, k, v)
     return cache
 
@@ -107,7 +109,7 @@ class _Runner:
             self.fn = jax.jit(lambda q, c: aj.attend(q, c, 0, self.slots, backend=backend))
             self.cache = cache
             self.q = jnp.asarray(np.random.default_rng(1).standard_normal((s.batch, 1, s.q_heads, cache.layout.head_dim)),
-                                 cache.layout.dtype)  # fmt: skip
+                                 s.dtype)  # fmt: skip (the model's compute dtype)
         self.part, self.backend = part, backend
 
     def call(self):
@@ -177,13 +179,15 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=d.repeats)
     p.add_argument("--backends", type=lambda t: tuple(t.split(",")), default=d.backends)
     p.add_argument("--parts", type=lambda t: tuple(t.split(",")), default=d.parts, help="step,attend")
+    p.add_argument("--kv-dtype", default=None, choices=aj.layout.ARENA_DTYPES, help="the arena's dtype (default: the model's, float32)")
     p.add_argument("--json", default=None, help="write the rows here")
     a = p.parse_args(argv)
     bad = [b for b in a.backends if b not in aj.BACKENDS] + [x for x in a.parts if x not in PARTS]
     if bad:
         p.error(f"unknown backend or part: {bad}")
     s = dataclasses.replace(d, contexts=a.contexts, capacity=a.capacity, batch=a.batch, page_size=a.page_size,
-                            layers=a.layers, repeats=a.repeats, backends=a.backends, parts=a.parts)  # fmt: skip
+                            layers=a.layers, repeats=a.repeats, backends=a.backends, parts=a.parts,
+                            kv_dtype=a.kv_dtype)  # fmt: skip
     print(f"# {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}, {os.cpu_count()} cores; "
           f"{json.dumps(dataclasses.asdict(s))}")  # fmt: skip
     print(f"| part | backend | context | capacity-{a.capacity} ms | tight ms | ratio (median of pairs) | compile s |")

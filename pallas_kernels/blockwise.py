@@ -160,6 +160,9 @@ def _int4_operands(k_raw, v_raw, k_scale, v_scale, layer, pages, live, compute, 
     f32 = jnp.float32
     head_dim = 2 * k_raw.shape[-1]
     n = head_dim // GROUP
+    # The barrier keeps the unpacking on the gathered block: without it XLA (CPU) moved it onto
+    # the whole layer's pages, loop-invariant, and the step's cost followed the capacity again.
+    k_raw, v_raw = lax.optimization_barrier((k_raw, v_raw))
     k_codes = unpack_codes(k_raw).astype(f32).reshape(*k_raw.shape[:3], n, GROUP)  # [B, Hkv, N, n, 32]
     v_codes = unpack_codes(v_raw).astype(f32).reshape(*v_raw.shape[:3], n, GROUP)
     ks = _gather_block(k_scale, layer, pages).astype(f32) * sm_scale  # [B, Hkv, N, n]

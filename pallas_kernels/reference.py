@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.quant import quantize_rows
 from pallas_kernels.quant4 import GROUP, arena_format, quantize_groups, unpack_codes
+from pallas_kernels.scatter import set_at
 from pallas_kernels.rotation import rotate_rows
 
 __all__ = ["append_reference", "paged_attention_reference", "token_positions"]
@@ -77,8 +78,8 @@ def append_reference(k_arena, v_arena, layer, k, v, page_map, lengths, num_token
     # arena[layer][:, page, offset] <- k[b, t] for every (b, t): indices broadcast to [B, T],
     # the head axis is a slice, so the update is [B, T, Hkv, D] (int4: D / 2 bytes).
     if k_scale is None:
-        k_arena = k_arena.at[layer, :, page, offset].set(k.astype(k_arena.dtype), mode="drop")
-        v_arena = v_arena.at[layer, :, page, offset].set(v.astype(v_arena.dtype), mode="drop")
+        k_arena = set_at(k_arena, (layer, slice(None), page, offset), k)
+        v_arena = set_at(v_arena, (layer, slice(None), page, offset), v)
         return k_arena, v_arena
     int4 = arena_format(k_arena.dtype) == "int4"
     out = []
@@ -88,8 +89,8 @@ def append_reference(k_arena, v_arena, layer, k, v, page_map, lengths, num_token
             values, scale = quantize_groups(x, scales.dtype)  # [B, T, Hkv, D / 2], [B, T, Hkv, D / 32]
         else:
             values, scale = quantize_rows(x, arena.dtype, scales.dtype)  # [B, T, Hkv, D], [B, T, Hkv]
-        out.append((arena.at[layer, :, page, offset].set(values, mode="drop"),
-                    scales.at[layer, :, page, offset].set(scale, mode="drop")))
+        out.append((set_at(arena, (layer, slice(None), page, offset), values),
+                    set_at(scales, (layer, slice(None), page, offset), scale)))
     (k_arena, k_scale), (v_arena, v_scale) = out
     return k_arena, v_arena, k_scale, v_scale
 
