@@ -62,3 +62,20 @@ def test_an_append_converts_no_whole_arena(dtype):
     if dtype == "bfloat16":
         np.testing.assert_array_equal(stored, np.asarray(k.astype(jnp.float32)))
     assert upcasts(dtype) == (jax.default_backend() == "cpu" and (dtype != "bfloat16" or jax.__version_info__ < (0, 11)))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float8_e5m2"])
+def test_create_warns_once_where_writes_copy_the_arena(dtype, monkeypatch):
+    import warnings
+
+    from arena_jax import state
+
+    monkeypatch.setattr(state, "_WRITE_COPY_WARNED", set())
+    layout = aj.KVLayout(num_layers=1, num_kv_heads=1, head_dim=16, page_size=4, num_pages=4, max_seqs=1,
+                         max_pages_per_seq=4, dtype=dtype)  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        aj.create(layout)
+        aj.create(layout)
+    said = [w for w in caught if "cannot update" in str(w.message)]
+    assert len(said) == int(upcasts(layout.storage_dtype)), [str(w.message) for w in caught]
