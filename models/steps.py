@@ -1,6 +1,7 @@
-"""The two jitted steps: `prefill` and `decode_step`. Each is ONE compiled call that
-reserves the new tokens' pages, runs every layer (append + attend) and samples, with the
-cache donated (its arena is updated in place: keep the returned cache).
+"""The jitted steps: `prefill`, `decode_step` and `mixed_step` (decode rows and prompt chunks
+together). Each is ONE compiled call that reserves the new tokens' pages, runs every layer
+(append + attend) and samples, with the cache donated (its arena is updated in place: keep
+the returned cache).
 
     graphdef, state = nnx.split(model)
     out = prefill(graphdef, state, cache, tokens, slots, num_tokens, seq_ids, seed)   # tokens i32[B, T]

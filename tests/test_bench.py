@@ -440,7 +440,7 @@ def test_serve_arrivals():
     the separate schedule's tokens, latencies are positive and ordered (p50 <= p99)."""
     from benchmarks.arrivals import ArrivalSettings, arrival_lines, measure_arrivals
 
-    res = measure_arrivals(ArrivalSettings(requests=4, short_len=8, long_len=40, long_every=2, new_tokens=4, batch=2,
+    res = measure_arrivals(ArrivalSettings(requests=3, short_len=8, long_len=40, long_every=2, new_tokens=3, batch=2,
                                            chunk=16, chunks=(1,), rounds=1))  # fmt: skip
     assert [r["schedule"] for r in res["schedules"]] == ["separate", "mixed, budget 18"]
     for row in res["schedules"]:

@@ -99,12 +99,12 @@ def _ragged_case(model, layout):
     return out.cache, np.asarray(out.tokens), chunk
 
 
-@pytest.mark.parametrize("backend", ["reference", "pallas"])
-def test_mixed_step_equals_prefill_plus_decode(monkeypatch, backend):
+def test_mixed_step_equals_prefill_plus_decode(monkeypatch):
     """Rows 0, 1 decode, row 2 brings a 6-token chunk, row 3 is empty, one chunk entry unused;
     the Pallas kernels (interpret mode) take both parts. Logits, tokens, lengths and K/V pages
-    equal those of a `decode_step` then a `prefill` of the same rows."""
-    monkeypatch.setenv(aj.BACKEND_ENV, backend)
+    equal those of a `decode_step` then a `prefill` of the same rows. (The jnp paths: the
+    generate-level tests above, mixed against separate steps.)"""
+    monkeypatch.setenv(aj.BACKEND_ENV, "pallas")
     jax.clear_caches()  # the steps read the backend when traced
     model = models.init_random(models.LlamaConfig.tiny(num_layers=1), seed=2, std=0.2)
     graphdef, state = nnx.split(model)
