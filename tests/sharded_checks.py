@@ -496,6 +496,18 @@ def test_prefix_cache_on_a_tensor_parallel_mesh_equals_one_device(single):
         models.generate(model, first, NEW, batch_size=3, mesh=make_mesh((2, 4)), data_axis="data")
 
 
+def test_mixed_steps_on_a_tensor_parallel_mesh_equal_one_device(single):
+    """generate(mixed_steps=True) on tp=4: decode rows and prompt chunks in one call, their tokens
+    packed flat (replicated over tensor); the single-device greedy tokens. A data axis is refused."""
+    model, prompts, want_tokens, _ = single
+    got = models.generate(model, prompts.tolist(), NEW, batch_size=2, chunk_size=4, mesh=make_mesh((1, 4)),
+                          mixed_steps=True)  # fmt: skip
+    assert got.tokens == want_tokens.tolist() and got.mixed_calls > 0
+    with pytest.raises(ValueError, match="mixed_steps needs one data shard"):
+        models.generate(model, prompts.tolist(), NEW, batch_size=2, mesh=make_mesh((2, 4)), data_axis="data",
+                        mixed_steps=True)  # fmt: skip
+
+
 def test_swap_preemption_on_a_tensor_parallel_mesh_equals_one_device(single):
     """generate on tp=4 with too few pages for two rows and a host tier: preempted sequences are
     swapped out and back (per tensor shard); the single-device greedy tokens."""
