@@ -72,7 +72,7 @@ class RunAhead:
             next_slots, next_ids, next_served = nxt
             ahead = self._dispatch_decode(out[0].tokens, next_slots, next_ids)
             self.run_ahead_steps += 1
-        failed = self._collect(*out, slots, (slots >= 0).astype(np.int32), served)
+        failed = self._collect(*out, slots, self._decode_counts(slots), served)
         if nxt is not None:
             if failed:
                 raise RuntimeError("a decode step the scheduler counted pages for was refused: a bug in its accounting")
@@ -84,12 +84,17 @@ class RunAhead:
         `served` (not read back yet), or None when it cannot be known before reading it back
         (`models.scheduler` docstring, "Overlap"). Rows assumed to go on: those whose Seq is still in its
         row (a stop token read back since is only known for the step before) and that have not
-        reached max_new_tokens with the in-flight token."""
+        reached max_new_tokens with the in-flight token. Plain Python on the rows (it runs every
+        step, on the host's critical path): no numpy until the arrays it returns, which are
+        reused while the same sequences go on in the same rows."""
         if not self.RUN_AHEAD or self.index is not None or self._to_release and waiting:
             return None
-        rows = [r for r in np.flatnonzero(slots >= 0).tolist() if self.rows[r] is served[r]]
-        if not rows or any(s is not None and s.pending != 1 for s in self.rows):  # a row to prefill
+        rows = [r for r, s in enumerate(served) if s is not None and self.rows[r] is s]
+        if not rows:
             return None
+        for s in self.rows:  # a row to prefill
+            if s is not None and len(s.prompt) + len(s.generated) - s.fed != 1:
+                return None
         going = [r for r in rows if len(served[r].generated) + 1 < self.max_new]
         if waiting and (len(going) < len(rows) or not self._admit_current):
             return None  # a row frees up, so the next iteration admits
@@ -98,18 +103,34 @@ class RunAhead:
         if not going:
             return None
         self._flush()  # releases of rows vacated since (run before the next step, after the in-flight one)
+        size, per = self.layout.page_size, self.rows_per_shard
+        extra = [0] * self.batch  # tokens each row holds after the in-flight step and the next one
+        for r in rows:
+            extra[r] += 1
+        for r in going:
+            extra[r] += 1
         for shard in range(self.dp):
-            lo, hi = shard * self.rows_per_shard, (shard + 1) * self.rows_per_shard
-            pages = sum(self.layout.pages_for(self.rows[r].fed + (r in rows) + (r in going))
-                        for r in range(lo, hi) if self.rows[r] is not None)  # fmt: skip
+            pages = sum(-(-(self.rows[r].fed + extra[r]) // size)
+                        for r in range(shard * per, (shard + 1) * per) if self.rows[r] is not None)  # fmt: skip
             if pages > self.pages_per_shard:
                 return None  # a reservation might fail: decide after reading the step back
-        next_slots = np.full((self.batch,), aj.PAD_SLOT, np.int32)
-        next_ids = np.zeros((self.batch,), np.int32)
-        next_served: list[Seq | None] = [None] * self.batch
-        for r in going:
-            next_slots[r], next_ids[r], next_served[r] = self.slot_of[r], served[r].index, served[r]
-        return next_slots, next_ids, next_served
+        key = tuple((r, served[r].index) for r in going)
+        cached = self._next_rows_cache
+        if cached is None or cached[0] != key:
+            next_slots = np.full((self.batch,), aj.PAD_SLOT, np.int32)
+            next_ids = np.zeros((self.batch,), np.int32)
+            next_served: list[Seq | None] = [None] * self.batch
+            for r in going:
+                next_slots[r], next_ids[r], next_served[r] = self.slot_of[r], served[r].index, served[r]
+            cached = self._next_rows_cache = (key, next_slots, next_ids, next_served, np.ones((self.batch,), np.int32) * (next_slots >= 0))
+        return cached[1], cached[2], cached[3]
+
+    def _decode_counts(self, slots: np.ndarray) -> np.ndarray:
+        """i32[B]: one token per served row (the run-ahead rows' array, reused)."""
+        cached = self._next_rows_cache
+        if cached is not None and cached[1] is slots:
+            return cached[4]
+        return (slots >= 0).astype(np.int32)
 
     def _check_pages(self) -> None:
         """Tests, without a prefix index: each shard's pages in use on the device are exactly its

@@ -207,6 +207,7 @@ class Scheduler(RunAhead):
         self._ahead: tuple | None = None
         self._admit_current = False  # no row was vacated or preempted since the last `_admit`
         self._on_device: dict[bytes, jax.Array] = {}  # unchanged i32[B] inputs stay on the device
+        self._next_rows_cache: tuple | None = None  # run-ahead rows' arrays, reused while the same sequences go on
         self.run_ahead_steps = 0
         self.decode_step_seconds: list[float] = []  # wall time of each iteration that was one decode step alone
 
@@ -652,18 +653,20 @@ class Scheduler(RunAhead):
             self._page_rows = rest.pop(0)
         logits = rest.pop(0) if self.return_logits else None
         failed = set()
-        counts = counts.tolist()
-        for r in np.flatnonzero(slots >= 0).tolist():
-            seq = self.rows[r]
+        counts, rows, index = counts.tolist(), self.rows, self.index  # (plain Python: this runs every step)
+        for r, slot in enumerate(slots.tolist()):
+            if slot < 0:
+                continue
+            seq = rows[r]
             if served is not None and seq is not served[r]:
                 continue  # it stopped at the step before: this token is one past its end
             if not ok[r]:
                 failed.add(r // self.rows_per_shard)
                 continue
             seq.fed += counts[r]
-            if self.index is not None:
+            if index is not None:
                 self._index_running(seq, r)
-            if seq.pending == 0:  # the whole sequence is in the cache: the sample is its next token
+            if seq.fed == len(seq.prompt) + len(seq.generated):  # all in the cache: the sample is its next token
                 self._accept(r, next_tokens[r], None if logits is None else logits[r])
         if self.index is not None and self.CHECK_ACCOUNTING:
             self._flush()
