@@ -61,6 +61,7 @@ class RunAhead:
         )
         self.cache = out[0].cache
         self.decode_calls += 1
+        out[1].copy_to_host_async()  # the tokens start home as soon as the step ends, not when read
         return out  # (StepOutput, packed i32[2, B])
 
     def _finish_decode(self, out, slots: np.ndarray, served: list, waiting: collections.deque) -> set:
