@@ -72,7 +72,7 @@ def _step(graphdef, state, cache, tokens, slots, num_tokens, seq_ids, seed, samp
 def _mixed(graphdef, state, cache, tokens, slots, chunks, chunk_slots, chunk_counts, chunk_rows, seq_ids, seed, sampling):
     """The mixed step (see `mixed_step`); outputs in batch-row order."""
     model = nnx.merge(graphdef, state)
-    batch, (prefills, width) = tokens.shape[0], chunks.shape
+    batch, width = tokens.shape[0], chunks.shape[1]
     rows = jnp.concatenate([slots, chunk_slots]).astype(jnp.int32)  # [B + P]: every row the step serves
     counts = jnp.concatenate([jnp.ones((batch,), jnp.int32), chunk_counts.astype(jnp.int32)])
     # A slot given twice (a decode row and a chunk, or two chunks) keeps its first row only: the
@@ -93,7 +93,7 @@ def _mixed(graphdef, state, cache, tokens, slots, chunks, chunk_slots, chunk_cou
     h = jnp.concatenate([xd, jnp.take_along_axis(xp, last[:, None, None], axis=1)])  # [B + P, 1, E]
     logits = model.logits(h)[:, 0]  # [B + P, V]
     position = jnp.concatenate([d_pos[:, 0], jnp.take_along_axis(p_pos, last[:, None], axis=1)[:, 0]]) + 1
-    where = jnp.where(chunk_rows >= 0, chunk_rows, batch)  # [P] each chunk's batch row (batch: none)
+    where = jnp.where((chunk_rows >= 0) & (chunk_slots >= 0), chunk_rows, batch)  # [P] each chunk's batch row (batch: none)
     of_chunks = lambda a: jnp.concatenate([a, a[jnp.minimum(where, batch - 1)]])  # noqa: E731  [B] -> [B + P]
     if isinstance(sampling, SamplingParams):  # per batch row: a chunk samples with its row's settings
         sampling = jax.tree.map(of_chunks, sampling)
