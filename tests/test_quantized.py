@@ -138,19 +138,24 @@ def test_append_refuses_8bit_inputs_and_caches_without_scales():
 
 
 def page_rows(cache, slot, layer=0):
-    """(values, scales) of a slot's reserved positions at a layer, through its page table."""
+    """(values, scales as float32) of a slot's reserved positions at a layer, through its page
+    table (8-bit values, or int4 codes with their group scales)."""
+    size = cache.layout.page_size
     n = int(cache.table.lengths[slot])
     pos = np.arange(n)
-    pages = np.asarray(cache.table.page_map[slot])[pos // LAYOUT.page_size]
-    at = (layer, 0, pages, pos % LAYOUT.page_size)
-    return np.asarray(cache.k)[at], np.asarray(cache.k_scale)[at]
+    pages = np.asarray(cache.table.page_map[slot])[pos // size]
+    at = (layer, 0, pages, pos % size)
+    return np.asarray(cache.k)[at], np.asarray(cache.k_scale, np.float32)[at]
 
 
-def test_copy_on_write_copies_scales_and_stale_nan_scales_are_never_read():
-    rng = np.random.default_rng(0)
-    cache = aj.create(LAYOUT)
+def forked_copy_on_write(layout, rng):
+    """Over stale NaN scales, slot 0 writes 6 tokens at both layers; slot 1 forks it and reserves
+    3 more (copy-on-write of the half page). Checks that the copy took values and scales and that
+    slot 1 reads its 6 written tokens, not the NaN-scaled 3. Returns (cache, v0, s0): slot 0's rows."""
+    head_dim = layout.head_dim
+    cache = aj.create(layout)
     cache = cache.replace(k_scale=jnp.full_like(cache.k_scale, jnp.nan), v_scale=jnp.full_like(cache.v_scale, jnp.nan))
-    kv = jnp.asarray(rng.standard_normal((1, 6, 1, 16)) * 3, jnp.float32)
+    kv = jnp.asarray(rng.standard_normal((1, 6, 1, head_dim)) * 3, jnp.float32)
     cache, _ = aj.reserve(cache, [0], 6)
     for layer in (0, 1):
         cache = aj.append(cache, layer, [0], kv, kv)
@@ -162,7 +167,12 @@ def test_copy_on_write_copies_scales_and_stale_nan_scales_are_never_read():
     np.testing.assert_array_equal(v1[:6], v0)
     np.testing.assert_array_equal(s1[:6], s0)  # without the copy these would be the stale NaN
     assert np.isfinite(s0).all() and np.isnan(s1[6:]).all()  # reserved, unwritten: still stale
-    q = jnp.asarray(rng.standard_normal((2, 1, 2, 16)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((2, 1, 2, head_dim)), jnp.float32)
     out = aj.attend(q, cache, 0, [0, 1])  # slot 1 reads its 6 written tokens, not the NaN-scaled 3
     assert np.isfinite(np.asarray(out)).all()
     np.testing.assert_allclose(np.asarray(out[1]), np.asarray(aj.attend(q[1:], cache, 0, [0])[0]), rtol=1e-6)
+    return cache, v0, s0
+
+
+def test_copy_on_write_copies_scales_and_stale_nan_scales_are_never_read():
+    forked_copy_on_write(LAYOUT, np.random.default_rng(0))

@@ -13,6 +13,7 @@ import pytest
 
 import arena_jax as aj
 from cache_model import numpy_dequantize4, numpy_quantize4
+from test_quantized import forked_copy_on_write, page_rows
 from pallas_kernels.quant import dequantize_rows
 from pallas_kernels.quant import quantize_rows as _quantize_rows
 from pallas_kernels.quant4 import dequantize_groups, error_bound
@@ -119,36 +120,10 @@ LAYOUT = aj.KVLayout(num_layers=2, num_kv_heads=1, head_dim=64, page_size=4, num
                      max_pages_per_seq=4, dtype="int4")
 
 
-def page_rows(cache, slot, layer=0):
-    """(codes, group scales) of a slot's reserved positions at a layer, through its page table."""
-    n = int(cache.table.lengths[slot])
-    pos = np.arange(n)
-    pages = np.asarray(cache.table.page_map[slot])[pos // LAYOUT.page_size]
-    at = (layer, 0, pages, pos % LAYOUT.page_size)
-    return np.asarray(cache.k)[at], np.asarray(cache.k_scale, np.float32)[at]
-
-
 def test_int4_fork_copy_on_write_truncate_and_prefix_pages_move_group_scales():
     assert LAYOUT.rotate_keys and LAYOUT.scale_shape[-1] == 2  # int4's default: rotated keys; 2 groups
     rng = np.random.default_rng(0)
-    cache = aj.create(LAYOUT)
-    cache = cache.replace(k_scale=jnp.full_like(cache.k_scale, jnp.nan), v_scale=jnp.full_like(cache.v_scale, jnp.nan))
-    kv = jnp.asarray(rng.standard_normal((1, 6, 1, 64)) * 3, jnp.float32)
-    cache, _ = aj.reserve(cache, [0], 6)
-    for layer in (0, 1):
-        cache = aj.append(cache, layer, [0], kv, kv)
-    cache = aj.fork(cache, [0], [1])  # slot 1 shares both pages, the second half full
-    cache, ok = aj.reserve(cache, [1], 3)  # copy-on-write of the half page: codes and both groups' scales
-    assert bool(ok[0]) and aj.health(cache)["cow_copies"] == 1
-    v0, s0 = page_rows(cache, 0)
-    v1, s1 = page_rows(cache, 1)
-    np.testing.assert_array_equal(v1[:6], v0)
-    np.testing.assert_array_equal(s1[:6], s0)  # without the copy these would be the stale NaN
-    assert np.isfinite(s0).all() and np.isnan(s1[6:]).all()  # reserved, unwritten: still stale
-    q = jnp.asarray(rng.standard_normal((2, 1, 2, 64)), jnp.float32)
-    out = aj.attend(q, cache, 0, [0, 1])  # slot 1 reads its 6 written tokens, not the NaN-scaled 3
-    assert np.isfinite(np.asarray(out)).all()
-    np.testing.assert_allclose(np.asarray(out[1]), np.asarray(aj.attend(q[1:], cache, 0, [0])[0]), rtol=1e-6)
+    cache, v0, s0 = forked_copy_on_write(LAYOUT, rng)  # the copy-on-write moves codes and both groups' scales
     # Truncate slot 1 to 5 tokens, then write 2 new ones there: slot 0's page (shared up to
     # the fork) keeps its codes and scales; slot 1 reads its new token 5 with its own scales.
     cache = aj.truncate(cache, [1], [5])
