@@ -50,9 +50,10 @@ class ArrivalSettings:
 
         if self.model == "tiny":
             return models.LlamaConfig.tiny()
-        if self.model == "mid":
-            return models.LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8,
-                                      num_kv_heads=2)  # fmt: skip
+        if self.model == "mid":  # the mid model of benchmarks.context_cost
+            from benchmarks.context_cost import Settings
+
+            return Settings().config()
         raise ValueError(f"model must be 'tiny' or 'mid', got {self.model!r}")
 
 

@@ -73,7 +73,7 @@ class RunAhead:
             next_slots, next_ids, next_served = nxt
             ahead = self._dispatch_decode(out[0].tokens, next_slots, next_ids)
             self.run_ahead_steps += 1
-        failed = self._collect(*out, slots, self._decode_counts(slots), served)
+        failed = self._collect(*out, slots, (slots >= 0).astype(np.int32), served)
         if nxt is not None:
             if failed:
                 raise RuntimeError("a decode step the scheduler counted pages for was refused: a bug in its accounting")
@@ -123,15 +123,8 @@ class RunAhead:
             next_served: list[Seq | None] = [None] * self.batch
             for r in going:
                 next_slots[r], next_ids[r], next_served[r] = self.slot_of[r], served[r].index, served[r]
-            cached = self._next_rows_cache = (key, next_slots, next_ids, next_served, np.ones((self.batch,), np.int32) * (next_slots >= 0))
-        return cached[1], cached[2], cached[3]
-
-    def _decode_counts(self, slots: np.ndarray) -> np.ndarray:
-        """i32[B]: one token per served row (the run-ahead rows' array, reused)."""
-        cached = self._next_rows_cache
-        if cached is not None and cached[1] is slots:
-            return cached[4]
-        return (slots >= 0).astype(np.int32)
+            cached = self._next_rows_cache = (key, next_slots, next_ids, next_served)
+        return cached[1:]
 
     def _check_pages(self) -> None:
         """Tests, without a prefix index: each shard's pages in use on the device are exactly its
