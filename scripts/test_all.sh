@@ -64,14 +64,6 @@ run_line() {  # $1: line name; pytest in its venv ($2...: extra pytest arguments
         for j in "${!all[@]}"; do [[ ${all[$j]} == "$line" ]] && i=$j; done
         env+=(ARENA_GRID_SHARE=$i/$n)
     fi
-    # A persistent compilation cache per line, empty at the start of every run: a program
-    # compiled by one test (the same HLO, e.g. a tiny model's step built again by another test)
-    # loads from it instead of compiling again (README, "Tests", for what it saves). Nothing is
-    # kept across runs: CI starts cold every time.
-    local cache="$PWD/$LOGS/jax-cache-$line"
-    rm -rf "$cache"
-    env+=(JAX_COMPILATION_CACHE_DIR="$cache" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
-          JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=-1)
     # -rs: every skip with its reason; `time`: the line's CPU time (load-independent), on stderr
     local TIMEFORMAT="[$line] pytest: %R s wall, %U s user + %S s system CPU"
     time env "${env[@]}" ".venv-$line/bin/python" -m pytest -p no:cacheprovider -rs "$@"
