@@ -110,7 +110,7 @@ def test_layout_errors():
     base = dict(num_layers=1, num_kv_heads=1, page_size=16, num_pages=4, max_seqs=1, max_pages_per_seq=4)
     with pytest.raises(ValueError, match=r"head_dim \* itemsize = 8\*1 = 8 bytes .* 8-bit arenas need head_dim a multiple of 16"):
         aj.KVLayout(head_dim=8, dtype="int8", **base)
-    with pytest.raises(ValueError, match="scale_dtype=.float32. applies to quantized \(8-bit, int4\) arenas only"):
+    with pytest.raises(ValueError, match=r"scale_dtype=.float32. applies to quantized \(8-bit, int4\) arenas only"):
         aj.KVLayout(head_dim=16, dtype="bfloat16", scale_dtype="float32", **base)
     with pytest.raises(ValueError, match="scale_dtype=float16 is not supported"):
         aj.KVLayout(head_dim=16, dtype="int8", scale_dtype="float16", **base)
