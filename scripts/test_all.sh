@@ -9,7 +9,7 @@
 #          extra: no torch (3.13 has only the ~6 GB CUDA build); the parity tests skip with
 #          that reason (ARENA_HF_REFERENCE=absent), everything else runs.
 # With both lines the tests are dealt between them (ARENA_GRID_SHARE, tests/conftest.py): each
-# test on one line (HF-parity, Mosaic GPU, JAX-bug and sm_90a compile files on both). Both get the sm_90a and TPU compile tooling (scripts/install_sm90_tools.sh,
+# test on one line (HF-parity, Mosaic GPU and JAX-bug files on both). Both get the sm_90a and TPU compile tooling (scripts/install_sm90_tools.sh,
 # scripts/install_tpu_tools.sh) and run all of pytest.
 #
 # Environment (all optional):

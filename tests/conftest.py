@@ -33,12 +33,10 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "arena"))
 # it runs both JAX lines): the tests are dealt round-robin in collection order, each to one line,
 # so that together the lines run every test once; the files whose tests skip on one line (the HF
 # reference stack lives on the py311 line only; the Mosaic GPU interpret mode and the JAX bug
-# repro are version-specific), the sm_90a compile of every kernel variant (the two JAX lines
-# must agree on what compiles), the CI-script checks and the tests using `hf_reference` run on
+# repro are version-specific), the CI-script checks and the tests using `hf_reference` run on
 # every line. Unset (pytest by hand, one line alone): everything.
 BOTH_LINES_FILES = {"test_models_parity.py", "test_hf_config.py", "test_mosaic_decode.py",
-                    "test_jax_bug_shardy_empty_operand.py", "test_ci_lines.py",
-                    "test_compile_sm90.py"}  # fmt: skip  (sm90: every variant compiled on both JAX versions)
+                    "test_jax_bug_shardy_empty_operand.py", "test_ci_lines.py"}  # fmt: skip
 _LEFT_TO_OTHER_LINES = []
 
 
