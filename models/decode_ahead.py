@@ -73,7 +73,9 @@ class RunAhead:
             next_slots, next_ids, next_served = nxt
             ahead = self._dispatch_decode(out[0].tokens, next_slots, next_ids)
             self.run_ahead_steps += 1
-        failed = self._collect(*out, slots, (slots >= 0).astype(np.int32), served)
+        # Step t's cache went into step t+1 (donated): a prefix index keeps its page rows, which
+        # neither step changed (`_next_decode_rows`).
+        failed = self._collect(*out, slots, (slots >= 0).astype(np.int32), served, page_rows=nxt is None)
         if nxt is not None:
             if failed:
                 raise RuntimeError("a decode step the scheduler counted pages for was refused: a bug in its accounting")
@@ -85,10 +87,11 @@ class RunAhead:
         `served` (not read back yet), or None when it cannot be known before reading it back
         (`models.scheduler` docstring, "Overlap"). Rows assumed to go on: those whose Seq is still in its
         row (a stop token read back since is only known for the step before) and that have not
-        reached max_new_tokens with the in-flight token. Plain Python on the rows (it runs every
+        reached max_new_tokens with the in-flight token; with a prefix index, only while neither
+        step maps a page (the module docstring of `models.scheduler`). Plain Python on the rows (it runs every
         step, on the host's critical path): no numpy until the arrays it returns, which are
         reused while the same sequences go on in the same rows."""
-        if not self.RUN_AHEAD or self.index is not None or self._to_release and waiting:
+        if not self.RUN_AHEAD or self._to_release and waiting:
             return None
         rows = [r for r, s in enumerate(served) if s is not None and self.rows[r] is s]
         if not rows:
@@ -103,18 +106,32 @@ class RunAhead:
             return None  # a request arrived since the last admission: the next iteration tries it
         if not going:
             return None
-        self._flush()  # releases of rows vacated since (run before the next step, after the in-flight one)
         size, per = self.layout.page_size, self.rows_per_shard
-        extra = [0] * self.batch  # tokens each row holds after the in-flight step and the next one
-        for r in rows:
-            extra[r] += 1
-        for r in going:
-            extra[r] += 1
-        for shard in range(self.dp):
-            pages = sum(-(-(self.rows[r].fed + extra[r]) // size)
-                        for r in range(shard * per, (shard + 1) * per) if self.rows[r] is not None)  # fmt: skip
-            if pages > self.pages_per_shard:
-                return None  # a reservation might fail: decide after reading the step back
+        if self.index is not None:
+            # With a prefix index the host reads page rows back with each step (to index the
+            # pages that fill up) and makes room by evicting: run ahead only where neither the
+            # in-flight step nor the next maps a page, so the rows it holds stay exact, no
+            # reservation can fail and nothing needs evicting (and none mapped outside the steps
+            # since they were read: a prefix hit's fork, a swap-in).
+            if not self._page_rows_exact:
+                return None
+            for r in rows:
+                s = self.rows[r]
+                if s.cow_node is not None or -(-(s.fed + 2) // size) != -(-s.fed // size):
+                    return None
+            self._flush()
+        else:
+            self._flush()  # releases of rows vacated since (run before the next step, after the in-flight one)
+            extra = [0] * self.batch  # tokens each row holds after the in-flight step and the next one
+            for r in rows:
+                extra[r] += 1
+            for r in going:
+                extra[r] += 1
+            for shard in range(self.dp):
+                pages = sum(-(-(self.rows[r].fed + extra[r]) // size)
+                            for r in range(shard * per, (shard + 1) * per) if self.rows[r] is not None)  # fmt: skip
+                if pages > self.pages_per_shard:
+                    return None  # a reservation might fail: decide after reading the step back
         key = tuple((r, served[r].index) for r in going)
         cached = self._next_rows_cache
         if cached is None or cached[0] != key:

@@ -84,7 +84,7 @@ Arrivals (an online workload: `Seq.arrival`). A request is admitted only once th
 `arrival` seconds old; FIFO still holds (a request not arrived yet holds the queue); with
 nothing running the loop sleeps until the next arrival (not an iteration).
 
-Overlap (run-ahead decode; without a prefix index). After dispatching a decode step t, the
+Overlap (run-ahead decode). After dispatching a decode step t, the
 scheduler dispatches step t+1 before reading t back, when it can prove what t+1 is: every
 running row decoded in t (none to prefill), no admission is due (the queue is empty, or no row
 frees up at t and none was vacated since the last admission attempt: with only growing
@@ -95,7 +95,11 @@ minus those reaching max_new_tokens at t, fed t's sampled tokens on the device. 
 read one step late: that row's token from t+1 is discarded and its slot released after t+1, so
 tokens (and logits) are the same as with `RUN_AHEAD = False`; only the admission that the stop
 allows comes one step later. Slots and sequence ids are uploaded once per distinct value, and
-the steps are bound to the model's static parts once (`models.steps.bound_steps`).
+the steps are bound to the model's static parts once (`models.steps.bound_steps`). With a
+prefix index, step t+1 runs ahead only where neither step maps a page (page_size - 2 of every
+page_size steps of a row): the page rows the host read last stay exact for indexing the pages
+that fill up and the sequences that stop, no reservation can fail and nothing needs evicting;
+a row that stops at t is indexed as it is, and its token from t+1 lands past the indexed ones.
 """
 from __future__ import annotations
 
@@ -196,6 +200,7 @@ class Scheduler(RunAhead):
         self._holds: list[tuple[int, int]] = []  # (page, tokens) the cache must hold, before any release
         self._drops: list[int] = []  # pages whose holds go, after the releases
         self._page_rows: np.ndarray | None = None  # page_map as of the last step
+        self._page_rows_exact = False  # no page mapped outside the steps since it was read (run-ahead needs it)
         # The host tier (models.host_tier): host pages to free, then (page, host page) copies to make.
         self.tier = tier
         assert tier is None or self.dp == 1, "a host tier needs one data shard"
@@ -319,6 +324,7 @@ class Scheduler(RunAhead):
             for r, hit in fork:
                 pages[r, : len(hit.pages)], counts[r], dst[r] = hit.pages, hit.device_tokens, self.slot_of[r]
             self.cache = fork_page_rows(self.cache, jnp.asarray(pages), jnp.asarray(counts), jnp.asarray(dst))
+            self._page_rows_exact = False  # rows mapped since the last read-back
         if restore:
             self._restore(restore)
         self._admit_current = True
@@ -333,6 +339,7 @@ class Scheduler(RunAhead):
             self._evict(self._pages_in_use() - self.layout.num_pages, keep=keep)
         rows = [(self.slot_of[r], pages, tokens) for r, _, pages, tokens, _ in restore]
         self.cache, ok = self.tier.swap_in(self.cache, rows, self.batch)
+        self._page_rows_exact = False
         self._swap_ins.append(ok)
         for r, seq, pages, tokens, _ in restore:
             if seq.swapped is not None:  # the scheduler's own host pages: free again (after the copy, in order)
@@ -634,13 +641,17 @@ class Scheduler(RunAhead):
             self.tier.observe_prefill(int(chunk_counts.sum()), time.perf_counter() - start)
         return failed
 
-    def _collect(self, out, packed, slots, counts, served: list | None = None) -> set:
+    def _collect(self, out, packed, slots, counts, served: list | None = None, page_rows: bool = True) -> set:
         """Advance the rows the step served; the data shards where a row was refused for lack of pages.
         `served`: the Seq each row served; a row whose Seq has left it since (a stop token read
-        back after this run-ahead step was dispatched) is skipped, its token discarded."""
+        back after this run-ahead step was dispatched) is skipped, its token discarded.
+        `page_rows=False`: keep the page rows read last (a run-ahead step mapped no page)."""
         wanted = [packed, *self._swap_ins]  # packed: the sampled tokens and ok, i32[2, B]
-        if self.index is not None:  # the page table rows the index needs travel with the sampled tokens
-            wanted.append(out.cache.table.page_map)
+        page_rows = page_rows and self.index is not None
+        if page_rows:  # the page table rows the index needs travel with the sampled tokens
+            # (from the latest cache: flushes since this step, e.g. the accounting check's, took
+            # its cache; they change no running slot's row)
+            wanted.append(self.cache.table.page_map)
         if self.return_logits:
             wanted.append(out.logits)
         packed, *rest = fetch(*wanted)
@@ -649,8 +660,8 @@ class Scheduler(RunAhead):
         self._swap_ins = []
         if not all(x.all() for x in swapped_in):  # pads are True: a False is a row the admission counted
             raise RuntimeError("swap_in refused a row the scheduler counted pages for: a bug in its page accounting")
-        if self.index is not None:
-            self._page_rows = rest.pop(0)
+        if page_rows:
+            self._page_rows, self._page_rows_exact = rest.pop(0), True
         logits = rest.pop(0) if self.return_logits else None
         failed = set()
         counts, rows, index = counts.tolist(), self.rows, self.index  # (plain Python: this runs every step)

@@ -57,7 +57,8 @@ def _both(monkeypatch, model, layout, prompts, exact=True, **kwargs):
             np.testing.assert_array_equal(a, b)
         else:  # float32 rounding of K/V recomputed by a prefill (module docstring)
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
-    assert aj.health(fast.cache)["free_pages"] == layout.num_pages  # the extra tokens' pages came back
+    held = fast.prefix_cache.num_pages if fast.prefix_cache is not None else 0  # pages the prefix index holds
+    assert aj.health(fast.cache)["free_pages"] + held == layout.num_pages  # the extra tokens' pages came back
     return ref, fast
 
 
@@ -70,6 +71,24 @@ def test_run_ahead_equals_the_reference_with_stops(monkeypatch, model, layouts, 
     ref, fast = _both(monkeypatch, model, layouts["tight"], prompts, exact=False, stop_tokens=stop,
                       temperature=temperature, seed=11)  # fmt: skip
     assert any(len(t) < NEW for t in ref.tokens)  # some rows did stop
+
+
+@pytest.mark.parametrize("stops", [False, True])
+def test_run_ahead_with_a_prefix_cache_equals_the_reference(monkeypatch, model, layouts, prompts, stops):
+    """With a prefix index (pages indexed as they fill, evictions, hits): steps run ahead while
+    neither maps a page, and tokens equal the reference's; too few pages, with and without stop
+    tokens (a row indexed at its stop, its run-ahead token written past the indexed ones)."""
+    shared = list(range(40, 60))  # 20 tokens: a full page and part of the next, in every prompt
+    with_prefix = [shared + p for p in prompts]
+    layout = model.config.kv_layout(page_size=16, num_pages=10, max_seqs=BATCH, max_seq_len=80, dtype="float32")
+    stop = ()
+    if stops:
+        plain = models.generate(model, with_prefix, NEW, batch_size=BATCH, chunk_size=CHUNK, layout=layout,
+                                stop_tokens=(), prefix_cache=True)  # fmt: skip
+        stop = sorted({t[4] for t in plain.tokens[:3]})
+    ref, fast = _both(monkeypatch, model, layout, with_prefix, exact=False, stop_tokens=stop, prefix_cache=True)
+    assert ref.prefix_hit_tokens > 0 and fast.prefix_hit_tokens > 0
+    assert not stops or any(len(t) < NEW for t in ref.tokens)
 
 
 def test_run_ahead_equals_the_reference_under_preemption(monkeypatch, model, layouts, prompts):
