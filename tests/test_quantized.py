@@ -175,4 +175,8 @@ def forked_copy_on_write(layout, rng):
 
 
 def test_copy_on_write_copies_scales_and_stale_nan_scales_are_never_read():
-    forked_copy_on_write(LAYOUT, np.random.default_rng(0))
+    """`forked_copy_on_write` checks the copy's values, scales and reads; here, that it was a copy:
+    slot 1 shares slot 0's full page and got a page of its own for the half one."""
+    cache, _, _ = forked_copy_on_write(LAYOUT, np.random.default_rng(0))
+    page_map = np.asarray(cache.table.page_map)
+    assert page_map[1, 0] == page_map[0, 0] and page_map[1, 1] != page_map[0, 1] and page_map[1, 1] >= 0
