@@ -8,8 +8,10 @@
 #   py313: Python 3.13 -> the newest JAX pyproject.toml admits (0.11.2 today), the `test-jax`
 #          extra: no torch (3.13 has only the ~6 GB CUDA build); the parity tests skip with
 #          that reason (ARENA_HF_REFERENCE=absent), everything else runs.
-# With both lines the tests are dealt between them (ARENA_GRID_SHARE, tests/conftest.py): each
-# test on one line (HF-parity, Mosaic GPU and JAX-bug files on both). Both get the sm_90a and TPU compile tooling (scripts/install_sm90_tools.sh,
+# With both lines the tests are dealt between them by cost (ARENA_GRID_SHARE, tests/conftest.py,
+# tests/ci_durations.json): each test on one line (HF-parity, Mosaic GPU and JAX-bug files on
+# both); each line starts its pytest as soon as its own venv is ready. After a CI run,
+# `python scripts/ci_durations.py` refreshes the recorded costs from .ci-logs/. Both get the sm_90a and TPU compile tooling (scripts/install_sm90_tools.sh,
 # scripts/install_tpu_tools.sh) and run all of pytest.
 #
 # Environment (all optional):
@@ -65,47 +67,44 @@ run_line() {  # $1: line name; pytest in its venv ($2...: extra pytest arguments
         env+=(ARENA_GRID_SHARE=$i/$n)
     fi
     # -rs: every skip with its reason; `time`: the line's CPU time (load-independent), on stderr
+    env+=(ARENA_DURATIONS_OUT="$LOGS/$line.durations.json")  # for scripts/ci_durations.py
     local TIMEFORMAT="[$line] pytest: %R s wall, %U s user + %S s system CPU"
     time env "${env[@]}" ".venv-$line/bin/python" -m pytest -p no:cacheprovider -rs "$@"
 }
 
 start=$SECONDS
-pids=()
-for line in $LINES; do  # installs are mostly I/O: both at once
-    (t0=$SECONDS; setup_line "$line" > "$LOGS/$line.setup.log" 2>&1; rc=$?;
-     echo "[$line] setup rc=$rc in $((SECONDS - t0)) s" >> "$LOGS/$line.setup.log"; exit $rc) &
-    pids+=($!)
-done
-failed=0
-for i in "${!pids[@]}"; do
-    line=$(echo $LINES | cut -d' ' -f$((i + 1)))
-    if ! wait "${pids[$i]}"; then echo "[$line] setup FAILED:"; tail -30 "$LOGS/$line.setup.log"; failed=1; fi
-done
-[[ $failed == 0 ]] || exit 1
-for line in $LINES; do tail -2 "$LOGS/$line.setup.log"; done
-echo "setup: $((SECONDS - start)) s"
-
 declare -A rcs secs
+line_job() {  # $1: line; its setup, then at once its pytest (each line starts when ITS venv is ready)
+    local line=$1; shift
+    local t0=$SECONDS rc
+    set +e  # (errexit stays on inside the subshells: a failing step fails its part)
+    (set -e; setup_line "$line") > "$LOGS/$line.setup.log" 2>&1; rc=$?
+    echo "[$line] setup rc=$rc in $((SECONDS - t0)) s" >> "$LOGS/$line.setup.log"
+    if (( rc )); then echo "[$line] setup FAILED:"; tail -30 "$LOGS/$line.setup.log"; echo "$rc 0" > "$LOGS/$line.rc"; set -e; return; fi
+    tail -2 "$LOGS/$line.setup.log"
+    t0=$SECONDS
+    if [[ -n "${ARENA_SERIAL:-}" ]]; then
+        (set -e; run_line "$line" "$@") 2>&1 | tee "$LOGS/$line.log"; rc=${PIPESTATUS[0]}
+    else
+        (set -e; run_line "$line" "$@") > "$LOGS/$line.log" 2>&1; rc=$?
+    fi
+    echo "$rc $((SECONDS - t0))" > "$LOGS/$line.rc"
+    set -e
+}
+rm -f "$LOGS"/*.rc
 if [[ -n "${ARENA_SERIAL:-}" ]]; then
-    for line in $LINES; do
-        t0=$SECONDS
-        set +e; run_line "$line" "$@" 2>&1 | tee "$LOGS/$line.log"; rcs[$line]=${PIPESTATUS[0]}; set -e
-        secs[$line]=$((SECONDS - t0))
-    done
+    for line in $LINES; do line_job "$line" "$@"; done
 else
     pids=()
-    for line in $LINES; do
-        (t0=$SECONDS; set +e; run_line "$line" "$@" > "$LOGS/$line.log" 2>&1; rc=$?;
-         echo "$rc $((SECONDS - t0))" > "$LOGS/$line.rc"; exit $rc) &
-        pids+=($!)
-    done
+    for line in $LINES; do line_job "$line" "$@" & pids+=($!); done
     for pid in "${pids[@]}"; do wait "$pid" || true; done
     for line in $LINES; do
-        read -r rcs[$line] secs[$line] < "$LOGS/$line.rc"
+        [[ -f "$LOGS/$line.log" ]] || continue
         echo "==================== [$line] pytest (tail of $LOGS/$line.log) ===================="
         tail -40 "$LOGS/$line.log"
     done
 fi
+for line in $LINES; do read -r rcs[$line] secs[$line] < "$LOGS/$line.rc"; done
 status=0
 for line in $LINES; do
     grep -h "^\[$line\] pytest: " "$LOGS/$line.log" || true

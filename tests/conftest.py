@@ -8,7 +8,9 @@
 """
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 from hypothesis import HealthCheck, Phase, settings
 
@@ -30,13 +32,15 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "arena"))
 
 
 # The CI lines share the suite. `ARENA_GRID_SHARE=i/n` (scripts/test_all.sh sets 0/2 and 1/2 when
-# it runs both JAX lines): the tests are dealt round-robin in collection order, each to one line,
-# so that together the lines run every test once; the files whose tests skip on one line (the HF
-# reference stack lives on the py311 line only; the Mosaic GPU interpret mode and the JAX bug
-# repro are version-specific), the CI-script checks and the tests using `hf_reference` run on
-# every line. Unset (pytest by hand, one line alone): everything.
+# it runs both JAX lines): the tests are dealt, each to one line, by what they cost
+# (tests/ci_durations.json, from a CI run's logs: scripts/ci_durations.py), so that the lines
+# finish together; the files whose tests skip on one line (the HF reference stack lives on the
+# py311 line only; the Mosaic GPU interpret mode and the JAX bug repro are version-specific),
+# the CI-script checks and the tests using `hf_reference` run on every line. Unset (pytest by
+# hand, one line alone): everything.
 BOTH_LINES_FILES = {"test_models_parity.py", "test_hf_config.py", "test_mosaic_decode.py",
                     "test_jax_bug_shardy_empty_operand.py", "test_ci_lines.py"}  # fmt: skip
+DURATIONS = Path(__file__).with_name("ci_durations.json")
 _LEFT_TO_OTHER_LINES = []
 
 
@@ -53,21 +57,54 @@ def grid_share(value: str | None) -> tuple[int, int] | None:
     return i, n
 
 
+def deal(tests: list[str], lines: int, seconds: dict[str, float], head_start: dict[str, float]) -> dict[str, int]:
+    """{test: line} with every test on exactly one of `lines` lines: the costliest first, each
+    to the line with the least work so far (a line starts with its head start, keyed 'i/n':
+    its setup and the tests it runs in any case). A test without a recorded cost counts the
+    median cost. Depends on the set of tests only, not on their order, so every line computes
+    the same deal."""
+    known = sorted(seconds.values())
+    default = known[len(known) // 2] if known else 1.0
+    load = [float(head_start.get(f"{i}/{lines}", 0.0)) for i in range(lines)]
+    owner = {}
+    for test in sorted(set(tests), key=lambda t: (-seconds.get(t, default), t)):
+        line = min(range(lines), key=lambda i: (load[i], i))
+        owner[test] = line
+        load[line] += seconds.get(test, default)
+    return owner
+
+
 def pytest_collection_modifyitems(config, items):
     share = grid_share(os.environ.get("ARENA_GRID_SHARE"))
     if share is None:
         return
     index, lines = share
-    keep, dealt = [], 0
-    for item in items:
-        if item.path.name in BOTH_LINES_FILES or "hf_reference" in getattr(item, "fixturenames", ()):
-            keep.append(item)
-            continue
-        dealt += 1
-        (keep if (dealt - 1) % lines == index else _LEFT_TO_OTHER_LINES).append(item)
+    every_line = {item.nodeid for item in items
+                  if item.path.name in BOTH_LINES_FILES or "hf_reference" in getattr(item, "fixturenames", ())}
+    recorded = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    owner = deal([item.nodeid for item in items if item.nodeid not in every_line], lines,
+                 recorded.get("seconds", {}), recorded.get("head_start", {}))
+    keep = [item for item in items if item.nodeid in every_line or owner[item.nodeid] == index]
+    _LEFT_TO_OTHER_LINES.extend(item for item in items if item.nodeid not in every_line and owner[item.nodeid] != index)
     if _LEFT_TO_OTHER_LINES:
         config.hook.pytest_deselected(items=_LEFT_TO_OTHER_LINES)
         items[:] = keep
+
+
+_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Each test's seconds (setup + call + teardown), for ARENA_DURATIONS_OUT."""
+    _SECONDS[report.nodeid] = _SECONDS.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    """ARENA_DURATIONS_OUT=path (scripts/test_all.sh sets it per line): {test: seconds} written
+    there, for scripts/ci_durations.py."""
+    out = os.environ.get("ARENA_DURATIONS_OUT")
+    if out:
+        Path(out).write_text(json.dumps(_SECONDS, indent=0, sort_keys=True) + "\n")
 
 
 def pytest_terminal_summary(terminalreporter):

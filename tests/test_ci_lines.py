@@ -2,6 +2,7 @@
 where their reference stack is left out on purpose."""
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -49,17 +50,31 @@ def test_hf_reference_gate():
     assert kind == "skip" and ".[test]" in why
 
 
-def test_the_lines_split_the_kernel_grids_without_losing_a_case():
+def test_the_lines_deal_the_tests_by_cost_without_losing_one():
     """ARENA_GRID_SHARE i/n parses strictly (bad values refused); the script sets one share per
-    line; dealing by position puts each test on exactly one line."""
+    line; `deal` puts each test on exactly one line, whatever the order it sees them in, and
+    balances the lines' work (head starts included) to within the costliest test."""
+    import random
+
     import pytest
-    from conftest import grid_share
+    from conftest import DURATIONS, deal, grid_share
 
     assert grid_share(None) is None and grid_share("") is None and grid_share("1/2") == (1, 2)
     for bad in ("2/2", "-1/2", "x", "1"):
         with pytest.raises(ValueError, match="ARENA_GRID_SHARE"):
             grid_share(bad)
-    owners = [[i for i in range(2) if k % 2 == i] for k in range(200)]
-    assert all(len(o) == 1 for o in owners) and {o[0] for o in owners} == {0, 1}
+    rng = random.Random(0)
+    tests = [f"t{k}" for k in range(300)]
+    seconds = {t: rng.expovariate(0.5) for t in tests[:250]}  # 50 without a recorded cost
+    head = {"0/2": 40.0, "1/2": 5.0}
+    owner = deal(tests, 2, seconds, head)
+    assert sorted(owner) == sorted(tests) and set(owner.values()) == {0, 1}
+    assert deal(rng.sample(tests, len(tests)), 2, seconds, head) == owner  # order-free: every line agrees
+    median = sorted(seconds.values())[125]
+    load = [head[f"{i}/2"] + sum(seconds.get(t, median) for t in tests if owner[t] == i) for i in range(2)]
+    assert abs(load[0] - load[1]) <= max(seconds.values()), load
+    assert deal(tests, 3, {}, {}) and set(deal(tests, 3, {}, {}).values()) == {0, 1, 2}
     script = (ROOT / "scripts" / "test_all.sh").read_text()
-    assert "ARENA_GRID_SHARE=$i/$n" in script
+    assert "ARENA_GRID_SHARE=$i/$n" in script and "ARENA_DURATIONS_OUT=" in script
+    recorded = json.loads(DURATIONS.read_text())  # the committed costs: what scripts/ci_durations.py writes
+    assert set(recorded["head_start"]) == {"0/2", "1/2"} and len(recorded["seconds"]) > 100
