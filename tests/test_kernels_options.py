@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from hf_reference import hf_reference  # noqa: F401  (a fixture: skips / fails as the CI line says where torch is absent)
 from kernel_cases import TOLERANCES, fill_ref
 from pallas_kernels import BlockSizes, paged_attention, paged_attention_reference
 from pallas_kernels.quant import is_quantized
@@ -225,11 +226,10 @@ class TestOptionsCompiled(_OptionsTest):
     interpret = False
 
 
-def test_soft_cap_is_gemma2s():
+def test_soft_cap_is_gemma2s(hf_reference):
     """The reference's soft-capped attention == Hugging Face transformers' Gemma 2 eager
     attention (`attn_weights / softcap; tanh; * softcap` after scaling, then the causal mask)."""
-    torch = pytest.importorskip("torch")  # the Hugging Face stack, as in the parity tests
-    pytest.importorskip("transformers")
+    torch, _ = hf_reference  # the Hugging Face stack, as in the parity tests (on every CI line)
     from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
 
     n, q_heads, kv_heads, scale, cap = 11, 4, 2, 0.3, 2.5

@@ -15,6 +15,7 @@ import pytest
 
 import arena_jax as aj
 import models
+from hf_reference import hf_reference  # noqa: F401  (a fixture: skips / fails as the CI line says where torch is absent)
 
 # float32 weights and arena: the two paths differ only in summation order (online softmax).
 LOGIT_ATOL = 1e-4
@@ -60,13 +61,12 @@ def test_model_through_pallas_matches_reference(name, overrides, page_size, monk
         np.testing.assert_allclose(g, w, atol=LOGIT_ATOL, rtol=0)
 
 
-def test_gemma2_through_pallas_matches_transformers(tmp_path, monkeypatch):
+def test_gemma2_through_pallas_matches_transformers(tmp_path, monkeypatch, hf_reference):
     """A Gemma-2-style checkpoint (soft-capped attention and logits, a window of 8 on every
     other layer, (1 + w) sandwich norms, tied head) through the Pallas kernels (interpret mode):
     the traced per-layer window and the soft-cap go through `aj.attend` into the kernels, and
     the greedy tokens and logits equal transformers' on the same safetensors."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    torch, transformers = hf_reference  # the Hugging Face stack, as in the parity tests (on every CI line)
     transformers.logging.set_verbosity_error()
     config = transformers.Gemma2Config(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
