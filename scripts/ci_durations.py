@@ -1,7 +1,10 @@
 """Write tests/ci_durations.json from a CI run: what each test cost, for dealing the tests
-between the JAX lines by cost (tests/conftest.py).
+between the JAX lines by cost (tests/conftest.py); or check that the run lost no test.
 
-    python scripts/ci_durations.py [.ci-logs]     # after `bash scripts/test_all.sh`
+    python scripts/ci_durations.py [.ci-logs]           # after `bash scripts/test_all.sh`
+    python scripts/ci_durations.py --check [.ci-logs]   # exit 1 if a test one line left to
+                                                        # the other ran on neither (test_all.sh
+                                                        # runs this after both lines)
 
 Reads, for the lines in test_all.sh's order (py311, py313), `<logs>/<line>.durations.json`
 (seconds per test, setup + call + teardown, written by tests/conftest.py when
@@ -22,8 +25,19 @@ LINES = ("py311", "py313")
 SETUP = re.compile(r"setup rc=0 in (\d+) s")
 
 
+def _read(logs: Path) -> dict[str, dict]:
+    return {line: json.loads((logs / f"{line}.durations.json").read_text()) for line in LINES}
+
+
+def lost(records: dict[str, dict]) -> list[str]:
+    """Tests some line left to the others that no line ran (or reported as skipped)."""
+    ran = set().union(*(record["seconds"] for record in records.values()))
+    left = set().union(*(record["left_to_other_lines"] for record in records.values()))
+    return sorted(left - ran)
+
+
 def main(logs: Path) -> dict:
-    runs = {line: json.loads((logs / f"{line}.durations.json").read_text()) for line in LINES}
+    runs = {line: record["seconds"] for line, record in _read(logs).items()}
     on_every_line = set.intersection(*(set(seconds) for seconds in runs.values()))  # not dealt
     per_test: dict[str, float] = {}
     head_start = {}
@@ -37,7 +51,16 @@ def main(logs: Path) -> dict:
 
 
 if __name__ == "__main__":
-    logs = Path(sys.argv[1] if len(sys.argv) > 1 else ROOT / ".ci-logs")
+    args = sys.argv[1:]
+    check = "--check" in args
+    args = [a for a in args if a != "--check"]
+    logs = Path(args[0] if args else ROOT / ".ci-logs")
+    if check:
+        missing = lost(_read(logs))
+        for test in missing:
+            print(f"dealt to another line but run on none: {test}")
+        print(f"dealt tests: {'none lost' if not missing else f'{len(missing)} LOST'}")
+        sys.exit(1 if missing else 0)
     out = ROOT / "tests" / "ci_durations.json"
     data = main(logs)
     out.write_text(json.dumps(data, indent=0) + "\n")

@@ -111,5 +111,11 @@ for line in $LINES; do
     echo "[$line] pytest rc=${rcs[$line]} in ${secs[$line]} s"
     [[ ${rcs[$line]} == 0 ]] || status=1
 done
+# Both lines, the whole suite (no extra pytest arguments): every test one line left to the
+# other must have run there (the lines deal by the tests each collected: a test only one
+# collects could otherwise be lost).
+if (( $# == 0 )) && [[ $LINES == *" "* ]]; then
+    python3 scripts/ci_durations.py --check "$LOGS" || status=1
+fi
 echo "total: $((SECONDS - start)) s"
 exit $status

@@ -100,11 +100,13 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session):
-    """ARENA_DURATIONS_OUT=path (scripts/test_all.sh sets it per line): {test: seconds} written
-    there, for scripts/ci_durations.py."""
+    """ARENA_DURATIONS_OUT=path (scripts/test_all.sh sets it per line): the seconds of each test
+    this line ran and the tests it left to the other lines, written there, for
+    scripts/ci_durations.py (which also checks that every test left here ran on another line)."""
     out = os.environ.get("ARENA_DURATIONS_OUT")
     if out:
-        Path(out).write_text(json.dumps(_SECONDS, indent=0, sort_keys=True) + "\n")
+        left = sorted(item.nodeid for item in _LEFT_TO_OTHER_LINES)
+        Path(out).write_text(json.dumps({"seconds": _SECONDS, "left_to_other_lines": left}, indent=0, sort_keys=True) + "\n")
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import hf_reference
@@ -78,3 +79,25 @@ def test_the_lines_deal_the_tests_by_cost_without_losing_one():
     assert "ARENA_GRID_SHARE=$i/$n" in script and "ARENA_DURATIONS_OUT=" in script
     recorded = json.loads(DURATIONS.read_text())  # the committed costs: what scripts/ci_durations.py writes
     assert set(recorded["head_start"]) == {"0/2", "1/2"} and len(recorded["seconds"]) > 100
+
+
+def test_a_test_left_to_a_line_that_ran_it_on_none_fails_the_run(tmp_path):
+    """`scripts/ci_durations.py --check` (test_all.sh runs it after both lines): a test one line
+    left to the other that no line ran is reported and exits 1; a clean deal exits 0."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ci_durations", ROOT / "scripts" / "ci_durations.py")
+    ci_durations = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ci_durations)
+    clean = {"py311": {"seconds": {"a": 1.0, "both": 0.1}, "left_to_other_lines": ["b"]},
+             "py313": {"seconds": {"b": 2.0, "both": 0.1}, "left_to_other_lines": ["a"]}}
+    assert ci_durations.lost(clean) == []
+    broken = {"py311": {"seconds": {"a": 1.0}, "left_to_other_lines": ["b", "c"]},
+              "py313": {"seconds": {"b": 2.0}, "left_to_other_lines": ["a"]}}
+    assert ci_durations.lost(broken) == ["c"]
+    for line, record in broken.items():
+        (tmp_path / f"{line}.durations.json").write_text(json.dumps(record))
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "ci_durations.py"), "--check", str(tmp_path)],
+                         capture_output=True, text=True)
+    assert run.returncode == 1 and "run on none: c" in run.stdout and "1 LOST" in run.stdout
+    assert 'python3 scripts/ci_durations.py --check "$LOGS" || status=1' in (ROOT / "scripts" / "test_all.sh").read_text()
