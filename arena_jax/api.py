@@ -101,9 +101,6 @@ def _resolve_backend(backend: str | None, layout, group: int | None = None, **at
         reason = tpu_unsupported_reason(head_dim=layout.head_dim, page_size=layout.page_size, group=group,
                                         dtype=layout.dtype, scale_dtype=layout.scale_dtype,
                                         q_dtype=attend.get("q_dtype"))  # fmt: skip
-        if reason is None and layout.rotate_keys:
-            reason = ("rotate_keys=True (the int8 default): the TPU kernels do not rotate keys or queries yet; "
-                      "give KVLayout(rotate_keys=False) or use backend='reference'")
     else:
         reason = (triton_lowering_problem()
                   or unsupported_reason(head_dim=layout.head_dim, page_size=layout.page_size, group=group, dtype=layout.dtype))

@@ -70,7 +70,9 @@ def append_impl(cache: KVCache, layer, slots, k, v, num_tokens, backend: str) ->
     if backend == "pallas_tpu":
         from pallas_kernels.tpu_append import tpu_paged_append
 
-        arenas = tpu_paged_append(cache.k, cache.v, layer_c, k, v, *kernel_rows, **scales)
+        # Rotated keys: rotated here as the reference does it (float32), then quantized by the kernel.
+        k_in = rotate_rows(k) if cache.rotate_keys else k
+        arenas = tpu_paged_append(cache.k, cache.v, layer_c, k_in, v, *kernel_rows, **scales)
     elif backend == "pallas":  # "mosaic" has no append kernel: the reference scatter (XLA's)
         from pallas_kernels.append import paged_append
 
@@ -106,9 +108,11 @@ def attend_impl(q, cache: KVCache, layer, slots, num_tokens, backend: str, slidi
     n = jnp.where(good, num_tokens, 0)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                   k_scale=cache.k_scale, v_scale=cache.v_scale)
-    if backend == "pallas_tpu":  # rotated keys never reach it (api._resolve_backend refuses them)
+    if backend == "pallas_tpu":  # rotated keys: q rotated here, as the "xla" path does it
         from pallas_kernels.tpu_attention import tpu_paged_attention
 
+        if cache.rotate_keys:
+            q = rotate_rows(q, q.dtype)
         return tpu_paged_attention(q, cache.k, cache.v, layer_c, page_map, lengths, n, **kwargs)
     kwargs["rotate_keys"] = cache.rotate_keys
     if backend == "pallas":

@@ -66,7 +66,7 @@ def _step_rows(target: str, progress) -> list[dict]:
         devices = cache.k.sharding.num_devices
         local = cache.k.sharding.shard_shape(cache.k.shape)
         facts = tpu_compile.module_facts(compiled, big=cache.k.size * cache.k.dtype.itemsize // devices // 4)
-        shape = f"bf16[{','.join(map(str, local))}]"
+        shape = tpu_compile.hlo_shape(cache.k.dtype, local)
         arena_params = facts.params_of_shape(shape)
         # What the step must read per device: its weights and, per layer, the KV of its rows at the
         # page table's full length (the kernels' DMA plan; prefill reads the same pages once per row block).
@@ -75,7 +75,8 @@ def _step_rows(target: str, progress) -> list[dict]:
         _, _, state, _ = step_inputs(case)
         weights = sum(int(np.prod(s.sharding.shard_shape(s.shape))) * s.dtype.itemsize for s in jax.tree.leaves(state))
         context = layout.max_pages_per_seq * layout.page_size
-        kv = (case.batch // dp) * context * (layout.num_kv_heads // tp) * layout.head_dim * 2 * 2 * case.num_layers
+        per_token = layout.head_dim * cache.k.dtype.itemsize + (4 if cache.k_scale is not None else 0)  # + its f32 scale
+        kv = (case.batch // dp) * context * (layout.num_kv_heads // tp) * per_token * 2 * case.num_layers  # K and V
         rows.append(dict(
             step=case.label, layers=case.num_layers, kernels=len(facts.kernels), code_bytes=facts.code_bytes,
             temp_bytes=facts.temp_bytes, xla_bytes=facts.bytes_accessed, weights_bytes=weights, kv_bytes=kv,

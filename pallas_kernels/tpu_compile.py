@@ -139,6 +139,18 @@ class ModuleFacts:
         return tuple(c for c in self.big_copies if c not in weights)
 
 
+_HLO_NAMES = {"bool": "pred", "int8": "s8", "uint8": "u8", "float8_e4m3fn": "f8e4m3fn", "float8_e5m2": "f8e5m2",
+              "int16": "s16", "uint16": "u16", "bfloat16": "bf16", "float16": "f16", "int32": "s32", "uint32": "u32",
+              "float32": "f32", "int64": "s64", "uint64": "u64", "float64": "f64"}
+
+
+def hlo_shape(dtype, shape) -> str:
+    """How HLO text writes an array type: hlo_shape("int8", (2, 3)) == "s8[2,3]"."""
+    import numpy as np
+
+    return f"{_HLO_NAMES[np.dtype(dtype).name]}[{','.join(map(str, shape))}]"
+
+
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2,
                 "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 

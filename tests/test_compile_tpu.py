@@ -136,12 +136,15 @@ def test_smem_budget_is_what_mosaic_allows(tooling, rows, fits):
 
 
 def _step_cases():
-    """CI: one layer of the 32 (all identical), decode on v6e 2x4, a 64-token prefill on v5e 2x2."""
+    """CI: one layer of the 32 (all identical), decode on v6e 2x4, a 64-token prefill on v5e 2x2,
+    and decode on an int8 arena with rotated keys (its default: the rotation runs in XLA around
+    the kernels) on v6e."""
     from benchmarks.tpu_steps import STEP_CASES
 
     by_name = {(c.step, c.target): c for c in STEP_CASES}
     return [dataclasses.replace(by_name[("decode", "tpu-v6e")], num_layers=1),
-            dataclasses.replace(by_name[("prefill", "tpu-v5e")], num_layers=1, tokens=64)]
+            dataclasses.replace(by_name[("prefill", "tpu-v5e")], num_layers=1, tokens=64),
+            dataclasses.replace(by_name[("decode", "tpu-v6e")], num_layers=1, page_size=128, num_pages=2048, dtype="int8")]
 
 
 @pytest.mark.slow
@@ -151,8 +154,7 @@ def test_model_step_compiles_for_tpu_with_the_arena_donated(tooling, case):
 
     compiled, cache, layout = compile_step(case)
     local = cache.k.sharding.shard_shape(cache.k.shape)
-    dtype = {"bfloat16": "bf16", "float32": "f32"}[case.dtype]
-    shape = f"{dtype}[{','.join(map(str, local))}]"
+    shape = tpu_compile.hlo_shape(case.dtype, local)
     facts = tpu_compile.module_facts(compiled, big=(cache.k.size * cache.k.dtype.itemsize) // cache.k.sharding.num_devices // 4)
     arena_params = facts.params_of_shape(shape)
     assert len(arena_params) == 2, f"expected k and v params of shape {shape}: {facts.param_shapes}"

@@ -389,6 +389,49 @@ def test_api_backend_matches_reference():
     COUNTS["API (aj.append / aj.attend)"] += len(tpu_outs)
 
 
+@pytest.mark.parametrize("q_dtype", [jnp.float32, jnp.bfloat16], ids=str)
+def test_api_rotated_int8_keys_match_reference(q_dtype):
+    """An int8 arena with rotated keys (the int8 default) through the TPU kernels (interpret
+    mode): keys rotated in float32 before the kernel quantizes them, q rotated before attention,
+    as the reference and the "xla" path do it. Values and scales bit-equal to the reference
+    backend, attention within q's tolerance, on keys with an outlier channel (x20); the same
+    inputs unrotated store other keys (the rotation is applied)."""
+    import arena_jax as aj
+
+    def run(backend, rotate):
+        layout = aj.KVLayout(num_layers=1, num_kv_heads=2, head_dim=128, page_size=128, num_pages=4, max_seqs=2,
+                             max_pages_per_seq=2, dtype="int8", rotate_keys=rotate)
+        cache, rng, outs = aj.create(layout), np.random.default_rng(3), []
+        slots = jnp.array([0, 1])
+        for counts in ([4, 2], [1, 1], [1, 0], [1, 1]):
+            counts = jnp.array(counts, jnp.int32)
+            cache, ok = aj.reserve(cache, slots, counts)
+            assert np.asarray(ok).all()
+            k = rng.standard_normal((2, 4, 2, 128))
+            k[..., 5] *= 20.0  # an outlier key channel
+            k, v = jnp.asarray(k, jnp.float32), jnp.asarray(rng.standard_normal((2, 4, 2, 128)), jnp.float32)
+            cache = aj.append(cache, 0, slots, k, v, num_tokens=counts, backend=backend)
+            q = jnp.asarray(rng.standard_normal((2, 4, 4, 128)), q_dtype)
+            outs.append(aj.attend(q, cache, 0, slots, num_tokens=counts, backend=backend))
+        return cache, outs
+
+    (ref, ref_outs), (tpu, tpu_outs) = run("reference", True), run("pallas_tpu", True)
+    assert ref.rotate_keys and tpu.rotate_keys
+    written = [(slot, int(ref.table.lengths[slot])) for slot in (0, 1)]
+    for slot, n in written:
+        pages, pos = np.asarray(ref.table.page_map[slot])[np.arange(n) // 128], np.arange(n) % 128
+        for a, b in ((ref.k, tpu.k), (ref.v, tpu.v), (ref.k_scale, tpu.k_scale), (ref.v_scale, tpu.v_scale)):
+            np.testing.assert_array_equal(np.asarray(a)[:, :, pages, pos], np.asarray(b)[:, :, pages, pos])
+    for got, want in zip(tpu_outs, ref_outs):
+        assert np.isfinite(np.asarray(got, np.float32)).all()
+        assert_close(got, want, q_dtype)
+    unrotated, _ = run("reference", False)
+    slot, n = written[0]
+    pages = np.asarray(ref.table.page_map[slot])[np.arange(n) // 128]
+    assert not np.array_equal(np.asarray(unrotated.k)[:, :, pages, np.arange(n)], np.asarray(tpu.k)[:, :, pages, np.arange(n)])
+    COUNTS["API, rotated int8 keys"] += len(tpu_outs)
+
+
 # ---- what the TPU kernels refuse ------------------------------------------------------------------------
 
 

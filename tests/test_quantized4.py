@@ -144,14 +144,16 @@ def test_int4_fork_copy_on_write_truncate_and_prefix_pages_move_group_scales():
     np.testing.assert_array_equal(s2, s0[:4])
 
 
-def test_tpu_kernels_refuse_rotated_keys():
-    """The TPU kernels do not rotate: asked for on a rotated arena (int8's default), a ValueError
-    naming rotate_keys; the same arena unrotated is theirs."""
-    base = dict(num_layers=1, num_kv_heads=1, head_dim=128, page_size=128, num_pages=2, max_seqs=1, max_pages_per_seq=1,
-                dtype="int8")
-    q = jnp.zeros((1, 1, 1, 128), jnp.float32)
-    with pytest.raises(ValueError, match="rotate_keys=True .*TPU kernels do not rotate"):
-        aj.attend(q, aj.create(aj.KVLayout(**base)), 0, [0], backend="pallas_tpu")
+def test_tpu_kernels_take_rotated_keys_and_refuse_int4():
+    """The TPU kernels take an int8 arena rotated (its default; the rotation runs in XLA around
+    them: tests/test_kernels_tpu.py compares them with the reference) or not; an int4 arena,
+    which they cannot read, is a ValueError naming the dtype when asked for."""
+    base = dict(num_layers=1, num_kv_heads=1, head_dim=128, page_size=128, num_pages=2, max_seqs=1, max_pages_per_seq=1)
     from arena_jax.api import _resolve_backend
 
-    assert _resolve_backend("pallas_tpu", aj.KVLayout(**base, rotate_keys=False), group=1, q_dtype=jnp.float32) == "pallas_tpu"
+    for rotate in (None, True, False):
+        layout = aj.KVLayout(**base, dtype="int8", rotate_keys=rotate)
+        assert _resolve_backend("pallas_tpu", layout, group=1, q_dtype=jnp.float32) == "pallas_tpu"
+    q = jnp.zeros((1, 1, 1, 128), jnp.float32)
+    with pytest.raises(ValueError, match="backend='pallas_tpu' cannot take this layout: .*int4"):
+        aj.attend(q, aj.create(aj.KVLayout(**base, dtype="int4")), 0, [0], backend="pallas_tpu")
