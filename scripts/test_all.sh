@@ -11,8 +11,9 @@
 # With both lines the tests are dealt between them by cost (ARENA_GRID_SHARE, tests/conftest.py,
 # tests/ci_durations.json): each test on one line (HF-parity, Mosaic GPU and JAX-bug files on
 # both); each line starts its pytest as soon as its own venv is ready. After a CI run,
-# `python scripts/ci_durations.py` refreshes the recorded costs from .ci-logs/. Both get the sm_90a and TPU compile tooling (scripts/install_sm90_tools.sh,
-# scripts/install_tpu_tools.sh) and run all of pytest.
+# `python scripts/ci_durations.py` refreshes the recorded costs from .ci-logs/. Both get the
+# sm_90a and TPU compile tooling (scripts/install_sm90_tools.sh, scripts/install_tpu_tools.sh)
+# and run all of pytest.
 #
 # Environment (all optional):
 #   ARENA_LINES="py311 py313"    which lines to run (e.g. ARENA_LINES=py313 for one)
@@ -91,7 +92,7 @@ line_job() {  # $1: line; its setup, then at once its pytest (each line starts w
     echo "$rc $((SECONDS - t0))" > "$LOGS/$line.rc"
     set -e
 }
-rm -f "$LOGS"/*.rc
+rm -f "$LOGS"/*.rc "$LOGS"/*.log "$LOGS"/*.durations.json  # nothing from an earlier run is read as this one's
 if [[ -n "${ARENA_SERIAL:-}" ]]; then
     for line in $LINES; do line_job "$line" "$@"; done
 else

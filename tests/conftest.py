@@ -33,7 +33,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "arena"))
 
 # The CI lines share the suite. `ARENA_GRID_SHARE=i/n` (scripts/test_all.sh sets 0/2 and 1/2 when
 # it runs both JAX lines): the tests are dealt, each to one line, by what they cost
-# (tests/ci_durations.json, from a CI run's logs: scripts/ci_durations.py), so that the lines
+# (tests/ci_durations.json, recorded from a CI run by scripts/ci_durations.py), so that the lines
 # finish together; the files whose tests skip on one line (the HF reference stack lives on the
 # py311 line only; the Mosaic GPU interpret mode and the JAX bug repro are version-specific),
 # the CI-script checks and the tests using `hf_reference` run on every line. Unset (pytest by
@@ -84,8 +84,9 @@ def pytest_collection_modifyitems(config, items):
     recorded = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
     owner = deal([item.nodeid for item in items if item.nodeid not in every_line], lines,
                  recorded.get("seconds", {}), recorded.get("head_start", {}))
-    keep = [item for item in items if item.nodeid in every_line or owner[item.nodeid] == index]
-    _LEFT_TO_OTHER_LINES.extend(item for item in items if item.nodeid not in every_line and owner[item.nodeid] != index)
+    keep = []
+    for item in items:
+        (keep if item.nodeid in every_line or owner[item.nodeid] == index else _LEFT_TO_OTHER_LINES).append(item)
     if _LEFT_TO_OTHER_LINES:
         config.hook.pytest_deselected(items=_LEFT_TO_OTHER_LINES)
         items[:] = keep
