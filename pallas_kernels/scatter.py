@@ -29,12 +29,19 @@ __all__ = ["set_at", "upcasts"]
 _BITS = {1: jnp.uint8, 2: jnp.uint16}
 
 
-@functools.lru_cache(maxsize=None)
 def upcasts(dtype) -> bool:
-    """Whether the default backend scatters into a `dtype` array by converting all of it (bf16 to
-    float32, the 8-bit floats to float16 on jaxlib 0.10's CPU backend)."""
-    dtype = jnp.dtype(dtype)
-    if jax.default_backend() != "cpu" or not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize not in _BITS:
+    """Whether the backend lowered for scatters into a `dtype` array by converting all of it
+    (bf16 to float32, the 8-bit floats to float16 on jaxlib 0.10's CPU backend). The backend
+    lowered for is the default device's (`tpu_common.target_platform`: a deviceless TPU compile
+    on a CPU host names a TPU device), so a TPU program never takes the CPU's workaround."""
+    from pallas_kernels.tpu_common import target_platform
+
+    return _upcasts(jnp.dtype(dtype), target_platform())
+
+
+@functools.lru_cache(maxsize=None)
+def _upcasts(dtype, platform: str) -> bool:
+    if platform != "cpu" or not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize not in _BITS:
         return False
     sds = jax.ShapeDtypeStruct
     probe = jax.jit(lambda a, i, v: a.at[i].set(v, mode="drop"))

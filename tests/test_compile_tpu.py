@@ -163,5 +163,11 @@ def test_model_step_compiles_for_tpu_with_the_arena_donated(tooling, case):
     # device, the size of one head of this arena); the cache never.
     cache_copies = facts.cache_copies(arena_params)
     assert cache_copies == (), f"XLA copies arena-sized arrays: {cache_copies}"
+    # The CPU host's scatter workaround (`scatter.upcasts`: XLA CPU in jaxlib 0.10 converts whole
+    # bf16 arrays, so writes go through uint16 bitcasts) stays out of a program lowered for a
+    # TPU: no arena-shaped bitcast-convert (with it, a whole arena of temp per device).
+    dims = f"[{','.join(map(str, local))}]"
+    bitcasts = [line.strip()[:120] for line in compiled.as_text().splitlines() if dims in line and "bitcast-convert(" in line]
+    assert bitcasts == [], bitcasts
     names = {k.name.split(".")[0].split("_bt")[0].split("_c")[0] for k in facts.kernels}
     assert names == {"tpu_paged_attention", "tpu_append_gather", "tpu_append_scatter"}, names
