@@ -145,13 +145,7 @@ def reserve_impl(cache: KVCache, slots, num_tokens):
     # The private copy of a shared page, all layers and heads: [L, H, B, S, D] (and an 8-bit
     # arena's scales, [L, H, B, S]: a page's values mean nothing without them).
     src = jnp.where(do_cow, last_page, 0)
-    every = slice(None)
-    k = set_at(cache.k, (every, every, cow_page), cache.k[:, :, src])  # set_at: in place for bf16 on CPU too
-    v = set_at(cache.v, (every, every, cow_page), cache.v[:, :, src])
-    scales = {}
-    if cache.k_scale is not None:
-        scales = {name: set_at(x, (every, every, cow_page), x[:, :, src])
-                  for name, x in (("k_scale", cache.k_scale), ("v_scale", cache.v_scale))}
+    k, v, scales = _copy_pages(cache, src, cow_page)
 
     stats = cache.stats.bump(
         pages_allocated=total,
@@ -261,3 +255,30 @@ def fork_impl(cache: KVCache, src, dst):
         metadata_ops=jnp.sum(ok), pages_recycled=freed, rejected_rows=jnp.sum(~dst_pad & ~ok)
     )
     return cache.replace(table=table, stats=stats)
+
+
+def copies_pages_by_dma(cache) -> bool:
+    """Whether `reserve`'s copy-on-write runs the TPU page-copy kernel: lowering for a TPU whose
+    kernels take the arena's layout (`_copy_pages`)."""
+    from pallas_kernels.tpu_common import target_platform, tpu_unsupported_reason
+
+    return target_platform() == "tpu" and tpu_unsupported_reason(
+        head_dim=cache.k.shape[-1], page_size=cache.k.shape[3], dtype=cache.k.dtype,
+        scale_dtype=None if cache.k_scale is None else cache.k_scale.dtype) is None
+
+
+def _copy_pages(cache, src, dst):
+    """Page dst[b] := page src[b] (dst == num_pages: nothing) in every layer and head of the
+    arena and an 8-bit arena's scales: (k, v, {scale name: array}). On a TPU whose kernels take
+    the layout, by DMA (`pallas_kernels.tpu_copy_pages`: XLA's TPU layout assignment may
+    relayout the arena for a gather + scatter); elsewhere `set_at` (in place for bf16 on CPU too)."""
+    arrays = [cache.k, cache.v] + ([] if cache.k_scale is None else [cache.k_scale, cache.v_scale])
+    if copies_pages_by_dma(cache):
+        from pallas_kernels.tpu_copy_pages import tpu_copy_pages
+
+        arrays = list(tpu_copy_pages(arrays, src, dst))
+    else:
+        every = slice(None)
+        arrays = [set_at(x, (every, every, dst), x[:, :, src]) for x in arrays]
+    scales = {} if cache.k_scale is None else {"k_scale": arrays[2], "v_scale": arrays[3]}
+    return arrays[0], arrays[1], scales

@@ -79,7 +79,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
-from arena_jax.allocator import fork_impl, release_impl, reserve_impl, truncate_impl
+from arena_jax.allocator import copies_pages_by_dma, fork_impl, release_impl, reserve_impl, truncate_impl
 from arena_jax.arena_ops import append_impl, attend_impl
 from arena_jax.layout import KVLayout
 from arena_jax.prefix_ops import drop_pages_impl, fork_pages_impl, hold_pages_impl
@@ -383,7 +383,9 @@ def reserve(cache: KVCache, slots, num_tokens):
     def body(local, max_seqs, slots, num_tokens):
         return reserve_impl(local, _local_slots(sh, slots, max_seqs), num_tokens)
 
-    cache, (ok,) = _run(cache, body, (slots, num_tokens), (sh.rows_spec,) * 2, (sh.rows_spec,))
+    # The TPU page-copy kernel (copy-on-write) carries no vma types, like the other Pallas paths.
+    cache, (ok,) = _run(cache, body, (slots, num_tokens), (sh.rows_spec,) * 2, (sh.rows_spec,),
+                        check_vma=not copies_pages_by_dma(cache))
     return cache, ok
 
 

@@ -432,6 +432,30 @@ def test_api_rotated_int8_keys_match_reference(q_dtype):
     COUNTS["API, rotated int8 keys"] += len(tpu_outs)
 
 
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+def test_page_copies_match_a_scatter(dtype):
+    """`tpu_copy_pages` (reserve's copy-on-write on a TPU; interpret mode) == `x.at[:, :, dst].set(
+    x[:, :, src], mode="drop")` bit for bit on every array (values and an 8-bit arena's scales),
+    with rows that copy nothing (dst == P, past it) and a page copied to two places; under a
+    donating jit."""
+    from pallas_kernels.tpu_copy_pages import tpu_copy_pages
+
+    rng = np.random.default_rng(7)
+    L, H, P, S, D = 3, 2, 6, (128 if dtype == "int8" else 16), 128
+    if dtype == "int8":
+        values = [jnp.asarray(rng.integers(-128, 128, (L, H, P, S, D)), jnp.int8) for _ in range(2)]
+        arrays = values + [jnp.asarray(rng.standard_normal((L, H, P, S)), jnp.float32) for _ in range(2)]
+    else:
+        arrays = [jnp.asarray(rng.standard_normal((L, H, P, S, D)), jnp.bfloat16) for _ in range(2)]
+    src, dst = jnp.array([1, 4, 2, 0, 2]), jnp.array([5, P, 3, P + 2, 0])
+    want = [np.asarray(a.at[:, :, dst].set(a[:, :, src], mode="drop")) for a in arrays]
+    copy = jax.jit(lambda arrays, src, dst: tpu_copy_pages(arrays, src, dst, interpret=True), donate_argnums=0)
+    got = copy(arrays, src, dst)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), w)
+    COUNTS["page copies (copy-on-write)"] += 1
+
+
 # ---- what the TPU kernels refuse ------------------------------------------------------------------------
 
 
