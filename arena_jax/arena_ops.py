@@ -108,13 +108,15 @@ def attend_impl(q, cache: KVCache, layer, slots, num_tokens, backend: str, slidi
     n = jnp.where(good, num_tokens, 0)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                   k_scale=cache.k_scale, v_scale=cache.v_scale)
-    if backend == "pallas_tpu":  # rotated keys: q rotated here, as the "xla" path does it
+    if backend in ("pallas_tpu", "xla") and cache.rotate_keys:  # they take q rotated, as the reference rotates it
+        q = rotate_rows(q, q.dtype)
+    if backend == "pallas_tpu":
         from pallas_kernels.tpu_attention import tpu_paged_attention
 
-        if cache.rotate_keys:
-            q = rotate_rows(q, q.dtype)
         return tpu_paged_attention(q, cache.k, cache.v, layer_c, page_map, lengths, n, **kwargs)
-    kwargs["rotate_keys"] = cache.rotate_keys
+    if backend == "xla":  # blocks of pages up to the longest written context
+        return paged_attention_blockwise(q, cache.k, cache.v, layer_c, page_map, lengths, n, **kwargs)
+    kwargs["rotate_keys"] = cache.rotate_keys  # the GPU kernels and the reference rotate q themselves
     if backend == "pallas":
         from pallas_kernels.paged_attention import paged_attention
 
@@ -123,8 +125,4 @@ def attend_impl(q, cache: KVCache, layer, slots, num_tokens, backend: str, slidi
         from pallas_kernels.mosaic_decode import mosaic_paged_decode
 
         return mosaic_paged_decode(q, cache.k, cache.v, layer_c, page_map, lengths, n, sm_scale=sm_scale)
-    if backend == "xla":  # blocks of pages up to the longest written context; q rotated as the reference does
-        if kwargs.pop("rotate_keys"):
-            q = rotate_rows(q, q.dtype)
-        return paged_attention_blockwise(q, cache.k, cache.v, layer_c, page_map, lengths, n, **kwargs)
     return paged_attention_reference(q, cache.k, cache.v, layer_c, page_map, lengths, n, **kwargs)

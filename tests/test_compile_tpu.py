@@ -142,10 +142,11 @@ def _step_cases():
     the kernels) on v6e."""
     from benchmarks.tpu_steps import STEP_CASES
 
-    by_name = {(c.step, c.target): c for c in STEP_CASES}
-    return [dataclasses.replace(by_name[("decode", "tpu-v6e")], num_layers=1),
-            dataclasses.replace(by_name[("prefill", "tpu-v5e")], num_layers=1, tokens=64),
-            dataclasses.replace(by_name[("decode", "tpu-v6e")], num_layers=1, page_size=128, num_pages=2048, dtype="int8")]
+    by_name = {(c.step, c.target, c.dtype): c for c in STEP_CASES}
+    decode_v6e = by_name[("decode", "tpu-v6e", "bfloat16")]
+    return [dataclasses.replace(decode_v6e, num_layers=1),
+            dataclasses.replace(by_name[("prefill", "tpu-v5e", "bfloat16")], num_layers=1, tokens=64),
+            dataclasses.replace(decode_v6e, num_layers=1, page_size=128, num_pages=2048, dtype="int8")]
 
 
 @pytest.mark.slow
