@@ -39,7 +39,10 @@ Design, and why.
   reverse) is the pattern XLA's host offloader turns into asynchronous copies (the one scan
   activation offloading uses); a scatter at computed indices into host memory is not (it
   would be host compute). Verified on CPU (JAX 0.10 and 0.11), where host and device share
-  DRAM; on a GPU it is unverified here (no GPU in these sessions).
+  DRAM; on a GPU it is unverified here (no GPU in these sessions). Compiled for a TPU v5e
+  (no TPU; `benchmarks/tpu_host_tier.py`): bf16 moves alias cache and tier with no copy; an
+  int8 arena's moves make XLA relayout the whole host tier (an open defect: RESULTS, "The host
+  tier's page moves on a TPU").
 * On a mesh the host tier is split like the arena: `P(None, tensor, None, ...)` in host
   memory, KV heads over the tensor axis (each device's host memory holds its own heads: a move
   never crosses devices), `held` replicated. A cache with a data axis (dp > 1) is refused: a host
