@@ -170,20 +170,24 @@ class KVCache:
 _WRITE_COPY_WARNED: set = set()
 
 
-def warn_if_writes_copy(layout: KVLayout) -> None:
-    """Once per dtype: a RuntimeWarning when this backend cannot update the arena's storage (or
-    scale) dtype in place (`pallas_kernels.scatter.upcasts`: XLA CPU converts whole bf16 arrays in
-    jaxlib 0.10, whole 8-bit float arrays in 0.10 and 0.11), so every append copies the arena."""
+def warn_if_writes_copy(layout: KVLayout, platform: str | None = None) -> None:
+    """Once per dtype: a RuntimeWarning when the backend the arena lives on (`platform`, e.g. a
+    mesh's; default: the one being lowered for, `tpu_common.target_platform`) cannot update the
+    arena's storage (or scale) dtype in place (`pallas_kernels.scatter.upcasts`: XLA CPU converts
+    whole bf16 arrays in jaxlib 0.10, whole 8-bit float arrays in 0.10 and 0.11), so every append
+    copies the arena."""
     from pallas_kernels.scatter import upcasts
+    from pallas_kernels.tpu_common import target_platform
 
+    platform = platform or target_platform()
     for dtype in (layout.storage_dtype, layout.scale_dtype if layout.quantized else None):
-        if dtype is None or jnp.dtype(dtype) in _WRITE_COPY_WARNED or not upcasts(dtype):
+        if dtype is None or jnp.dtype(dtype) in _WRITE_COPY_WARNED or not upcasts(dtype, platform):
             continue
         _WRITE_COPY_WARNED.add(jnp.dtype(dtype))
         import warnings
 
         warnings.warn(
-            f"arena_jax: this backend ({jax.default_backend()}, jax {jax.__version__}) cannot update {jnp.dtype(dtype).name} "
+            f"arena_jax: this backend ({platform}, jax {jax.__version__}) cannot update {jnp.dtype(dtype).name} "
             f"arrays in place: each append copies the arena's {jnp.dtype(dtype).name} arrays, so a step's cost follows the "
             "arena's capacity, not the context (pallas_kernels/scatter.py). On CPU, float32 / float16 / int8 arenas "
             "(and bfloat16 from jax 0.11) are written in place.", RuntimeWarning, stacklevel=3)
@@ -198,7 +202,7 @@ def create(layout: KVLayout, *, mesh=None, tensor_axis: str | None = "tensor", d
     """
     if not isinstance(layout, KVLayout):
         raise ValueError(f"layout must be a KVLayout, got {type(layout).__name__}")
-    warn_if_writes_copy(layout)
+    warn_if_writes_copy(layout, None if mesh is None else mesh.devices.flat[0].platform)  # where the arena lives
     if mesh is not None:
         from arena_jax.sharding import create_sharded
 
