@@ -22,7 +22,7 @@ from arena_jax.api import (
     truncate,
 )
 from arena_jax.health import health
-from arena_jax.host import HostArena, create_host, free_host_pages
+from arena_jax.host import HostArena, create_host, free_host_pages, host_pages_view
 from arena_jax.host_api import drop_host_pages, offload_pages, swap_in, swap_out
 from arena_jax.layout import KVLayout
 from arena_jax.prefix import PrefixCache, PrefixHit
@@ -55,6 +55,7 @@ __all__ = [
     "HostArena",
     "create_host",
     "free_host_pages",
+    "host_pages_view",
     "swap_out",
     "swap_in",
     "offload_pages",

@@ -17,7 +17,8 @@ Design, and why.
 * Generic over the cache's per-page arrays. `HostArena.pages` is a dict with one host array for
   every per-page array of the cache (`page_arrays`: `k`, `v` and, for 8-bit arenas, `k_scale`,
   `v_scale`; any future field shaped `[layers, heads, pages, ...]`, e.g. an int4 format's group
-  scales, is picked up by name), each `[layers, heads, host_pages, ...]` with the cache's dtype.
+  scales, is picked up by name), each `[layers, heads, host_pages, ...]` with the cache's dtype
+  (on a TPU, 8-bit pages as words: below).
   The moves copy every one of them, so values never travel without their scales.
 * The caller names the host pages (`host_pages` arguments), as `hold_pages` names device
   pages. The host page table is one array, `held i32[host_pages]`: how many tokens host page p
@@ -39,10 +40,16 @@ Design, and why.
   reverse) is the pattern XLA's host offloader turns into asynchronous copies (the one scan
   activation offloading uses); a scatter at computed indices into host memory is not (it
   would be host compute). Verified on CPU (JAX 0.10 and 0.11), where host and device share
-  DRAM; on a GPU it is unverified here (no GPU in these sessions). Compiled for a TPU v5e
-  (no TPU; `benchmarks/tpu_host_tier.py`): bf16 moves alias cache and tier with no copy; an
-  int8 arena's moves make XLA relayout the whole host tier (an open defect: RESULTS, "The host
-  tier's page moves on a TPU").
+  DRAM; on a GPU it is unverified here (no GPU in these sessions).
+* On a TPU, 8-bit pages are kept on the host as 32-bit words (`host_page_format`,
+  `packs_as_words`): `[host_pages * layers, heads, S * D / 512, 128]` uint32, page-major, moved
+  one layer of one page at a time and converted on the device side. In the arena's own int8
+  form XLA's TPU layout assignment relayouted the whole host tier on the device for every move
+  (1 GiB of temp per `swap_in` at the Llama-3-8B geometry); words of 128 lanes slice in their
+  own tiling, and page-major rows keep every host slice in one dimension (the only kind XLA's
+  host offloading takes). Compiled for a v5e without a TPU (`benchmarks/tpu_host_tier.py`,
+  RESULTS "The host tier's page moves on a TPU"); `host_pages_view` reads either form back as
+  pages.
 * On a mesh the host tier is split like the arena: `P(None, tensor, None, ...)` in host
   memory, KV heads over the tensor axis (each device's host memory holds its own heads: a move
   never crosses devices), `held` replicated. A cache with a data axis (dp > 1) is refused: a host
@@ -64,7 +71,7 @@ from arena_jax.layout import KVLayout
 from arena_jax.memory import host_memory_kind, host_zeros
 from arena_jax.state import KVCache
 
-__all__ = ["HostArena", "create_host", "page_arrays", "free_host_pages"]
+__all__ = ["HostArena", "create_host", "page_arrays", "free_host_pages", "host_pages_view"]
 
 # Fields of KVCache that are not per-page arrays.
 _NOT_PAGES = ("table", "stats", "sharding")
@@ -96,17 +103,61 @@ class HostArena:
         return self.held.shape[0]
 
 
-def _geometry(cache: KVCache) -> dict[str, tuple]:
-    """Per field: (shape with the page axis removed, dtype)."""
-    return {name: (x.shape[:2] + x.shape[3:], jnp.dtype(x.dtype)) for name, x in page_arrays(cache).items()}
+WORD_LANES = 128  # a word-packed host page's rows: 128 uint32 words (one TPU vector row)
+
+
+def words_fit(shape) -> bool:
+    """Whether a per-page array of `shape` ([L, H, P, S, D], 8-bit) packs into rows of
+    `WORD_LANES` 32-bit words page by page (S * D a multiple of 4 * WORD_LANES)."""
+    return len(shape) == 5 and (shape[3] * shape[4]) % (4 * WORD_LANES) == 0
+
+
+def packs_as_words(x, platform: str) -> bool:
+    """Whether the host tier keeps this per-page array as 32-bit words: an 8-bit array of an arena
+    on a TPU. XLA's TPU layout assignment wants one-page slices of an 8-bit array in another
+    tiling than the array's own, which for an array in host memory means a copy of all of it to
+    the device and back on every move (RESULTS, "The host tier's page moves on a TPU"); 32-bit
+    words in rows of 128 slice in their own tiling."""
+    return platform == "tpu" and jnp.dtype(x.dtype).itemsize == 1 and words_fit(x.shape)
+
+
+def host_page_format(x, num_pages: int, words: bool) -> tuple[tuple, Any]:
+    """(shape, dtype) of the host array for the cache's per-page array `x` ([L, H, P, ...]):
+    `[L, H, num_pages, ...]` in x's dtype, or with `words`, `[num_pages * L, H, S * D / 512, 128]`
+    uint32: page p of layer l is row p * L + l, its [H, S, D] bytes as words (page-major, so one
+    layer's page is a slice in one dimension, the only slices XLA's host offloading takes)."""
+    if not words:
+        return x.shape[:2] + (num_pages,) + x.shape[3:], jnp.dtype(x.dtype)
+    layers, heads, _, size, dim = x.shape
+    return (num_pages * layers, heads, size * dim // (4 * WORD_LANES), WORD_LANES), jnp.dtype(jnp.uint32)
+
+
+def is_words(host_array, cache_array) -> bool:
+    """Whether `host_array` holds `cache_array`'s pages as words (`host_page_format`)."""
+    return jnp.dtype(host_array.dtype) == jnp.uint32 and jnp.dtype(cache_array.dtype).itemsize == 1
+
+
+def host_pages_view(host: "HostArena", cache: KVCache) -> dict[str, np.ndarray]:
+    """The host tier's pages as numpy `[L, H, host_pages, ...]` arrays in the cache's dtypes,
+    whichever format holds them (reads them back: for tests and inspection)."""
+    out = {}
+    for name, x in page_arrays(cache).items():
+        h = np.asarray(host.pages[name])
+        if is_words(h, x):
+            layers, heads, _, size, dim = x.shape
+            h = h.view(np.dtype(x.dtype)).reshape(-1, layers, heads, size, dim).transpose(1, 2, 0, 3, 4)
+        out[name] = h
+    return out
 
 
 def check_pair(cache: KVCache, host) -> None:
     """ValueError unless `host` is a HostArena whose pages match the cache's per-page arrays."""
     if not isinstance(host, HostArena):
         raise ValueError(f"host must be a HostArena (from arena_jax.create_host), got {type(host).__name__}")
-    want = _geometry(cache)
-    have = {name: (x.shape[:2] + x.shape[3:], jnp.dtype(x.dtype)) for name, x in host.pages.items()}
+    arrays = page_arrays(cache)
+    have = {name: (tuple(x.shape), jnp.dtype(x.dtype)) for name, x in host.pages.items()}
+    want = {name: host_page_format(x, host.num_pages, name in host.pages and is_words(host.pages[name], x))
+            for name, x in arrays.items()}  # fmt: skip
     if want != have:
         raise ValueError(
             f"host: its pages {have} do not match the cache's per-page arrays {want} (make it with "
@@ -142,12 +193,12 @@ def create_host(cache: KVCache, num_pages: int) -> HostArena:
     kind = host_memory_kind(devices)
     pages = {}
     for name, x in page_arrays(cache).items():
-        shape = x.shape[:2] + (num_pages,) + x.shape[3:]
+        shape, dtype = host_page_format(x, num_pages, packs_as_words(x, devices[0].platform))
         if sh is None:
             where = SingleDeviceSharding(devices[0], memory_kind=kind)
         else:
             where = NamedSharding(sh.mesh, sh.arena_spec, memory_kind=kind)
-        pages[name] = host_zeros(shape, np.dtype(x.dtype), where)
+        pages[name] = host_zeros(shape, np.dtype(dtype), where)
     small = SingleDeviceSharding(devices[0]) if sh is None else sh.named(jax.sharding.PartitionSpec())
     held = jax.device_put(np.zeros((num_pages,), np.int32), small)
     host_id = jax.device_put(np.asarray(int.from_bytes(os.urandom(4), "little") % (2**31 - 1) + 1, np.int32), small)

@@ -60,16 +60,47 @@ def move_pages(src: dict, dst: dict, src_pages, dst_pages, moves, transfer) -> d
     order = jnp.argsort(~moves, stable=True)  # moves first
     src_pages, dst_pages = src_pages[order], dst_pages[order]
     count = jnp.sum(moves.astype(jnp.int32))
+    words = {name for name in dst if src[name].dtype != dst[name].dtype}  # host pages as words (`host_page_format`)
+    plain = [name for name in dst if name not in words]
 
     def body(i, out):
         return {
-            name: lax.dynamic_update_slice_in_dim(
-                out[name], transfer(lax.dynamic_slice_in_dim(src[name], src_pages[i], 1, axis=2)), dst_pages[i], axis=2
-            )
-            for name in out
-        }
+            **out,
+            **{name: lax.dynamic_update_slice_in_dim(
+                out[name], transfer(lax.dynamic_slice_in_dim(src[name], src_pages[i], 1, axis=2)), dst_pages[i], axis=2)
+               for name in plain},
+        }  # fmt: skip
 
-    return lax.fori_loop(0, count, body, dst)
+    out = lax.fori_loop(0, count, body, dst) if plain else dst
+    for name in sorted(words):
+        out = {**out, name: _move_words(src[name], out[name], src_pages, dst_pages, count, transfer)}
+    return out
+
+
+def _move_words(src, dst, src_pages, dst_pages, count, transfer):
+    """`move_pages` for one array whose host side holds its pages as 32-bit words
+    (`arena_jax.host.host_page_format`: row p * L + l is layer l of page p), one layer of one
+    page at a time: [1, H, S, D] 8-bit <-> [1, H, S * D / 512, 128] uint32 on the device side."""
+    to_host_side = dst.dtype == jnp.uint32
+    arena, words = (src, dst) if to_host_side else (dst, src)
+    layers, heads, _, size, dim = arena.shape
+    rows, lanes = words.shape[2:]
+
+    def as_words(page):  # [1, H, 1, S, D] -> [1, H, rows, lanes]
+        return lax.bitcast_convert_type(page.reshape(1, heads, rows, lanes, 4), jnp.uint32)
+
+    def as_page(word_rows):  # [1, H, rows, lanes] -> [1, H, 1, S, D]
+        return lax.bitcast_convert_type(word_rows, arena.dtype).reshape(1, heads, 1, size, dim)
+
+    def body(j, out):
+        i, layer = j // layers, j % layers
+        if to_host_side:
+            page = lax.dynamic_slice(src, (layer, 0, src_pages[i], 0, 0), (1, heads, 1, size, dim))
+            return lax.dynamic_update_slice(out, transfer(as_words(page)), (dst_pages[i] * layers + layer, 0, 0, 0))
+        word_rows = lax.dynamic_slice(src, (src_pages[i] * layers + layer, 0, 0, 0), (1, heads, rows, lanes))
+        return lax.dynamic_update_slice(out, as_page(transfer(word_rows)), (layer, 0, dst_pages[i], 0, 0))
+
+    return lax.fori_loop(0, count * layers, body, dst)
 
 
 def move_pages_reference(src: dict, dst: dict, src_pages, dst_pages, moves) -> dict:

@@ -5,8 +5,10 @@ One v5e device (from libtpu's topology, `pallas_kernels.tpu_compile`), a Llama-3
 arena (8 KV heads, head_dim 128; `num_layers` of its 32 layers) of 4,096 16-token pages' worth
 of tokens, and a host tier of a quarter of that in `pinned_host` memory, all as placed
 ShapeDtypeStructs (nothing allocated), the cache and the host tier donated; 8 rows move.
-What the compiled module says (`tpu_compile.module_facts`): XLA's bytes accessed, temp
-memory, and every copy of an array as large as a quarter of a k / v arena.
+The host tier is in its TPU format (an 8-bit arena's pages as 32-bit words,
+`arena_jax.host.host_page_format`). What the compiled module says
+(`tpu_compile.module_facts`): XLA's bytes accessed, temp memory, and every copy of an array as
+large as a quarter of a k / v arena.
 
     python -m benchmarks.tpu_host_tier [--layers 32]
 
@@ -36,7 +38,7 @@ def compile_host_op(op: str, dtype: str = "bfloat16", num_layers: int = 2, targe
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     import arena_jax as aj
-    from arena_jax.host import HostArena, page_arrays
+    from arena_jax.host import HostArena, host_page_format, packs_as_words, page_arrays
     from models import steps
     from models.config import LlamaConfig
     from pallas_kernels import tpu_compile
@@ -53,8 +55,10 @@ def compile_host_op(op: str, dtype: str = "bfloat16", num_layers: int = 2, targe
         cache = jax.eval_shape(lambda: aj.create(layout))
     cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_device), cache)
     host_pages = TOKENS // 4 // page
-    pages = {name: jax.ShapeDtypeStruct(x.shape[:2] + (host_pages,) + x.shape[3:], x.dtype, sharding=on_host)
-             for name, x in page_arrays(cache).items()}  # fmt: skip
+    pages = {}
+    for name, x in page_arrays(cache).items():  # in the host tier's TPU format (8-bit pages as words)
+        shape, dtype = host_page_format(x, host_pages, packs_as_words(x, "tpu"))
+        pages[name] = jax.ShapeDtypeStruct(shape, dtype, sharding=on_host)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=on_device)  # noqa: E731
     host = HostArena(pages=pages, held=i32(host_pages), host_id=i32(), sharding=None)
     rows = {

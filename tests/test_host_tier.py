@@ -86,6 +86,72 @@ def test_move_pages_equals_its_reference_on_random_data(seed):
         np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(want_back[k]))
 
 
+def _pages_of_words(words: np.ndarray, like: np.ndarray) -> np.ndarray:
+    """numpy: host words [HP * L, H, rows, 128] uint32 -> pages [L, H, HP, S, D] of like's dtype."""
+    layers, heads, _, size, dim = like.shape
+    return words.view(like.dtype).reshape(-1, layers, heads, size, dim).transpose(1, 2, 0, 3, 4)
+
+
+@pytest.mark.parametrize("dtype", [np.int8, jnp.float8_e4m3fn])
+def test_word_packed_host_pages_move_as_the_reference_on_random_data(dtype):
+    """An 8-bit array whose host side holds its pages as 32-bit words (what a TPU's host tier
+    does, `arena_jax.host.host_page_format`), both directions, against the reference's gather +
+    scatter on the same pages seen as bytes; a float32 array in the same call moves plainly."""
+    rng = np.random.default_rng(7)
+    q = rng.integers(0, 256, (2, 3, 7, 8, 64)).astype(np.uint8).view(np.dtype(dtype))  # S * D = 512: one word row
+    s = rng.standard_normal((2, 3, 7, 8)).astype(np.float32)
+    words = rng.integers(0, 2**32, (5 * 2, 3, 1, 128), dtype=np.uint64).astype(np.uint32)
+    hosted_s = rng.standard_normal((2, 3, 5, 8)).astype(np.float32)
+    src, dst = rng.integers(0, 7, 9), rng.permutation(5).tolist() + [0, 1, 2, 3]
+    moves = np.zeros(9, bool)
+    moves[rng.choice(5, 3, replace=False)] = True
+    where = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    host = {"q": jax.device_put(words, where), "s": jax.device_put(hosted_s, where)}
+    args = (jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32), jnp.asarray(moves))
+    out = jax.jit(lambda d, h, *a: host_ops.move_pages(d, h, *a, to_host))({"q": q, "s": s}, host, *args)
+    assert out["q"].dtype == jnp.uint32 and out["q"].sharding.memory_kind == "pinned_host"
+    as_bytes = lambda x: jnp.asarray(np.asarray(x).view(np.uint8))  # noqa: E731  (compare bits, NaN included)
+    want = host_ops.move_pages_reference({"q": as_bytes(q), "s": jnp.asarray(s)},
+                                         {"q": as_bytes(_pages_of_words(words, q)), "s": jnp.asarray(hosted_s)}, *args)  # fmt: skip
+    np.testing.assert_array_equal(_pages_of_words(np.asarray(out["q"]), q).view(np.uint8), np.asarray(want["q"]))
+    np.testing.assert_array_equal(np.asarray(out["s"]), np.asarray(want["s"]))
+    back = jax.jit(lambda h, d, *a: host_ops.move_pages(h, d, *a, to_device))(out, {"q": q, "s": s}, args[1], args[0], args[2])
+    want_back = host_ops.move_pages_reference(want, {"q": as_bytes(q), "s": jnp.asarray(s)}, args[1], args[0], args[2])
+    assert back["q"].dtype == q.dtype
+    np.testing.assert_array_equal(np.asarray(back["q"]).view(np.uint8), np.asarray(want_back["q"]))
+    np.testing.assert_array_equal(np.asarray(back["s"]), np.asarray(want_back["s"]))
+
+
+def test_a_word_packed_host_tier_gives_the_plain_ones_results(monkeypatch):
+    """A host tier holding an int8 arena's pages as words (forced here on the CPU; a TPU's default)
+    through swap_out and swap_in: the same cache, bit for bit, and the same pages on the host."""
+    from arena_jax import host as host_module
+
+    layout = aj.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, page_size=8, num_pages=8, max_seqs=3,
+                         max_pages_per_seq=3, dtype="int8")  # fmt: skip
+    rng = np.random.default_rng(11)
+    cache = aj.create(layout)
+    cache, _ = aj.reserve(cache, [0, 1], [11, 16])
+    for layer in range(2):
+        k, v = (jnp.asarray(rng.standard_normal((2, 16, 2, 64)), jnp.float32) for _ in range(2))
+        cache = aj.append(cache, layer, [0, 1], k, v, num_tokens=[11, 16])
+    results = {}
+    for words in (False, True):
+        monkeypatch.setattr(host_module, "packs_as_words", lambda x, platform: words and x.dtype == jnp.int8)  # noqa: B023
+        start = jax.tree.map(jnp.copy, cache)
+        host = aj.create_host(start, 6)
+        assert (host.pages["k"].dtype == jnp.uint32) == words and host.pages["k_scale"].dtype == jnp.float32
+        out, host, ok = aj.swap_out(start, host, [0, 1], [[4, 1, -1], [0, 5, -1]])
+        assert bool(ok.all())
+        view = aj.host_pages_view(host, out)
+        out, host, ok = aj.swap_in(out, host, [[0, 5, -1]], [16], [2])
+        assert bool(ok.all())
+        results[words] = (snapshot(out), view)
+    assert jax.tree.all(jax.tree.map(np.array_equal, results[True][0], results[False][0]))
+    for name, pages in results[False][1].items():
+        np.testing.assert_array_equal(results[True][1][name], pages, err_msg=name)
+
+
 def test_an_8bit_arena_moves_its_scales_with_its_values():
     layout = dataclasses.replace(LAYOUT, dtype="int8")
     cache = aj.create(layout)
