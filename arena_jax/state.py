@@ -202,11 +202,13 @@ def create(layout: KVLayout, *, mesh=None, tensor_axis: str | None = "tensor", d
     """
     if not isinstance(layout, KVLayout):
         raise ValueError(f"layout must be a KVLayout, got {type(layout).__name__}")
-    warn_if_writes_copy(layout, None if mesh is None else mesh.devices.flat[0].platform)  # where the arena lives
     if mesh is not None:
         from arena_jax.sharding import create_sharded
 
-        return create_sharded(layout, mesh, tensor_axis=tensor_axis, data_axis=data_axis)
+        cache = create_sharded(layout, mesh, tensor_axis=tensor_axis, data_axis=data_axis)  # checks the mesh first
+        warn_if_writes_copy(layout, mesh.devices.flat[0].platform)  # the backend the arena lives on
+        return cache
+    warn_if_writes_copy(layout)
     scales = {}
     if layout.quantized:
         scales = dict(k_scale=jnp.zeros(layout.scale_shape, layout.scale_dtype),
