@@ -32,13 +32,15 @@ ROWS = 8
 TOKENS = 4096 * 16  # arena tokens; the host tier holds a quarter
 
 
-def compile_host_op(op: str, dtype: str = "bfloat16", num_layers: int = 2, target: str = "tpu-v5e"):
+def compile_host_op(op: str, dtype: str = "bfloat16", num_layers: int = 2, target: str = "tpu-v5e", tensor: int = 1):
     """Compile `models.steps.<op>` for `target`; returns (compiled, cache, host) (the latter two
-    as the placed ShapeDtypeStructs it was compiled for)."""
+    as the placed ShapeDtypeStructs it was compiled for). `tensor` > 1: the cache and the host
+    tier split over the KV heads of that many devices (a `tensor` mesh axis)."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     import arena_jax as aj
     from arena_jax.host import HostArena, host_page_format, packs_as_words, page_arrays
+    from arena_jax.sharding import _cache_specs
     from models import steps
     from models.config import LlamaConfig
     from pallas_kernels import tpu_compile
@@ -48,19 +50,23 @@ def compile_host_op(op: str, dtype: str = "bfloat16", num_layers: int = 2, targe
     config = dataclasses.replace(LlamaConfig.llama3_8b(), num_layers=num_layers)
     page = 16 if jnp.dtype(dtype).itemsize > 1 else 128  # the TPU kernels' 8-bit pages are 128 tokens
     layout = config.kv_layout(page_size=page, num_pages=TOKENS // page, max_seqs=32, max_seq_len=4096, dtype=dtype)
-    mesh = Mesh(np.array(tpu_compile.tpu_devices(target, "2x2")[:1]), ("one",))
-    on_device = NamedSharding(mesh, PartitionSpec())
-    on_host = NamedSharding(mesh, PartitionSpec(), memory_kind="pinned_host")
+    mesh = Mesh(np.array(tpu_compile.tpu_devices(target, "2x2")[:tensor]), ("tensor",))
     with tpu_compile.tpu_lowering(target):  # (aj.create then judges the TPU's writes, not this host's)
-        cache = jax.eval_shape(lambda: aj.create(layout))
-    cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_device), cache)
+        cache = jax.eval_shape(lambda: aj.create(layout, mesh=mesh if tensor > 1 else None))
+    if tensor > 1:
+        places = jax.tree.map(cache.sharding.named, _cache_specs(cache))
+        host_spec = cache.sharding.arena_spec
+    else:
+        places, host_spec = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), cache), PartitionSpec()
+    cache = jax.tree.map(lambda a, where: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where), cache, places)
     host_pages = TOKENS // 4 // page
     pages = {}
     for name, x in page_arrays(cache).items():  # in the host tier's TPU format (8-bit pages as words)
         shape, dtype = host_page_format(x, host_pages, packs_as_words(x, "tpu"))
-        pages[name] = jax.ShapeDtypeStruct(shape, dtype, sharding=on_host)
-    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=on_device)  # noqa: E731
-    host = HostArena(pages=pages, held=i32(host_pages), host_id=i32(), sharding=None)
+        pages[name] = jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, host_spec, memory_kind="pinned_host"))
+    everywhere = NamedSharding(mesh, PartitionSpec())
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=everywhere)  # noqa: E731
+    host = HostArena(pages=pages, held=i32(host_pages), host_id=i32(), sharding=cache.sharding)
     rows = {
         "swap_out_rows": (i32(ROWS), i32(ROWS, layout.max_pages_per_seq)),  # slots, host pages
         "swap_in_rows": (i32(ROWS, layout.max_pages_per_seq), i32(ROWS), i32(ROWS)),  # host pages, tokens, dst
@@ -72,8 +78,9 @@ def compile_host_op(op: str, dtype: str = "bfloat16", num_layers: int = 2, targe
 
 
 def arena_bytes(cache) -> int:
-    """Bytes of one of the arena's k / v arrays."""
-    return int(np.prod(cache.k.shape)) * jnp.dtype(cache.k.dtype).itemsize
+    """Bytes of one of the arena's k / v arrays, per device."""
+    local = cache.k.sharding.shard_shape(cache.k.shape)
+    return int(np.prod(local)) * jnp.dtype(cache.k.dtype).itemsize
 
 
 def main(argv=None) -> None:

@@ -28,6 +28,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from pallas_kernels import tpu_compile
@@ -186,33 +187,35 @@ INT8_ARENA_RELAYOUT = pytest.mark.xfail(strict=True, reason=(
     "without a TPU (XLA's cost estimate says page-sized)"))
 
 
-def _host_op_facts(op, dtype):
+def _host_op_facts(op, dtype, tensor=1):
     from benchmarks.tpu_host_tier import arena_bytes, compile_host_op
 
-    compiled, cache, host = compile_host_op(op, dtype, num_layers=2)
-    size = arena_bytes(cache)
+    compiled, cache, host = compile_host_op(op, dtype, num_layers=2, tensor=tensor)
+    size = arena_bytes(cache)  # per device
     facts = tpu_compile.module_facts(compiled, big=size // 4)
-    arena_shape = tpu_compile.hlo_shape(dtype, cache.k.shape)
+    arena_shape = tpu_compile.hlo_shape(dtype, cache.k.sharding.shard_shape(cache.k.shape))
     return facts, size, arena_shape, cache, host
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("dtype,tensor", [("bfloat16", 1), ("int8", 1), ("int8", 2)])
 @pytest.mark.parametrize("op", ["swap_out_rows", "swap_in_rows", "offload_page_rows"])
-def test_host_tier_ops_compile_for_tpu_without_copying_the_host_tier(tooling, op, dtype):
+def test_host_tier_ops_compile_for_tpu_without_copying_the_host_tier(tooling, op, dtype, tensor):
     """The host tier's page moves (`models.steps.swap_out_rows` & co., a loop of one-page
-    dynamic slices across memory kinds) compiled for a v5e, cache and host tier donated: both
-    aliased in place, nothing copied but (int8, the next test) the arena's own relayout, and a
-    few pages of temp. An int8 arena's host pages are 32-bit words there
-    (`arena_jax.host.host_page_format`): as int8 pages, XLA copied the whole host tier to the
-    device and back for each call (1 GiB of temp at the Llama-3-8B geometry)."""
-    facts, size, arena_shape, cache, host = _host_op_facts(op, dtype)
-    host_shape = tpu_compile.hlo_shape(str(host.pages["k"].dtype), host.pages["k"].shape)
+    dynamic slices across memory kinds) compiled for a v5e (one device, or KV heads split over
+    2), cache and host tier donated: both aliased in place, nothing copied but (int8, the next
+    test) the arena's own relayout, and a few pages of temp. An int8 arena's host pages are
+    32-bit words there (`arena_jax.host.host_page_format`): as int8 pages, XLA copied the whole
+    host tier to the device and back for each call (1 GiB of temp at the Llama-3-8B geometry)."""
+    facts, size, arena_shape, cache, host = _host_op_facts(op, dtype, tensor)
+    host_k = host.pages["k"]
+    host_shape = tpu_compile.hlo_shape(str(host_k.dtype), host_k.sharding.shard_shape(host_k.shape))
     arena_params, host_params = facts.params_of_shape(arena_shape), facts.params_of_shape(host_shape)
     assert len(arena_params) == 2 and len(host_params) == 2, facts.param_shapes
     assert set(arena_params + host_params) <= set(facts.aliased_params), facts.aliased_params
     others = [c for c in facts.big_copies if c[1] != arena_shape]
     assert others == [], f"XLA copies host-tier-sized arrays: {others}"
-    assert facts.temp_bytes < size // 64, f"temp {facts.temp_bytes} bytes (a k arena: {size})"
+    tier = int(np.prod(host_k.sharding.shard_shape(host_k.shape))) * host_k.dtype.itemsize  # per device
+    assert facts.temp_bytes < tier // 8, f"temp {facts.temp_bytes} bytes (the host tier's k: {tier})"
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("int8", marks=INT8_ARENA_RELAYOUT)])
