@@ -137,16 +137,20 @@ def is_words(host_array, cache_array) -> bool:
     return jnp.dtype(host_array.dtype) == jnp.uint32 and jnp.dtype(cache_array.dtype).itemsize == 1
 
 
+def words_as_pages(words: np.ndarray, like) -> np.ndarray:
+    """numpy: host words `[HP * L, H, rows, 128]` uint32 -> pages `[L, H, HP, S, D]` in the
+    dtype of `like` (the cache's per-page array), the inverse of `host_page_format`'s packing."""
+    layers, heads, _, size, dim = like.shape
+    return np.asarray(words).view(np.dtype(like.dtype)).reshape(-1, layers, heads, size, dim).transpose(1, 2, 0, 3, 4)
+
+
 def host_pages_view(host: "HostArena", cache: KVCache) -> dict[str, np.ndarray]:
     """The host tier's pages as numpy `[L, H, host_pages, ...]` arrays in the cache's dtypes,
     whichever format holds them (reads them back: for tests and inspection)."""
     out = {}
     for name, x in page_arrays(cache).items():
         h = np.asarray(host.pages[name])
-        if is_words(h, x):
-            layers, heads, _, size, dim = x.shape
-            h = h.view(np.dtype(x.dtype)).reshape(-1, layers, heads, size, dim).transpose(1, 2, 0, 3, 4)
-        out[name] = h
+        out[name] = words_as_pages(h, x) if is_words(h, x) else h
     return out
 
 

@@ -60,20 +60,20 @@ def move_pages(src: dict, dst: dict, src_pages, dst_pages, moves, transfer) -> d
     order = jnp.argsort(~moves, stable=True)  # moves first
     src_pages, dst_pages = src_pages[order], dst_pages[order]
     count = jnp.sum(moves.astype(jnp.int32))
-    words = {name for name in dst if src[name].dtype != dst[name].dtype}  # host pages as words (`host_page_format`)
-    plain = [name for name in dst if name not in words]
+    words = sorted(name for name in dst if src[name].dtype != dst[name].dtype)  # host pages as words (`host_page_format`)
+    plain = {name: x for name, x in dst.items() if name not in words}
 
     def body(i, out):
         return {
-            **out,
-            **{name: lax.dynamic_update_slice_in_dim(
-                out[name], transfer(lax.dynamic_slice_in_dim(src[name], src_pages[i], 1, axis=2)), dst_pages[i], axis=2)
-               for name in plain},
-        }  # fmt: skip
+            name: lax.dynamic_update_slice_in_dim(
+                x, transfer(lax.dynamic_slice_in_dim(src[name], src_pages[i], 1, axis=2)), dst_pages[i], axis=2
+            )
+            for name, x in out.items()
+        }
 
-    out = lax.fori_loop(0, count, body, dst) if plain else dst
-    for name in sorted(words):
-        out = {**out, name: _move_words(src[name], out[name], src_pages, dst_pages, count, transfer)}
+    out = {**dst, **(lax.fori_loop(0, count, body, plain) if plain else {})}
+    for name in words:
+        out[name] = _move_words(src[name], dst[name], src_pages, dst_pages, count, transfer)
     return out
 
 

@@ -62,8 +62,8 @@ def compile_host_op(op: str, dtype: str = "bfloat16", num_layers: int = 2, targe
     host_pages = TOKENS // 4 // page
     pages = {}
     for name, x in page_arrays(cache).items():  # in the host tier's TPU format (8-bit pages as words)
-        shape, dtype = host_page_format(x, host_pages, packs_as_words(x, "tpu"))
-        pages[name] = jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, host_spec, memory_kind="pinned_host"))
+        shape, host_dtype = host_page_format(x, host_pages, packs_as_words(x, "tpu"))
+        pages[name] = jax.ShapeDtypeStruct(shape, host_dtype, sharding=NamedSharding(mesh, host_spec, memory_kind="pinned_host"))
     everywhere = NamedSharding(mesh, PartitionSpec())
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=everywhere)  # noqa: E731
     host = HostArena(pages=pages, held=i32(host_pages), host_id=i32(), sharding=cache.sharding)

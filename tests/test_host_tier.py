@@ -19,6 +19,7 @@ import pytest
 import arena_jax as aj
 import models
 from arena_jax import host_ops
+from arena_jax.host import words_as_pages
 from arena_jax.memory import to_device, to_host
 from models.scheduler import Scheduler
 
@@ -86,12 +87,6 @@ def test_move_pages_equals_its_reference_on_random_data(seed):
         np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(want_back[k]))
 
 
-def _pages_of_words(words: np.ndarray, like: np.ndarray) -> np.ndarray:
-    """numpy: host words [HP * L, H, rows, 128] uint32 -> pages [L, H, HP, S, D] of like's dtype."""
-    layers, heads, _, size, dim = like.shape
-    return words.view(like.dtype).reshape(-1, layers, heads, size, dim).transpose(1, 2, 0, 3, 4)
-
-
 @pytest.mark.parametrize("dtype", [np.int8, jnp.float8_e4m3fn])
 def test_word_packed_host_pages_move_as_the_reference_on_random_data(dtype):
     """An 8-bit array whose host side holds its pages as 32-bit words (what a TPU's host tier
@@ -112,8 +107,8 @@ def test_word_packed_host_pages_move_as_the_reference_on_random_data(dtype):
     assert out["q"].dtype == jnp.uint32 and out["q"].sharding.memory_kind == "pinned_host"
     as_bytes = lambda x: jnp.asarray(np.asarray(x).view(np.uint8))  # noqa: E731  (compare bits, NaN included)
     want = host_ops.move_pages_reference({"q": as_bytes(q), "s": jnp.asarray(s)},
-                                         {"q": as_bytes(_pages_of_words(words, q)), "s": jnp.asarray(hosted_s)}, *args)  # fmt: skip
-    np.testing.assert_array_equal(_pages_of_words(np.asarray(out["q"]), q).view(np.uint8), np.asarray(want["q"]))
+                                         {"q": as_bytes(words_as_pages(words, q)), "s": jnp.asarray(hosted_s)}, *args)  # fmt: skip
+    np.testing.assert_array_equal(words_as_pages(np.asarray(out["q"]), q).view(np.uint8), np.asarray(want["q"]))
     np.testing.assert_array_equal(np.asarray(out["s"]), np.asarray(want["s"]))
     back = jax.jit(lambda h, d, *a: host_ops.move_pages(h, d, *a, to_device))(out, {"q": q, "s": s}, args[1], args[0], args[2])
     want_back = host_ops.move_pages_reference(want, {"q": as_bytes(q), "s": jnp.asarray(s)}, args[1], args[0], args[2])
