@@ -157,5 +157,8 @@ def rotate_rows(x, dtype=None):
 
     m, col_scale = rotation(int(x.shape[-1]))
     y = jnp.einsum("...i,ij->...j", x.astype(jnp.float32), jnp.asarray(m), precision=jax.lax.Precision.HIGHEST)
-    y = y * jnp.asarray(col_scale)
+    # The barrier keeps XLA from merging the column scale with a later scaling (the quantizer's
+    # 1 / scale: XLA's simplifier turns (y * c) * inv into y * (c * inv), in some programs and
+    # not others), so the same keys rotate to the same bits, and codes, in every program.
+    y = jax.lax.optimization_barrier(y * jnp.asarray(col_scale))
     return y if dtype is None else y.astype(dtype)

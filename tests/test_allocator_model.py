@@ -84,6 +84,9 @@ ATOL = 2e-5  # f32 kernels vs the float64 oracle (head_dim 32, values ~U[-2, 2];
 MODES = tuple(os.environ.get("ARENA_MODEL_MODES", "host,host-numpy,jit,jit").split(","))  # a soak may pick one
 QUANT = tuple(os.environ.get("ARENA_MODEL_QUANT", os.environ.get("ARENA_MODEL_8BIT", "int8+rot,int4+rot")).split(","))
 DTYPES = ("float32",) * 3 * len(QUANT) + QUANT if "jit" in MODES else ("float32",)
+# Backends drawn per example: the reference, the blockwise "xla" path (the default off a GPU) and
+# the Pallas kernels (interpret mode); a soak may pick one (e.g. ARENA_MODEL_BACKENDS=xla).
+BACKENDS = tuple(os.environ.get("ARENA_MODEL_BACKENDS", "reference,xla,pallas").split(","))
 
 
 def arena_format(fmt: str) -> tuple[str, bool]:
@@ -723,7 +726,7 @@ setup_st = st.sampled_from(DTYPES).flatmap(
 
 
 @given(ops=st.lists(op_st, min_size=8, max_size=30), setup=setup_st,
-       backend=st.sampled_from(["reference", "reference", "pallas"]))  # fmt: skip
+       backend=st.sampled_from(BACKENDS))  # fmt: skip
 @example(ops=PREFIX_PARTIAL, setup=("float32", "host", None), backend="reference")
 @example(ops=PREFIX_PARTIAL, setup=("float32", "jit", None), backend="reference")
 @example(ops=PREFIX_PARTIAL, setup=("int8", "jit", None), backend="pallas")  # held pages keep their scales
