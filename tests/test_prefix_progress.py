@@ -105,6 +105,8 @@ def test_cli_refuses_a_budget_below_one_sequence_before_compiling(capsys):
 # (page_size, num_pages) with 12-token sequences and 2 rows: few shapes, so few compiles.
 BUDGETS = [(2, 6), (4, 3), (4, 5)]
 MAX_LEN = 12
+# Mixed steps drawn for the cached runs (a soak may pin them: ARENA_PROGRESS_MIXED=1 or 0).
+MIXED = {"1": (True,), "0": (False,)}.get(os.environ.get("ARENA_PROGRESS_MIXED", ""), (False, True))
 
 
 @st.composite
@@ -121,17 +123,18 @@ def workloads(draw):
         prompts.append((base + tail)[: cap - max_new])
     temperature = draw(st.sampled_from([0.0, 0.9]))
     turns = draw(st.integers(1, 2))
-    return page_size, num_pages, max_new, prompts, temperature, turns
+    mixed = draw(st.sampled_from(MIXED))  # the cached run's prompts fed by mixed steps (chunks beside decode rows)
+    return page_size, num_pages, max_new, prompts, temperature, turns, mixed
 
 
 @settings(max_examples=int(os.environ.get("ARENA_PROGRESS_EXAMPLES", str(per_line(12)))), deadline=None)
 @given(work=workloads())
 def test_drawn_workloads_finish_with_the_no_cache_tokens(model, work):
-    page_size, num_pages, max_new, prompts, temperature, turns = work
+    page_size, num_pages, max_new, prompts, temperature, turns, mixed = work
     layout = model.config.kv_layout(page_size=page_size, num_pages=num_pages, max_seqs=2, max_seq_len=MAX_LEN,
                                      dtype="float32")  # fmt: skip
     kwargs = dict(batch_size=2, chunk_size=4, temperature=temperature, top_k=3, seed=7, stop_tokens=())
-    cached = models.generate(model, prompts, max_new, layout=layout, prefix_cache=True, **kwargs)
+    cached = models.generate(model, prompts, max_new, layout=layout, prefix_cache=True, mixed_steps=mixed, **kwargs)
     for turn in range(turns):
         _served(cached, prompts, max_new)
         assert cached.tokens == models.generate(model, prompts, max_new, layout=layout, **kwargs).tokens
@@ -139,7 +142,7 @@ def test_drawn_workloads_finish_with_the_no_cache_tokens(model, work):
         assert h["prefix_index_matches"] and h["active_sequences"] == 0 and h["rejected_rows"] == 0
         if turn + 1 < turns:  # the next turn continues the cache and index
             cached = models.generate(model, prompts, max_new, cache=cached.cache, prefix_cache=cached.prefix_cache,
-                                     **kwargs)  # fmt: skip
+                                     mixed_steps=mixed, **kwargs)  # fmt: skip
     assert np.isfinite(cached.seconds)
 
 
@@ -167,11 +170,12 @@ FORCE_SWAP = models.SwapPolicy(prefill_tokens_per_s=1.0)
 @settings(max_examples=int(os.environ.get("ARENA_PROGRESS_HOST_EXAMPLES", str(per_line(8)))), deadline=None)
 @given(work=workloads(), tier=st.sampled_from(["swap", "prefix"]))
 def test_drawn_workloads_with_a_host_tier_finish_with_the_no_cache_tokens(model, work, tier):
-    page_size, num_pages, max_new, prompts, temperature, turns = work
+    page_size, num_pages, max_new, prompts, temperature, turns, mixed = work
     layout = model.config.kv_layout(page_size=page_size, num_pages=num_pages, max_seqs=2, max_seq_len=MAX_LEN,
                                      dtype="float32")  # fmt: skip
     kwargs = dict(batch_size=2, chunk_size=4, temperature=temperature, top_k=3, seed=7, stop_tokens=(), swap_policy=FORCE_SWAP)
     plain = models.generate(model, prompts, max_new, layout=layout, **{k: v for k, v in kwargs.items() if k != "swap_policy"})
+    kwargs["mixed_steps"] = mixed
     got = models.generate(model, prompts, max_new, layout=layout, host_pages=3, prefix_cache=tier == "prefix", **kwargs)
     swap_outs = 0  # the cache's counters add up over the turns; each Generation counts its own call
     for turn in range(turns):
