@@ -197,7 +197,9 @@ def generate(
     many as `token_budget` (tokens per step, default `batch_size + chunk_size`: one chunk) holds
     beside the `batch_size` decode tokens, so a long prompt arriving mid-run does not stall the
     running sequences for a whole batch-wide prefill. Same tokens as without (greedy and
-    seeded sampling; up to float rounding of differently shaped products). One data shard only.
+    seeded sampling; up to float rounding of differently shaped products). With dp data
+    shards every shard gets the same number of chunks per step, for its own rows: the budget's
+    chunks are rounded down to a multiple of dp, and the default is one chunk per shard.
     Off by default: it lowers latency under arrivals, but an offline batch of equal-length
     prompts runs faster with batch-wide prefills (benchmarks/RESULTS.md, "Mixed steps").
 
@@ -278,25 +280,26 @@ def generate(
     if batch_size > layout.max_seqs:
         raise ValueError(f"batch_size={batch_size} exceeds the layout's max_seqs={layout.max_seqs}")
     chunk_size = min(chunk_size, layout.max_seq_len)  # no sequence is longer: a longer chunk is pure padding
-    mixed_chunks = 0
-    if mixed_steps:
-        budget = batch_size + chunk_size if token_budget is None else token_budget
-        if budget < batch_size + chunk_size:
-            raise ValueError(
-                f"token_budget={budget} must hold the batch's decode tokens (batch_size={batch_size}) plus at least "
-                f"one prompt chunk (chunk_size={chunk_size}): at least {batch_size + chunk_size}"
-            )
-        mixed_chunks = min(batch_size, (budget - batch_size) // chunk_size)
     if cache is None:
         if mesh is not None and data_axis is not None and data_axis not in mesh.shape:
             raise ValueError(f"data_axis={data_axis!r} is not an axis of the mesh {dict(mesh.shape)}")
         dp = mesh.shape[data_axis] if mesh is not None and data_axis else 1
     else:
         dp = cache.sharding.dp if cache.sharding is not None else 1
+    mixed_chunks = 0
+    if mixed_steps:  # chunks per step: the same number on every data shard
+        least = batch_size + dp * chunk_size
+        budget = least if token_budget is None else token_budget
+        if budget < least:
+            shards = f" per data shard ({dp})" if dp > 1 else ""
+            raise ValueError(
+                f"token_budget={budget} must hold the batch's decode tokens (batch_size={batch_size}) plus at least "
+                f"one prompt chunk (chunk_size={chunk_size}){shards}: at least {least}"
+            )
+        mixed_chunks = min(batch_size, (budget - batch_size) // chunk_size)
+        mixed_chunks -= mixed_chunks % dp
     if prefix_cache is not False and dp > 1:
         raise ValueError(f"prefix_cache needs one data shard; this mesh has {dp} (an index per data shard is not built)")
-    if mixed_steps and dp > 1:
-        raise ValueError(f"mixed_steps needs one data shard; this mesh has {dp} (chunks are not split over data shards)")
     if (host_pages or host is not None) and dp > 1:
         raise ValueError(f"host_pages needs one data shard; this mesh has {dp} (a host tier per data shard is not built)")
     if host is not None and index is None:

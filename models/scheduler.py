@@ -76,7 +76,8 @@ hitting request computes, never what it is counted for, so 1.-3. hold as written
 
 Mixed steps (`mixed_chunks` > 0, `generate(mixed_steps=True)`). An iteration with prompt tokens
 to feed runs ONE `models.steps.mixed_step`: every decoding row's token plus up to
-`mixed_chunks` chunks of the rows admitted first (the rest wait for the next step), so running
+`mixed_chunks` chunks of the rows admitted first (on a data-parallel cache, `mixed_chunks / dp`
+per data shard, each of its own rows; the rest wait for the next step), so running
 sequences advance in every step while a long prompt is fed, and the step's dense work is its
 B + mixed_chunks * chunk tokens. Each step still serves a row, so the bound below holds.
 
@@ -186,8 +187,9 @@ class Scheduler(RunAhead):
         self.slot_of = [(r // self.rows_per_shard) * (layout.max_seqs // self.dp) + r % self.rows_per_shard
                         for r in range(batch_size)]  # fmt: skip
         self.preemptions = self.prefill_calls = self.decode_calls = self.mixed_calls = self.iterations = 0
-        # Mixed steps (module docstring, "Mixed steps"): prompt chunks per step beside the decode rows; 0: off.
-        assert mixed_chunks == 0 or self.dp == 1, "mixed steps need one data shard"
+        # Mixed steps (module docstring, "Mixed steps"): prompt chunks per step beside the decode rows
+        # (mixed_chunks / dp per data shard); 0: off.
+        assert mixed_chunks % self.dp == 0, "mixed steps take the same number of chunks on every data shard"
         self.mixed_chunks = mixed_chunks
         self._admit_clock = -1.0  # when `_admit` last ran (s after start): an arrival since makes admission due
         self.prompt_tokens = self.prefill_tokens = self.hit_tokens = self.evictions = self.recomputed_tokens = 0
@@ -615,8 +617,14 @@ class Scheduler(RunAhead):
         chunk_counts = np.zeros((self.mixed_chunks,), np.int32)
         chunk_rows = np.full((self.mixed_chunks,), -1, np.int32)
         served, counts = np.full((batch,), aj.PAD_SLOT, np.int32), np.zeros((batch,), np.int32)  # per batch row
-        prefilling = [r for r, s in enumerate(self.rows) if s is not None and s.pending > 1]
-        for i, r in enumerate(sorted(prefilling, key=lambda r: self.rows[r].admitted)[: self.mixed_chunks]):
+        # Each data shard's chunk block (mixed_chunks / dp chunks) feeds its own rows admitted first.
+        per, place = self.mixed_chunks // self.dp, []
+        for shard in range(self.dp):
+            lo = shard * self.rows_per_shard
+            prefilling = [r for r in range(lo, lo + self.rows_per_shard) if self.rows[r] is not None and self.rows[r].pending > 1]
+            prefilling.sort(key=lambda r: self.rows[r].admitted)
+            place += [(shard * per + i, r) for i, r in enumerate(prefilling[:per])]
+        for i, r in place:
             s = self.rows[r]
             piece = s.ids[s.fed : s.fed + width]
             chunks[i, : len(piece)], chunk_slots[i], chunk_counts[i], chunk_rows[i] = piece, self.slot_of[r], len(piece), r

@@ -69,12 +69,32 @@ def _step(graphdef, state, cache, tokens, slots, num_tokens, seq_ids, seed, samp
     return StepOutput(cache=cache, tokens=next_tokens, logits=every, ok=ok)
 
 
+def _shard_blocks(dp: int, decode, chunks):
+    """[B], [P] -> [B + P]: the decode rows then the chunks of data shard 0, then of shard 1, ..."""
+    if dp == 1:
+        return jnp.concatenate([decode, chunks])
+    return jnp.concatenate([decode.reshape(dp, -1), chunks.reshape(dp, -1)], axis=1).reshape(-1)
+
+
+def _unblock(dp: int, rows, batch: int):
+    """`_shard_blocks`' inverse: [B + P] -> ([B], [P])."""
+    if dp == 1:
+        return rows[:batch], rows[batch:]
+    blocks = rows.reshape(dp, -1)
+    return blocks[:, : batch // dp].reshape(-1), blocks[:, batch // dp :].reshape(-1)
+
+
 def _mixed(graphdef, state, cache, tokens, slots, chunks, chunk_slots, chunk_counts, chunk_rows, seq_ids, seed, sampling):
     """The mixed step (see `mixed_step`); outputs in batch-row order."""
     model = nnx.merge(graphdef, state)
-    batch, width = tokens.shape[0], chunks.shape[1]
-    rows = jnp.concatenate([slots, chunk_slots]).astype(jnp.int32)  # [B + P]: every row the step serves
-    counts = jnp.concatenate([jnp.ones((batch,), jnp.int32), chunk_counts.astype(jnp.int32)])
+    batch, width, num_chunks = tokens.shape[0], chunks.shape[1], chunks.shape[0]
+    dp = cache.sharding.dp if cache.sharding is not None else 1
+    if num_chunks % dp:
+        raise ValueError(f"chunks: {num_chunks} chunks do not split into the cache's {dp} data shards (a multiple of {dp})")
+    # [B + P]: every row the step serves, in data-shard blocks as `aj.reserve` takes rows (shard
+    # d's decode rows, then its chunks: block d of each part names shard d's slots).
+    rows = _shard_blocks(dp, slots, chunk_slots).astype(jnp.int32)
+    counts = _shard_blocks(dp, jnp.ones((batch,), jnp.int32), chunk_counts.astype(jnp.int32))
     # A slot given twice (a decode row and a chunk, or two chunks) keeps its first row only: the
     # others are refused (ok False, nothing written), so any input leaves every slot consistent.
     index = jnp.arange(rows.shape[0])
@@ -84,7 +104,8 @@ def _mixed(graphdef, state, cache, tokens, slots, chunks, chunk_slots, chunk_cou
     ok = ok & ~repeated
     rows = jnp.where(ok, rows, aj.PAD_SLOT)  # a refused row writes and reads nothing this step
     counts = jnp.where(ok, counts, 0)
-    d_slots, p_slots, d_counts, p_counts = rows[:batch], rows[batch:], counts[:batch], counts[batch:]
+    (d_slots, p_slots), (d_counts, p_counts), (d_ok, p_ok) = (_unblock(dp, a, batch) for a in (rows, counts, ok))
+    ok = jnp.concatenate([d_ok, p_ok])  # [B + P] in part order, as below
     d_pos, p_pos = token_positions(cache, d_slots, d_counts, 1), token_positions(cache, p_slots, p_counts, width)
     (xd, xp), cache = model.hidden_mixed(
         [(tokens[:, None], d_pos, d_slots, d_counts), (chunks, p_pos, p_slots, p_counts)], cache
@@ -120,7 +141,9 @@ def mixed_step(graphdef, state, cache: aj.KVCache, tokens, slots, chunks, chunk_
     own kernel (`Llama.hidden_mixed`). Returns a StepOutput in batch-row order: `tokens` i32[B]
     sampled at each row's last new token, `logits` f32[B, V], `ok` bool[B] (True for rows the
     step does not serve). Outputs equal a `prefill` of the chunks plus a `decode_step` of the
-    rest, up to float rounding of the differently shaped products.
+    rest, up to float rounding of the differently shaped products. On a cache with dp data
+    shards, P is a multiple of dp and chunk block d (P / dp chunks) names shard d's slots and
+    rows, as the decode part's row blocks do (a chunk naming another shard's slot is refused).
     """
     TRACE_COUNTS["mixed_step"] += 1
     seq_ids = slots if seq_ids is None else seq_ids

@@ -496,16 +496,51 @@ def test_prefix_cache_on_a_tensor_parallel_mesh_equals_one_device(single):
         models.generate(model, first, NEW, batch_size=3, mesh=make_mesh((2, 4)), data_axis="data")
 
 
-def test_mixed_steps_on_a_tensor_parallel_mesh_equal_one_device(single):
-    """generate(mixed_steps=True) on tp=4: decode rows and prompt chunks in one call, their tokens
-    packed flat (replicated over tensor); the single-device greedy tokens. A data axis is refused."""
+def test_mixed_steps_on_a_mesh_equal_one_device(single):
+    """generate(mixed_steps=True) on tp=4 and on dp=2 x tp=4: decode rows and prompt chunks in one
+    call, their tokens packed flat (replicated over tensor); with a data axis every shard gets its
+    share of the chunks, for its own rows. The single-device greedy tokens, every page back."""
     model, prompts, want_tokens, _ = single
     got = models.generate(model, prompts.tolist(), NEW, batch_size=2, chunk_size=4, mesh=make_mesh((1, 4)),
                           mixed_steps=True)  # fmt: skip
     assert got.tokens == want_tokens.tolist() and got.mixed_calls > 0
-    with pytest.raises(ValueError, match="mixed_steps needs one data shard"):
-        models.generate(model, prompts.tolist(), NEW, batch_size=2, mesh=make_mesh((2, 4)), data_axis="data",
-                        mixed_steps=True)  # fmt: skip
+    dp = dict(chunk_size=2, mesh=make_mesh((2, 4)), data_axis="data", mixed_steps=True)
+    # Eight prompts of 1-5 tokens through fewer rows: rows finish their prompts at different
+    # steps, so each shard's prefilling rows change in their own order. One row per data shard
+    # with the default budget (a chunk per shard), then two rows and two chunks per shard.
+    ragged = [p[:n] for p, n in zip(prompts.tolist() * 2, (5, 1, 3, 5, 2, 4, 1, 5))]
+    want = models.generate(model, ragged, NEW, batch_size=4, chunk_size=2).tokens  # one device, separate prefills
+    for batch, budget in ((2, None), (4, 4 + 4 * 2)):
+        got = models.generate(model, ragged, NEW, batch_size=batch, token_budget=budget, **dp)
+        assert got.tokens == want and got.mixed_calls > 0, (batch, budget)
+        health = aj.health(got.cache)
+        assert got.cache.sharding.dp == 2 and health["free_pages"] == got.cache.layout.num_pages
+        assert got.preemptions == 0 and health["rejected_rows"] == 0, (got.preemptions, health)  # no chunk on another shard
+    with pytest.raises(ValueError, match=r"token_budget=7 .* per data shard \(2\): at least 8"):
+        models.generate(model, prompts.tolist(), NEW, batch_size=4, token_budget=7, **dp)
+
+
+def test_a_mixed_step_refuses_a_chunk_of_another_data_shard(single):
+    """models.mixed_step on a dp=2 cache (inside its own jit, so no host check): a chunk in
+    shard 0's block naming shard 1's slot is refused (ok False, nothing reserved), the other
+    rows are served; and a chunk count that does not split over the shards is a ValueError."""
+    model = single[0]
+    graphdef, state = nnx.split(model)
+    layout = models.default_layout(model, 8, PROMPT + NEW, page_size=5)
+    cache = aj.create(layout, mesh=make_mesh((2, 1)), data_axis="data")
+    shard = layout.max_seqs // 2  # slots 0.. on shard 0, `shard`.. on shard 1
+    tokens = jnp.asarray([7, 0, 9, 0], jnp.int32)
+    slots = jnp.asarray([0, PAD, shard, PAD], jnp.int32)  # decode rows 0 (shard 0) and 2 (shard 1)
+    chunks = jnp.asarray([[1, 2], [3, 4]], jnp.int32)
+    chunk_slots = jnp.asarray([shard + 1, shard + 2], jnp.int32)  # block 0 names shard 1's slot: refused
+    out = models.mixed_step(graphdef, state, cache, tokens, slots, chunks, chunk_slots, jnp.asarray([2, 2], jnp.int32),
+                            jnp.asarray([1, 3], jnp.int32))  # fmt: skip
+    np.testing.assert_array_equal(out.ok, [True, False, True, True])
+    lengths = np.asarray(out.cache.table.lengths)
+    assert lengths[0] == lengths[shard] == 1 and lengths[shard + 1] == 0 and lengths[shard + 2] == 2, lengths
+    with pytest.raises(ValueError, match="3 chunks do not split into the cache's 2 data shards"):
+        models.mixed_step(graphdef, state, out.cache, tokens, slots, jnp.zeros((3, 2), jnp.int32),
+                          jnp.full((3,), PAD, jnp.int32), jnp.zeros((3,), jnp.int32), jnp.full((3,), -1, jnp.int32))  # fmt: skip
 
 
 def test_swap_preemption_on_a_tensor_parallel_mesh_equals_one_device(single):
