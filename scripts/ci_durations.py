@@ -11,7 +11,8 @@ Reads, for the lines in test_all.sh's order (py311, py313), `<logs>/<line>.durat
 ARENA_DURATIONS_OUT is set, as test_all.sh does) and `<logs>/<line>.setup.log` ("setup rc=0 in
 N s"). Writes the seconds of each dealt test on the line that ran it, and per line its head
 start: its venv setup plus what the tests it runs in any case (those that ran on both lines)
-took on it. Figures from a loaded 2-core CI box: only their ratios matter.
+took on it; those get the costlier line's seconds (which tests are cheap enough for both lines
+is read from them). Figures from a loaded 2-core CI box: only their ratios matter.
 """
 from __future__ import annotations
 
@@ -46,6 +47,10 @@ def main(logs: Path) -> dict:
         every_line = sum(seconds[test] for test in on_every_line)
         head_start[f"{i}/{len(LINES)}"] = round((int(setup.group(1)) if setup else 0) + every_line, 1)
         per_test.update((test, round(s, 2)) for test, s in seconds.items() if test not in on_every_line)
+    # The tests that ran on every line keep their cost too (the costlier line's): cheap ones run on
+    # every line again only while their record says so (tests/conftest.py, `cheap`).
+    for test in on_every_line:
+        per_test[test] = round(max(seconds[test] for seconds in runs.values()), 2)
     return {"what": "seconds per test in one CI run (scripts/ci_durations.py); tests/conftest.py deals by them",
             "head_start": head_start, "seconds": dict(sorted(per_test.items()))}
 

@@ -32,7 +32,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "arena"))
 
 
 # The CI lines share the suite. `ARENA_GRID_SHARE=i/n` (scripts/test_all.sh sets 0/2 and 1/2 when
-# it runs both JAX lines): the tests are dealt, each to one line, by what they cost
+# it runs both JAX lines): the tests that cost under `ARENA_BOTH_LINES_BELOW` seconds in the
+# recorded run run on every line; the others are dealt, each to one line, by what they cost
 # (tests/ci_durations.json, recorded from a CI run by scripts/ci_durations.py), so that the lines
 # finish together; the files whose tests skip on one line (the HF reference stack lives on the
 # py311 line only; the Mosaic GPU interpret mode and the JAX bug repro are version-specific),
@@ -42,6 +43,12 @@ BOTH_LINES_FILES = {"test_models_parity.py", "test_hf_config.py", "test_mosaic_d
                     "test_jax_bug_shardy_empty_operand.py", "test_ci_lines.py"}  # fmt: skip
 DURATIONS = Path(__file__).with_name("ci_durations.json")
 _LEFT_TO_OTHER_LINES = []
+
+
+def cheap(test: str, seconds: dict[str, float], below: float) -> bool:
+    """A test that cost under `below` seconds in the recorded run: it runs on every line
+    (`ARENA_BOTH_LINES_BELOW`, set by scripts/test_all.sh). A test without a record is dealt."""
+    return test in seconds and seconds[test] < below
 
 
 def grid_share(value: str | None) -> tuple[int, int] | None:
@@ -79,9 +86,11 @@ def pytest_collection_modifyitems(config, items):
     if share is None:
         return
     index, lines = share
-    every_line = {item.nodeid for item in items
-                  if item.path.name in BOTH_LINES_FILES or "hf_reference" in getattr(item, "fixturenames", ())}
     recorded = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    below = float(os.environ.get("ARENA_BOTH_LINES_BELOW") or 0)
+    every_line = {item.nodeid for item in items
+                  if item.path.name in BOTH_LINES_FILES or "hf_reference" in getattr(item, "fixturenames", ())
+                  or cheap(item.nodeid, recorded.get("seconds", {}), below)}  # fmt: skip
     owner = deal([item.nodeid for item in items if item.nodeid not in every_line], lines,
                  recorded.get("seconds", {}), recorded.get("head_start", {}))
     keep = []

@@ -101,3 +101,33 @@ def test_a_test_left_to_a_line_that_ran_it_on_none_fails_the_run(tmp_path):
                          capture_output=True, text=True)
     assert run.returncode == 1 and "run on none: c" in run.stdout and "1 LOST" in run.stdout
     assert 'python3 scripts/ci_durations.py --check "$LOGS" || status=1' in (ROOT / "scripts" / "test_all.sh").read_text()
+
+
+def test_cheap_tests_run_on_both_lines_and_keep_their_record(tmp_path):
+    """Tests recorded under ARENA_BOTH_LINES_BELOW seconds run on every line (test_all.sh sets
+    1.0 s); unrecorded ones are dealt. scripts/ci_durations.py keeps the costlier line's seconds
+    of the tests that ran on both, so they stay cheap in the next deal, and counts them in each
+    line's head start."""
+    import importlib.util
+
+    from conftest import DURATIONS, cheap
+
+    seconds = {"a": 0.4, "b": 3.0}
+    assert cheap("a", seconds, 1.0) and not cheap("b", seconds, 1.0) and not cheap("new", seconds, 1.0)
+    assert not cheap("a", seconds, 0)  # unset: everything dealt
+    recorded = json.loads(DURATIONS.read_text())["seconds"]
+    assert sum(cheap(t, recorded, 1.0) for t in recorded) > len(recorded) / 2  # most tests, on both lines
+    assert "ARENA_BOTH_LINES_BELOW=${ARENA_BOTH_LINES_BELOW:-1.0}" in (ROOT / "scripts" / "test_all.sh").read_text()
+
+    spec = importlib.util.spec_from_file_location("ci_durations", ROOT / "scripts" / "ci_durations.py")
+    ci_durations = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ci_durations)
+    runs = {"py311": {"seconds": {"a": 1.0, "both": 0.2}, "left_to_other_lines": ["b"]},
+            "py313": {"seconds": {"b": 2.0, "both": 0.3}, "left_to_other_lines": ["a"]}}
+    for line, record in runs.items():
+        (tmp_path / f"{line}.durations.json").write_text(json.dumps(record))
+        (tmp_path / f"{line}.setup.log").write_text("setup rc=0 in 10 s\n")
+    out = ci_durations.main(tmp_path)
+    assert out["seconds"] == {"a": 1.0, "b": 2.0, "both": 0.3}
+    assert out["head_start"] == {"0/2": 10.2, "1/2": 10.3}
+
