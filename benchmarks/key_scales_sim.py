@@ -6,9 +6,10 @@ Attention of 4 query heads over 7 / 40 / 90 tokens (head_dim 64; q, k, v ~ N(0, 
 channels x20), error vs float64 over the unquantized K/V (relative Frobenius norm, mean over
 trials), for key layouts the arena has (per-token absmax, with and without the Hadamard
 rotation) and ones it does not (per-channel scales over a page of 16 tokens, KIVI-style; the
-largest channels of each token kept in fp16, KVQuant-style "dense and sparse"). Values keep
-per-token scales (int8) or groups of 32 lanes (int4) throughout, so the "values only" row is
-the floor every key layout sits on. pallas_kernels/README.md ("Rotated keys") quotes the output.
+largest channels of each token kept in fp16, KVQuant-style "dense and sparse"; rotated keys
+with a scale per group of 16 lanes, values likewise). Values keep per-token scales (int8) or
+groups of 32 lanes (int4) elsewhere, so the "values only" row is the floor those key layouts
+sit on. pallas_kernels/README.md ("Rotated keys") quotes the output.
 """
 from __future__ import annotations
 
@@ -66,6 +67,7 @@ def layouts(rot, outliers):
         "int8 values only": lambda q, k, v: attention(q, k, v8(v)),
         "int8 per-token": lambda q, k, v: attention(q, per_token(k), v8(v)),
         "int8 per-token + rotation": lambda q, k, v: attention(q @ rot, per_token(k @ rot), v8(v)),
+        "int8 groups of 16 + rotation": lambda q, k, v: attention(q @ rot, per_token(k @ rot, 8, 16), per_token(v, 8, 16)),
         "int8 per-channel (page)": lambda q, k, v: attention(q, per_channel(k), v8(v)),
         "int8 dense + sparse fp16": lambda q, k, v: attention(q, dense_and_sparse(k, outliers), v8(v)),
         "int4 values only": lambda q, k, v: attention(q, k, v4(v)),
