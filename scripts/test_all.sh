@@ -10,7 +10,7 @@
 #          that reason (ARENA_HF_REFERENCE=absent), everything else runs.
 # With both lines the tests are dealt between them by cost (ARENA_GRID_SHARE, tests/conftest.py,
 # tests/ci_durations.json): each test on one line, except the cheap ones (under
-# ARENA_BOTH_LINES_BELOW seconds in the recorded run, default 1.0) and the HF-parity, Mosaic GPU
+# ARENA_BOTH_LINES_BELOW seconds in the recorded run, default 0.5) and the HF-parity, Mosaic GPU
 # and JAX-bug files, which run on both; each line starts its pytest as soon as its own venv is ready. After a CI run,
 # `python scripts/ci_durations.py` refreshes the recorded costs from .ci-logs/. Both get the
 # sm_90a and TPU compile tooling (scripts/install_sm90_tools.sh, scripts/install_tpu_tools.sh)
@@ -20,7 +20,7 @@
 #   ARENA_LINES="py311 py313"    which lines to run (e.g. ARENA_LINES=py313 for one)
 #   ARENA_PYTHON_311 / _313      interpreters (default: `pyenv prefix 3.11` / `3.13` + /bin/python)
 #   ARENA_TORCH="torch==2.13.0+cpu"   the torch requirement of the py311 line
-#   ARENA_BOTH_LINES_BELOW=1.0   tests recorded under this many seconds run on both lines (0: deal all)
+#   ARENA_BOTH_LINES_BELOW=0.5   tests recorded under this many seconds run on both lines (0: deal all)
 #   ARENA_SERIAL=1               run the lines' pytest one after the other (default: at the same
 #                                time; the lines' logs go to .ci-logs/ and their tails are printed)
 #   extra arguments              passed to both pytest runs (e.g. -x, -k ...)
@@ -67,7 +67,7 @@ run_line() {  # $1: line name; pytest in its venv ($2...: extra pytest arguments
     n=${#all[@]}
     if (( n > 1 )); then
         for j in "${!all[@]}"; do [[ ${all[$j]} == "$line" ]] && i=$j; done
-        env+=(ARENA_GRID_SHARE=$i/$n ARENA_BOTH_LINES_BELOW=${ARENA_BOTH_LINES_BELOW:-1.0})
+        env+=(ARENA_GRID_SHARE=$i/$n ARENA_BOTH_LINES_BELOW=${ARENA_BOTH_LINES_BELOW:-0.5})
     fi
     # -rs: every skip with its reason; `time`: the line's CPU time (load-independent), on stderr
     env+=(ARENA_DURATIONS_OUT="$LOGS/$line.durations.json")  # for scripts/ci_durations.py

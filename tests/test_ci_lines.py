@@ -105,7 +105,7 @@ def test_a_test_left_to_a_line_that_ran_it_on_none_fails_the_run(tmp_path):
 
 def test_cheap_tests_run_on_both_lines_and_keep_their_record(tmp_path):
     """Tests recorded under ARENA_BOTH_LINES_BELOW seconds run on every line (test_all.sh sets
-    1.0 s); unrecorded ones are dealt. scripts/ci_durations.py keeps the costlier line's seconds
+    0.5 s); unrecorded ones are dealt. scripts/ci_durations.py keeps the costlier line's seconds
     of the tests that ran on both, so they stay cheap in the next deal, and counts them in each
     line's head start."""
     import importlib.util
@@ -116,8 +116,8 @@ def test_cheap_tests_run_on_both_lines_and_keep_their_record(tmp_path):
     assert cheap("a", seconds, 1.0) and not cheap("b", seconds, 1.0) and not cheap("new", seconds, 1.0)
     assert not cheap("a", seconds, 0)  # unset: everything dealt
     recorded = json.loads(DURATIONS.read_text())["seconds"]
-    assert sum(cheap(t, recorded, 1.0) for t in recorded) > len(recorded) / 2  # most tests, on both lines
-    assert "ARENA_BOTH_LINES_BELOW=${ARENA_BOTH_LINES_BELOW:-1.0}" in (ROOT / "scripts" / "test_all.sh").read_text()
+    assert sum(cheap(t, recorded, 0.5) for t in recorded) > len(recorded) / 2  # most tests, on both lines
+    assert "ARENA_BOTH_LINES_BELOW=${ARENA_BOTH_LINES_BELOW:-0.5}" in (ROOT / "scripts" / "test_all.sh").read_text()
 
     spec = importlib.util.spec_from_file_location("ci_durations", ROOT / "scripts" / "ci_durations.py")
     ci_durations = importlib.util.module_from_spec(spec)
