@@ -620,9 +620,9 @@ class Scheduler(RunAhead):
         # Each data shard's chunk block (mixed_chunks / dp chunks) feeds its own rows admitted first.
         per, place = self.mixed_chunks // self.dp, []
         for shard in range(self.dp):
-            lo = shard * self.rows_per_shard
-            prefilling = [r for r in range(lo, lo + self.rows_per_shard) if self.rows[r] is not None and self.rows[r].pending > 1]
-            prefilling.sort(key=lambda r: self.rows[r].admitted)
+            rows = range(shard * self.rows_per_shard, (shard + 1) * self.rows_per_shard)
+            prefilling = sorted((r for r in rows if self.rows[r] is not None and self.rows[r].pending > 1),
+                                key=lambda r: self.rows[r].admitted)  # fmt: skip
             place += [(shard * per + i, r) for i, r in enumerate(prefilling[:per])]
         for i, r in place:
             s = self.rows[r]

@@ -71,15 +71,11 @@ def _step(graphdef, state, cache, tokens, slots, num_tokens, seq_ids, seed, samp
 
 def _shard_blocks(dp: int, decode, chunks):
     """[B], [P] -> [B + P]: the decode rows then the chunks of data shard 0, then of shard 1, ..."""
-    if dp == 1:
-        return jnp.concatenate([decode, chunks])
     return jnp.concatenate([decode.reshape(dp, -1), chunks.reshape(dp, -1)], axis=1).reshape(-1)
 
 
 def _unblock(dp: int, rows, batch: int):
     """`_shard_blocks`' inverse: [B + P] -> ([B], [P])."""
-    if dp == 1:
-        return rows[:batch], rows[batch:]
     blocks = rows.reshape(dp, -1)
     return blocks[:, : batch // dp].reshape(-1), blocks[:, batch // dp :].reshape(-1)
 
