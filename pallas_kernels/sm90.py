@@ -207,13 +207,20 @@ def lower_triton_calls(fn, args) -> list[_TritonCall]:
     return calls
 
 
+# XLA's default backend optimization level, whatever XLA_FLAGS says: the facts are those of the
+# PTX a GPU user's XLA emits. (The test suite compiles for the CPU at level 0, tests/conftest.py;
+# at level 0 the kernels' PTX is unoptimized and, through ptxas, spills: 17 variants did.)
+DEFAULT_OPTIMIZATION = {"xla_backend_optimization_level": 3}
+
+
 def _xla_ptx(fn, args, names, workdir) -> dict:
     """Deviceless XLA compile for an H100: {kernel name: (ptx, dynamic smem bytes)}."""
     h100 = jax.sharding.SingleDeviceSharding(sm90_compat.cuda_topology(H100_TARGET_CONFIG).devices[0])
     placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=h100) for a in args]
     dump = tempfile.mkdtemp(prefix="xla_", dir=workdir)
     with h100_lowering():
-        jax.jit(fn).trace(*placed).lower().compile({"xla_dump_to": dump, **sm90_compat.PTX_DUMP_OPTIONS})
+        jax.jit(fn).trace(*placed).lower().compile({"xla_dump_to": dump, **sm90_compat.PTX_DUMP_OPTIONS,
+                                                    **DEFAULT_OPTIMIZATION})
     files = sorted(os.listdir(dump))
     ptxs = [open(os.path.join(dump, f)).read() for f in files if f.endswith(".ptx")]
     thunks = "".join(open(os.path.join(dump, f)).read() for f in files if f.endswith("thunk_sequence.txt"))

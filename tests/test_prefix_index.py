@@ -10,8 +10,6 @@ import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-
-from conftest import per_line  # the CI lines share the examples
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import arena_jax as aj
@@ -176,7 +174,7 @@ class IndexMachine(RuleBasedStateMachine):
         assert trial.num_pages == ix.num_pages - ix.evictable_pages
 
 
-IndexMachine.TestCase.settings = settings(max_examples=per_line(60), stateful_step_count=30, deadline=None)
+IndexMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 test_index_counters_stay_consistent_under_any_call_order = IndexMachine.TestCase
 
 
@@ -247,7 +245,7 @@ class TieredIndexMachine(IndexMachine):
         assert trial.num_pages == ix.num_pages - ix.evictable_pages
 
 
-TieredIndexMachine.TestCase.settings = settings(max_examples=per_line(40), stateful_step_count=30, deadline=None)
+TieredIndexMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
 test_a_tiered_index_stays_consistent_under_any_call_order = TieredIndexMachine.TestCase
 
 

@@ -16,8 +16,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import per_line  # noqa: E402  (the CI lines share the examples)
-
 import arena_jax as aj
 import models
 from models.scheduler import Scheduler
@@ -127,7 +125,7 @@ def workloads(draw):
     return page_size, num_pages, max_new, prompts, temperature, turns, mixed
 
 
-@settings(max_examples=int(os.environ.get("ARENA_PROGRESS_EXAMPLES", str(per_line(12)))), deadline=None)
+@settings(max_examples=int(os.environ.get("ARENA_PROGRESS_EXAMPLES", "12")), deadline=None)
 @given(work=workloads())
 def test_drawn_workloads_finish_with_the_no_cache_tokens(model, work):
     page_size, num_pages, max_new, prompts, temperature, turns, mixed = work
@@ -167,7 +165,7 @@ def test_a_request_preempted_once_is_readmitted_for_good(model, prefix):
 FORCE_SWAP = models.SwapPolicy(prefill_tokens_per_s=1.0)
 
 
-@settings(max_examples=int(os.environ.get("ARENA_PROGRESS_HOST_EXAMPLES", str(per_line(8)))), deadline=None)
+@settings(max_examples=int(os.environ.get("ARENA_PROGRESS_HOST_EXAMPLES", "8")), deadline=None)
 @given(work=workloads(), tier=st.sampled_from(["swap", "prefix"]))
 def test_drawn_workloads_with_a_host_tier_finish_with_the_no_cache_tokens(model, work, tier):
     page_size, num_pages, max_new, prompts, temperature, turns, mixed = work

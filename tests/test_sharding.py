@@ -34,7 +34,6 @@ FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_
 
 def _env(devices: int) -> dict:
     env = dict(os.environ)
-    env.pop("ARENA_GRID_SHARE", None)  # the CI line that runs this test runs every check of the child
     env["JAX_PLATFORMS"] = "cpu"
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices} {FAST_COMPILE}".strip()
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
