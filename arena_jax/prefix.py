@@ -177,8 +177,8 @@ class PrefixCache(Binding):
         self.page_size = layout.page_size
         self.tag = tag
         self.arena_id: int | None = None  # set by `bind`
-        self._serial = itertools.count()
-        self.root = _Node(-1, (), None, next(self._serial))
+        self._serial = 0  # a plain int (not itertools.count, which deepcopy refuses from Python 3.14)
+        self.root = _Node(-1, (), None, self._next_serial())
         self.root.owner = self
         self._nodes: dict[int, _Node] = {}  # device page -> node
         self._host_nodes: dict[int, _Node] = {}  # host page -> node
@@ -190,6 +190,10 @@ class PrefixCache(Binding):
         self.lookups = self.lookup_tokens = self.hit_tokens = self.host_hit_tokens = 0
         self.inserted_pages = self.evicted_pages = self.replaced_pages = 0
         self.offloaded_pages = self.host_dropped_pages = self.promoted_pages = 0
+
+    def _next_serial(self) -> int:
+        self._serial += 1
+        return self._serial - 1
 
     # ---- queries ------------------------------------------------------------------------------
     @property
@@ -398,7 +402,7 @@ class PrefixCache(Binding):
     def _add(self, parent: _Node, chunk: tuple, page: int, out: Insertion) -> "_Node | None":
         if page in self._nodes:
             return None
-        node = _Node(page, chunk, parent, next(self._serial))
+        node = _Node(page, chunk, parent, self._next_serial())
         node.owner = self
         if len(chunk) == self.page_size:
             parent.full[chunk] = node
