@@ -29,7 +29,9 @@ import models
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# The children inherit the suite's XLA_FLAGS (tests/conftest.py: optimization level 0, or the
+# level the caller named) and add less LLVM work still.
+FAST_COMPILE = "--xla_llvm_disable_expensive_passes=true"
 
 
 def _env(devices: int) -> dict:
