@@ -191,6 +191,17 @@ def warn_if_writes_copy(layout: KVLayout, platform: str | None = None) -> None:
             f"arrays in place: each append copies the arena's {jnp.dtype(dtype).name} arrays, so a step's cost follows the "
             "arena's capacity, not the context (pallas_kernels/scatter.py). On CPU, float32 / float16 / int8 arenas "
             "(and bfloat16 from jax 0.11) are written in place.", RuntimeWarning, stacklevel=3)
+    if platform == "tpu" and layout.int4 and "int4 on tpu" not in _WRITE_COPY_WARNED:
+        _WRITE_COPY_WARNED.add("int4 on tpu")
+        import warnings
+
+        warnings.warn(
+            f"arena_jax: an int4 arena on a TPU: its packed rows (head_dim / 2 = {layout.head_dim // 2} bytes) and its "
+            f"group scales ({layout.head_dim // 32} per token) are narrower than the TPU's 128 lanes, so XLA relayouts "
+            "(copies) the whole arena and its scales around every step (a Llama-3-8B-shaped decode step compiled for a "
+            "TPU v6e 2x4 mesh: 13.3 GB of temp memory per device against 1.1 GB of arena, 8.5 MB with a bfloat16 arena; "
+            "benchmarks/RESULTS.md, 'int4 arenas on a TPU'). On a TPU use int8 (pages of 128 tokens) or bfloat16.",
+            RuntimeWarning, stacklevel=3)
 
 
 def create(layout: KVLayout, *, mesh=None, tensor_axis: str | None = "tensor", data_axis: str | None = None) -> KVCache:

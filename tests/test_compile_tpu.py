@@ -246,3 +246,48 @@ def test_a_cache_on_a_tpu_mesh_gets_no_warning_about_the_cpus_writes(tooling):
             jax.eval_shape(lambda: aj.create(layout, mesh=where, tensor_axis="tensor"))  # noqa: B023
         copies = [w for w in caught if "cannot update bfloat16" in str(w.message)]
         assert bool(copies) == expected, (where, [str(w.message) for w in caught])
+
+
+def test_an_int4_cache_on_a_tpu_mesh_warns_that_xla_copies_it(tooling):
+    """An int4 layout on a TPU mesh gets `aj.create`'s warning that XLA relayouts the arena
+    around every step (the next test); on the CPU host it does not."""
+    import warnings
+
+    import arena_jax as aj
+    from arena_jax import state
+
+    layout = aj.KVLayout(num_layers=1, num_kv_heads=2, head_dim=128, page_size=16, num_pages=8, max_seqs=2,
+                         max_pages_per_seq=4, dtype="int4")  # fmt: skip
+    mesh = tpu_compile.mesh_of("tpu-v5e", "2x2", ("data", "tensor"))
+    for where, expected in ((None, False), (mesh, True)):
+        state._WRITE_COPY_WARNED.discard("int4 on tpu")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            jax.eval_shape(lambda: aj.create(layout, mesh=where, tensor_axis="tensor"))  # noqa: B023
+        said = [str(w.message) for w in caught if "int4 arena on a TPU" in str(w.message)]
+        assert bool(said) == expected, (where, said)
+        assert not said or "64 bytes" in said[0] and "4 per token" in said[0]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known (benchmarks/RESULTS.md, 'int4 arenas on a TPU'; aj.create warns): an int4 arena's packed "
+    "rows (64 bytes at head_dim 128) and group scales (4 per token) are narrower than the TPU's 128 "
+    "lanes, so XLA relayouts the arena and its scales around the step (1 layer: six arena-sized copies)"))
+def test_an_int4_decode_step_compiles_for_tpu_without_copying_the_arena(tooling):
+    """Llama-3-8B-shaped decode (1 layer) on a v6e 2x4 mesh with an int4 arena (the TPU kernels
+    take no int4: the blockwise jnp path runs): the arena must be aliased and never copied, as
+    for bf16 and int8 arenas. It is copied today (strict xfail: when a layout change or XLA
+    removes the copies, this fails, and the warning and the docs go)."""
+    from benchmarks.tpu_steps import STEP_CASES, compile_step
+
+    base = next(c for c in STEP_CASES if c.step == "decode" and c.target == "tpu-v6e")
+    case = dataclasses.replace(base, num_layers=1, dtype="int4")
+    compiled, cache, _ = compile_step(case)
+    shape = tpu_compile.hlo_shape(str(cache.k.dtype), cache.k.sharding.shard_shape(cache.k.shape))
+    facts = tpu_compile.module_facts(compiled, big=(cache.k.size * cache.k.dtype.itemsize) // cache.k.sharding.num_devices // 4)
+    arena_params = facts.params_of_shape(shape)
+    assert len(arena_params) == 2 and set(arena_params) <= set(facts.aliased_params), facts.aliased_params
+    local = cache.k.sharding.shard_shape(cache.k.shape)
+    one_layer = tpu_compile.hlo_shape(str(cache.k.dtype), local[1:])
+    arena_copies = [c for c in facts.big_copies if c[1] in (shape, one_layer)]
+    assert arena_copies == [], f"XLA copies the arena (or one layer of it): {arena_copies}"
