@@ -14,11 +14,12 @@ import os
 # The optimized HLO is the same (compared on JAX 0.10.2 and 0.11.2: a tiny model's decode step,
 # prefill, release and fork over f32 / int8 / int4 arenas and the Pallas attention kernel in
 # interpret mode, 13 programs, identical text; tests/test_ci_lines.py checks the decode step),
-# so every program, its fusions, its buffer donation and aliasing are what a user compiles; compiles take 35-40% less time (most of the suite's time), tiny steps run
-# slower. That lets CI run the whole suite on both JAX lines (README, "Two commands"). An
-# XLA_FLAGS that names its own level wins: XLA_FLAGS=--xla_backend_optimization_level=3 pytest
-# tests the default. (Set before JAX starts a backend: XLA reads XLA_FLAGS once. The sm_90a
-# compile checks pin the default level in their own compile options, pallas_kernels/sm90.py.)
+# so every program, its fusions, its buffer donation and aliasing are what a user compiles.
+# Compiles take 35-40% less time (most of the suite's time); tiny steps run slower. That lets
+# CI run the whole suite on both JAX lines (README, "Two commands"). An XLA_FLAGS that names
+# its own level wins: XLA_FLAGS=--xla_backend_optimization_level=3 pytest tests the default.
+# (Set before JAX starts a backend: XLA reads XLA_FLAGS once. The sm_90a compile checks pin the
+# default level in their own compile options, pallas_kernels/sm90.py.)
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 LEVEL_FROM_USER = "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", "")
 if not LEVEL_FROM_USER:
