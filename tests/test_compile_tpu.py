@@ -153,16 +153,22 @@ def _step_cases():
             dataclasses.replace(decode_v6e, num_layers=1, page_size=128, num_pages=2048, dtype="int8")]
 
 
+def _compiled_step_facts(case):
+    """(compiled, cache, local arena shape, its HLO shape, facts, arena params) of a model step
+    compiled for its TPU target; "big" copies are those of a quarter of one arena or more."""
+    from benchmarks.tpu_steps import compile_step
+
+    compiled, cache, _ = compile_step(case)
+    local = cache.k.sharding.shard_shape(cache.k.shape)
+    shape = tpu_compile.hlo_shape(str(cache.k.dtype), local)
+    facts = tpu_compile.module_facts(compiled, big=(cache.k.size * cache.k.dtype.itemsize) // cache.k.sharding.num_devices // 4)
+    return compiled, cache, local, shape, facts, facts.params_of_shape(shape)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", _step_cases(), ids=lambda c: c.label.replace(" ", "-"))
 def test_model_step_compiles_for_tpu_with_the_arena_donated(tooling, case):
-    from benchmarks.tpu_steps import compile_step
-
-    compiled, cache, layout = compile_step(case)
-    local = cache.k.sharding.shard_shape(cache.k.shape)
-    shape = tpu_compile.hlo_shape(case.dtype, local)
-    facts = tpu_compile.module_facts(compiled, big=(cache.k.size * cache.k.dtype.itemsize) // cache.k.sharding.num_devices // 4)
-    arena_params = facts.params_of_shape(shape)
+    compiled, cache, local, shape, facts, arena_params = _compiled_step_facts(case)
     assert len(arena_params) == 2, f"expected k and v params of shape {shape}: {facts.param_shapes}"
     assert set(arena_params) <= set(facts.aliased_params), (arena_params, facts.aliased_params)
     # A model weight may be copied (JAX 0.11 relayouts the q projection, [4096, 16, 128] per
@@ -278,16 +284,11 @@ def test_an_int4_decode_step_compiles_for_tpu_without_copying_the_arena(tooling)
     take no int4: the blockwise jnp path runs): the arena must be aliased and never copied, as
     for bf16 and int8 arenas. It is copied today (strict xfail: when a layout change or XLA
     removes the copies, this fails, and the warning and the docs go)."""
-    from benchmarks.tpu_steps import STEP_CASES, compile_step
+    from benchmarks.tpu_steps import STEP_CASES
 
-    base = next(c for c in STEP_CASES if c.step == "decode" and c.target == "tpu-v6e")
-    case = dataclasses.replace(base, num_layers=1, dtype="int4")
-    compiled, cache, _ = compile_step(case)
-    shape = tpu_compile.hlo_shape(str(cache.k.dtype), cache.k.sharding.shard_shape(cache.k.shape))
-    facts = tpu_compile.module_facts(compiled, big=(cache.k.size * cache.k.dtype.itemsize) // cache.k.sharding.num_devices // 4)
-    arena_params = facts.params_of_shape(shape)
+    int4 = next(c for c in STEP_CASES if c.dtype == "int4")
+    _, cache, local, shape, facts, arena_params = _compiled_step_facts(dataclasses.replace(int4, num_layers=1))
     assert len(arena_params) == 2 and set(arena_params) <= set(facts.aliased_params), facts.aliased_params
-    local = cache.k.sharding.shard_shape(cache.k.shape)
     one_layer = tpu_compile.hlo_shape(str(cache.k.dtype), local[1:])
     arena_copies = [c for c in facts.big_copies if c[1] in (shape, one_layer)]
     assert arena_copies == [], f"XLA copies the arena (or one layer of it): {arena_copies}"
