@@ -5,14 +5,15 @@
 
 Figures, all in one process (a tiny random-weight `LlamaConfig.tiny()`, float32, greedy):
 - **Step time**: `generate`'s decode step (`Generation.decode_step_seconds`: the wall time of
-  each scheduler iteration that was one decode step alone) against a bare loop of the same
-  jitted step (`models.steps.bound_steps`, what generate calls; and the public
+  each scheduler iteration that only decoded, over its decode steps) against a bare loop of
+  the jitted one-step program (`models.steps.bound_steps`' `decode_step`; and the public
   `models.decode_step`, which hashes its graphdef per call) run `chunk` steps at a time with
-  the tokens fed back on the device and one read back at the end, and against `generate` with
-  run-ahead off (`Scheduler.RUN_AHEAD = False`: every step read back before the next is
-  planned, the old loop). Rounds alternate them so that load on a shared machine hits each;
-  medians over every step of every round. `host_overhead_ms` = generate's step minus the bare
-  step.
+  the tokens fed back on the device and one read back at the end. Three `generate` loops:
+  its default (decode blocks of 8 steps per call, run-ahead), one step per call
+  (`decode_block=1`, run-ahead), and one step with run-ahead off (`Scheduler.RUN_AHEAD =
+  False`: every step read back before the next is planned, the old loop). Rounds alternate
+  them so that load on a shared machine hits each; medians over every step of every round.
+  `host_overhead*_ms` = generate's step minus the bare step.
 - **Compiles per call** (`benchmarks.compile_count`: programs JAX lowered, i.e. jit cache
   misses): the cold first `generate` call, the same call again, and a call with other prompt
   lengths, fewer prompts and another `max_new_tokens` on the same arena.
@@ -36,6 +37,8 @@ import tempfile
 import time
 
 __all__ = ["ServeSettings", "run_serve", "serve_lines"]
+
+BLOCK = 8  # generate's decode_block (its default offline)
 
 
 @dataclasses.dataclass
@@ -75,10 +78,11 @@ def _step_times(net, settings: ServeSettings, advance) -> dict:
     prompts = [rng.integers(0, net.config.vocab_size, p).tolist() for _ in range(b)]
     layout = models.default_layout(net, b, p + n, dtype="float32")
 
-    def gen(ahead):
+    def gen(ahead, block=None):
         Scheduler.RUN_AHEAD = ahead
         try:
-            return models.generate(net, prompts, n, batch_size=b, chunk_size=32, layout=layout, stop_tokens=())
+            return models.generate(net, prompts, n, batch_size=b, chunk_size=32, layout=layout, stop_tokens=(),
+                                   decode_block=block)  # fmt: skip
         finally:
             Scheduler.RUN_AHEAD = True
 
@@ -107,38 +111,43 @@ def _step_times(net, settings: ServeSettings, advance) -> dict:
             times.append((time.perf_counter() - t0) / chunk)
         return times
 
-    gen(True), gen(False), bare(False), bare(True)  # warm: compile everything once
-    rows = {"generate": [], "generate_no_run_ahead": [], "bare": [], "bare_public": []}
-    same, r = True, None
-    round_ratios = {"bare_over_generate": [], "bare_over_generate_no_run_ahead": []}
+    runs = dict(generate=lambda: gen(True, BLOCK), generate_one_step=lambda: gen(True, 1),
+                generate_no_run_ahead=lambda: gen(False, 1))  # fmt: skip
+    for run in runs.values():  # warm: compile everything once
+        run()
+    bare(False), bare(True)
+    rows = {"generate": [], "generate_one_step": [], "generate_no_run_ahead": [], "bare": [], "bare_public": []}
+    same, last = True, {}
+    round_ratios = {k: [] for k in runs}
     for _ in range(settings.rounds):
-        r = gen(True)
-        ref = gen(False)
-        times = dict(generate=r.decode_step_seconds, generate_no_run_ahead=ref.decode_step_seconds, bare=bare(False),
-                     bare_public=bare(True))  # fmt: skip
+        last = {k: run() for k, run in runs.items()}
+        times = {k: r.decode_step_seconds for k, r in last.items()}
+        times.update(bare=bare(False), bare_public=bare(True))
         for k, v in times.items():
             rows[k] += v
-        round_ratios["bare_over_generate"].append(statistics.median(times["bare"]) / statistics.median(times["generate"]))
-        round_ratios["bare_over_generate_no_run_ahead"].append(
-            statistics.median(times["bare"]) / statistics.median(times["generate_no_run_ahead"]))
-        same = same and r.tokens == ref.tokens
+        for k in runs:
+            round_ratios[k].append(statistics.median(times["bare"]) / statistics.median(times[k]))
+        same = same and last["generate"].tokens == last["generate_one_step"].tokens == last["generate_no_run_ahead"].tokens
         advance()
     med = {k: statistics.median(v) for k, v in rows.items()}
     ms = lambda x: round(1e3 * x, 4)  # noqa: E731
-    return dict(
+    r = last["generate"]
+    out = dict(
         batch=b, prompt_len=p, new_tokens=n, rounds=settings.rounds, samples={k: len(v) for k, v in rows.items()},
-        generate_step_ms=ms(med["generate"]), generate_no_run_ahead_step_ms=ms(med["generate_no_run_ahead"]),
         bare_step_ms=ms(med["bare"]), bare_public_step_ms=ms(med["bare_public"]),
-        bare_over_generate=round(med["bare"] / med["generate"], 3),
-        bare_over_generate_no_run_ahead=round(med["bare"] / med["generate_no_run_ahead"], 3),
-        per_round_bare_over_generate=[round(x, 3) for x in round_ratios["bare_over_generate"]],
-        per_round_bare_over_generate_no_run_ahead=[round(x, 3) for x in round_ratios["bare_over_generate_no_run_ahead"]],
-        median_round_bare_over_generate=round(statistics.median(round_ratios["bare_over_generate"]), 3),
-        median_round_bare_over_generate_no_run_ahead=round(statistics.median(round_ratios["bare_over_generate_no_run_ahead"]), 3),
-        host_overhead_ms=ms(med["generate"] - med["bare"]),
-        host_overhead_no_run_ahead_ms=ms(med["generate_no_run_ahead"] - med["bare"]),
-        run_ahead_steps=r.run_ahead_steps, decode_calls=r.decode_calls, same_tokens_as_no_run_ahead=bool(same),
+        decode_block=BLOCK, decode_calls=r.decode_calls, decode_steps=r.decode_steps, run_ahead_steps=r.run_ahead_steps,
+        one_step_run_ahead_steps=last["generate_one_step"].run_ahead_steps,
+        one_step_decode_calls=last["generate_one_step"].decode_calls,
+        same_tokens_as_no_run_ahead=bool(same),
     )  # fmt: skip
+    for k in runs:  # generate's step, its ratio to the bare step, per round, and the host's overhead per step
+        suffix = "" if k == "generate" else k[len("generate") :]
+        out[f"generate{suffix}_step_ms"] = ms(med[k])
+        out[f"bare_over_generate{suffix}"] = round(med["bare"] / med[k], 3)
+        out[f"per_round_bare_over_generate{suffix}"] = [round(x, 3) for x in round_ratios[k]]
+        out[f"median_round_bare_over_generate{suffix}"] = round(statistics.median(round_ratios[k]), 3)
+        out[f"host_overhead{suffix}_ms"] = ms(med[k] - med["bare"])
+    return out
 
 
 def _compiles_per_call(settings: ServeSettings) -> dict:
@@ -245,15 +254,19 @@ def serve_lines(result: dict) -> list[str]:
         f"{s['rounds']} alternated rounds):",
         f"  bare loop of generate's jitted step {s['bare_step_ms']:8.3f} ms   (public models.decode_step: "
         f"{s['bare_public_step_ms']:.3f} ms)",
-        f"  generate (run-ahead)                {s['generate_step_ms']:8.3f} ms   bare/generate {s['bare_over_generate']:.2f}"
-        f"   host overhead {s['host_overhead_ms']:+.3f} ms/step",
-        f"  generate (RUN_AHEAD=False)          {s['generate_no_run_ahead_step_ms']:8.3f} ms   bare/generate "
+        f"  generate (decode blocks of {s['decode_block']})     {s['generate_step_ms']:8.3f} ms   bare/generate "
+        f"{s['bare_over_generate']:.2f}   host overhead {s['host_overhead_ms']:+.3f} ms/step",
+        f"  generate (one step per call)        {s['generate_one_step_step_ms']:8.3f} ms   bare/generate "
+        f"{s['bare_over_generate_one_step']:.2f}   host overhead {s['host_overhead_one_step_ms']:+.3f} ms/step",
+        f"  generate (one step, RUN_AHEAD=False) {s['generate_no_run_ahead_step_ms']:7.3f} ms   bare/generate "
         f"{s['bare_over_generate_no_run_ahead']:.2f}   host overhead {s['host_overhead_no_run_ahead_ms']:+.3f} ms/step",
-        f"  per-round bare/generate: run-ahead {s['per_round_bare_over_generate']} (median "
-        f"{s['median_round_bare_over_generate']:.2f}); RUN_AHEAD=False {s['per_round_bare_over_generate_no_run_ahead']} "
-        f"(median {s['median_round_bare_over_generate_no_run_ahead']:.2f})",
-        f"  run-ahead steps {s['run_ahead_steps']} of {s['decode_calls']} decode calls; tokens equal to RUN_AHEAD=False: "
-        f"{s['same_tokens_as_no_run_ahead']}",
+        f"  per-round bare/generate: blocks {s['per_round_bare_over_generate']} (median "
+        f"{s['median_round_bare_over_generate']:.2f}); one step {s['per_round_bare_over_generate_one_step']} (median "
+        f"{s['median_round_bare_over_generate_one_step']:.2f}); RUN_AHEAD=False "
+        f"{s['per_round_bare_over_generate_no_run_ahead']} (median {s['median_round_bare_over_generate_no_run_ahead']:.2f})",
+        f"  blocks: {s['decode_steps']} decode steps in {s['decode_calls']} calls ({s['run_ahead_steps']} ran ahead); "
+        f"one step: {s['one_step_run_ahead_steps']} of {s['one_step_decode_calls']} calls ran ahead; tokens equal to "
+        f"RUN_AHEAD=False: {s['same_tokens_as_no_run_ahead']}",
         "compiles per generate call (programs lowered = jit cache misses):",
     ]
     for c in result["compiles_per_call"]["calls"]:

@@ -7,7 +7,10 @@ import math
 
 from arena_jax.hf_config import INT32_MAX
 
-__all__ = ["INT32_MAX", "int_in", "positive_int", "seed", "float_in", "non_negative_float", "positive_float"]
+__all__ = ["INT32_MAX", "MAX_DECODE_BLOCK", "int_in", "positive_int", "seed", "float_in", "non_negative_float", "positive_float"]
+
+
+MAX_DECODE_BLOCK = 1024  # decode steps per device call at most (`generate(decode_block=)`; results i32[block, 2, batch])
 
 
 def int_in(low: int, high: int = INT32_MAX):

@@ -24,7 +24,7 @@ import os
 import sys
 import time
 
-from models.argtypes import float_in, int_in, non_negative_float, positive_int, seed
+from models.argtypes import MAX_DECODE_BLOCK, float_in, int_in, non_negative_float, positive_int, seed
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _KV_DTYPES = _DTYPES + ("int8", "float8_e4m3fn", "float8_e5m2")
@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="feed prompt chunks together with the decoding rows' tokens, one call per step")  # fmt: skip
     p.add_argument("--token-budget", type=positive_int, default=None,
                    help="tokens per mixed step (default --batch + --chunk-size: one chunk); needs --mixed-steps")  # fmt: skip
+    p.add_argument("--decode-block", type=int_in(1, MAX_DECODE_BLOCK), default=8,
+                   help="decode steps per device call while no request waits (the host's work paid once per block; "
+                        "same tokens); 1: one step per call")  # fmt: skip
     return p
 
 
@@ -186,6 +189,7 @@ def main(argv=None) -> int:
             stop_tokens=() if args.ignore_eos else None,  # None: the checkpoint's eos tokens
             mixed_steps=args.mixed_steps,
             token_budget=args.token_budget,
+            decode_block=args.decode_block,
         )
         warm_start = time.perf_counter()
         warm_new = min(2, args.max_new_tokens)  # fits wherever the real run fits (checked above)
@@ -207,7 +211,8 @@ def main(argv=None) -> int:
     stops = "none" if args.ignore_eos or not model.config.eos_token_ids else list(model.config.eos_token_ids)
     print(
         f"{result.num_generated} tokens in {result.seconds:.3f} s: {result.tokens_per_second:.1f} tokens/s "
-        f"(batch {args.batch}, {result.prefill_calls} prefill + {result.mixed_calls} mixed + {result.decode_calls} decode calls, "
+        f"(batch {args.batch}, {result.prefill_calls} prefill + {result.mixed_calls} mixed + {result.decode_calls} decode calls "
+        f"of {result.decode_steps} steps, "
         f"{result.preemptions} preemptions; stop tokens {stops}; KV arena {layout.dtype.name}; warm-up {warm:.1f} s)"
     )
     if args.prefix_cache:

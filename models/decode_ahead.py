@@ -50,41 +50,76 @@ class RunAhead:
         if self.index is not None:
             live = np.flatnonzero(slots >= 0)
             self._make_room(live.tolist(), [1] * len(live))
-        out = self._dispatch_decode(jnp.asarray(tokens), slots, seq_ids)
+        rows = [r for r, s in enumerate(served) if s is not None]
+        steps = self._block_steps(rows, [0] * self.batch, rows, waiting)
+        out = self._dispatch_decode(jnp.asarray(tokens), slots, seq_ids, steps)
         if not run_ahead:
-            return self._collect(*out, slots, (slots >= 0).astype(np.int32))
-        return self._finish_decode(out, slots, served, waiting)
+            return self._collect(*out, slots, (slots >= 0).astype(np.int32), steps=steps)
+        return self._finish_decode(out, slots, served, waiting, steps)
 
-    def _dispatch_decode(self, tokens: jax.Array, slots: np.ndarray, seq_ids: np.ndarray):
-        out = self.steps.decode_step(
-            self.steps.leaves, self.cache, tokens, self._device(slots), self._device(seq_ids), self.seed, self.sampling
-        )
+    def _block_steps(self, rows: list[int], in_flight: list[int], going: list[int], waiting: collections.deque):
+        """i32[B]: the decode steps each row of `going` runs in the next call (module docstring,
+        "Decode blocks"), or None for a plain `decode_step` (decode_block 1, or logits to return).
+        Up to `decode_block` steps (none past max_new_tokens) while nothing waits, no row
+        prefills, there is no prefix index and each data shard's rows at their length after the
+        in-flight steps and these fit its pages; else one step. `rows`: every running row, with
+        `in_flight[r]` tokens of a step not read back yet."""
+        if self.block == 1 or self.return_logits:
+            return None
+        steps = np.zeros((self.batch,), np.int32)
+        steps[going] = 1
+        if waiting or self.index is not None or any(s.pending != 1 for s in self._running()):
+            return steps
+        for r in going:
+            steps[r] = min(self.block, self.max_new - len(self.rows[r].generated) - in_flight[r])
+        size, per = self.layout.page_size, self.rows_per_shard
+        for shard in range(self.dp):
+            pages = sum(-(-(self.rows[r].fed + in_flight[r] + int(steps[r])) // size)
+                        for r in rows if r // per == shard)  # fmt: skip
+            if pages > self.pages_per_shard:
+                steps[going] = 1  # a block's reservation might fail: one step (the caller checks its pages)
+                break
+        return steps
+
+    def _dispatch_decode(self, tokens: jax.Array, slots: np.ndarray, seq_ids: np.ndarray, steps: np.ndarray | None):
+        if steps is None:
+            out = self.steps.decode_step(
+                self.steps.leaves, self.cache, tokens, self._device(slots), self._device(seq_ids), self.seed, self.sampling
+            )
+            self.decode_steps += 1
+        else:
+            out = self.steps.decode_block(
+                self.steps.leaves, self.cache, tokens, self._device(slots), self._device(steps), self._device(seq_ids),
+                self.seed, self.sampling, length=self.block,
+            )  # fmt: skip
+            self.decode_steps += int(steps.max(initial=0))
         self.cache = out[0].cache
         self.decode_calls += 1
         out[1].copy_to_host_async()  # the tokens start home as soon as the step ends, not when read
-        return out  # (StepOutput, packed i32[2, B])
+        return out  # (StepOutput, packed i32[2, B] or i32[block, 2, B])
 
-    def _finish_decode(self, out, slots: np.ndarray, served: list, waiting: collections.deque) -> set:
-        """Read back a dispatched decode step, first dispatching the next one when the host can
-        prove what it will be (`_next_decode_rows`): its tokens are this step's, fed back on the
-        device, so the device runs step t+1 while the host handles step t's tokens."""
-        nxt = self._next_decode_rows(slots, served, waiting)
+    def _finish_decode(self, out, slots: np.ndarray, served: list, waiting: collections.deque, steps) -> set:
+        """Read back a dispatched decode step (or block), first dispatching the next one when the
+        host can prove what it will be (`_next_decode_rows`): its tokens are this call's last,
+        fed back on the device, so the device runs the next call while the host handles this one's tokens."""
+        nxt = self._next_decode_rows(slots, served, waiting, steps)
         if nxt is not None:
-            next_slots, next_ids, next_served = nxt
-            ahead = self._dispatch_decode(out[0].tokens, next_slots, next_ids)
+            next_slots, next_ids, next_served, next_steps = nxt
+            ahead = self._dispatch_decode(out[0].tokens, next_slots, next_ids, next_steps)
             self.run_ahead_steps += 1
         # Step t's cache went into step t+1 (donated): a prefix index keeps its page rows, which
         # neither step changed (`_next_decode_rows`).
-        failed = self._collect(*out, slots, (slots >= 0).astype(np.int32), served, page_rows=nxt is None)
+        failed = self._collect(*out, slots, (slots >= 0).astype(np.int32), served, page_rows=nxt is None, steps=steps)
         if nxt is not None:
             if failed:
                 raise RuntimeError("a decode step the scheduler counted pages for was refused: a bug in its accounting")
-            self._ahead = (ahead, next_slots, next_served)
+            self._ahead = (ahead, next_slots, next_served, next_steps)
         return failed
 
-    def _next_decode_rows(self, slots: np.ndarray, served: list, waiting: collections.deque):
-        """(slots, seq ids, Seqs) of the decode step that follows the in-flight one `slots` /
-        `served` (not read back yet), or None when it cannot be known before reading it back
+    def _next_decode_rows(self, slots: np.ndarray, served: list, waiting: collections.deque, steps=None):
+        """(slots, seq ids, Seqs, steps) of the decode call that follows the in-flight one `slots` /
+        `served` / `steps` (not read back yet; steps None: one step per row; the next call's
+        steps: `_block_steps`), or None when it cannot be known before reading it back
         (`models.scheduler` docstring, "Overlap"). Rows assumed to go on: those whose Seq is still in its
         row (a stop token read back since is only known for the step before) and that have not
         reached max_new_tokens with the in-flight token; with a prefix index, only while neither
@@ -96,10 +131,11 @@ class RunAhead:
         rows = [r for r, s in enumerate(served) if s is not None and self.rows[r] is s]
         if not rows:
             return None
+        in_flight = [1] * self.batch if steps is None else steps.tolist()
         for s in self.rows:  # a row to prefill
             if s is not None and len(s.prompt) + len(s.generated) - s.fed != 1:
                 return None
-        going = [r for r in rows if len(served[r].generated) + 1 < self.max_new]
+        going = [r for r in rows if len(served[r].generated) + in_flight[r] < self.max_new]
         if waiting and (len(going) < len(rows) or not self._admit_current):
             return None  # a row frees up, so the next iteration admits
         if waiting and self._admit_clock < waiting[0].arrival <= self._clock():
@@ -119,20 +155,20 @@ class RunAhead:
                 s = self.rows[r]
                 if s.cow_node is not None or -(-(s.fed + 2) // size) != -(-s.fed // size):
                     return None
-            self._flush()
-        else:
-            self._flush()  # releases of rows vacated since (run before the next step, after the in-flight one)
-            extra = [0] * self.batch  # tokens each row holds after the in-flight step and the next one
+        self._flush()  # releases of rows vacated since (run before the next step, after the in-flight one)
+        next_steps = self._block_steps(rows, in_flight, going, waiting)
+        if self.index is None:
+            extra = [0] * self.batch  # tokens each row holds after the in-flight call and the next one
             for r in rows:
-                extra[r] += 1
+                extra[r] += in_flight[r]
             for r in going:
-                extra[r] += 1
+                extra[r] += 1 if next_steps is None else int(next_steps[r])
             for shard in range(self.dp):
                 pages = sum(-(-(self.rows[r].fed + extra[r]) // size)
                             for r in range(shard * per, (shard + 1) * per) if self.rows[r] is not None)  # fmt: skip
                 if pages > self.pages_per_shard:
                     return None  # a reservation might fail: decide after reading the step back
-        key = tuple((r, served[r].index) for r in going)
+        key = tuple((r, served[r].index, 1 if next_steps is None else int(next_steps[r])) for r in going)
         cached = self._next_rows_cache
         if cached is None or cached[0] != key:
             next_slots = np.full((self.batch,), aj.PAD_SLOT, np.int32)
@@ -140,7 +176,7 @@ class RunAhead:
             next_served: list[Seq | None] = [None] * self.batch
             for r in going:
                 next_slots[r], next_ids[r], next_served[r] = self.slot_of[r], served[r].index, served[r]
-            cached = self._next_rows_cache = (key, next_slots, next_ids, next_served)
+            cached = self._next_rows_cache = (key, next_slots, next_ids, next_served, next_steps)
         return cached[1:]
 
     def _check_pages(self) -> None:
@@ -150,10 +186,11 @@ class RunAhead:
 
         self._flush()
         ahead = self._ahead[2] if self._ahead is not None else [None] * self.batch
+        steps = self._ahead[3] if self._ahead is not None and self._ahead[3] is not None else np.ones(self.batch, int)
         free = np.asarray(fetch(self.cache.table.num_free)[0]).reshape(-1)
         for shard in range(self.dp):
             lo, hi = shard * self.rows_per_shard, (shard + 1) * self.rows_per_shard
-            want = sum(self.layout.pages_for(self.rows[r].fed + (ahead[r] is self.rows[r]))
+            want = sum(self.layout.pages_for(self.rows[r].fed + (int(steps[r]) if ahead[r] is self.rows[r] else 0))
                        for r in range(lo, hi) if self.rows[r] is not None)  # fmt: skip
             have = self.pages_per_shard - int(free[shard])
             assert have == want, f"shard {shard}: the host counts {want} pages in use, the device {have}"

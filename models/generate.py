@@ -62,6 +62,7 @@ import numpy as np
 
 import arena_jax as aj
 from arena_jax.host import check_pair
+from models.argtypes import MAX_DECODE_BLOCK
 from models.checks import INT32_MIN, check_int, token_ids
 from models.fingerprint import fingerprint
 from models.host_tier import HostTier, SwapPolicy
@@ -81,7 +82,8 @@ class Generation:
     cache: aj.KVCache  # the cache afterwards (no sequence; with a prefix cache, its held pages); reusable
     preemptions: int = 0
     prefill_calls: int = 0
-    decode_calls: int = 0
+    decode_calls: int = 0  # decode_step / decode block calls
+    decode_steps: int = 0  # decode steps the device ran (decode_calls when decode_block=1)
     seconds: float = 0.0
     prefix_cache: aj.PrefixCache | None = None  # the index of `cache`'s held pages (prefix_cache=...)
     prompt_tokens: int = 0  # tokens each admission had to bring into the cache (a recomputation's too)
@@ -97,7 +99,7 @@ class Generation:
     swapped_tokens: int = 0  # tokens those preemptions moved (brought back, not recomputed)
     modelled_transfer_seconds: float = 0.0  # host <-> device copies made, at the SwapPolicy's bandwidth
     run_ahead_steps: int = 0  # decode steps dispatched before the previous step was read back (models.scheduler)
-    decode_step_seconds: list[float] | None = None  # wall time of each scheduler iteration that was a decode step alone
+    decode_step_seconds: list[float] | None = None  # per scheduler iteration that only decoded: its wall time / its decode steps
     mixed_calls: int = 0  # mixed steps (mixed_steps=True): decode rows and prompt chunks in one call
     token_seconds: list[list[float]] | None = None  # per prompt: when each generated token was read back (s after the start)
 
@@ -160,6 +162,7 @@ def generate(
     mixed_steps: bool = False,
     token_budget: int | None = None,
     arrivals: Sequence[float] | None = None,
+    decode_block: int | None = None,
 ) -> Generation:
     """Generate up to `max_new_tokens` for each prompt (lists of token ids).
 
@@ -208,6 +211,15 @@ def generate(
     give each token's read-back time on the same clock (time to first token, inter-token
     latency: `arena-bench serve`).
 
+    `decode_block=N` runs up to N decode steps in one device call while no request waits, no
+    row prefills and there is no prefix cache (each row's sampled token fed back on the
+    device; `models.scheduler`, "Decode blocks"): the host's work is paid once per N steps
+    instead of every step. Same tokens (the block's steps are the same ops, bit for bit); a
+    row's tokens after a stop token in the block are computed and discarded, and a block's
+    tokens are read back together (`token_seconds`). Default None: 8 offline, 1 with
+    `arrivals` (an online workload gets every token as it is sampled); 1 turns blocks off.
+    With `return_logits` every call is one step.
+
     Token ids must be integers (Python or numpy; not floats, strings or bools) in
     [0, vocab_size); every bad argument is a ValueError naming it.
     """
@@ -221,6 +233,9 @@ def generate(
     chunk_size = check_int("chunk_size", chunk_size, low=1)
     seed = check_int("seed", seed, low=INT32_MIN)
     host_pages = check_int("host_pages", host_pages, low=0)
+    if decode_block is None:
+        decode_block = 8 if arrivals is None else 1
+    decode_block = check_int("decode_block", decode_block, low=1, high=MAX_DECODE_BLOCK)
     if not isinstance(mixed_steps, bool):
         raise ValueError(f"mixed_steps must be a bool, got {mixed_steps!r}")
     if token_budget is not None:
@@ -338,7 +353,7 @@ def generate(
     seqs = [Seq(i, p, arrival=a) for i, (p, a) in enumerate(zip(prompts, arrivals))]
     runner = Scheduler(
         model, cache, layout, batch_size, chunk_size, sampling, seed, set(stop), max_new_tokens, return_logits, index,
-        tier, mixed_chunks,
+        tier, mixed_chunks, decode_block,
     )
     start = runner.start = time.perf_counter()
     if max_new_tokens > 0:
@@ -354,6 +369,7 @@ def generate(
         preemptions=runner.preemptions,
         prefill_calls=runner.prefill_calls,
         decode_calls=runner.decode_calls,
+        decode_steps=runner.decode_steps,
         seconds=seconds,
         prefix_cache=index,
         prompt_tokens=runner.prompt_tokens,

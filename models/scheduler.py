@@ -101,6 +101,21 @@ prefix index, step t+1 runs ahead only where neither step maps a page (page_size
 page_size steps of a row): the page rows the host read last stay exact for indexing the pages
 that fill up and the sequences that stop, no reservation can fail and nothing needs evicting;
 a row that stops at t is indexed as it is, and its token from t+1 lands past the indexed ones.
+
+Decode blocks (`decode_block` > 1, `generate`'s default 8 offline). A decode call runs up to
+`decode_block` steps (`models.steps.BoundSteps.decode_block`, a while loop of the decode step on
+the device, each row's sampled token fed to its next step) when nothing waits to be admitted
+(no admission can be due: the queue is empty), every running row decodes, there is no prefix
+index and no logits are returned: row r runs min(decode_block, max_new_tokens - generated)
+steps, if each shard's rows at their length after them fit its pages (else one step). So no
+reservation in a block can fail, and the pages in use are the running rows' `pages_for(fed)`
+as before. The host reads a block back at once: each row accepts its tokens in order up to a
+stop token; the rest were computed past its end and are discarded, and its slot is released
+as at a stop. Run-ahead applies to blocks as to steps (the next block's rows are those that
+go on after the in-flight one's steps). Tokens are the one-step loop's: a block's step is the
+same computation as a `decode_step` call (bit for bit, tests/test_overlap.py). With
+decode_block > 1 and no logits returned, every decode call (a single step too: a block whose
+rows run one step) goes through the block program, so one decode program is compiled.
 """
 from __future__ import annotations
 
@@ -172,7 +187,7 @@ class Scheduler(RunAhead):
     CHECK_ACCOUNTING = False  # tests: compare the host's page count with the device's after each step
 
     def __init__(self, model, cache, layout, batch_size, chunk_size, sampling, seed, stop, max_new, return_logits,
-                 index=None, tier: HostTier | None = None, mixed_chunks: int = 0):  # fmt: skip
+                 index=None, tier: HostTier | None = None, mixed_chunks: int = 0, decode_block: int = 1):  # fmt: skip
         self.graphdef, self.state = nnx.split(model)
         self.steps = bound_steps(self.graphdef, self.state)  # split and hashed once, not per step
         self.cache, self.layout = cache, layout
@@ -187,6 +202,10 @@ class Scheduler(RunAhead):
         self.slot_of = [(r // self.rows_per_shard) * (layout.max_seqs // self.dp) + r % self.rows_per_shard
                         for r in range(batch_size)]  # fmt: skip
         self.preemptions = self.prefill_calls = self.decode_calls = self.mixed_calls = self.iterations = 0
+        self.decode_steps = 0  # decode steps the device ran (a decode block's: its longest row's)
+        # Decode blocks (module docstring): up to this many decode steps per call; 1: one per call.
+        self.block = decode_block
+        self._collected_steps = 1  # decode steps of the call `_collect` read back last
         # Mixed steps (module docstring, "Mixed steps"): prompt chunks per step beside the decode rows
         # (mixed_chunks / dp per data shard); 0: off.
         assert mixed_chunks % self.dp == 0, "mixed steps take the same number of chunks on every data shard"
@@ -216,7 +235,7 @@ class Scheduler(RunAhead):
         self._on_device: dict[bytes, jax.Array] = {}  # unchanged i32[B] inputs stay on the device
         self._next_rows_cache: tuple | None = None  # run-ahead rows' arrays, reused while the same sequences go on
         self.run_ahead_steps = 0
-        self.decode_step_seconds: list[float] = []  # wall time of each iteration that was one decode step alone
+        self.decode_step_seconds: list[float] = []  # per iteration that only decoded: its wall time / its decode steps
 
     # ---- bookkeeping --------------------------------------------------------------------
     def _running(self, shard: int | None = None) -> list[Seq]:
@@ -537,16 +556,16 @@ class Scheduler(RunAhead):
             if self.iterations > bound:  # a broken invariant, never a hang
                 raise RuntimeError(f"the scheduler passed its bound of {bound} steps without finishing: a bug")
             if self._ahead is not None:  # this iteration's decode step is running: flush and admit were no-ops
-                out, slots, seqs_served = self._ahead
+                out, slots, seqs_served, steps = self._ahead
                 self._ahead = None
-                if self._finish_decode(out, slots, seqs_served, waiting):
+                if self._finish_decode(out, slots, seqs_served, waiting, steps):
                     raise RuntimeError("a run-ahead decode step was refused pages the scheduler counted: a bug")
                 decode_only = True
             else:
                 decode_only = self._iterate(waiting)
             now = time.perf_counter()
             if decode_only and last_decode_only is not None:
-                self.decode_step_seconds.append(now - last)
+                self.decode_step_seconds.append((now - last) / self._collected_steps)
             last, last_decode_only = now, decode_only
             if self.CHECK_ACCOUNTING and self.index is None:
                 self._check_pages()
@@ -649,12 +668,14 @@ class Scheduler(RunAhead):
             self.tier.observe_prefill(int(chunk_counts.sum()), time.perf_counter() - start)
         return failed
 
-    def _collect(self, out, packed, slots, counts, served: list | None = None, page_rows: bool = True) -> set:
+    def _collect(self, out, packed, slots, counts, served: list | None = None, page_rows: bool = True, steps=None) -> set:
         """Advance the rows the step served; the data shards where a row was refused for lack of pages.
         `served`: the Seq each row served; a row whose Seq has left it since (a stop token read
         back after this run-ahead step was dispatched) is skipped, its token discarded.
-        `page_rows=False`: keep the page rows read last (a run-ahead step mapped no page)."""
-        wanted = [packed, *self._swap_ins]  # packed: the sampled tokens and ok, i32[2, B]
+        `page_rows=False`: keep the page rows read last (a run-ahead step mapped no page).
+        `steps` (a decode block: packed is i32[block, 2, B]): the steps row r ran, each feeding
+        one token; a row's tokens after it stops are past its end (discarded)."""
+        wanted = [packed, *self._swap_ins]  # packed: the sampled tokens and ok, i32[2, B] (a block: [block, 2, B])
         page_rows = page_rows and self.index is not None
         if page_rows:  # the page table rows the index needs travel with the sampled tokens
             # (from the latest cache: flushes since this step, e.g. the accounting check's, took
@@ -663,7 +684,9 @@ class Scheduler(RunAhead):
         if self.return_logits:
             wanted.append(out.logits)
         packed, *rest = fetch(*wanted)
-        next_tokens, ok = packed.tolist()
+        results = packed.tolist() if steps is not None else [packed.tolist()]  # [step][tokens, ok][B]
+        per_row = steps.tolist() if steps is not None else [1] * len(results[0][0])
+        self._collected_steps = max(1, max(per_row))
         swapped_in, rest = rest[: len(self._swap_ins)], rest[len(self._swap_ins) :]
         self._swap_ins = []
         if not all(x.all() for x in swapped_in):  # pads are True: a False is a row the admission counted
@@ -679,14 +702,17 @@ class Scheduler(RunAhead):
             seq = rows[r]
             if served is not None and seq is not served[r]:
                 continue  # it stopped at the step before: this token is one past its end
-            if not ok[r]:
-                failed.add(r // self.rows_per_shard)
-                continue
-            seq.fed += counts[r]
-            if index is not None:
-                self._index_running(seq, r)
-            if seq.fed == len(seq.prompt) + len(seq.generated):  # all in the cache: the sample is its next token
-                self._accept(r, next_tokens[r], None if logits is None else logits[r])
+            for next_tokens, ok in results[: per_row[r]]:
+                if not ok[r]:
+                    failed.add(r // self.rows_per_shard)
+                    break
+                seq.fed += counts[r]
+                if index is not None:
+                    self._index_running(seq, r)
+                if seq.fed == len(seq.prompt) + len(seq.generated):  # all in the cache: the sample is its next token
+                    self._accept(r, next_tokens[r], None if logits is None else logits[r])
+                if rows[r] is not seq:
+                    break  # it stopped: the block's later tokens are past its end
         if self.index is not None and self.CHECK_ACCOUNTING:
             self._flush()
             in_use = self.layout.num_pages - int(self.cache.table.num_free)

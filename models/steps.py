@@ -182,7 +182,9 @@ def decode_step(
 
 
 class BoundSteps(NamedTuple):
-    """`prefill` and `decode_step` with the model's static parts bound once (`bound_steps`):
+    """`prefill`, `decode_step`, `mixed_step` and `decode_block` (up to `length` decode steps
+    in one call, the tokens fed back on the device: `_decode_block`) with the model's static
+    parts bound once (`bound_steps`):
     called with the state's leaves (a list, flattened by JAX's C++ fast path) instead of a
     graphdef that every call would hash as a static argument. Same traces, same results, and
     beside the StepOutput the sampled tokens and `ok` packed in one i32[2, B] array (one
@@ -192,10 +194,36 @@ class BoundSteps(NamedTuple):
     decode_step: object  # (leaves, cache, tokens, slots, seq_ids, seed, sampling) -> (StepOutput, i32[2, B])
     leaves: list  # the state's leaves, in `treedef` order
     mixed: object = None  # (leaves, cache, tokens, slots, chunks, chunk_slots, chunk_counts, chunk_rows, seq_ids, seed, sampling) -> (StepOutput, i32[2, B])
+    decode_block: object = None  # (leaves, cache, tokens, slots, counts, seq_ids, seed, sampling, length) -> (StepOutput, i32[length, 2, B])
 
 
 def _packed(out: StepOutput):
     return out, jnp.stack([out.tokens.astype(jnp.int32), out.ok.astype(jnp.int32)])  # [2, B]
+
+
+def _decode_block(graphdef, state, cache, tokens, slots, counts, seq_ids, seed, sampling, length: int):
+    """Up to `length` decode steps in one call (a `lax.while_loop` of `_step`): row b runs
+    `counts[b]` of them, each fed the token its previous step sampled, on the device. Step j of
+    row b is exactly the j-th of as many `decode_step` calls (the same ops, bit for bit: tests);
+    a row refused pages at a step (ok False) runs nothing after it. Trip count: the largest
+    count, so a block of ones costs one step.
+    tokens, slots, counts, seq_ids: i32[B] -> (StepOutput: the cache, each row's last token,
+    logits None, ok = no step of the row refused; packed i32[length, 2, B]: step j's sampled
+    tokens and ok, ok 1 for rows that ran no step j)."""
+    counts = jnp.where(slots >= 0, jnp.clip(counts.astype(jnp.int32), 0, length), 0)
+    packed = jnp.zeros((length, 2, tokens.shape[0]), jnp.int32)
+
+    def body(carry):
+        j, cache, tokens, alive, packed = carry
+        step_slots = jnp.where(alive & (j < counts), slots, aj.PAD_SLOT)
+        live = (step_slots >= 0).astype(jnp.int32)
+        out = _step(graphdef, state, cache, tokens[:, None], step_slots, live, seq_ids, seed, sampling, False)
+        packed = packed.at[j].set(jnp.stack([out.tokens.astype(jnp.int32), out.ok.astype(jnp.int32)]))
+        return j + 1, out.cache, jnp.where(live > 0, out.tokens, tokens), alive & out.ok, packed
+
+    init = (jnp.int32(0), cache, tokens.astype(jnp.int32), slots >= 0, packed)
+    _, cache, tokens, alive, packed = jax.lax.while_loop(lambda c: c[0] < jnp.max(counts), body, init)
+    return StepOutput(cache=cache, tokens=tokens, logits=None, ok=alive | (slots < 0)), packed
 
 
 @functools.lru_cache(maxsize=8)
@@ -219,8 +247,14 @@ def _bound(graphdef, treedef):
         return _packed(_mixed(graphdef, state, cache, tokens, slots, chunks, chunk_slots, chunk_counts, chunk_rows,
                               seq_ids, seed, sampling))  # fmt: skip
 
+    def block_leaves(leaves, cache, tokens, slots, counts, seq_ids, seed, sampling, length):
+        TRACE_COUNTS["decode_block"] += 1
+        state = jax.tree.unflatten(treedef, leaves)
+        return _decode_block(graphdef, state, cache, tokens, slots, counts, seq_ids, seed, sampling, length)
+
     return (jax.jit(prefill_leaves, static_argnames=("all_logits",), donate_argnums=(1,)),
-            jax.jit(decode_leaves, donate_argnums=(1,)), jax.jit(mixed_leaves, donate_argnums=(1,)))  # fmt: skip
+            jax.jit(decode_leaves, donate_argnums=(1,)), jax.jit(mixed_leaves, donate_argnums=(1,)),
+            jax.jit(block_leaves, static_argnames=("length",), donate_argnums=(1,)))  # fmt: skip
 
 
 def bound_steps(graphdef, state) -> BoundSteps:
@@ -228,10 +262,12 @@ def bound_steps(graphdef, state) -> BoundSteps:
 
         steps = bound_steps(*nnx.split(model))
         out, packed = steps.decode_step(steps.leaves, cache, tokens, slots, seq_ids, seed, sampling)  # packed [2, B]
+        out, packed = steps.decode_block(steps.leaves, cache, tokens, slots, counts, seq_ids, seed, sampling,
+                                         length=8)  # up to 8 steps per row; packed [8, 2, B]
     """
     leaves, treedef = jax.tree.flatten(state)
-    prefill_fn, decode_fn, mixed_fn = _bound(graphdef, treedef)
-    return BoundSteps(prefill_fn, decode_fn, leaves, mixed_fn)
+    prefill_fn, decode_fn, mixed_fn, block_fn = _bound(graphdef, treedef)
+    return BoundSteps(prefill_fn, decode_fn, leaves, mixed_fn, block_fn)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))

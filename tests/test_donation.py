@@ -88,12 +88,12 @@ def test_prefix_ops_keep_the_arena_in_place():
     assert int(cache.stats.rejected_rows) == 0 and int(cache.stats.pages_evicted) == 0  # the slots still map them
 
 
-@pytest.mark.parametrize("which", ["decode_step", "mixed_step"])
+@pytest.mark.parametrize("which", ["decode_step", "mixed_step", "decode_block"])
 def test_layer_scan_keeps_the_arena_in_place(which):
-    """The model's decode step (and the mixed step: decode rows and prompt chunks) runs its
-    layers in one `lax.scan` (a while loop) carrying the cache: the arena is updated in place
-    inside the loop (no copy of it anywhere in the program), the donated arena still aliases
-    the output, and the same buffers come back."""
+    """The model's decode step (and the mixed step: decode rows and prompt chunks; and a decode
+    block: a while loop of decode steps) runs its layers in one `lax.scan` (a while loop)
+    carrying the cache: the arena is updated in place inside the loop (no copy of it anywhere
+    in the program), the donated arena still aliases the output, and the same buffers come back."""
     from flax import nnx
 
     import models
@@ -108,17 +108,30 @@ def test_layer_scan_keeps_the_arena_in_place(which):
         chunks = jnp.ones((2, 8), jnp.int32)
         decode = jnp.asarray([0, 1, aj.PAD_SLOT, aj.PAD_SLOT], jnp.int32)
         args = (SLOTS, decode, chunks, SLOTS[2:], jnp.asarray([5, 8], jnp.int32), SLOTS[2:], SLOTS)
-    compiled = getattr(models, which).lower(graphdef, state, cache, *args).compile()
+    params, loops = state, 1
+    if which == "decode_block":  # 3 steps of slots 0-2 (the layer loop nested in the block's loop)
+        from models.steps import bound_steps
+
+        steps = bound_steps(graphdef, state)
+        params, loops = steps.leaves, 2
+        args = (SLOTS, SLOTS.at[3].set(aj.PAD_SLOT), jnp.asarray([3, 3, 3, 0], jnp.int32), SLOTS, jnp.int32(0),
+                models.GREEDY.rows(4))  # fmt: skip
+        compiled = steps.decode_block.lower(params, cache, *args, length=3).compile()
+    else:
+        compiled = getattr(models, which).lower(graphdef, state, cache, *args).compile()
     hlo = compiled.as_text()
     arena = re.escape("f32[" + ",".join(map(str, layout.arena_shape)) + "]")
     copies = [line.strip() for line in hlo.splitlines() if re.search(r"= " + arena + r"\S* copy(-start)?\(", line)]
     assert not copies, "arena copies in the scanned step:\n" + "\n".join(copies)
     assert "input_output_alias" in hlo
     # the layer loop: the one while loop that carries the arena (the blockwise attention's block
-    # loops, nested in it on the "xla" backend, carry no arena)
-    assert len([w for w in re.findall(r"= \((.*)\) while\(", hlo) if re.search(arena, w)]) == 1
+    # loops, nested in it on the "xla" backend, carry no arena); a decode block's loop around it
+    assert len([w for w in re.findall(r"= \((.*)\) while\(", hlo) if re.search(arena, w)]) == loops
     ptr = cache.k.unsafe_buffer_pointer()
-    out = compiled(state, cache, *args)
+    out = compiled(params, cache, *args)
+    out = out[0] if which == "decode_block" else out
     assert out.cache.k.unsafe_buffer_pointer() == ptr
     if which == "mixed_step":
         assert np.asarray(out.cache.table.lengths).tolist() == [1, 1, 5, 8]
+    if which == "decode_block":
+        assert np.asarray(out.cache.table.lengths).tolist() == [3, 3, 3, 0]

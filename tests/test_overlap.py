@@ -111,12 +111,15 @@ def test_generate_compiles_once_for_a_length_bucket(model):
     # Batch 1, the 32 bucket: test_prefix_progress.py's default arena (2 pages of 16), compiled once per session.
     rng = np.random.default_rng(7)
     first = [rng.integers(0, 128, n).tolist() for n in (20, 9)]
-    models.generate(model, first, 4, batch_size=1, stop_tokens=())  # 24 tokens: the 32 bucket
+    models.generate(model, first, 4, batch_size=1, stop_tokens=())  # 24 tokens: the 32 bucket (decode blocks)
+    models.generate(model, first, 4, batch_size=1, stop_tokens=(), return_logits=True)  # logits: one step per call
     again = [rng.integers(0, 128, n).tolist() for n in (3, 17, 11)]
     with CompileCount() as count:
         before = dict(models.TRACE_COUNTS)
         got = models.generate(model, again, 11, batch_size=1, stop_tokens=(), return_logits=True)  # 28 tokens
+        blocks = models.generate(model, again, 11, batch_size=1, stop_tokens=())
     assert count.programs == 0 and dict(models.TRACE_COUNTS) == before
+    assert blocks.tokens == got.tokens and blocks.decode_steps == got.decode_steps > blocks.decode_calls
     layout = models.default_layout(model, 1, 32, dtype="float32")
     want = models.generate(model, again, 11, batch_size=1, stop_tokens=(), layout=layout, return_logits=True)
     assert got.tokens == want.tokens
@@ -125,3 +128,91 @@ def test_generate_compiles_once_for_a_length_bucket(model):
     with CompileCount() as count:  # the counter does see a compile
         jax.jit(lambda x: x * 3 + 1)(np.arange(5))
     assert count.programs == 1
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_decode_blocks_equal_one_step_calls(monkeypatch, model, layouts, prompts, temperature):
+    """Decode blocks (`models.scheduler`, "Decode blocks": up to 8 decode steps per call) give
+    the tokens of one step per call, greedy and seeded sampling: stop tokens inside a block,
+    rows reaching max_new_tokens inside one, too few pages (blocks fall back to one step;
+    preemption) and room for every row, run-ahead on and off. The host's page count equals the
+    device's after every iteration (a block's steps counted while in flight) and every page
+    comes back."""
+    monkeypatch.setattr(Scheduler, "CHECK_ACCOUNTING", True)
+    roomy = model.config.kv_layout(page_size=16, num_pages=12, max_seqs=BATCH, max_seq_len=64, dtype="float32")
+    common = dict(batch_size=BATCH, chunk_size=CHUNK, temperature=temperature, seed=11)
+    plain = models.generate(model, prompts, NEW, layout=roomy, stop_tokens=(), decode_block=1, **common)
+    stop = sorted({t[6] for t in plain.tokens[-3:]})  # tokens drawn in the last rows' blocks
+    for layout, stops in ((roomy, stop), (layouts["tight"], stop), (layouts["tight"], ())):
+        ref = models.generate(model, prompts, NEW, layout=layout, stop_tokens=stops, decode_block=1, **common)
+        assert ref.decode_steps == ref.decode_calls
+        assert not stops or any(len(t) < NEW for t in ref.tokens) and any(len(t) == NEW for t in ref.tokens)
+        for ahead in (False, True):
+            monkeypatch.setattr(Scheduler, "RUN_AHEAD", ahead)
+            got = models.generate(model, prompts, NEW, layout=layout, stop_tokens=stops, decode_block=8, **common)
+            assert got.tokens == ref.tokens
+            assert got.decode_steps > got.decode_calls  # some calls ran several steps
+            assert (got.run_ahead_steps > 0) == ahead
+            assert aj.health(got.cache)["free_pages"] == layout.num_pages
+    assert ref.preemptions > 0 and got.preemptions == ref.preemptions  # the tight layout preempted (no stops)
+
+
+def test_decode_block_steps_equal_decode_step_calls(model):
+    """`BoundSteps.decode_block` against as many `decode_step` calls, on fresh random prompts:
+    rows running 0 / 1 / 3 / 5 steps (PAD rows too), the sampled tokens bit for bit (greedy and
+    seeded sampling), every cache array equal, and a row refused pages mid-block runs nothing after."""
+    from flax import nnx
+
+    from models.steps import bound_steps
+
+    steps = bound_steps(*nnx.split(model))
+    rng = np.random.default_rng()
+    batch, length = 6, 5
+    layout = model.config.kv_layout(page_size=4, num_pages=14, max_seqs=batch, max_seq_len=32, dtype="float32")
+    slots = np.array([0, 1, aj.PAD_SLOT, 3, 4, 5], np.int32)
+    counts = np.array([5, 3, 5, 1, 0, 5], np.int32)
+    lens = np.array([5, 2, 1, 7, 3, 4], np.int32)
+    for temperature in (0.0, 0.9):
+        sampling = models.sampling.Sampling(temperature=temperature).rows(batch)
+        seed = jax.numpy.asarray(rng.integers(0, 2**31), jax.numpy.int32)
+        prompts = rng.integers(0, model.config.vocab_size, (batch, 8)).astype(np.int32)
+
+        empty = aj.create(layout)  # one arena id for both runs
+
+        def start():
+            cache = jax.tree.map(jax.numpy.copy, empty)
+            out, _ = steps.prefill(steps.leaves, cache, prompts, slots, lens, slots, seed, sampling)
+            return out.cache, out.tokens
+
+        cache, tokens = start()
+        want, caches = [], None
+        for j in range(length):
+            live = np.where(counts > j, slots, aj.PAD_SLOT).astype(np.int32)
+            out, packed = steps.decode_step(steps.leaves, cache, tokens, live, slots, seed, sampling)
+            cache, tokens = out.cache, jax.numpy.where(live >= 0, out.tokens, tokens)
+            want.append(np.asarray(packed))
+        caches = [np.asarray(x) for x in jax.tree.leaves(cache)]
+        cache, tokens = start()
+        out, packed = steps.decode_block(steps.leaves, cache, tokens, slots, counts, slots, seed, sampling, length=length)
+        packed = np.asarray(packed)
+        for j in range(length):
+            ran = (counts > j) & (slots >= 0)
+            np.testing.assert_array_equal(packed[j][:, ran], want[j][:, ran])
+            assert packed[j][1].all()
+        for a, b in zip(caches, jax.tree.leaves(out.cache)):
+            np.testing.assert_array_equal(a, np.asarray(b))
+    # 7 pages of 4 for 2 rows of 8 tokens (4 pages): each row's 1st step maps a page (1 left),
+    # its 5th needs one more: one row is refused there, and the other runs all 5 steps.
+    small = model.config.kv_layout(page_size=4, num_pages=7, max_seqs=batch, max_seq_len=32, dtype="float32")
+    two = np.array([0, 1, aj.PAD_SLOT, aj.PAD_SLOT, aj.PAD_SLOT, aj.PAD_SLOT], np.int32)
+    out, _ = steps.prefill(steps.leaves, aj.create(small), prompts, two, np.array([8, 8, 0, 0, 0, 0], np.int32), two,
+                           seed, sampling)  # fmt: skip
+    out, packed = steps.decode_block(steps.leaves, out.cache, out.tokens, two, np.full(batch, length, np.int32), two,
+                                     seed, sampling, length=length)  # fmt: skip
+    ok = np.asarray(packed)[:, 1, :2]  # [step, row]
+    assert ok[:4].all() and sorted(ok[4].tolist()) == [0, 1]
+    refused = int(np.argmin(ok[4]))
+    assert np.asarray(out.ok)[:2].tolist() == [refused != 0, refused != 1]
+    lengths = np.asarray(out.cache.table.lengths)[:2]
+    assert lengths[refused] == 12 and lengths[1 - refused] == 13  # nothing reserved for the refused step
+    assert aj.health(out.cache)["free_pages"] == 0
