@@ -84,6 +84,7 @@ class Generation:
     prefill_calls: int = 0
     decode_calls: int = 0  # decode_step / decode block calls
     decode_steps: int = 0  # decode steps the device ran (decode_calls when decode_block=1)
+    discarded_tokens: int = 0  # tokens sampled past a row's stop token (read back late: run-ahead, decode blocks), dropped
     seconds: float = 0.0
     prefix_cache: aj.PrefixCache | None = None  # the index of `cache`'s held pages (prefix_cache=...)
     prompt_tokens: int = 0  # tokens each admission had to bring into the cache (a recomputation's too)
@@ -370,6 +371,7 @@ def generate(
         prefill_calls=runner.prefill_calls,
         decode_calls=runner.decode_calls,
         decode_steps=runner.decode_steps,
+        discarded_tokens=runner.discarded_tokens,
         seconds=seconds,
         prefix_cache=index,
         prompt_tokens=runner.prompt_tokens,

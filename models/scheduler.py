@@ -203,6 +203,7 @@ class Scheduler(RunAhead):
                         for r in range(batch_size)]  # fmt: skip
         self.preemptions = self.prefill_calls = self.decode_calls = self.mixed_calls = self.iterations = 0
         self.decode_steps = 0  # decode steps the device ran (a decode block's: its longest row's)
+        self.discarded_tokens = 0  # tokens sampled past a row's stop (a run-ahead step's, a block's later steps)
         # Decode blocks (module docstring): up to this many decode steps per call; 1: one per call.
         self.block = decode_block
         self._collected_steps = 1  # decode steps of the call `_collect` read back last
@@ -701,8 +702,9 @@ class Scheduler(RunAhead):
                 continue
             seq = rows[r]
             if served is not None and seq is not served[r]:
-                continue  # it stopped at the step before: this token is one past its end
-            for next_tokens, ok in results[: per_row[r]]:
+                self.discarded_tokens += per_row[r]
+                continue  # it stopped at the step before: these tokens are past its end
+            for j, (next_tokens, ok) in enumerate(results[: per_row[r]]):
                 if not ok[r]:
                     failed.add(r // self.rows_per_shard)
                     break
@@ -712,6 +714,7 @@ class Scheduler(RunAhead):
                 if seq.fed == len(seq.prompt) + len(seq.generated):  # all in the cache: the sample is its next token
                     self._accept(r, next_tokens[r], None if logits is None else logits[r])
                 if rows[r] is not seq:
+                    self.discarded_tokens += per_row[r] - j - 1
                     break  # it stopped: the block's later tokens are past its end
         if self.index is not None and self.CHECK_ACCOUNTING:
             self._flush()

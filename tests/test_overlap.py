@@ -143,7 +143,9 @@ def test_decode_blocks_equal_one_step_calls(monkeypatch, model, layouts, prompts
     common = dict(batch_size=BATCH, chunk_size=CHUNK, temperature=temperature, seed=11)
     plain = models.generate(model, prompts, NEW, layout=roomy, stop_tokens=(), decode_block=1, **common)
     stop = sorted({t[6] for t in plain.tokens[-3:]})  # tokens drawn in the last rows' blocks
-    for layout, stops in ((roomy, stop), (layouts["tight"], stop), (layouts["tight"], ())):
+    # pages of 4 (a block of 8 crosses two), 16 of them: the last rows run out of pages inside blocks
+    small = model.config.kv_layout(page_size=4, num_pages=16, max_seqs=BATCH, max_seq_len=64, dtype="float32")
+    for layout, stops in ((roomy, stop), (layouts["tight"], stop), (layouts["tight"], ()), (small, ())):
         ref = models.generate(model, prompts, NEW, layout=layout, stop_tokens=stops, decode_block=1, **common)
         assert ref.decode_steps == ref.decode_calls
         assert not stops or any(len(t) < NEW for t in ref.tokens) and any(len(t) == NEW for t in ref.tokens)
@@ -152,6 +154,10 @@ def test_decode_blocks_equal_one_step_calls(monkeypatch, model, layouts, prompts
             got = models.generate(model, prompts, NEW, layout=layout, stop_tokens=stops, decode_block=8, **common)
             assert got.tokens == ref.tokens
             assert got.decode_steps > got.decode_calls  # some calls ran several steps
+            # Blocks run only where their pages fit, and past no row's end but a stop read back late
+            assert int(got.cache.stats.failed_reservations) == int(ref.cache.stats.failed_reservations)
+            assert got.discarded_tokens > 0 if stops else got.discarded_tokens == 0
+            assert stops or got.decode_steps == ref.decode_steps  # no step ran for nothing (a refused block's rows)
             assert (got.run_ahead_steps > 0) == ahead
             assert aj.health(got.cache)["free_pages"] == layout.num_pages
     assert ref.preemptions > 0 and got.preemptions == ref.preemptions  # the tight layout preempted (no stops)
