@@ -135,24 +135,25 @@ def test_decode_blocks_equal_one_step_calls(monkeypatch, model, layouts, prompts
     """Decode blocks (`models.scheduler`, "Decode blocks": up to 8 decode steps per call) give
     the tokens of one step per call, greedy and seeded sampling: stop tokens inside a block,
     rows reaching max_new_tokens inside one, too few pages (blocks fall back to one step;
-    preemption) and room for every row, run-ahead on and off. The host's page count equals the
+    preemption), run-ahead on and off. The host's page count equals the
     device's after every iteration (a block's steps counted while in flight) and every page
     comes back."""
     monkeypatch.setattr(Scheduler, "CHECK_ACCOUNTING", True)
-    roomy = model.config.kv_layout(page_size=16, num_pages=12, max_seqs=BATCH, max_seq_len=64, dtype="float32")
-    common = dict(batch_size=BATCH, chunk_size=CHUNK, temperature=temperature, seed=11)
-    plain = models.generate(model, prompts, NEW, layout=roomy, stop_tokens=(), decode_block=1, **common)
-    stop = sorted({t[6] for t in plain.tokens[-3:]})  # tokens drawn in the last rows' blocks
+    tight = layouts["tight"]
     # pages of 4 (a block of 8 crosses two), 16 of them: the last rows run out of pages inside blocks
     small = model.config.kv_layout(page_size=4, num_pages=16, max_seqs=BATCH, max_seq_len=64, dtype="float32")
-    for layout, stops in ((roomy, stop), (layouts["tight"], stop), (layouts["tight"], ()), (small, ())):
+    common = dict(batch_size=BATCH, chunk_size=CHUNK, temperature=temperature, seed=11)
+    plain = models.generate(model, prompts, NEW, layout=tight, stop_tokens=(), decode_block=1, **common)
+    stop = sorted({t[6] for t in plain.tokens[-3:]})  # tokens drawn in the last rows' blocks
+    for layout, stops in ((tight, stop), (tight, ()), (small, ())):
         ref = models.generate(model, prompts, NEW, layout=layout, stop_tokens=stops, decode_block=1, **common)
         assert ref.decode_steps == ref.decode_calls
         assert not stops or any(len(t) < NEW for t in ref.tokens) and any(len(t) == NEW for t in ref.tokens)
+        assert stops or ref.preemptions > 0
         for ahead in (False, True):
             monkeypatch.setattr(Scheduler, "RUN_AHEAD", ahead)
             got = models.generate(model, prompts, NEW, layout=layout, stop_tokens=stops, decode_block=8, **common)
-            assert got.tokens == ref.tokens
+            assert got.tokens == ref.tokens and got.preemptions == ref.preemptions
             assert got.decode_steps > got.decode_calls  # some calls ran several steps
             # Blocks run only where their pages fit, and past no row's end but a stop read back late
             assert int(got.cache.stats.failed_reservations) == int(ref.cache.stats.failed_reservations)
@@ -160,29 +161,27 @@ def test_decode_blocks_equal_one_step_calls(monkeypatch, model, layouts, prompts
             assert stops or got.decode_steps == ref.decode_steps  # no step ran for nothing (a refused block's rows)
             assert (got.run_ahead_steps > 0) == ahead
             assert aj.health(got.cache)["free_pages"] == layout.num_pages
-    assert ref.preemptions > 0 and got.preemptions == ref.preemptions  # the tight layout preempted (no stops)
 
 
-def test_decode_block_steps_equal_decode_step_calls(model):
-    """`BoundSteps.decode_block` against as many `decode_step` calls, on fresh random prompts:
-    rows running 0 / 1 / 3 / 5 steps (PAD rows too), the sampled tokens bit for bit (greedy and
-    seeded sampling), every cache array equal, and a row refused pages mid-block runs nothing after."""
+def test_decode_block_steps_equal_decode_step_calls(model, layouts):
+    """`BoundSteps.decode_block` against as many `decode_step` calls, on fresh random prompts
+    (the shapes generate compiled above): rows running 5 / 3 / 0 steps and a PAD row, the
+    sampled tokens bit for bit (greedy and seeded sampling) and every cache array equal; and a
+    row refused pages mid-block runs nothing after, while the others run on."""
     from flax import nnx
 
     from models.steps import bound_steps
 
     steps = bound_steps(*nnx.split(model))
     rng = np.random.default_rng()
-    batch, length = 6, 5
-    layout = model.config.kv_layout(page_size=4, num_pages=14, max_seqs=batch, max_seq_len=32, dtype="float32")
-    slots = np.array([0, 1, aj.PAD_SLOT, 3, 4, 5], np.int32)
-    counts = np.array([5, 3, 5, 1, 0, 5], np.int32)
-    lens = np.array([5, 2, 1, 7, 3, 4], np.int32)
+    layout, length = layouts["tight"], 5  # 6 pages of 16
+    slots = np.array([0, 1, aj.PAD_SLOT, 3], np.int32)
+    counts = np.array([5, 3, 4, 0], np.int32)
+    lens = np.array([5, 2, 0, 7], np.int32)
     for temperature in (0.0, 0.9):
-        sampling = models.sampling.Sampling(temperature=temperature).rows(batch)
+        sampling = models.sampling.Sampling(temperature=temperature).rows(BATCH)
         seed = jax.numpy.asarray(rng.integers(0, 2**31), jax.numpy.int32)
-        prompts = rng.integers(0, model.config.vocab_size, (batch, 8)).astype(np.int32)
-
+        prompts = rng.integers(0, model.config.vocab_size, (BATCH, CHUNK)).astype(np.int32)
         empty = aj.create(layout)  # one arena id for both runs
 
         def start():
@@ -191,7 +190,7 @@ def test_decode_block_steps_equal_decode_step_calls(model):
             return out.cache, out.tokens
 
         cache, tokens = start()
-        want, caches = [], None
+        want = []
         for j in range(length):
             live = np.where(counts > j, slots, aj.PAD_SLOT).astype(np.int32)
             out, packed = steps.decode_step(steps.leaves, cache, tokens, live, slots, seed, sampling)
@@ -207,18 +206,18 @@ def test_decode_block_steps_equal_decode_step_calls(model):
             assert packed[j][1].all()
         for a, b in zip(caches, jax.tree.leaves(out.cache)):
             np.testing.assert_array_equal(a, np.asarray(b))
-    # 7 pages of 4 for 2 rows of 8 tokens (4 pages): each row's 1st step maps a page (1 left),
-    # its 5th needs one more: one row is refused there, and the other runs all 5 steps.
-    small = model.config.kv_layout(page_size=4, num_pages=7, max_seqs=batch, max_seq_len=32, dtype="float32")
-    two = np.array([0, 1, aj.PAD_SLOT, aj.PAD_SLOT, aj.PAD_SLOT, aj.PAD_SLOT], np.int32)
-    out, _ = steps.prefill(steps.leaves, aj.create(small), prompts, two, np.array([8, 8, 0, 0, 0, 0], np.int32), two,
-                           seed, sampling)  # fmt: skip
-    out, packed = steps.decode_block(steps.leaves, out.cache, out.tokens, two, np.full(batch, length, np.int32), two,
-                                     seed, sampling, length=length)  # fmt: skip
+    # Rows of 46 and 40 tokens hold all 6 pages (3 each). Row 0's 3rd step needs a 4th page: it
+    # is refused there and runs nothing after; row 1 runs its 5 steps inside its pages.
+    two = np.array([0, 1, aj.PAD_SLOT, aj.PAD_SLOT], np.int32)
+    cache = aj.create(layout)
+    for fed in range(0, 46, CHUNK):
+        num = np.array([min(CHUNK, 46 - fed), min(CHUNK, max(0, 40 - fed)), 0, 0], np.int32)
+        out, _ = steps.prefill(steps.leaves, cache, prompts, two, num, two, seed, sampling)
+        cache = out.cache
+    assert aj.health(cache)["free_pages"] == 0
+    out, packed = steps.decode_block(steps.leaves, cache, out.tokens, two, np.full(BATCH, length, np.int32), two, seed,
+                                     sampling, length=length)  # fmt: skip
     ok = np.asarray(packed)[:, 1, :2]  # [step, row]
-    assert ok[:4].all() and sorted(ok[4].tolist()) == [0, 1]
-    refused = int(np.argmin(ok[4]))
-    assert np.asarray(out.ok)[:2].tolist() == [refused != 0, refused != 1]
-    lengths = np.asarray(out.cache.table.lengths)[:2]
-    assert lengths[refused] == 12 and lengths[1 - refused] == 13  # nothing reserved for the refused step
-    assert aj.health(out.cache)["free_pages"] == 0
+    assert ok[:, 1].all() and ok[:2, 0].all() and ok[2, 0] == 0
+    assert np.asarray(out.ok)[:2].tolist() == [False, True]
+    assert np.asarray(out.cache.table.lengths)[:2].tolist() == [48, 45]  # nothing reserved past the refusal
