@@ -7,7 +7,8 @@ channels x20), error vs float64 over the unquantized K/V (relative Frobenius nor
 trials), for key layouts the arena has (per-token absmax, with and without the Hadamard
 rotation) and ones it does not (per-channel scales over a page of 16 tokens, KIVI-style; the
 largest channels of each token kept in fp16, KVQuant-style "dense and sparse"; rotated keys
-with a scale per group of 16 lanes, values likewise). Values keep per-token scales (int8) or
+with a scale per group of 16 lanes, values likewise; keys divided by static per-channel
+factors calibrated on their first page of tokens, then rotated, SmoothQuant-style). Values keep per-token scales (int8) or
 groups of 32 lanes (int4) elsewhere, so the "values only" row is the floor those key layouts
 sit on. pallas_kernels/README.md ("Rotated keys") quotes the output.
 """
@@ -54,6 +55,14 @@ def dense_and_sparse(x, keep, bits=8):  # [n, D]: each token's `keep` largest la
     return out
 
 
+def smoothing(k, calibration=PAGE, alpha=0.5):  # [n, D] -> [D]
+    """Static per-channel key factors (SmoothQuant-style, keys divided, queries multiplied: q.k
+    unchanged), from the channels' absmax over the first `calibration` tokens: (absmax / median
+    absmax) ** alpha, at least 1."""
+    amax = np.abs(k[:calibration]).max(0)
+    return np.maximum((amax / np.median(amax)) ** alpha, 1.0)
+
+
 def attention(q, k, v):  # [h, D], [n, D], [n, D] -> [h, D]
     s = q @ k.T / np.sqrt(HEAD_DIM)
     p = np.exp(s - s.max(-1, keepdims=True))
@@ -68,6 +77,8 @@ def layouts(rot, outliers):
         "int8 per-token": lambda q, k, v: attention(q, per_token(k), v8(v)),
         "int8 per-token + rotation": lambda q, k, v: attention(q @ rot, per_token(k @ rot), v8(v)),
         "int8 groups of 16 + rotation": lambda q, k, v: attention(q @ rot, per_token(k @ rot, 8, 16), per_token(v, 8, 16)),
+        "int8 smoothed + rotation": lambda q, k, v: (lambda f: attention((q * f) @ rot, per_token((k / f) @ rot), v8(v)))(
+            smoothing(k)),
         "int8 per-channel (page)": lambda q, k, v: attention(q, per_channel(k), v8(v)),
         "int8 dense + sparse fp16": lambda q, k, v: attention(q, dense_and_sparse(k, outliers), v8(v)),
         "int4 values only": lambda q, k, v: attention(q, k, v4(v)),

@@ -11,8 +11,10 @@ Figures, all in one process (a tiny random-weight `LlamaConfig.tiny()`, float32,
   the tokens fed back on the device and one read back at the end. Three `generate` loops:
   its default (decode blocks of 8 steps per call, run-ahead), one step per call
   (`decode_block=1`, run-ahead), and one step with run-ahead off (`Scheduler.RUN_AHEAD =
-  False`: every step read back before the next is planned, the old loop). Rounds alternate
-  them so that load on a shared machine hits each; medians over every step of every round.
+  False`: every step read back before the next is planned, the old loop); and a bare loop of
+  the block program itself (BLOCK steps a call, no host work between calls but the dispatch).
+  Rounds alternate them so that load on a shared machine hits each; medians over every step of
+  every round.
   `host_overhead*_ms` = generate's step minus the bare step.
 - **Compiles per call** (`benchmarks.compile_count`: programs JAX lowered, i.e. jit cache
   misses): the cold first `generate` call, the same call again, and a call with other prompt
@@ -91,38 +93,45 @@ def _step_times(net, settings: ServeSettings, advance) -> dict:
     slots = jnp.arange(b, dtype=jnp.int32)
     greedy, seed = models.GREEDY.rows(b), jnp.asarray(settings.seed * 0, jnp.int32)
 
-    def bare(public: bool) -> list[float]:
-        """Per-step wall time of `chunk`-step runs of the jitted step, tokens fed back on the device."""
+    def bare(kind: str) -> list[float]:
+        """Per-step wall time of runs of `chunk` steps of a jitted program ("bound": generate's
+        one-step program; "public": `models.decode_step`; "block": generate's block program,
+        BLOCK steps a call, whole blocks), tokens fed back on the device."""
         cache = jax.device_put(aj.create(layout), jax.devices()[0])  # committed, as generate's
         out, _ = bound.prefill(bound.leaves, cache, jnp.asarray(prompts, jnp.int32), slots, jnp.full((b,), p, jnp.int32),
                                slots, seed, greedy)  # fmt: skip
         cache, tokens = out.cache, out.tokens
         jax.block_until_ready(tokens)
-        chunk, times = settings.chunk, []
-        for _ in range((n - 1) // chunk):
+        times, counts = [], jnp.full((b,), BLOCK, jnp.int32)
+        calls = max(1, settings.chunk // BLOCK) if kind == "block" else settings.chunk
+        steps = calls * BLOCK if kind == "block" else calls  # per timed run
+        for _ in range((n - 1) // steps):
             t0 = time.perf_counter()
-            for _ in range(chunk):
-                if public:
+            for _ in range(calls):
+                if kind == "public":
                     out = models.decode_step(graphdef, state, cache, tokens, slots, slots, seed, greedy)
+                elif kind == "block":
+                    out, _ = bound.decode_block(bound.leaves, cache, tokens, slots, counts, slots, seed, greedy, length=BLOCK)
                 else:
                     out, _ = bound.decode_step(bound.leaves, cache, tokens, slots, slots, seed, greedy)
                 cache, tokens = out.cache, out.tokens
             jax.block_until_ready(tokens)
-            times.append((time.perf_counter() - t0) / chunk)
+            times.append((time.perf_counter() - t0) / steps)
         return times
 
     runs = dict(generate=lambda: gen(True, BLOCK), generate_one_step=lambda: gen(True, 1),
                 generate_no_run_ahead=lambda: gen(False, 1))  # fmt: skip
     for run in runs.values():  # warm: compile everything once
         run()
-    bare(False), bare(True)
-    rows = {"generate": [], "generate_one_step": [], "generate_no_run_ahead": [], "bare": [], "bare_public": []}
+    bare("bound"), bare("public"), bare("block")
+    rows = {"generate": [], "generate_one_step": [], "generate_no_run_ahead": [], "bare": [], "bare_public": [],
+            "bare_block": []}  # fmt: skip
     same, last = True, {}
     round_ratios = {k: [] for k in runs}
     for _ in range(settings.rounds):
         last = {k: run() for k, run in runs.items()}
         times = {k: r.decode_step_seconds for k, r in last.items()}
-        times.update(bare=bare(False), bare_public=bare(True))
+        times.update(bare=bare("bound"), bare_public=bare("public"), bare_block=bare("block"))
         for k, v in times.items():
             rows[k] += v
         for k in runs:
@@ -134,7 +143,8 @@ def _step_times(net, settings: ServeSettings, advance) -> dict:
     r = last["generate"]
     out = dict(
         batch=b, prompt_len=p, new_tokens=n, rounds=settings.rounds, samples={k: len(v) for k, v in rows.items()},
-        bare_step_ms=ms(med["bare"]), bare_public_step_ms=ms(med["bare_public"]),
+        bare_step_ms=ms(med["bare"]), bare_public_step_ms=ms(med["bare_public"]), bare_block_step_ms=ms(med["bare_block"]),
+        bare_block_over_generate=round(med["bare_block"] / med["generate"], 3),
         decode_block=BLOCK, decode_calls=r.decode_calls, decode_steps=r.decode_steps, run_ahead_steps=r.run_ahead_steps,
         one_step_run_ahead_steps=last["generate_one_step"].run_ahead_steps,
         one_step_decode_calls=last["generate_one_step"].decode_calls,
@@ -253,7 +263,8 @@ def serve_lines(result: dict) -> list[str]:
         f"decode step, batch {s['batch']}, {s['prompt_len']}-token prompts, tiny model ({result['device']}; medians of "
         f"{s['rounds']} alternated rounds):",
         f"  bare loop of generate's jitted step {s['bare_step_ms']:8.3f} ms   (public models.decode_step: "
-        f"{s['bare_public_step_ms']:.3f} ms)",
+        f"{s['bare_public_step_ms']:.3f} ms; bare loop of its block program: {s['bare_block_step_ms']:.3f} ms, "
+        f"bare blocks/generate {s['bare_block_over_generate']:.2f})",
         f"  generate (decode blocks of {s['decode_block']})     {s['generate_step_ms']:8.3f} ms   bare/generate "
         f"{s['bare_over_generate']:.2f}   host overhead {s['host_overhead_ms']:+.3f} ms/step",
         f"  generate (one step per call)        {s['generate_one_step_step_ms']:8.3f} ms   bare/generate "

@@ -426,9 +426,12 @@ def test_serve(tmp_path, capsys):
     assert res["arrivals"] is None
     s = res["step"]
     assert s["same_tokens_as_no_run_ahead"] is True and 0 < s["run_ahead_steps"] <= s["decode_calls"]
-    for key in ("generate_step_ms", "generate_no_run_ahead_step_ms", "bare_step_ms", "bare_public_step_ms"):
+    for key in ("generate_step_ms", "generate_one_step_step_ms", "generate_no_run_ahead_step_ms", "bare_step_ms",
+                "bare_public_step_ms", "bare_block_step_ms"):  # fmt: skip
         assert s[key] > 0
     assert s["bare_over_generate"] == pytest.approx(s["bare_step_ms"] / s["generate_step_ms"], rel=1e-2)
+    assert s["bare_block_over_generate"] == pytest.approx(s["bare_block_step_ms"] / s["generate_step_ms"], rel=1e-2)
+    assert s["decode_steps"] == 11 and s["decode_calls"] == 2 and s["one_step_decode_calls"] == 11  # 8 + 3 steps
     calls = res["compiles_per_call"]["calls"]
     assert calls[1]["programs_compiled"] == calls[2]["programs_compiled"] == 0  # (the cold call may find them compiled)
     assert res["compile_by_depth"] == [] and res["persistent_cache"] is None
