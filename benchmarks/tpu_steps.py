@@ -24,7 +24,7 @@ __all__ = ["StepCase", "STEP_CASES", "step_inputs", "compile_step"]
 class StepCase:
     """One model step to compile: which step, target, mesh and sizes."""
 
-    step: str  # "prefill" | "decode"
+    step: str  # "prefill" | "decode" | "decode_block" (generate's block program: `tokens` decode steps per call)
     target: str  # "tpu-v5e" | "tpu-v6e"
     mesh: str  # "2x2" | "2x4": (data, tensor)
     batch: int
@@ -52,6 +52,8 @@ STEP_CASES = (
     StepCase("decode", "tpu-v5e", "2x2", batch=32, tokens=1, num_pages=1024, page_size=128, dtype="int8"),
     # an int4 arena (the TPU kernels take none: the blockwise jnp path); XLA copies it (RESULTS, "int4 arenas on a TPU")
     StepCase("decode", "tpu-v6e", "2x4", batch=64, tokens=1, num_pages=16384, dtype="int4"),
+    # a decode block (`generate(decode_block=8)`: 8 decode steps in one call; its weights+KV are one step's)
+    StepCase("decode_block", "tpu-v6e", "2x4", batch=64, tokens=8, num_pages=16384),
 )
 
 
@@ -106,6 +108,17 @@ def compile_step(case: StepCase):
         with tpu_compile.tpu_lowering(case.target):
             if case.step == "decode":
                 lowered = decode_step.trace(graphdef, state, cache, i32(case.batch), i32(case.batch)).lower()
+            elif case.step == "decode_block":  # what generate runs while no request waits
+                from models.sampling import SamplingParams
+                from models.steps import bound_steps
+
+                steps = bound_steps(graphdef, state)
+                f32 = jax.ShapeDtypeStruct((case.batch,), jnp.float32, sharding=rows)
+                sampling = SamplingParams(temperature=f32, top_k=i32(case.batch), top_p=f32)
+                lowered = steps.decode_block.trace(
+                    steps.leaves, cache, i32(case.batch), i32(case.batch), i32(case.batch), i32(case.batch),
+                    jax.ShapeDtypeStruct((), jnp.int32), sampling, length=case.tokens,
+                ).lower()  # fmt: skip
             else:
                 lowered = prefill.trace(graphdef, state, cache, i32(case.batch, case.tokens), i32(case.batch),
                                         i32(case.batch)).lower()

@@ -23,7 +23,7 @@ ValueError naming the argument, file or key, and the limit.
 from models import presets
 from models.config import LlamaConfig, RopeScaling
 from models.dense_baseline import DenseCache, dense_decode, dense_generate, dense_prefill, init_dense_cache
-from models.generate import Generation, default_layout, generate, length_bucket
+from models.generate import Generation, default_decode_block, default_layout, generate, length_bucket
 from models.host_tier import SwapPolicy
 from models.layers import MLP, Attention, Embedder, RMSNorm, apply_rope, rope_frequencies
 from models.llama import Block, Llama, init_random, token_positions
@@ -62,6 +62,7 @@ __all__ = [
     "generate",
     "Generation",
     "default_layout",
+    "default_decode_block",
     "length_bucket",
     "SwapPolicy",
     "DenseCache",

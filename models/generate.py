@@ -70,7 +70,7 @@ from models.llama import Llama
 from models.sampling import Sampling
 from models.scheduler import Scheduler, Seq, fetch
 
-__all__ = ["Generation", "generate", "default_layout", "length_bucket"]
+__all__ = ["Generation", "generate", "default_layout", "length_bucket", "default_decode_block"]
 
 
 @dataclasses.dataclass
@@ -217,9 +217,8 @@ def generate(
     device; `models.scheduler`, "Decode blocks"): the host's work is paid once per N steps
     instead of every step. Same tokens (the block's steps are the same ops, bit for bit); a
     row's tokens after a stop token in the block are computed and discarded, and a block's
-    tokens are read back together (`token_seconds`). Default None: 8 offline, 1 with
-    `arrivals` (an online workload gets every token as it is sampled); 1 turns blocks off.
-    With `return_logits` every call is one step.
+    tokens are read back together (`token_seconds`). Default None: `default_decode_block` (8;
+    1 with `arrivals` or on a TPU); 1 turns blocks off. With `return_logits` every call is one step.
 
     Token ids must be integers (Python or numpy; not floats, strings or bools) in
     [0, vocab_size); every bad argument is a ValueError naming it.
@@ -234,15 +233,15 @@ def generate(
     chunk_size = check_int("chunk_size", chunk_size, low=1)
     seed = check_int("seed", seed, low=INT32_MIN)
     host_pages = check_int("host_pages", host_pages, low=0)
-    if decode_block is None:
-        decode_block = 8 if arrivals is None else 1
-    decode_block = check_int("decode_block", decode_block, low=1, high=MAX_DECODE_BLOCK)
+    if decode_block is not None:
+        decode_block = check_int("decode_block", decode_block, low=1, high=MAX_DECODE_BLOCK)
     if not isinstance(mixed_steps, bool):
         raise ValueError(f"mixed_steps must be a bool, got {mixed_steps!r}")
     if token_budget is not None:
         if not mixed_steps:
             raise ValueError("token_budget is the mixed steps' size: give it with mixed_steps=True")
         token_budget = check_int("token_budget", token_budget, low=1)
+    arrivals_given = arrivals is not None
     arrivals = _check_arrivals(arrivals, len(prompts))
     if swap_policy is not None and not isinstance(swap_policy, SwapPolicy):
         raise ValueError(f"swap_policy must be a models.SwapPolicy, got {type(swap_policy).__name__}")
@@ -350,6 +349,8 @@ def generate(
     if host is not None:
         tier = HostTier(host, layout, swap_policy or SwapPolicy(), owns_pages=index is None)
     cache = _committed(cache)  # as the host-tier ops' outputs are: the steps compile once, not again mid-run
+    if decode_block is None:
+        decode_block = default_decode_block(cache, online=arrivals_given)
 
     seqs = [Seq(i, p, arrival=a) for i, (p, a) in enumerate(zip(prompts, arrivals))]
     runner = Scheduler(
@@ -391,6 +392,15 @@ def generate(
         mixed_calls=runner.mixed_calls,
         token_seconds=[s.times for s in seqs],
     )
+
+
+def default_decode_block(cache: aj.KVCache, online: bool = False) -> int:
+    """generate's decode steps per call when not given: 8, or 1 for an online workload (every
+    token read back as it is sampled) or a cache on a TPU, where XLA compiles the block program
+    ~4x as long as one step (the sampler's full-vocabulary sort inside the block's loop: 56 s vs
+    14.5 s for one Llama-3-8B-shaped layer on v6e, deviceless; benchmarks/RESULTS.md)."""
+    platform = next(iter(cache.k.devices())).platform
+    return 1 if online or platform == "tpu" else 8
 
 
 def _check_arrivals(arrivals, num_prompts: int) -> list[float]:

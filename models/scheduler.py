@@ -102,7 +102,7 @@ page_size steps of a row): the page rows the host read last stay exact for index
 that fill up and the sequences that stop, no reservation can fail and nothing needs evicting;
 a row that stops at t is indexed as it is, and its token from t+1 lands past the indexed ones.
 
-Decode blocks (`decode_block` > 1, `generate`'s default 8 offline). A decode call runs up to
+Decode blocks (`decode_block` > 1; `generate`'s default 8 offline off a TPU). A decode call runs up to
 `decode_block` steps (`models.steps.BoundSteps.decode_block`, a while loop of the decode step on
 the device, each row's sampled token fed to its next step) when nothing waits to be admitted
 (no admission can be due: the queue is empty), every running row decodes, there is no prefix

@@ -221,3 +221,21 @@ def test_decode_block_steps_equal_decode_step_calls(model, layouts):
     assert ok[:, 1].all() and ok[:2, 0].all() and ok[2, 0] == 0
     assert np.asarray(out.ok)[:2].tolist() == [False, True]
     assert np.asarray(out.cache.table.lengths)[:2].tolist() == [48, 45]  # nothing reserved past the refusal
+
+
+def test_default_decode_block_by_workload_and_platform(model):
+    """8 offline on this CPU; 1 for an online workload (tokens read back as sampled) and for a
+    cache on a TPU (XLA's TPU compile of the block program: RESULTS, "Decode blocks"); the
+    argument is checked like every count."""
+    import types
+
+    cache = aj.create(model.config.kv_layout(page_size=16, num_pages=2, max_seqs=1, max_seq_len=32, dtype="float32"))
+    assert models.default_decode_block(cache) == 8 and models.default_decode_block(cache, online=True) == 1
+    on_tpu = types.SimpleNamespace(k=types.SimpleNamespace(devices=lambda: [types.SimpleNamespace(platform="tpu")]))
+    assert models.default_decode_block(on_tpu) == 1
+    prompt = list(range(20))  # 25 tokens: the 32 bucket's arena at batch 1, compiled above
+    got = models.generate(model, [prompt], 5, batch_size=1, stop_tokens=(), arrivals=[0.0])
+    assert got.decode_calls == got.decode_steps == 4  # online: one step per call
+    for bad in (0, 1025, 2.0, True):
+        with pytest.raises(ValueError, match="decode_block"):
+            models.generate(model, [[1, 2, 3]], 5, batch_size=1, decode_block=bad)
