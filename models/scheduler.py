@@ -360,9 +360,19 @@ class Scheduler(RunAhead):
             keep = [n for *_, nodes in restore for n in nodes]
             self._evict(self._pages_in_use() - self.layout.num_pages, keep=keep)
         rows = [(self.slot_of[r], pages, tokens) for r, _, pages, tokens, _ in restore]
-        self.cache, ok = self.tier.swap_in(self.cache, rows, self.batch)
+        while rows:  # `aj.swap_in` reads each host page once per call: rows sharing one (two
+            # admissions hitting the same cached prefix on the host) go in later calls
+            call, later, read = [], [], set()
+            for row in rows:
+                if read.intersection(row[1]):
+                    later.append(row)
+                else:
+                    call.append(row)
+                    read.update(row[1])
+            self.cache, ok = self.tier.swap_in(self.cache, call, self.batch)
+            self._swap_ins.append(ok)
+            rows = later
         self._page_rows_exact = False
-        self._swap_ins.append(ok)
         for r, seq, pages, tokens, _ in restore:
             if seq.swapped is not None:  # the scheduler's own host pages: free again (after the copy, in order)
                 self.cache = self.tier.release(self.cache, seq.swapped, self.batch * self.layout.max_pages_per_seq)

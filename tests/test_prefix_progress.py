@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import arena_jax as aj
@@ -168,6 +168,9 @@ FORCE_SWAP = models.SwapPolicy(prefill_tokens_per_s=1.0)
 
 @settings(max_examples=int(os.environ.get("ARENA_PROGRESS_HOST_EXAMPLES", "8")), deadline=None)
 @given(work=workloads(), tier=st.sampled_from(["swap", "prefix"]))
+# Found by a soak: in the second turn two admissions hit the same prefix, its tail on one host
+# page; one swap_in call may read a host page once, so the scheduler must split them (it did not).
+@example(work=(2, 6, 4, [[0, 0], [0], [0, 0, 0, 0], [0, 0, 0, 0]], 0.0, 2, False, 1), tier="prefix")
 def test_drawn_workloads_with_a_host_tier_finish_with_the_no_cache_tokens(model, work, tier):
     page_size, num_pages, max_new, prompts, temperature, turns, mixed, block = work
     layout = model.config.kv_layout(page_size=page_size, num_pages=num_pages, max_seqs=2, max_seq_len=MAX_LEN,
