@@ -16,6 +16,10 @@ the host can free pages (preempt) and retry the same tokens.
 
 Shapes and the static arguments (graphdef, all_logits) are the only things that compile
 (sampling settings are arrays): sequences joining and leaving change values only.
+
+`bound_steps(graphdef, state)` binds them to a model's static parts once, and adds
+`decode_block`: up to `length` decode steps in one call, each row's sampled token fed to its
+next step on the device (what `generate` runs while no request waits).
 """
 from __future__ import annotations
 
@@ -228,7 +232,8 @@ def _decode_block(graphdef, state, cache, tokens, slots, counts, seq_ids, seed, 
 
 @functools.lru_cache(maxsize=8)
 def _bound(graphdef, treedef):
-    """One pair of jitted functions per model structure, kept across `generate` calls (8 models)."""
+    """The jitted steps (prefill, decode, mixed, decode block) per model structure, kept across
+    `generate` calls (8 models)."""
 
     def prefill_leaves(leaves, cache, tokens, slots, num_tokens, seq_ids, seed, sampling, all_logits=False):
         TRACE_COUNTS["prefill"] += 1
