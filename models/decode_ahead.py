@@ -59,16 +59,16 @@ class RunAhead:
 
     def _block_steps(self, rows: list[int], in_flight: list[int], going: list[int], waiting: collections.deque):
         """i32[B]: the decode steps each row of `going` runs in the next call (module docstring,
-        "Decode blocks"), or None for a plain `decode_step` (decode_block 1, or logits to return).
-        Up to `decode_block` steps (none past max_new_tokens) while nothing waits, no row
-        prefills, there is no prefix index and each data shard's rows at their length after the
-        in-flight steps and these fit its pages; else one step. `rows`: every running row, with
-        `in_flight[r]` tokens of a step not read back yet."""
-        if self.block == 1 or self.return_logits:
+        "Decode blocks"), or None for a plain `decode_step` (decode_block 1). Up to
+        `decode_block` steps (none past max_new_tokens) while nothing waits, no row prefills,
+        there is no prefix index, no logits are returned and each data shard's rows at their
+        length after the in-flight steps and these fit its pages; else one step. `rows`: every
+        running row, with `in_flight[r]` tokens of a step not read back yet."""
+        if self.block == 1:
             return None
         steps = np.zeros((self.batch,), np.int32)
         steps[going] = 1
-        if waiting or self.index is not None or any(s.pending != 1 for s in self._running()):
+        if waiting or self.index is not None or self.return_logits or any(s.pending != 1 for s in self._running()):
             return steps
         for r in going:
             steps[r] = min(self.block, self.max_new - len(self.rows[r].generated) - in_flight[r])

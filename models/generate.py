@@ -218,7 +218,8 @@ def generate(
     instead of every step. Same tokens (the block's steps are the same ops, bit for bit); a
     row's tokens after a stop token in the block are computed and discarded, and a block's
     tokens are read back together (`token_seconds`). Default None: `default_decode_block` (8;
-    1 with `arrivals` or on a TPU); 1 turns blocks off. With `return_logits` every call is one step.
+    1 with `arrivals` or on a TPU); 1 turns blocks off. With `return_logits` every call runs
+    one step (through the same program: no other compile).
 
     Token ids must be integers (Python or numpy; not floats, strings or bools) in
     [0, vocab_size); every bad argument is a ValueError naming it.

@@ -114,8 +114,8 @@ stop token; the rest were computed past its end and are discarded, and its slot 
 as at a stop. Run-ahead applies to blocks as to steps (the next block's rows are those that
 go on after the in-flight one's steps). Tokens are the one-step loop's: a block's step is the
 same computation as a `decode_step` call (bit for bit, tests/test_overlap.py). With
-decode_block > 1 and no logits returned, every decode call (a single step too: a block whose
-rows run one step) goes through the block program, so one decode program is compiled.
+decode_block > 1 every decode call (a single step too: a block whose rows run one step, which
+also returns its logits) goes through the block program, so one decode program is compiled.
 """
 from __future__ import annotations
 

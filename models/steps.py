@@ -210,24 +210,27 @@ def _decode_block(graphdef, state, cache, tokens, slots, counts, seq_ids, seed, 
     `counts[b]` of them, each fed the token its previous step sampled, on the device. Step j of
     row b is exactly the j-th of as many `decode_step` calls (the same ops, bit for bit: tests);
     a row refused pages at a step (ok False) runs nothing after it. Trip count: the largest
-    count, so a block of ones costs one step.
+    count, so a block of ones costs one step (and is `decode_step`, logits included).
     tokens, slots, counts, seq_ids: i32[B] -> (StepOutput: the cache, each row's last token,
-    logits None, ok = no step of the row refused; packed i32[length, 2, B]: step j's sampled
-    tokens and ok, ok 1 for rows that ran no step j)."""
+    f32[B, V] logits of each row's last step, ok = no step of the row refused; packed
+    i32[length, 2, B]: step j's sampled tokens and ok, ok 1 for rows that ran no step j)."""
+    batch = tokens.shape[0]
+    vocab = nnx.merge(graphdef, state).config.vocab_size
     counts = jnp.where(slots >= 0, jnp.clip(counts.astype(jnp.int32), 0, length), 0)
-    packed = jnp.zeros((length, 2, tokens.shape[0]), jnp.int32)
 
     def body(carry):
-        j, cache, tokens, alive, packed = carry
+        j, cache, tokens, alive, logits, packed = carry
         step_slots = jnp.where(alive & (j < counts), slots, aj.PAD_SLOT)
         live = (step_slots >= 0).astype(jnp.int32)
         out = _step(graphdef, state, cache, tokens[:, None], step_slots, live, seq_ids, seed, sampling, False)
         packed = packed.at[j].set(jnp.stack([out.tokens.astype(jnp.int32), out.ok.astype(jnp.int32)]))
-        return j + 1, out.cache, jnp.where(live > 0, out.tokens, tokens), alive & out.ok, packed
+        logits = jnp.where(live[:, None] > 0, out.logits.astype(jnp.float32), logits)
+        return j + 1, out.cache, jnp.where(live > 0, out.tokens, tokens), alive & out.ok, logits, packed
 
-    init = (jnp.int32(0), cache, tokens.astype(jnp.int32), slots >= 0, packed)
-    _, cache, tokens, alive, packed = jax.lax.while_loop(lambda c: c[0] < jnp.max(counts), body, init)
-    return StepOutput(cache=cache, tokens=tokens, logits=None, ok=alive | (slots < 0)), packed
+    init = (jnp.int32(0), cache, tokens.astype(jnp.int32), slots >= 0, jnp.zeros((batch, vocab), jnp.float32),
+            jnp.zeros((length, 2, batch), jnp.int32))  # fmt: skip
+    _, cache, tokens, alive, logits, packed = jax.lax.while_loop(lambda c: c[0] < jnp.max(counts), body, init)
+    return StepOutput(cache=cache, tokens=tokens, logits=logits, ok=alive | (slots < 0)), packed
 
 
 @functools.lru_cache(maxsize=8)

@@ -112,11 +112,10 @@ def test_generate_compiles_once_for_a_length_bucket(model):
     rng = np.random.default_rng(7)
     first = [rng.integers(0, 128, n).tolist() for n in (20, 9)]
     models.generate(model, first, 4, batch_size=1, stop_tokens=())  # 24 tokens: the 32 bucket (decode blocks)
-    models.generate(model, first, 4, batch_size=1, stop_tokens=(), return_logits=True)  # logits: one step per call
     again = [rng.integers(0, 128, n).tolist() for n in (3, 17, 11)]
     with CompileCount() as count:
         before = dict(models.TRACE_COUNTS)
-        got = models.generate(model, again, 11, batch_size=1, stop_tokens=(), return_logits=True)  # 28 tokens
+        got = models.generate(model, again, 11, batch_size=1, stop_tokens=(), return_logits=True)  # 28 tokens: one-step blocks
         blocks = models.generate(model, again, 11, batch_size=1, stop_tokens=())
     assert count.programs == 0 and dict(models.TRACE_COUNTS) == before
     assert blocks.tokens == got.tokens and blocks.decode_steps == got.decode_steps > blocks.decode_calls

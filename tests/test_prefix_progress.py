@@ -122,17 +122,16 @@ def workloads(draw):
     temperature = draw(st.sampled_from([0.0, 0.9]))
     turns = draw(st.integers(1, 2))
     mixed = draw(st.sampled_from(MIXED))  # the cached run's prompts fed by mixed steps (chunks beside decode rows)
-    block = draw(st.sampled_from([1, 8]))  # decode steps per call where no prefix cache runs (decode blocks)
-    return page_size, num_pages, max_new, prompts, temperature, turns, mixed, block
+    return page_size, num_pages, max_new, prompts, temperature, turns, mixed
 
 
 @settings(max_examples=int(os.environ.get("ARENA_PROGRESS_EXAMPLES", "12")), deadline=None)
 @given(work=workloads())
 def test_drawn_workloads_finish_with_the_no_cache_tokens(model, work):
-    page_size, num_pages, max_new, prompts, temperature, turns, mixed, block = work
+    page_size, num_pages, max_new, prompts, temperature, turns, mixed = work
     layout = model.config.kv_layout(page_size=page_size, num_pages=num_pages, max_seqs=2, max_seq_len=MAX_LEN,
                                      dtype="float32")  # fmt: skip
-    kwargs = dict(batch_size=2, chunk_size=4, temperature=temperature, top_k=3, seed=7, stop_tokens=(), decode_block=block)
+    kwargs = dict(batch_size=2, chunk_size=4, temperature=temperature, top_k=3, seed=7, stop_tokens=())
     cached = models.generate(model, prompts, max_new, layout=layout, prefix_cache=True, mixed_steps=mixed, **kwargs)
     for turn in range(turns):
         _served(cached, prompts, max_new)
@@ -170,15 +169,13 @@ FORCE_SWAP = models.SwapPolicy(prefill_tokens_per_s=1.0)
 @given(work=workloads(), tier=st.sampled_from(["swap", "prefix"]))
 # Found by a soak: in the second turn two admissions hit the same prefix, its tail on one host
 # page; one swap_in call may read a host page once, so the scheduler must split them (it did not).
-@example(work=(2, 6, 4, [[0, 0], [0], [0, 0, 0, 0], [0, 0, 0, 0]], 0.0, 2, False, 1), tier="prefix")
+@example(work=(2, 6, 4, [[0, 0], [0], [0, 0, 0, 0], [0, 0, 0, 0]], 0.0, 2, False), tier="prefix")
 def test_drawn_workloads_with_a_host_tier_finish_with_the_no_cache_tokens(model, work, tier):
-    page_size, num_pages, max_new, prompts, temperature, turns, mixed, block = work
+    page_size, num_pages, max_new, prompts, temperature, turns, mixed = work
     layout = model.config.kv_layout(page_size=page_size, num_pages=num_pages, max_seqs=2, max_seq_len=MAX_LEN,
                                      dtype="float32")  # fmt: skip
     kwargs = dict(batch_size=2, chunk_size=4, temperature=temperature, top_k=3, seed=7, stop_tokens=(), swap_policy=FORCE_SWAP)
-    plain = models.generate(model, prompts, max_new, layout=layout, decode_block=1,
-                            **{k: v for k, v in kwargs.items() if k != "swap_policy"})  # fmt: skip
-    kwargs["decode_block"] = block  # the tier's run: blocks where no prefix cache runs
+    plain = models.generate(model, prompts, max_new, layout=layout, **{k: v for k, v in kwargs.items() if k != "swap_policy"})
     kwargs["mixed_steps"] = mixed
     got = models.generate(model, prompts, max_new, layout=layout, host_pages=3, prefix_cache=tier == "prefix", **kwargs)
     swap_outs = 0  # the cache's counters add up over the turns; each Generation counts its own call
