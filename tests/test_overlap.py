@@ -142,10 +142,12 @@ def test_decode_blocks_equal_one_step_calls(monkeypatch, model, layouts, prompts
     # pages of 4 (a block of 8 crosses two), 16 of them: the last rows run out of pages inside blocks
     small = model.config.kv_layout(page_size=4, num_pages=16, max_seqs=BATCH, max_seq_len=64, dtype="float32")
     common = dict(batch_size=BATCH, chunk_size=CHUNK, temperature=temperature, seed=11)
-    plain = models.generate(model, prompts, NEW, layout=tight, stop_tokens=(), decode_block=1, **common)
+    # The reference: one step per call (returning logits makes every call one step of the same
+    # program; test_decode_block_steps_equal_decode_step_calls checks it against decode_step)
+    plain = models.generate(model, prompts, NEW, layout=tight, stop_tokens=(), return_logits=True, **common)
     stop = sorted({t[6] for t in plain.tokens[-3:]})  # tokens drawn in the last rows' blocks
     for layout, stops in ((tight, stop), (tight, ()), (small, ())):
-        ref = models.generate(model, prompts, NEW, layout=layout, stop_tokens=stops, decode_block=1, **common)
+        ref = models.generate(model, prompts, NEW, layout=layout, stop_tokens=stops, return_logits=True, **common)
         assert ref.decode_steps == ref.decode_calls
         assert not stops or any(len(t) < NEW for t in ref.tokens) and any(len(t) == NEW for t in ref.tokens)
         assert stops or ref.preemptions > 0
@@ -232,9 +234,6 @@ def test_default_decode_block_by_workload_and_platform(model):
     assert models.default_decode_block(cache) == 8 and models.default_decode_block(cache, online=True) == 1
     on_tpu = types.SimpleNamespace(k=types.SimpleNamespace(devices=lambda: [types.SimpleNamespace(platform="tpu")]))
     assert models.default_decode_block(on_tpu) == 1
-    prompt = list(range(20))  # 25 tokens: the 32 bucket's arena at batch 1, compiled above
-    got = models.generate(model, [prompt], 5, batch_size=1, stop_tokens=(), arrivals=[0.0])
-    assert got.decode_calls == got.decode_steps == 4  # online: one step per call
     for bad in (0, 1025, 2.0, True):
         with pytest.raises(ValueError, match="decode_block"):
             models.generate(model, [[1, 2, 3]], 5, batch_size=1, decode_block=bad)
