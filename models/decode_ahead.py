@@ -50,20 +50,19 @@ class RunAhead:
         if self.index is not None:
             live = np.flatnonzero(slots >= 0)
             self._make_room(live.tolist(), [1] * len(live))
-        rows = [r for r, s in enumerate(served) if s is not None]
-        steps = self._block_steps(rows, [0] * self.batch, rows, waiting)
+        steps = self._block_steps([0] * self.batch, [r for r, s in enumerate(served) if s is not None], waiting)
         out = self._dispatch_decode(jnp.asarray(tokens), slots, seq_ids, steps)
         if not run_ahead:
             return self._collect(*out, slots, (slots >= 0).astype(np.int32), steps=steps)
         return self._finish_decode(out, slots, served, waiting, steps)
 
-    def _block_steps(self, rows: list[int], in_flight: list[int], going: list[int], waiting: collections.deque):
+    def _block_steps(self, in_flight: list[int], going: list[int], waiting: collections.deque):
         """i32[B]: the decode steps each row of `going` runs in the next call (module docstring,
         "Decode blocks"), or None for a plain `decode_step` (decode_block 1). Up to
         `decode_block` steps (none past max_new_tokens) while nothing waits, no row prefills,
         there is no prefix index, no logits are returned and each data shard's rows at their
-        length after the in-flight steps and these fit its pages; else one step. `rows`: every
-        running row, with `in_flight[r]` tokens of a step not read back yet."""
+        length after the in-flight steps (`in_flight[r]` tokens of a call not read back yet)
+        and these fit its pages; else one step."""
         if self.block == 1:
             return None
         steps = np.zeros((self.batch,), np.int32)
@@ -72,14 +71,19 @@ class RunAhead:
             return steps
         for r in going:
             steps[r] = min(self.block, self.max_new - len(self.rows[r].generated) - in_flight[r])
+        if not self._pages_fit([a + int(b) for a, b in zip(in_flight, steps)]):
+            steps[going] = 1  # a block's reservation might fail: one step (the caller checks its pages)
+        return steps
+
+    def _pages_fit(self, extra: list[int]) -> bool:
+        """Each data shard's running rows, holding `extra[r]` tokens more than they have fed, fit its pages."""
         size, per = self.layout.page_size, self.rows_per_shard
         for shard in range(self.dp):
-            pages = sum(-(-(self.rows[r].fed + in_flight[r] + int(steps[r])) // size)
-                        for r in rows if r // per == shard)  # fmt: skip
+            pages = sum(-(-(self.rows[r].fed + extra[r]) // size)
+                        for r in range(shard * per, (shard + 1) * per) if self.rows[r] is not None)  # fmt: skip
             if pages > self.pages_per_shard:
-                steps[going] = 1  # a block's reservation might fail: one step (the caller checks its pages)
-                break
-        return steps
+                return False
+        return True
 
     def _dispatch_decode(self, tokens: jax.Array, slots: np.ndarray, seq_ids: np.ndarray, steps: np.ndarray | None):
         if steps is None:
@@ -142,7 +146,7 @@ class RunAhead:
             return None  # a request arrived since the last admission: the next iteration tries it
         if not going:
             return None
-        size, per = self.layout.page_size, self.rows_per_shard
+        size = self.layout.page_size
         if self.index is not None:
             # With a prefix index the host reads page rows back with each step (to index the
             # pages that fill up) and makes room by evicting: run ahead only where neither the
@@ -156,18 +160,15 @@ class RunAhead:
                 if s.cow_node is not None or -(-(s.fed + 2) // size) != -(-s.fed // size):
                     return None
         self._flush()  # releases of rows vacated since (run before the next step, after the in-flight one)
-        next_steps = self._block_steps(rows, in_flight, going, waiting)
+        next_steps = self._block_steps(in_flight, going, waiting)
         if self.index is None:
             extra = [0] * self.batch  # tokens each row holds after the in-flight call and the next one
             for r in rows:
                 extra[r] += in_flight[r]
             for r in going:
                 extra[r] += 1 if next_steps is None else int(next_steps[r])
-            for shard in range(self.dp):
-                pages = sum(-(-(self.rows[r].fed + extra[r]) // size)
-                            for r in range(shard * per, (shard + 1) * per) if self.rows[r] is not None)  # fmt: skip
-                if pages > self.pages_per_shard:
-                    return None  # a reservation might fail: decide after reading the step back
+            if not self._pages_fit(extra):
+                return None  # a reservation might fail: decide after reading the step back
         key = tuple((r, served[r].index, 1 if next_steps is None else int(next_steps[r])) for r in going)
         cached = self._next_rows_cache
         if cached is None or cached[0] != key:

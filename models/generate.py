@@ -398,8 +398,8 @@ def generate(
 def default_decode_block(cache: aj.KVCache, online: bool = False) -> int:
     """generate's decode steps per call when not given: 8, or 1 for an online workload (every
     token read back as it is sampled) or a cache on a TPU, where XLA compiles the block program
-    ~4x as long as one step (the sampler's full-vocabulary sort inside the block's loop: 56 s vs
-    14.5 s for one Llama-3-8B-shaped layer on v6e, deviceless; benchmarks/RESULTS.md)."""
+    ~4x as long as one step (the sampler's full-vocabulary sort inside the block's loop: 23 s vs
+    5 s for a Llama-3-8B-shaped step on v6e, deviceless; benchmarks/RESULTS.md)."""
     platform = next(iter(cache.k.devices())).platform
     return 1 if online or platform == "tpu" else 8
 
