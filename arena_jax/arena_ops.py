@@ -9,7 +9,10 @@ unwritten positions (an earlier tenant's bytes) can never be read.
 Quantized arenas (8-bit, int4) pass their scales along: append quantizes the new rows (values
 and scales are written by the same kernel, under the same masks), attention dequantizes what
 it reads. A cache with `rotate_keys` has its keys rotated before quantization and q rotated the
-same way in attention (both inside the kernels / references).
+same way in attention (both inside the kernels / references). A cache with `key_factors`
+(`smooth_keys`) has its keys divided by them before all of that and q multiplied by them
+(`arena_jax.key_factors`, here, in XLA, for every backend); append calibrates a layer's
+factors at its first write.
 
 Backends: "pallas" / "pallas_tpu" (the kernels), "mosaic" (a GPU decode kernel), "xla"
 (`pallas_kernels.blockwise`: attention in blocks of pages, its cost following the written
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from arena_jax import key_factors as factors_lib
 from arena_jax.allocator import in_range_rows, slot_rows
 from arena_jax.state import PAD_SLOT, KVCache
 from pallas_kernels.blockwise import paged_attention_blockwise
@@ -39,10 +43,11 @@ def _layer(cache: KVCache, layer):
     return (layer >= 0) & (layer < num_layers), jnp.clip(layer, 0, num_layers - 1)
 
 
-def append_impl(cache: KVCache, layer, slots, k, v, num_tokens, backend: str) -> KVCache:
+def append_impl(cache: KVCache, layer, slots, k, v, num_tokens, backend: str, reduce_max=None) -> KVCache:
     """Write row b's first num_tokens[b] tokens of k, v [B, T, Hkv, D] at its slot's written
     watermark for `layer` and advance it. A row whose tokens would pass the slot's reservation
-    or land in a page it shares writes nothing (counted in `dropped_writes`)."""
+    or land in a page it shares writes nothing (counted in `dropped_writes`). `reduce_max`
+    (a data-parallel mesh): combines the smoothing calibration over data shards."""
     table = cache.table
     max_seqs, max_pages = table.page_map.shape
     num_pages, page_size = cache.k.shape[2], cache.k.shape[3]
@@ -66,6 +71,12 @@ def append_impl(cache: KVCache, layer, slots, k, v, num_tokens, backend: str) ->
     accepted = jnp.where(writable, n, 0)
 
     kernel_rows = (jnp.where(writable[:, None], rows, -1), start + accepted, accepted)
+    factors = {}
+    if cache.key_factors is not None:  # smoothed keys: calibrate at the layer's first write, then divide
+        stored = in_use & writable[:, None]
+        new_factors = factors_lib.update(cache.key_factors, layer_ok, layer_c, k, stored, reduce_max)
+        k = factors_lib.smooth_keys(k, new_factors[layer_c])
+        factors = dict(key_factors=new_factors)
     scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)  # None for float arenas
     if backend == "pallas_tpu":
         from pallas_kernels.tpu_append import tpu_paged_append
@@ -89,7 +100,7 @@ def append_impl(cache: KVCache, layer, slots, k, v, num_tokens, backend: str) ->
         dropped_writes=jnp.sum(good & (n > 0) & ~writable),
         rejected_rows=jnp.sum(rejected),
     )
-    return cache.replace(k=k_arena, v=v_arena, table=table, stats=stats, **scales)
+    return cache.replace(k=k_arena, v=v_arena, table=table, stats=stats, **scales, **factors)
 
 
 def attend_impl(q, cache: KVCache, layer, slots, num_tokens, backend: str, sliding_window, sm_scale,
@@ -108,6 +119,8 @@ def attend_impl(q, cache: KVCache, layer, slots, num_tokens, backend: str, slidi
     n = jnp.where(good, num_tokens, 0)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                   k_scale=cache.k_scale, v_scale=cache.v_scale)
+    if cache.key_factors is not None:  # smoothed keys: q times the factors keeps q . k as it was
+        q = factors_lib.smooth_queries(q, cache.key_factors[layer_c])
     if backend in ("pallas_tpu", "xla") and cache.rotate_keys:  # they take q rotated, as the reference rotates it
         q = rotate_rows(q, q.dtype)
     if backend == "pallas_tpu":

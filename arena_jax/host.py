@@ -73,8 +73,8 @@ from arena_jax.state import KVCache
 
 __all__ = ["HostArena", "create_host", "page_arrays", "free_host_pages", "host_pages_view"]
 
-# Fields of KVCache that are not per-page arrays.
-_NOT_PAGES = ("table", "stats", "sharding")
+# Fields of KVCache that are not per-page arrays (`key_factors`: one per layer, head, channel).
+_NOT_PAGES = ("table", "stats", "sharding", "key_factors")
 
 
 def page_arrays(cache: KVCache) -> dict[str, jax.Array]:

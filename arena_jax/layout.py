@@ -11,7 +11,7 @@ import numpy as np
 from arena_jax.hf_config import kv_geometry, read_hf_config  # read_hf_config: re-exported
 
 __all__ = ["KVLayout", "ROW_ALIGN_BYTES", "ARENA_DTYPES", "QUANTIZED_DTYPES", "EIGHT_BIT_DTYPES", "SCALE_DTYPES",
-           "INT4_GROUP", "ROTATE_KEYS_DEFAULT", "read_hf_config"]
+           "INT4_GROUP", "ROTATE_KEYS_DEFAULT", "SMOOTH_KEYS_DEFAULT", "read_hf_config"]
 
 # One token of one head (head_dim * itemsize) is a whole number of 16-byte vectors. Why this
 # rule and no other:
@@ -38,9 +38,14 @@ QUANTIZED_DTYPES = EIGHT_BIT_DTYPES + ("int4",)
 ARENA_DTYPES = ("bfloat16", "float16", "float32") + QUANTIZED_DTYPES
 SCALE_DTYPES = ("float32", "bfloat16")
 INT4_GROUP = 32
-# Keys rotated before quantization (`pallas_kernels.rotation`) unless the layout says otherwise:
-# on where it lowers attention error (int8: 4-6x less at x10-x50 key outliers, int4: 1.5-2.5x
-# at x10-x20), off where it raises it (fp8: every outlier scale; pallas_kernels/README.md).
+# Keys divided by static per-channel factors (`arena_jax.key_factors`) and then rotated
+# (`pallas_kernels.rotation`) before quantization unless the layout says otherwise: on for
+# every quantized format (`arena-bench accuracy`, 4 key channels x20: int8 7.0% -> 0.99%, fp8
+# e4m3 7.0% -> 5.2%, int4 42% -> 15%; no cost without outliers; pallas_kernels/README.md).
+SMOOTH_KEYS_DEFAULT = {"int8": True, "int4": True, "float8_e4m3fn": True, "float8_e5m2": True}
+# The rotation's default for keys that are NOT smoothed: on where it lowers attention error
+# (int8: 4-6x less at x10-x50 key outliers, int4: 1.5-2.5x at x10-x20), off where it raises it
+# (fp8, at every outlier scale). Smoothed keys are rotated by default in every format.
 ROTATE_KEYS_DEFAULT = {"int8": True, "int4": True, "float8_e4m3fn": False, "float8_e5m2": False}
 
 
@@ -103,7 +108,15 @@ class KVLayout:
     `rotate_keys` (quantized arenas): keys are rotated by a fixed randomized Hadamard transform
     before quantization and queries by the same one in attention (`pallas_kernels.rotation`),
     which spreads outlier channels over the whole row; scores are unchanged up to rounding.
-    None takes `ROTATE_KEYS_DEFAULT[dtype]` (int8, int4: on; fp8: off); float arenas: False.
+    None: on for smoothed keys, else `ROTATE_KEYS_DEFAULT[dtype]` (int8, int4: on; fp8: off);
+    float arenas: False.
+
+    `smooth_keys` (quantized arenas): each layer's keys are divided by static per-channel
+    factors (powers of two, fixed at the layer's first write; `arena_jax.key_factors`) before
+    rotation and quantization, and queries multiplied by them, so outlier channels stop setting
+    every token's scale; scores are unchanged (the factors are exact). The cache then carries
+    `key_factors: f32[num_layers, num_kv_heads, head_dim]`. None takes
+    `SMOOTH_KEYS_DEFAULT[dtype]` (every quantized format: on); float arenas: False.
     """
 
     num_layers: int
@@ -116,6 +129,7 @@ class KVLayout:
     dtype: Any = "bfloat16"
     scale_dtype: Any = None
     rotate_keys: Any = None
+    smooth_keys: Any = None
 
     def __post_init__(self):
         for name in ("num_layers", "num_kv_heads", "head_dim", "page_size", "num_pages", "max_seqs", "max_pages_per_seq"):
@@ -131,9 +145,18 @@ class KVLayout:
             )
         object.__setattr__(self, "dtype", dtype)
         object.__setattr__(self, "scale_dtype", _scale_dtype(dtype, self.scale_dtype))
+        smooth = self.smooth_keys
+        if smooth is None:
+            smooth = SMOOTH_KEYS_DEFAULT.get(dtype.name, False)
+        elif not isinstance(smooth, (bool, np.bool_)):
+            raise ValueError(f"smooth_keys must be True, False or None (the format's default), got {smooth!r}")
+        elif smooth and dtype.name not in QUANTIZED_DTYPES:
+            raise ValueError(f"smooth_keys=True applies to quantized (8-bit, int4) arenas only; a {dtype.name} arena "
+                             "stores keys as given")
+        object.__setattr__(self, "smooth_keys", bool(smooth))
         rotate = self.rotate_keys
         if rotate is None:
-            rotate = ROTATE_KEYS_DEFAULT.get(dtype.name, False)
+            rotate = smooth or ROTATE_KEYS_DEFAULT.get(dtype.name, False)
         elif not isinstance(rotate, (bool, np.bool_)):
             raise ValueError(f"rotate_keys must be True, False or None (the format's default), got {rotate!r}")
         elif rotate and dtype.name not in QUANTIZED_DTYPES:
@@ -232,6 +255,11 @@ class KVLayout:
         shape = (self.num_layers, self.num_kv_heads, self.num_pages, self.page_size)
         return shape + (self.scale_groups,) if self.int4 else shape
 
+    @property
+    def key_factors_shape(self) -> tuple[int, int, int]:
+        """Shape of `key_factors` (`smooth_keys`): one factor per layer, KV head and channel."""
+        return (self.num_layers, self.num_kv_heads, self.head_dim)
+
     def pages_for(self, num_tokens: int) -> int:
         return -(-int(num_tokens) // self.page_size)
 
@@ -250,6 +278,7 @@ class KVLayout:
         dtype: Any = "bfloat16",
         scale_dtype: Any = None,
         rotate_keys: Any = None,
+        smooth_keys: Any = None,
     ) -> "KVLayout":
         """As many pages as `budget_bytes` holds (K and V, all layers, every scale of a quantized arena included)."""
         dt = _canonical_dtype(dtype)
@@ -269,6 +298,7 @@ class KVLayout:
             dtype=dtype,
             scale_dtype=scale_dtype,
             rotate_keys=rotate_keys,
+            smooth_keys=smooth_keys,
         )
 
     @classmethod
@@ -284,6 +314,7 @@ class KVLayout:
         dtype: Any = None,
         scale_dtype: Any = None,
         rotate_keys: Any = None,
+        smooth_keys: Any = None,
     ) -> "KVLayout":
         """Geometry from a Hugging Face `config.json` (a dict, the file, or its folder).
 
@@ -292,8 +323,8 @@ class KVLayout:
         KV heads: `num_key_value_heads`, else `num_attention_heads`.
         head_dim: `head_dim`, else `hidden_size // num_attention_heads`.
         dtype: the config's `dtype` / `torch_dtype`, else bfloat16 (give e.g. "int8" for an 8-bit
-        arena, "int4" for a 4-bit one; `scale_dtype` then float32 or bfloat16, `rotate_keys` as
-        in the class). max_seq_len: `max_position_embeddings`.
+        arena, "int4" for a 4-bit one; `scale_dtype` then float32 or bfloat16, `rotate_keys` and
+        `smooth_keys` as in the class). max_seq_len: `max_position_embeddings`.
         Give exactly one of `num_pages` and `budget_bytes`.
         """
         if (num_pages is None) == (budget_bytes is None):
@@ -317,6 +348,7 @@ class KVLayout:
                 dtype=dtype,
                 scale_dtype=scale_dtype,
                 rotate_keys=rotate_keys,
+                smooth_keys=smooth_keys,
             )
         return cls(
             num_layers=geometry.num_layers,
@@ -329,4 +361,5 @@ class KVLayout:
             dtype=dtype,
             scale_dtype=scale_dtype,
             rotate_keys=rotate_keys,
+            smooth_keys=smooth_keys,
         )

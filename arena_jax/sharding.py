@@ -228,12 +228,14 @@ def create_sharded(layout: KVLayout, mesh, *, tensor_axis: str | None = "tensor"
             table = table.replace(free_stack=jnp.tile(local, sh.dp), num_free=jnp.full((sh.dp,), pages_per_shard, jnp.int32))
             stats = jax.tree.map(lambda x: jnp.zeros((sh.dp,), x.dtype), stats)
         shape = sh.arena_shape(layout)
-        scales = {}
+        extras = {}
         if layout.quantized:  # [layers, heads, pages, page_size(, groups)]: split like the arena
             scale_shape = shape[:4] + layout.scale_shape[4:]
-            scales = {name: jnp.zeros(scale_shape, layout.scale_dtype) for name in ("k_scale", "v_scale")}
+            extras = {name: jnp.zeros(scale_shape, layout.scale_dtype) for name in ("k_scale", "v_scale")}
+        if layout.smooth_keys:  # [layers, heads, head_dim]: heads split (and replicated) like the arena's
+            extras["key_factors"] = jnp.zeros(shape[:2] + (layout.head_dim,), jnp.float32)
         return KVCache(k=jnp.zeros(shape, layout.storage_dtype), v=jnp.zeros(shape, layout.storage_dtype), table=table,
-                       stats=stats, sharding=sh, rotate_keys=layout.rotate_keys, **scales)  # fmt: skip
+                       stats=stats, sharding=sh, rotate_keys=layout.rotate_keys, **extras)  # fmt: skip
 
     specs = _cache_specs(jax.eval_shape(build))
     return jax.jit(build, out_shardings=jax.tree.map(sh.named, specs))()
@@ -323,7 +325,8 @@ def _cache_specs(cache: KVCache) -> KVCache:
     for f in dataclasses.fields(cache):
         if not f.metadata.get("pytree_node", True) or getattr(cache, f.name) is None:
             continue
-        specs[f.name] = {"table": sh.table_specs(), "stats": sh.stats_specs()}.get(f.name, sh.arena_spec)
+        specs[f.name] = {"table": sh.table_specs(), "stats": sh.stats_specs(),
+                         "key_factors": _spec(None, sh.tensor_axis)}.get(f.name, sh.arena_spec)
     return cache.replace(**specs)
 
 
@@ -451,10 +454,14 @@ def append(cache: KVCache, layer, slots, k, v, num_tokens, backend: str):
     sh = cache.sharding
     replicated = sh.kv_replicas > 1
 
+    # Smoothed keys: the data shards calibrate a layer's factors together (the same values on each).
+    over_data = None if sh.data_axis is None else (lambda x: lax.pmax(x, sh.data_axis))
+
     def body(local, max_seqs, layer, slots, k, v, num_tokens):
         if replicated:
             k, v = _my_heads(sh, k), _my_heads(sh, v)
-        return append_impl(local, layer, _local_slots(sh, slots, max_seqs), k, v, num_tokens, backend)
+        return append_impl(local, layer, _local_slots(sh, slots, max_seqs), k, v, num_tokens, backend,
+                           reduce_max=over_data)
 
     kv = sh.heads_spec(split=not replicated)
     specs = (P(), sh.rows_spec, kv, kv, sh.rows_spec)

@@ -127,6 +127,10 @@ class KVCache:
       (`pallas_kernels.rotation`), so attention rotates q the same way. A property of how the
       bytes were written, not of any page: every op that moves pages stays oblivious, and a
       static field costs nothing in a jit and travels with the cache through every op.
+    - `key_factors` (`smooth_keys`): f32[num_layers, num_kv_heads, head_dim], the static
+      per-channel factors every stored key of a layer was divided by (`arena_jax.key_factors`;
+      0: the layer is not calibrated yet). Not per page: set once per layer by its first write,
+      read by every later write and attention; page ops never touch it. None when off.
     """
 
     k: jax.Array  # [num_layers, num_kv_heads, num_pages, page_size, head_dim]
@@ -139,6 +143,7 @@ class KVCache:
     # `arena_jax.sharding.CacheSharding` here; the ops then run per shard (see that module).
     sharding: Any = struct.field(pytree_node=False, default=None)
     rotate_keys: bool = struct.field(pytree_node=False, default=False)  # keys stored rotated (quantized arenas)
+    key_factors: jax.Array | None = None  # f32[num_layers, num_kv_heads, head_dim] (smooth_keys), else None
 
     @property
     def layout(self) -> KVLayout:
@@ -159,6 +164,7 @@ class KVCache:
             dtype="int4" if int4 else self.k.dtype,
             scale_dtype=None if self.k_scale is None else self.k_scale.dtype,
             rotate_keys=self.rotate_keys,
+            smooth_keys=self.key_factors is not None,
         )
 
     @property
@@ -230,5 +236,6 @@ def create(layout: KVLayout, *, mesh=None, tensor_axis: str | None = "tensor", d
         table=PageTable.empty(layout),
         stats=CacheStats.zeros(),
         rotate_keys=layout.rotate_keys,
+        key_factors=jnp.zeros(layout.key_factors_shape, jnp.float32) if layout.smooth_keys else None,
         **scales,
     )

@@ -222,6 +222,12 @@ def check_cache_arrays(cache) -> KVLayout:
         for name, x in (("k_scale", ks), ("v_scale", vs)):
             if tuple(x.shape) != want or x.dtype != ks.dtype:
                 raise ValueError(f"cache.{name} must be {want} {ks.dtype}, got {x.shape} {x.dtype}")
+    factors = cache.key_factors
+    if factors is not None:
+        want = tuple(k.shape[:2]) + ((2 if k.dtype == jnp.uint8 else 1) * k.shape[4],)
+        if not quantized or tuple(factors.shape) != want or factors.dtype != jnp.float32:
+            raise ValueError(f"cache.key_factors (smooth_keys) must be {want} float32 and only on quantized arenas, got "
+                             f"{factors.shape} {factors.dtype} on a {k.dtype} arena (build caches with arena_jax.create)")
     if not isinstance(cache.rotate_keys, (bool, np.bool_)) or (cache.rotate_keys and not quantized):
         raise ValueError(f"cache.rotate_keys={cache.rotate_keys!r}: True or False, and True only for quantized arenas "
                          "(build caches with arena_jax.create)")

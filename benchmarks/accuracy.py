@@ -4,7 +4,8 @@ keys) does to attention and to a model.
 1. Attention. One decode query per row over `context` cached tokens, Llama-3-8B-shaped heads
    (32 query / 8 KV heads, head_dim 128), stored in a bf16 arena and in each quantized arena
    (int8 / fp8: per-token absmax scales, float32; int4: per-32-lane-group scales, bf16), each
-   without and with rotated keys (`KVLayout(rotate_keys=...)`). q ~ N(0, 1) in float32 (so only
+   with plain keys, rotated keys (`KVLayout(rotate_keys=True)`) and keys smoothed, then rotated
+   (`smooth_keys=True`: static per-channel factors, `arena_jax.key_factors`). q ~ N(0, 1) in float32 (so only
    the cache's storage differs); V ~ N(0, 1); K ~ N(0, 1) except `outliers` channels of every
    KV head scaled by `outlier_scale` (real LLM keys carry a few such channels, 10-50x the
    rest). Reported per backend (the jnp reference and the Pallas kernels; on CPU the kernels
@@ -61,17 +62,25 @@ class AccuracySettings:
     skip_models: bool = False
     skip_attention: bool = False
     formats: tuple = FORMATS  # the quantized arenas measured
-    rotations: tuple = (False, True)  # each quantized format without and with rotated keys
+    key_options: tuple = ("", "+rot", "+smooth+rot")  # each quantized format's keys: plain, rotated, smoothed + rotated
     backends: tuple = ("reference", "pallas")  # attention: the first is the table's; the others are compared to it
-    model_formats: tuple = ("int8", "int8+rot", "float8_e4m3fn", "int4", "int4+rot")  # end to end
+    model_formats: tuple = ("int8", "int8+rot", "int8+smooth+rot", "float8_e4m3fn", "int4", "int4+rot",
+                            "int4+smooth+rot")  # end to end
 
 
-def split_format(fmt: str) -> tuple[str, bool | None]:
-    """"int4+rot" -> ("int4", True); "int4" -> ("int4", False); a float format -> (fmt, None)."""
-    dtype, _, rot = fmt.partition("+")
+KEY_OPTIONS = ("rot", "smooth")  # "+rot": rotated keys (rotate_keys); "+smooth": smoothed keys (smooth_keys)
+
+
+def split_format(fmt: str) -> tuple[str, bool | None, bool | None]:
+    """"int4+smooth+rot" -> ("int4", True, True): (dtype, rotate_keys, smooth_keys); a quantized
+    format without an option turns it off ("int4": plain keys); a float format -> (fmt, None, None)."""
+    dtype, *options = fmt.split("+")
+    if any(o not in KEY_OPTIONS for o in options) or (options and dtype not in FORMATS):
+        raise ValueError(f"format {fmt!r}: a dtype, then for a quantized one (of {', '.join(FORMATS)}) any of "
+                         "+rot (rotated keys) and +smooth (smoothed keys)")
     if dtype not in FORMATS:
-        return dtype, None
-    return dtype, rot == "rot"
+        return dtype, None, None
+    return dtype, "rot" in options, "smooth" in options
 
 
 # tests/test_models_parity.py's configs (vocab 128, hidden 64, MLP 128, 2 layers, 4 query heads,
@@ -120,12 +129,12 @@ def _fill_and_attend(layout, q, k, v, backend):
     return aj.attend(q, cache, 0, slots, backend=backend), ok
 
 
-def _attend_with(dtype, rotate, q, k, v, backend="reference", page_size=16):
+def _attend_with(dtype, rotate, smooth, q, k, v, backend="reference", page_size=16):
     batch, context, kv_heads, head_dim = k.shape
     pages = -(-context // page_size)
     layout = aj.KVLayout(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
                          num_pages=batch * pages, max_seqs=batch, max_pages_per_seq=pages, dtype=dtype,
-                         rotate_keys=rotate)
+                         rotate_keys=rotate, smooth_keys=smooth)
     out, ok = _fill_and_attend(layout, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), backend)
     assert bool(np.all(ok))
     return np.asarray(out, np.float64)  # [B, 1, Hq, D]
@@ -144,10 +153,10 @@ def exact_attention(q, k, v):
 
 
 def _formats(s: AccuracySettings):
-    """(label, dtype, rotate): bf16, then each quantized format without / with rotated keys."""
-    out = [(BASELINE, BASELINE, False)]
+    """(label, dtype, rotate, smooth): bf16, then each quantized format with each key option."""
+    out = [(BASELINE, BASELINE, None, None)]
     for fmt in s.formats:
-        out += [(fmt + ("+rot" if rot else ""), fmt, rot) for rot in s.rotations]
+        out += [(fmt + option, *split_format(fmt + option)) for option in s.key_options]
     return out
 
 
@@ -163,10 +172,10 @@ def attention_accuracy(s: AccuracySettings, progress=None) -> list[dict]:
         q = rng.standard_normal((s.batch, 1, q_heads, head_dim)).astype(np.float32)
         exact = exact_attention(q, k, v)
         norm = np.linalg.norm(exact)
-        base = _attend_with(BASELINE, False, q, k, v)
+        base = _attend_with(BASELINE, None, None, q, k, v)
         label = "K ~ N(0, 1), no outliers" if scale == 1.0 else f"K with {s.outliers} outlier channels x{scale:g}"
-        for name, dtype, rotate in _formats(s):
-            outs = {b: base if (dtype == BASELINE and b == "reference") else _attend_with(dtype, rotate, q, k, v, b)
+        for name, dtype, rotate, smooth in _formats(s):
+            outs = {b: base if (dtype == BASELINE and b == "reference") else _attend_with(dtype, rotate, smooth, q, k, v, b)
                     for b in s.backends}
             first = outs[s.backends[0]]
             rows.append({
@@ -188,9 +197,9 @@ def attention_accuracy(s: AccuracySettings, progress=None) -> list[dict]:
 
 def _layout(model, fmt, batch, max_len, page_size=16):
     """The arena for a format label ("int4+rot": an int4 arena with rotated keys)."""
-    dtype, rotate = split_format(fmt)
+    dtype, rotate, smooth = split_format(fmt)
     layout = models.default_layout(model, batch, max_len, page_size=page_size, dtype=dtype)
-    return layout if rotate is None else dataclasses.replace(layout, rotate_keys=rotate)
+    return layout if rotate is None else dataclasses.replace(layout, rotate_keys=rotate, smooth_keys=smooth)
 
 
 def _teacher_forced(model, dtype, sequences, score_from, chunk=32):
@@ -290,9 +299,9 @@ _SHORT = {"bfloat16": "bf16", "float32": "float32", "int8": "int8", "float8_e4m3
 
 
 def short_name(fmt: str) -> str:
-    """"int4+rot" -> "int4 + rotation"."""
-    dtype, rotate = split_format(fmt)
-    return _SHORT[dtype] + (" + rotation" if rotate else "")
+    """"int4+smooth+rot" -> "int4 + smoothing + rotation"."""
+    dtype, rotate, smooth = split_format(fmt)
+    return _SHORT[dtype] + (" + smoothing" if smooth else "") + (" + rotation" if rotate else "")
 
 
 def _table(header: list[str], body: list[list[str]]) -> str:

@@ -293,8 +293,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--skip-models", action="store_true", help="only the attention measurement")
     p.add_argument("--skip-attention", action="store_true", help="only the end-to-end measurement")
-    p.add_argument("--model-formats", default="int8,int8+rot,float8_e4m3fn,int4,int4+rot",
-                   help="end-to-end arenas, comma-separated (+rot: rotated keys; int4 runs head_dim-32 configs)")
+    p.add_argument("--model-formats", default="int8,int8+rot,int8+smooth+rot,float8_e4m3fn,int4,int4+rot,int4+smooth+rot",
+                   help="end-to-end arenas, comma-separated (+rot: rotated keys, +smooth: smoothed keys; a quantized "
+                        "format without them stores plain keys; int4 runs head_dim-32 configs)")
+    p.add_argument("--formats", default="int8,float8_e4m3fn,float8_e5m2,int4",
+                   help="quantized arenas of the attention test, comma-separated")
+    p.add_argument("--key-options", default="plain,rot,smooth+rot",
+                   help="the attention test's keys for each format, comma-separated: plain, rot (rotated), smooth "
+                        "(smoothed), smooth+rot")
     p.add_argument("--batch", type=positive_int, default=4, help="rows in the attention test")
     p.add_argument("--outliers", type=int, default=4, help="outlier key channels per KV head (attention test)")
     p.add_argument("--heads", default="32,8,128", metavar="Q,KV,D",

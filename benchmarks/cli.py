@@ -500,8 +500,10 @@ def _cmd_kernels(args, console, progress) -> dict:
 
 
 def _cmd_accuracy(args, console, progress) -> dict:
-    from benchmarks.accuracy import (AccuracySettings, _model_runs, format_attention_table, format_model_table,
-                                     run_accuracy)
+    from benchmarks.accuracy import (FORMATS, AccuracySettings, _model_runs, format_attention_table, format_model_table,
+                                     run_accuracy, split_format)
+
+    settings_formats = lambda text: tuple(f for f in text.split(",") if f)  # noqa: E731
 
     backends = tuple(b for b in args.backends.split(",") if b)
     if not backends or any(b not in ("reference", "pallas") for b in backends):
@@ -513,14 +515,27 @@ def _cmd_accuracy(args, console, progress) -> dict:
     if q_heads < 1 or kv_heads < 1 or q_heads % kv_heads or head_dim % 32 or not 0 <= args.outliers <= head_dim:
         raise _Fail(f"--heads {args.heads} --outliers {args.outliers}: query heads a multiple of KV heads, head_dim "
                     "a multiple of 32 (int4 groups), 0 <= outliers <= head_dim")
+    options = tuple("" if o == "plain" else "+" + o for o in args.key_options.split(",") if o)
+    formats = settings_formats(args.formats)
+    try:
+        for fmt in formats + settings_formats(args.model_formats):
+            split_format(fmt)
+        for option in options:
+            split_format("int8" + option)
+    except ValueError as exc:
+        raise _Fail(f"--formats / --model-formats / --key-options: {exc}") from None
+    if not options or not formats or any(f not in FORMATS for f in formats):
+        raise _Fail(f"--formats {args.formats!r} --key-options {args.key_options!r}: one or more of "
+                    f"{', '.join(FORMATS)}, and of plain, rot, smooth, smooth+rot")
     settings = AccuracySettings(context=args.context, new_tokens=args.new_tokens, seed=args.seed,
+                                formats=formats, key_options=options,
                                 skip_models=args.skip_models, skip_attention=args.skip_attention,
-                                model_formats=tuple(f for f in args.model_formats.split(",") if f),
+                                model_formats=settings_formats(args.model_formats),
                                 backends=backends, batch=args.batch,
                                 outliers=args.outliers, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
     steps = (0 if settings.skip_attention else len(settings.outlier_scales)) + (
         0 if settings.skip_models else sum(1 + len(f) for _, _, f in _model_runs(settings)))
-    console.print("[bold]accuracy[/bold]: quantized KV arenas (8-bit, int4; keys rotated or not) against float64 "
+    console.print("[bold]accuracy[/bold]: quantized KV arenas (8-bit, int4; keys plain, rotated, smoothed) against float64 "
                   "attention and a bf16 arena ...")
     advance = progress.add_task("accuracy", total=steps) if progress is not None else None
     try:

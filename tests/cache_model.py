@@ -73,6 +73,20 @@ def numpy_quantize4(x, scale_dtype: str = "bfloat16"):
     return packed.reshape(*x.shape[:-1], x.shape[-1] // 2), scale
 
 
+def numpy_key_factors(keys, max_exponent: int = 6):
+    """Smoothed keys' factors as `arena_jax.key_factors` documents them, again with numpy: the
+    keys a layer's first write stores, [n, H, D] -> f32[H, D]. Per head and channel: amax of the
+    finite |k|; ratio to the lower median amax (sorted element (D - 1) // 2; a median of 0 or
+    not finite: ratio 1); 2 ** (how many of 2, 8, 32, ... the ratio reaches)."""
+    k = np.asarray(keys, np.float32)
+    amax = np.where(np.isfinite(k), np.abs(k), np.float32(0)).max(axis=0)  # [H, D]
+    median = np.sort(amax, axis=-1)[:, (amax.shape[-1] - 1) // 2][:, None]
+    ok = np.isfinite(median) & (median > 0)
+    ratio = np.where(ok, amax / np.where(ok, median, np.float32(1)), np.float32(1)).astype(np.float32)
+    exponent = sum((ratio >= np.float32(2.0 ** (2 * e - 1))).astype(np.int64) for e in range(1, max_exponent + 1))
+    return (2.0 ** exponent).astype(np.float32)
+
+
 def numpy_dequantize4(packed, scale):
     """packed uint8 [..., D / 2], scales [..., D / 32] -> float64 [..., D]."""
     b = np.asarray(packed).astype(np.int64).reshape(*packed.shape[:-1], -1, 16)

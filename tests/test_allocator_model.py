@@ -19,14 +19,16 @@ layer is where the model says, and every held token's too; attention at every la
 every active slot equals a float64 dense oracle over the model's tokens (on the backend drawn
 for the example); and every counter matches the model.
 Arena format, drawn per example: float32 (most examples) or a quantized arena (in CI int8 and
-int4 with rotated keys, their defaults; in jit mode), whose appends quantize (values and
-scales: per token, or per group of 32 lanes for int4; keys rotated first) and whose pages
+int4 with smoothed and rotated keys, their defaults; in jit mode), whose appends quantize (values
+and scales: per token, or per group of 32 lanes for int4; keys divided by the layer's factors,
+which its first write calibrates and the model calibrates again with numpy,
+`cache_model.numpy_key_factors`, then rotated) and whose pages
 are copied, shared, held and recycled with their scales: the stored values and scales must
 equal, bit for bit, an independent numpy quantization of the token's K and V
 (`cache_model.numpy_quantize` / `numpy_quantize4`, after a numpy rotation: token values are
 multiples of 1/16, so the rotation's sums are exact in float32 in any order and every
 backend rotates them to the same bits), and the attention oracle takes their dequantized
-values (rotated back in float64). Stale pages start NaN-poisoned (values and scales) so a
+values (rotated back and multiplied by the factors in float64). Stale pages start NaN-poisoned (values and scales) so a
 stale read shows.
 The host tier (`model_host_ops.py`): swap_out / swap_in round trips, spills of held pages
 (offload_pages), drop_host_pages and raw rows of each, drawn beside the other ops; its NaN-
@@ -35,7 +37,8 @@ host page may stay held.
 
 Soak: `HYPOTHESIS_PROFILE=soak pytest tests/test_allocator_model.py -s` (see conftest.py);
 `ARENA_MODEL_MODES=jit` (or `host,host-numpy`) soaks one mode; `ARENA_MODEL_QUANT` the quantized
-formats (e.g. `int8,int8+rot,int4,int4+rot,float8_e4m3fn,float8_e5m2+rot`; `+rot`: rotated keys;
+formats (e.g. `int8,int8+rot,int4+smooth,int4+smooth+rot,float8_e4m3fn,float8_e5m2+rot`; `+rot`: rotated
+keys, `+smooth`: smoothed keys, a format without them stores plain keys;
 `ARENA_MODEL_8BIT`, its former name, still works).
 """
 from __future__ import annotations
@@ -52,8 +55,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import arena_jax as aj
-from cache_model import (INT32_MAX, INT32_MIN, OP_COUNTS, PAD, CacheModel, ceil_div, numpy_dequantize4, numpy_quantize,
-                         numpy_quantize4, numpy_rotation)
+from cache_model import (INT32_MAX, INT32_MIN, OP_COUNTS, PAD, CacheModel, ceil_div, numpy_dequantize4, numpy_key_factors,
+                         numpy_quantize, numpy_quantize4, numpy_rotation)
 from model_host_ops import HOST_OPS, HOST_PAGES, HOST_ROUND_TRIP, HostDriver, check_host, expand, host_ops, jitted_calls, poisoned_host
 from model_host_ops import calls as host_calls
 
@@ -69,8 +72,13 @@ WINDOWS = (None, 1, 3, 6)
 
 # K/V of token id i at layer l: VALUES[0 or 1, i, l] ([H, D] float32), distinct for every (i, l):
 # multiples of 1/16 in [-2, 2], so that a rotation's sums (+-1 weights) are exact in float32.
+# Key channels OUTLIER_CHANNELS are 8x the rest (multiples of 1/2 in [-16, 16]): smoothed keys
+# calibrate factors of 2 or 4 there (their ratio to the median amax straddles the threshold 8),
+# mostly 1 elsewhere (2 where a first write of few tokens draws a small median).
 MAX_IDS = 4096
+OUTLIER_CHANNELS = (3, 20)
 VALUES = (np.random.default_rng(0).integers(-32, 33, (2, MAX_IDS, L, H, D)) / 16).astype(np.float32)
+VALUES[0, ..., OUTLIER_CHANNELS] *= 8
 GARBAGE = 1e6  # what rows that must write nothing carry
 ATOL = 2e-5  # f32 kernels vs the float64 oracle (head_dim 32, values ~U[-2, 2]; quantized arenas: the
 # oracle takes the dequantized values, and the kernels compute in f32, so the same bound holds)
@@ -82,30 +90,42 @@ ATOL = 2e-5  # f32 kernels vs the float64 oracle (head_dim 32, values ~U[-2, 2];
 # window (windows are the kernels' business, tested there): every (mode, window, backend) is a
 # separate compile, so this keeps the CI cost small.
 MODES = tuple(os.environ.get("ARENA_MODEL_MODES", "host,host-numpy,jit,jit").split(","))  # a soak may pick one
-QUANT = tuple(os.environ.get("ARENA_MODEL_QUANT", os.environ.get("ARENA_MODEL_8BIT", "int8+rot,int4+rot")).split(","))
+QUANT = tuple(os.environ.get("ARENA_MODEL_QUANT", os.environ.get("ARENA_MODEL_8BIT", "int8+smooth+rot,int4+smooth+rot")).split(","))
 DTYPES = ("float32",) * 3 * len(QUANT) + QUANT if "jit" in MODES else ("float32",)
 # Backends drawn per example: the reference, the blockwise "xla" path (the default off a GPU) and
 # the Pallas kernels (interpret mode); a soak may pick one (e.g. ARENA_MODEL_BACKENDS=xla).
 BACKENDS = tuple(os.environ.get("ARENA_MODEL_BACKENDS", "reference,xla,pallas").split(","))
 
 
-def arena_format(fmt: str) -> tuple[str, bool]:
-    """"int4+rot" -> ("int4", True): the arena dtype and whether keys are rotated."""
-    dtype, _, rot = fmt.partition("+")
-    return dtype, rot == "rot"
+def arena_format(fmt: str) -> tuple[str, bool, bool]:
+    """"int4+smooth+rot" -> ("int4", True, True): the arena dtype, whether keys are rotated and
+    whether they are smoothed (a quantized format without "+rot" / "+smooth": off)."""
+    dtype, *options = fmt.split("+")
+    return dtype, "rot" in options, "smooth" in options
 
 
-@functools.lru_cache(maxsize=None)
-def stored(fmt: str):
+def stored(fmt: str, model=None):
     """What an arena of `fmt` holds for VALUES: (values, scales or None, float64 values it means:
-    dequantized, and rotated back for rotated keys)."""
-    dtype, rotate = arena_format(fmt)
+    dequantized, and rotated back and multiplied by the factors for rotated / smoothed keys).
+    Smoothed keys: the factors the model calibrated (`model.key_factors`; 0: not yet: 1)."""
+    factors = None
+    if arena_format(fmt)[2]:
+        factors = np.where(model.key_factors > 0, model.key_factors, np.float32(1)).astype(np.float32)
+    return _stored(fmt, None if factors is None else factors.tobytes())
+
+
+@functools.lru_cache(maxsize=64)
+def _stored(fmt: str, factors_bytes):
+    dtype, rotate, _ = arena_format(fmt)
     if dtype == "float32":
         return VALUES, None, VALUES.astype(np.float64)
     x = VALUES
+    factors = None if factors_bytes is None else np.frombuffer(factors_bytes, np.float32).reshape(L, H, D)
+    if factors is not None:  # keys only, divided by powers of two: exact
+        x = np.stack([VALUES[0] / factors, VALUES[1]]).astype(np.float32)
     if rotate:  # keys only; exact sums (multiples of 1/16), then one f32 rounding by the column scale
         m, col_scale, _ = numpy_rotation(D)
-        x = np.stack([(VALUES[0] @ m) * col_scale, VALUES[1]]).astype(np.float32)
+        x = np.stack([(x[0] @ m) * col_scale, x[1]]).astype(np.float32)
     if dtype == "int4":
         values, scales = numpy_quantize4(x)  # [2, MAX_IDS, L, H, D / 2], [2, MAX_IDS, L, H, D / 32]
         meant = numpy_dequantize4(values, scales)
@@ -114,6 +134,8 @@ def stored(fmt: str):
         meant = values.astype(np.float64) * scales.astype(np.float64)[..., None]
     if rotate:
         meant[0] = meant[0] @ numpy_rotation(D)[2].T  # R^T: (q R) . k_stored == q . (k_stored R^T)
+    if factors is not None:
+        meant[0] = meant[0] * factors  # (q f) . k_stored == q . (k_stored f)
     return values, scales, meant
 
 
@@ -355,7 +377,7 @@ def dense_oracle(q, keys, values, n, window):
 
 def expected_attention(model, layer, slots, counts, q, window, dtype):
     answered = model.attend_rows(layer, list(zip(slots, counts)), TQ)
-    meant = stored(dtype)[2]
+    meant = stored(dtype, model)[2]
     want = np.zeros(q.shape, np.float64)
     for b, (slot, n) in enumerate(zip(slots, answered)):
         if n:
@@ -370,8 +392,11 @@ def check_state(cache, model: CacheModel, pages: Pages, dtype: str = "float32"):
     refcount, free_stack, num_free = np.asarray(t.refcount), np.asarray(t.free_stack), int(t.num_free)
     written, held = np.asarray(t.written), np.asarray(t.held)
     k, v = np.asarray(cache.k), np.asarray(cache.v)
-    values, scales, _ = stored(dtype)
+    values, scales, _ = stored(dtype, model)
     assert (cache.k_scale is None) == (scales is None)
+    assert (cache.key_factors is None) == (not arena_format(dtype)[2])
+    if cache.key_factors is not None:  # calibrated by each layer's first stored tokens, then fixed
+        np.testing.assert_array_equal(np.asarray(cache.key_factors), model.key_factors, err_msg="key_factors")
     if scales is not None:
         k_scale, v_scale = np.asarray(cache.k_scale), np.asarray(cache.v_scale)
 
@@ -479,9 +504,9 @@ def kv_rows(model, layer, rows, written_ids):
 def run_ops(ops, mode: str, backend: str, window, dtype: str = "float32", seed: int = 0):
     """Run `ops` on a fresh cache and on the model, checking state (and attention) after each;
     then drop every hold and release every slot. Returns the final page table."""
-    arena_dtype, rotate = arena_format(dtype)
-    cache = aj.create(dataclasses.replace(LAYOUT, dtype=arena_dtype, rotate_keys=rotate))
-    assert cache.rotate_keys == rotate
+    arena_dtype, rotate, smooth = arena_format(dtype)
+    cache = aj.create(dataclasses.replace(LAYOUT, dtype=arena_dtype, rotate_keys=rotate, smooth_keys=smooth))
+    assert cache.rotate_keys == rotate and (cache.key_factors is not None) == smooth
     # Stale pages NaN everywhere (values; and scales, the one stale thing an int8 arena can hold
     # as NaN): any read of an unwritten position or a recycled page's old tokens shows.
     nan = {f: jnp.full_like(getattr(cache, f), jnp.nan) for f in ("k", "v", "k_scale", "v_scale")
@@ -494,6 +519,7 @@ def run_ops(ops, mode: str, backend: str, window, dtype: str = "float32", seed: 
         num_layers=L, page_size=S, num_pages=LAYOUT.num_pages, max_seqs=LAYOUT.max_seqs,
         max_pages_per_seq=LAYOUT.max_pages_per_seq, host_pages=HOST_PAGES,
     )  # fmt: skip
+    model.key_factors = np.zeros((L, H, D), np.float32)  # smoothed keys: 0 until a layer's first write
     rng = np.random.default_rng(seed)
     pages = Pages()
     calls = jitted(backend) if mode == "jit" else _ops(backend)
@@ -551,6 +577,9 @@ def run_ops(ops, mode: str, backend: str, window, dtype: str = "float32", seed: 
                     expect_refusal(lambda: calls["append"](cache, args(layer), args(slots), k, v, args(counts)))
                     continue
                 ids = model.append(layer, rows, MAX_T)
+                first = [i for row in ids if row for i in row]
+                if smooth and first and 0 <= layer < L and not model.key_factors[layer].any():
+                    model.key_factors[layer] = numpy_key_factors(VALUES[0, first, layer])  # the layer's first write
                 k, v = kv_rows(model, layer, rows, ids)
                 cache = calls["append"](cache, args(layer), args(slots), k, v, args(counts))
         elif name == "attend":
@@ -637,7 +666,7 @@ def run_ops(ops, mode: str, backend: str, window, dtype: str = "float32", seed: 
         assert model.next_id < MAX_IDS
         if check:
             check_state(cache, model, pages, dtype)
-            check_host(host, model, *stored(dtype)[:2])
+            check_host(host, model, *stored(dtype, model)[:2])
             if name not in ("hold_pages", "drop_pages"):  # holds change no slot's tokens: attention is as it was
                 check_attention(cache, model, calls["attend"], args, rng, window, over_ask=mode == "jit", dtype=dtype)
 
@@ -736,11 +765,11 @@ setup_st = st.sampled_from(DTYPES).flatmap(
 @example(ops=COW_STARVED, setup=("float32", "host", None), backend="reference")
 @example(ops=COW_STARVED, setup=("float32", "jit", None), backend="pallas")
 @example(ops=COW_STARVED, setup=("int8", "jit", None), backend="pallas")  # COW copies the scales
-@example(ops=COW_STARVED, setup=("int4+rot", "jit", None), backend="pallas")  # and an int4 arena's group scales
+@example(ops=COW_STARVED, setup=("int4+smooth+rot", "jit", None), backend="pallas")  # and an int4 arena's group scales
 @example(ops=HOST_ROUND_TRIP, setup=("float32", "host", None), backend="reference")
 @example(ops=HOST_ROUND_TRIP, setup=("float32", "jit", None), backend="reference")
 @example(ops=HOST_ROUND_TRIP, setup=("int8", "jit", None), backend="pallas")  # host pages carry the scales
-@example(ops=HOST_ROUND_TRIP, setup=("int4+rot", "jit", None), backend="pallas")  # and group scales
+@example(ops=HOST_ROUND_TRIP, setup=("int4+smooth+rot", "jit", None), backend="pallas")  # and group scales
 @example(ops=REVIEW_HOLES, setup=("float32", "jit", None), backend="reference")
 @example(ops=REVIEW_HOLES, setup=("float32", "jit", 3), backend="pallas")
 @example(ops=REVIEW_HOLES, setup=("int8", "jit", None), backend="reference")

@@ -207,23 +207,28 @@ def test_layout_and_capacity_count_int4_group_scales(tmp_path, capsys):
 
 
 def test_accuracy_attention_measurement():
-    """`arena-bench accuracy`'s attention measurement on tiny settings (int4 with rotated keys
-    only and tiny heads, to keep compiles few): bf16 errs against float64 by bf16's rounding and
-    is its own reference; int4 errs more; the Pallas kernels (interpret mode) agree with the
-    reference; the table prints every row. (Rotation vs none: test_quantized4.py.)"""
-    from benchmarks.accuracy import AccuracySettings, attention_accuracy, format_attention_table
+    """`arena-bench accuracy`'s attention measurement on tiny settings (int4 with rotated keys,
+    smoothed or not, and tiny heads, to keep compiles few): bf16 errs against float64 by bf16's
+    rounding and is its own reference; int4 errs more; smoothing lowers the error of outlier
+    keys; the Pallas kernels (interpret mode) agree with the reference; the table prints every
+    row. (Rotation vs none: test_quantized4.py.)"""
+    from benchmarks.accuracy import AccuracySettings, attention_accuracy, format_attention_table, split_format
 
     settings = AccuracySettings(context=16, batch=1, outliers=1, q_heads=4, kv_heads=2, head_dim=64,
-                                outlier_scales=(1.0, 50.0), formats=("int4",), rotations=(True,))
+                                outlier_scales=(1.0, 50.0), formats=("int4",), key_options=("+rot", "+smooth+rot"))
     rows = attention_accuracy(settings)
     by = {(r["outlier_scale"], r["format"]): r for r in rows}
     err = lambda scale, fmt: by[(scale, fmt)]["rel_err_vs_f64"]["reference"]  # noqa: E731
     assert by[(1.0, "bfloat16")]["rel_err_vs_bf16"] == 0 and 0 < err(1.0, "bfloat16") < 1e-2
     assert err(1.0, "bfloat16") < err(1.0, "int4+rot") < 0.3 and err(50.0, "bfloat16") < err(50.0, "int4+rot") < 0.5
+    assert err(50.0, "int4+smooth+rot") < 0.75 * err(50.0, "int4+rot")
     for r in rows:
         assert r["backend_max_diff"] < 1e-4, r
         assert abs(r["rel_err_vs_f64"]["pallas"] - r["rel_err_vs_f64"]["reference"]) < 1e-4, r
-    assert len(format_attention_table(rows).splitlines()) == 2 + 2 * 2
+    assert len(format_attention_table(rows).splitlines()) == 2 + 2 * 3
+    assert split_format("int8+rot+smooth") == ("int8", True, True) and split_format("bfloat16") == ("bfloat16", None, None)
+    with pytest.raises(ValueError, match="int8\\+rotate"):
+        split_format("int8+rotate")
 
 
 def test_kernels_compile_report(tmp_path, capsys):

@@ -1,0 +1,122 @@
+"""Smoothed keys (`KVLayout(smooth_keys=...)`, `arena_jax.key_factors`): the layout's rules and
+defaults, the calibration against an independent numpy implementation (`cache_model`), that a
+layer's factors are fixed by its first stored tokens (and by nothing else: rejected rows, dead
+positions, other layers, traced bad layers), and that smoothing changes nothing where there is
+nothing to smooth. The stored bytes through every page op: test_allocator_model.py (int8 and
+int4 with smoothed keys); on a data-parallel mesh: sharded_checks.py; the accuracy it buys:
+test_bench.py and `arena-bench accuracy`."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import arena_jax as aj
+from arena_jax import key_factors
+from cache_model import numpy_key_factors
+
+LAYOUT = aj.KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, page_size=4, num_pages=8, max_seqs=2, max_pages_per_seq=4,
+                     dtype="int8")  # fmt: skip
+
+
+def test_layout_defaults_and_refusals():
+    for dtype in ("int8", "int4", "float8_e4m3fn", "float8_e5m2"):
+        layout = dataclasses.replace(LAYOUT, dtype=dtype, smooth_keys=None, rotate_keys=None)
+        assert layout.smooth_keys and layout.rotate_keys, dtype  # smoothed keys are rotated by default
+        cache = jax.eval_shape(lambda layout=layout: aj.create(layout))
+        assert cache.key_factors.shape == (2, 2, 32) and cache.key_factors.dtype == jnp.float32
+        assert cache.layout == layout
+    fp8 = dataclasses.replace(LAYOUT, dtype="float8_e4m3fn", smooth_keys=False, rotate_keys=None)
+    assert not fp8.rotate_keys  # fp8 keys that are not smoothed: rotation off (it raises their error)
+    assert jax.eval_shape(lambda: aj.create(fp8)).key_factors is None
+    assert dataclasses.replace(LAYOUT, dtype="int8", smooth_keys=False, rotate_keys=None).rotate_keys
+    bf16 = dataclasses.replace(LAYOUT, dtype="bfloat16", scale_dtype=None, smooth_keys=None, rotate_keys=None)
+    assert not bf16.smooth_keys and jax.eval_shape(lambda: aj.create(bf16)).key_factors is None
+    with pytest.raises(ValueError, match="smooth_keys=True applies to quantized"):
+        dataclasses.replace(LAYOUT, dtype="bfloat16", scale_dtype=None, smooth_keys=True)
+    with pytest.raises(ValueError, match="smooth_keys must be True, False or None"):
+        dataclasses.replace(LAYOUT, smooth_keys="yes")
+    cache = aj.create(dataclasses.replace(LAYOUT, smooth_keys=True))
+    with pytest.raises(ValueError, match="cache.key_factors"):
+        aj.append(cache.replace(key_factors=jnp.zeros((2, 2, 16))), 0, jnp.asarray([0]), jnp.zeros((1, 1, 2, 32)),
+                  jnp.zeros((1, 1, 2, 32)))  # fmt: skip
+
+
+def test_calibration_equals_numpy():
+    """Thresholds hit exactly (ratios 2, 8, 32 and just below), outliers past the cap, NaN and
+    inf lanes (ignored), a head of zeros (factors 1), and random heads."""
+    rng = np.random.default_rng(1)
+    k = rng.standard_normal((9, 6, 32)).astype(np.float32)
+    k[:, 0] = 1.0
+    k[0, 0, :4] = [2.0, 8.0, 32.0, np.nextafter(np.float32(8), np.float32(0))]  # median amax 1: exact thresholds
+    k[1, 1, 3] = np.inf
+    k[2, 1, 4] = np.nan
+    k[:, 2] = 0.0  # median 0: every factor 1
+    k[:, 3, 7] *= 1e6  # capped at 2 ** MAX_EXPONENT
+    k[:, 4, [1, 9, 30]] *= [5.0, 20.0, 50.0]
+    amax = np.where(np.isfinite(k), np.abs(k), 0).max(0)
+    got = np.asarray(key_factors.calibrate(jnp.asarray(amax)))
+    want = numpy_key_factors(k)
+    np.testing.assert_array_equal(got, want)
+    assert want[0, :4].tolist() == [2, 4, 8, 2] and (want[2] == 1).all() and want[3, 7] == 2**key_factors.MAX_EXPONENT
+    assert want[4, [1, 9, 30]].tolist() == [2, 4, 8]
+
+
+@jax.jit
+def _writes(cache, k, bad_layer):
+    """Layer 1: a write dropped (its slots have no reservation), one with a traced out-of-range
+    layer (rejected), then the first stored tokens (row 0: 3 of 5 tokens; the rest carry 1e6), then
+    another write whose outlier channel must change nothing."""
+    slots = jnp.asarray([0, 1], jnp.int32)
+    cache = aj.append(cache, 1, slots, k, k, num_tokens=jnp.asarray([5, 5]))  # nothing reserved: dropped
+    before = cache.key_factors
+    cache, _ = aj.reserve(cache, slots, jnp.asarray([8, 0]))
+    cache = aj.append(cache, bad_layer, slots, k, k, num_tokens=jnp.asarray([5, 0]))  # rejected row
+    cache = aj.append(cache, 1, slots, k, k, num_tokens=jnp.asarray([3, 0]))
+    first = cache.key_factors
+    cache = aj.append(cache, 1, slots, 100 * k, k, num_tokens=jnp.asarray([5, 0]))
+    return cache, before, first
+
+
+def test_factors_are_fixed_by_the_first_stored_tokens():
+    rng = np.random.default_rng(2)
+    k = rng.standard_normal((2, 5, 2, 32)).astype(np.float32)
+    k[0, :3, :, 6] *= 12.0  # an outlier channel in the stored tokens
+    k[0, 3:] = 1e6  # dead positions of row 0, and row 1 (num_tokens 0), must not count
+    k[1] = -1e6
+    cache = aj.create(LAYOUT)
+    cache, before, first = _writes(cache, jnp.asarray(k), jnp.asarray(7))
+    assert not np.asarray(before).any(), "a refused write calibrated"
+    want = numpy_key_factors(k[0, :3])
+    assert want[:, 6].tolist() == [4, 4] and (want == 1).mean() > 0.8
+    np.testing.assert_array_equal(np.asarray(first)[1], want)
+    np.testing.assert_array_equal(np.asarray(cache.key_factors)[1], want)  # later writes keep them
+    assert not np.asarray(cache.key_factors)[0].any()  # layer 0: never written, not calibrated
+    assert int(cache.stats.dropped_writes) == 2 and int(cache.stats.rejected_rows) == 2  # the bad layer: both rows
+    assert int(cache.table.written[1, 0]) == 8
+
+
+def test_smoothing_changes_nothing_without_outliers():
+    """Keys whose calibrated factors are all 1 (uniform channels): a smoothed int8 arena stores
+    the same bytes and attends to the same outputs as one without smoothing, on both backends."""
+    rng = np.random.default_rng(3)
+    k = rng.uniform(-1, 1, (2, 5, 2, 32)).astype(np.float32)
+    k[:, :, :, 0] = 1.0  # every channel's amax is ~1: ratio < 2
+    v = rng.standard_normal((2, 5, 2, 32)).astype(np.float32)
+    q = rng.standard_normal((2, 1, 4, 32)).astype(np.float32)
+    slots = jnp.asarray([0, 1], jnp.int32)
+    outs = {}
+    for smooth in (False, True):
+        for backend in ("reference", "pallas"):
+            cache = aj.create(dataclasses.replace(LAYOUT, smooth_keys=smooth))
+            cache, _ = aj.reserve(cache, slots, jnp.asarray([5, 5]))
+            cache = aj.append(cache, 0, slots, jnp.asarray(k), jnp.asarray(v), backend=backend)
+            outs[smooth, backend] = (np.asarray(cache.k), np.asarray(aj.attend(jnp.asarray(q), cache, 0, slots, backend=backend)))
+            if smooth:
+                assert (np.asarray(cache.key_factors)[0] == 1).all()
+    for backend in ("reference", "pallas"):
+        for a, b in zip(outs[False, backend], outs[True, backend]):
+            np.testing.assert_array_equal(a, b)
