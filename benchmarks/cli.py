@@ -515,18 +515,18 @@ def _cmd_accuracy(args, console, progress) -> dict:
     if q_heads < 1 or kv_heads < 1 or q_heads % kv_heads or head_dim % 32 or not 0 <= args.outliers <= head_dim:
         raise _Fail(f"--heads {args.heads} --outliers {args.outliers}: query heads a multiple of KV heads, head_dim "
                     "a multiple of 32 (int4 groups), 0 <= outliers <= head_dim")
-    options = tuple("" if o == "plain" else "+" + o for o in args.key_options.split(",") if o)
+    names = tuple(o for o in args.key_options.split(",") if o)
+    if not names or any(o not in ("plain", "rot", "smooth", "smooth+rot", "rot+smooth") for o in names):
+        raise _Fail(f"--key-options {args.key_options!r}: one or more of plain, rot, smooth, smooth+rot")
+    options = tuple("" if o == "plain" else "+" + o for o in names)
     formats = settings_formats(args.formats)
+    if not formats or any(f not in FORMATS for f in formats):
+        raise _Fail(f"--formats {args.formats!r}: one or more of {', '.join(FORMATS)}")
     try:
-        for fmt in formats + settings_formats(args.model_formats):
+        for fmt in settings_formats(args.model_formats):
             split_format(fmt)
-        for option in options:
-            split_format("int8" + option)
     except ValueError as exc:
-        raise _Fail(f"--formats / --model-formats / --key-options: {exc}") from None
-    if not options or not formats or any(f not in FORMATS for f in formats):
-        raise _Fail(f"--formats {args.formats!r} --key-options {args.key_options!r}: one or more of "
-                    f"{', '.join(FORMATS)}, and of plain, rot, smooth, smooth+rot")
+        raise _Fail(f"--model-formats: {exc}") from None
     settings = AccuracySettings(context=args.context, new_tokens=args.new_tokens, seed=args.seed,
                                 formats=formats, key_options=options,
                                 skip_models=args.skip_models, skip_attention=args.skip_attention,

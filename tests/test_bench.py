@@ -283,6 +283,9 @@ def test_tour(tmp_path, monkeypatch, capsys):
         ["prefix", "--num-pages", "2"],  # fewer pages than the longest request needs
         ["kernels", "--contexts", "1,x"],
         ["frobnicate"],
+        ["accuracy", "--key-options", "rotate"],  # not plain / rot / smooth / smooth+rot
+        ["accuracy", "--formats", "int9"],
+        ["accuracy", "--model-formats", "bfloat16+rot"],  # key options on a float arena
         ["capacity", "--no-such-flag"],
         ["layout", "--json", "/proc/no/such/place.json"],
         ["--bogus"],

@@ -120,3 +120,13 @@ def test_smoothing_changes_nothing_without_outliers():
     for backend in ("reference", "pallas"):
         for a, b in zip(outs[False, backend], outs[True, backend]):
             np.testing.assert_array_equal(a, b)
+
+
+def test_smooth_cost_benchmark_runs(capsys):
+    """benchmarks/smooth_cost.py on tiny sizes: both arenas step and the table prints (its
+    figures are the benchmark's business, not this test's)."""
+    from benchmarks import smooth_cost
+
+    assert smooth_cost.main(["--layers", "1", "--rows", "2", "--context", "16", "--rounds", "2", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| off |" in out and "| on |" in out and "on / off:" in out
