@@ -74,6 +74,18 @@ def _scale_dtype(dtype: np.dtype, scale_dtype) -> np.dtype | None:
     return scale
 
 
+def _key_option(name: str, value, default: bool, dtype: np.dtype) -> bool:
+    """`rotate_keys` / `smooth_keys`: None takes `default`; True only for quantized arenas."""
+    if value is None:
+        return bool(default)
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be True, False or None (the format's default), got {value!r}")
+    if value and dtype.name not in QUANTIZED_DTYPES:
+        raise ValueError(f"{name}=True applies to quantized (8-bit, int4) arenas only; a {dtype.name} arena stores "
+                         "keys as given")
+    return bool(value)
+
+
 def _bits(dtype: np.dtype) -> int:
     return 4 if dtype.name == "int4" else 8 * dtype.itemsize
 
@@ -145,24 +157,10 @@ class KVLayout:
             )
         object.__setattr__(self, "dtype", dtype)
         object.__setattr__(self, "scale_dtype", _scale_dtype(dtype, self.scale_dtype))
-        smooth = self.smooth_keys
-        if smooth is None:
-            smooth = SMOOTH_KEYS_DEFAULT.get(dtype.name, False)
-        elif not isinstance(smooth, (bool, np.bool_)):
-            raise ValueError(f"smooth_keys must be True, False or None (the format's default), got {smooth!r}")
-        elif smooth and dtype.name not in QUANTIZED_DTYPES:
-            raise ValueError(f"smooth_keys=True applies to quantized (8-bit, int4) arenas only; a {dtype.name} arena "
-                             "stores keys as given")
-        object.__setattr__(self, "smooth_keys", bool(smooth))
-        rotate = self.rotate_keys
-        if rotate is None:
-            rotate = smooth or ROTATE_KEYS_DEFAULT.get(dtype.name, False)
-        elif not isinstance(rotate, (bool, np.bool_)):
-            raise ValueError(f"rotate_keys must be True, False or None (the format's default), got {rotate!r}")
-        elif rotate and dtype.name not in QUANTIZED_DTYPES:
-            raise ValueError(f"rotate_keys=True applies to quantized (8-bit, int4) arenas only; a {dtype.name} arena "
-                             "stores keys as given")
-        object.__setattr__(self, "rotate_keys", bool(rotate))
+        smooth = _key_option("smooth_keys", self.smooth_keys, SMOOTH_KEYS_DEFAULT.get(dtype.name, False), dtype)
+        object.__setattr__(self, "smooth_keys", smooth)
+        rotate = _key_option("rotate_keys", self.rotate_keys, smooth or ROTATE_KEYS_DEFAULT.get(dtype.name, False), dtype)
+        object.__setattr__(self, "rotate_keys", rotate)
         if dtype.name == "int4":
             row = self.head_dim // 2
             if self.head_dim % (2 * ROW_ALIGN_BYTES):
