@@ -42,6 +42,10 @@ def health(cache: KVCache, prefix=None, host=None) -> dict:
     host_tokens_held, host_bytes (and, with `prefix` too, prefix_host_index_matches: the
     index's host pages are exactly the host tier's held pages).
 
+    Smoothed keys (`smooth_keys`): key_factor_layers_calibrated (layers whose first write set
+    their factors), key_channels_smoothed (factors > 1, over layers, stored heads and channels)
+    and key_factor_max (0 before any calibration).
+
     A sharded cache adds its mesh degrees and the bytes each device holds
     (`arena_bytes_per_device`, `bytes_per_token_per_device`, replicated KV heads counted);
     counters are summed over data shards.
@@ -93,6 +97,12 @@ def health(cache: KVCache, prefix=None, host=None) -> dict:
         )
     extra = {"bytes_to_host": counters["pages_to_host"] * layout.page_bytes,
              "bytes_to_device": counters["pages_to_device"] * layout.page_bytes}  # fmt: skip
+    if cache.key_factors is not None:  # smoothed keys: did calibration happen, and what did it find
+        factors = _host(cache.key_factors)  # [L, H (replicas included), D]; 0: layer not calibrated
+        calibrated = factors.reshape(factors.shape[0], -1).max(axis=1) > 0
+        extra.update(key_factor_layers_calibrated=int(calibrated.sum()),
+                     key_channels_smoothed=int(np.count_nonzero(factors > 1)),
+                     key_factor_max=float(factors.max()) if calibrated.any() else 0.0)  # fmt: skip
     if prefix is not None:
         device = {int(p): int(held[p]) for p in np.flatnonzero(held)}
         extra.update(prefix.metrics(), prefix_index_matches=device == prefix.pages())

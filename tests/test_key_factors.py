@@ -97,6 +97,10 @@ def test_factors_are_fixed_by_the_first_stored_tokens():
     assert not np.asarray(cache.key_factors)[0].any()  # layer 0: never written, not calibrated
     assert int(cache.stats.dropped_writes) == 2 and int(cache.stats.rejected_rows) == 2  # the bad layer: both rows
     assert int(cache.table.written[1, 0]) == 8
+    report = aj.health(cache)
+    assert report["key_factor_layers_calibrated"] == 1 and report["key_factor_max"] == 4.0
+    assert report["key_channels_smoothed"] == int(np.count_nonzero(want > 1))
+    assert "key_factor_max" not in aj.health(aj.create(dataclasses.replace(LAYOUT, smooth_keys=False)))
 
 
 def test_smoothing_changes_nothing_without_outliers():
