@@ -224,7 +224,7 @@ def check_cache_arrays(cache) -> KVLayout:
                 raise ValueError(f"cache.{name} must be {want} {ks.dtype}, got {x.shape} {x.dtype}")
     factors = cache.key_factors
     if factors is not None:
-        want = tuple(k.shape[:2]) + ((2 if k.dtype == jnp.uint8 else 1) * k.shape[4],)
+        want = tuple(k.shape[:2]) + (cache.layout.head_dim,)  # [layers, stored heads, head_dim]
         if not quantized or tuple(factors.shape) != want or factors.dtype != jnp.float32:
             raise ValueError(f"cache.key_factors (smooth_keys) must be {want} float32 and only on quantized arenas, got "
                              f"{factors.shape} {factors.dtype} on a {k.dtype} arena (build caches with arena_jax.create)")
