@@ -72,7 +72,7 @@ def append_impl(cache: KVCache, layer, slots, k, v, num_tokens, backend: str, re
 
     kernel_rows = (jnp.where(writable[:, None], rows, -1), start + accepted, accepted)
     factors = {}
-    if cache.key_factors is not None:  # smoothed keys: calibrate at the layer's first write, then divide
+    if cache.key_factors is not None:  # smoothed keys: calibrate at a head's first nonzero write, then divide
         stored = t < accepted[:, None]  # [B, T]: the tokens this call writes
         new_factors = factors_lib.update(cache.key_factors, layer_ok, layer_c, k, stored, reduce_max)
         k = factors_lib.smooth_keys(k, new_factors[layer_c])

@@ -42,8 +42,8 @@ def health(cache: KVCache, prefix=None, host=None) -> dict:
     host_tokens_held, host_bytes (and, with `prefix` too, prefix_host_index_matches: the
     index's host pages are exactly the host tier's held pages).
 
-    Smoothed keys (`smooth_keys`): key_factor_layers_calibrated (layers whose first write set
-    their factors), key_channels_smoothed (factors > 1, over layers, stored heads and channels)
+    Smoothed keys (`smooth_keys`): key_factor_layers_calibrated (layers with factors set at any
+    KV head), key_channels_smoothed (factors > 1, over layers, stored heads and channels)
     and key_factor_max (0 before any calibration).
 
     A sharded cache adds its mesh degrees and the bytes each device holds

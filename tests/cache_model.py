@@ -75,16 +75,24 @@ def numpy_quantize4(x, scale_dtype: str = "bfloat16"):
 
 def numpy_key_factors(keys, max_exponent: int = 6):
     """Smoothed keys' factors as `arena_jax.key_factors` documents them, again with numpy: the
-    keys a layer's first write stores, [n, H, D] -> f32[H, D]. Per head and channel: amax of the
-    finite |k|; ratio to the lower median amax (sorted element (D - 1) // 2; a median of 0 or
-    not finite: ratio 1); 2 ** (how many of 2, 8, 32, ... the ratio reaches)."""
-    k = np.asarray(keys, np.float32)
-    amax = np.where(np.isfinite(k), np.abs(k), np.float32(0)).max(axis=0)  # [H, D]
+    keys a write stores, [n, H, D] -> f32[H, D]. Per head and channel: amax of the finite |k|;
+    ratio to the lower median amax (sorted element (D - 1) // 2; a median of 0 or not finite:
+    ratio 1); 2 ** (how many of 2, 8, 32, ... the ratio reaches); 0 (nothing to calibrate on)
+    for a head whose finite keys are all zero."""
+    k = np.asarray(keys, np.float32).reshape(-1, *np.shape(keys)[-2:])
+    amax = np.where(np.isfinite(k), np.abs(k), np.float32(0)).max(axis=0, initial=np.float32(0))  # [H, D]
     median = np.sort(amax, axis=-1)[:, (amax.shape[-1] - 1) // 2][:, None]
     ok = np.isfinite(median) & (median > 0)
     ratio = np.where(ok, amax / np.where(ok, median, np.float32(1)), np.float32(1)).astype(np.float32)
     exponent = sum((ratio >= np.float32(2.0 ** (2 * e - 1))).astype(np.int64) for e in range(1, max_exponent + 1))
-    return (2.0 ** exponent).astype(np.float32)
+    return np.where(amax.max(axis=-1, keepdims=True) > 0, 2.0**exponent, 0.0).astype(np.float32)
+
+
+def calibrate_heads(factors, keys):
+    """A layer's factors [H, D] after a write that stores `keys` [n, H, D] (n may be 0): heads
+    already calibrated (any factor > 0) keep theirs, the others take `numpy_key_factors`."""
+    calibrated = np.asarray(factors).any(axis=-1, keepdims=True)
+    return np.where(calibrated, factors, numpy_key_factors(keys)).astype(np.float32)
 
 
 def numpy_dequantize4(packed, scale):

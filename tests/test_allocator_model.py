@@ -21,8 +21,8 @@ for the example); and every counter matches the model.
 Arena format, drawn per example: float32 (most examples) or a quantized arena (in CI int8 and
 int4 with smoothed and rotated keys, their defaults; in jit mode), whose appends quantize (values
 and scales: per token, or per group of 32 lanes for int4; keys divided by the layer's factors,
-which its first write calibrates and the model calibrates again with numpy,
-`cache_model.numpy_key_factors`, then rotated) and whose pages
+which each head's first write of nonzero keys calibrates and the model calibrates again with
+numpy, `cache_model.calibrate_heads`, then rotated) and whose pages
 are copied, shared, held and recycled with their scales: the stored values and scales must
 equal, bit for bit, an independent numpy quantization of the token's K and V
 (`cache_model.numpy_quantize` / `numpy_quantize4`, after a numpy rotation: token values are
@@ -55,7 +55,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import arena_jax as aj
-from cache_model import (INT32_MAX, INT32_MIN, OP_COUNTS, PAD, CacheModel, ceil_div, numpy_dequantize4, numpy_key_factors,
+from cache_model import (INT32_MAX, INT32_MIN, OP_COUNTS, PAD, CacheModel, calibrate_heads, ceil_div, numpy_dequantize4,
                          numpy_quantize, numpy_quantize4, numpy_rotation)
 from model_host_ops import HOST_OPS, HOST_PAGES, HOST_ROUND_TRIP, HostDriver, check_host, expand, host_ops, jitted_calls, poisoned_host
 from model_host_ops import calls as host_calls
@@ -577,9 +577,9 @@ def run_ops(ops, mode: str, backend: str, window, dtype: str = "float32", seed: 
                     expect_refusal(lambda: calls["append"](cache, args(layer), args(slots), k, v, args(counts)))
                     continue
                 ids = model.append(layer, rows, MAX_T)
-                first = [i for row in ids if row for i in row]
-                if smooth and first and 0 <= layer < L and not model.key_factors[layer].any():
-                    model.key_factors[layer] = numpy_key_factors(VALUES[0, first, layer])  # the layer's first write
+                stored_ids = [i for row in ids if row for i in row]
+                if smooth and 0 <= layer < L:  # a head's first nonzero write calibrates it
+                    model.key_factors[layer] = calibrate_heads(model.key_factors[layer], VALUES[0, np.asarray(stored_ids, int), layer])
                 k, v = kv_rows(model, layer, rows, ids)
                 cache = calls["append"](cache, args(layer), args(slots), k, v, args(counts))
         elif name == "attend":

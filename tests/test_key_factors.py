@@ -1,8 +1,8 @@
 """Smoothed keys (`KVLayout(smooth_keys=...)`, `arena_jax.key_factors`): the layout's rules and
 defaults, the calibration against an independent numpy implementation (`cache_model`), that a
 layer's factors are fixed by its first stored tokens (and by nothing else: rejected rows, dead
-positions, other layers, traced bad layers), and that smoothing changes nothing where there is
-nothing to smooth. The stored bytes through every page op: test_allocator_model.py (int8 and
+positions, other layers, traced bad layers), that a warm-up of zero keys leaves them to the
+first real keys, and that smoothing changes nothing where there is nothing to smooth. The stored bytes through every page op: test_allocator_model.py (int8 and
 int4 with smoothed keys); on a data-parallel mesh: sharded_checks.py; the accuracy it buys:
 test_bench.py and `arena-bench accuracy`."""
 from __future__ import annotations
@@ -47,22 +47,26 @@ def test_layout_defaults_and_refusals():
 
 def test_calibration_equals_numpy():
     """Thresholds hit exactly (ratios 2, 8, 32 and just below), outliers past the cap, NaN and
-    inf lanes (ignored), a head of zeros (factors 1), and random heads."""
+    inf lanes (ignored), sparse keys (median 0: factors 1), a head of zeros and one of zeros and
+    NaN / inf (0: nothing to calibrate on), and random heads."""
     rng = np.random.default_rng(1)
-    k = rng.standard_normal((9, 6, 32)).astype(np.float32)
+    k = rng.standard_normal((9, 8, 32)).astype(np.float32)
     k[:, 0] = 1.0
     k[0, 0, :4] = [2.0, 8.0, 32.0, np.nextafter(np.float32(8), np.float32(0))]  # median amax 1: exact thresholds
     k[1, 1, 3] = np.inf
     k[2, 1, 4] = np.nan
-    k[:, 2] = 0.0  # median 0: every factor 1
+    k[:, 2, 16:] = 0.0  # median 0 (the lower one): every factor 1, whatever the other channels hold
     k[:, 3, 7] *= 1e6  # capped at 2 ** MAX_EXPONENT
     k[:, 4, [1, 9, 30]] *= [5.0, 20.0, 50.0]
+    k[:, 6] = 0.0
+    k[:, 7] = 0.0
+    k[0, 7, 1], k[3, 7, 5] = np.nan, -np.inf
     amax = np.where(np.isfinite(k), np.abs(k), 0).max(0)
     got = np.asarray(key_factors.calibrate(jnp.asarray(amax)))
     want = numpy_key_factors(k)
     np.testing.assert_array_equal(got, want)
     assert want[0, :4].tolist() == [2, 4, 8, 2] and (want[2] == 1).all() and want[3, 7] == 2**key_factors.MAX_EXPONENT
-    assert want[4, [1, 9, 30]].tolist() == [2, 4, 8]
+    assert want[4, [1, 9, 30]].tolist() == [2, 4, 8] and not want[6:].any() and (want[:6] >= 1).all()
 
 
 @jax.jit
@@ -101,6 +105,46 @@ def test_factors_are_fixed_by_the_first_stored_tokens():
     assert report["key_factor_layers_calibrated"] == 1 and report["key_factor_max"] == 4.0
     assert report["key_channels_smoothed"] == int(np.count_nonzero(want > 1))
     assert "key_factor_max" not in aj.health(aj.create(dataclasses.replace(LAYOUT, smooth_keys=False)))
+
+
+@jax.jit
+def _warm_up_then_serve(cache, zeros, k, v, q):
+    """Slot 0 writes zero keys at layer 0 (a warm-up; head 1 also gets a NaN row), is released;
+    slot 1 then writes real keys and attends."""
+    slots = jnp.asarray([0], jnp.int32)
+    cache, _ = aj.reserve(cache, slots, jnp.asarray([5]))
+    cache = aj.append(cache, 0, slots, zeros, zeros)
+    after_warm_up = cache.key_factors
+    cache = aj.release(cache, slots)
+    slots = jnp.asarray([1], jnp.int32)
+    cache, _ = aj.reserve(cache, slots, jnp.asarray([5]))
+    cache = aj.append(cache, 0, slots, k, v)
+    return cache, after_warm_up, aj.attend(q, cache, 0, slots)
+
+
+def test_a_warm_up_with_zero_keys_leaves_the_factors_to_the_first_real_keys():
+    """Zero keys (NaN / inf rows too) tell nothing about a head's channels and are stored the
+    same whatever the factors: a warm-up that writes them leaves the heads uncalibrated, and
+    the first real keys calibrate them as on a fresh cache, with the same stored bytes and
+    attention (a head calibrated once keeps its factors: test above)."""
+    rng = np.random.default_rng(4)
+    k = rng.standard_normal((1, 5, 2, 32)).astype(np.float32)
+    k[..., 9] *= 20.0
+    v = rng.standard_normal((1, 5, 2, 32)).astype(np.float32)
+    q = rng.standard_normal((1, 1, 4, 32)).astype(np.float32)
+    zeros = np.zeros_like(k)
+    zeros[0, 2, 1, 3] = np.nan  # head 1: zeros and a NaN row
+    warm, after_warm_up, out = _warm_up_then_serve(aj.create(LAYOUT), *map(jnp.asarray, (zeros, k, v, q)))
+    assert not np.asarray(after_warm_up).any(), "a warm-up of zero keys calibrated a head"
+    want = numpy_key_factors(k[0])
+    assert (want[:, 9] >= 4).all() and (want == 1).mean() > 0.5
+    np.testing.assert_array_equal(np.asarray(warm.key_factors)[0], want)
+    fresh = aj.create(LAYOUT)
+    fresh, _ = aj.reserve(fresh, jnp.asarray([1]), jnp.asarray([5]))
+    fresh = aj.append(fresh, 0, jnp.asarray([1]), jnp.asarray(k), jnp.asarray(v))
+    page_w, page_f = int(warm.table.page_map[1, 0]), int(fresh.table.page_map[1, 0])
+    np.testing.assert_array_equal(np.asarray(warm.k)[0, :, page_w], np.asarray(fresh.k)[0, :, page_f])
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(aj.attend(jnp.asarray(q), fresh, 0, jnp.asarray([1]))))
 
 
 def test_smoothing_changes_nothing_without_outliers():
