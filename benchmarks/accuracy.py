@@ -20,11 +20,15 @@ keys) does to attention and to a model.
    (max over positions of ||l - l_bf16|| / ||l_bf16||, and max |l - l_bf16| / max |l_bf16|)
    and top-1 agreement. Free-running: each arena's own greedy tokens, the fraction equal to
    the bf16 run's position by position, and how many tokens in they first differ.
+   `model_key_outliers` > 1 measures the same models with outlier key channels
+   (`with_key_outliers`: one RoPE channel pair per layer and KV head scaled up in the key
+   projection and down in its query heads' projection, so the model computes the same function
+   and only its stored keys change), which random weights do not have by themselves.
 
 Random-weight models say little about real quality: their logits are not a language model's,
-and a random model's keys have no outlier channels. The end-to-end figures show the
-quantization reaching the logits through a model's layers (and that nothing is broken), not
-what a real checkpoint would lose; the attention figures with outlier keys are closer to what
+and a random model's keys have no outlier channels (unless `model_key_outliers` puts them in). The
+end-to-end figures show the quantization reaching the logits through a model's layers (and that
+nothing is broken), not what a real checkpoint would lose; the attention figures with outlier keys are closer to what
 matters, and a real checkpoint is the real test.
 """
 from __future__ import annotations
@@ -42,7 +46,7 @@ import arena_jax as aj
 import models
 
 __all__ = ["AccuracySettings", "run_accuracy", "attention_accuracy", "model_accuracy", "exact_attention", "PARITY_CONFIGS",
-           "FORMATS"]
+           "FORMATS", "with_key_outliers"]
 
 FORMATS = ("int8", "float8_e4m3fn", "float8_e5m2", "int4")
 BASELINE = "bfloat16"
@@ -66,6 +70,7 @@ class AccuracySettings:
     backends: tuple = ("reference", "pallas")  # attention: the first is the table's; the others are compared to it
     model_formats: tuple = ("int8", "int8+rot", "int8+smooth+rot", "float8_e4m3fn", "int4", "int4+rot",
                             "int4+smooth+rot")  # end to end
+    model_key_outliers: float = 1.0  # end to end: > 1 scales one RoPE channel pair per KV head (with_key_outliers)
 
 
 KEY_OPTIONS = ("rot", "smooth")  # "+rot": rotated keys (rotate_keys); "+smooth": smoothed keys (smooth_keys)
@@ -195,6 +200,34 @@ def attention_accuracy(s: AccuracySettings, progress=None) -> list[dict]:
 # ---- 2. end to end -----------------------------------------------------------------------------------
 
 
+def with_key_outliers(model, scale: float, seed: int = 0):
+    """`model` (changed in place and returned) with outlier key channels, as real LLMs' keys
+    have them: in every layer and KV head one RoPE channel pair (c, c + head_dim / 2, c drawn per
+    layer and head) of the key projection is multiplied by `scale` and the same channels of that
+    head's query heads are divided by it. RoPE rotates within each pair, so every score q . k,
+    and so the function the model computes, is unchanged up to the weights' float32 rounding;
+    only the keys stored in the cache carry the outliers. Models with q / k norms or biases are
+    refused (a norm would undo the scaling)."""
+    config = model.config
+    if config.qk_norm or config.qkv_bias or not scale > 0:
+        raise ValueError(f"with_key_outliers: scale {scale} must be > 0 on a model without qk_norm or qkv_bias")
+    attn = model.layers.attn  # layers under scan: q [L, E, Hq, D], k [L, E, Hkv, D]
+    q, k = np.array(attn.q[...]), np.array(attn.k[...])
+    if q.ndim != 4:
+        raise ValueError("with_key_outliers: a model built with scan_layers=True (stacked layer weights)")
+    layers, _, kv_heads, head_dim = k.shape
+    group = q.shape[2] // kv_heads
+    rng = np.random.default_rng(seed)
+    for layer in range(layers):
+        for h in range(kv_heads):
+            c = int(rng.integers(head_dim // 2))
+            pair = [c, c + head_dim // 2]
+            k[layer, :, h, pair] *= np.float32(scale)
+            q[layer, :, h * group : (h + 1) * group, pair] /= np.float32(scale)
+    attn.q[...], attn.k[...] = jnp.asarray(q), jnp.asarray(k)
+    return model
+
+
 def _layout(model, fmt, batch, max_len, page_size=16):
     """The arena for a format label ("int4+rot": an int4 arena with rotated keys)."""
     dtype, rotate, smooth = split_format(fmt)
@@ -245,6 +278,9 @@ def model_accuracy(s: AccuracySettings, progress=None) -> list[dict]:
         name = label.split(" ")[0]
         config = PARITY_CONFIGS[name](**overrides)
         model = models.init_random(config, seed=s.seed, std=0.2)
+        if s.model_key_outliers != 1.0:
+            with_key_outliers(model, s.model_key_outliers, seed=s.seed)
+            label += f", keys x{s.model_key_outliers:g}"
         rng = np.random.default_rng(s.seed + 1)
         prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (5, 13, 20, 11)]
         longest = max(len(p) for p in prompts) + s.new_tokens

@@ -23,6 +23,7 @@ capacity, decode, kernels and prefix take --plot PATH (PNG).
 from __future__ import annotations
 
 import argparse
+import math
 import dataclasses
 import os
 import sys
@@ -522,6 +523,8 @@ def _cmd_accuracy(args, console, progress) -> dict:
     formats = settings_formats(args.formats)
     if not formats or any(f not in FORMATS for f in formats):
         raise _Fail(f"--formats {args.formats!r}: one or more of {', '.join(FORMATS)}")
+    if not (math.isfinite(args.model_key_outliers) and args.model_key_outliers > 0):
+        raise _Fail(f"--model-key-outliers {args.model_key_outliers}: a finite number > 0 (1: the models as drawn)")
     try:
         for fmt in settings_formats(args.model_formats):
             split_format(fmt)
@@ -531,7 +534,7 @@ def _cmd_accuracy(args, console, progress) -> dict:
                                 formats=formats, key_options=options,
                                 skip_models=args.skip_models, skip_attention=args.skip_attention,
                                 model_formats=settings_formats(args.model_formats),
-                                backends=backends, batch=args.batch,
+                                model_key_outliers=args.model_key_outliers, backends=backends, batch=args.batch,
                                 outliers=args.outliers, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
     steps = (0 if settings.skip_attention else len(settings.outlier_scales)) + (
         0 if settings.skip_models else sum(1 + len(f) for _, _, f in _model_runs(settings)))
@@ -552,7 +555,9 @@ def _cmd_accuracy(args, console, progress) -> dict:
         print(format_attention_table(result["attention"]))
     if result["models"]:
         print()
-        print(f"end to end: HF-parity tiny configs, random weights ~N(0, 0.2), float32 compute, 4 prompts x "
+        outliers = (f", keys with one RoPE channel pair per KV head x{settings.model_key_outliers:g} (q / x: the same "
+                    "function)" if settings.model_key_outliers != 1.0 else "")
+        print(f"end to end: HF-parity tiny configs, random weights ~N(0, 0.2){outliers}, float32 compute, 4 prompts x "
               f"{settings.new_tokens} greedy tokens; reference = the same model on a bf16 arena")
         print(format_model_table(result["models"]))
     console.print(f"  device {result['device']}; {result['wall_s']:.0f} s. Random-weight models say little about real "

@@ -11,6 +11,7 @@ import re
 import numpy as np
 import pytest
 
+import models
 from benchmarks import cli
 from benchmarks.allocators import FirstFit
 from benchmarks.capacity import CapacitySettings, run_capacity
@@ -231,6 +232,30 @@ def test_accuracy_attention_measurement():
         split_format("int8+rotate")
 
 
+def test_key_outliers_leave_the_model_function_unchanged():
+    """`with_key_outliers` (arena-bench accuracy --model-key-outliers): one RoPE channel pair per
+    layer and KV head of the key projection x20, the same channels of its query heads / 20: the
+    logits on a float32 arena stay those of the model as drawn, while the key projection's
+    columns now hold the outliers."""
+    from benchmarks.accuracy import PARITY_CONFIGS, _teacher_forced, with_key_outliers
+
+    model = models.init_random(PARITY_CONFIGS["llama_gqa_rope3_tied"](), seed=3, std=0.2)
+    rng = np.random.default_rng(3)
+    sequences = [rng.integers(0, 128, n).tolist() for n in (9, 14)]
+    before = _teacher_forced(model, "float32", sequences, [0, 0], chunk=8)
+    k_before = np.array(model.layers.attn.k[...])
+    with_key_outliers(model, 20.0, seed=3)
+    after = _teacher_forced(model, "float32", sequences, [0, 0], chunk=8)
+    np.testing.assert_allclose(after, before, rtol=1e-4, atol=1e-4 * np.abs(before).max())
+    ratio = np.linalg.norm(np.array(model.layers.attn.k[...]), axis=1) / np.linalg.norm(k_before, axis=1)  # [L, Hkv, D]
+    half = ratio.shape[-1] // 2
+    np.testing.assert_allclose(np.sort(ratio, axis=-1)[..., -2:], 20.0, rtol=1e-6)  # one pair per head ...
+    np.testing.assert_allclose(np.sort(ratio, axis=-1)[..., :-2], 1.0)  # ... and nothing else
+    np.testing.assert_array_equal(ratio[..., :half] > 1, ratio[..., half:] > 1)  # the pair is (c, c + D / 2)
+    with pytest.raises(ValueError, match="scale"):
+        with_key_outliers(model, 0.0)
+
+
 def test_kernels_compile_report(tmp_path, capsys):
     """With the CUDA compile tooling: the table of one variant, no spills. Without it: a clear
     error (exit status 2) naming what is missing."""
@@ -286,6 +311,8 @@ def test_tour(tmp_path, monkeypatch, capsys):
         ["accuracy", "--key-options", "rotate"],  # not plain / rot / smooth / smooth+rot
         ["accuracy", "--formats", "int9"],
         ["accuracy", "--model-formats", "bfloat16+rot"],  # key options on a float arena
+        ["accuracy", "--model-key-outliers", "0"],
+        ["accuracy", "--model-key-outliers", "nan"],
         ["capacity", "--no-such-flag"],
         ["layout", "--json", "/proc/no/such/place.json"],
         ["--bogus"],
