@@ -22,8 +22,11 @@ keys) does to attention and to a model.
    the bf16 run's position by position, and how many tokens in they first differ.
    `model_key_outliers` > 1 measures the same models with outlier key channels
    (`with_key_outliers`: one RoPE channel pair per layer and KV head scaled up in the key
-   projection and down in its query heads' projection, so the model computes the same function
-   and only its stored keys change), which random weights do not have by themselves.
+   projection), which random weights do not have by themselves; `model_outlier_queries` says
+   what the query heads do in those channels: "quiet" divides them by the same factor (the
+   model computes the same function, only its stored keys change), "loud" leaves them (those
+   channels then dominate the scores, as in the attention test, where q ~ N(0, 1) meets keys
+   with outlier channels).
 
 Random-weight models say little about real quality: their logits are not a language model's,
 and a random model's keys have no outlier channels (unless `model_key_outliers` puts them in). The
@@ -71,6 +74,7 @@ class AccuracySettings:
     model_formats: tuple = ("int8", "int8+rot", "int8+smooth+rot", "float8_e4m3fn", "int4", "int4+rot",
                             "int4+smooth+rot")  # end to end
     model_key_outliers: float = 1.0  # end to end: > 1 scales one RoPE channel pair per KV head (with_key_outliers)
+    model_outlier_queries: str = "quiet"  # "quiet": q divided there (the same function); "loud": q as drawn
 
 
 KEY_OPTIONS = ("rot", "smooth")  # "+rot": rotated keys (rotate_keys); "+smooth": smoothed keys (smooth_keys)
@@ -200,17 +204,19 @@ def attention_accuracy(s: AccuracySettings, progress=None) -> list[dict]:
 # ---- 2. end to end -----------------------------------------------------------------------------------
 
 
-def with_key_outliers(model, scale: float, seed: int = 0):
+def with_key_outliers(model, scale: float, seed: int = 0, queries: str = "quiet"):
     """`model` (changed in place and returned) with outlier key channels, as real LLMs' keys
     have them: in every layer and KV head one RoPE channel pair (c, c + head_dim / 2, c drawn per
-    layer and head) of the key projection is multiplied by `scale` and the same channels of that
-    head's query heads are divided by it. RoPE rotates within each pair, so every score q . k,
-    and so the function the model computes, is unchanged up to the weights' float32 rounding;
-    only the keys stored in the cache carry the outliers. Models with q / k norms or biases are
-    refused (a norm would undo the scaling)."""
+    layer and head) of the key projection is multiplied by `scale`. `queries="quiet"`: the same
+    channels of that head's query heads are divided by it; RoPE rotates within each pair, so
+    every score q . k, and so the function the model computes, is unchanged up to the weights'
+    float32 rounding, and only the keys stored in the cache carry the outliers. `"loud"`: the
+    query heads are left as drawn, so those channels' share of every score grows by `scale`.
+    Models with q / k norms or biases are refused (a norm would undo the scaling)."""
     config = model.config
-    if config.qk_norm or config.qkv_bias or not scale > 0:
-        raise ValueError(f"with_key_outliers: scale {scale} must be > 0 on a model without qk_norm or qkv_bias")
+    if config.qk_norm or config.qkv_bias or not scale > 0 or queries not in ("quiet", "loud"):
+        raise ValueError(f"with_key_outliers: scale {scale} must be > 0 and queries {queries!r} quiet or loud, on a "
+                         "model without qk_norm or qkv_bias")
     attn = model.layers.attn  # layers under scan: q [L, E, Hq, D], k [L, E, Hkv, D]
     q, k = np.array(attn.q[...]), np.array(attn.k[...])
     if q.ndim != 4:
@@ -223,7 +229,8 @@ def with_key_outliers(model, scale: float, seed: int = 0):
             c = int(rng.integers(head_dim // 2))
             pair = [c, c + head_dim // 2]
             k[layer, :, h, pair] *= np.float32(scale)
-            q[layer, :, h * group : (h + 1) * group, pair] /= np.float32(scale)
+            if queries == "quiet":
+                q[layer, :, h * group : (h + 1) * group, pair] /= np.float32(scale)
     attn.q[...], attn.k[...] = jnp.asarray(q), jnp.asarray(k)
     return model
 
@@ -279,8 +286,8 @@ def model_accuracy(s: AccuracySettings, progress=None) -> list[dict]:
         config = PARITY_CONFIGS[name](**overrides)
         model = models.init_random(config, seed=s.seed, std=0.2)
         if s.model_key_outliers != 1.0:
-            with_key_outliers(model, s.model_key_outliers, seed=s.seed)
-            label += f", keys x{s.model_key_outliers:g}"
+            with_key_outliers(model, s.model_key_outliers, seed=s.seed, queries=s.model_outlier_queries)
+            label += f", keys x{s.model_key_outliers:g}" + (", q loud" if s.model_outlier_queries == "loud" else "")
         rng = np.random.default_rng(s.seed + 1)
         prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (5, 13, 20, 11)]
         longest = max(len(p) for p in prompts) + s.new_tokens

@@ -298,7 +298,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "format without them stores plain keys; int4 runs head_dim-32 configs)")
     p.add_argument("--model-key-outliers", type=float, default=1.0, metavar="X",
                    help="end-to-end models with outlier keys: one RoPE channel pair per layer and KV head scaled by X in "
-                        "the key projection and by 1/X in its query heads' (the same function; 1: the models as drawn)")
+                        "the key projection (1: the models as drawn)")
+    p.add_argument("--model-outlier-queries", choices=("quiet", "loud"), default="quiet",
+                   help="with --model-key-outliers: quiet divides the query heads' same channels by X (the same "
+                        "function, only the stored keys change); loud leaves them (those channels dominate the scores)")
     p.add_argument("--formats", default="int8,float8_e4m3fn,float8_e5m2,int4",
                    help="quantized arenas of the attention test, comma-separated")
     p.add_argument("--key-options", default="plain,rot,smooth+rot",

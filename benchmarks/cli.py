@@ -534,7 +534,8 @@ def _cmd_accuracy(args, console, progress) -> dict:
                                 formats=formats, key_options=options,
                                 skip_models=args.skip_models, skip_attention=args.skip_attention,
                                 model_formats=settings_formats(args.model_formats),
-                                model_key_outliers=args.model_key_outliers, backends=backends, batch=args.batch,
+                                model_key_outliers=args.model_key_outliers,
+                                model_outlier_queries=args.model_outlier_queries, backends=backends, batch=args.batch,
                                 outliers=args.outliers, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
     steps = (0 if settings.skip_attention else len(settings.outlier_scales)) + (
         0 if settings.skip_models else sum(1 + len(f) for _, _, f in _model_runs(settings)))
@@ -555,8 +556,10 @@ def _cmd_accuracy(args, console, progress) -> dict:
         print(format_attention_table(result["attention"]))
     if result["models"]:
         print()
-        outliers = (f", keys with one RoPE channel pair per KV head x{settings.model_key_outliers:g} (q / x: the same "
-                    "function)" if settings.model_key_outliers != 1.0 else "")
+        quiet = settings.model_outlier_queries == "quiet"
+        outliers = (f", keys with one RoPE channel pair per KV head x{settings.model_key_outliers:g} "
+                    + ("(q / x there: the same function)" if quiet else "(q as drawn there: those channels dominate the scores)")
+                    if settings.model_key_outliers != 1.0 else "")
         print(f"end to end: HF-parity tiny configs, random weights ~N(0, 0.2){outliers}, float32 compute, 4 prompts x "
               f"{settings.new_tokens} greedy tokens; reference = the same model on a bf16 arena")
         print(format_model_table(result["models"]))

@@ -254,6 +254,10 @@ def test_key_outliers_leave_the_model_function_unchanged():
     np.testing.assert_array_equal(ratio[..., :half] > 1, ratio[..., half:] > 1)  # the pair is (c, c + D / 2)
     with pytest.raises(ValueError, match="scale"):
         with_key_outliers(model, 0.0)
+    q_before = np.array(model.layers.attn.q[...])
+    with_key_outliers(model, 20.0, seed=4, queries="loud")  # keys scaled again, queries left as they were
+    np.testing.assert_array_equal(np.array(model.layers.attn.q[...]), q_before)
+    assert np.sort(np.linalg.norm(np.array(model.layers.attn.k[...]), axis=1) / np.linalg.norm(k_before, axis=1)).max() >= 20
 
 
 def test_kernels_compile_report(tmp_path, capsys):
