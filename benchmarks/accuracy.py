@@ -214,8 +214,8 @@ def with_key_outliers(model, scale: float, seed: int = 0, queries: str = "quiet"
     query heads are left as drawn, so those channels' share of every score grows by `scale`.
     Models with q / k norms or biases are refused (a norm would undo the scaling)."""
     config = model.config
-    if config.qk_norm or config.qkv_bias or not scale > 0 or queries not in ("quiet", "loud"):
-        raise ValueError(f"with_key_outliers: scale {scale} must be > 0 and queries {queries!r} quiet or loud, on a "
+    if config.qk_norm or config.qkv_bias or not (np.isfinite(scale) and scale > 0) or queries not in ("quiet", "loud"):
+        raise ValueError(f"with_key_outliers: scale {scale} must be finite and > 0 and queries {queries!r} quiet or loud, on a "
                          "model without qk_norm or qkv_bias")
     attn = model.layers.attn  # layers under scan: q [L, E, Hq, D], k [L, E, Hkv, D]
     q, k = np.array(attn.q[...]), np.array(attn.k[...])
