@@ -23,8 +23,8 @@ capacity, decode, kernels and prefix take --plot PATH (PNG).
 from __future__ import annotations
 
 import argparse
-import math
 import dataclasses
+import math
 import os
 import sys
 import time

@@ -31,13 +31,14 @@ import jax.numpy as jnp
 import numpy as np
 from scipy.special import erfinv, ndtr
 
+from benchmarks.key_scales_sim import HEAD_DIM, attention
 from pallas_kernels import quant4
 
 __all__ = ["lloyd_max", "lloyd_max_mse", "entropy_coded_rms", "shannon_rms", "quantize_to_levels", "arena_int4",
            "group_codebook", "group_absmax", "attention_error", "bits_per_element", "CAPACITY_GOAL"]
 
 CAPACITY_GOAL = 3.5  # x bf16's tokens at the same budget (issue 20, item 4)
-HEAD_DIM, QUERY_HEADS, TOKENS = 64, 8, 90
+QUERY_HEADS, TOKENS = 8, 90
 
 
 def _pdf(t):
@@ -135,20 +136,14 @@ def group_codebook(x: np.ndarray, levels: np.ndarray) -> np.ndarray:
     return (quantize_to_levels(g / safe, levels) * scale).reshape(x.shape)
 
 
-def _attention(q, k, v):  # [h, D], [n, D], [n, D] -> [h, D]
-    s = q @ k.T / np.sqrt(q.shape[-1])
-    p = np.exp(s - s.max(-1, keepdims=True))
-    return (p / p.sum(-1, keepdims=True)) @ v
-
-
 def attention_error(rng: np.random.Generator, code, trials: int) -> float:
     """Mean relative error ||o - o_exact|| / ||o_exact|| of attention over exact keys and
     values through `code` (q, k, v ~ N(0, 1), float64)."""
     errors = []
     for _ in range(trials):
         q, k, v = (rng.standard_normal((m, HEAD_DIM)) for m in (QUERY_HEADS, TOKENS, TOKENS))
-        exact = _attention(q, k, v)
-        errors.append(np.linalg.norm(_attention(q, k, code(v)) - exact) / np.linalg.norm(exact))
+        exact = attention(q, k, v)
+        errors.append(np.linalg.norm(attention(q, k, code(v)) - exact) / np.linalg.norm(exact))
     return float(np.mean(errors))
 
 
