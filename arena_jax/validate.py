@@ -26,6 +26,7 @@ __all__ = [
     "check_layer",
     "check_kv",
     "check_cache_arrays",
+    "donated",
     "check_q",
     "check_sliding_window",
     "check_sm_scale",
@@ -196,13 +197,18 @@ def check_kv(layout: KVLayout, k, v, batch: int):
         raise ValueError(f"k and v dtypes differ: {k.dtype} vs {v.dtype}")
 
 
+def donated(tree) -> bool:
+    """Whether an array of `tree` (a cache, a host tier) was donated to a later call: deleted,
+    so every op on it must be refused (its pytree still looks whole)."""
+    return any(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted()
+               for x in jax.tree.leaves(tree))  # fmt: skip
+
+
 def check_cache_arrays(cache) -> KVLayout:
     """The cache's layout, after checking its arrays agree with each other: k and v alike, and
     scales (8-bit: [L, H, P, S]; int4, a uint8 arena: [L, H, P, S, head_dim / 32]; float32 /
     bfloat16) present exactly when the arena is quantized."""
-    deleted = [x for x in jax.tree.leaves(cache) if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-               and x.is_deleted()]  # fmt: skip
-    if deleted:
+    if donated(cache):
         raise ValueError(
             "cache: its arrays were donated to a later call and are deleted; every op that changes the cache "
             "returns a new one: continue from the newest result (the cache that call returned)"
