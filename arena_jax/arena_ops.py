@@ -11,8 +11,8 @@ and scales are written by the same kernel, under the same masks), attention dequ
 it reads. A cache with `rotate_keys` has its keys rotated before quantization and q rotated the
 same way in attention (both inside the kernels / references). A cache with `key_factors`
 (`smooth_keys`) has its keys divided by them before all of that and q multiplied by them
-(`arena_jax.key_factors`, here, in XLA, for every backend); append calibrates a layer's
-factors at its first write.
+(`arena_jax.key_factors`, here, in XLA, for every backend); the factors are fixed when the
+cache is created, so how a key is stored never depends on which rows were written first.
 
 Backends: "pallas" / "pallas_tpu" (the kernels), "mosaic" (a GPU decode kernel), "xla"
 (`pallas_kernels.blockwise`: attention in blocks of pages, its cost following the written
@@ -43,11 +43,10 @@ def _layer(cache: KVCache, layer):
     return (layer >= 0) & (layer < num_layers), jnp.clip(layer, 0, num_layers - 1)
 
 
-def append_impl(cache: KVCache, layer, slots, k, v, num_tokens, backend: str, reduce_max=None) -> KVCache:
+def append_impl(cache: KVCache, layer, slots, k, v, num_tokens, backend: str) -> KVCache:
     """Write row b's first num_tokens[b] tokens of k, v [B, T, Hkv, D] at its slot's written
     watermark for `layer` and advance it. A row whose tokens would pass the slot's reservation
-    or land in a page it shares writes nothing (counted in `dropped_writes`). `reduce_max`
-    (a data-parallel mesh): combines the smoothing calibration over data shards."""
+    or land in a page it shares writes nothing (counted in `dropped_writes`)."""
     table = cache.table
     max_seqs, max_pages = table.page_map.shape
     num_pages, page_size = cache.k.shape[2], cache.k.shape[3]
@@ -71,12 +70,8 @@ def append_impl(cache: KVCache, layer, slots, k, v, num_tokens, backend: str, re
     accepted = jnp.where(writable, n, 0)
 
     kernel_rows = (jnp.where(writable[:, None], rows, -1), start + accepted, accepted)
-    factors = {}
-    if cache.key_factors is not None:  # smoothed keys: calibrate at a head's first nonzero write, then divide
-        stored = t < accepted[:, None]  # [B, T]: the tokens this call writes
-        new_factors = factors_lib.update(cache.key_factors, layer_ok, layer_c, k, stored, reduce_max)
-        k = factors_lib.smooth_keys(k, new_factors[layer_c])
-        factors = dict(key_factors=new_factors)
+    if cache.key_factors is not None:  # smoothed keys: divided by the cache's fixed factors
+        k = factors_lib.smooth_keys(k, cache.key_factors[layer_c])
     scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)  # None for float arenas
     if backend == "pallas_tpu":
         from pallas_kernels.tpu_append import tpu_paged_append
@@ -100,7 +95,7 @@ def append_impl(cache: KVCache, layer, slots, k, v, num_tokens, backend: str, re
         dropped_writes=jnp.sum(good & (n > 0) & ~writable),
         rejected_rows=jnp.sum(rejected),
     )
-    return cache.replace(k=k_arena, v=v_arena, table=table, stats=stats, **scales, **factors)
+    return cache.replace(k=k_arena, v=v_arena, table=table, stats=stats, **scales)
 
 
 def attend_impl(q, cache: KVCache, layer, slots, num_tokens, backend: str, sliding_window, sm_scale,

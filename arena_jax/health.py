@@ -42,9 +42,9 @@ def health(cache: KVCache, prefix=None, host=None) -> dict:
     host_tokens_held, host_bytes (and, with `prefix` too, prefix_host_index_matches: the
     index's host pages are exactly the host tier's held pages).
 
-    Smoothed keys (`smooth_keys`): key_factor_layers_calibrated (layers with factors set at any
-    KV head), key_channels_smoothed (factors > 1, over layers, stored heads and channels)
-    and key_factor_max (0 before any calibration).
+    Smoothed keys (`smooth_keys`): key_factor_layers_calibrated (layers given factors at any
+    KV head by `create`), key_channels_smoothed (factors > 1, over layers, stored heads and
+    channels) and key_factor_max (0: created without factors, no smoothing).
 
     A sharded cache adds its mesh degrees and the bytes each device holds
     (`arena_bytes_per_device`, `bytes_per_token_per_device`, replicated KV heads counted);
@@ -97,8 +97,8 @@ def health(cache: KVCache, prefix=None, host=None) -> dict:
         )
     extra = {"bytes_to_host": counters["pages_to_host"] * layout.page_bytes,
              "bytes_to_device": counters["pages_to_device"] * layout.page_bytes}  # fmt: skip
-    if cache.key_factors is not None:  # smoothed keys: did calibration happen, and what did it find
-        factors = _host(cache.key_factors)  # [L, H (replicas included), D]; 0: layer not calibrated
+    if cache.key_factors is not None:  # smoothed keys: the factors the cache was created with
+        factors = _host(cache.key_factors)  # [L, H (replicas included), D]; 0: not calibrated (1)
         calibrated = factors.reshape(factors.shape[0], -1).max(axis=1) > 0
         extra.update(key_factor_layers_calibrated=int(calibrated.sum()),
                      key_channels_smoothed=int(np.count_nonzero(factors > 1)),

@@ -12,21 +12,24 @@ smoothing, int4 29% -> 15% (pallas_kernels/README.md, "Smoothed keys").
 
 Rules (the same on every backend: applied in XLA around the kernels and the references):
 
-* `key_factors: f32[num_layers, num_kv_heads, head_dim]`, one per layer, KV head and channel;
-  0 = not calibrated (a new cache).
-* Calibration, per layer and KV head: the first `append` that stores a nonzero finite key at
-  a head sets that head's factors from the tokens it stores (every row and token of that call,
-  finite values only; on a data-parallel mesh, all data shards' rows): `amax[c] = max
-  |k[..., c]|` and `f[c] = 2 ** e`, e the number of thresholds 2, 8, 32, ...,
+* `key_factors: f32[num_layers, num_kv_heads, head_dim]`, one per layer, KV head and channel,
+  **fixed when the cache is created** (`aj.create(layout, key_factors=...)`) and never changed
+  by any op: what a key is stored as depends only on that key, never on which requests came
+  first (an earlier design calibrated each head on its first write, so a first tenant's keys,
+  or the order a scheduler wrote rows in, set every later tenant's quantization: issue 37).
+  A cache created without factors holds 0 (not calibrated), applied as 1: no smoothing.
+* Where factors come from: `from_keys(keys)` calibrates on sample keys a caller gives (a
+  calibration pass before serving); `models.calibrate_key_factors(model)` runs the model over
+  a fixed built-in sample (or the caller's tokens), which `models.generate` does when it
+  creates a smoothed arena. Per layer and KV head: `amax[c] = max |k[..., c]|` over the
+  sample's finite values and `f[c] = 2 ** e`, e the number of thresholds 2, 8, 32, ...,
   2 ** (2 MAX_EXPONENT - 1) that `amax[c] / median amax` reaches (sqrt of the ratio, rounded
   half up to a power of two, in [1, 2 ** MAX_EXPONENT]; the median is the lower one). A head
-  whose median amax is 0 but not every amax (sparse keys) gets f = 1. A write that stores no
-  token at a head, or only zeros (a warm-up with zero keys), or only NaN / inf, leaves it
-  uncalibrated: such keys are stored as zeros / NaN rows whatever the factors, so a later
-  write may still calibrate the head (a warm-up must not switch smoothing off for good).
-  Once set, later appends, at any slot, never change them: every stored key of a head was
-  divided by the same factors, so pages can be shared, forked, swapped to the host and back
-  without knowing them.
+  whose median amax is 0 but not every amax (sparse keys) gets f = 1; a head whose sample
+  keys are all zero (or not finite) gets 0 (not calibrated: 1).
+* Every stored key of a head was divided by the same factors, so pages can be shared, forked,
+  swapped to the host and back without knowing them (a host tier records its cache's factors
+  and is refused by another cache).
 * Powers of two: dividing a key and multiplying a query by one is exact in every float dtype
   (outside the subnormal range), so smoothing adds no rounding of its own and scores are
   unchanged. `MAX_EXPONENT` = 6 (f <= 64) keeps an fp16 query finite up to |q| <= 1023.
@@ -34,11 +37,10 @@ Rules (the same on every backend: applied in XLA around the kernels and the refe
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import jax.numpy as jnp
+import numpy as np
 
-__all__ = ["MAX_EXPONENT", "calibrate", "update", "usable", "smooth_keys", "smooth_queries"]
+__all__ = ["MAX_EXPONENT", "calibrate", "from_keys", "check", "usable", "smooth_keys", "smooth_queries"]
 
 MAX_EXPONENT = 6
 
@@ -59,19 +61,39 @@ def calibrate(amax):
     return jnp.where(seen, jnp.left_shift(1, exponent).astype(jnp.float32), 0.0)
 
 
-def update(factors, layer_ok, layer, k, stored, reduce_max: Callable | None = None):
-    """The cache's factors after an append at `layer` (clipped into range; `layer_ok` False:
-    unchanged) of k [B, T, H, D], of which `stored` bool[B, T] are written. A calibrated head
-    keeps its factors; an uncalibrated one takes them from the stored tokens (still 0 if they
-    hold no nonzero finite key). `reduce_max`: combines the per-shard absmax [H, D] over data
-    shards."""
-    current = factors[layer]  # [H, D]
-    finite = jnp.isfinite(k) & stored[:, :, None, None]
-    amax = jnp.max(jnp.where(finite, jnp.abs(k.astype(jnp.float32)), 0.0), axis=(0, 1))  # [H, D]
-    if reduce_max is not None:
-        amax = reduce_max(amax)
-    keep = ~layer_ok | jnp.any(current > 0, axis=-1, keepdims=True)  # [H, 1]
-    return factors.at[layer].set(jnp.where(keep, current, calibrate(amax)))
+def from_keys(keys):
+    """Sample keys [num_layers, ..., num_kv_heads, head_dim] (any tokens, rows and batches in
+    between; as the model computes them, before smoothing or rotation) -> f32[num_layers,
+    num_kv_heads, head_dim] factors for `aj.create(layout, key_factors=...)`. NaN / inf values
+    are ignored; a head with no nonzero finite key gets 0 (not calibrated: no smoothing)."""
+    keys = jnp.asarray(keys)
+    if keys.ndim < 3:
+        raise ValueError(f"keys must be [num_layers, ..., num_kv_heads, head_dim], got shape {keys.shape}")
+    k = keys.astype(jnp.float32).reshape(keys.shape[0], -1, *keys.shape[-2:])
+    amax = jnp.max(jnp.where(jnp.isfinite(k), jnp.abs(k), 0.0), axis=1)  # [L, H, D]
+    return calibrate(amax)
+
+
+def check(factors, shape: tuple[int, ...]) -> np.ndarray:
+    """Host check of factors given to `aj.create`: f32 `shape` ([num_layers, num_kv_heads,
+    head_dim]), each 0 (not calibrated) or a power of two in [1, 2 ** MAX_EXPONENT]. Returns
+    them as a float32 numpy array; a ValueError names `key_factors` and the rule otherwise."""
+    try:
+        f = np.asarray(factors)
+    except Exception as e:  # a donated / deleted array, or not array-like
+        raise ValueError(f"key_factors must be an array of shape {shape}: {e}") from None
+    if f.dtype == np.bool_ or not (np.issubdtype(f.dtype, np.floating) or np.issubdtype(f.dtype, np.integer)):
+        raise ValueError(f"key_factors must be a float array of shape {shape}, got dtype {f.dtype}")
+    if tuple(f.shape) != tuple(shape):
+        raise ValueError(f"key_factors must have shape {tuple(shape)} [num_layers, num_kv_heads, head_dim], got {f.shape}")
+    f = f.astype(np.float32)
+    allowed = np.asarray([0.0] + [2.0 ** e for e in range(MAX_EXPONENT + 1)], np.float32)
+    bad = ~np.isin(f, allowed)
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"key_factors{list(at)}={f[at]!r}: each factor must be 0 (not calibrated) or a power of two "
+                         f"in [1, {2 ** MAX_EXPONENT}] (arena_jax.key_factors.from_keys makes them)")
+    return f
 
 
 def usable(layer_factors):

@@ -212,7 +212,8 @@ class CacheSharding:
 # ---- creation ----------------------------------------------------------------------------------
 
 
-def create_sharded(layout: KVLayout, mesh, *, tensor_axis: str | None = "tensor", data_axis: str | None = None) -> KVCache:
+def create_sharded(layout: KVLayout, mesh, *, tensor_axis: str | None = "tensor", data_axis: str | None = None,
+                   key_factors=None) -> KVCache:
     """`aj.create(layout, mesh=...)`: the arena and table created in place on their devices."""
     if not isinstance(mesh, Mesh):
         raise ValueError(f"mesh must be a jax.sharding.Mesh of devices, got {type(mesh).__name__}")
@@ -233,7 +234,8 @@ def create_sharded(layout: KVLayout, mesh, *, tensor_axis: str | None = "tensor"
             scale_shape = shape[:4] + layout.scale_shape[4:]
             extras = {name: jnp.zeros(scale_shape, layout.scale_dtype) for name in ("k_scale", "v_scale")}
         if layout.smooth_keys:  # [layers, heads, head_dim]: heads split (and replicated) like the arena's
-            extras["key_factors"] = jnp.zeros(shape[:2] + (layout.head_dim,), jnp.float32)
+            factors = jnp.zeros(layout.key_factors_shape, jnp.float32) if key_factors is None else key_factors
+            extras["key_factors"] = jnp.repeat(factors, shape[1] // layout.num_kv_heads, axis=1)
         return KVCache(k=jnp.zeros(shape, layout.storage_dtype), v=jnp.zeros(shape, layout.storage_dtype), table=table,
                        stats=stats, sharding=sh, rotate_keys=layout.rotate_keys, **extras)  # fmt: skip
 
@@ -454,14 +456,10 @@ def append(cache: KVCache, layer, slots, k, v, num_tokens, backend: str):
     sh = cache.sharding
     replicated = sh.kv_replicas > 1
 
-    # Smoothed keys: the data shards calibrate a layer's factors together (the same values on each).
-    over_data = None if sh.data_axis is None else (lambda x: lax.pmax(x, sh.data_axis))
-
     def body(local, max_seqs, layer, slots, k, v, num_tokens):
         if replicated:
             k, v = _my_heads(sh, k), _my_heads(sh, v)
-        return append_impl(local, layer, _local_slots(sh, slots, max_seqs), k, v, num_tokens, backend,
-                           reduce_max=over_data)
+        return append_impl(local, layer, _local_slots(sh, slots, max_seqs), k, v, num_tokens, backend)
 
     kv = sh.heads_spec(split=not replicated)
     specs = (P(), sh.rows_spec, kv, kv, sh.rows_spec)

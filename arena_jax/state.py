@@ -210,19 +210,27 @@ def warn_if_writes_copy(layout: KVLayout, platform: str | None = None) -> None:
             RuntimeWarning, stacklevel=3)
 
 
-def create(layout: KVLayout, *, mesh=None, tensor_axis: str | None = "tensor", data_axis: str | None = None) -> KVCache:
+def create(layout: KVLayout, *, mesh=None, tensor_axis: str | None = "tensor", data_axis: str | None = None,
+           key_factors=None) -> KVCache:
     """Allocate the arena once (zeros; a quantized arena's scales too) with every page free.
 
     Jittable; size a layout without allocating with `jax.eval_shape(lambda: aj.create(layout))`.
     With a `jax.sharding.Mesh`, the arena is split over KV heads on `tensor_axis` and, if
     `data_axis` is given, over pages and slots per data shard (`arena_jax.sharding`).
+
+    `key_factors` (a `smooth_keys` layout only): f32[num_layers, num_kv_heads, head_dim], the
+    static per-channel factors every key is divided by, fixed for the cache's life
+    (`arena_jax.key_factors.from_keys` on sample keys, or `models.calibrate_key_factors(model)`).
+    None: 0, not calibrated, applied as 1 (no smoothing).
     """
     if not isinstance(layout, KVLayout):
         raise ValueError(f"layout must be a KVLayout, got {type(layout).__name__}")
+    factors = _initial_key_factors(layout, key_factors)
     if mesh is not None:
         from arena_jax.sharding import create_sharded
 
-        cache = create_sharded(layout, mesh, tensor_axis=tensor_axis, data_axis=data_axis)  # checks the mesh first
+        cache = create_sharded(layout, mesh, tensor_axis=tensor_axis, data_axis=data_axis,
+                               key_factors=factors)  # checks the mesh first
         warn_if_writes_copy(layout, mesh.devices.flat[0].platform)  # the backend the arena lives on
         return cache
     warn_if_writes_copy(layout)
@@ -236,6 +244,23 @@ def create(layout: KVLayout, *, mesh=None, tensor_axis: str | None = "tensor", d
         table=PageTable.empty(layout),
         stats=CacheStats.zeros(),
         rotate_keys=layout.rotate_keys,
-        key_factors=jnp.zeros(layout.key_factors_shape, jnp.float32) if layout.smooth_keys else None,
+        key_factors=factors,
         **scales,
     )
+
+
+def _initial_key_factors(layout: KVLayout, key_factors):
+    """The cache's fixed key factors: the given ones, checked on the host (traced ones inside a
+    user's jit taken as they are, cast to float32), zeros for a smoothed layout without them."""
+    if key_factors is None:
+        return jnp.zeros(layout.key_factors_shape, jnp.float32) if layout.smooth_keys else None
+    if not layout.smooth_keys:
+        raise ValueError(f"key_factors given for a layout without smooth_keys (dtype {layout.dtype.name}): "
+                         "only smoothed quantized arenas take them (KVLayout(smooth_keys=True))")
+    if isinstance(key_factors, jax.core.Tracer):
+        if tuple(key_factors.shape) != layout.key_factors_shape:
+            raise ValueError(f"key_factors must have shape {layout.key_factors_shape}, got {key_factors.shape}")
+        return key_factors.astype(jnp.float32)
+    from arena_jax import key_factors as factors_lib
+
+    return jnp.asarray(factors_lib.check(key_factors, layout.key_factors_shape))

@@ -25,6 +25,7 @@ from models.config import LlamaConfig, RopeScaling
 from models.dense_baseline import DenseCache, dense_decode, dense_generate, dense_prefill, init_dense_cache
 from models.generate import Generation, default_decode_block, default_layout, generate, length_bucket
 from models.host_tier import SwapPolicy
+from models.key_calibration import calibrate_key_factors
 from models.layers import MLP, Attention, Embedder, RMSNorm, apply_rope, rope_frequencies
 from models.llama import Block, Llama, init_random, token_positions
 from models.parallel import shard_model, weights_mesh
@@ -65,6 +66,7 @@ __all__ = [
     "default_decode_block",
     "length_bucket",
     "SwapPolicy",
+    "calibrate_key_factors",
     "DenseCache",
     "init_dense_cache",
     "dense_prefill",

@@ -66,6 +66,7 @@ from models.argtypes import MAX_DECODE_BLOCK
 from models.checks import INT32_MIN, check_int, token_ids
 from models.fingerprint import fingerprint
 from models.host_tier import HostTier, SwapPolicy
+from models.key_calibration import calibrate_key_factors
 from models.llama import Llama
 from models.sampling import Sampling
 from models.scheduler import Scheduler, Seq, fetch
@@ -340,7 +341,11 @@ def generate(
                 f"the arena (max_seq_len={layout.max_seq_len}, {pages_per_shard} pages of {layout.page_size}{shard})"
             )
     if cache is None:
-        cache = aj.create(layout) if mesh is None else aj.create(layout, mesh=mesh, tensor_axis=tensor_axis, data_axis=data_axis)
+        # Smoothed keys: factors from a calibration pass over the model, fixed before any request
+        # (models.key_calibration): tokens never depend on scheduling or earlier tenants.
+        factors = calibrate_key_factors(model) if layout.smooth_keys else None
+        on_mesh = {} if mesh is None else dict(mesh=mesh, tensor_axis=tensor_axis, data_axis=data_axis)
+        cache = aj.create(layout, key_factors=factors, **on_mesh)
     if host_pages:
         host = aj.create_host(cache, host_pages)
     if prefix_cache is True:

@@ -88,12 +88,6 @@ def numpy_key_factors(keys, max_exponent: int = 6):
     return np.where(amax.max(axis=-1, keepdims=True) > 0, 2.0**exponent, 0.0).astype(np.float32)
 
 
-def calibrate_heads(factors, keys):
-    """A layer's factors [H, D] after a write that stores `keys` [n, H, D] (n may be 0): heads
-    already calibrated (any factor > 0) keep theirs, the others take `numpy_key_factors`."""
-    calibrated = np.asarray(factors).any(axis=-1, keepdims=True)
-    return np.where(calibrated, factors, numpy_key_factors(keys)).astype(np.float32)
-
 
 def numpy_dequantize4(packed, scale):
     """packed uint8 [..., D / 2], scales [..., D / 32] -> float64 [..., D]."""

@@ -98,9 +98,8 @@ def local_slots(slots, dp, shard):
 
 def oracle(heads, dp, dtype="float32", k=None, key_factors=None):
     """Per data shard: the scenario on a single-device cache of that shard's slots and pages
-    (reference backend: the ground truth of both sharded backends). Smoothed keys: the data
-    shards calibrate one set of factors together, so each single-device cache starts from
-    `key_factors` (the sharded cache's, checked separately)."""
+    (reference backend: the ground truth of both sharded backends). Smoothed keys: each
+    single-device cache is created with the same `key_factors` as the sharded one."""
     layout = dataclasses.replace(LAYOUT, num_kv_heads=heads, num_pages=LAYOUT.num_pages // dp, max_seqs=4 // dp,
                                  dtype=dtype, smooth_keys=key_factors is not None)  # fmt: skip
     k = scenario_inputs(heads)[0] if k is None else k
@@ -109,9 +108,7 @@ def oracle(heads, dp, dtype="float32", k=None, key_factors=None):
     runs = []
     for d in range(dp):
         block = slice(d * (4 // dp), (d + 1) * (4 // dp))
-        fresh = aj.create(layout)
-        if key_factors is not None:
-            fresh = fresh.replace(key_factors=jnp.asarray(key_factors))
+        fresh = aj.create(layout, key_factors=key_factors)
         cache, outs = scenario(fresh, jnp.asarray(local_slots(slots, dp, d)), jnp.asarray(COUNTS[:, block]),
                                k[block], q[block], backend="reference")  # fmt: skip
         runs.append(jax.device_get((cache, outs)))
@@ -203,25 +200,26 @@ def test_cache_ops_equal_single_device_per_shard(scenario_run):
 def test_an_8bit_cache_equals_single_device_per_shard():
     """int8 values and their per-token scales are split like the arena: the scenario on a
     dp=2 x tp=4 int8 cache equals single-device int8 caches, one per data shard. Its keys are
-    smoothed (int8's default): the factors are split over heads like the arena, one set for
-    all data shards, calibrated by the first write's rows of every shard (a channel 8x the
-    rest in data shard 1's rows only: shard 0's factors must show it too)."""
+    smoothed (int8's default): the factors given at create (calibrated on keys with a channel
+    8x the rest) are split over heads like the arena, replicas holding their head's, one set
+    for all data shards, and no write changes them."""
     from cache_model import numpy_key_factors
 
     dp, tp = MESH
     replicas = tp // HEADS
     layout = dataclasses.replace(LAYOUT, num_kv_heads=HEADS, dtype="int8", smooth_keys=True)
-    cache = aj.create(layout, mesh=make_mesh(MESH), data_axis="data")
+    k, q = scenario_inputs(HEADS)
+    k[2, :, :, 5] *= 8  # row 2: data shard 1's block
+    given = aj.key_factors.from_keys(k[None])[0][None]  # [1, HEADS, 16], from every row's keys
+    cache = aj.create(layout, mesh=make_mesh(MESH), data_axis="data", key_factors=given)
     assert cache.k_scale.sharding.spec == cache.k.sharding.spec
     assert cache.key_factors.sharding.spec == jax.sharding.PartitionSpec(None, "tensor")
     assert cache.sharding.bytes_per_token_per_device(layout) * tp == layout.bytes_per_token * (tp // HEADS)
-    k, q = scenario_inputs(HEADS)
-    k[2, :, :, 5] *= 8  # row 2: data shard 1's block
     cache, outs = scenario(cache, jnp.asarray(global_slots(dp)), jnp.asarray(COUNTS), k, q, backend="reference")
     got_cache, got = jax.device_get((cache, outs))
     factors = got_cache.key_factors  # [1, HEADS * replicas, 16]
-    first = np.concatenate([k[b, : COUNTS[0, b]] for b in range(4)])  # the first append's stored tokens, all shards
-    np.testing.assert_array_equal(factors[0, ::replicas], numpy_key_factors(first))
+    np.testing.assert_array_equal(factors[0, ::replicas], numpy_key_factors(k.reshape(-1, HEADS, k.shape[-1])))
+    np.testing.assert_array_equal(factors[:, ::replicas], np.asarray(given))
     np.testing.assert_array_equal(factors[:, ::replicas], factors[:, 1::replicas])
     assert (factors[0, :, 5] > 1).all() and (factors == 1).mean() > 0.5, factors
     per, pages = 4 // dp, 20 // dp

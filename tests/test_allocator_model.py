@@ -21,8 +21,8 @@ for the example); and every counter matches the model.
 Arena format, drawn per example: float32 (most examples) or a quantized arena (in CI int8 and
 int4 with smoothed and rotated keys, their defaults; in jit mode), whose appends quantize (values
 and scales: per token, or per group of 32 lanes for int4; keys divided by the layer's factors,
-which each head's first write of nonzero keys calibrates and the model calibrates again with
-numpy, `cache_model.calibrate_heads`, then rotated) and whose pages
+fixed at create from every token's keys by numpy (`cache_model.numpy_key_factors`) and never
+changed by any op, then rotated) and whose pages
 are copied, shared, held and recycled with their scales: the stored values and scales must
 equal, bit for bit, an independent numpy quantization of the token's K and V
 (`cache_model.numpy_quantize` / `numpy_quantize4`, after a numpy rotation: token values are
@@ -55,7 +55,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import arena_jax as aj
-from cache_model import (INT32_MAX, INT32_MIN, OP_COUNTS, PAD, CacheModel, calibrate_heads, ceil_div, numpy_dequantize4,
+from cache_model import (INT32_MAX, INT32_MIN, OP_COUNTS, PAD, CacheModel, ceil_div, numpy_dequantize4, numpy_key_factors,
                          numpy_quantize, numpy_quantize4, numpy_rotation)
 from model_host_ops import HOST_OPS, HOST_PAGES, HOST_ROUND_TRIP, HostDriver, check_host, expand, host_ops, jitted_calls, poisoned_host
 from model_host_ops import calls as host_calls
@@ -395,7 +395,7 @@ def check_state(cache, model: CacheModel, pages: Pages, dtype: str = "float32"):
     values, scales, _ = stored(dtype, model)
     assert (cache.k_scale is None) == (scales is None)
     assert (cache.key_factors is None) == (not arena_format(dtype)[2])
-    if cache.key_factors is not None:  # calibrated by each layer's first stored tokens, then fixed
+    if cache.key_factors is not None:  # fixed at create: no op changes them
         np.testing.assert_array_equal(np.asarray(cache.key_factors), model.key_factors, err_msg="key_factors")
     if scales is not None:
         k_scale, v_scale = np.asarray(cache.k_scale), np.asarray(cache.v_scale)
@@ -505,7 +505,10 @@ def run_ops(ops, mode: str, backend: str, window, dtype: str = "float32", seed: 
     """Run `ops` on a fresh cache and on the model, checking state (and attention) after each;
     then drop every hold and release every slot. Returns the final page table."""
     arena_dtype, rotate, smooth = arena_format(dtype)
-    cache = aj.create(dataclasses.replace(LAYOUT, dtype=arena_dtype, rotate_keys=rotate, smooth_keys=smooth))
+    # Smoothed keys: factors fixed at create (from every token's keys, numpy), never changed by an op.
+    factors = np.stack([numpy_key_factors(VALUES[0, :, layer]) for layer in range(L)]) if smooth else None
+    cache = aj.create(dataclasses.replace(LAYOUT, dtype=arena_dtype, rotate_keys=rotate, smooth_keys=smooth),
+                      key_factors=factors)
     assert cache.rotate_keys == rotate and (cache.key_factors is not None) == smooth
     # Stale pages NaN everywhere (values; and scales, the one stale thing an int8 arena can hold
     # as NaN): any read of an unwritten position or a recycled page's old tokens shows.
@@ -519,7 +522,7 @@ def run_ops(ops, mode: str, backend: str, window, dtype: str = "float32", seed: 
         num_layers=L, page_size=S, num_pages=LAYOUT.num_pages, max_seqs=LAYOUT.max_seqs,
         max_pages_per_seq=LAYOUT.max_pages_per_seq, host_pages=HOST_PAGES,
     )  # fmt: skip
-    model.key_factors = np.zeros((L, H, D), np.float32)  # smoothed keys: 0 until a layer's first write
+    model.key_factors = factors if smooth else np.zeros((L, H, D), np.float32)
     rng = np.random.default_rng(seed)
     pages = Pages()
     calls = jitted(backend) if mode == "jit" else _ops(backend)
@@ -577,9 +580,6 @@ def run_ops(ops, mode: str, backend: str, window, dtype: str = "float32", seed: 
                     expect_refusal(lambda: calls["append"](cache, args(layer), args(slots), k, v, args(counts)))
                     continue
                 ids = model.append(layer, rows, MAX_T)
-                stored_ids = [i for row in ids if row for i in row]
-                if smooth and 0 <= layer < L:  # a head's first nonzero write calibrates it
-                    model.key_factors[layer] = calibrate_heads(model.key_factors[layer], VALUES[0, np.asarray(stored_ids, int), layer])
                 k, v = kv_rows(model, layer, rows, ids)
                 cache = calls["append"](cache, args(layer), args(slots), k, v, args(counts))
         elif name == "attend":

@@ -1,8 +1,8 @@
 """Smoothed keys (`KVLayout(smooth_keys=...)`, `arena_jax.key_factors`): the layout's rules and
-defaults, the calibration against an independent numpy implementation (`cache_model`), that a
-layer's factors are fixed by its first stored tokens (and by nothing else: rejected rows, dead
-positions, other layers, traced bad layers), that a warm-up of zero keys leaves them to the
-first real keys, and that smoothing changes nothing where there is nothing to smooth. The stored bytes through every page op: test_allocator_model.py (int8 and
+defaults, the calibration against an independent numpy implementation (`cache_model`), the
+factors given to `aj.create` (checked, then fixed: no write changes them), that a hostile first
+tenant changes nothing for the next (issue 37), and that smoothing changes nothing where there
+is nothing to smooth. The stored bytes through every page op: test_allocator_model.py (int8 and
 int4 with smoothed keys); on a data-parallel mesh: sharded_checks.py; the accuracy it buys:
 test_bench.py and `arena-bench accuracy`."""
 from __future__ import annotations
@@ -69,91 +69,117 @@ def test_calibration_equals_numpy():
     got = np.asarray(key_factors.calibrate(jnp.asarray(amax)))
     want = numpy_key_factors(k)
     np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.asarray(key_factors.from_keys(k[None]))[0], want)  # [L=1, T, H, D]
     assert want[0, :4].tolist() == [2, 4, 8, 2] and (want[2] == 1).all() and want[3, 7] == 2**key_factors.MAX_EXPONENT
     assert want[4, [1, 9, 30]].tolist() == [2, 4, 8] and not want[6:].any() and (want[:6] >= 1).all()
 
 
-@jax.jit
-def _writes(cache, k, bad_layer):
-    """Layer 1: a write dropped (its slots have no reservation), one with a traced out-of-range
-    layer (rejected), then the first stored tokens (row 0: 3 of 5 tokens; the rest carry 1e6), then
-    another write whose outlier channel must change nothing."""
-    slots = jnp.asarray([0, 1], jnp.int32)
-    cache = aj.append(cache, 1, slots, k, k, num_tokens=jnp.asarray([5, 5]))  # nothing reserved: dropped
-    before = cache.key_factors
-    cache, _ = aj.reserve(cache, slots, jnp.asarray([8, 0]))
-    cache = aj.append(cache, bad_layer, slots, k, k, num_tokens=jnp.asarray([5, 0]))  # rejected row
-    cache = aj.append(cache, 1, slots, k, k, num_tokens=jnp.asarray([3, 0]))
-    first = cache.key_factors
-    cache = aj.append(cache, 1, slots, 100 * k, k, num_tokens=jnp.asarray([5, 0]))
-    return cache, before, first
-
-
-def test_factors_are_fixed_by_the_first_stored_tokens():
-    rng = np.random.default_rng(2)
-    k = rng.standard_normal((2, 5, 2, 32)).astype(np.float32)
-    k[0, :3, :, 6] *= 12.0  # an outlier channel in the stored tokens
-    k[0, 3:] = 1e6  # dead positions of row 0, and row 1 (num_tokens 0), must not count
-    k[1] = -1e6
-    cache = aj.create(LAYOUT)
-    cache, before, first = _writes(cache, jnp.asarray(k), jnp.asarray(7))
-    assert not np.asarray(before).any(), "a refused write calibrated"
-    want = numpy_key_factors(k[0, :3])
-    assert want[:, 6].tolist() == [4, 4] and (want == 1).mean() > 0.8
-    np.testing.assert_array_equal(np.asarray(first)[1], want)
-    np.testing.assert_array_equal(np.asarray(cache.key_factors)[1], want)  # later writes keep them
-    assert not np.asarray(cache.key_factors)[0].any()  # layer 0: never written, not calibrated
-    assert int(cache.stats.dropped_writes) == 2 and int(cache.stats.rejected_rows) == 2  # the bad layer: both rows
-    assert int(cache.table.written[1, 0]) == 8
-    report = aj.health(cache)
-    assert report["key_factor_layers_calibrated"] == 1 and report["key_factor_max"] == 4.0
-    assert report["key_channels_smoothed"] == int(np.count_nonzero(want > 1))
-    assert "key_factor_max" not in aj.health(aj.create(dataclasses.replace(LAYOUT, smooth_keys=False)))
+def test_create_takes_factors_and_refuses_bad_ones():
+    """`aj.create(layout, key_factors=)`: the given factors are the cache's, as float32; a
+    layout without smoothing, another shape, a factor that is not 0 or a power of two in
+    [1, 64], NaN, bools: refused naming key_factors; without them every head is 0 (not
+    calibrated, applied as 1)."""
+    rng = np.random.default_rng(5)
+    k = rng.standard_normal((2, 7, 2, 32)).astype(np.float32)
+    k[..., 3] *= 30.0
+    given = key_factors.from_keys(k)
+    np.testing.assert_array_equal(np.asarray(given)[1], numpy_key_factors(k[1]))
+    assert (np.asarray(given)[:, :, 3] >= 4).all()
+    cache = aj.create(LAYOUT, key_factors=np.asarray(given, np.float64))
+    assert cache.key_factors.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(cache.key_factors), np.asarray(given))
+    assert not np.asarray(aj.create(LAYOUT).key_factors).any()
+    plain = dataclasses.replace(LAYOUT, smooth_keys=False)
+    with pytest.raises(ValueError, match="key_factors given for a layout without smooth_keys"):
+        aj.create(plain, key_factors=given)
+    bad = np.asarray(given).copy()
+    for value, match in ((3.0, "power of two"), (128.0, "power of two"), (0.5, "power of two"), (np.nan, "power of two")):
+        bad[1, 0, 7] = value
+        with pytest.raises(ValueError, match=rf"key_factors\[1, 0, 7\].*{match}"):
+            aj.create(LAYOUT, key_factors=bad)
+    with pytest.raises(ValueError, match=r"key_factors must have shape \(2, 2, 32\)"):
+        aj.create(LAYOUT, key_factors=np.ones((2, 2, 16), np.float32))
+    with pytest.raises(ValueError, match="key_factors must be a float array"):
+        aj.create(LAYOUT, key_factors=np.ones((2, 2, 32), bool))
+    traced = jax.jit(lambda f: aj.create(LAYOUT, key_factors=f).key_factors)(given)  # inside a user's jit
+    np.testing.assert_array_equal(np.asarray(traced), np.asarray(given))
 
 
 @jax.jit
-def _warm_up_then_serve(cache, zeros, k, v, q):
-    """Slot 0 writes zero keys at layer 0 (a warm-up; head 1 also gets a NaN row), is released;
-    slot 1 then writes real keys and attends."""
-    slots = jnp.asarray([0], jnp.int32)
-    cache, _ = aj.reserve(cache, slots, jnp.asarray([5]))
-    cache = aj.append(cache, 0, slots, zeros, zeros)
-    after_warm_up = cache.key_factors
-    cache = aj.release(cache, slots)
-    slots = jnp.asarray([1], jnp.int32)
-    cache, _ = aj.reserve(cache, slots, jnp.asarray([5]))
-    cache = aj.append(cache, 0, slots, k, v)
-    return cache, after_warm_up, aj.attend(q, cache, 0, slots)
+def _tenants(cache, hostile_k, k, v, q, bad_layer):
+    """A hostile first tenant (outlier channels, 3e38 rows, NaN / inf, a rejected write at a
+    traced bad layer) writes both layers of slot 0 and is released; the second tenant then
+    writes slot 1 and attends. Returns (cache, factors after the first tenant, attention)."""
+    slot0, slot1 = jnp.asarray([0], jnp.int32), jnp.asarray([1], jnp.int32)
+    cache, _ = aj.reserve(cache, slot0, jnp.asarray([5]))
+    for layer in (0, 1):
+        cache = aj.append(cache, layer, slot0, hostile_k, hostile_k)
+    cache = aj.append(cache, bad_layer, slot0, hostile_k, hostile_k)
+    after_first = cache.key_factors
+    cache = aj.release(cache, slot0)
+    cache, _ = aj.reserve(cache, slot1, jnp.asarray([5]))
+    outs = []
+    for layer in (0, 1):
+        cache = aj.append(cache, layer, slot1, k, v)
+        outs.append(aj.attend(q, cache, layer, slot1))
+    return cache, after_first, jnp.stack(outs)
 
 
-def test_a_warm_up_with_zero_keys_leaves_the_factors_to_the_first_real_keys():
-    """Zero keys (NaN / inf rows too) tell nothing about a head's channels and are stored the
-    same whatever the factors: a warm-up that writes them leaves the heads uncalibrated, and
-    the first real keys calibrate them as on a fresh cache, with the same stored bytes and
-    attention (a head calibrated once keeps its factors: test above)."""
-    rng = np.random.default_rng(4)
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_a_hostile_first_tenant_changes_nothing_for_the_next(dtype):
+    """Issue 37: the factors are fixed at create, so a first tenant with outlier keys and 3e38
+    rows sets nothing: the next tenant's stored bytes and attention equal a fresh arena's, bit
+    for bit, with calibrated factors and without; and the factors never change."""
+    rng = np.random.default_rng(6)
+    layout = dataclasses.replace(LAYOUT, dtype=dtype)
     k = rng.standard_normal((1, 5, 2, 32)).astype(np.float32)
     k[..., 9] *= 20.0
     v = rng.standard_normal((1, 5, 2, 32)).astype(np.float32)
     q = rng.standard_normal((1, 1, 4, 32)).astype(np.float32)
-    zeros = np.zeros_like(k)
-    zeros[0, 2, 1, 3] = np.nan  # head 1: zeros and a NaN row
-    warm, after_warm_up, out = _warm_up_then_serve(aj.create(LAYOUT), *map(jnp.asarray, (zeros, k, v, q)))
-    assert not np.asarray(after_warm_up).any(), "a warm-up of zero keys calibrated a head"
-    want = numpy_key_factors(k[0])
-    assert (want[:, 9] >= 4).all() and (want == 1).mean() > 0.5
-    np.testing.assert_array_equal(np.asarray(warm.key_factors)[0], want)
-    fresh = aj.create(LAYOUT)
-    fresh, _ = aj.reserve(fresh, jnp.asarray([1]), jnp.asarray([5]))
-    fresh = aj.append(fresh, 0, jnp.asarray([1]), jnp.asarray(k), jnp.asarray(v))
-    page_w, page_f = int(warm.table.page_map[1, 0]), int(fresh.table.page_map[1, 0])
-    np.testing.assert_array_equal(np.asarray(warm.k)[0, :, page_w], np.asarray(fresh.k)[0, :, page_f])
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(aj.attend(jnp.asarray(q), fresh, 0, jnp.asarray([1]))))
+    hostile = rng.standard_normal((1, 5, 2, 32)).astype(np.float32)
+    hostile[..., 2] *= 1e4
+    hostile[0, 1] = 3e38
+    hostile[0, 3, 0, 5], hostile[0, 4, 1, 6] = np.nan, -np.inf
+    calibrated = key_factors.from_keys(np.stack([k, k]))  # [2, 2, 32]: channel 9's factor > 1
+    assert (np.asarray(calibrated)[:, :, 9] > 1).all()
+    for factors in (None, calibrated):
+        used, after_first, out = _tenants(aj.create(layout, key_factors=factors), *map(jnp.asarray, (hostile, k, v, q)),
+                                          jnp.asarray(7))  # fmt: skip
+        want_factors = np.zeros((2, 2, 32), np.float32) if factors is None else np.asarray(factors)
+        np.testing.assert_array_equal(np.asarray(after_first), want_factors)
+        np.testing.assert_array_equal(np.asarray(used.key_factors), want_factors)
+        fresh = aj.create(layout, key_factors=factors)
+        fresh, _ = aj.reserve(fresh, jnp.asarray([1]), jnp.asarray([5]))
+        want = []
+        for layer in (0, 1):
+            fresh = aj.append(fresh, layer, jnp.asarray([1]), jnp.asarray(k), jnp.asarray(v))
+            want.append(aj.attend(jnp.asarray(q), fresh, layer, jnp.asarray([1])))
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(jnp.stack(want)))
+        page_u, page_f = int(used.table.page_map[1, 0]), int(fresh.table.page_map[1, 0])
+        for name in ("k", "v", "k_scale", "v_scale"):
+            np.testing.assert_array_equal(np.asarray(getattr(used, name))[:, :, page_u],
+                                          np.asarray(getattr(fresh, name))[:, :, page_f], err_msg=name)  # fmt: skip
+        assert np.isfinite(np.asarray(out)).all() and np.abs(np.asarray(out)).sum() > 0
+
+
+def test_health_reports_the_factors():
+    rng = np.random.default_rng(2)
+    k = rng.standard_normal((2, 5, 2, 32)).astype(np.float32)
+    k[1, :, :, 6] *= 12.0  # layer 1: an outlier channel
+    k[0] = 0.0  # layer 0: nothing to calibrate on (0)
+    given = np.asarray(key_factors.from_keys(k))
+    assert (given[1, :, 6] >= 2).all() and given.max() >= 4 and not given[0].any()
+    report = aj.health(aj.create(LAYOUT, key_factors=given))
+    assert report["key_factor_layers_calibrated"] == 1 and report["key_factor_max"] == given.max()
+    assert report["key_channels_smoothed"] == int(np.count_nonzero(given > 1))
+    assert aj.health(aj.create(LAYOUT))["key_factor_layers_calibrated"] == 0
+    assert "key_factor_max" not in aj.health(aj.create(dataclasses.replace(LAYOUT, smooth_keys=False)))
 
 
 def test_smoothing_changes_nothing_without_outliers():
-    """Keys whose calibrated factors are all 1 (uniform channels): a smoothed int8 arena stores
-    the same bytes and attends to the same outputs as one without smoothing, on both backends."""
+    """Keys whose calibrated factors are all 1 (uniform channels), and a cache without factors
+    (0: applied as 1): a smoothed int8 arena stores the same bytes and attends to the same
+    outputs as one without smoothing, on both backends."""
     rng = np.random.default_rng(3)
     k = rng.uniform(-1, 1, (2, 5, 2, 32)).astype(np.float32)
     k[:, :, :, 0] = 1.0  # every channel's amax is ~1: ratio < 2
@@ -161,17 +187,19 @@ def test_smoothing_changes_nothing_without_outliers():
     q = rng.standard_normal((2, 1, 4, 32)).astype(np.float32)
     slots = jnp.asarray([0, 1], jnp.int32)
     outs = {}
-    for smooth in (False, True):
+    ones = key_factors.from_keys(np.stack([k, k]))
+    assert (np.asarray(ones) == 1).all()
+    for smooth in (False, True, None):
         for backend in ("reference", "pallas"):
-            cache = aj.create(dataclasses.replace(LAYOUT, smooth_keys=smooth))
+            given = ones if smooth else None
+            cache = aj.create(dataclasses.replace(LAYOUT, smooth_keys=smooth is not False), key_factors=given)
             cache, _ = aj.reserve(cache, slots, jnp.asarray([5, 5]))
             cache = aj.append(cache, 0, slots, jnp.asarray(k), jnp.asarray(v), backend=backend)
             outs[smooth, backend] = (np.asarray(cache.k), np.asarray(aj.attend(jnp.asarray(q), cache, 0, slots, backend=backend)))
-            if smooth:
-                assert (np.asarray(cache.key_factors)[0] == 1).all()
     for backend in ("reference", "pallas"):
-        for a, b in zip(outs[False, backend], outs[True, backend]):
-            np.testing.assert_array_equal(a, b)
+        for smooth in (True, None):
+            for a, b in zip(outs[False, backend], outs[smooth, backend]):
+                np.testing.assert_array_equal(a, b)
 
 
 def test_smooth_cost_benchmark_runs(capsys):
