@@ -38,7 +38,7 @@ def health(cache: KVCache, prefix=None, host=None) -> dict:
 
     Data moved between the tiers: bytes_to_host / bytes_to_device (the `pages_to_host` /
     `pages_to_device` counters times `layout.page_bytes`: values and scales of every layer and KV
-    head). With `host` (an `arena_jax.HostArena`): host_pages, host_pages_held,
+    head). With `host` (the cache's `arena_jax.HostArena`): host_pages, host_pages_held,
     host_tokens_held, host_bytes (and, with `prefix` too, prefix_host_index_matches: the
     index's host pages are exactly the host tier's held pages).
 
@@ -57,11 +57,13 @@ def health(cache: KVCache, prefix=None, host=None) -> dict:
         raise ValueError(f"cache must be a KVCache (from arena_jax.create), got {type(cache).__name__}")
     if prefix is not None and not isinstance(prefix, PrefixCache):
         raise ValueError(f"prefix must be an arena_jax.PrefixCache or None, got {type(prefix).__name__}")
-    from arena_jax.host import HostArena
+    from arena_jax.host import HostArena, check_pair
 
     if host is not None and not isinstance(host, HostArena):
         raise ValueError(f"host must be an arena_jax.HostArena or None, got {type(host).__name__}")
     layout = check_cache_arrays(cache)
+    if host is not None:
+        check_pair(cache, host)  # the cache's own host tier (its arena, geometry, key factors), not donated
     t = cache.table
     page_map, lengths, active = _host(t.page_map), _host(t.lengths), _host(t.active)
     refcount, num_free = _host(t.refcount), int(np.sum(_host(t.num_free)))  # a [dp] array when data-parallel

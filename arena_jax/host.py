@@ -50,6 +50,19 @@ Design, and why.
   host offloading takes). Compiled for a v5e without a TPU (`benchmarks/tpu_host_tier.py`,
   RESULTS "The host tier's page moves on a TPU"); `host_pages_view` reads either form back as
   pages.
+* Bound to its cache, as a prefix index is to its arena. Host pages mean something only with
+  the cache they came from: another arena, other key factors (`smooth_keys`: keys stored
+  divided by them) or another geometry would read them wrong (issue 37: attention over pages
+  swapped out of one int8 or int4 cache into another with other factors erred by 80-96%, with
+  no error raised). So a host tier records, at `create_host`, its cache's random arena id
+  (`table.arena_id`), its layout and a copy of its key factors (fixed when the cache is
+  created, never changed by an op), and `check_pair` refuses a host tier of any other cache,
+  or one donated to an earlier call, with a ValueError naming `host` and what differs: every
+  op taking a host, and every reader (`aj.health(cache, host=)`, `host_pages_view`,
+  `PrefixCache.bind(cache, host=)`; `free_host_pages`, which has no cache, refuses a donated
+  one). Inside a user's jit, where the ids cannot be read on the host, the ops stay total: a
+  host tier of another arena gets every row refused (`stats.rejected_rows`), so its pages
+  never reach the cache.
 * On a mesh the host tier is split like the arena: `P(None, tensor, None, ...)` in host
   memory, KV heads over the tensor axis (each device's host memory holds its own heads: a move
   never crosses devices), `held` replicated. A cache with a data axis (dp > 1) is refused: a host
@@ -70,6 +83,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from arena_jax.layout import KVLayout
 from arena_jax.memory import host_memory_kind, host_zeros
 from arena_jax.state import KVCache
+from arena_jax.validate import concrete, donated
 
 __all__ = ["HostArena", "create_host", "page_arrays", "free_host_pages", "host_pages_view"]
 
@@ -97,6 +111,10 @@ class HostArena:
     # i32[], a random id drawn at creation: a prefix index that keeps pages here binds to it.
     host_id: jax.Array
     sharding: Any = struct.field(pytree_node=False, default=None)  # the cache's CacheSharding, or None
+    # The cache it belongs to, recorded by `create_host` (module docstring, "Bound to its cache"):
+    arena_id: jax.Array | None = None  # i32[], the cache's `table.arena_id`: the ops refuse every row of another arena
+    key_factors: jax.Array | None = None  # a copy of the cache's `key_factors` (smooth_keys), else None
+    layout: KVLayout | None = struct.field(pytree_node=False, default=None)  # the cache's geometry
 
     @property
     def num_pages(self) -> int:
@@ -146,7 +164,9 @@ def words_as_pages(words: np.ndarray, like) -> np.ndarray:
 
 def host_pages_view(host: "HostArena", cache: KVCache) -> dict[str, np.ndarray]:
     """The host tier's pages as numpy `[L, H, host_pages, ...]` arrays in the cache's dtypes,
-    whichever format holds them (reads them back: for tests and inspection)."""
+    whichever format holds them (reads them back: for tests and inspection). `host` must be
+    `cache`'s (`check_pair`)."""
+    check_pair(cache, host)
     out = {}
     for name, x in page_arrays(cache).items():
         h = np.asarray(host.pages[name])
@@ -154,10 +174,23 @@ def host_pages_view(host: "HostArena", cache: KVCache) -> dict[str, np.ndarray]:
     return out
 
 
-def check_pair(cache: KVCache, host) -> None:
-    """ValueError unless `host` is a HostArena whose pages match the cache's per-page arrays."""
+def _check_live(host) -> None:
+    """ValueError unless `host` is a HostArena none of whose arrays was donated to a later call."""
     if not isinstance(host, HostArena):
         raise ValueError(f"host must be a HostArena (from arena_jax.create_host), got {type(host).__name__}")
+    if donated(host):
+        raise ValueError("host: its arrays were donated to a later call: continue from the newest HostArena returned")
+
+
+def check_pair(cache: KVCache, host) -> None:
+    """ValueError unless `host` is this cache's host tier: a HostArena made by
+    `create_host(cache, ...)` (or returned by an op on the two), none of its arrays donated, its
+    pages matching the cache's per-page arrays, on the cache's mesh, and bound to the cache's
+    arena id, layout and key factors (module docstring, "Bound to its cache"). The ids and
+    factors are compared where both are concrete (inside a user's jit the ops refuse another
+    arena's rows instead). A HostArena built by hand inside a trace, recording no cache (a
+    compile-only benchmark's, `benchmarks/tpu_host_tier.py`), is checked by its pages only."""
+    _check_live(host)
     arrays = page_arrays(cache)
     have = {name: (tuple(x.shape), jnp.dtype(x.dtype)) for name, x in host.pages.items()}
     want = {name: host_page_format(x, host.num_pages, name in host.pages and is_words(host.pages[name], x))
@@ -169,10 +202,30 @@ def check_pair(cache: KVCache, host) -> None:
         )
     if host.sharding != cache.sharding:
         raise ValueError("host: it is placed on another mesh than the cache (make it with aj.create_host(cache, ...))")
-    deleted = [x for x in jax.tree.leaves(host) if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-               and x.is_deleted()]  # fmt: skip
-    if deleted:
-        raise ValueError("host: its arrays were donated to a later call: continue from the newest HostArena returned")
+    if host.arena_id is None or host.layout is None:
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(host)):
+            return  # a host tier built by hand inside a trace (a compile-only benchmark's): nothing recorded to compare
+        raise ValueError("host: it records no cache (arena id, layout): make it with aj.create_host(cache, ...)")
+    if host.layout != cache.layout:
+        differ = ", ".join(f"{f.name}={getattr(host.layout, f.name)!r} (the cache's {getattr(cache.layout, f.name)!r})"
+                           for f in dataclasses.fields(KVLayout)
+                           if getattr(host.layout, f.name) != getattr(cache.layout, f.name))  # fmt: skip
+        raise ValueError(f"host: it was made for a cache of another geometry ({differ}): its pages are not this cache's")
+    mine, theirs = concrete(host.arena_id), concrete(cache.table.arena_id)
+    if mine is not None and theirs is not None and int(mine) != int(theirs):
+        raise ValueError(
+            f"host: it belongs to arena {int(mine)}, not to this cache's arena {int(theirs)}: a host tier holds pages of "
+            "the one cache it was made with (aj.create_host(cache, ...)); another cache would read them wrong"
+        )
+    if host.key_factors is not None and cache.key_factors is not None:
+        mine, theirs = concrete(host.key_factors), concrete(cache.key_factors)
+        if mine is not None and theirs is not None and not np.array_equal(mine, theirs):
+            at = tuple(int(i) for i in np.argwhere(mine != theirs)[0])  # (layer, stored KV head, channel)
+            raise ValueError(
+                f"host: its pages were stored with other key factors (smooth_keys) than this cache's (layer {at[0]}, KV "
+                f"head {at[1]}, channel {at[2]}: {float(mine[at])} vs the cache's {float(theirs[at])}; "
+                f"{int(np.count_nonzero(mine != theirs))} differ): another cache would read its keys wrong"
+            )
 
 
 def create_host(cache: KVCache, num_pages: int) -> HostArena:
@@ -206,7 +259,10 @@ def create_host(cache: KVCache, num_pages: int) -> HostArena:
     small = SingleDeviceSharding(devices[0]) if sh is None else sh.named(jax.sharding.PartitionSpec())
     held = jax.device_put(np.zeros((num_pages,), np.int32), small)
     host_id = jax.device_put(np.asarray(int.from_bytes(os.urandom(4), "little") % (2**31 - 1) + 1, np.int32), small)
-    return HostArena(pages=pages, held=held, host_id=host_id, sharding=sh)
+    # The cache it belongs to: copies (an op donating the cache must not delete the host tier's).
+    factors = None if cache.key_factors is None else jnp.copy(cache.key_factors)
+    return HostArena(pages=pages, held=held, host_id=host_id, sharding=sh, arena_id=jnp.copy(cache.table.arena_id),
+                     key_factors=factors, layout=cache.layout)  # fmt: skip
 
 
 def _device_of(cache: KVCache):
@@ -215,9 +271,9 @@ def _device_of(cache: KVCache):
 
 
 def free_host_pages(host: HostArena) -> list[int]:
-    """The host pages no one holds (reads `held` back: a host-side helper, not for a hot path)."""
-    if not isinstance(host, HostArena):
-        raise ValueError(f"host must be a HostArena (from arena_jax.create_host), got {type(host).__name__}")
+    """The host pages no one holds (reads `held` back: a host-side helper, not for a hot path).
+    A host tier donated to a later call is refused (there is no cache here to bind it to)."""
+    _check_live(host)
     return np.flatnonzero(np.asarray(host.held) == 0).tolist()
 
 

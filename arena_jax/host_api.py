@@ -71,7 +71,9 @@ def _pad_columns(pages, width: int):
 def _run_pair(cache: KVCache, host: HostArena, body, args, arg_specs, out_specs):
     sh = cache.sharding
     cache_specs = sharding._cache_specs(cache)
-    host_specs = host.replace(pages={name: sh.arena_spec for name in host.pages}, held=P(), host_id=P())
+    host_specs = host.replace(pages={name: sh.arena_spec for name in host.pages}, held=P(), host_id=P(),
+                              arena_id=None if host.arena_id is None else P(),
+                              key_factors=None if host.key_factors is None else cache_specs.key_factors)  # fmt: skip
 
     def per_shard(blocks, host_blocks, *local_args):
         local, local_host, *rest = body(sharding._local(blocks), host_blocks.replace(sharding=None), *local_args)

@@ -27,6 +27,9 @@ order (`stats.failed_swaps`), like `reserve`. Rejected:
   offload_pages    the page out of range, named by an earlier row, or not held by the cache;
                    its host page out of range, held, or named by an earlier row.
   drop_host_pages  the host page out of range, named by an earlier row, or not held.
+Every row is rejected, whatever it asks, when the host tier belongs to another arena (its
+`arena_id` is not the cache's: `arena_jax.host`, "Bound to its cache"; on the host `check_pair`
+refuses it first), so another cache's pages never reach this one.
 A used host page named by an earlier used entry of the call is refused even when that earlier
 row is rejected for another reason: the first naming wins, whatever becomes of it. (A row's
 used entries: swap_out, the pages its slot maps, if the slot is in range and named first;
@@ -121,6 +124,14 @@ def _first_uses(pages, use, num_pages: int):
     return (ok & (first[jnp.where(ok, flat, 0)] == pos)).reshape(pages.shape)
 
 
+def _same_arena(cache: KVCache, host: HostArena):
+    """bool[]: the host tier was made for this cache's arena (every row is refused otherwise). A
+    host tier recording no arena (built by hand for a compile-only benchmark) is not compared."""
+    if host.arena_id is None:
+        return jnp.bool_(True)
+    return host.arena_id == cache.table.arena_id
+
+
 def swap_out_impl(cache: KVCache, host: HostArena, slots, host_pages):
     """slots i32[B], host_pages i32[B, M] -> (cache, host, ok bool[B]) (module docstring)."""
     table = cache.table
@@ -135,7 +146,7 @@ def swap_out_impl(cache: KVCache, host: HostArena, slots, host_pages):
     use = lp < _ceil_div(length, page_size)[:, None]  # [B, M]
     free = (host_pages >= 0) & (host_pages < n_host) & (host.held[jnp.clip(host_pages, 0, n_host - 1)] == 0)
     distinct = _first_uses(host_pages, use, n_host)
-    ok = live & table.active[idx] & settled & jnp.all((free & distinct) | ~use, axis=1)
+    ok = live & table.active[idx] & settled & jnp.all((free & distinct) | ~use, axis=1) & _same_arena(cache, host)
 
     moves = ok[:, None] & use  # [B, M]
     src = jnp.where(moves, table.page_map[idx], 0)
@@ -169,6 +180,7 @@ def swap_in_impl(cache: KVCache, host: HostArena, host_pages, num_tokens, dst):
     covered = (host_pages >= 0) & (host_pages < n_host) & (host.held[jnp.clip(host_pages, 0, n_host - 1)] >= take)
     distinct = _first_uses(host_pages, use, n_host)
     valid = live & settled & (length % page_size == 0) & n_ok & jnp.all((covered & distinct) | ~use, axis=1)
+    valid = valid & _same_arena(cache, host)
 
     # First come, first served in batch order, as `reserve`.
     need = jnp.sum(use, axis=1).astype(jnp.int32)
@@ -220,7 +232,7 @@ def offload_pages_impl(cache: KVCache, host: HostArena, pages, host_pages):
     _, first, idx = _page_rows(num_pages, pages)
     held = table.held[idx]
     free = (host_pages >= 0) & (host_pages < n_host) & (host.held[jnp.clip(host_pages, 0, n_host - 1)] == 0)
-    ok = first & (held > 0) & free & _first_uses(host_pages, ~pad, n_host)
+    ok = first & (held > 0) & free & _first_uses(host_pages, ~pad, n_host) & _same_arena(cache, host)
     arrays = move_pages(page_arrays(cache), host.pages, idx, jnp.where(ok, host_pages, 0), ok, to_host)
     host_held = host.held.at[jnp.where(ok, host_pages, n_host)].set(held, mode="drop")
     target = jnp.where(ok, pages, num_pages)
@@ -237,7 +249,7 @@ def drop_host_pages_impl(cache: KVCache, host: HostArena, host_pages):
     n_host = host.held.shape[0]
     pad = host_pages == PAD_PAGE
     _, first, idx = _page_rows(n_host, host_pages)
-    ok = first & (host.held[idx] > 0)
+    ok = first & (host.held[idx] > 0) & _same_arena(cache, host)
     held = host.held.at[jnp.where(ok, host_pages, n_host)].set(0, mode="drop")
     stats = cache.stats.bump(host_pages_dropped=jnp.sum(ok), rejected_rows=jnp.sum(~pad & ~ok))
     return cache.replace(stats=stats), host.replace(held=held)

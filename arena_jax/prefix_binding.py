@@ -16,7 +16,8 @@ class Binding:
         with the same `tag` (when both are known), and holds exactly this index's pages with the
         same token counts (reads `table.held` back: a host check, not for a step's hot path).
         An index with a host tier needs its `host` (an `aj.HostArena` of `host_capacity` pages,
-        the one it was bound to) holding exactly the index's host copies; one without refuses a host."""
+        the one it was bound to, the cache's own: `aj.create_host(cache)`, not donated) holding
+        exactly the index's host copies; one without refuses a host."""
         import numpy as np
 
         from arena_jax.state import KVCache
@@ -45,19 +46,18 @@ class Binding:
                 f"the cache holds {len(device)} pages, the prefix index {self.num_pages} (held but not indexed: {extra}, "
                 f"indexed but not held: {missing}): this index does not belong to this cache"
             )
-        self._check_host(host)
+        self._check_host(cache, host)
 
-    def _check_host(self, host) -> None:
+    def _check_host(self, cache, host) -> None:
         import numpy as np
 
-        from arena_jax.host import HostArena
+        from arena_jax.host import check_pair
 
         if host is None:
             if self.host_capacity:
                 raise ValueError(f"this prefix index keeps host copies in {self.host_capacity} host pages: give its host")
             return
-        if not isinstance(host, HostArena):
-            raise ValueError(f"host must be a HostArena (from arena_jax.create_host), got {type(host).__name__}")
+        check_pair(cache, host)  # the cache's own host tier (its arena, geometry, key factors), not donated
         if host.num_pages != self.host_capacity:
             raise ValueError(
                 f"host has {host.num_pages} pages, but this prefix index was made for {self.host_capacity} "

@@ -1,6 +1,8 @@
 """The host tier (`arena_jax.host`): pages in pinned_host memory, the page moves against their
 reference on fresh random data, 8-bit scales moving with their values, host errors, refusals
-inside jit, and `generate(host_pages=...)`: swap preemption and the prefix cache's host tier
+inside jit, a host tier bound to its cache (another cache's, another geometry's or key factors',
+or a donated one refused by every op and reader; inside jit another arena's rows refused), and
+`generate(host_pages=...)`: swap preemption and the prefix cache's host tier
 give the tokens of a run without memory pressure (greedy and sampled), NaN-poisoned host pages
 never reach an output, and nothing stays held on either tier after clearing.
 
@@ -224,7 +226,33 @@ HOST_ERRORS = {
     "not a host arena": (lambda c, h: aj.drop_host_pages(c, object(), [3]), "host must be a HostArena"),
     "another geometry": (lambda c, h: aj.drop_host_pages(c, aj.create_host(aj.create(dataclasses.replace(LAYOUT, head_dim=32)), 4), [3]),
                          "do not match the cache's per-page arrays"),  # fmt: skip
+    "another geometry, the same pages": (  # the pages' shapes match: the layout tells them apart
+        lambda c, h: aj.drop_host_pages(c, aj.create_host(aj.create(dataclasses.replace(LAYOUT, num_pages=12, max_seqs=2)), 4),
+                                        [3]),
+        r"host: it was made for a cache of another geometry \(num_pages=12 \(the cache's 8\), max_seqs=2 \(the cache's 4\)\)"),
+    "no cache recorded": (lambda c, h: aj.drop_host_pages(c, h.replace(arena_id=None), [3]), "host: it records no cache"),
 }
+
+
+def _foreign(cache):
+    """The host tier of another cache of the same layout (another arena)."""
+    return aj.create_host(aj.create(cache.layout), 4)
+
+
+def _donated(cache):
+    """The cache's own host tier, donated to a later call (its arrays deleted)."""
+    host = aj.create_host(cache, 4)
+    aj.drop_host_pages(jax.tree.map(jnp.copy, cache), host, [aj.PAD_PAGE])
+    return host
+
+
+# Each op refuses a host tier of another cache, and one donated to an earlier call.
+for _op, _call in {"swap_out": lambda c, h: aj.swap_out(c, h, [0], [[0, 1]]),
+                   "swap_in": lambda c, h: aj.swap_in(c, h, [[3]], [2], [3]),
+                   "offload_pages": lambda c, h: aj.offload_pages(c, h, np.flatnonzero(np.asarray(c.table.held)), [0]),
+                   "drop_host_pages": lambda c, h: aj.drop_host_pages(c, h, [3])}.items():  # fmt: skip
+    HOST_ERRORS[f"{_op}: another cache's host"] = (lambda c, h, f=_call: f(c, _foreign(c)), r"host: it belongs to arena \d+, not")
+    HOST_ERRORS[f"{_op}: a donated host"] = (lambda c, h, f=_call: f(c, _donated(c)), "host: its arrays were donated")
 
 
 @pytest.mark.parametrize("case", list(HOST_ERRORS))
@@ -244,6 +272,91 @@ def test_create_host_checks_its_arguments():
             aj.create_host(cache, bad)
     with pytest.raises(ValueError, match="cache must be a KVCache"):
         aj.create_host(LAYOUT, 4)
+
+
+# ---- bound to its cache ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_pages_swapped_out_of_one_cache_are_refused_by_another_which_stays_untouched(dtype):
+    """Issue 37's repro: a slot swapped out of cache A, then swapped into cache B (another arena;
+    accepted before, and read wrong). Refused, B and the host tier unchanged; A takes them back."""
+    layout = dataclasses.replace(LAYOUT, dtype=dtype, rotate_keys=None, smooth_keys=None)  # int8's defaults: both on
+    a = fill(aj.create(layout), 0, 6, 1.0)
+    host = aj.create_host(a, 4)
+    a, host, ok = aj.swap_out(a, host, [0], [[0, 1]])
+    assert bool(ok[0])
+    b = fill(aj.create(layout), 0, 4, 3.0)
+    before = snapshot((b, host))
+    with pytest.raises(ValueError, match=r"host: it belongs to arena \d+, not to this cache's arena \d+"):
+        aj.swap_in(b, host, [[0, 1]], [6], [1])
+    jax.tree_util.tree_map(np.testing.assert_array_equal, snapshot((b, host)), before)
+    a, host, ok = aj.swap_in(a, host, [[0, 1]], [6], [1])
+    assert bool(ok[0]) and int(a.table.lengths[1]) == 6
+
+
+def test_a_host_tier_of_a_cache_with_other_key_factors_is_refused():
+    """Two caches of one jitted aj.create share its arena id (drawn when it was traced): the key
+    factors the keys were stored with tell their host tiers apart."""
+    layout = dataclasses.replace(LAYOUT, dtype="int8", rotate_keys=None, smooth_keys=None)  # smoothed keys
+    make = jax.jit(lambda: aj.create(layout))
+    a, b = make(), make()
+    assert int(a.table.arena_id) == int(b.table.arena_id) and b.key_factors is not None
+    b = b.replace(key_factors=b.key_factors.at[1, 0, 3].set(4.0))  # other factors (as aj.create(key_factors=) gives)
+    host = aj.create_host(a, 4)
+    before = snapshot((b, host))
+    message = (r"host: its pages were stored with other key factors \(smooth_keys\) than this cache's "
+               r"\(layer 1, KV head 0, channel 3: 0.0 vs the cache's 4.0")
+    with pytest.raises(ValueError, match=message):
+        aj.drop_host_pages(b, host, [aj.PAD_PAGE])
+    with pytest.raises(ValueError, match=message):
+        aj.health(b, host=host)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, snapshot((b, host)), before)
+    aj.health(a, host=host)
+
+
+READERS = {
+    "health": lambda c, h: aj.health(c, host=h),
+    "host_pages_view": lambda c, h: aj.host_pages_view(h, c),
+    "PrefixCache.bind": lambda c, h: aj.PrefixCache(LAYOUT, host_pages=4).bind(c, host=h),
+    "free_host_pages": lambda c, h: aj.free_host_pages(h),  # no cache: a donated host tier only
+}
+WHOSE = {"own": (lambda c: aj.create_host(c, 4), None), "foreign": (_foreign, r"host: it belongs to arena \d+, not"),
+         "donated": (_donated, "host: its arrays were donated")}  # fmt: skip
+
+
+@pytest.mark.parametrize("whose", list(WHOSE))
+@pytest.mark.parametrize("reader", list(READERS))
+def test_readers_take_the_caches_own_host_tier_and_refuse_another_caches_or_a_donated_one(reader, whose):
+    make, message = WHOSE[whose]
+    cache = aj.create(LAYOUT)
+    host = make(cache)
+    if message is None or (reader == "free_host_pages" and whose == "foreign"):
+        READERS[reader](cache, host)
+        return
+    with pytest.raises(ValueError, match=message):
+        READERS[reader](cache, host)
+
+
+def test_inside_jit_a_host_tier_of_another_arena_has_every_row_refused():
+    """Inside a user's jit the ids cannot be read on the host: the ops refuse every row of a
+    host tier whose arena id is not the cache's (counted), so its pages never reach the cache."""
+    cache, host = _setup()  # host page 3 holds 2 tokens
+    other = fill(aj.create(LAYOUT), 1, 2, 7.0)
+    other, foreign, _ = aj.swap_out(other, aj.create_host(other, 4), [1], [[3]])  # the same host page, held the same
+    swap_in = jax.jit(lambda c, h, p, n, d: aj.swap_in(c, h, p, n, d))
+    drop = jax.jit(lambda c, h, p: aj.drop_host_pages(c, h, p))
+    row = (jnp.asarray([[3]], jnp.int32), jnp.asarray([2], jnp.int32), jnp.asarray([3], jnp.int32))
+    before = snapshot(cache.table)
+    out, out_host, ok = swap_in(cache, foreign, *row)
+    assert not bool(ok[0]) and int(out.stats.rejected_rows) == int(cache.stats.rejected_rows) + 1
+    assert int(out.stats.swap_ins) == int(out.stats.pages_to_device) == 0
+    jax.tree_util.tree_map(np.testing.assert_array_equal, snapshot(out.table), before)
+    out, out_host = drop(cache, foreign, jnp.asarray([3, 2]))
+    np.testing.assert_array_equal(np.asarray(out_host.held), [0, 0, 0, 2])  # kept
+    assert int(out.stats.rejected_rows) == int(cache.stats.rejected_rows) + 2 and int(out.stats.host_pages_dropped) == 0
+    out, _, ok = swap_in(cache, host, *row)  # its own host tier: served
+    assert bool(ok[0]) and int(out.table.lengths[3]) == 2
 
 
 def test_in_jit_refusals_are_counted_and_change_nothing_for_their_rows():
