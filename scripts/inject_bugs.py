@@ -3,9 +3,10 @@
     JAX_PLATFORMS=cpu python scripts/inject_bugs.py            # every bug (a few minutes on 2 cores)
     JAX_PLATFORMS=cpu python scripts/inject_bugs.py "twice"    # those whose name contains a word
 
-Each bug is a one-line edit of the prefix cache (device ops, index, scheduler). The tests that
-should catch it run in a copy of the tracked files (this checkout is never modified), with the
-hypothesis profile "find" (the CI's examples, no shrinking: only "caught or not" matters).
+Each bug is a one-line edit of the prefix cache (device ops, index, scheduler) or the host
+tier (its ops, its binding to its cache). The tests that should catch it run in a copy of the
+tracked files (this checkout is never modified), with the hypothesis profile "find" (the CI's
+examples, no shrinking: only "caught or not" matters).
 Prints one line per bug and test file; exits 1 if a bug got through.
 """
 from __future__ import annotations
@@ -78,6 +79,8 @@ MUTANTS = {
         "                seq.fed = seq.swapped_tokens\n", ""),
     "scheduler: a host hit's tail is not brought back": ("models/scheduler.py",
         "                if hit.host_pages:\n                    restore.append(", "                if False:\n                    restore.append("),
+    "check_pair: a host tier of another arena accepted (no binding check)": ("arena_jax/host.py",
+        "    if mine is not None and theirs is not None and int(mine) != int(theirs):\n", "    if False:\n"),
 }
 TESTS = {
     "arena_jax/prefix_ops.py": ["tests/test_allocator_model.py", "tests/test_prefix.py"],
@@ -86,6 +89,7 @@ TESTS = {
     "arena_jax/prefix_host.py": ["tests/test_prefix_index.py", "tests/test_host_tier.py"],
     "arena_jax/prefix_checks.py": ["tests/test_prefix.py", "tests/test_prefix_index.py"],
     "arena_jax/host_ops.py": ["tests/test_allocator_model.py", "tests/test_host_tier.py"],
+    "arena_jax/host.py": ["tests/test_host_tier.py"],
 }
 
 
