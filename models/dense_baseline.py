@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from models.checks import token_ids
 from models.config import LlamaConfig
 from models.llama import Llama, run_layers
 
@@ -134,7 +135,11 @@ def dense_decode(graphdef, state, cache: DenseCache, tokens):
 def dense_generate(
     model: Llama, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, stop_tokens=()
 ) -> list[list[int]]:
-    """Greedy generation for all prompts as one static batch; returns the generated tokens."""
+    """Greedy generation for all prompts as one static batch; returns the generated tokens.
+    Token ids are checked as `generate` checks them: integers in [0, vocab_size)."""
+    if isinstance(prompts, (str, bytes)):
+        raise ValueError("prompts is a string; pass a list of token-id lists")
+    prompts = [token_ids(f"prompts[{i}]", p, model.config.vocab_size) for i, p in enumerate(prompts)]
     if max_new_tokens < 1 or not prompts:
         return [[] for _ in prompts]
     batch = len(prompts)

@@ -225,10 +225,16 @@ def generate(
     Token ids must be integers (Python or numpy; not floats, strings or bools) in
     [0, vocab_size); every bad argument is a ValueError naming it.
     """
+    if not isinstance(model, Llama):
+        raise ValueError(f"model must be a models.Llama (init_random, load_pretrained), got {type(model).__name__}")
     sampling = Sampling(temperature, top_k, top_p)
     vocab = model.config.vocab_size
     if isinstance(prompts, (str, bytes)):
         raise ValueError("prompts is a string; pass a list of token-id lists")
+    try:
+        prompts = list(prompts)
+    except TypeError:  # None, an int, ...
+        raise ValueError(f"prompts must be a sequence of token-id lists, got {type(prompts).__name__}") from None
     prompts = [token_ids(f"prompts[{i}]", p, vocab) for i, p in enumerate(prompts)]
     max_new_tokens = check_int("max_new_tokens", max_new_tokens)
     batch_size = check_int("batch_size", batch_size, low=1)
@@ -237,8 +243,9 @@ def generate(
     host_pages = check_int("host_pages", host_pages, low=0)
     if decode_block is not None:
         decode_block = check_int("decode_block", decode_block, low=1, high=MAX_DECODE_BLOCK)
-    if not isinstance(mixed_steps, bool):
-        raise ValueError(f"mixed_steps must be a bool, got {mixed_steps!r}")
+    for name, flag in (("mixed_steps", mixed_steps), ("return_logits", return_logits)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be a bool, got {flag!r}")
     if token_budget is not None:
         if not mixed_steps:
             raise ValueError("token_budget is the mixed steps' size: give it with mixed_steps=True")

@@ -34,7 +34,8 @@ class SamplingParams:
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     """temperature 0 is greedy; top_k keeps the k largest logits; top_p the smallest set of
-    most likely tokens whose probability reaches p (after temperature and top-k).
+    most likely tokens whose probability reaches p (after temperature and top-k), and at least
+    the most likely token: a top_p too small to keep any token keeps the argmax.
 
     Checked on the host: temperature a finite number >= 0 (NaN is refused, not run greedily),
     top_k an integer in [1, 2**31 - 1], top_p a finite number in (0, 1]."""
@@ -81,7 +82,9 @@ def filter_logits(logits, params: SamplingParams | Sampling):
     ordered = jnp.where(jnp.arange(vocab)[None, :] < k, ordered, -jnp.inf)
     probs = jax.nn.softmax(ordered, axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
-    keep = before < params.top_p[:, None]  # the most likely token is always kept
+    # The most likely token is always kept: a top_p that keeps nothing (one below float32's
+    # smallest normal number is flushed to 0 on some backends, 1e-39 say) keeps the argmax.
+    keep = (before < params.top_p[:, None]) | (jnp.arange(vocab) == 0)[None, :]
     cutoff = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
     return jnp.where((logits < kth) | (logits < cutoff), -jnp.inf, logits)
 

@@ -347,6 +347,31 @@ def test_filter_logits_and_sample():
     assert np.asarray(_sample(rows, models.GREEDY.rows(64), 0, ids, ids)).tolist() == [0] * 64
 
 
+def test_a_top_p_that_keeps_no_token_keeps_the_argmax(model, small_layout, prompts, greedy):
+    """top_p=1e-39 (below float32's smallest normal number, flushed to 0) kept no token, and every
+    draw was token 0: the most likely token is always kept, so it samples greedily."""
+    logits = jnp.log(jnp.asarray([[0.1, 0.5, 0.3, 0.06, 0.04]], jnp.float32))
+    kept = np.isfinite(np.asarray(_filter(logits, models.Sampling(1.0, top_p=1e-39).rows(1))))[0]
+    assert kept.tolist() == [False, True, False, False, False]
+    out = _run(model, small_layout, prompts, temperature=1.0, top_p=1e-39, return_logits=True)
+    assert out.tokens == greedy.tokens
+
+
+def test_generate_names_a_missing_model_or_prompts(model):
+    with pytest.raises(ValueError, match="model must be a models.Llama .*got NoneType"):
+        models.generate(None, [[1, 2]], 4)
+    with pytest.raises(ValueError, match="prompts must be a sequence of token-id lists, got NoneType"):
+        models.generate(model, None, 4)
+
+
+def test_the_dense_baseline_refuses_token_ids_outside_the_vocabulary(model):
+    """They reached the embedding (its gather clips them to the last row) as if valid."""
+    with pytest.raises(ValueError, match=r"prompts\[1\]\[2\] = 128 is outside \[0, vocab_size=128\)"):
+        models.dense_generate(model, [[1, 2], [3, 4, 128]], 4)
+    with pytest.raises(ValueError, match=r"prompts\[0\]\[0\] = -1 is outside \[0, vocab_size=128\)"):
+        models.dense_generate(model, [np.asarray([-1, 2], np.int32)], 4)
+
+
 def test_generate_validation(model, small_layout):
     with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
         models.generate(model, [[1], []], 4)
@@ -389,6 +414,8 @@ def test_generate_validation(model, small_layout):
         (dict(batch_size=np.int64(0)), r"batch_size must be in \[1, 2147483647\], got 0"),
         (dict(stop_tokens=["7"]), r"stop_tokens\[0\] = '7' is not an integer token id"),
         (dict(stop_tokens=[128]), r"stop_tokens\[0\] = 128 is outside \[0, vocab_size=128\)"),
+        (dict(return_logits="yes"), "return_logits must be a bool, got 'yes'"),
+        (dict(return_logits=1), "return_logits must be a bool, got 1"),
     ],
     ids=lambda x: ",".join(f"{k}={v!r}" for k, v in x.items()) if isinstance(x, dict) else "",
 )
