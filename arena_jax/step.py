@@ -24,7 +24,7 @@ from flax import struct
 
 from arena_jax import api
 from arena_jax.state import PAD_SLOT, KVCache
-from arena_jax.validate import check_counts, check_slots, concrete
+from arena_jax.validate import check_counts, check_reserved, check_slots, check_width, concrete
 
 __all__ = ["positions", "append_attend", "CacheStep", "begin_step"]
 
@@ -45,11 +45,18 @@ def positions(cache: KVCache, slots, num_tokens, *, width: int | None = None):
     `aj.reserve(cache, slots, num_tokens)` they are the slot's last num_tokens positions,
     `lengths[slot] - num_tokens[b] + t`. Padded rows (PAD_SLOT) and tokens t >= num_tokens[b]
     get 0 (they are masked everywhere). `width` is the tokens axis (default: max(num_tokens),
-    which must then be concrete)."""
+    which must then be concrete).
+
+    On the host (concrete values) a row with more tokens than `width`, an idle slot, or more
+    tokens than its slot holds is a ValueError; inside jit such rows get zeros (nothing to count
+    them in: `begin_step` refuses them in `stats.rejected_rows`)."""
     layout = api._check_cache(cache)
     slots = check_slots(layout, slots, unique=False)
     num_tokens = check_counts(layout, num_tokens, slots.shape[0], "num_tokens")
-    return _positions(cache, slots, num_tokens, _width(num_tokens, width))
+    width = _width(num_tokens, width)
+    check_width(slots, num_tokens, width)
+    check_reserved(cache, slots, num_tokens)
+    return _positions(cache, slots, num_tokens, width)
 
 
 def _positions(cache: KVCache, slots, num_tokens, width: int):
@@ -104,13 +111,18 @@ class CacheStep:
 def begin_step(cache: KVCache, slots, num_tokens, *, width: int | None = None) -> tuple[CacheStep, jax.Array]:
     """Reserve `num_tokens[b]` new tokens for each row's slot (`aj.reserve`) and return the
     `CacheStep` that the layers use, and ok bool[B] (False: the row got no pages and is padding
-    in this step; its slot is unchanged). `width`: the tokens axis T of the step's inputs."""
+    in this step; its slot is unchanged). `width`: the tokens axis T of the step's inputs.
+
+    A row with more than `width` tokens is a ValueError on the host; inside jit it is refused
+    (ok False, nothing reserved, counted in `stats.rejected_rows`)."""
     layout = api._check_cache(cache)
     slots = check_slots(layout, slots)
     num_tokens = check_counts(layout, num_tokens, slots.shape[0], "num_tokens")
     width = _width(num_tokens, width)
+    check_width(slots, num_tokens, width)
     num_tokens = jnp.where(slots != PAD_SLOT, num_tokens, 0)
-    cache, ok = api.reserve(cache, slots, num_tokens)
+    # A traced count past the tokens axis: a negative count, which `reserve` refuses and counts.
+    cache, ok = api.reserve(cache, slots, jnp.where(num_tokens > width, -1, num_tokens))
     slots = jnp.where(ok, slots, PAD_SLOT)
     num_tokens = jnp.where(ok, num_tokens, 0)
     return CacheStep(cache, slots, num_tokens, _positions(cache, slots, num_tokens, width)), ok

@@ -23,6 +23,8 @@ __all__ = [
     "check_slots",
     "check_pages",
     "check_counts",
+    "check_width",
+    "check_reserved",
     "check_layer",
     "check_kv",
     "check_cache_arrays",
@@ -150,6 +152,43 @@ def check_counts(layout: KVLayout, counts, batch: int, name: str):
                 f"{layout.max_pages_per_seq} * {layout.page_size} = {layout.max_seq_len} tokens"
             )
     return arr
+
+
+def check_width(slots, num_tokens, width: int, name: str = "num_tokens") -> None:
+    """Each row's new tokens fit the step's tokens axis: num_tokens[b] <= width (PAD_SLOT rows
+    are not checked). Concrete values only: inside jit the caller refuses such rows instead."""
+    slot_values, values = concrete(slots), concrete(num_tokens)
+    if slot_values is None or values is None:
+        return
+    over = np.flatnonzero((slot_values != PAD_SLOT) & (values > width))
+    if over.size:
+        b = int(over[0])
+        raise ValueError(
+            f"{name}[{b}]={int(values[b])} exceeds width={width}, the step's tokens axis T: a row has at most T new tokens"
+        )
+
+
+def check_reserved(cache, slots, num_tokens, name: str = "num_tokens") -> None:
+    """Each live row's slot is in use and has reserved at least num_tokens[b] tokens (its newest
+    ones are the row's). Concrete values only (the cache's table included)."""
+    slot_values, values = concrete(slots), concrete(num_tokens)
+    if slot_values is None or values is None:
+        return
+    active, lengths = concrete(cache.table.active), concrete(cache.table.lengths)
+    if active is None or lengths is None:
+        return
+    for b in np.flatnonzero(slot_values != PAD_SLOT):
+        slot, n = int(slot_values[b]), int(values[b])
+        if not active[slot]:
+            raise ValueError(
+                f"slots[{b}]={slot} is idle (no sequence holds it): reserve its tokens first (aj.reserve), "
+                f"or pass PAD_SLOT ({PAD_SLOT}) for a row without one"
+            )
+        if n > lengths[slot]:
+            raise ValueError(
+                f"{name}[{b}]={n} is more than the {int(lengths[slot])} tokens slot {slot} holds: the row's tokens "
+                "must be reserved first (aj.reserve)"
+            )
 
 
 def check_layer(layout: KVLayout, layer):

@@ -92,3 +92,31 @@ def test_a_step_inside_jit_pads_the_rows_that_got_no_pages():
     np.testing.assert_array_equal(step.cache.table.written[:, [0, 1, 3]], [[24, 16, 7]] * 2)
     assert int(step.cache.stats.dropped_writes) == 0 and not np.asarray(outs[1][1]).any()  # the padded row: zeros
     assert np.abs(np.asarray(outs[1][0])).sum() > 0
+
+
+def test_positions_refuse_rows_they_cannot_place():
+    """Rows past the width, idle slots and tokens never reserved used to get positions cut short
+    or zeros: on the host each is a ValueError naming the row (PAD_SLOT rows are not checked)."""
+    cache, _ = _prefilled([5, 3, 9])  # slot 3 is idle
+    with pytest.raises(ValueError, match=r"num_tokens\[0\]=3 exceeds width=2, the step's tokens axis T"):
+        aj.positions(cache, [0, 1, aj.PAD_SLOT], [3, 1, 3], width=2)
+    with pytest.raises(ValueError, match=r"slots\[1\]=3 is idle .*aj.reserve"):
+        aj.positions(cache, [0, 3, 1], [1, 1, 1])
+    with pytest.raises(ValueError, match=r"num_tokens\[2\]=4 is more than the 3 tokens slot 1 holds"):
+        aj.positions(cache, [0, 2, 1], [1, 1, 4])
+
+
+def test_a_step_refuses_rows_past_its_width():
+    """begin_step(num_tokens > width) reserved the tokens and failed later in attend: on the host
+    a ValueError (the cache untouched); inside jit the row is refused and counted, reserving nothing."""
+    cache, slots = _prefilled([5, 3, 9])
+    with pytest.raises(ValueError, match=r"num_tokens\[1\]=3 exceeds width=2"):
+        aj.begin_step(cache, slots, [1, 3, 0], width=2)
+    assert np.asarray(cache.table.lengths).tolist() == [5, 3, 9, 0] and aj.health(cache)["free_pages"] == 10
+    step, ok = jax.jit(lambda c, s, n: aj.begin_step(c, s, n, width=2))(cache, slots, jnp.asarray([1, 3, 0], jnp.int32))
+    np.testing.assert_array_equal(ok, [True, False, True])
+    np.testing.assert_array_equal(step.slots, [0, aj.PAD_SLOT, 2])
+    np.testing.assert_array_equal(step.num_tokens, [1, 0, 0])
+    assert np.asarray(step.cache.table.lengths).tolist() == [6, 3, 9, 0]
+    assert int(step.cache.stats.rejected_rows) == int(cache.stats.rejected_rows) + 1
+    assert aj.health(step.cache)["free_pages"] == 10  # slot 0's 6th token fits its second page
