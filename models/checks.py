@@ -11,7 +11,7 @@ import numpy as np
 
 from arena_jax.hf_config import INT32_MAX
 
-__all__ = ["INT32_MAX", "INT32_MIN", "is_int", "check_int", "check_number", "token_ids"]
+__all__ = ["INT32_MAX", "INT32_MIN", "is_int", "check_int", "check_number", "token_ids", "check_shape"]
 
 INT32_MIN = -(2**31)
 
@@ -66,3 +66,11 @@ def token_ids(name: str, ids, vocab_size: int) -> list[int]:
         if not 0 <= t < vocab_size:
             raise ValueError(f"{name}[{j}] = {t} is outside [0, vocab_size={vocab_size})")
     return [int(t) for t in ids]
+
+
+def check_shape(name: str, x, shape: tuple, expected: str) -> None:
+    """An array argument of a step has `shape` (None: any size on that axis), checked when the
+    step is traced (shapes are static): else a ValueError naming it and the `expected` axes."""
+    got = tuple(np.shape(x))
+    if len(got) != len(shape) or any(want is not None and n != want for n, want in zip(got, shape)):
+        raise ValueError(f"{name} must be {expected}, got shape {list(got)}")

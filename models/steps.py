@@ -12,7 +12,9 @@ Rows: `slots[b]` is the cache slot of batch row b, or `aj.PAD_SLOT` for an empty
 prefill, row b's real tokens are its FIRST `num_tokens[b]` tokens of the [B, T] chunk; they
 take the slot's next positions. A row whose reservation fails (arena full) is run as a
 padded row (nothing written) and reported with `ok[b] = False`; its slot is unchanged, so
-the host can free pages (preempt) and retry the same tokens.
+the host can free pages (preempt) and retry the same tokens. A row that cannot run (more
+tokens than T, or a real token outside [0, vocab_size), which the embedding would clip) is
+refused the same way, reserving nothing, and counted in the cache's `stats.rejected_rows`.
 
 Shapes and the static arguments (graphdef, all_logits) are the only things that compile
 (sampling settings are arrays): sequences joining and leaving change values only.
@@ -32,6 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import arena_jax as aj
+from models.checks import check_shape
 from models.llama import token_positions
 from models.sampling import SamplingParams, sample
 
@@ -51,12 +54,25 @@ class StepOutput(NamedTuple):
     ok: jax.Array  # bool[B] the row's pages were reserved (True for PAD_SLOT rows)
 
 
+def _invalid_rows(tokens, num_tokens, vocab: int):
+    """bool[B] of rows [B, T] that cannot run: more tokens than the chunk's width T, or a real
+    token (one of the first num_tokens[b]) outside [0, vocab) (the embedding would clip it)."""
+    width = tokens.shape[1]
+    real = jnp.arange(width)[None, :] < num_tokens[:, None]
+    ids = tokens.astype(jnp.int32)  # (a uint32 id past int32 wraps negative: outside as well)
+    outside = jnp.any(real & ((ids < 0) | (ids >= vocab)), axis=1)
+    return (num_tokens > width) | outside
+
+
 def _step(graphdef, state, cache, tokens, slots, num_tokens, seq_ids, seed, sampling, all_logits):
     model = nnx.merge(graphdef, state)
     batch, width = tokens.shape
     slots = slots.astype(jnp.int32)
     num_tokens = jnp.where(slots >= 0, num_tokens.astype(jnp.int32), 0)
-    cache, ok = aj.reserve(cache, slots, num_tokens)
+    # An invalid row asks `reserve` for -1 tokens: refused (ok False), counted in stats.rejected_rows.
+    invalid = _invalid_rows(tokens, num_tokens, model.config.vocab_size)
+    cache, ok = aj.reserve(cache, slots, jnp.where(invalid, -1, num_tokens))
+    num_tokens = jnp.where(invalid, 0, num_tokens)
     slots = jnp.where(ok, slots, aj.PAD_SLOT)  # a refused row writes and reads nothing this step
     positions = token_positions(cache, slots, num_tokens, width)
     x, cache = model.hidden(tokens, positions, cache, slots, num_tokens)  # [B, T, E]
@@ -87,7 +103,14 @@ def _unblock(dp: int, rows, batch: int):
 def _mixed(graphdef, state, cache, tokens, slots, chunks, chunk_slots, chunk_counts, chunk_rows, seq_ids, seed, sampling):
     """The mixed step (see `mixed_step`); outputs in batch-row order."""
     model = nnx.merge(graphdef, state)
+    check_shape("tokens", tokens, (None,), "i32[B] (one token per batch row)")
+    check_shape("chunks", chunks, (None, None), "i32[P, T] (P prompt chunks of T tokens)")
     batch, width, num_chunks = tokens.shape[0], chunks.shape[1], chunks.shape[0]
+    rows_of = {"B": (batch, "the rows of tokens [B]"), "P": (num_chunks, "the rows of chunks [P, T]")}
+    for name, x, axis in (("slots", slots, "B"), ("seq_ids", seq_ids, "B"), ("chunk_slots", chunk_slots, "P"),
+                          ("chunk_counts", chunk_counts, "P"), ("chunk_rows", chunk_rows, "P")):  # fmt: skip
+        size, whose = rows_of[axis]
+        check_shape(name, x, (size,), f"i32[{axis}] with {axis} = {size} ({whose})")
     dp = cache.sharding.dp if cache.sharding is not None else 1
     if num_chunks % dp:
         raise ValueError(f"chunks: {num_chunks} chunks do not split into the cache's {dp} data shards (a multiple of {dp})")
@@ -95,6 +118,12 @@ def _mixed(graphdef, state, cache, tokens, slots, chunks, chunk_slots, chunk_cou
     # d's decode rows, then its chunks: block d of each part names shard d's slots).
     rows = _shard_blocks(dp, slots, chunk_slots).astype(jnp.int32)
     counts = _shard_blocks(dp, jnp.ones((batch,), jnp.int32), chunk_counts.astype(jnp.int32))
+    # A row that cannot run (a token outside the vocabulary, a chunk count past T) asks `reserve`
+    # for -1 tokens: refused (ok False) and counted in stats.rejected_rows.
+    vocab = model.config.vocab_size
+    invalid = _shard_blocks(dp, _invalid_rows(tokens[:, None], (slots >= 0).astype(jnp.int32), vocab),
+                            _invalid_rows(chunks, chunk_counts.astype(jnp.int32), vocab))  # fmt: skip
+    counts = jnp.where(invalid, -1, counts)
     # A slot given twice (a decode row and a chunk, or two chunks) keeps its first row only: the
     # others are refused (ok False, nothing written), so any input leaves every slot consistent.
     index = jnp.arange(rows.shape[0])

@@ -155,6 +155,47 @@ def test_a_refused_chunk_leaves_its_slot_and_the_others_intact():
     assert aj.health(twice.cache)["free_pages"] == 0  # slot 1's 9th token took the last page
 
 
+def test_rows_a_step_cannot_run_are_refused_and_reserve_nothing():
+    """A row with more tokens than the chunk's width T, or a real token outside the vocabulary,
+    used to reserve pages nothing wrote (or run a clipped token) and sample from no input: in
+    `prefill` and `mixed_step` (jitted, nothing can raise) it is refused, ok False, its slot
+    unchanged and the row counted in stats.rejected_rows. Tokens past a row's count are padding."""
+    model = models.init_random(models.LlamaConfig.tiny(num_layers=1), seed=2, std=0.2)
+    graphdef, state = nnx.split(model)
+    layout = model.config.kv_layout(page_size=4, num_pages=16, max_seqs=4, max_seq_len=16, dtype="float32")
+    cache, nxt, chunk = _ragged_case(model, layout)  # lengths [5, 7, 2, 0]
+    rejected, free = int(cache.stats.rejected_rows), aj.health(cache)["free_pages"]
+    tokens = np.zeros((4, 8), np.int32)
+    tokens[1, 1] = 128  # row 1: a real token outside [0, vocab_size=128)
+    tokens[2, 3:] = [500, -7, 128, 128, 128]  # row 2: 3 real tokens, then padding out of range
+    slots = jnp.asarray([0, 1, 3, aj.PAD_SLOT], jnp.int32)
+    counts = jnp.asarray([9, 2, 3, 0], jnp.int32)  # row 0: 9 tokens in a chunk of 8
+    out = models.prefill(graphdef, state, _copy(cache), jnp.asarray(tokens), slots, counts)
+    assert np.asarray(out.ok).tolist() == [False, False, True, True]
+    assert np.asarray(out.cache.table.lengths).tolist() == [5, 7, 2, 3]
+    assert int(out.cache.stats.rejected_rows) == rejected + 2 and aj.health(out.cache)["free_pages"] == free - 1
+    bad = nxt.copy()
+    bad[1] = 128
+    mixed = models.mixed_step(graphdef, state, cache, jnp.asarray(bad), jnp.asarray([0, 1, -1, -1], jnp.int32),
+                              jnp.asarray(chunk[None]), jnp.asarray([2], jnp.int32), jnp.asarray([9], jnp.int32),
+                              jnp.asarray([2], jnp.int32))  # fmt: skip
+    assert np.asarray(mixed.ok).tolist() == [True, False, False, True]
+    assert np.asarray(mixed.cache.table.lengths).tolist() == [6, 7, 2, 0]
+    assert int(mixed.cache.stats.rejected_rows) == rejected + 2 and aj.health(mixed.cache)["free_pages"] == free
+
+
+def test_mixed_step_names_chunks_of_the_wrong_shape():
+    """1-D chunks were an IndexError inside models/steps.py."""
+    model = models.init_random(models.LlamaConfig.tiny(num_layers=1), seed=2, std=0.2)
+    graphdef, state = nnx.split(model)
+    cache = aj.create(model.config.kv_layout(page_size=4, num_pages=16, max_seqs=4, max_seq_len=16, dtype="float32"))
+    rows = jnp.zeros((4,), jnp.int32)
+    with pytest.raises(ValueError, match=r"chunks must be i32\[P, T\] \(P prompt chunks of T tokens\), got shape \[8\]"):
+        models.mixed_step(graphdef, state, cache, rows, rows - 1, jnp.zeros((8,), jnp.int32), rows[:1], rows[:1], rows[:1])
+    with pytest.raises(ValueError, match=r"chunk_counts must be i32\[P\] with P = 1 \(the rows of chunks .*got shape \[2\]"):
+        models.mixed_step(graphdef, state, cache, rows, rows - 1, jnp.zeros((1, 8), jnp.int32), rows[:1], rows[:2], rows[:1])
+
+
 def test_arrivals_admit_in_time_and_keep_the_tokens(model, tight, prompts):
     """Each prompt's first token comes after its arrival; tokens equal an all-at-once run."""
     kwargs = dict(batch_size=BATCH, chunk_size=CHUNK, stop_tokens=(), layout=tight)
