@@ -70,6 +70,8 @@ from arena_jax.prefix_checks import page_ids as _page_ids
 from arena_jax.prefix_checks import token_ids as _token_ids
 from arena_jax.prefix_host import Eviction, evict_plan
 
+MAX_HOST_PAGES = 2**31 - 1  # host page ids are int32 (aj.create_host: at most this many pages)
+
 __all__ = ["PrefixCache", "PrefixHit", "Insertion", "Eviction"]
 
 
@@ -170,7 +172,8 @@ class PrefixCache(Binding):
     def __init__(self, layout: KVLayout, *, tag=None, host_pages: int = 0):
         if not isinstance(layout, KVLayout):
             raise ValueError(f"layout must be a KVLayout, got {type(layout).__name__}")
-        host_pages = _count(host_pages, "host_pages")
+        host_pages = _count(host_pages, "host_pages", high=MAX_HOST_PAGES,
+                            why="2**31 - 1: host page ids are int32, as aj.create_host takes them")
         if tag is not None:
             _check_tag(tag)
         self.layout = layout

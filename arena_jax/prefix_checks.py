@@ -19,9 +19,12 @@ def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
-def count(value, name: str) -> int:
+def count(value, name: str, high: int | None = None, why: str = "") -> int:
+    """A non-negative integer, at most `high` (when given; `why`: the limit's reason)."""
     if not _is_int(value) or value < 0:
         raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be at most {high}{f' ({why})' if why else ''}, got {int(value)}")
     return int(value)
 
 

@@ -278,6 +278,12 @@ def test_an_index_with_a_host_tier_needs_evict_plan():
         aj.PrefixCache(LAYOUT, host_pages=-1)
 
 
+def test_host_pages_past_int32_are_refused_by_name():
+    """2**40 host pages was a bare MemoryError (the index lists its free host pages)."""
+    with pytest.raises(ValueError, match=r"host_pages must be at most 2147483647 \(2\*\*31 - 1: host page ids are int32"):
+        aj.PrefixCache(LAYOUT, host_pages=2**40)
+
+
 # ---- binding: one arena, one model -------------------------------------------------------------------------
 
 
