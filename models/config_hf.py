@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any
 
 from arena_jax.hf_config import parse_hf_config
+from arena_jax.hf_schemas import FAMILIES
 from models.config import LlamaConfig, RopeScaling
 
 __all__ = ["config_from_hf", "config_to_hf"]
@@ -40,7 +41,8 @@ def config_from_hf(cls, config, *, generation_config=None) -> LlamaConfig:
     hf = parse_hf_config(config, generation_config=generation_config)
     where = hf.source
     if hf.hidden_act not in _ACTS:
-        raise ValueError(f"{where}: hidden_act={hf.hidden_act!r} is not supported; expected one of {sorted(_ACTS)}")
+        key = FAMILIES[hf.model_type].hidden_act_key  # Gemma's is `hidden_activation`
+        raise ValueError(f"{where}: {key}={hf.hidden_act!r} is not supported; expected one of {sorted(_ACTS)}")
     if hf.mlp_bias:
         raise ValueError(f"{where}: mlp_bias=true is not supported (the MLP projections have no bias)")
     if hf.quantized:

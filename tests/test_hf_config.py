@@ -144,6 +144,15 @@ def test_bad_values_are_refused_by_name(change, key):
             parse(dict(LLAMA, **change))
 
 
+def test_an_unsupported_activation_is_named_by_the_family_key():
+    """Gemma's config names it `hidden_activation` (its `hidden_act` is ignored): the error did not."""
+    for base in (GEMMA2, GEMMA3):
+        with pytest.raises(ValueError, match=r": hidden_activation='relu' is not supported; expected one of"):
+            models.LlamaConfig.from_hf(dict(base, hidden_activation="relu"))
+    with pytest.raises(ValueError, match=r": hidden_act='relu' is not supported; expected one of"):
+        models.LlamaConfig.from_hf(dict(LLAMA, hidden_act="relu"))
+
+
 def test_files_that_are_not_config_objects(tmp_path):
     path = tmp_path / "config.json"
     for text, message in [("{not json", "invalid JSON"), ("[1, 2]", "must hold a JSON object, got a JSON list"), ("", "invalid JSON")]:
