@@ -81,6 +81,8 @@ MUTANTS = {
         "                if hit.host_pages:\n                    restore.append(", "                if False:\n                    restore.append("),
     "check_pair: a host tier of another arena accepted (no binding check)": ("arena_jax/host.py",
         "    if mine is not None and theirs is not None and int(mine) != int(theirs):\n", "    if False:\n"),
+    "host ops in jit: rows of another arena's host tier served (no arena check)": ("arena_jax/host_ops.py",
+        "    return host.arena_id == cache.table.arena_id\n", "    return jnp.bool_(True)\n"),
 }
 TESTS = {
     "arena_jax/prefix_ops.py": ["tests/test_allocator_model.py", "tests/test_prefix.py"],
