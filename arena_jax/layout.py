@@ -125,7 +125,8 @@ class KVLayout:
     float arenas: False.
 
     `smooth_keys` (quantized arenas): each layer's keys are divided by static per-channel
-    factors (powers of two, fixed at the layer's first write; `arena_jax.key_factors`) before
+    factors (powers of two, fixed when the cache is created: `aj.create(layout, key_factors=)`,
+    `arena_jax.key_factors`) before
     rotation and quantization, and queries multiplied by them, so outlier channels stop setting
     every token's scale; scores are unchanged (the factors are exact). The cache then carries
     `key_factors: f32[num_layers, num_kv_heads, head_dim]`. None takes

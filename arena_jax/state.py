@@ -129,8 +129,8 @@ class KVCache:
       static field costs nothing in a jit and travels with the cache through every op.
     - `key_factors` (`smooth_keys`): f32[num_layers, num_kv_heads, head_dim], the static
       per-channel factors every stored key of a layer was divided by (`arena_jax.key_factors`;
-      0: the head is not calibrated yet). Not per page: set once per head by its first nonzero write,
-      read by every later write and attention; page ops never touch it. None when off.
+      0: not calibrated, applied as 1). Not per page: fixed by `create` for the cache's life,
+      read by every write and attention; no op changes it. None when off.
     """
 
     k: jax.Array  # [num_layers, num_kv_heads, num_pages, page_size, head_dim]

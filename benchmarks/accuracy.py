@@ -127,9 +127,10 @@ def _keys_values(rng, batch, context, kv_heads, head_dim, outliers, scale):
 
 @functools.partial(jax.jit, static_argnames=("layout", "backend"))
 def _fill_and_attend(layout, q, k, v, backend):
-    """One call: an arena of `layout`, every row's K/V appended, one decode query attended."""
+    """One call: an arena of `layout`, every row's K/V appended, one decode query attended.
+    Smoothed keys: the factors are calibrated on these keys (every row's) before the arena is made."""
     batch, context = k.shape[:2]
-    cache = aj.create(layout)
+    cache = aj.create(layout, key_factors=aj.key_factors.from_keys(k[None]) if layout.smooth_keys else None)
     slots = jnp.arange(batch, dtype=jnp.int32)
     cache, ok = aj.reserve(cache, slots, jnp.full((batch,), context, jnp.int32))
     if not layout.quantized:
@@ -248,7 +249,8 @@ def _teacher_forced(model, dtype, sequences, score_from, chunk=32):
     batch = len(sequences)
     longest = max(len(x) for x in sequences)
     graphdef, state = nnx.split(model)
-    cache = aj.create(_layout(model, dtype, batch, longest))
+    layout = _layout(model, dtype, batch, longest)
+    cache = aj.create(layout, key_factors=models.calibrate_key_factors(model) if layout.smooth_keys else None)
     slots = jnp.arange(batch, dtype=jnp.int32)
     greedy = models.GREEDY.rows(batch)
     out = [[] for _ in range(batch)]

@@ -3,8 +3,8 @@
     JAX_PLATFORMS=cpu python scripts/inject_bugs.py            # every bug (a few minutes on 2 cores)
     JAX_PLATFORMS=cpu python scripts/inject_bugs.py "twice"    # those whose name contains a word
 
-Each bug is a one-line edit of the prefix cache (device ops, index, scheduler) or the host
-tier (its ops, its binding to its cache). The tests that should catch it run in a copy of the
+Each bug is a one-line edit of the prefix cache (device ops, index, scheduler), the host tier
+(its ops, its binding to its cache) or the smoothed keys' factors (fixed at create). The tests that should catch it run in a copy of the
 tracked files (this checkout is never modified), with the hypothesis profile "find" (the CI's
 examples, no shrinking: only "caught or not" matters).
 Prints one line per bug and test file; exits 1 if a bug got through.
@@ -83,6 +83,16 @@ MUTANTS = {
         "    if mine is not None and theirs is not None and int(mine) != int(theirs):\n", "    if False:\n"),
     "host ops in jit: rows of another arena's host tier served (no arena check)": ("arena_jax/host_ops.py",
         "    return host.arena_id == cache.table.arena_id\n", "    return jnp.bool_(True)\n"),
+    # smoothed keys' factors: fixed at create, never by traffic (issue 37)
+    "generate: key factors calibrated on the requests (traffic) instead of the model's sample": ("models/generate.py",
+        "factors = calibrate_key_factors(model) if layout.smooth_keys else None",
+        "factors = calibrate_key_factors(model, tokens=prompts[:1]) if layout.smooth_keys else None"),
+    "create: the key factors given are dropped": ("arena_jax/state.py",
+        "    return jnp.asarray(factors_lib.check(key_factors, layout.key_factors_shape))\n",
+        "    factors_lib.check(key_factors, layout.key_factors_shape)\n    return jnp.zeros(layout.key_factors_shape, jnp.float32)\n"),
+    "append: keys divided by factors of the write's own keys, not the cache's": ("arena_jax/arena_ops.py",
+        "        k = factors_lib.smooth_keys(k, cache.key_factors[layer_c])\n",
+        "        k = factors_lib.smooth_keys(k, factors_lib.from_keys(k[None])[0])\n"),
 }
 TESTS = {
     "arena_jax/prefix_ops.py": ["tests/test_allocator_model.py", "tests/test_prefix.py"],
@@ -92,6 +102,9 @@ TESTS = {
     "arena_jax/prefix_checks.py": ["tests/test_prefix.py", "tests/test_prefix_index.py"],
     "arena_jax/host_ops.py": ["tests/test_allocator_model.py", "tests/test_host_tier.py"],
     "arena_jax/host.py": ["tests/test_host_tier.py"],
+    "models/generate.py": ["tests/test_schedule_invariance.py"],
+    "arena_jax/state.py": ["tests/test_key_factors.py"],
+    "arena_jax/arena_ops.py": ["tests/test_key_factors.py", "tests/test_allocator_model.py"],
 }
 
 
