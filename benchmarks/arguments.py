@@ -3,8 +3,9 @@ each subcommand's flags and defaults, and `build_parser`."""
 from __future__ import annotations
 
 import argparse
+import os
 
-from models.argtypes import INT32_MAX, float_in, int_in, positive_int, seed
+from models.argtypes import INT32_MAX, float_in, int_in, positive_float, positive_int, seed
 
 GIB = 2**30
 
@@ -15,6 +16,7 @@ GIB = 2**30
 MAX_BUDGET_GIB = 2**20  # 1 PiB of KV: beyond any device (and past it GiB -> bytes loses integer precision)
 _budget_gib = float_in(0.0, MAX_BUDGET_GIB, low_open=True)
 _headroom = float_in(0.0, 1e6, low_open=True)  # past max_seq_len - 1 every slab is max-length anyway
+MAX_ARRIVALS_LOAD = 10.0  # serve --arrivals-load: at most 10x the rate served when every request is there at once
 
 
 def _fraction(text: str) -> float:
@@ -27,16 +29,16 @@ def _fraction(text: str) -> float:
     return value
 
 
+_requests_per_step = float_in(0.0)
+
+
 def _rate(text: str):
     if text == "auto":
         return "auto"
     try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or requests per step >= 0, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or requests per step >= 0, got {text}")
-    return value
+        return _requests_per_step(text)
+    except argparse.ArgumentTypeError:  # nan, inf, negative, not a number
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a finite number of requests per step >= 0, got {text!r}") from None
 
 
 def _int_list(text: str) -> list[int]:
@@ -92,7 +94,8 @@ def _add_capacity_args(p: argparse.ArgumentParser, defaults: dict) -> None:
     g.add_argument("--requests", type=positive_int, default=defaults["requests"], help="requests in the synthetic workload")
     g.add_argument("--lengths", metavar="FILE",
                    help="replay request lengths: CSV 'prompt_len,output_len[,arrival]' or JSON lines "
-                        '{"prompt_len": P, "output_len": O}; default: seeded log-normal chat-like mix')  # fmt: skip
+                        '{"prompt_len": P, "output_len": O}; default: seeded log-normal chat-like mix. A prompt of '
+                        "--max-seq-len tokens or more is refused; an output past it is cut there (counted)")  # fmt: skip
     g.add_argument("--rate", type=_rate, default="auto",
                    help="arrivals per step (Poisson); 0 = all at step 0; auto = 1.5x what the budget serves "
                         "if every sequence held exactly its tokens (an overload, so allocators run at capacity)")  # fmt: skip
@@ -121,7 +124,8 @@ def _add_decode_args(p: argparse.ArgumentParser, defaults: dict) -> None:
                         "no per-layer weight slice copies)")  # fmt: skip
     g.add_argument("--batch", type=positive_int, default=defaults["batch"], help="sequences decoded together")
     g.add_argument("--prompt-len", type=positive_int, default=defaults["prompt_len"], help="random prompt tokens per sequence")
-    g.add_argument("--new-tokens", type=positive_int, default=defaults["new_tokens"], help="tokens generated per sequence (>= 2)")
+    g.add_argument("--new-tokens", type=int_in(2), default=defaults["new_tokens"],
+                   help="tokens generated per sequence (>= 2: one from prefill, at least one decode step)")  # fmt: skip
     g.add_argument("--repeats", type=positive_int, default=defaults["repeats"], help="timed repeats (median reported)")
     g.add_argument("--warmup", type=positive_int, default=1, help="untimed warm-up runs (compile)")
     g.add_argument("--page-size", type=positive_int, default=16, help="arena page size in tokens")
@@ -138,7 +142,8 @@ def _add_decode_args(p: argparse.ArgumentParser, defaults: dict) -> None:
                    help="also run transformers on the same weights (CPU, one device; auto: when torch and transformers "
                         "are installed); for one thread on both sides set XLA_FLAGS='--xla_cpu_multi_thread_eigen=false "
                         "intra_op_parallelism_threads=1'")  # fmt: skip
-    g.add_argument("--hf-threads", type=positive_int, default=1, help="torch threads for the transformers run")
+    g.add_argument("--hf-threads", type=int_in(1, os.cpu_count() or 1), default=1,
+                   help="torch threads for the transformers run (at most this host's cores: torch segfaulted at 100,000)")  # fmt: skip
 
 
 def _add_prefix_args(p: argparse.ArgumentParser) -> None:
@@ -195,7 +200,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--arrivals-long-len", type=positive_int, default=a.long_len, help="long prompts' tokens")
     g.add_argument("--arrivals-long-every", type=positive_int, default=a.long_every,
                    help="every N-th prompt is long (1: all of them)")  # fmt: skip
-    g.add_argument("--arrivals-load", type=float, default=a.load,
+    g.add_argument("--arrivals-load", type=float_in(0.0, MAX_ARRIVALS_LOAD, low_open=True), default=a.load,
                    help="arrival rate as a fraction of the rate served when every request is there at once")  # fmt: skip
     g.add_argument("--arrivals-only", action="store_true", help="run only the Poisson-arrival part")
     g.add_argument("--seed", type=seed, default=d.seed)
@@ -296,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-formats", default="int8,int8+rot,int8+smooth+rot,float8_e4m3fn,int4,int4+rot,int4+smooth+rot",
                    help="end-to-end arenas, comma-separated (+rot: rotated keys, +smooth: smoothed keys; a quantized "
                         "format without them stores plain keys; int4 runs head_dim-32 configs)")
-    p.add_argument("--model-key-outliers", type=float, default=1.0, metavar="X",
+    p.add_argument("--model-key-outliers", type=positive_float, default=1.0, metavar="X",
                    help="end-to-end models with outlier keys: one RoPE channel pair per layer and KV head scaled by X in "
                         "the key projection (1: the models as drawn)")
     p.add_argument("--model-outlier-queries", choices=("quiet", "loud"), default="quiet",
@@ -308,7 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the attention test's keys for each format, comma-separated: plain, rot (rotated), smooth "
                         "(smoothed), smooth+rot")
     p.add_argument("--batch", type=positive_int, default=4, help="rows in the attention test")
-    p.add_argument("--outliers", type=int, default=4, help="outlier key channels per KV head (attention test)")
+    p.add_argument("--outliers", type=int_in(0), default=4,
+                   help="outlier key channels per KV head (attention test; times the KV heads at most head_dim)")
     p.add_argument("--heads", default="32,8,128", metavar="Q,KV,D",
                    help="query heads, KV heads, head_dim of the attention test (head_dim a multiple of 32)")
     p.add_argument("--backends", default="reference,pallas",

@@ -69,6 +69,13 @@ class CapacitySettings:
                 f"({self.bytes_per_token:,} bytes/token), fewer than one max-length sequence "
                 f"(--max-seq-len {self.max_seq_len}); raise --budget-gib or lower --max-seq-len"
             )
+        longest = -(-self.max_seq_len // self.page_size)  # pages of a max-length sequence (a preempted one comes back so)
+        if longest + self.watermark_pages > self.num_pages:
+            raise ValueError(
+                f"--watermark {self.watermark:g} keeps {self.watermark_pages:,} of the budget's {self.num_pages:,} pages "
+                f"free at every admission, leaving fewer than the {longest:,} a max-length sequence (--max-seq-len "
+                f"{self.max_seq_len}) needs: it could never be admitted; lower --watermark or raise --budget-gib"
+            )
 
 
 def _downsample(values, n=MAX_SERIES_POINTS):

@@ -63,6 +63,25 @@ class _Fail(Exception):
     """A user-facing error found after parsing: printed as `arena-bench <cmd>: error: ...`, exit 2."""
 
 
+def _naming(exc: Exception, flags: str) -> _Fail:
+    """`exc` as a usage error that names the flags: its message as it is where it names one,
+    else after `flags` (the flags that size the run)."""
+    text = str(exc)
+    return _Fail(text if "--" in text else f"{flags}: {text}")
+
+
+def _given(args, parser, dests) -> list[str]:
+    """The flags among `dests` (argparse dests) whose value is not their default: given by the user."""
+    return ["--" + d.replace("_", "-") for d in dests if getattr(args, d, None) != parser.get_default(d)]
+
+
+def _ignored(args, parser, dests, why: str) -> None:
+    """Refuse flags the run would ignore (`why`: when it does), rather than drop them silently."""
+    given = _given(args, parser, dests)
+    if given:
+        raise _Fail(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect {why}")
+
+
 def _check_budget_pages(budget_gib: float, page_bytes: int, model: str, page_size: int) -> None:
     """The budget must hold at least one page and no more pages than an int32 page id can name."""
     from models.memory import fmt_bytes
@@ -159,27 +178,70 @@ def _check_capacity_memory(args, settings, num_requests: int) -> None:
         raise _Fail(f"{flags}: {exc}") from None
 
 
+def _check_prompts_fit(rows, args) -> None:
+    """A --lengths prompt must leave room for one output token under --max-seq-len (a longer
+    output is cut at --max-seq-len, counted and reported; a cut prompt would be another request)."""
+    long = [i for i, (p, _, _) in enumerate(rows) if p >= args.max_seq_len]
+    if long:
+        first = rows[long[0]][0]
+        raise _Fail(f"--lengths {args.lengths}: {len(long):,} of {len(rows):,} requests have a prompt of --max-seq-len "
+                    f"{args.max_seq_len} tokens or more (request {long[0] + 1}: {first:,} tokens), leaving no room for "
+                    "an output token: raise --max-seq-len or leave them out")
+
+
+STEP_LIMIT = INT32_MAX  # the simulation's step counter and arrival steps are int32
+
+
+def _check_arrival_steps(rate: float, num_requests: int, args, wl=None) -> None:
+    """Arrival steps, and the steps to serve every request after the last, must fit the int32
+    step counter. Before the draw: its expected last arrival (a float: a rate of 1e-300 must not
+    reach the int64 cast); after it (`wl`): the drawn last arrival + every request's tokens."""
+    if wl is None:
+        last = (num_requests - 1) / rate if 0 < rate < math.inf else 0.0
+        if last > STEP_LIMIT / 4:
+            raise _Fail(f"--rate {args.rate}: {num_requests:,} requests arrive over ~{last:,.3g} steps, past the "
+                        f"simulation's int32 step counter ({STEP_LIMIT:,}): raise --rate (0: all at step 0)")
+        return
+    steps = wl.requests[-1].arrival + sum(r.total_len for r in wl.requests)
+    if steps > STEP_LIMIT:
+        raise _Fail(f"--rate {args.rate}, --requests / --lengths: the last arrival (step {wl.requests[-1].arrival:,}) "
+                    f"+ every request's tokens = {steps:,} steps, past the simulation's int32 step counter ({STEP_LIMIT:,})")
+
+
 def _cmd_capacity(args, console, progress) -> dict:
     from benchmarks import report, workload
     from benchmarks.capacity import run_capacity
 
+    if args.page_size > args.max_seq_len:  # --max-seq-len is every slab's length: a longer page is never filled
+        raise _Fail(f"--page-size {args.page_size} is longer than --max-seq-len {args.max_seq_len}: a page must fit in "
+                    "the longest sequence (past it the utilization figures measure the page, not the allocator)")
     settings = _capacity_settings(args)
     try:
         settings.validate()
         rows = workload.load_lengths(args.lengths) if args.lengths else None
-        _check_capacity_memory(args, settings, len(rows) if rows else args.requests)
+    except workload.WorkloadError as exc:
+        raise _Fail(f"--lengths: {exc}") from None
+    except ValueError as exc:
+        raise _Fail(str(exc)) from None
+    if rows:
+        _check_prompts_fit(rows, args)
+    num_requests = len(rows) if rows else args.requests
+    _check_capacity_memory(args, settings, num_requests)
+    try:
         if args.lengths:
-            lengths = [(min(p, args.max_seq_len - 1), o) for p, o, _ in rows]
+            lengths = [(p, o) for p, o, _ in rows]
         else:
             probe = workload.synthetic(args.requests, seed=args.seed, rate=0, max_seq_len=args.max_seq_len)
             lengths = [(r.prompt_len, r.output_len) for r in probe.requests]
         rate = _auto_rate(lengths, settings.budget_tokens) if args.rate == "auto" else float(args.rate)
+        _check_arrival_steps(rate, num_requests, args)
         if args.lengths:
             wl = workload.from_rows(rows, args.lengths, seed=args.seed, rate=rate, max_seq_len=args.max_seq_len)
         else:
             wl = workload.synthetic(args.requests, seed=args.seed, rate=rate, max_seq_len=args.max_seq_len)
-    except ValueError as exc:  # WorkloadError is a ValueError
+    except ValueError as exc:
         raise _Fail(str(exc)) from None
+    _check_arrival_steps(rate, num_requests, args, wl)
     console.print(f"[bold]capacity[/bold]: serving {len(wl.requests)} requests (arrival rate {rate:.3g}/step) with three allocators ...")
     t0 = time.perf_counter()
     with cached_compiles():
@@ -194,13 +256,45 @@ def _cmd_capacity(args, console, progress) -> dict:
     return result
 
 
-def _decode_settings(args):
-    from benchmarks.decode import DecodeSettings
+def _model_config(args, tokens: int, what: str):
+    """The model's config and dtype (--model / --model-dir, --num-layers, --dtype), read before any
+    work; `tokens` (the longest sequence, `what` says of which flags) must fit its positions."""
+    from benchmarks.decode import config_and_dtype
 
     if args.model_dir and not os.path.isdir(args.model_dir):
         raise _Fail(f"--model-dir {args.model_dir!r} is not a folder")
+    try:
+        cfg, dtype = config_and_dtype(args)
+    except (OSError, ValueError) as exc:  # a missing or invalid config.json, a depth the preset refuses
+        which = f"--model-dir {args.model_dir}" if args.model_dir else f"--model {args.model}, --num-layers {args.num_layers}"
+        raise _Fail(f"{which}: {exc}") from None
+    if tokens > cfg.max_position_embeddings:
+        raise _Fail(f"{what} = {tokens:,} tokens exceed the model's max_position_embeddings "
+                    f"{cfg.max_position_embeddings:,}")
+    return cfg, dtype
+
+
+HOST_BYTES_PER_TOKEN = 64  # a token id in a Python list (list slot + int object), rounded up: as arena-generate's
+
+
+def _check_host_tokens(tokens: int, what: str, hint: str) -> None:
+    """The workload's token ids, held in Python lists, must fit the host (drawn before any check
+    of the run's own could see them)."""
+    from models.memory import TooLarge, check_fits, host_memory_limit
+
+    try:
+        check_fits({f"{tokens:,} token ids in Python lists": tokens * HOST_BYTES_PER_TOKEN}, limit=host_memory_limit(),
+                   hint=hint)  # fmt: skip
+    except TooLarge as exc:
+        raise _Fail(f"{what}: {exc}") from None
+
+
+def _decode_settings(args):
+    from benchmarks.decode import DecodeSettings
+
     if args.new_tokens < 2:
         raise _Fail("--new-tokens must be >= 2 (one token from prefill, at least one decode step)")
+    _model_config(args, args.prompt_len + args.new_tokens, f"--prompt-len {args.prompt_len} + --new-tokens {args.new_tokens}")
     hf_mode = getattr(args, "hf", "off")  # the tour runs without the transformers peer
     hf = False
     if hf_mode != "off":
@@ -239,10 +333,12 @@ def _cmd_decode(args, console, progress) -> dict:
     settings = _decode_settings(args)
     console.print(f"[bold]decode[/bold]: {settings.model_dir or settings.model}, paged arena vs dense cache (compiling first) ...")
     t0 = time.perf_counter()
+    flags = (f"--batch {args.batch}, --prompt-len {args.prompt_len}, --new-tokens {args.new_tokens}, --page-size "
+             f"{args.page_size}") + (f", --model-dir {args.model_dir}" if args.model_dir else "")  # fmt: skip
     try:
         result = run_decode(settings, progress)
     except (ModelTooLarge, OSError, ValueError) as exc:  # too large, unreadable or invalid checkpoint, bad sizes
-        raise _Fail(str(exc)) from None
+        raise _naming(exc, flags) from None
     result["wall_s"] = time.perf_counter() - t0
     console.print(report.decode_table(result))
     a = result["arena"]
@@ -288,18 +384,28 @@ def _cmd_prefix(args, console, progress) -> dict:
     from benchmarks import report
     from benchmarks.prefix import PrefixSettings, PrefixTooLarge, run_prefix
 
-    if args.model_dir and not os.path.isdir(args.model_dir):
-        raise _Fail(f"--model-dir {args.model_dir!r} is not a folder")
     if args.num_pages is not None and args.budget_gib is not None:
         raise _Fail("give --num-pages or --budget-gib, not both")
     settings = PrefixSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(PrefixSettings)})
+    _model_config(args, settings.max_total_len,
+                  f"--system-len {args.system_len} + --turns {args.turns} x (up to {settings.user_max} user tokens "
+                  f"(--user-len {args.user_len}) + --new-tokens {args.new_tokens})")  # fmt: skip
+    turns = args.conversations * args.turns  # each: a user message, a prompt of up to max_total_len, an answer (x2 modes)
+    _check_host_tokens(args.system_prompts * args.system_len + 2 * turns * (settings.user_max + settings.max_total_len),
+                       f"--system-prompts {args.system_prompts} x --system-len {args.system_len} + --conversations "
+                       f"{args.conversations} x --turns {args.turns} of up to {settings.max_total_len} tokens",
+                       "lower --conversations, --turns or --system-prompts")  # fmt: skip
+    budget = (f"--num-pages {args.num_pages}" if args.num_pages else
+              f"--budget-gib {args.budget_gib:g}" if args.budget_gib else "the default --num-pages")  # fmt: skip
+    flags = (f"--batch {args.batch}, --page-size {args.page_size}, {budget}, --chunk-size {args.chunk_size}, longest "
+             f"request {settings.max_total_len} tokens")  # fmt: skip
     console.print(f"[bold]prefix[/bold]: {settings.model_dir or settings.model}, {settings.conversations} conversations x "
                   f"{settings.turns} turns, with and without the prefix cache (compiling first) ...")  # fmt: skip
     t0 = time.perf_counter()
     try:
         result = run_prefix(settings, progress)
     except (PrefixTooLarge, OSError, ValueError) as exc:
-        raise _Fail(str(exc)) from None
+        raise _naming(exc, flags) from None
     result["wall_s"] = time.perf_counter() - t0
     console.print(report.prefix_table(result))
     for line in report.prefix_notes(result):
@@ -311,16 +417,20 @@ def _cmd_prefix(args, console, progress) -> dict:
 def _cmd_swap(args, console, progress) -> dict:
     from benchmarks.swap import SwapSettings, SwapTooLarge, run_swap, swap_notes, swap_table
 
-    if args.model_dir and not os.path.isdir(args.model_dir):
-        raise _Fail(f"--model-dir {args.model_dir!r} is not a folder")
     settings = SwapSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SwapSettings)})
+    _model_config(args, settings.max_total_len, f"--prompt-len {args.prompt_len} (+ up to half of it) + --new-tokens "
+                                                f"{args.new_tokens}")  # fmt: skip
+    _check_host_tokens(4 * args.requests * settings.max_total_len, f"--requests {args.requests} of up to "
+                       f"{settings.max_total_len} tokens (prompts, and the tokens of three modes)", "lower --requests")
+    flags = (f"--batch {args.batch}, --page-size {args.page_size}, --num-pages {args.num_pages}, --host-pages "
+             f"{args.host_pages}, longest request {settings.max_total_len} tokens")  # fmt: skip
     console.print(f"[bold]swap[/bold]: {settings.model_dir or settings.model}, {settings.requests} requests under memory "
                   "pressure: recompute vs swap to a host tier (compiling first) ...")  # fmt: skip
     t0 = time.perf_counter()
     try:
         result = run_swap(settings, progress)
     except (SwapTooLarge, OSError, ValueError) as exc:
-        raise _Fail(str(exc)) from None
+        raise _naming(exc, flags) from None
     result["wall_s"] = time.perf_counter() - t0
     console.print(swap_table(result))
     for line in swap_notes(result):
@@ -341,12 +451,18 @@ def _cmd_serve(args, console, progress) -> dict:
                                                       short_len=args.arrivals_short_len, long_len=args.arrivals_long_len,
                                                       long_every=args.arrivals_long_every),
                              arrivals_only=args.arrivals_only)  # fmt: skip
-    if not 0 < args.arrivals_load <= 10:
-        raise ValueError(f"--arrivals-load={args.arrivals_load} must be in (0, 10]")
+    flags = f"--batch {args.batch}, --prompt-len {args.prompt_len}, --new-tokens {args.new_tokens}"
+    try:
+        settings.validate()
+    except ValueError as exc:  # memory.TooLarge included; a layout's own refusal names no flag
+        raise _naming(exc, flags) from None
     what = ("Poisson arrivals, mixed steps vs separate prefill" if args.arrivals_only else
             "generate's loop vs its bare jitted step, tiny model; Poisson arrivals, mixed vs separate")  # fmt: skip
     console.print(f"[bold]serve[/bold]: {what} (compiling first) ...")
-    result = run_serve(settings, progress)
+    try:
+        result = run_serve(settings, progress)
+    except ValueError as exc:  # as the other subcommands: a size the checks above missed
+        raise _naming(exc, flags) from None
     for line in serve_lines(result):
         print(line)
     console.print(f"  ({result['wall_s']:.0f} s)")
@@ -466,6 +582,8 @@ def _cmd_kernels(args, console, progress) -> dict:
         raise _Fail(f"this kernel benchmark does not take {', '.join('--' + k.replace('_', '-') for k in unknown)}")
     settings = {k: p.default for k, p in params.items() if p.default is not inspect.Parameter.empty}
     settings.update(kwargs)
+    if "num_q_heads" in settings and settings["num_q_heads"] % settings["num_kv_heads"]:
+        raise _Fail(f"--num-q-heads {settings['num_q_heads']} must be a multiple of --num-kv-heads {settings['num_kv_heads']}")
     _check_kernel_memory(settings)
     if "progress" in params:
         kwargs["progress"] = progress
@@ -500,9 +618,29 @@ def _cmd_kernels(args, console, progress) -> dict:
     return result
 
 
+ACCURACY_PROMPT_MAX = 20  # benchmarks.accuracy.model_accuracy's prompts: 5, 13, 20 and 11 tokens
+
+
+def _check_attention_memory(batch: int, context: int, q_heads: int, kv_heads: int, head_dim: int) -> None:
+    """The attention test's K/V on the host (float32, their float64 copies repeated over the query
+    heads for the exact attention, its scores) and on the device (float32 K/V and an arena), an
+    estimate, checked before they are drawn."""
+    from models.memory import TooLarge, check_fits, host_memory_limit
+
+    kv = batch * context * kv_heads * head_dim
+    host = {"K/V (float32)": 2 * kv * 4, "float64 K/V for the exact attention": 2 * kv * 8 + 2 * kv * 8 * (q_heads // kv_heads),
+            "scores (float64)": 2 * batch * q_heads * context * 8}  # fmt: skip
+    flags = f"--batch {batch}, --context {context}, --heads {q_heads},{kv_heads},{head_dim}"
+    try:
+        check_fits(host, limit=host_memory_limit(), hint="lower --batch, --context or --heads")
+        check_fits({"K/V and a float32 arena": 4 * kv * 4}, hint="lower --batch, --context or --heads")
+    except TooLarge as exc:
+        raise _Fail(f"{flags}: {exc}") from None
+
+
 def _cmd_accuracy(args, console, progress) -> dict:
-    from benchmarks.accuracy import (FORMATS, AccuracySettings, _model_runs, format_attention_table, format_model_table,
-                                     run_accuracy, split_format)
+    from benchmarks.accuracy import (FORMATS, PARITY_CONFIGS, AccuracySettings, _model_runs, format_attention_table,
+                                     format_model_table, run_accuracy, split_format)
 
     settings_formats = lambda text: tuple(f for f in text.split(",") if f)  # noqa: E731
 
@@ -513,9 +651,18 @@ def _cmd_accuracy(args, console, progress) -> dict:
         q_heads, kv_heads, head_dim = (int(x) for x in args.heads.split(","))
     except ValueError:
         raise _Fail(f"--heads {args.heads!r}: three integers Q,KV,D") from None
-    if q_heads < 1 or kv_heads < 1 or q_heads % kv_heads or head_dim % 32 or not 0 <= args.outliers <= head_dim:
+    if q_heads < 1 or kv_heads < 1 or q_heads % kv_heads or head_dim < 32 or head_dim % 32 or args.outliers * kv_heads > head_dim:
         raise _Fail(f"--heads {args.heads} --outliers {args.outliers}: query heads a multiple of KV heads, head_dim "
-                    "a multiple of 32 (int4 groups), 0 <= outliers <= head_dim")
+                    "a positive multiple of 32 (int4 groups), outliers x KV heads <= head_dim (the outlier channels "
+                    "are drawn distinct across the KV heads)")
+    if not args.skip_attention:
+        _check_attention_memory(args.batch, args.context, q_heads, kv_heads, head_dim)
+    longest = ACCURACY_PROMPT_MAX + args.new_tokens  # the end-to-end test's longest prompt + its new tokens
+    positions = min(make().max_position_embeddings for make in PARITY_CONFIGS.values())
+    if not args.skip_models and longest > positions:
+        raise _Fail(f"--new-tokens {args.new_tokens}: the end-to-end test's longest prompt ({ACCURACY_PROMPT_MAX} tokens) "
+                    f"+ {args.new_tokens} = {longest} tokens exceed its models' max_position_embeddings {positions}: "
+                    f"at most {positions - ACCURACY_PROMPT_MAX}")
     names = tuple(o for o in args.key_options.split(",") if o)
     if not names or any(o not in ("plain", "rot", "smooth", "smooth+rot", "rot+smooth") for o in names):
         raise _Fail(f"--key-options {args.key_options!r}: one or more of plain, rot, smooth, smooth+rot")
@@ -523,8 +670,6 @@ def _cmd_accuracy(args, console, progress) -> dict:
     formats = settings_formats(args.formats)
     if not formats or any(f not in FORMATS for f in formats):
         raise _Fail(f"--formats {args.formats!r}: one or more of {', '.join(FORMATS)}")
-    if not (math.isfinite(args.model_key_outliers) and args.model_key_outliers > 0):
-        raise _Fail(f"--model-key-outliers {args.model_key_outliers}: a finite number > 0 (1: the models as drawn)")
     try:
         for fmt in settings_formats(args.model_formats):
             split_format(fmt)
@@ -606,6 +751,47 @@ def _tour(args, console, progress) -> dict:
     return {"layout": layout, "capacity": capacity, "decode": decode}
 
 
+# ---- flags the run would ignore ------------------------------------------------------------------------
+
+KERNEL_TIMING_FLAGS = ("batches", "contexts", "page_size", "repeats", "num_q_heads", "num_kv_heads", "head_dim", "dtype",
+                       "plot")  # fmt: skip
+KERNEL_REPORT_FLAGS = ("via", "only", "target", "steps")
+ATTENTION_FLAGS = ("context", "batch", "outliers", "heads", "backends", "formats", "key_options")
+MODEL_FLAGS = ("new_tokens", "model_formats", "model_key_outliers", "model_outlier_queries")
+SERVE_STEP_FLAGS = ("batch", "prompt_len", "new_tokens", "chunk", "cold_layers", "rounds", "layers", "no_compile_cache_runs")
+SERVE_ARRIVAL_FLAGS = ("arrivals_model", "arrivals_rounds", "arrivals_short_len", "arrivals_long_len",
+                       "arrivals_long_every", "arrivals_load")  # fmt: skip
+
+
+def _check_combinations(command: str, args, parser) -> None:
+    """Flags that contradict each other, or that the run would drop without a word: usage errors."""
+    if command in ("decode", "prefix", "swap") and args.model_dir:
+        _ignored(args, parser, ("model", "num_layers"), "with --model-dir (the checkpoint is the model)")
+    if command == "kernels":
+        if args.compile_report:
+            _ignored(args, parser, KERNEL_TIMING_FLAGS, "with --compile-report (it compiles the kernels' own variants)")
+            if args.steps and args.target == "sm90":
+                raise _Fail("--steps compiles the TPU model steps: give it with --target tpu-v5e or tpu-v6e")
+            if args.target != "sm90":
+                _ignored(args, parser, ("via",), f"with --target {args.target} (it picks the sm_90a compiler)")
+        else:
+            _ignored(args, parser, KERNEL_REPORT_FLAGS, "without --compile-report")
+    elif command == "accuracy":
+        if args.skip_models and args.skip_attention:
+            raise _Fail("--skip-models with --skip-attention measures nothing")
+        if args.skip_attention:
+            _ignored(args, parser, ATTENTION_FLAGS, "with --skip-attention")
+        if args.skip_models:
+            _ignored(args, parser, MODEL_FLAGS, "with --skip-models")
+        if args.model_key_outliers == 1.0:
+            _ignored(args, parser, ("model_outlier_queries",), "without --model-key-outliers (other than 1)")
+    elif command == "serve":
+        if args.arrivals_only:
+            _ignored(args, parser, SERVE_STEP_FLAGS, "with --arrivals-only")
+        if args.arrivals_requests == 0:
+            _ignored(args, parser, SERVE_ARRIVAL_FLAGS, "with --arrivals-requests 0 (no arrivals run)")
+
+
 # ---- main ------------------------------------------------------------------------------------------
 
 
@@ -622,6 +808,10 @@ def main(argv=None) -> int:
         why = _unwritable(path) if path else None
         if why:
             sub_parser.error(f"--{flag} {path}: cannot write there ({why})")
+    try:
+        _check_combinations(command, args, sub_parser)
+    except _Fail as exc:
+        sub_parser.error(str(exc))
 
     from benchmarks import report
 

@@ -390,6 +390,80 @@ def test_write_probe_leaves_nothing_behind(tmp_path, capsys):
     assert existing.read_text() == "{}"  # probed without truncating
 
 
+def test_capacity_refuses_a_page_longer_than_the_sequence(capsys):
+    """Issue 37: `--page-size 3000` (past --max-seq-len 2048) ran and reported a meaningless 13% utilization."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["capacity", "--page-size", "3000", "--no-progress"])
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert "arena-bench capacity: error: --page-size 3000 is longer than --max-seq-len 2048" in captured.err
+    assert "capacity: serving" not in captured.out  # refused before any work
+
+
+def test_capacity_refuses_lengths_longer_than_the_sequence(tmp_path, capsys):
+    """Issue 37: a --lengths prompt of --max-seq-len tokens or more was cut to max_seq_len - 1 (another request);
+    refused, naming the file, the flag and the first such request. Outputs past it are still cut, counted and
+    reported (test_capacity_replays_lengths_file)."""
+    f = tmp_path / "long.csv"
+    f.write_text("prompt_len,output_len\n30,40\n256,10\n900,5\n")
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["capacity", *CAPACITY, "--lengths", str(f), "--no-progress"])
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert (f"--lengths {f}: 2 of 3 requests have a prompt of --max-seq-len 256 tokens or more (request 2: 256 tokens)"
+            in captured.err)  # fmt: skip
+    assert "capacity: serving" not in captured.out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["capacity", "--rate", "inf"], r"--rate: expected 'auto' or a finite number of requests per step >= 0, got 'inf'"),
+        (["capacity", "--rate", "1e-300"], r"--rate 1e-300: 100 requests arrive over ~9.9e\+301 steps, past the simulation's int32"),
+        (["decode", "--new-tokens", "600", "--hf", "off"],
+         "--prompt-len 32 \\+ --new-tokens 600 = 632 tokens exceed the model's max_position_embeddings 512"),
+        (["decode", "--model-dir", "/nonexistent", "--num-layers", "2"], "--num-layers has no effect with --model-dir"),
+        (["decode", "--hf-threads", "100000"], r"--hf-threads: expected an integer in \[1, \d+\]"),
+        (["prefix", "--page-size", "2147483647"], "--batch 4, --page-size 2147483647, .*: .*int32"),  # the layout's words
+        (["swap", "--prompt-len", "600"], r"--prompt-len 600 \(\+ up to half of it\) \+ --new-tokens 64 = 964 tokens exceed"),
+        (["kernels", "--target", "tpu-v5e"], "--target has no effect without --compile-report"),
+        (["kernels", "--compile-report", "--batches", "8"], "--batches has no effect with --compile-report"),
+        (["kernels", "--compile-report", "--steps"], "--steps compiles the TPU model steps: give it with --target"),
+        (["kernels", "--num-q-heads", "6", "--num-kv-heads", "4"], "--num-q-heads 6 must be a multiple of --num-kv-heads 4"),
+        (["accuracy", "--skip-models", "--skip-attention"], "--skip-models with --skip-attention measures nothing"),
+        (["accuracy", "--skip-models", "--new-tokens", "8"], "--new-tokens has no effect with --skip-models"),
+        (["accuracy", "--model-outlier-queries", "loud"], "--model-outlier-queries has no effect without --model-key-outliers"),
+        (["accuracy", "--new-tokens", "300"], "--new-tokens 300: .* exceed its models' max_position_embeddings 256: at most 236"),
+        (["accuracy", "--heads", "4,2,0", "--outliers", "0"], "head_dim a positive multiple of 32"),
+        (["accuracy", "--heads", "4,2,32", "--outliers", "32"], "outliers x KV heads <= head_dim"),  # was numpy's error
+        (["prefix", "--conversations", "1000000000"], r"--conversations 1000000000 x --turns 3 .*: needs .* this host"),
+        (["swap", "--requests", "1000000000"], r"--requests 1000000000 of up to 352 tokens .*: needs .* this host"),
+        (["capacity", "--watermark", "0.9", *CAPACITY], r"--watermark 0.9 keeps 57 of the budget's 64 pages free .* could "
+                                                        "never be admitted"),  # was a RuntimeError: livelock
+        (["accuracy", "--context", "2000000000"], r"--batch 4, --context 2000000000, --heads 32,8,128: needs .* this host"),
+        (["serve", "--arrivals-only", "--arrivals-requests", "0"], "--arrivals-only with --arrivals-requests 0 measures nothing"),
+        (["serve", "--arrivals-only", "--batch", "2"], "--batch has no effect with --arrivals-only"),
+        (["serve", "--new-tokens", "8"], "--new-tokens 8 leaves 7 decode steps, fewer than the 16 the timing needs"),
+        # was a StatisticsError (no decode-only iteration of generate's to time) after a minute of work:
+        (["serve", "--new-tokens", "9", "--chunk", "1"], "--new-tokens 9 leaves 8 decode steps, fewer than the 9"),
+        (["serve", "--prompt-len", "2"], "--prompt-len 2: at least 3"),
+        (["serve", "--prompt-len", "500"], "--prompt-len 500 \\+ --new-tokens 128 = 628 tokens exceed the tiny model's"),
+        (["serve", "--arrivals-long-len", "500"], "--arrivals-long-len 500, .* exceed the tiny model's max_position_embeddings"),
+        (["serve", "--cold-layers", "2000000000"], r"needs .* --cold-layers 2000000000: weights"),
+    ],
+    ids=lambda x: " ".join(x) if isinstance(x, list) else "",
+)  # fmt: skip
+def test_inconsistent_flags_are_usage_errors(argv, message, capsys):
+    """Issue 37: flags that reached a traceback, were dropped without a word, or sized a run past
+    its model, each refused before any work with a message naming the flag and the limit."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main([*argv, "--no-progress"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"arena-bench {argv[0]}: error:" in err and "Traceback" not in err
+    assert re.search(message, err), err
+
+
 def test_bad_lengths_file(tmp_path, capsys):
     f = tmp_path / "bad.csv"
     f.write_text("prompt_len,output_len\n10,20\n10,abc\n")
@@ -492,6 +566,12 @@ def test_serve_arrivals():
     assert res["arrival_rate_per_s"] > 0 and "TTFT p99" in "\n".join(arrival_lines(res))
 
 
-def test_serve_refuses_a_bad_load(tmp_path):
-    with pytest.raises(ValueError, match=r"--arrivals-load=0.0 must be in \(0, 10\]"):
-        _run(["serve", "--arrivals-only", "--arrivals-load", "0"], tmp_path)
+@pytest.mark.parametrize("load", ["0", "nan", "-1", "inf", "11"])
+def test_serve_refuses_a_bad_load(load, capsys):
+    """Issue 37: `serve --arrivals-load 0` / `nan` ended in a traceback; a usage error now, before any work."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["serve", "--arrivals-only", "--arrivals-load", load, "--no-progress"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"arena-bench serve: error: argument --arrivals-load: expected a finite number in (0, 10], got {load}" in err
+    assert "Traceback" not in err
