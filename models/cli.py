@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 
 from models.argtypes import MAX_DECODE_BLOCK, float_in, int_in, non_negative_float, positive_int, seed
@@ -32,6 +33,7 @@ CACHE_ENV = "ARENA_JAX_COMPILE_CACHE"
 TINY_MODELS = {"tiny": "llama", "tiny-mistral": "mistral", "tiny-qwen2": "qwen2", "tiny-qwen3": "qwen3",
                "tiny-gemma2": "gemma2", "tiny-gemma3": "gemma3_text"}  # fmt: skip
 HOST_BYTES_PER_TOKEN = 64  # a token id held in the host's Python lists (list slot + int object), rounded up
+DEFAULT_CACHE = os.path.join("~", ".cache", "arena-jax", "xla")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,10 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the KV arena's dtype (default: --dtype); int8 / float8_* store 8-bit values + a float32 scale "
                         "per token and KV head, quantized on write")  # fmt: skip
     p.add_argument(
-        "--compile-cache",
-        default=os.environ.get(CACHE_ENV, os.path.join(os.path.expanduser("~"), ".cache", "arena-jax", "xla")),
-        help=f"JAX persistent compilation cache folder, so later runs skip compiling (default ${CACHE_ENV} or %(default)s)",
-    )
+        "--compile-cache", metavar="DIR",
+        help=f"JAX persistent compilation cache folder, so later runs skip compiling; created if missing, refused if it "
+             f"cannot be written (default ${CACHE_ENV}, empty: none, or {DEFAULT_CACHE})",
+    )  # fmt: skip
     p.add_argument("--no-compile-cache", action="store_true", help="do not use a persistent compilation cache")
     p.add_argument("--mixed-steps", action="store_true",
                    help="feed prompt chunks together with the decoding rows' tokens, one call per step")  # fmt: skip
@@ -83,10 +85,39 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _enable_compile_cache(path: str) -> None:
+def _compile_cache(args, parser) -> str | None:
+    """The compilation cache folder to use (None: none): --compile-cache, else $ARENA_JAX_COMPILE_CACHE
+    (empty: none), else ~/.cache/arena-jax/xla; created here, refused unless a file can be written
+    in it (JAX itself only warns, then compiles every run again)."""
+    if args.no_compile_cache:
+        if args.compile_cache is not None:
+            parser.error(f"--compile-cache {args.compile_cache} and --no-compile-cache: give one")
+        return None
+    if args.compile_cache is not None:
+        path, flag = args.compile_cache, "--compile-cache"
+        if not path:
+            parser.error("--compile-cache '': an empty folder name (--no-compile-cache: no cache)")
+    elif CACHE_ENV in os.environ:
+        path, flag = os.environ[CACHE_ENV], f"${CACHE_ENV} (the default --compile-cache)"
+        if not path:
+            return None
+    else:
+        path, flag = os.path.expanduser(DEFAULT_CACHE), "the default --compile-cache"
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):  # really written (as root, os.access says yes to read-only mounts)
+            pass
+    except OSError as exc:
+        parser.error(f"{flag} {path!r}: cannot write a compilation cache there ({exc.strerror or exc}); "
+                     "--no-compile-cache runs without one")
+    return path
+
+
+def _enable_compile_cache(path: str, given: bool = False) -> None:
+    """Use `path`; unless `given` (--compile-cache), a folder the user configured JAX with wins."""
     import jax
 
-    if jax.config.jax_compilation_cache_dir:  # the user configured one already
+    if jax.config.jax_compilation_cache_dir and not given:  # the user configured one already
         return
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
@@ -95,6 +126,12 @@ def _enable_compile_cache(path: str) -> None:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    cache_dir = _compile_cache(args, parser)
+    if args.model_dir and args.model != parser.get_default("model"):
+        parser.error(f"--model {args.model} has no effect with --model-dir (the checkpoint is the model)")
+    if args.token_budget is not None and not args.mixed_steps:
+        parser.error(f"--token-budget {args.token_budget} needs --mixed-steps (token_budget is the mixed steps' size: "
+                     "give it with mixed_steps=True)")
 
     import jax.numpy as jnp
 
@@ -116,6 +153,11 @@ def main(argv=None) -> int:
     vocab = config.vocab_size
     if args.top_k is not None and args.top_k > vocab:
         parser.error(f"--top-k {args.top_k} exceeds the model's vocab_size {vocab}")
+    if args.temperature == 0:
+        given = [f for f, v in (("--top-k", args.top_k), ("--top-p", args.top_p)) if v is not None]
+        if given:
+            parser.error(f"{' and '.join(given)} {'has' if len(given) == 1 else 'have'} no effect at --temperature 0 "
+                         "(greedy): give --temperature > 0 to sample")
     if tokenizer is not None:
         prompt = tokenizer.encode(args.prompt).ids
     else:
@@ -149,6 +191,11 @@ def main(argv=None) -> int:
         except ValueError as exc:  # memory.TooLarge included: the bucket failing falls back to the exact length
             if i + 1 == len(lengths):
                 parser.error(f"{sizes}: {exc}")
+    chunk_size = min(args.chunk_size, layout.max_seq_len)  # generate's: no sequence is longer
+    if args.mixed_steps and args.token_budget is not None and args.token_budget < args.batch + chunk_size:
+        parser.error(f"--token-budget {args.token_budget}: token_budget={args.token_budget} must hold the batch's decode "
+                     f"tokens (--batch {args.batch}) plus at least one prompt chunk (--chunk-size {chunk_size}): at least "
+                     f"{args.batch + chunk_size}")
     if layout.pages_for(total) > layout.num_pages:  # before any compile, in the user's own flags
         parser.error(
             f"--num-pages {layout.num_pages} x --page-size {layout.page_size} = {layout.token_capacity} tokens cannot "
@@ -175,12 +222,12 @@ def main(argv=None) -> int:
     else:
         model = models.init_random(config, seed=args.seed, dtype=dtype, scan_layers=not args.no_scan_layers)
     prompts = [prompt] * num_prompts
-    if not args.no_compile_cache:  # only once the arguments and the model are known to be good
-        _enable_compile_cache(args.compile_cache)
+    if cache_dir is not None:  # only once the arguments and the model are known to be good
+        _enable_compile_cache(cache_dir, given=args.compile_cache is not None)
     try:
         kwargs = dict(
             batch_size=args.batch,
-            chunk_size=min(args.chunk_size, layout.max_seq_len),
+            chunk_size=chunk_size,
             layout=layout,
             temperature=args.temperature,
             top_k=args.top_k,

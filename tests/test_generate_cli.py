@@ -1,0 +1,77 @@
+"""`arena-generate`'s flags refused before any work (issue 37): the compilation cache folder,
+flags a greedy or non-mixed run would ignore, --model beside --model-dir. The model is never
+built (`models.init_random` fails the test if called), so nothing compiles."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import models
+from models import cli as generate_cli
+
+
+class _ReachedWork(Exception):
+    pass
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    monkeypatch.setattr(models, "init_random", lambda *a, **k: pytest.fail("the model was built"))
+    monkeypatch.setattr(generate_cli, "_enable_compile_cache", lambda *args, **kwargs: None)  # never this process's JAX
+
+
+def _generate_error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exc:
+        generate_cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "arena-generate: error:" in err and "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize("path", ["/proc/no/cache", "/proc/version", "{tmp}/file", "{tmp}/file/cache"])
+def test_refuses_an_unwritable_compile_cache(path, tmp_path, capsys, monkeypatch, no_model):
+    """Issue 37: `arena-generate --compile-cache <unwritable>` was ignored without a word (JAX warns at
+    most, then compiles every run again). Refused before any work, naming the flag and the way out."""
+    (tmp_path / "file").write_text("")
+    path = path.replace("{tmp}", str(tmp_path))
+    err = _generate_error(["--compile-cache", path], capsys)
+    assert f"--compile-cache {path!r}: cannot write a compilation cache there" in err and "--no-compile-cache" in err
+    monkeypatch.setenv(generate_cli.CACHE_ENV, path)  # the default, from the environment: the same
+    assert f"${generate_cli.CACHE_ENV} (the default --compile-cache) {path!r}: cannot write" in _generate_error([], capsys)
+
+
+def test_creates_a_missing_compile_cache_folder(tmp_path, capsys, monkeypatch, no_model):
+    """A writable path in missing folders is created (and then used); --no-compile-cache beside
+    --compile-cache contradicts it; an empty $ARENA_JAX_COMPILE_CACHE is no cache."""
+    folder = tmp_path / "new" / "deeper"
+
+    def reached(*args, **kwargs):
+        raise _ReachedWork
+
+    monkeypatch.setattr(models, "init_random", reached)
+    with pytest.raises(_ReachedWork):
+        generate_cli.main(["--compile-cache", str(folder)])
+    assert folder.is_dir() and list(folder.iterdir()) == []  # the write probe left nothing behind
+    err = _generate_error(["--compile-cache", str(folder), "--no-compile-cache"], capsys)
+    assert f"--compile-cache {folder} and --no-compile-cache: give one" in err
+    monkeypatch.setenv(generate_cli.CACHE_ENV, "")
+    assert generate_cli._compile_cache(generate_cli.build_parser().parse_args([]), None) is None
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--top-k", "5"], "--top-k has no effect at --temperature 0 \\(greedy\\)"),
+        (["--top-p", "0.9", "--top-k", "3"], "--top-k and --top-p have no effect at --temperature 0"),
+        (["--token-budget", "40"], "--token-budget 40 needs --mixed-steps"),
+        (["--model-dir", "/nonexistent", "--model", "tiny-gemma2"], "--model tiny-gemma2 has no effect with --model-dir"),
+        (["--mixed-steps", "--token-budget", "5", "--batch", "4", "--chunk-size", "8"],
+         r"--token-budget 5: .* \(--batch 4\) plus at least one prompt chunk \(--chunk-size 8\): at least 12"),
+    ],
+    ids=lambda x: " ".join(x) if isinstance(x, list) else "",
+)  # fmt: skip
+def test_refuses_flags_it_would_ignore_before_any_work(argv, message, capsys, no_model):
+    err = _generate_error([*argv, "--no-compile-cache"], capsys)
+    assert re.search(message, err), err
