@@ -256,6 +256,20 @@ def _cmd_capacity(args, console, progress) -> dict:
     return result
 
 
+def _check_depth(model: str, num_layers: int) -> None:
+    """--num-layers' weights (at 2 bytes a parameter: a lower bound) must fit the device before the
+    config is made: a mixed-layer preset builds its layer pattern per layer (1e9 entries: minutes)."""
+    from benchmarks.presets import preset
+    from models.memory import TooLarge, check_fits
+
+    one, two = preset(model).with_num_layers(1), preset(model).with_num_layers(2)
+    params = one.num_params() + (num_layers - 1) * (two.num_params() - one.num_params())
+    try:
+        check_fits({f"weights ({num_layers:,} layers, at 2 bytes a parameter at least)": 2 * params}, hint="lower --num-layers")
+    except TooLarge as exc:
+        raise _Fail(f"--num-layers {num_layers}: {model} {exc}") from None
+
+
 def _model_config(args, tokens: int, what: str):
     """The model's config and dtype (--model / --model-dir, --num-layers, --dtype), read before any
     work; `tokens` (the longest sequence, `what` says of which flags) must fit its positions."""
@@ -263,6 +277,8 @@ def _model_config(args, tokens: int, what: str):
 
     if args.model_dir and not os.path.isdir(args.model_dir):
         raise _Fail(f"--model-dir {args.model_dir!r} is not a folder")
+    if not args.model_dir and args.num_layers:
+        _check_depth(args.model, args.num_layers)
     try:
         cfg, dtype = config_and_dtype(args)
     except (OSError, ValueError) as exc:  # a missing or invalid config.json, a depth the preset refuses

@@ -423,6 +423,8 @@ def test_capacity_refuses_lengths_longer_than_the_sequence(tmp_path, capsys):
         (["decode", "--new-tokens", "600", "--hf", "off"],
          "--prompt-len 32 \\+ --new-tokens 600 = 632 tokens exceed the model's max_position_embeddings 512"),
         (["decode", "--model-dir", "/nonexistent", "--num-layers", "2"], "--num-layers has no effect with --model-dir"),
+        # was minutes building a layer pattern of 1e9 entries (tests/test_cli_fuzz.py's deadline caught it):
+        (["prefix", "--model", "tiny-gemma3", "--num-layers", "1000000000"], r"--num-layers 1000000000: tiny-gemma3 needs"),
         (["decode", "--hf-threads", "100000"], r"--hf-threads: expected an integer in \[1, \d+\]"),
         (["prefix", "--page-size", "2147483647"], "--batch 4, --page-size 2147483647, .*: .*int32"),  # the layout's words
         (["swap", "--prompt-len", "600"], r"--prompt-len 600 \(\+ up to half of it\) \+ --new-tokens 64 = 964 tokens exceed"),
