@@ -70,12 +70,19 @@ GREEDY = Sampling()
 def filter_logits(logits, params: SamplingParams | Sampling):
     """Temperature, then top-k, then top-p on f32[B, V]; removed entries become -inf.
 
+    Each row is shifted by its largest logit before the temperature divides it (the same
+    distribution), so a tiny temperature (1e-38) gives -inf to every token below the largest
+    instead of overflowing to inf: it samples the argmax (ties among equal largest logits).
     Rows with temperature 0 are returned unscaled (they are sampled greedily)."""
     if isinstance(params, Sampling):
         params = params.rows(logits.shape[0])
     vocab = logits.shape[-1]
-    temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
-    logits = logits.astype(jnp.float32) / temperature
+    positive = params.temperature > 0
+    temperature = jnp.where(positive, params.temperature, 1.0)[:, None]
+    logits = logits.astype(jnp.float32)
+    top = jnp.max(jnp.where(jnp.isfinite(logits), logits, -jnp.inf), axis=-1, keepdims=True)
+    shift = jnp.where(positive[:, None] & jnp.isfinite(top), top, 0.0)
+    logits = (logits - shift) / temperature
     ordered = -jnp.sort(-logits, axis=-1)  # [B, V] descending
     k = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab)[:, None]  # [B, 1]
     kth = jnp.take_along_axis(ordered, k - 1, axis=-1)

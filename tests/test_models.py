@@ -357,6 +357,16 @@ def test_a_top_p_that_keeps_no_token_keeps_the_argmax(model, small_layout, promp
     assert out.tokens == greedy.tokens
 
 
+def test_a_tiny_temperature_samples_the_argmax(model, small_layout, prompts, greedy):
+    """temperature=2e-38 (a normal float32) overflowed logits / temperature to inf (the two
+    largest tied, NaN probabilities): the logits are shifted by their row's largest first, so
+    it samples the argmax."""
+    logits = jnp.asarray([[10.0, 30.0, 25.0, -10.0]], jnp.float32)
+    out = np.asarray(_filter(logits, models.Sampling(2e-38).rows(1)))[0]
+    assert np.isneginf(out[[0, 2, 3]]).all() and out[1] == 0.0
+    assert _run(model, small_layout, prompts, temperature=2e-38).tokens == greedy.tokens
+
+
 def test_generate_names_a_missing_model_or_prompts(model):
     with pytest.raises(ValueError, match="model must be a models.Llama .*got NoneType"):
         models.generate(None, [[1, 2]], 4)
