@@ -256,16 +256,18 @@ def _cmd_capacity(args, console, progress) -> dict:
     return result
 
 
-def _check_depth(model: str, num_layers: int) -> None:
-    """--num-layers' weights (at 2 bytes a parameter: a lower bound) must fit the device before the
-    config is made: a mixed-layer preset builds its layer pattern per layer (1e9 entries: minutes)."""
+def _check_depth(model: str, num_layers: int, devices: int = 1) -> None:
+    """--num-layers' weights (at 2 bytes a parameter, split over every device of a mesh: a lower
+    bound) must fit a device before the config is made: a mixed-layer preset builds its layer
+    pattern per layer (1e9 entries: minutes)."""
     from benchmarks.presets import preset
     from models.memory import TooLarge, check_fits
 
     one, two = preset(model).with_num_layers(1), preset(model).with_num_layers(2)
     params = one.num_params() + (num_layers - 1) * (two.num_params() - one.num_params())
+    what = f"weights ({num_layers:,} layers, at 2 bytes a parameter at least{f', / {devices} devices' if devices > 1 else ''})"
     try:
-        check_fits({f"weights ({num_layers:,} layers, at 2 bytes a parameter at least)": 2 * params}, hint="lower --num-layers")
+        check_fits({what: 2 * params // devices}, hint="lower --num-layers")
     except TooLarge as exc:
         raise _Fail(f"--num-layers {num_layers}: {model} {exc}") from None
 
@@ -278,7 +280,8 @@ def _model_config(args, tokens: int, what: str):
     if args.model_dir and not os.path.isdir(args.model_dir):
         raise _Fail(f"--model-dir {args.model_dir!r} is not a folder")
     if not args.model_dir and args.num_layers:
-        _check_depth(args.model, args.num_layers)
+        mesh = getattr(args, "mesh", None)  # decode's (dp, tp)
+        _check_depth(args.model, args.num_layers, mesh[0] * mesh[1] if mesh else 1)
     try:
         cfg, dtype = config_and_dtype(args)
     except (OSError, ValueError) as exc:  # a missing or invalid config.json, a depth the preset refuses
