@@ -125,10 +125,10 @@ def _first_uses(pages, use, num_pages: int):
 
 
 def _same_arena(cache: KVCache, host: HostArena):
-    """bool[]: the host tier was made for this cache's arena (every row is refused otherwise). A
-    host tier recording no arena (built by hand for a compile-only benchmark) is not compared."""
+    """bool[]: the host tier was made for this cache's arena (every row is refused otherwise,
+    and for a host tier that records no arena: `check_pair` refuses one before any trace)."""
     if host.arena_id is None:
-        return jnp.bool_(True)
+        return jnp.bool_(False)
     return host.arena_id == cache.table.arena_id
 
 

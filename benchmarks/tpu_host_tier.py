@@ -66,7 +66,9 @@ def compile_host_op(op: str, dtype: str = "bfloat16", num_layers: int = 2, targe
         pages[name] = jax.ShapeDtypeStruct(shape, host_dtype, sharding=NamedSharding(mesh, host_spec, memory_kind="pinned_host"))
     everywhere = NamedSharding(mesh, PartitionSpec())
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=everywhere)  # noqa: E731
-    host = HostArena(pages=pages, held=i32(host_pages), host_id=i32(), sharding=cache.sharding)
+    factors = cache.key_factors  # (the cache's own abstract factors: the host tier records a copy of them)
+    host = HostArena(pages=pages, held=i32(host_pages), host_id=i32(), sharding=cache.sharding, arena_id=i32(),
+                     key_factors=factors, layout=layout)
     rows = {
         "swap_out_rows": (i32(ROWS), i32(ROWS, layout.max_pages_per_seq)),  # slots, host pages
         "swap_in_rows": (i32(ROWS, layout.max_pages_per_seq), i32(ROWS), i32(ROWS)),  # host pages, tokens, dst
