@@ -330,6 +330,16 @@ def test_bad_flags_exit_cleanly(argv, capsys):
     assert "error:" in err and "Traceback" not in err
 
 
+def _is_usage_error(argv, message, capsys):
+    """arena-bench ARGV exits 2 with a usage error matching `message`, no traceback."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main([*argv, "--no-progress"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"arena-bench {argv[0]}: error:" in err and "Traceback" not in err
+    assert re.search(message, err), err
+
+
 # Numbers that used to overflow (float -> int, int32 wraps) or allocate terabytes before failing
 # with a traceback: each is a usage error naming the flag and the limit, before any run.
 @pytest.mark.parametrize(
@@ -357,12 +367,7 @@ def test_bad_flags_exit_cleanly(argv, capsys):
     ids=lambda x: " ".join(x) if isinstance(x, list) else "",
 )  # fmt: skip
 def test_absurd_numbers_are_usage_errors(argv, message, capsys):
-    with pytest.raises(SystemExit) as exc:
-        cli.main([*argv, "--no-progress"])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert f"arena-bench {argv[0]}: error:" in err and "Traceback" not in err
-    assert re.search(message, err), err
+    _is_usage_error(argv, message, capsys)
 
 
 @pytest.mark.parametrize("path", ["/proc/version", "/proc/no/such/place.json", "/sys/kernel/arena.json", "."])
@@ -458,12 +463,7 @@ def test_capacity_refuses_lengths_longer_than_the_sequence(tmp_path, capsys):
 def test_inconsistent_flags_are_usage_errors(argv, message, capsys):
     """Issue 37: flags that reached a traceback, were dropped without a word, or sized a run past
     its model, each refused before any work with a message naming the flag and the limit."""
-    with pytest.raises(SystemExit) as exc:
-        cli.main([*argv, "--no-progress"])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert f"arena-bench {argv[0]}: error:" in err and "Traceback" not in err
-    assert re.search(message, err), err
+    _is_usage_error(argv, message, capsys)
 
 
 def test_bad_lengths_file(tmp_path, capsys):
