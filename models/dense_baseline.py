@@ -140,6 +140,9 @@ def dense_generate(
     if isinstance(prompts, (str, bytes)):
         raise ValueError("prompts is a string; pass a list of token-id lists")
     prompts = [token_ids(f"prompts[{i}]", p, model.config.vocab_size) for i, p in enumerate(prompts)]
+    for i, p in enumerate(prompts):
+        if not p:  # (it would be fed as one token 0 at position 0: no prompt to continue)
+            raise ValueError(f"prompts[{i}] is empty")
     if max_new_tokens < 1 or not prompts:
         return [[] for _ in prompts]
     batch = len(prompts)

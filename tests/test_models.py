@@ -380,6 +380,8 @@ def test_the_dense_baseline_refuses_token_ids_outside_the_vocabulary(model):
         models.dense_generate(model, [[1, 2], [3, 4, 128]], 4)
     with pytest.raises(ValueError, match=r"prompts\[0\]\[0\] = -1 is outside \[0, vocab_size=128\)"):
         models.dense_generate(model, [np.asarray([-1, 2], np.int32)], 4)
+    with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):  # as generate refuses it
+        models.dense_generate(model, [[1, 2], []], 4)
 
 
 def test_generate_validation(model, small_layout):
