@@ -188,8 +188,7 @@ def check_pair(cache: KVCache, host) -> None:
     pages matching the cache's per-page arrays, on the cache's mesh, and bound to the cache's
     arena id, layout and key factors (module docstring, "Bound to its cache"). The ids and
     factors are compared where both are concrete (inside a user's jit the ops refuse another
-    arena's rows instead). A HostArena built by hand inside a trace, recording no cache (a
-    compile-only benchmark's, `benchmarks/tpu_host_tier.py`), is checked by its pages only."""
+    arena's rows instead). A HostArena recording no cache is refused."""
     _check_live(host)
     arrays = page_arrays(cache)
     have = {name: (tuple(x.shape), jnp.dtype(x.dtype)) for name, x in host.pages.items()}

@@ -293,13 +293,10 @@ def _model_config(args, tokens: int, what: str):
     return cfg, dtype
 
 
-HOST_BYTES_PER_TOKEN = 64  # a token id in a Python list (list slot + int object), rounded up: as arena-generate's
-
-
 def _check_host_tokens(tokens: int, what: str, hint: str) -> None:
     """The workload's token ids, held in Python lists, must fit the host (drawn before any check
     of the run's own could see them)."""
-    from models.memory import TooLarge, check_fits, host_memory_limit
+    from models.memory import HOST_BYTES_PER_TOKEN, TooLarge, check_fits, host_memory_limit
 
     try:
         check_fits({f"{tokens:,} token ids in Python lists": tokens * HOST_BYTES_PER_TOKEN}, limit=host_memory_limit(),

@@ -32,7 +32,6 @@ _KV_DTYPES = _DTYPES + ("int8", "float8_e4m3fn", "float8_e5m2")
 CACHE_ENV = "ARENA_JAX_COMPILE_CACHE"
 TINY_MODELS = {"tiny": "llama", "tiny-mistral": "mistral", "tiny-qwen2": "qwen2", "tiny-qwen3": "qwen3",
                "tiny-gemma2": "gemma2", "tiny-gemma3": "gemma3_text"}  # fmt: skip
-HOST_BYTES_PER_TOKEN = 64  # a token id held in the host's Python lists (list slot + int object), rounded up
 DEFAULT_CACHE = os.path.join("~", ".cache", "arena-jax", "xla")
 
 
@@ -136,7 +135,7 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
 
     import models
-    from models.memory import TooLarge, cache_bytes, check_fits, fmt_bytes, host_memory_limit, weight_bytes
+    from models.memory import HOST_BYTES_PER_TOKEN, TooLarge, cache_bytes, check_fits, fmt_bytes, host_memory_limit, weight_bytes
 
     # Everything is checked before a byte is allocated: config, tokenizer, sizes, memory.
     tokenizer = None

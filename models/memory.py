@@ -20,9 +20,11 @@ import numpy as np
 
 import arena_jax as aj
 
-__all__ = ["FRACTION", "Limit", "TooLarge", "memory_limit", "cache_bytes", "weight_bytes", "check_fits", "fmt_bytes"]
+__all__ = ["FRACTION", "HOST_BYTES_PER_TOKEN", "Limit", "TooLarge", "memory_limit", "cache_bytes", "weight_bytes",
+           "check_fits", "fmt_bytes"]
 
 FRACTION = 0.9  # of the limit a run may plan to use (the rest: activations, XLA scratch, the runtime)
+HOST_BYTES_PER_TOKEN = 64  # a token id held in the host's Python lists (list slot + int object), rounded up
 
 
 class TooLarge(ValueError):
