@@ -216,7 +216,8 @@ def test_reference_matches_dense_attention():
     rng = np.random.default_rng(7)  # make_case draws k, v, then q from the same stream
     k, v = (jnp.asarray(rng.standard_normal((1, n, 2, HEAD_DIM)), jnp.float32) for _ in range(2))
     q = case["q"]
-    dense = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    with jax.default_matmul_precision("highest"):  # a GPU's default float32 matmul is TF32
+        dense = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
     np.testing.assert_allclose(np.asarray(attention_ref(**case)), np.asarray(dense), atol=1e-5, rtol=1e-5)
 
 
