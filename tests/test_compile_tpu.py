@@ -195,7 +195,7 @@ INT8_ARENA_RELAYOUT = pytest.mark.xfail(strict=True, reason=(
 
 
 def _host_op_facts(op, dtype, tensor=1):
-    from benchmarks.tpu_host_tier import arena_bytes, compile_host_op
+    from benchmarks.studies.tpu_host_tier import arena_bytes, compile_host_op
 
     compiled, cache, host = compile_host_op(op, dtype, num_layers=2, tensor=tensor)
     size = arena_bytes(cache)  # per device

@@ -10,7 +10,7 @@ The host tier is in its TPU format (an 8-bit arena's pages as 32-bit words,
 (`tpu_compile.module_facts`): XLA's bytes accessed, temp memory, and every copy of an array as
 large as a quarter of a k / v arena.
 
-    python -m benchmarks.tpu_host_tier [--layers 32]
+    python -m benchmarks.studies.tpu_host_tier [--layers 32]
 
 Placement note: the inputs sit on a one-device mesh (`NamedSharding`), not a
 `SingleDeviceSharding`: JAX 0.10 gives a ShapeDtypeStruct the host memory space in its type
