@@ -5,7 +5,7 @@ Here: the CLI (`cli`: `main`, one function per subcommand; `arguments`: its flag
 checks before any work, console, --plot and --json) and each subcommand's measurement (`capacity`
 with `allocators`, `arena_sim`, `workload`; `decode` with `hf_peer`; `kernels` and its compile
 reports `compile_report`, `compile_report_tpu` with `tpu_steps`; `accuracy`; `prefix`; `swap`;
-`serve` with `arrivals`), the output (`report`) and helpers (`presets`, `compile_cache`,
+`serve` with `serve_settings`, `arrivals`), the output (`report`) and helpers (`presets`, `compile_cache`,
 `compile_count`). `studies/`: one-question studies and simulations run as `python -m
 benchmarks.studies.<name>` (some subcommands call one); their old paths (`benchmarks.code_bounds`,
 ...) still name the same modules, imported when asked for.
