@@ -31,7 +31,7 @@ import time
 
 from benchmarks.arguments import GIB, TOUR_CAPACITY, TOUR_DECODE, build_parser, mesh_spec
 from benchmarks.compile_cache import CACHE_ENV, cached_compiles, init_compile_cache  # noqa: F401  (init: kept importable here)
-from benchmarks.runner import _Fail, _ignored, _naming, run
+from benchmarks.runner import _Fail, _naming, run
 from benchmarks.runner import (  # noqa: F401  (moved to runner with main's checks; kept importable here)
     ATTENTION_FLAGS, KERNEL_REPORT_FLAGS, KERNEL_TIMING_FLAGS, MODEL_FLAGS, SERVE_ARRIVAL_FLAGS, SERVE_STEP_FLAGS)
 from benchmarks.serve import serve_command as _cmd_serve
