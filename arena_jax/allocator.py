@@ -260,7 +260,7 @@ def fork_impl(cache: KVCache, src, dst):
 def copies_pages_by_dma(cache) -> bool:
     """Whether `reserve`'s copy-on-write runs the TPU page-copy kernel: lowering for a TPU whose
     kernels take the arena's layout (`_copy_pages`)."""
-    from pallas_kernels.tpu_common import target_platform, tpu_unsupported_reason
+    from pallas_kernels.tpu.common import target_platform, tpu_unsupported_reason
 
     return target_platform() == "tpu" and tpu_unsupported_reason(
         head_dim=cache.k.shape[-1], page_size=cache.k.shape[3], dtype=cache.k.dtype,
@@ -270,11 +270,11 @@ def copies_pages_by_dma(cache) -> bool:
 def _copy_pages(cache, src, dst):
     """Page dst[b] := page src[b] (dst == num_pages: nothing) in every layer and head of the
     arena and an 8-bit arena's scales: (k, v, {scale name: array}). On a TPU whose kernels take
-    the layout, by DMA (`pallas_kernels.tpu_copy_pages`: XLA's TPU layout assignment may
+    the layout, by DMA (`pallas_kernels.tpu.copy_pages`: XLA's TPU layout assignment may
     relayout the arena for a gather + scatter); elsewhere `set_at` (in place for bf16 on CPU too)."""
     arrays = [cache.k, cache.v] + ([] if cache.k_scale is None else [cache.k_scale, cache.v_scale])
     if copies_pages_by_dma(cache):
-        from pallas_kernels.tpu_copy_pages import tpu_copy_pages
+        from pallas_kernels.tpu.copy_pages import tpu_copy_pages
 
         arrays = list(tpu_copy_pages(arrays, src, dst))
     else:

@@ -63,7 +63,7 @@ def default_backend() -> str:
         if chosen not in BACKENDS:
             raise ValueError(f"{BACKEND_ENV}={chosen!r}; expected one of {BACKENDS}")
         return chosen
-    from pallas_kernels.tpu_common import target_platform
+    from pallas_kernels.tpu.common import target_platform
 
     return "pallas" if target_platform() in ("gpu", "tpu") else "xla"
 
@@ -93,7 +93,7 @@ def _resolve_backend(backend: str | None, layout, group: int | None = None, **at
     if chosen in ("reference", "xla"):
         return chosen
     from pallas_kernels import triton_lowering_problem, unsupported_reason
-    from pallas_kernels.tpu_common import target_platform, tpu_unsupported_reason
+    from pallas_kernels.tpu.common import target_platform, tpu_unsupported_reason
 
     if chosen == "pallas" and target_platform() == "tpu":
         chosen = "pallas_tpu"
@@ -119,7 +119,7 @@ def _resolve_backend(backend: str | None, layout, group: int | None = None, **at
 def _resolve_mosaic(layout, group, attend: dict) -> str:
     if group is None:  # append: the reference scatter
         return "mosaic"
-    from pallas_kernels.mosaic_decode import mosaic_unsupported_reason
+    from pallas_kernels.gpu.mosaic_decode import mosaic_unsupported_reason
     from pallas_kernels.quant import is_quantized
 
     reason = mosaic_unsupported_reason(head_dim=layout.head_dim, page_size=layout.page_size, group=group,

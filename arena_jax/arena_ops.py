@@ -74,13 +74,13 @@ def append_impl(cache: KVCache, layer, slots, k, v, num_tokens, backend: str) ->
         k = factors_lib.smooth_keys(k, cache.key_factors[layer_c])
     scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)  # None for float arenas
     if backend == "pallas_tpu":
-        from pallas_kernels.tpu_append import tpu_paged_append
+        from pallas_kernels.tpu.append import tpu_paged_append
 
         # Rotated keys: rotated here as the reference does it (float32), then quantized by the kernel.
         k_in = rotate_rows(k) if cache.rotate_keys else k
         arenas = tpu_paged_append(cache.k, cache.v, layer_c, k_in, v, *kernel_rows, **scales)
     elif backend == "pallas":  # "mosaic" has no append kernel: the reference scatter (XLA's)
-        from pallas_kernels.append import paged_append
+        from pallas_kernels.gpu.append import paged_append
 
         arenas = paged_append(cache.k, cache.v, layer_c, k, v, *kernel_rows, rotate_keys=cache.rotate_keys, **scales)
     else:
@@ -119,18 +119,18 @@ def attend_impl(q, cache: KVCache, layer, slots, num_tokens, backend: str, slidi
     if backend in ("pallas_tpu", "xla") and cache.rotate_keys:  # they take q rotated, as the reference rotates it
         q = rotate_rows(q, q.dtype)
     if backend == "pallas_tpu":
-        from pallas_kernels.tpu_attention import tpu_paged_attention
+        from pallas_kernels.tpu.attention import tpu_paged_attention
 
         return tpu_paged_attention(q, cache.k, cache.v, layer_c, page_map, lengths, n, **kwargs)
     if backend == "xla":  # blocks of pages up to the longest written context
         return paged_attention_blockwise(q, cache.k, cache.v, layer_c, page_map, lengths, n, **kwargs)
     kwargs["rotate_keys"] = cache.rotate_keys  # the GPU kernels and the reference rotate q themselves
     if backend == "pallas":
-        from pallas_kernels.paged_attention import paged_attention
+        from pallas_kernels.gpu.attention import paged_attention
 
         return paged_attention(q, cache.k, cache.v, layer_c, page_map, lengths, n, **kwargs)
     if backend == "mosaic":  # decode only, no window (checked by the caller: api._resolve_backend)
-        from pallas_kernels.mosaic_decode import mosaic_paged_decode
+        from pallas_kernels.gpu.mosaic_decode import mosaic_paged_decode
 
         return mosaic_paged_decode(q, cache.k, cache.v, layer_c, page_map, lengths, n, sm_scale=sm_scale)
     return paged_attention_reference(q, cache.k, cache.v, layer_c, page_map, lengths, n, **kwargs)

@@ -47,7 +47,7 @@ Design, and why.
   form XLA's TPU layout assignment relayouted the whole host tier on the device for every move
   (1 GiB of temp per `swap_in` at the Llama-3-8B geometry); words of 128 lanes slice in their
   own tiling, and page-major rows keep every host slice in one dimension (the only kind XLA's
-  host offloading takes). Compiled for a v5e without a TPU (`benchmarks/tpu_host_tier.py`,
+  host offloading takes). Compiled for a v5e without a TPU (`benchmarks/studies/tpu_host_tier.py`,
   RESULTS "The host tier's page moves on a TPU"); `host_pages_view` reads either form back as
   pages.
 * Bound to its cache, as a prefix index is to its arena. Host pages mean something only with

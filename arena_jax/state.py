@@ -178,12 +178,12 @@ _WRITE_COPY_WARNED: set = set()
 
 def warn_if_writes_copy(layout: KVLayout, platform: str | None = None) -> None:
     """Once per dtype: a RuntimeWarning when the backend the arena lives on (`platform`, e.g. a
-    mesh's; default: the one being lowered for, `tpu_common.target_platform`) cannot update the
+    mesh's; default: the one being lowered for, `tpu.common.target_platform`) cannot update the
     arena's storage (or scale) dtype in place (`pallas_kernels.scatter.upcasts`: XLA CPU converts
     whole bf16 arrays in jaxlib 0.10, whole 8-bit float arrays in 0.10 and 0.11), so every append
     copies the arena."""
     from pallas_kernels.scatter import upcasts
-    from pallas_kernels.tpu_common import target_platform
+    from pallas_kernels.tpu.common import target_platform
 
     platform = platform or target_platform()
     for dtype in (layout.storage_dtype, layout.scale_dtype if layout.quantized else None):

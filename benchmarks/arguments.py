@@ -173,7 +173,7 @@ def _add_prefix_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    from benchmarks.serve import ServeSettings
+    from benchmarks.serve_settings import ServeSettings
 
     d = ServeSettings()
     g = p.add_argument_group("serve")

@@ -50,8 +50,8 @@ class ArrivalSettings:
 
         if self.model == "tiny":
             return models.LlamaConfig.tiny()
-        if self.model == "mid":  # the mid model of benchmarks.context_cost
-            from benchmarks.context_cost import Settings
+        if self.model == "mid":  # the mid model of benchmarks.studies.context_cost
+            from benchmarks.studies.context_cost import Settings
 
             return Settings().config()
         raise ValueError(f"model must be 'tiny' or 'mid', got {self.model!r}")

@@ -30,56 +30,17 @@ import sys
 import time
 
 from benchmarks.arguments import GIB, TOUR_CAPACITY, TOUR_DECODE, build_parser, mesh_spec
-from benchmarks.compile_cache import CACHE_ENV, cached_compiles, init_compile_cache
+from benchmarks.compile_cache import CACHE_ENV, cached_compiles, init_compile_cache  # noqa: F401  (init: kept importable here)
+from benchmarks.runner import _Fail, _naming, run
+from benchmarks.runner import (  # noqa: F401  (moved to runner with main's checks; kept importable here)
+    ATTENTION_FLAGS, KERNEL_REPORT_FLAGS, KERNEL_TIMING_FLAGS, MODEL_FLAGS, SERVE_ARRIVAL_FLAGS, SERVE_STEP_FLAGS)
+from benchmarks.serve import serve_command as _cmd_serve
 from models.argtypes import INT32_MAX
 
 __all__ = ["main", "build_parser", "mesh_spec", "CACHE_ENV"]
 
 
-
-
-def _unwritable(path: str) -> str | None:
-    """Why `path` cannot be written, or None. Really opens it (as root, os.access says yes to
-    read-only mounts and /proc); a file the probe created is removed again."""
-    if os.path.isdir(path):
-        return "is a folder"
-    existed = os.path.lexists(path)
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "a"):  # append: an existing file is left as it is
-            pass
-    except OSError as exc:
-        return exc.strerror or str(exc)
-    finally:
-        if not existed and os.path.lexists(path):
-            os.remove(path)
-    return None
-
-
 # ---- subcommands ---------------------------------------------------------------------------------
-
-
-class _Fail(Exception):
-    """A user-facing error found after parsing: printed as `arena-bench <cmd>: error: ...`, exit 2."""
-
-
-def _naming(exc: Exception, flags: str) -> _Fail:
-    """`exc` as a usage error that names the flags: its message as it is where it names one,
-    else after `flags` (the flags that size the run)."""
-    text = str(exc)
-    return _Fail(text if "--" in text else f"{flags}: {text}")
-
-
-def _given(args, parser, dests) -> list[str]:
-    """The flags among `dests` (argparse dests) whose value is not their default: given by the user."""
-    return ["--" + d.replace("_", "-") for d in dests if getattr(args, d, None) != parser.get_default(d)]
-
-
-def _ignored(args, parser, dests, why: str) -> None:
-    """Refuse flags the run would ignore (`why`: when it does), rather than drop them silently."""
-    given = _given(args, parser, dests)
-    if given:
-        raise _Fail(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect {why}")
 
 
 def _check_budget_pages(budget_gib: float, page_bytes: int, model: str, page_size: int) -> None:
@@ -455,36 +416,6 @@ def _cmd_swap(args, console, progress) -> dict:
     return result
 
 
-def _cmd_serve(args, console, progress) -> dict:
-    from benchmarks.arrivals import ArrivalSettings
-    from benchmarks.serve import ServeSettings, run_serve, serve_lines
-
-    settings = ServeSettings(batch=args.batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                             chunk=args.chunk, cold_layers=args.cold_layers, rounds=args.rounds, layers=tuple(args.layers),
-                             compile_cache_runs=not args.no_compile_cache_runs, seed=args.seed,
-                             arrivals=ArrivalSettings(requests=args.arrivals_requests, rounds=args.arrivals_rounds,
-                                                      load=args.arrivals_load, model=args.arrivals_model, seed=args.seed,
-                                                      short_len=args.arrivals_short_len, long_len=args.arrivals_long_len,
-                                                      long_every=args.arrivals_long_every),
-                             arrivals_only=args.arrivals_only)  # fmt: skip
-    flags = f"--batch {args.batch}, --prompt-len {args.prompt_len}, --new-tokens {args.new_tokens}"
-    try:
-        settings.validate()
-    except ValueError as exc:  # memory.TooLarge included; a layout's own refusal names no flag
-        raise _naming(exc, flags) from None
-    what = ("Poisson arrivals, mixed steps vs separate prefill" if args.arrivals_only else
-            "generate's loop vs its bare jitted step, tiny model; Poisson arrivals, mixed vs separate")  # fmt: skip
-    console.print(f"[bold]serve[/bold]: {what} (compiling first) ...")
-    try:
-        result = run_serve(settings, progress)
-    except ValueError as exc:  # as the other subcommands: a size the checks above missed
-        raise _naming(exc, flags) from None
-    for line in serve_lines(result):
-        print(line)
-    console.print(f"  ({result['wall_s']:.0f} s)")
-    return result
-
-
 def _check_kernel_memory(k: dict) -> None:
     """What the kernel benchmark allocates, checked first. On a CPU it runs the jnp reference on
     points clamped to CPU_MAX_BATCH x CPU_MAX_CONTEXT, all of which must fit. On a GPU a point
@@ -767,112 +698,12 @@ def _tour(args, console, progress) -> dict:
     return {"layout": layout, "capacity": capacity, "decode": decode}
 
 
-# ---- flags the run would ignore ------------------------------------------------------------------------
-
-KERNEL_TIMING_FLAGS = ("batches", "contexts", "page_size", "repeats", "num_q_heads", "num_kv_heads", "head_dim", "dtype",
-                       "plot")  # fmt: skip
-KERNEL_REPORT_FLAGS = ("via", "only", "target", "steps")
-ATTENTION_FLAGS = ("context", "batch", "outliers", "heads", "backends", "formats", "key_options")
-MODEL_FLAGS = ("new_tokens", "model_formats", "model_key_outliers", "model_outlier_queries")
-SERVE_STEP_FLAGS = ("batch", "prompt_len", "new_tokens", "chunk", "cold_layers", "rounds", "layers", "no_compile_cache_runs")
-SERVE_ARRIVAL_FLAGS = ("arrivals_model", "arrivals_rounds", "arrivals_short_len", "arrivals_long_len",
-                       "arrivals_long_every", "arrivals_load")  # fmt: skip
-
-
-def _check_combinations(command: str, args, parser) -> None:
-    """Flags that contradict each other, or that the run would drop without a word: usage errors."""
-    if command in ("decode", "prefix", "swap") and args.model_dir:
-        _ignored(args, parser, ("model", "num_layers"), "with --model-dir (the checkpoint is the model)")
-    if command == "kernels":
-        if args.compile_report:
-            _ignored(args, parser, KERNEL_TIMING_FLAGS, "with --compile-report (it compiles the kernels' own variants)")
-            if args.steps and args.target == "sm90":
-                raise _Fail("--steps compiles the TPU model steps: give it with --target tpu-v5e or tpu-v6e")
-            if args.target != "sm90":
-                _ignored(args, parser, ("via",), f"with --target {args.target} (it picks the sm_90a compiler)")
-        else:
-            _ignored(args, parser, KERNEL_REPORT_FLAGS, "without --compile-report")
-    elif command == "accuracy":
-        if args.skip_models and args.skip_attention:
-            raise _Fail("--skip-models with --skip-attention measures nothing")
-        if args.skip_attention:
-            _ignored(args, parser, ATTENTION_FLAGS, "with --skip-attention")
-        if args.skip_models:
-            _ignored(args, parser, MODEL_FLAGS, "with --skip-models")
-        if args.model_key_outliers == 1.0:
-            _ignored(args, parser, ("model_outlier_queries",), "without --model-key-outliers (other than 1)")
-    elif command == "serve":
-        if args.arrivals_only:
-            _ignored(args, parser, SERVE_STEP_FLAGS, "with --arrivals-only")
-        if args.arrivals_requests == 0:
-            _ignored(args, parser, SERVE_ARRIVAL_FLAGS, "with --arrivals-requests 0 (no arrivals run)")
-
-
 # ---- main ------------------------------------------------------------------------------------------
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
-        argv = ["tour", *argv]  # bare `arena-bench [--json PATH ...]`: the tour
-    args = parser.parse_args(argv)
-    command = args.command
-    sub_parser = parser.subcommands[command]
-    for flag in ("json", "plot"):  # before the run, not after it
-        path = getattr(args, flag, None)
-        why = _unwritable(path) if path else None
-        if why:
-            sub_parser.error(f"--{flag} {path}: cannot write there ({why})")
-    try:
-        _check_combinations(command, args, sub_parser)
-    except _Fail as exc:
-        sub_parser.error(str(exc))
-
-    from benchmarks import report
-
-    init_compile_cache()
-    console = report.make_console()
-    arguments = {k: v for k, v in vars(args).items()}
-    arguments["command"] = command
-    try:
-        with report.BenchProgress(console, enabled=not args.no_progress) as progress:
-            if command == "layout":
-                results = _cmd_layout(args, console)
-            elif command == "capacity":
-                results = _cmd_capacity(args, console, progress)
-            elif command == "decode":
-                results = _cmd_decode(args, console, progress)
-            elif command == "kernels":
-                results = _cmd_kernels(args, console, progress)
-            elif command == "accuracy":
-                results = _cmd_accuracy(args, console, progress)
-            elif command == "prefix":
-                results = _cmd_prefix(args, console, progress)
-            elif command == "swap":
-                results = _cmd_swap(args, console, progress)
-            elif command == "serve":
-                results = _cmd_serve(args, console, progress)
-            else:
-                results = _tour(args, console, progress)
-    except _Fail as exc:
-        sub_parser.error(str(exc))  # exits 2
-    except KeyboardInterrupt:
-        report.eprint("arena-bench: interrupted")
-        return 130
-
-    if getattr(args, "plot", None):
-        wrote = True
-        if command == "capacity":
-            report.plot_capacity(results, args.plot)
-        elif command == "decode":
-            report.plot_decode(results, args.plot)
-        elif command == "kernels":
-            wrote = report.plot_kernels(results.get("rows") or [], args.plot)
-        elif command == "prefix":
-            report.plot_prefix(results, args.plot)
-        console.print(f"  plot: {args.plot}" if wrote else "  (no plot: the rows have no context/time columns)")
-    if args.json:
-        report.write_json(args.json, {**report.metadata(command, arguments), "results": results})
-        console.print(f"  json: {args.json}")
-    return 0
+    return run(sys.argv[1:] if argv is None else argv, {
+        "layout": lambda args, console, progress: _cmd_layout(args, console), "capacity": _cmd_capacity,
+        "decode": _cmd_decode, "kernels": _cmd_kernels, "accuracy": _cmd_accuracy, "prefix": _cmd_prefix,
+        "swap": _cmd_swap, "serve": _cmd_serve, "tour": _tour,
+    })

@@ -1,12 +1,12 @@
 """`arena-bench kernels --compile-report`: static sm_90a facts of every kernel variant, no GPU needed.
 
-For each variant of `pallas_kernels.sm90_variants.CI_VARIANTS` (the matrix the test suite
+For each variant of `pallas_kernels.offline.sm90_variants.CI_VARIANTS` (the matrix the test suite
 checks): registers per thread, spill stores/loads, shared memory per CTA, estimated CTAs per
 SM (and what limits it), the tensor-core instruction (`wgmma` / `mma`), whether TMA is used,
 and the compile time. These are the facts that predict speed before a GPU is available; the
 timings themselves still need one (`arena-bench kernels` on a GPU).
 
-Beside them, the experimental Mosaic GPU decode kernel (`pallas_kernels.sm90_mosaic.MOSAIC_VARIANTS`):
+Beside them, the experimental Mosaic GPU decode kernel (`pallas_kernels.offline.sm90_mosaic.MOSAIC_VARIANTS`):
 lowered for an H100 only. Mosaic GPU makes machine code when the kernel first runs on a GPU,
 so its registers and spills are "n/a"; shared memory (Mosaic's plan), wgmma and TMA come from
 the lowering on JAX >= 0.11 ("n/a" on 0.10, which dumps nothing).
@@ -37,8 +37,8 @@ def run_compile_report(*, via: str = "xla", only: str | None = None, progress=No
     """Compile every variant (whose label contains `only`, if given); rows of static facts."""
     import jax
 
-    from pallas_kernels import sm90
-    from pallas_kernels.sm90_variants import CI_VARIANTS
+    from pallas_kernels.offline import sm90
+    from pallas_kernels.offline.sm90_variants import CI_VARIANTS
 
     problem = sm90.tooling_problem(via)
     if problem:
@@ -70,9 +70,9 @@ def run_compile_report(*, via: str = "xla", only: str | None = None, progress=No
 
 def _mosaic_rows(only, progress) -> list[dict]:
     """The Mosaic GPU decode kernel, lowered (not compiled: see the module docstring)."""
-    from pallas_kernels import sm90
-    from pallas_kernels.mosaic_decode import stages
-    from pallas_kernels.sm90_mosaic import MOSAIC_VARIANTS, lower_mosaic_call
+    from pallas_kernels.offline import sm90
+    from pallas_kernels.gpu.mosaic_decode import stages
+    from pallas_kernels.offline.sm90_mosaic import MOSAIC_VARIANTS, lower_mosaic_call
 
     rows = []
     for variant in [v for v in MOSAIC_VARIANTS if not only or only in v.label]:

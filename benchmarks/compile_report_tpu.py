@@ -1,7 +1,7 @@
 """`arena-bench kernels --compile-report --target tpu-v5e|tpu-v6e`: the TPU kernels (and model steps) compiled without a TPU.
 
-For each variant of `pallas_kernels.tpu_variants.CI_VARIANTS` (compiled with libtpu's XLA and
-Mosaic for the target; `pallas_kernels.tpu_compile`): the Mosaic kernels in the module, the VMEM
+For each variant of `pallas_kernels.offline.tpu_variants.CI_VARIANTS` (compiled with libtpu's XLA and
+Mosaic for the target; `pallas_kernels.offline.tpu`): the Mosaic kernels in the module, the VMEM
 the compiler gave each (scoped memory), the module's code size, the kernels' DMA plan (their
 `CostEstimate` at the variant's workload: every row at the page table's full length), XLA's
 cost analysis of the whole module (bytes accessed: the kernels' plan plus everything XLA adds
@@ -25,8 +25,8 @@ MIB = 1 << 20
 
 
 def _kernel_rows(target: str, only: str | None, progress) -> list[dict]:
-    from pallas_kernels import tpu_compile
-    from pallas_kernels.tpu_variants import CI_VARIANTS
+    from pallas_kernels.offline import tpu as tpu_compile
+    from pallas_kernels.offline.tpu_variants import CI_VARIANTS
 
     variants = [v for v in CI_VARIANTS if not only or only in v.label]
     rows = []
@@ -53,7 +53,7 @@ def _step_rows(target: str, progress) -> list[dict]:
     import numpy as np
 
     from benchmarks.tpu_steps import STEP_CASES, compile_step, step_inputs
-    from pallas_kernels import tpu_compile
+    from pallas_kernels.offline import tpu as tpu_compile
 
     cases = [c for c in STEP_CASES if c.target == target]
     rows = []
@@ -92,7 +92,7 @@ def run_tpu_compile_report(*, target: str = "tpu-v5e", only: str | None = None, 
     """Compile every variant (label containing `only`) and, with `steps`, the model steps for `target`."""
     import jax
 
-    from pallas_kernels import tpu_compile
+    from pallas_kernels.offline import tpu as tpu_compile
 
     problem = tpu_compile.tooling_problem()
     if problem:

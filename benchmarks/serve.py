@@ -21,7 +21,7 @@ Figures, all in one process (a tiny random-weight `LlamaConfig.tiny()`, float32,
   lengths, fewer prompts and another `max_new_tokens` on the same arena.
 - **First-call compile time per depth** (`--layers`): `decode_step` and `prefill` lowered and
   compiled for tiny-width models of each depth (layers under `lax.scan`:
-  `benchmarks.layer_scaling.measure`), and the deepest over the shallowest.
+  `benchmarks.studies.layer_scaling.measure`), and the deepest over the shallowest.
 - **Persistent compilation cache** (`--compile-cache-runs`): `arena-generate` run twice in fresh
   processes with one `--compile-cache` folder: the first fills it, the second reads it.
 - **Poisson arrivals** (`benchmarks.arrivals`): time to first token and inter-token latency
@@ -30,7 +30,6 @@ Figures, all in one process (a tiny random-weight `LlamaConfig.tiny()`, float32,
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import statistics
 import subprocess
@@ -38,85 +37,10 @@ import sys
 import tempfile
 import time
 
+from benchmarks.runner import _naming, run
+from benchmarks.serve_settings import BLOCK, ServeSettings, _other_call
+
 __all__ = ["ServeSettings", "run_serve", "serve_lines"]
-
-BLOCK = 8  # generate's decode_block (its default offline)
-
-
-@dataclasses.dataclass
-class ServeSettings:
-    batch: int = 8
-    prompt_len: int = 128
-    new_tokens: int = 128
-    chunk: int = 16  # bare-loop steps per timed run
-    rounds: int = 7
-    layers: tuple = (2, 8, 32)
-    compile_cache_runs: bool = True
-    cold_layers: int = 3  # depth of the model whose cold generate call is counted (3: a structure nothing else compiled)
-    seed: int = 0
-    arrivals: object = None  # benchmarks.arrivals.ArrivalSettings (None: its defaults; requests=0: skipped)
-    arrivals_only: bool = False
-
-    def validate(self) -> None:
-        """A ValueError naming the `arena-bench serve` flags of any setting the run cannot serve
-        (positions past the model's, decode steps fewer than one timed run, memory), before any work."""
-        import models
-        from benchmarks.arrivals import ArrivalSettings
-        from benchmarks.layer_scaling import WIDTHS
-        from models.memory import cache_bytes, check_fits, host_memory_limit, weight_bytes
-
-        a = self.arrivals if self.arrivals is not None else ArrivalSettings(seed=self.seed)
-        if self.arrivals_only and not a.requests:
-            raise ValueError("--arrivals-only with --arrivals-requests 0 measures nothing")
-        device, host = {}, {}
-
-        def sized(name, config, batch, tokens):  # weights and a float32 arena of `batch` rows of `tokens`
-            pages = -(-tokens // 16)
-            layout = config.kv_layout(page_size=16, num_pages=batch * pages, max_seqs=batch, max_seq_len=pages * 16,
-                                      dtype="float32")  # fmt: skip
-            device[f"{name}: weights"] = weight_bytes(config, "float32")
-            device[f"{name}: arena"] = cache_bytes(layout)
-
-        if not self.arrivals_only:
-            b, p, n, tiny = self.batch, self.prompt_len, self.new_tokens, models.LlamaConfig.tiny()
-            if p < 3:
-                raise ValueError(f"--prompt-len {p}: at least 3 (the compiles-per-call run's third call has prompts "
-                                 "of --prompt-len / 3 tokens)")
-            if p + n > tiny.max_position_embeddings:
-                raise ValueError(f"--prompt-len {p} + --new-tokens {n} = {p + n} tokens exceed the tiny model's "
-                                 f"max_position_embeddings {tiny.max_position_embeddings}")
-            # One timed run of each bare loop (--chunk steps; whole blocks of BLOCK), and a decode-only iteration
-            # of generate's after its first (which runs beside the prefill): else a median of no times.
-            steps = max(self.chunk, BLOCK * max(1, self.chunk // BLOCK), BLOCK + 1)
-            if n - 1 < steps:
-                raise ValueError(f"--new-tokens {n} leaves {n - 1} decode steps, fewer than the {steps} the timing needs "
-                                 f"(one timed run of --chunk {self.chunk} steps, whole blocks of {BLOCK}, and a block "
-                                 f"after generate's first): --new-tokens at least {steps + 1}, or a smaller --chunk")
-            lens, new = _other_call(p, n)
-            room = -(-(p + n) // 16) * 16  # models.default_layout's rows, pages of 16
-            if max(lens) + new > room:
-                raise ValueError(f"--prompt-len {p}, --new-tokens {n}: the compiles-per-call run's third call ({max(lens)} "
-                                 f"+ {new} tokens) does not fit its arena's rows of {room} tokens")
-            sized("timed model", tiny, b, p + n)
-            sized(f"--cold-layers {self.cold_layers}", models.LlamaConfig.tiny(num_layers=self.cold_layers), b, p + n)
-            if self.layers:
-                deepest = models.LlamaConfig.tiny(num_layers=max(self.layers), max_position_embeddings=8192,
-                                                  **WIDTHS["tiny"])  # fmt: skip
-                sized(f"--layers {max(self.layers)}", deepest, b, p + 3 + 2)
-        if a.requests:
-            config = a.config()
-            longest = max(a.long_len, a.short_len * 3 // 2)
-            if longest + a.new_tokens > config.max_position_embeddings:
-                raise ValueError(f"--arrivals-long-len {a.long_len}, --arrivals-short-len {a.short_len} (+50%): prompts "
-                                 f"of up to {longest} + {a.new_tokens} new tokens exceed the {a.model} model's "
-                                 f"max_position_embeddings {config.max_position_embeddings}")
-            if a.long_every > a.requests:
-                raise ValueError(f"--arrivals-long-every {a.long_every} > --arrivals-requests {a.requests}: no prompt "
-                                 "would be long (--arrivals-long-len would be ignored)")
-            sized(f"--arrivals-model {a.model}", config, a.batch, longest + a.new_tokens)
-            host[f"--arrivals-requests {a.requests} prompts"] = a.requests * (longest + a.new_tokens) * 64
-        check_fits(device, hint="lower --batch, --prompt-len, --new-tokens, --cold-layers, --layers or --arrivals-*")
-        check_fits(host, limit=host_memory_limit(), hint="lower --arrivals-requests")
 
 
 def _model(seed: int):
@@ -221,11 +145,6 @@ def _step_times(net, settings: ServeSettings, advance) -> dict:
     return out
 
 
-def _other_call(p: int, n: int) -> tuple[list[int], int]:
-    """The compiles-per-call run's third call: its prompt lengths and max_new_tokens."""
-    return [p // 2 + 3, p // 3, 7], n // 2 + 5
-
-
 def _compiles_per_call(settings: ServeSettings) -> dict:
     """A fresh model structure (other depth: nothing of the timing runs is reused) called cold,
     again, then with other lengths on the same arena."""
@@ -253,7 +172,7 @@ def _compiles_per_call(settings: ServeSettings) -> dict:
 
 
 def _depth_compiles(settings: ServeSettings, advance) -> list[dict]:
-    from benchmarks.layer_scaling import measure
+    from benchmarks.studies.layer_scaling import measure
 
     rows = []
     for layers in settings.layers:
@@ -364,10 +283,38 @@ def serve_lines(result: dict) -> list[str]:
     return lines + tail
 
 
-def main(argv=None) -> int:  # python -m benchmarks.serve (the same as arena-bench serve)
-    from benchmarks.cli import main as cli_main
+def serve_command(args, console, progress) -> dict:
+    """`arena-bench serve`: the parsed flags -> settings, checked, run, printed; the results."""
+    from benchmarks.arrivals import ArrivalSettings
 
-    return cli_main(["serve", *(sys.argv[1:] if argv is None else argv)])
+    settings = ServeSettings(batch=args.batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                             chunk=args.chunk, cold_layers=args.cold_layers, rounds=args.rounds, layers=tuple(args.layers),
+                             compile_cache_runs=not args.no_compile_cache_runs, seed=args.seed,
+                             arrivals=ArrivalSettings(requests=args.arrivals_requests, rounds=args.arrivals_rounds,
+                                                      load=args.arrivals_load, model=args.arrivals_model, seed=args.seed,
+                                                      short_len=args.arrivals_short_len, long_len=args.arrivals_long_len,
+                                                      long_every=args.arrivals_long_every),
+                             arrivals_only=args.arrivals_only)  # fmt: skip
+    flags = f"--batch {args.batch}, --prompt-len {args.prompt_len}, --new-tokens {args.new_tokens}"
+    try:
+        settings.validate()
+    except ValueError as exc:  # memory.TooLarge included; a layout's own refusal names no flag
+        raise _naming(exc, flags) from None
+    what = ("Poisson arrivals, mixed steps vs separate prefill" if args.arrivals_only else
+            "generate's loop vs its bare jitted step, tiny model; Poisson arrivals, mixed vs separate")  # fmt: skip
+    console.print(f"[bold]serve[/bold]: {what} (compiling first) ...")
+    try:
+        result = run_serve(settings, progress)
+    except ValueError as exc:  # as the other subcommands: a size the checks above missed
+        raise _naming(exc, flags) from None
+    for line in serve_lines(result):
+        print(line)
+    console.print(f"  ({result['wall_s']:.0f} s)")
+    return result
+
+
+def main(argv=None) -> int:  # python -m benchmarks.serve (the same as arena-bench serve)
+    return run(["serve", *(sys.argv[1:] if argv is None else argv)], {"serve": serve_command})
 
 
 if __name__ == "__main__":

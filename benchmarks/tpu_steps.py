@@ -84,7 +84,7 @@ def step_inputs(case: StepCase):
     """(layout, graphdef, state, cache) of `case`: the model state and the cache as placed
     ShapeDtypeStructs on the case's TPU mesh."""
     from models.config import LlamaConfig
-    from pallas_kernels import tpu_compile
+    from pallas_kernels.offline import tpu as tpu_compile
 
     config = dataclasses.replace(LlamaConfig.llama3_8b(), num_layers=case.num_layers)
     mesh = tpu_compile.mesh_of(case.target, case.mesh, ("data", "tensor"))
@@ -98,7 +98,7 @@ def compile_step(case: StepCase):
     """Compile `case` for its TPU target; returns (compiled, cache ShapeDtypeStructs, layout)."""
     import arena_jax as aj
     from models import decode_step, prefill
-    from pallas_kernels import tpu_compile
+    from pallas_kernels.offline import tpu as tpu_compile
 
     layout, graphdef, state, cache = step_inputs(case)
     rows = jax.sharding.NamedSharding(cache.k.sharding.mesh, jax.sharding.PartitionSpec("data"))

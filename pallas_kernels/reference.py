@@ -1,6 +1,6 @@
 """Plain-jnp paged append and paged attention: the ground truth for the kernels.
 
-Kernel-level contract (shared by `append.py`, `paged_attention.py` and these
+Kernel-level contract (shared by `gpu/append.py`, `gpu/attention.py` and these
 references). Kernels know nothing of slots or owners; the caller gathers each
 batch row's page-table row and lengths:
 

@@ -32,10 +32,10 @@ _BITS = {1: jnp.uint8, 2: jnp.uint16}
 def upcasts(dtype, platform: str | None = None) -> bool:
     """Whether the backend lowered for scatters into a `dtype` array by converting all of it
     (bf16 to float32, the 8-bit floats to float16 on jaxlib 0.10's CPU backend). The backend
-    lowered for is `platform`, by default the default device's (`tpu_common.target_platform`: a
+    lowered for is `platform`, by default the default device's (`tpu.common.target_platform`: a
     deviceless TPU compile on a CPU host names a TPU device), so a TPU program never takes the
     CPU's workaround."""
-    from pallas_kernels.tpu_common import target_platform
+    from pallas_kernels.tpu.common import target_platform
 
     return _upcasts(jnp.dtype(dtype), platform or target_platform())
 

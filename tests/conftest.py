@@ -19,7 +19,7 @@ import os
 # CI run the whole suite on both JAX lines (README, "Two commands"). An XLA_FLAGS that names
 # its own level wins: XLA_FLAGS=--xla_backend_optimization_level=3 pytest tests the default.
 # (Set before JAX starts a backend: XLA reads XLA_FLAGS once. The sm_90a compile checks pin the
-# default level in their own compile options, pallas_kernels/sm90.py; the TPU compile checks need
+# default level in their own compile options, pallas_kernels/offline/sm90.py; the TPU compile checks need
 # no pin: a v6e decode step compiled to the same module text at either level.)
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 LEVEL_FROM_USER = "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", "")

@@ -263,7 +263,7 @@ def test_key_outliers_leave_the_model_function_unchanged():
 def test_kernels_compile_report(tmp_path, capsys):
     """With the CUDA compile tooling: the table of one variant, no spills. Without it: a clear
     error (exit status 2) naming what is missing."""
-    from pallas_kernels import sm90
+    from pallas_kernels.offline import sm90
 
     problem = sm90.tooling_problem()
     argv = ["kernels", "--compile-report", "--only", "append-decode bf16"]

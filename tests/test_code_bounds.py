@@ -1,11 +1,11 @@
-"""benchmarks/code_bounds.py: the bounds behind issue 20's int4 goal are computed right (Max's
+"""benchmarks/studies/code_bounds.py: the bounds behind issue 20's int4 goal are computed right (Max's
 1960 table, the high-rate formula, the arena's own code), and its tables run."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from benchmarks import code_bounds as cb
+from benchmarks.studies import code_bounds as cb
 from pallas_kernels import quant4
 
 # J. Max, "Quantizing for minimum distortion" (1960), Table I: mean squared error of the

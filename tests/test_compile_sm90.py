@@ -1,6 +1,6 @@
 """Every kernel variant `arena_jax` can dispatch compiles for an H100 (sm_90a), on a host without a GPU.
 
-For each variant of `pallas_kernels.sm90_variants.CI_VARIANTS` (every kind, dtype, head size,
+For each variant of `pallas_kernels.offline.sm90_variants.CI_VARIANTS` (every kind, dtype, head size,
 page size and GQA group, and the 8-bit arenas; the module docstring says how the matrix was chosen) the kernels are
 lowered for CUDA, compiled by XLA's deviceless GPU compiler for an H100 (the route that runs
 on a GPU with jaxlib 0.10 and 0.11) and assembled by `ptxas -arch=sm_90a -v`; the test asserts
@@ -20,8 +20,8 @@ import re
 import jax
 import pytest
 
-from pallas_kernels import sm90, sm90_compat
-from pallas_kernels.sm90_variants import CI_VARIANTS, DTYPES, GROUPS, HEAD_DIMS, KINDS, PAGE_SIZES, QUANT_DTYPES, QUANT_KINDS
+from pallas_kernels.offline import sm90, sm90_compat
+from pallas_kernels.offline.sm90_variants import CI_VARIANTS, DTYPES, GROUPS, HEAD_DIMS, KINDS, PAGE_SIZES, QUANT_DTYPES, QUANT_KINDS
 
 IN_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 
@@ -58,7 +58,7 @@ def test_version_paths(tooling, capsys, tmp_path):
     H100 names the target without a GPU; the CUDA plugin's own Triton compiler (via="plugin")
     exists up to jaxlib 0.10 (there it and XLA compile the same kernel without spills; registers
     may differ: other LLVM/PTX options) and is refused, with the reason, from 0.11 on."""
-    from pallas_kernels.sm90_variants import Variant
+    from pallas_kernels.offline.sm90_variants import Variant
 
     paths = sm90_compat.paths()
     with capsys.disabled():

@@ -3,9 +3,9 @@
 `libtpu` (`bash scripts/install_tpu_tools.sh`: the `jax[tpu]` extra's libtpu pinned to the
 installed jax) gives TPU devices of a topology (`v5e:2x2`, `v6e:2x4`) on any host; a jitted
 function lowered with inputs placed on them compiles with the TPU's XLA and Mosaic compilers
-(`pallas_kernels.tpu_compile`). The tests check what the compiled module says:
+(`pallas_kernels.offline.tpu`). The tests check what the compiled module says:
 
-- every kernel variant (`pallas_kernels.tpu_variants`) compiles for v5e (a subset for v6e), XLA
+- every kernel variant (`pallas_kernels.offline.tpu_variants`) compiles for v5e (a subset for v6e), XLA
   copies no array as large as a quarter of the arena (no relayout, no defensive copy), append
   aliases the donated arena (and scales) to its outputs, attention fits VMEM;
 - the two limits of `tpu_unsupported_reason` that come from layouts are real: a head_dim-64
@@ -31,8 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import tpu_compile
-from pallas_kernels.tpu_variants import CI_VARIANTS, KINDS, V6E_VARIANTS
+from pallas_kernels.offline import tpu as tpu_compile
+from pallas_kernels.offline.tpu_variants import CI_VARIANTS, KINDS, V6E_VARIANTS
 
 IN_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 VMEM_LIMIT = 16 << 20  # Mosaic's default scoped VMEM on v5e (v6e: 32 MiB)
@@ -97,7 +97,7 @@ def test_layouts_the_tpu_kernels_refuse_would_copy_the_arena(tooling, dtype, hea
     past the wrapper's check), but the TPU's default layout for a minor dim < 128 is not
     row-major, so XLA relayouts the whole arena (head_dim 64) or the scales (pages of 16)
     around the kernel on every call."""
-    from pallas_kernels.tpu_attention import TpuAttentionTiles, _tpu_attention_call
+    from pallas_kernels.tpu.attention import TpuAttentionTiles, _tpu_attention_call
 
     sds = jax.ShapeDtypeStruct
     arena = sds((2, 8, 2048, page_size, head_dim), jnp.dtype(dtype))
@@ -122,8 +122,8 @@ def test_layouts_the_tpu_kernels_refuse_would_copy_the_arena(tooling, dtype, hea
 @pytest.mark.parametrize("rows,fits", [(16, True), (32, False)])
 def test_smem_budget_is_what_mosaic_allows(tooling, rows, fits):
     """A 512 KiB page table compiles; a 1 MiB one does not ("Ran out of memory in memory
-    space smem"): the reason for `tpu_common.SMEM_TABLE_BYTES` (960 KiB)."""
-    from pallas_kernels.tpu_attention import TpuAttentionTiles, _tpu_attention_call
+    space smem"): the reason for `tpu.common.SMEM_TABLE_BYTES` (960 KiB)."""
+    from pallas_kernels.tpu.attention import TpuAttentionTiles, _tpu_attention_call
 
     sds = jax.ShapeDtypeStruct
     arena = sds((2, 8, 4096, 128, 128), jnp.bfloat16)  # 128-token pages: 4 DMAs per block, a quick compile
@@ -195,7 +195,7 @@ INT8_ARENA_RELAYOUT = pytest.mark.xfail(strict=True, reason=(
 
 
 def _host_op_facts(op, dtype, tensor=1):
-    from benchmarks.tpu_host_tier import arena_bytes, compile_host_op
+    from benchmarks.studies.tpu_host_tier import arena_bytes, compile_host_op
 
     compiled, cache, host = compile_host_op(op, dtype, num_layers=2, tensor=tensor)
     size = arena_bytes(cache)  # per device

@@ -251,7 +251,7 @@ class TestAttentionValidation:
 def _lower_for_cuda(fn, *args):
     from jax import export
 
-    from pallas_kernels.sm90 import h100_lowering  # JAX >= 0.11 must be told which GPU without one
+    from pallas_kernels.offline.sm90 import h100_lowering  # JAX >= 0.11 must be told which GPU without one
 
     checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     with h100_lowering():

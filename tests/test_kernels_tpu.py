@@ -28,8 +28,8 @@ import kernel_cases
 from kernel_cases import TOLERANCES, attention_ref, fill_ref
 from pallas_kernels import BlockSizes, append_reference, paged_attention_reference
 from pallas_kernels.quant import QUANTIZED_DTYPES
-from pallas_kernels.tpu_append import tpu_paged_append
-from pallas_kernels.tpu_attention import tpu_paged_attention
+from pallas_kernels.tpu.append import tpu_paged_append
+from pallas_kernels.tpu.attention import tpu_paged_attention
 
 FULL = os.environ.get("ARENA_TPU_GRID", "").strip().lower() == "full"
 NUM_PAGES = 40  # one pool size: the permutation compiles once
@@ -438,7 +438,7 @@ def test_page_copies_match_a_scatter(dtype):
     x[:, :, src], mode="drop")` bit for bit on every array (values and an 8-bit arena's scales),
     with rows that copy nothing (dst == P, past it) and a page copied to two places; under a
     donating jit."""
-    from pallas_kernels.tpu_copy_pages import tpu_copy_pages
+    from pallas_kernels.tpu.copy_pages import tpu_copy_pages
 
     rng = np.random.default_rng(7)
     L, H, P, S, D = 3, 2, 6, (128 if dtype == "int8" else 16), 128

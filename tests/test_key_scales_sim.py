@@ -1,10 +1,10 @@
-"""benchmarks/key_scales_sim.py: its quantizers keep their error bounds, its rotation is
+"""benchmarks/studies/key_scales_sim.py: its quantizers keep their error bounds, its rotation is
 orthogonal, and the ordering pallas_kernels/README.md quotes from it holds on fresh draws."""
 from __future__ import annotations
 
 import numpy as np
 
-from benchmarks import key_scales_sim as sim
+from benchmarks.studies import key_scales_sim as sim
 
 
 def test_quantizers_err_at_most_half_a_step_and_the_rotation_is_orthogonal():

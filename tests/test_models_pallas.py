@@ -40,8 +40,8 @@ def _generate(config, page_size, backend, monkeypatch):
 def test_model_through_pallas_matches_reference(name, overrides, page_size, monkeypatch):
     config = models.LlamaConfig.tiny(**overrides)
     calls = {"attention": 0, "append": 0}
-    for module, attr, key in (("pallas_kernels.paged_attention", "paged_attention", "attention"),
-                              ("pallas_kernels.append", "paged_append", "append")):
+    for module, attr, key in (("pallas_kernels.gpu.attention", "paged_attention", "attention"),
+                              ("pallas_kernels.gpu.append", "paged_append", "append")):
         module = importlib.import_module(module)  # the package re-exports functions of the same names
         original = getattr(module, attr)
 
@@ -81,7 +81,7 @@ def test_gemma2_through_pallas_matches_transformers(tmp_path, monkeypatch, hf_re
                 param.add_(0.3 * torch.randn_like(param))
     hf.save_pretrained(tmp_path, safe_serialization=True)
     calls = {"attention": 0}
-    module = importlib.import_module("pallas_kernels.paged_attention")
+    module = importlib.import_module("pallas_kernels.gpu.attention")
     original = module.paged_attention
 
     def counting(*args, **kwargs):

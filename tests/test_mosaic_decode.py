@@ -1,4 +1,4 @@
-"""The Mosaic GPU decode kernel (`pallas_kernels.mosaic_decode`, backend="mosaic"): what can be
+"""The Mosaic GPU decode kernel (`pallas_kernels.gpu.mosaic_decode`, backend="mosaic"): what can be
 checked without a GPU.
 
 - It lowers, for an H100 (abstract device), to a Mosaic GPU custom call on both JAX lines
@@ -20,9 +20,9 @@ import pytest
 
 import arena_jax as aj
 from kernel_cases import TOLERANCES, attention_ref
-from pallas_kernels import sm90
-from pallas_kernels.mosaic_decode import interpret_available, mosaic_paged_decode, mosaic_unsupported_reason
-from pallas_kernels.sm90_mosaic import MOSAIC_VARIANTS, lower_mosaic_call
+from pallas_kernels.offline import sm90
+from pallas_kernels.gpu.mosaic_decode import interpret_available, mosaic_paged_decode, mosaic_unsupported_reason
+from pallas_kernels.offline.sm90_mosaic import MOSAIC_VARIANTS, lower_mosaic_call
 
 needs_interpret = pytest.mark.skipif(
     not interpret_available(),

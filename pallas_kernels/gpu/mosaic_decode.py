@@ -35,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import check_arena, check_layer, check_rows, check_tokens
-from pallas_kernels.paged_attention import _merge_splits
+from pallas_kernels.gpu.attention import _merge_splits
 from pallas_kernels.quant import is_quantized
 
 try:  # the Mosaic GPU Pallas API (JAX >= 0.5; this kernel is written against 0.10 / 0.11)

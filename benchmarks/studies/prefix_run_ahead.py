@@ -1,7 +1,7 @@
 """Run-ahead decode with a prefix cache: `generate(prefix_cache=True)`'s decode step with
 `Scheduler.RUN_AHEAD` on and off, alternated in one process (models.scheduler, "Overlap").
 
-    python -m benchmarks.prefix_run_ahead [--rounds 5] [--batch 8] [--new 128]
+    python -m benchmarks.studies.prefix_run_ahead [--rounds 5] [--batch 8] [--new 128]
 
 Tiny model (`LlamaConfig.tiny()`, float32), prompts of a shared 96-token prefix + 32 tokens of
 their own, greedy, no stop tokens. Per variant: the median over rounds of each round's median

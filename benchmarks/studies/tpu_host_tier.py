@@ -1,7 +1,7 @@
 """The host tier's jitted ops (`models.steps.swap_out_rows`, `swap_in_rows`, `offload_page_rows`)
 compiled for a TPU v5e without a TPU: does a page move touch a page, or the whole arena?
 
-One v5e device (from libtpu's topology, `pallas_kernels.tpu_compile`), a Llama-3-8B-shaped
+One v5e device (from libtpu's topology, `pallas_kernels.offline.tpu`), a Llama-3-8B-shaped
 arena (8 KV heads, head_dim 128; `num_layers` of its 32 layers) of 4,096 16-token pages' worth
 of tokens, and a host tier of a quarter of that in `pinned_host` memory, all as placed
 ShapeDtypeStructs (nothing allocated), the cache and the host tier donated; 8 rows move.
@@ -10,7 +10,7 @@ The host tier is in its TPU format (an 8-bit arena's pages as 32-bit words,
 (`tpu_compile.module_facts`): XLA's bytes accessed, temp memory, and every copy of an array as
 large as a quarter of a k / v arena.
 
-    python -m benchmarks.tpu_host_tier [--layers 32]
+    python -m benchmarks.studies.tpu_host_tier [--layers 32]
 
 Placement note: the inputs sit on a one-device mesh (`NamedSharding`), not a
 `SingleDeviceSharding`: JAX 0.10 gives a ShapeDtypeStruct the host memory space in its type
@@ -43,7 +43,7 @@ def compile_host_op(op: str, dtype: str = "bfloat16", num_layers: int = 2, targe
     from arena_jax.sharding import _cache_specs
     from models import steps
     from models.config import LlamaConfig
-    from pallas_kernels import tpu_compile
+    from pallas_kernels.offline import tpu as tpu_compile
 
     if op not in HOST_OPS:
         raise ValueError(f"op={op!r}; expected one of {HOST_OPS}")
@@ -86,7 +86,7 @@ def arena_bytes(cache) -> int:
 
 
 def main(argv=None) -> None:
-    from pallas_kernels import tpu_compile
+    from pallas_kernels.offline import tpu as tpu_compile
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=32)

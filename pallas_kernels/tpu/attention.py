@@ -51,7 +51,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._common import BlockSizes, check_arena, check_layer, check_rows, check_tokens
 from pallas_kernels.quant import is_quantized
-from pallas_kernels.tpu_common import check_smem_tables, resolve_tpu_interpret, tpu_unsupported_reason
+from pallas_kernels.tpu.common import check_smem_tables, resolve_tpu_interpret, tpu_unsupported_reason
 
 __all__ = ["tpu_paged_attention", "TpuAttentionTiles"]
 

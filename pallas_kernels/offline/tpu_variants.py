@@ -18,8 +18,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.tpu_append import tpu_paged_append
-from pallas_kernels.tpu_attention import tpu_paged_attention
+from pallas_kernels.tpu.append import tpu_paged_append
+from pallas_kernels.tpu.attention import tpu_paged_attention
 
 __all__ = ["TpuVariant", "CI_VARIANTS", "V6E_VARIANTS", "KINDS"]
 

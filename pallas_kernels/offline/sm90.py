@@ -11,7 +11,7 @@ and the CUDA plugin must load without a GPU: run with `JAX_PLATFORMS=cpu` (the p
 skips its CUDA-library check) or `JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`.
 
 Steps for one kernel call (`compile_call`); what differs between JAX releases is in
-`pallas_kernels.sm90_compat` (JAX 0.10 and 0.11 both work):
+`pallas_kernels.offline.sm90_compat` (JAX 0.10 and 0.11 both work):
 1. Lower for CUDA (`jax.export(..., platforms=["cuda"])`, an abstract H100 named as the
    target) and pull each Pallas kernel (the `__gpu$xla.gpu.triton` custom call: Triton IR
    bytecode, num_warps, num_stages, grid) out of the StableHLO.
@@ -39,8 +39,8 @@ import tempfile
 
 import jax
 
-from pallas_kernels import sm90_compat
-from pallas_kernels.sm90_compat import H100_KIND, TRITON_DEPRECATION  # noqa: F401  (re-exported)
+from pallas_kernels.offline import sm90_compat
+from pallas_kernels.offline.sm90_compat import H100_KIND, TRITON_DEPRECATION  # noqa: F401  (re-exported)
 
 __all__ = ["SM90", "KernelFacts", "tooling_problem", "compile_call", "lower_triton_calls", "h100_lowering", "occupancy"]
 

@@ -1,4 +1,4 @@
-"""What differs between JAX releases in the offline sm_90a compile (`pallas_kernels.sm90`), in one place.
+"""What differs between JAX releases in the offline sm_90a compile (`pallas_kernels.offline.sm90`), in one place.
 
 Tested on JAX 0.10.2 and 0.11.2 (the two CI lines). `paths()` says which way this JAX goes;
 `tests/test_compile_sm90.py` checks it and prints it.

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.tpu_append import _compact, _stream
-from pallas_kernels.tpu_common import resolve_tpu_interpret
+from pallas_kernels.tpu.append import _compact, _stream
+from pallas_kernels.tpu.common import resolve_tpu_interpret
 
 __all__ = ["tpu_copy_pages"]
 

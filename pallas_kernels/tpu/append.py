@@ -39,7 +39,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._common import check_arena, check_layer, check_rows, check_tokens
 from pallas_kernels.quant import quantize_rows
-from pallas_kernels.tpu_common import append_chunk, check_smem_tables, resolve_tpu_interpret, tpu_unsupported_reason
+from pallas_kernels.tpu.common import append_chunk, check_smem_tables, resolve_tpu_interpret, tpu_unsupported_reason
 
 __all__ = ["tpu_paged_append"]
 

@@ -42,7 +42,7 @@ from pallas_kernels._common import (
     masked_store,
     resolve_interpret,
 )
-from pallas_kernels._tiles import lane_parts, part_lanes, part_width, rotated_part, rotation_inputs
+from pallas_kernels.gpu._tiles import lane_parts, part_lanes, part_width, rotated_part, rotation_inputs
 from pallas_kernels.quant import quantize_chunks, quantize_rows
 from pallas_kernels.quant4 import GROUP, HALF, finite_flags, quantize_halves
 from pallas_kernels.reference import append_reference

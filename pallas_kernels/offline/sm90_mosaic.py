@@ -1,9 +1,9 @@
-"""Static sm_90a facts of the Mosaic GPU decode kernel (`pallas_kernels.mosaic_decode`), from
+"""Static sm_90a facts of the Mosaic GPU decode kernel (`pallas_kernels.gpu.mosaic_decode`), from
 its lowering: no GPU, and no machine code.
 
 Why no registers or spills here: Mosaic GPU compiles a kernel to machine code only when it
 first runs, inside the CUDA plugin (`MosaicGpuCompile`, which initializes the CUDA driver and
-aborts without one), and XLA's deviceless compile (the route `pallas_kernels.sm90` uses for
+aborts without one), and XLA's deviceless compile (the route `pallas_kernels.offline.sm90` uses for
 the Triton kernels) keeps the kernel as an opaque `mosaic_gpu_v2` custom call. What the
 lowering does give, on JAX >= 0.11 (`MOSAIC_GPU_DUMP_TO`): Mosaic's shared-memory plan
 (`smem_scratch_bytes`) and the kernel's Mosaic GPU ops after layout inference: `wgmma`, TMA
@@ -23,7 +23,7 @@ import tempfile
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import sm90_compat
+from pallas_kernels.offline import sm90_compat
 
 __all__ = ["MosaicVariant", "MosaicFacts", "MOSAIC_VARIANTS", "lower_mosaic_call"]
 
@@ -47,7 +47,7 @@ class MosaicVariant:
 
     def call(self):
         """(fn, args): the kernel compiled for a GPU (not interpreted); args are ShapeDtypeStructs."""
-        from pallas_kernels.mosaic_decode import mosaic_paged_decode
+        from pallas_kernels.gpu.mosaic_decode import mosaic_paged_decode
 
         sds, dtype = jax.ShapeDtypeStruct, jnp.dtype(self.dtype)
         arena = sds((2, 8, 1024, self.page_size, self.head_dim), dtype)

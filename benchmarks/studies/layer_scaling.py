@@ -1,15 +1,15 @@
 """Compile time and decode step time against model depth, and the layer scan against a Python
 loop of the same layers (issue 17: compile time must not grow with depth; the step must not slow).
 
-    JAX_PLATFORMS=cpu python -m benchmarks.layer_scaling --layers 2 8 32          # compile times
-    JAX_PLATFORMS=cpu python -m benchmarks.layer_scaling --compare --model mid --layers 8
+    JAX_PLATFORMS=cpu python -m benchmarks.studies.layer_scaling --layers 2 8 32          # compile times
+    JAX_PLATFORMS=cpu python -m benchmarks.studies.layer_scaling --compare --model mid --layers 8
 
 Default mode, per depth: the first-call compile time of `models.decode_step` and of
 `models.prefill` (lower + compile, no persistent cache; a fresh graphdef per depth so
 nothing is reused), then the median wall time of warm decode steps (batch rows decoding after
 one prefill, `jax.block_until_ready` after each step). It uses only the public API (apart from
 `--compare` / `--no-scan`), so the same file measures an older checkout:
-`PYTHONPATH=/path/to/old python benchmarks/layer_scaling.py`.
+`PYTHONPATH=/path/to/old python benchmarks/studies/layer_scaling.py`.
 
 `--compare`: in ONE process, the same weights as stacked layers run by `jax.lax.scan`
 (`scan_layers=True`) and as a list of layers run by a Python loop (`scan_layers=False`, the

@@ -85,7 +85,7 @@ from pallas_kernels._common import (
     resolve_block_k,
     resolve_interpret,
 )
-from pallas_kernels._tiles import dot, int4_group, lane_parts, part_lanes, part_width, rotated_part, rotation_inputs
+from pallas_kernels.gpu._tiles import dot, int4_group, lane_parts, part_lanes, part_width, rotated_part, rotation_inputs
 from pallas_kernels.quant4 import GROUP, arena_format
 from pallas_kernels.reference import paged_attention_reference, token_positions
 

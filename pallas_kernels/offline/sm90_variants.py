@@ -1,4 +1,4 @@
-"""The kernel variants `arena_jax` can dispatch, as shapes to compile for sm_90a (`pallas_kernels.sm90`).
+"""The kernel variants `arena_jax` can dispatch, as shapes to compile for sm_90a (`pallas_kernels.offline.sm90`).
 
 A variant is what `aj.append` / `aj.attend` would call with default tiles (`BlockSizes`
 defaults chosen from the shapes), at serving-sized shapes: 8 KV heads, 4096-token contexts.
@@ -48,8 +48,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.append import paged_append
-from pallas_kernels.paged_attention import paged_attention
+from pallas_kernels.gpu.append import paged_append
+from pallas_kernels.gpu.attention import paged_attention
 
 __all__ = ["Variant", "CI_VARIANTS", "KINDS", "HEAD_DIMS", "PAGE_SIZES", "GROUPS", "DTYPES", "QUANT_DTYPES", "QUANT_KINDS"]
 
