@@ -1,8 +1,9 @@
 """The cache's state: immutable pytrees (`KVCache`, its `PageTable` and `CacheStats`), all arrays,
 updated with `.replace` inside jit, and the padding sentinels `PAD_SLOT` / `PAD_PAGE`.
 
-The bottom of `arena_jax`: every op imports these; `arena_jax.state.create` allocates them (and
-re-exports them, so `arena_jax.state.KVCache` is this class)."""
+Near the bottom of `arena_jax` (it imports only `arena_jax.layout`): every op imports these;
+`arena_jax.state.create` allocates them (and re-exports them: `arena_jax.state.KVCache` is this
+class)."""
 from __future__ import annotations
 
 import os

@@ -2,7 +2,7 @@
 on a mesh, with its fixed key factors, and warns where the backend cannot write it in place.
 
 The pytrees it returns (`KVCache`, `PageTable`, `CacheStats`) and the sentinels `PAD_SLOT` /
-`PAD_PAGE` live in `arena_jax.kv_cache`, the bottom of the package; they are re-exported here.
+`PAD_PAGE` live in `arena_jax.kv_cache`, near the bottom of the package; they are re-exported here.
 This module sits above `arena_jax.sharding` (a mesh's arena is built by `create_sharded`), so
 nothing below it imports it.
 """
