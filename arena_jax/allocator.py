@@ -16,7 +16,7 @@ each classifies its rows before acting:
 
 Whatever the inputs, the page table keeps its invariants (every page is free exactly once
 or held by exactly `refcount` holders: its mappings plus, if `held[p] > 0`, the prefix cache's
-own hold (`arena_jax.prefix_ops`); reserved-but-unwritten positions lie in pages their slot
+own hold (`arena_jax.prefix.ops`); reserved-but-unwritten positions lie in pages their slot
 holds alone) and no other sequence's pages or data change. A page the cache holds is shared
 like a forked one: `reserve` copies it before a slot writes into it, `release` and `truncate`
 leave it to the cache. Sums that inputs could push
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.scatter import set_at
-from arena_jax.state import PAD_SLOT, KVCache, PageTable
+from arena_jax.kv_cache import PAD_SLOT, KVCache, PageTable
 
 __all__ = ["reserve_impl", "release_impl", "fork_impl", "truncate_impl", "slot_rows", "in_range_rows"]
 
@@ -52,6 +52,17 @@ def slot_rows(table: PageTable, slots):
     row = jnp.arange(slots.shape[0], dtype=jnp.int32)
     first = jnp.full((max_seqs,), slots.shape[0], jnp.int32).at[jnp.where(ok, slots, max_seqs)].min(row, mode="drop")
     return ok & (first[idx] == row), idx
+
+
+def _page_rows(num_pages: int, pages):
+    """(in range bool[K], first occurrence bool[K], gather index i32[K]) for a 1-D list of pages
+    (as `slot_rows` for slots: the first occurrence of a duplicate wins; used by the prefix and
+    host tier ops)."""
+    ok = (pages >= 0) & (pages < num_pages)
+    idx = jnp.where(ok, pages, 0)
+    row = jnp.arange(pages.shape[0], dtype=jnp.int32)
+    first = jnp.full((num_pages,), pages.shape[0], jnp.int32).at[jnp.where(ok, pages, num_pages)].min(row, mode="drop")
+    return ok, ok & (first[idx] == row), idx
 
 
 def _saturating_cumsum(x, cap: int):

@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from arena_jax import allocator, arena_ops, prefix_ops, sharding
-from arena_jax.state import PAD_PAGE, PAD_SLOT, KVCache
+from arena_jax import allocator, arena_ops, sharding
+from arena_jax.kv_cache import PAD_PAGE, PAD_SLOT, KVCache
+from arena_jax.prefix import ops as prefix_ops
 from arena_jax.validate import (
     check_cache_arrays,
     check_counts,

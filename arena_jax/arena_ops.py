@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from arena_jax import key_factors as factors_lib
 from arena_jax.allocator import in_range_rows, slot_rows
-from arena_jax.state import PAD_SLOT, KVCache
+from arena_jax.kv_cache import PAD_SLOT, KVCache
 from pallas_kernels.blockwise import paged_attention_blockwise
 from pallas_kernels.rotation import rotate_rows
 from pallas_kernels.reference import append_reference, paged_attention_reference

@@ -5,7 +5,7 @@ import dataclasses
 
 import numpy as np
 
-from arena_jax.state import KVCache
+from arena_jax.kv_cache import KVCache
 
 __all__ = ["health"]
 
@@ -50,14 +50,14 @@ def health(cache: KVCache, prefix=None, host=None) -> dict:
     (`arena_bytes_per_device`, `bytes_per_token_per_device`, replicated KV heads counted);
     counters are summed over data shards.
     """
-    from arena_jax.prefix import PrefixCache
+    from arena_jax.prefix.cache import PrefixCache
     from arena_jax.validate import check_cache_arrays
 
     if not isinstance(cache, KVCache):
         raise ValueError(f"cache must be a KVCache (from arena_jax.create), got {type(cache).__name__}")
     if prefix is not None and not isinstance(prefix, PrefixCache):
         raise ValueError(f"prefix must be an arena_jax.PrefixCache or None, got {type(prefix).__name__}")
-    from arena_jax.host import HostArena, check_pair
+    from arena_jax.host.arena import HostArena, check_pair
 
     if host is not None and not isinstance(host, HostArena):
         raise ValueError(f"host must be an arena_jax.HostArena or None, got {type(host).__name__}")

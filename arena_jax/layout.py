@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from arena_jax.hf_config import kv_geometry, read_hf_config  # read_hf_config: re-exported
+from arena_jax.hf.config import kv_geometry, read_hf_config  # read_hf_config: re-exported
 
 __all__ = ["KVLayout", "ROW_ALIGN_BYTES", "ARENA_DTYPES", "QUANTIZED_DTYPES", "EIGHT_BIT_DTYPES", "SCALE_DTYPES",
            "INT4_GROUP", "ROTATE_KEYS_DEFAULT", "SMOOTH_KEYS_DEFAULT", "read_hf_config"]
@@ -318,7 +318,7 @@ class KVLayout:
     ) -> "KVLayout":
         """Geometry from a Hugging Face `config.json` (a dict, the file, or its folder).
 
-        Read by `arena_jax.hf_config` with transformers' defaults and strict types (Llama /
+        Read by `arena_jax.hf.config` with transformers' defaults and strict types (Llama /
         Mistral; other model types must give their KV geometry explicitly).
         KV heads: `num_key_value_heads`, else `num_attention_heads`.
         head_dim: `head_dim`, else `hidden_size // num_attention_heads`.

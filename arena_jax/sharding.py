@@ -81,9 +81,9 @@ import numpy as np
 
 from arena_jax.allocator import copies_pages_by_dma, fork_impl, release_impl, reserve_impl, truncate_impl
 from arena_jax.arena_ops import append_impl, attend_impl
+from arena_jax.kv_cache import PAD_SLOT, CacheStats, KVCache, PageTable
 from arena_jax.layout import KVLayout
-from arena_jax.prefix_ops import drop_pages_impl, fork_pages_impl, hold_pages_impl
-from arena_jax.state import PAD_SLOT, CacheStats, KVCache, PageTable
+from arena_jax.prefix.ops import drop_pages_impl, fork_pages_impl, hold_pages_impl
 
 __all__ = ["CacheSharding", "create_sharded", "auto_mesh", "shard_rows", "slot_lengths", "check_rows", "check_heads"]
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from arena_jax import api
-from arena_jax.state import PAD_SLOT, KVCache
+from arena_jax.kv_cache import PAD_SLOT, KVCache
 from arena_jax.validate import check_counts, check_reserved, check_slots, check_width, concrete
 
 __all__ = ["positions", "append_attend", "CacheStep", "begin_step"]

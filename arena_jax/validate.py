@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from arena_jax.kv_cache import PAD_PAGE, PAD_SLOT
 from arena_jax.layout import EIGHT_BIT_DTYPES, KVLayout
-from arena_jax.state import PAD_PAGE, PAD_SLOT
 
 __all__ = [
     "concrete",

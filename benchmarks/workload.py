@@ -31,7 +31,7 @@ import os
 
 import numpy as np
 
-from arena_jax.hf_config import INT32_MAX  # step counters and lengths are int32 in the device simulation
+from arena_jax.hf.config import INT32_MAX  # step counters and lengths are int32 in the device simulation
 
 __all__ = ["Request", "Workload", "WorkloadError", "synthetic", "from_rows", "from_file", "load_lengths"]
 

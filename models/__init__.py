@@ -17,7 +17,7 @@ same `prefill` / `decode_step` / `generate(..., mesh=)` run across the mesh.
 
 `generate` stops at `model.config.eos_token_ids` (a checkpoint's eos tokens, read as
 transformers' generate reads them) unless given `stop_tokens`. Configs are read by
-`arena_jax.hf_config` (transformers' defaults and types); bad input of any kind is a
+`arena_jax.hf.config` (transformers' defaults and types); bad input of any kind is a
 ValueError naming the argument, file or key, and the limit.
 """
 from models import presets

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from arena_jax.hf_config import INT32_MAX
+from arena_jax.hf.config import INT32_MAX
 
 __all__ = ["INT32_MAX", "MAX_DECODE_BLOCK", "int_in", "positive_int", "seed", "float_in", "non_negative_float", "positive_float"]
 

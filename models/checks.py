@@ -9,7 +9,7 @@ import numbers
 import jax
 import numpy as np
 
-from arena_jax.hf_config import INT32_MAX
+from arena_jax.hf.config import INT32_MAX
 
 __all__ = ["INT32_MAX", "INT32_MIN", "is_int", "check_int", "check_number", "token_ids", "check_shape"]
 

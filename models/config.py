@@ -31,7 +31,7 @@ from typing import Any, Mapping
 import numpy as np
 
 import arena_jax as aj
-from arena_jax.hf_config import INT32_MAX
+from arena_jax.hf.config import INT32_MAX
 
 __all__ = ["LlamaConfig", "RopeScaling", "MODEL_TYPES", "HIDDEN_ACTS", "NO_WINDOW"]
 
@@ -328,7 +328,7 @@ class LlamaConfig:
     def from_hf(cls, config: Mapping[str, Any] | str | os.PathLike, *, generation_config=None) -> "LlamaConfig":
         """From a Hugging Face `config.json` (a dict, the file, or its folder).
 
-        Read by `arena_jax.hf_config.parse_hf_config`: transformers' defaults per model_type,
+        Read by `arena_jax.hf.config.parse_hf_config`: transformers' defaults per model_type,
         strict JSON types, both the transformers-4 spelling (`rope_theta`, `rope_scaling`) and
         the transformers-5 one (`rope_parameters`). `eos_token_ids` are the tokens
         transformers' `generate` stops at: `generation_config.json` beside a config path (or

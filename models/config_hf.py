@@ -1,6 +1,6 @@
 """`LlamaConfig` <-> Hugging Face `config.json` (`LlamaConfig.from_hf` / `to_hf`).
 
-Reading goes through `arena_jax.hf_config.parse_hf_config` (transformers' defaults, types and
+Reading goes through `arena_jax.hf.config.parse_hf_config` (transformers' defaults, types and
 derivations per model_type); what our models cannot compute is refused by name here. Writing
 gives each family's own keys, so that transformers reads the config back as the same model
 (tests/test_models_parity.py builds transformers models from `to_hf` dicts).
@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from arena_jax.hf_config import parse_hf_config
-from arena_jax.hf_schemas import FAMILIES
+from arena_jax.hf.config import parse_hf_config
+from arena_jax.hf.schemas import FAMILIES
 from models.config import LlamaConfig, RopeScaling
 
 __all__ = ["config_from_hf", "config_to_hf"]

@@ -10,7 +10,7 @@ whether the host checks must raise instead. The page ops (`hold_pages`, `drop_pa
 `fork_pages`) name physical pages: a `resolve(page) -> object | None` (None: a free page)
 turns them into the model's objects. The host tier (`host`: host page id -> the ids of the
 tokens it holds per layer) is addressed by id directly: `swap_out`, `swap_in`,
-`offload_pages`, `drop_host_pages` (`arena_jax.host_ops` has the rules mirrored here).
+`offload_pages`, `drop_host_pages` (`arena_jax.host.ops` has the rules mirrored here).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """What transformers makes of a config.json, and ours, side by side (tests/test_hf_config.py's
 oracle): transformers' config class, its rotary embedding's inverse frequencies per layer type
 and its layer-0 attention module (built on the meta device: structure only), against
-`arena_jax.hf_config.parse_hf_config` and `models.LlamaConfig.from_hf`."""
+`arena_jax.hf.config.parse_hf_config` and `models.LlamaConfig.from_hf`."""
 from __future__ import annotations
 
 import copy
@@ -11,7 +11,7 @@ import torch
 import transformers
 
 import models
-from arena_jax.hf_config import parse_hf_config
+from arena_jax.hf.config import parse_hf_config
 
 __all__ = ["HF", "ours", "check_model_config", "HF_CLASSES"]
 

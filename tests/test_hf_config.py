@@ -1,4 +1,4 @@
-"""`arena_jax.hf_config`: config.json read as transformers reads it.
+"""`arena_jax.hf.config`: config.json read as transformers reads it.
 
 The oracle is the installed `transformers`: for Llama, Mistral, Qwen 2, Qwen 3, Gemma 2 and
 Gemma 3 (text) configs with each key removed in turn and each key given a wrong type or an
@@ -21,7 +21,7 @@ import pytest
 
 import arena_jax as aj
 import models
-from arena_jax.hf_config import kv_geometry, parse_hf_config
+from arena_jax.hf.config import kv_geometry, parse_hf_config
 
 def _without(cfg, *keys):
     return {k: v for k, v in cfg.items() if k not in keys}

@@ -20,7 +20,7 @@ import pytest
 
 import arena_jax as aj
 import models
-from arena_jax import host_ops
+from arena_jax.host import ops as host_ops
 from arena_jax.host import words_as_pages
 from arena_jax.memory import to_device, to_host
 from models.scheduler import Scheduler
@@ -122,7 +122,7 @@ def test_word_packed_host_pages_move_as_the_reference_on_random_data(dtype):
 def test_a_word_packed_host_tier_gives_the_plain_ones_results(monkeypatch):
     """A host tier holding an int8 arena's pages as words (forced here on the CPU; a TPU's default)
     through swap_out and swap_in: the same cache, bit for bit, and the same pages on the host."""
-    from arena_jax import host as host_module
+    from arena_jax.host import arena as host_module  # the module whose packs_as_words create_host reads
 
     layout = aj.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, page_size=8, num_pages=8, max_seqs=3,
                          max_pages_per_seq=3, dtype="int8")  # fmt: skip

@@ -1,7 +1,7 @@
 """transformers 5.x config classes, as data: per `model_type`, the fields a decoder's shape and
 numerics depend on (name -> type, default, nullable), copied from `models/<family>/configuration_*.py`
 (`LlamaConfig`, `MistralConfig`, `Qwen2Config`, `Qwen3Config`, `Gemma2Config`, `Gemma3TextConfig`).
-Other keys are ignored, as there. `arena_jax.hf_config` reads config.json with them;
+Other keys are ignored, as there. `arena_jax.hf.config` reads config.json with them;
 tests/test_hf_config.py checks every value against the installed transformers.
 """
 from __future__ import annotations

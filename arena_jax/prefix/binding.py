@@ -3,7 +3,7 @@
 device's holds (and the host tier's held pages); `bind` ties the index to them."""
 from __future__ import annotations
 
-from arena_jax.prefix_checks import check_tag
+from arena_jax.prefix.checks import check_tag
 
 __all__ = ["Binding"]
 
@@ -20,7 +20,7 @@ class Binding:
         exactly the index's host copies; one without refuses a host."""
         import numpy as np
 
-        from arena_jax.state import KVCache
+        from arena_jax.kv_cache import KVCache
 
         if not isinstance(cache, KVCache):
             raise ValueError(f"cache must be a KVCache (from arena_jax.create), got {type(cache).__name__}")
@@ -51,7 +51,7 @@ class Binding:
     def _check_host(self, cache, host) -> None:
         import numpy as np
 
-        from arena_jax.host import check_pair
+        from arena_jax.host.arena import check_pair
 
         if host is None:
             if self.host_capacity:

@@ -8,7 +8,7 @@ The one reader behind `arena_jax.KVLayout.from_hf_config` and `models.LlamaConfi
 Model types: llama, mistral, qwen2, qwen3, gemma2, gemma3_text (a missing `model_type` reads
 as Llama, as `LlamaConfig.from_pretrained` does).
 
-- Defaults are transformers' own, per `model_type` (`arena_jax.hf_schemas`: its config classes
+- Defaults are transformers' own, per `model_type` (`arena_jax.hf.schemas`: its config classes
   as data). tests/test_hf_config.py checks every value here against the installed transformers.
 - Types are strict, as transformers' `@strict` config dataclasses check them: an int field
   takes a JSON integer (not 2.0, "2" or true), a bool field a JSON bool, a float field a JSON
@@ -47,7 +47,7 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
-from arena_jax.hf_json import (  # noqa: F401 - read_hf_config is re-exported (arena_jax.layout)
+from arena_jax.hf.reader import (  # noqa: F401 - read_hf_config is re-exported (arena_jax.layout)
     INT32_MAX,
     LAYER_TYPES,
     _config_path,
@@ -57,7 +57,7 @@ from arena_jax.hf_json import (  # noqa: F401 - read_hf_config is re-exported (a
     read_generation_config,
     read_hf_config,
 )
-from arena_jax.hf_schemas import FAMILIES, SCHEMAS
+from arena_jax.hf.schemas import FAMILIES, SCHEMAS
 
 __all__ = ["HFConfig", "KVGeometry", "RopeSpec", "INT32_MAX", "read_hf_config", "parse_hf_config", "kv_geometry"]
 
@@ -86,7 +86,7 @@ class RopeSpec:
 class HFConfig:
     """A decoder's config.json with transformers' defaults applied and every value checked."""
 
-    model_type: str  # one of arena_jax.hf_schemas.SCHEMAS
+    model_type: str  # one of arena_jax.hf.schemas.SCHEMAS
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -377,7 +377,7 @@ def parse_hf_config(config: Mapping[str, Any] | str | os.PathLike, *, generation
 def kv_geometry(config: Mapping[str, Any] | str | os.PathLike) -> KVGeometry:
     """KV layers, heads, head_dim, context and dtype of a decoder's config.json.
 
-    The model types of `arena_jax.hf_schemas` (or no `model_type`) are read by
+    The model types of `arena_jax.hf.schemas` (or no `model_type`) are read by
     `parse_hf_config`, transformers' defaults included. Other model types: this module knows
     none of their defaults, so `num_hidden_layers`, `num_attention_heads` and
     `num_key_value_heads` must be given; `head_dim` falls back to `hidden_size // num_attention_heads`.

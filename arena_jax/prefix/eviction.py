@@ -1,5 +1,5 @@
 """Eviction across the prefix index's two tiers: `PrefixCache.evict_plan` (the rules are in
-`arena_jax.prefix`'s module docstring, "A host tier").
+`arena_jax.prefix.cache`'s module docstring, "A host tier").
 
 The plan frees device pages, least recently used first, and says what the device must do, in
 this order: `drop_host` (host pages freed, `aj.drop_host_pages`), `offload` ((device page, host

@@ -1,6 +1,6 @@
 """Page moves between the arena and the host tier, as pure functions of (cache, host): the jitted
-bodies of `aj.swap_out`, `aj.swap_in`, `aj.offload_pages`, `aj.drop_host_pages` (`host_api.py`
-validates on the host; `arena_jax.host` has the design).
+bodies of `aj.swap_out`, `aj.swap_in`, `aj.offload_pages`, `aj.drop_host_pages` (`host/api.py`
+validates on the host; `arena_jax.host.arena` has the design).
 
   swap_out         a settled slot's written tokens -> the named host pages (page j of the slot
                    -> host_pages[b, j], each held for the tokens it holds); the slot is released
@@ -28,7 +28,7 @@ order (`stats.failed_swaps`), like `reserve`. Rejected:
                    its host page out of range, held, or named by an earlier row.
   drop_host_pages  the host page out of range, named by an earlier row, or not held.
 Every row is rejected, whatever it asks, when the host tier belongs to another arena (its
-`arena_id` is not the cache's: `arena_jax.host`, "Bound to its cache"; on the host `check_pair`
+`arena_id` is not the cache's: `arena_jax.host.arena`, "Bound to its cache"; on the host `check_pair`
 refuses it first), so another cache's pages never reach this one.
 A used host page named by an earlier used entry of the call is refused even when that earlier
 row is rejected for another reason: the first naming wins, whatever becomes of it. (A row's
@@ -41,11 +41,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from arena_jax.allocator import _drop_refs, _release_rows, _saturating_cumsum, slot_rows
-from arena_jax.host import HostArena, page_arrays
+from arena_jax.allocator import _drop_refs, _page_rows, _release_rows, _saturating_cumsum, slot_rows
+from arena_jax.host.arena import HostArena, page_arrays
+from arena_jax.kv_cache import PAD_PAGE, PAD_SLOT, KVCache
 from arena_jax.memory import to_device, to_host
-from arena_jax.prefix_ops import _page_rows
-from arena_jax.state import PAD_PAGE, PAD_SLOT, KVCache
 
 __all__ = ["swap_out_impl", "swap_in_impl", "offload_pages_impl", "drop_host_pages_impl", "move_pages",
            "move_pages_reference"]
@@ -59,7 +58,7 @@ def move_pages(src: dict, dst: dict, src_pages, dst_pages, moves, transfer) -> d
     """Copy page src_pages[k] of every array in `src` to page dst_pages[k] of the same array in
     `dst`, for the k where `moves` (bool[K]) is set; `transfer` moves a page between memory kinds.
     One page at a time (dynamic_slice -> transfer -> dynamic_update_slice, module docstring of
-    `arena_jax.host`), the moves compacted to the front so the loop runs exactly their count."""
+    `arena_jax.host.arena`), the moves compacted to the front so the loop runs exactly their count."""
     order = jnp.argsort(~moves, stable=True)  # moves first
     src_pages, dst_pages = src_pages[order], dst_pages[order]
     count = jnp.sum(moves.astype(jnp.int32))

@@ -1,4 +1,4 @@
-"""JSON reading for `arena_jax.hf_config`: config.json / generation_config.json files, and
+"""JSON reading for `arena_jax.hf.config`: config.json / generation_config.json files, and
 typed access to their values with errors that name the file, the key, the value and the
 limit (transformers' `@strict` types: an int takes a JSON integer, a float a JSON float, ...).
 """
@@ -9,7 +9,7 @@ import math
 import os
 from typing import Any, Mapping
 
-from arena_jax.hf_schemas import Field
+from arena_jax.hf.schemas import Field
 
 __all__ = ["INT32_MAX", "LAYER_TYPES", "read_hf_config", "read_generation_config"]
 

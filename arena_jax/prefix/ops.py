@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from arena_jax.allocator import _drop_refs, _release_rows, slot_rows
-from arena_jax.state import PAD_PAGE, PAD_SLOT, KVCache, PageTable
+from arena_jax.allocator import _drop_refs, _page_rows, _release_rows, slot_rows
+from arena_jax.kv_cache import PAD_PAGE, PAD_SLOT, KVCache, PageTable
 
 __all__ = ["fork_pages_impl", "hold_pages_impl", "drop_pages_impl", "page_fill"]
 
@@ -50,15 +50,6 @@ def page_fill(table: PageTable, page_size: int):
     pend = jnp.maximum(settled, base) < jnp.minimum(table.lengths[:, None], base + page_size)  # [settled, length) meets the page
     pending = jnp.zeros((num_pages,), bool).at[jnp.where(mapped & pend, table.page_map, num_pages)].set(True, mode="drop")
     return fill, pending
-
-
-def _page_rows(num_pages: int, pages):
-    """(in range bool[K], first occurrence bool[K], gather index i32[K]) for a 1-D list of pages."""
-    ok = (pages >= 0) & (pages < num_pages)
-    idx = jnp.where(ok, pages, 0)
-    row = jnp.arange(pages.shape[0], dtype=jnp.int32)
-    first = jnp.full((num_pages,), pages.shape[0], jnp.int32).at[jnp.where(ok, pages, num_pages)].min(row, mode="drop")
-    return ok, ok & (first[idx] == row), idx
 
 
 def hold_pages_impl(cache: KVCache, pages, num_tokens):

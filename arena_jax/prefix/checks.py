@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from arena_jax.state import PAD_PAGE
+from arena_jax.kv_cache import PAD_PAGE
 
 __all__ = ["check_tag", "count", "token_ids", "page_ids", "common_prefix"]
 

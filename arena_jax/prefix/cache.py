@@ -42,7 +42,7 @@ page no slot maps), the locks make sure the pages evicted really free memory.
 A host tier (`PrefixCache(layout, host_pages=N)`, with an `aj.HostArena` of N pages): LRU
 across tiers, device -> host -> gone, as SGLang's HiCache keeps a host tier under its radix
 tree. A node's tokens live in a device page, a host page, or both (`page`, `host_page`).
-Device eviction (`evict_plan`, `arena_jax.prefix_host`) takes the least recently used unlocked
+Device eviction (`evict_plan`, `arena_jax.prefix.eviction`) takes the least recently used unlocked
 node with no child on the device: with a host copy its device copy just goes; else it is
 copied to a free host page (`aj.offload_pages`), a host page being freed first when none is
 (the least recently used host copy whose node keeps a device copy or has no child: its host
@@ -62,13 +62,13 @@ from typing import Sequence
 
 
 from arena_jax.layout import KVLayout
-from arena_jax.prefix_binding import Binding
-from arena_jax.prefix_checks import check_tag as _check_tag
-from arena_jax.prefix_checks import common_prefix as _common_prefix
-from arena_jax.prefix_checks import count as _count
-from arena_jax.prefix_checks import page_ids as _page_ids
-from arena_jax.prefix_checks import token_ids as _token_ids
-from arena_jax.prefix_host import Eviction, evict_plan
+from arena_jax.prefix.binding import Binding
+from arena_jax.prefix.checks import check_tag as _check_tag
+from arena_jax.prefix.checks import common_prefix as _common_prefix
+from arena_jax.prefix.checks import count as _count
+from arena_jax.prefix.checks import page_ids as _page_ids
+from arena_jax.prefix.checks import token_ids as _token_ids
+from arena_jax.prefix.eviction import Eviction, evict_plan
 
 MAX_HOST_PAGES = 2**31 - 1  # host page ids are int32 (aj.create_host: at most this many pages)
 
@@ -477,7 +477,7 @@ class PrefixCache(Binding):
 
     def evict_plan(self, num_pages: int, keep=()) -> Eviction:
         """Free up to `num_pages` device pages, least recently used first, across the tiers
-        (module docstring; the plan's order: `arena_jax.prefix_host`). `keep`: nodes whose host
+        (module docstring; the plan's order: `arena_jax.prefix.eviction`). `keep`: nodes whose host
         copies must stay (a hit about to be brought back)."""
         num_pages = _count(num_pages, "num_pages")
         for node in keep:

@@ -1,5 +1,5 @@
 """The host tier's public operations: validate on the host, then one jitted pure function each
-(`arena_jax.host` has the design, `arena_jax.host_ops` the rules and the bodies).
+(`arena_jax.host.arena` has the design, `arena_jax.host.ops` the rules and the bodies).
 
 Every op takes the cache and the host tier donated and returns both: keep the returned ones.
 Inside a user's jit they inline and are total (refusals counted in `stats.rejected_rows`).
@@ -15,9 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from arena_jax import host_ops, sharding
-from arena_jax.host import HostArena, check_pair
-from arena_jax.state import PAD_PAGE, PAD_SLOT, KVCache
+from arena_jax import sharding
+from arena_jax.host import ops as host_ops
+from arena_jax.host.arena import HostArena, check_pair
+from arena_jax.kv_cache import PAD_PAGE, PAD_SLOT, KVCache
 from arena_jax.validate import check_cache_arrays, check_counts, check_ints, check_pages, check_slots, concrete
 
 __all__ = ["swap_out", "swap_in", "offload_pages", "drop_host_pages"]

@@ -33,7 +33,7 @@ Design, and why.
   shard by shard from numpy at creation (never through device memory); `held` is a small
   integer array in device memory beside the page table (the ops validate against it inside
   jit). `arena_jax.memory` is the one shim that knows how JAX spells the transfers.
-* How a page moves (`host_ops`). Inside one jitted op: a loop over the moves (compacted to the
+* How a page moves (`arena_jax.host.ops`). Inside one jitted op: a loop over the moves (compacted to the
   front, a dynamic trip count), each a `dynamic_slice` of one page from the source arena, a
   memory-kind transfer, and a `dynamic_update_slice` into the destination arena. A slice of a
   device buffer moved to host and written into a host buffer by `dynamic_update_slice` (and the
@@ -80,9 +80,9 @@ import numpy as np
 from flax import struct
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
+from arena_jax.kv_cache import KVCache
 from arena_jax.layout import KVLayout
 from arena_jax.memory import host_memory_kind, host_zeros
-from arena_jax.state import KVCache
 from arena_jax.validate import concrete, donated
 
 __all__ = ["HostArena", "create_host", "page_arrays", "free_host_pages", "host_pages_view"]

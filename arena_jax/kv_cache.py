@@ -1,0 +1,178 @@
+"""The cache's state: immutable pytrees (`KVCache`, its `PageTable` and `CacheStats`), all arrays,
+updated with `.replace` inside jit, and the padding sentinels `PAD_SLOT` / `PAD_PAGE`.
+
+Near the bottom of `arena_jax` (it imports only `arena_jax.layout`): every op imports these;
+`arena_jax.state.create` allocates them (and re-exports them: `arena_jax.state.KVCache` is this
+class)."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from arena_jax.layout import KVLayout
+
+__all__ = ["PageTable", "CacheStats", "KVCache", "PAD_SLOT", "PAD_PAGE", "new_arena_id"]
+
+# A batch row whose slot is PAD_SLOT asks for nothing, writes nothing and attends to nothing.
+# It is an explicit sentinel: it is never used as an index (no -1 wrap-around into the last slot).
+PAD_SLOT = -1
+# A PAD_PAGE entry of `hold_pages` / `drop_pages` is padding: it names no page and is not counted.
+PAD_PAGE = -1
+
+
+@struct.dataclass
+class PageTable:
+    """Which pages belong to which slot, and how far each slot is reserved and written.
+
+    `lengths[s]` is what slot s has *reserved*; `written[l, s]` what layer l has *stored*.
+    Positions in [written[l, s], lengths[s]) are reserved but unwritten: attention never reads
+    them, so a page's previous tenant stays invisible without scrubbing. They always lie in
+    pages the slot holds alone (refcount 1), so `append` never writes a shared page.
+
+    `held[p]` is how many tokens of page p the cache itself holds for its prefix index
+    (`hold_pages`; 0: no hold). A hold is one more reference: every page in use has
+    `refcount == (page_map entries naming it) + (held > 0)`. A held page is never written (a
+    mapping slot shares it, and `append` writes only private pages), so its first `held[p]`
+    tokens stay as they were when the hold was taken, at every layer.
+    """
+
+    page_map: jax.Array  # i32[max_seqs, max_pages_per_seq], physical page per logical page, -1 unmapped
+    lengths: jax.Array  # i32[max_seqs], tokens reserved per slot
+    active: jax.Array  # bool[max_seqs], slot in use
+    free_stack: jax.Array  # i32[num_pages], entries [0, num_free) are free; top = num_free - 1 (LIFO)
+    num_free: jax.Array  # i32[]
+    refcount: jax.Array  # i32[num_pages], 0 free, 1 owned, >1 shared; = mappings + (held > 0)
+    written: jax.Array  # i32[num_layers, max_seqs], tokens whose K/V are stored at each layer (<= lengths)
+    held: jax.Array  # i32[num_pages], tokens of the page the cache itself holds (prefix cache), 0 = no hold
+    # i32[], a random id drawn when the arena is created and never changed by any op: page ids
+    # mean something only in their own arena, so a prefix index bound to one arena can tell
+    # another apart (`PrefixCache.check`). Data, not a static field: a new arena must not recompile.
+    arena_id: jax.Array
+
+    @classmethod
+    def empty(cls, layout: KVLayout, arena_id: int | None = None) -> "PageTable":
+        # The stack's top is reused first; page 0 on top gives a fresh arena pages 0, 1, 2, ...
+        return cls(
+            page_map=jnp.full((layout.max_seqs, layout.max_pages_per_seq), -1, jnp.int32),
+            lengths=jnp.zeros((layout.max_seqs,), jnp.int32),
+            active=jnp.zeros((layout.max_seqs,), bool),
+            free_stack=jnp.arange(layout.num_pages - 1, -1, -1, dtype=jnp.int32),
+            num_free=jnp.asarray(layout.num_pages, jnp.int32),
+            refcount=jnp.zeros((layout.num_pages,), jnp.int32),
+            written=jnp.zeros((layout.num_layers, layout.max_seqs), jnp.int32),
+            held=jnp.zeros((layout.num_pages,), jnp.int32),
+            arena_id=jnp.asarray(new_arena_id() if arena_id is None else arena_id, jnp.int32),
+        )
+
+
+def new_arena_id() -> int:
+    """A random positive int32 (os.urandom: independent of any seeded generator)."""
+    return int.from_bytes(os.urandom(4), "little") % (2**31 - 1) + 1
+
+
+@struct.dataclass
+class CacheStats:
+    """Counters updated inside the jitted ops (int32: they wrap after 2**31 events)."""
+
+    tokens_written: jax.Array  # tokens appended (counted once, at layer 0)
+    pages_allocated: jax.Array  # pages popped from the free stack (new pages and copy-on-write targets)
+    pages_recycled: jax.Array  # pages returned to the free stack by release / truncate / fork-over
+    metadata_ops: jax.Array  # forks, truncations and reservations served without a new page
+    cow_copies: jax.Array  # copy-on-write page copies (the only data-moving allocator operation)
+    failed_reservations: jax.Array  # reservation rows refused for lack of pages
+    dropped_writes: jax.Array  # append rows refused: their tokens would pass the reservation or land in a shared page
+    rejected_rows: jax.Array  # rows refused as invalid input inside jit (duplicate / out-of-range slots, bad counts, ...)
+    prefix_forks: jax.Array  # slots made from cached pages (`fork_pages` rows served)
+    prefix_tokens: jax.Array  # tokens those slots received without computing them
+    pages_held: jax.Array  # holds the cache took on pages (`hold_pages` rows served)
+    holds_dropped: jax.Array  # holds the cache gave back (`drop_pages` rows served)
+    pages_evicted: jax.Array  # of those, pages the drop freed (no slot mapped them): evictions
+    # The host tier (`arena_jax.host`): pages, not bytes (int32 bytes would wrap after 2 GiB);
+    # `aj.health` turns them into bytes (`layout.page_bytes` each: values and scales, all layers).
+    pages_to_host: jax.Array  # pages copied device -> host (`swap_out`, `offload_pages`)
+    pages_to_device: jax.Array  # pages copied host -> device (`swap_in`)
+    swap_outs: jax.Array  # slots swapped out (`swap_out` rows served)
+    swap_ins: jax.Array  # slots swapped in (`swap_in` rows served)
+    failed_swaps: jax.Array  # `swap_in` rows refused for lack of device pages
+    host_pages_dropped: jax.Array  # host pages freed (`drop_host_pages`)
+
+    @classmethod
+    def zeros(cls) -> "CacheStats":
+        return cls(**{f.name: jnp.zeros((), jnp.int32) for f in cls.__dataclass_fields__.values()})
+
+    def bump(self, **deltas) -> "CacheStats":
+        return self.replace(**{k: getattr(self, k) + jnp.asarray(v, jnp.int32) for k, v in deltas.items()})
+
+
+@struct.dataclass
+class KVCache:
+    """The arena (K/V values, and the scales of a quantized arena), its page table and counters.
+
+    8-bit arenas (int8, float8_e4m3fn, float8_e5m2) carry `k_scale`, `v_scale`:
+    `[num_layers, num_kv_heads, num_pages, page_size]` (float32 or bfloat16), one scale per
+    token and KV head, so that a stored row is `values * scale` (`pallas_kernels.quant`). int4
+    arenas store `k`, `v` as uint8 `[..., head_dim / 2]` (two codes a byte) with one scale per
+    group of 32 lanes, `[num_layers, num_kv_heads, num_pages, page_size, head_dim / 32]`
+    (`pallas_kernels.quant4`). Float arenas have `k_scale = v_scale = None`. Why this
+    representation:
+    - Same paged geometry as the values (indexed by the same physical page and offset): fork,
+      truncate, release and prefix sharing move page *ids*, so they move scales with values
+      and need nothing new; the one op that copies page data (copy-on-write in `reserve`)
+      copies the scales with it.
+    - None is an empty pytree node: a float arena's cache has exactly the leaves it had before
+      (same jit signatures, same donation, same `tree_map`s); an 8-bit arena's scales are
+      ordinary leaves, donated and updated in place with the values.
+    - `layout` stays derivable from shapes and dtypes alone (the scale dtype from `k_scale`; a
+      uint8 arena is int4, head_dim twice its last axis), plus one static field:
+    - `rotate_keys` (static, like `sharding`): the keys were rotated before quantization
+      (`pallas_kernels.rotation`), so attention rotates q the same way. A property of how the
+      bytes were written, not of any page: every op that moves pages stays oblivious, and a
+      static field costs nothing in a jit and travels with the cache through every op.
+    - `key_factors` (`smooth_keys`): f32[num_layers, num_kv_heads, head_dim], the static
+      per-channel factors every stored key of a layer was divided by (`arena_jax.key_factors`;
+      0: not calibrated, applied as 1). Not per page: fixed by `create` for the cache's life,
+      read by every write and attention; no op changes it. None when off.
+    """
+
+    k: jax.Array  # [num_layers, num_kv_heads, num_pages, page_size, head_dim]
+    v: jax.Array  # [num_layers, num_kv_heads, num_pages, page_size, head_dim]
+    table: PageTable
+    stats: CacheStats
+    k_scale: jax.Array | None = None  # [num_layers, num_kv_heads, num_pages, page_size(, head_dim / 32 for int4)]
+    v_scale: jax.Array | None = None  # the same; None for float arenas
+    # None: one device. A sharded cache (`create(layout, mesh=...)`) carries its static
+    # `arena_jax.sharding.CacheSharding` here; the ops then run per shard (see that module).
+    sharding: Any = struct.field(pytree_node=False, default=None)
+    rotate_keys: bool = struct.field(pytree_node=False, default=False)  # keys stored rotated (quantized arenas)
+    key_factors: jax.Array | None = None  # f32[num_layers, num_kv_heads, head_dim] (smooth_keys), else None
+
+    @property
+    def layout(self) -> KVLayout:
+        """The geometry, read back from the shapes (works on tracers and ShapeDtypeStructs)."""
+        num_layers, num_kv_heads, num_pages, page_size, head_dim = self.k.shape
+        int4 = self.k.dtype == jnp.uint8  # two codes a byte
+        if self.sharding is not None:  # heads replicated over the tensor axis are stored kv_replicas times
+            num_kv_heads //= self.sharding.kv_replicas
+        max_seqs, max_pages_per_seq = self.table.page_map.shape
+        return KVLayout(
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=2 * head_dim if int4 else head_dim,
+            page_size=page_size,
+            num_pages=num_pages,
+            max_seqs=max_seqs,
+            max_pages_per_seq=max_pages_per_seq,
+            dtype="int4" if int4 else self.k.dtype,
+            scale_dtype=None if self.k_scale is None else self.k_scale.dtype,
+            rotate_keys=self.rotate_keys,
+            smooth_keys=self.key_factors is not None,
+        )
+
+    @property
+    def quantized(self) -> bool:
+        """8-bit or int4 (values plus scales)."""
+        return self.k_scale is not None
