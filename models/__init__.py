@@ -19,7 +19,12 @@ same `prefill` / `decode_step` / `generate(..., mesh=)` run across the mesh.
 transformers' generate reads them) unless given `stop_tokens`. Configs are read by
 `arena_jax.hf_config` (transformers' defaults and types); bad input of any kind is a
 ValueError naming the argument, file or key, and the limit.
+
+Old module paths kept: `models.decode_ahead` is `models.scheduler.run_ahead` (the scheduler is a
+package now, one module per idea: models.scheduler).
 """
+import sys
+
 from models import presets
 from models.config import LlamaConfig, RopeScaling
 from models.dense_baseline import DenseCache, dense_decode, dense_generate, dense_prefill, init_dense_cache
@@ -31,7 +36,10 @@ from models.llama import Block, Llama, init_random, token_positions
 from models.parallel import shard_model, weights_mesh
 from models.loading import Pretrained, TensorSpec, export_hf_tensors, hf_tensor_map, load_pretrained, load_tokenizer
 from models.sampling import GREEDY, Sampling, SamplingParams, filter_logits, sample
+from models.scheduler import run_ahead as decode_ahead  # the module's old path (models.decode_ahead)
 from models.steps import TRACE_COUNTS, StepOutput, decode_step, mixed_step, prefill, release_rows
+
+sys.modules["models.decode_ahead"] = decode_ahead
 
 __all__ = [
     "LlamaConfig",

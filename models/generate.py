@@ -14,7 +14,7 @@ one token to feed. A finished sequence releases its pages at once and its row ta
 next prompt. Shapes never change, so nothing recompiles as sequences come and go. While
 decode steps follow each other, step t+1 is dispatched (fed step t's tokens on the device)
 before step t is read back, so the host's work overlaps the device's; a stop token is seen a
-step late and the extra token discarded (`models.scheduler`, "Overlap": same tokens).
+step late and the extra token discarded (`models.scheduler.run_ahead`, "Overlap": same tokens).
 
 Memory pressure: when `reserve` cannot serve a row (ok False), the most recently admitted
 running sequence is preempted: its pages are released and it is requeued first, to be
@@ -93,14 +93,14 @@ class Generation:
     prefix_hit_tokens: int = 0  # tokens mapped from the prefix cache at admissions
     evictions: int = 0  # pages the prefix cache evicted (LRU) for running sequences
     first_token_seconds: list[float] | None = None  # per prompt: from the call's start to its first token
-    preempted: list[int] | None = None  # per prompt: times it was preempted (at most 1: models.scheduler)
+    preempted: list[int] | None = None  # per prompt: times it was preempted (at most 1: models.scheduler.admission)
     scheduler_steps: int = 0  # iterations of the scheduler's loop (bounded: Scheduler.step_bound)
     host: aj.HostArena | None = None  # the host tier (host_pages=... or host=...), reusable with `cache`
     recomputed_tokens: int = 0  # tokens preempted sequences had in the cache and computed again
     swap_outs: int = 0  # preemptions that moved the sequence's pages to the host tier (no prefix cache)
     swapped_tokens: int = 0  # tokens those preemptions moved (brought back, not recomputed)
     modelled_transfer_seconds: float = 0.0  # host <-> device copies made, at the SwapPolicy's bandwidth
-    run_ahead_steps: int = 0  # decode steps dispatched before the previous step was read back (models.scheduler)
+    run_ahead_steps: int = 0  # decode steps dispatched before the previous step was read back (models.scheduler.run_ahead)
     decode_step_seconds: list[float] | None = None  # per scheduler iteration that only decoded: its wall time / its decode steps
     mixed_calls: int = 0  # mixed steps (mixed_steps=True): decode rows and prompt chunks in one call
     token_seconds: list[list[float]] | None = None  # per prompt: when each generated token was read back (s after the start)
@@ -215,7 +215,7 @@ def generate(
 
     `decode_block=N` runs up to N decode steps in one device call while no request waits, no
     row prefills and there is no prefix cache (each row's sampled token fed back on the
-    device; `models.scheduler`, "Decode blocks"): the host's work is paid once per N steps
+    device; `models.scheduler.run_ahead`, "Decode blocks"): the host's work is paid once per N steps
     instead of every step. Same tokens (the block's steps are the same ops, bit for bit); a
     row's tokens after a stop token in the block are computed and discarded, and a block's
     tokens are read back together (`token_seconds`). Default None: `default_decode_block` (8;
