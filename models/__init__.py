@@ -4,6 +4,8 @@
     import models
     model, tokenizer = models.load_pretrained("path/to/checkpoint", dtype=jnp.bfloat16)
     result = models.generate(model, [[1, 2, 3]], max_new_tokens=32)
+    result = models.generate(model, prompts, 64, sampling=models.Sampling(temperature=0.7, seed=1),
+                             serving=models.Serving(batch_size=16, prefix_cache=True))   # options as objects
 
 or a random-weight model: `models.init_random(models.LlamaConfig.tiny(), seed=0)` (fast: one
 numpy draw on CPU, one jitted call elsewhere) or `models.Llama(config, rngs=nnx.Rngs(0))`.
@@ -33,6 +35,7 @@ from models.host_tier import SwapPolicy
 from models.key_calibration import calibrate_key_factors
 from models.layers import MLP, Attention, Embedder, RMSNorm, apply_rope, rope_frequencies
 from models.llama import Block, Llama, init_random, token_positions
+from models.options import Parallelism, Serving
 from models.parallel import shard_model, weights_mesh
 from models.loading import Pretrained, TensorSpec, export_hf_tensors, hf_tensor_map, load_pretrained, load_tokenizer
 from models.sampling import GREEDY, Sampling, SamplingParams, filter_logits, sample
@@ -70,6 +73,8 @@ __all__ = [
     "TRACE_COUNTS",
     "generate",
     "Generation",
+    "Serving",
+    "Parallelism",
     "default_layout",
     "default_decode_block",
     "length_bucket",
