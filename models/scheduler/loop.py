@@ -177,9 +177,7 @@ class Scheduler(Admission, PrefixPages, HostSwap, RunAhead):
                 piece = s.ids[s.fed : s.fed + self.chunk]
                 tokens[r, : len(piece)] = piece
                 slots[r], counts[r], seq_ids[r] = self.slot_of[r], len(piece), s.index
-        if self.index is not None:
-            live = np.flatnonzero(slots >= 0)
-            self._make_room(live.tolist(), counts[live].tolist())
+        self._make_room_for(slots, counts)
         start = time.perf_counter()
         out, packed = self.steps.prefill(
             self.steps.leaves, self.cache, jnp.asarray(tokens), self._device(slots), jnp.asarray(counts),
@@ -221,9 +219,7 @@ class Scheduler(Admission, PrefixPages, HostSwap, RunAhead):
             if s is not None and s.pending == 1:
                 tokens[r], slots[r], seq_ids[r] = s.ids[-1], self.slot_of[r], s.index
                 served[r], counts[r] = self.slot_of[r], 1
-        if self.index is not None:
-            live = np.flatnonzero(served >= 0)
-            self._make_room(live.tolist(), counts[live].tolist())
+        self._make_room_for(served, counts)
         start = time.perf_counter()
         out, packed = self.steps.mixed(
             self.steps.leaves, self.cache, jnp.asarray(tokens), self._device(slots), jnp.asarray(chunks),

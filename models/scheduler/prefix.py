@@ -134,6 +134,13 @@ class PrefixPages:
             self.cache, self.tier.host = offload_page_rows(self.cache, self.tier.host, jnp.asarray(pages), jnp.asarray(host_pages))
             self.tier.count_move(len(part))
 
+    def _make_room_for(self, served: np.ndarray, counts: np.ndarray) -> None:
+        """Prefix mode: `_make_room` for the rows a step serves (`served[r]` >= 0: a slot), each
+        feeding `counts[r]` tokens; nothing without a prefix index."""
+        if self.index is not None:
+            live = np.flatnonzero(served >= 0)
+            self._make_room(live.tolist(), counts[live].tolist())
+
     def _make_room(self, rows: list[int], counts) -> None:
         """Prefix mode, before a step: evict what the step's reservations need beyond the free pages
         (the host's count already is what the device will hold once the pending ops run), then
