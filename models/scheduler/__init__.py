@@ -1,6 +1,6 @@
 """The host-side scheduler of `models.generate`: batch rows, the waiting queue, page accounting,
 preemption and (with a prefix index) prefix hits, indexing and eviction. Device work is the
-jitted steps of `models.steps`; this module decides what goes into them.
+jitted steps of `models.steps`; this package decides what goes into them.
 
 It answers "what goes into the next device step, and for whom?". One idea per module:
 

@@ -7,7 +7,7 @@ when do the ops that change that run?"
 Prefix accounting: the host keeps an exact count of the pages in use, the index's pages (the
 cache's holds) plus, per running sequence, its mapped pages that are not indexed
 (`pages_for(fed) - in_index`: they are its own). Tests check it against the device's
-`num_free` after every step (`CHECK_ACCOUNTING`). `free` below is the pages of a shard that no
+`num_free` after every step (`CHECK_ACCOUNTING`). `free` (`Admission._free_pages`) is the pages of a shard that no
 running sequence claims (each counted at its whole current length, plus the copy a pending
 copy-on-write needs), counting the index's unlocked pages as free (they can be evicted).
 """
