@@ -9,7 +9,7 @@ these functions, above `models.config`, return the configs.
 """
 from __future__ import annotations
 
-from models.config import LlamaConfig
+from models.config import MODEL_TYPES, LlamaConfig, RopeScaling  # noqa: F401  (the names models.presets had)
 from models.preset_table import _TINY, alternating, every_nth_global  # noqa: F401  (re-exported)
 
 __all__ = [

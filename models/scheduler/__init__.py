@@ -13,10 +13,11 @@ It answers "what goes into the next device step, and for whom?". One idea per mo
     loop.py       `Scheduler`: the loop (prefill, mixed and decode calls, reading results back)
 
 The arrows point down that list: `loop` builds `Scheduler` from the mixins above it, which
-share `seq` and `readback`. `models.scheduler.Scheduler`, `.Seq` and `.fetch` are re-exported here.
+share `seq` and `readback`. `models.scheduler.Scheduler`, `.Seq`, `.fetch` and `.RunAhead` are re-exported here.
 """
 from models.scheduler.loop import Scheduler
 from models.scheduler.readback import fetch
+from models.scheduler.run_ahead import RunAhead
 from models.scheduler.seq import Seq
 
-__all__ = ["Seq", "Scheduler", "fetch"]
+__all__ = ["Seq", "Scheduler", "fetch", "RunAhead"]
