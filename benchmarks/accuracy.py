@@ -293,8 +293,9 @@ def model_accuracy(s: AccuracySettings, progress=None) -> list[dict]:
         rng = np.random.default_rng(s.seed + 1)
         prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (5, 13, 20, 11)]
         longest = max(len(p) for p in prompts) + s.new_tokens
-        run = lambda fmt: models.generate(model, prompts, s.new_tokens, batch_size=len(prompts), chunk_size=32,  # noqa: E731
-                                          layout=_layout(model, fmt, len(prompts), longest), stop_tokens=())
+        run = lambda fmt: models.generate(model, prompts, s.new_tokens, sampling=models.Sampling(stop_tokens=()),  # noqa: E731
+                                          serving=models.Serving(batch_size=len(prompts), chunk_size=32,
+                                                                 layout=_layout(model, fmt, len(prompts), longest)))
         ref = run(BASELINE)
         sequences = [p + t[:-1] for p, t in zip(prompts, ref.tokens)]  # position P-1+i predicts token i
         score_from = [len(p) - 1 for p in prompts]

@@ -79,12 +79,13 @@ def measure_arrivals(settings: ArrivalSettings, advance=lambda: None) -> dict:
             for i in range(s.requests)]  # fmt: skip
     prompts = [rng.integers(0, net.config.vocab_size, n).tolist() for n in lens]
     layout = models.default_layout(net, s.batch, max(lens) + s.new_tokens, dtype="float32")
-    common = dict(batch_size=s.batch, chunk_size=s.chunk, layout=layout, stop_tokens=())
-    schedules = {"separate": {}, **{f"mixed, budget {s.batch + k * s.chunk}": dict(mixed_steps=True,
-                 token_budget=s.batch + k * s.chunk) for k in s.chunks}}  # fmt: skip
-    for extra in schedules.values():  # warm: compile every step once
-        models.generate(net, prompts[: s.long_every], 2, **common, **extra)
-    burst = models.generate(net, prompts, s.new_tokens, **common)
+    separate = models.Serving(batch_size=s.batch, chunk_size=s.chunk, layout=layout)
+    schedules = {"separate": separate, **{f"mixed, budget {s.batch + k * s.chunk}": dataclasses.replace(
+                 separate, mixed_steps=True, token_budget=s.batch + k * s.chunk) for k in s.chunks}}  # fmt: skip
+    common = dict(sampling=models.Sampling(stop_tokens=()))
+    for serving in schedules.values():  # warm: compile every step once
+        models.generate(net, prompts[: s.long_every], 2, **common, serving=serving)
+    burst = models.generate(net, prompts, s.new_tokens, **common, serving=separate)
     rate = s.load * s.requests / burst.seconds  # requests per second
     arrivals = np.cumsum(rng.exponential(1.0 / rate, s.requests)).tolist()
     arrivals = [a - arrivals[0] for a in arrivals]
@@ -92,13 +93,13 @@ def measure_arrivals(settings: ArrivalSettings, advance=lambda: None) -> dict:
     pooled = {name: ([], [], [], []) for name in schedules}  # ttft, itl, wall, all-at-once wall
     tokens = {}
     for _ in range(s.rounds):
-        for name, extra in schedules.items():
-            r = models.generate(net, prompts, s.new_tokens, arrivals=arrivals, **common, **extra)
+        for name, serving in schedules.items():
+            r = models.generate(net, prompts, s.new_tokens, arrivals=arrivals, **common, serving=serving)
             ttft, itl = _latencies(r, arrivals)
             pooled[name][0].extend(ttft)
             pooled[name][1].extend(itl)
             pooled[name][2].append(r.seconds)
-            pooled[name][3].append(models.generate(net, prompts, s.new_tokens, **common, **extra).seconds)
+            pooled[name][3].append(models.generate(net, prompts, s.new_tokens, **common, serving=serving).seconds)
             tokens.setdefault(name, r.tokens)
         advance()
     ref = tokens["separate"]

@@ -148,10 +148,12 @@ def _build_model(s: PrefixSettings, cfg, dtype):
 
 def _warm_up(model, layout, s: PrefixSettings) -> None:
     """Compile every step `generate` may call on these shapes (prefix ops included)."""
-    kw = dict(batch_size=s.batch, chunk_size=s.chunk_size, stop_tokens=())
+    plain = models.Serving(batch_size=s.batch, chunk_size=s.chunk_size)
+    cached = dataclasses.replace(plain, prefix_cache=True)
+    kw = dict(sampling=models.Sampling(stop_tokens=()))
     prompt = list(range(1, min(s.page_size + 3, s.max_prompt_len) + 1))
-    first = models.generate(model, [prompt], 2, cache=aj.create(layout), prefix_cache=True, **kw)
-    again = models.generate(model, [prompt + [1]], 2, cache=first.cache, prefix_cache=first.prefix_cache, **kw)
+    first = models.generate(model, [prompt], 2, cache=aj.create(layout), serving=cached, **kw)
+    again = models.generate(model, [prompt + [1]], 2, cache=first.cache, prefix_cache=first.prefix_cache, serving=cached, **kw)
     cache = again.cache
     width = s.batch * layout.max_pages_per_seq
     pad_pages = jnp.full((width,), aj.PAD_PAGE, jnp.int32)
@@ -159,11 +161,12 @@ def _warm_up(model, layout, s: PrefixSettings) -> None:
     cache = drop_page_rows(cache, pad_pages)
     rows = jnp.full((s.batch, layout.max_pages_per_seq), aj.PAD_PAGE, jnp.int32)
     cache = fork_page_rows(cache, rows, jnp.zeros((s.batch,), jnp.int32), jnp.full((s.batch,), aj.PAD_SLOT, jnp.int32))
-    models.generate(model, [prompt], 2, cache=aj.create(layout), **kw)
+    models.generate(model, [prompt], 2, cache=aj.create(layout), serving=plain, **kw)
     slots = jnp.full((s.batch,), aj.PAD_SLOT, jnp.int32)
     cache, _ = flush_rows(cache, None, pad_pages, jnp.ones((width,), jnp.int32), slots, *[pad_pages] * 4)
     if s.host_pages:  # the host tier's steps, on padding (and generate's with a host tier)
-        hosted = models.generate(model, [prompt], 2, cache=aj.create(layout), prefix_cache=True, host_pages=s.host_pages, **kw)
+        hosted = models.generate(model, [prompt], 2, cache=aj.create(layout),
+                                 serving=dataclasses.replace(cached, host_pages=s.host_pages), **kw)  # fmt: skip
         cache, host = hosted.cache, hosted.host
         cache, host = drop_host_page_rows(cache, host, pad_pages)
         cache, host = offload_page_rows(cache, host, pad_pages, pad_pages)
@@ -181,11 +184,10 @@ def _serve(model, layout, s: PrefixSettings, systems, users, prefix: bool, host_
     answers, rounds = [], []
     for t in range(s.turns):
         prompts = [histories[c] + users[c][t] for c in range(s.conversations)]
-        tier = dict(host=host) if host is not None else dict(host_pages=host_pages)
-        result = models.generate(
-            model, prompts, s.new_tokens, batch_size=s.batch, chunk_size=s.chunk_size, cache=cache,
-            prefix_cache=(index if index is not None else True) if prefix else False, stop_tokens=(), **tier,
-        )  # fmt: skip
+        serving = models.Serving(batch_size=s.batch, chunk_size=s.chunk_size, prefix_cache=prefix,
+                                 host_pages=host_pages if host is None else 0)  # fmt: skip
+        state = dict(cache=cache, **({} if host is None else dict(host=host)), **({} if index is None else dict(prefix_cache=index)))
+        result = models.generate(model, prompts, s.new_tokens, sampling=models.Sampling(stop_tokens=()), serving=serving, **state)
         cache, index, host = result.cache, result.prefix_cache, result.host
         health = aj.health(cache, index, host=host)
         rounds.append({

@@ -68,8 +68,8 @@ def _step_times(net, settings: ServeSettings, advance) -> dict:
     def gen(ahead, block=None):
         Scheduler.RUN_AHEAD = ahead
         try:
-            return models.generate(net, prompts, n, batch_size=b, chunk_size=32, layout=layout, stop_tokens=(),
-                                   decode_block=block)  # fmt: skip
+            return models.generate(net, prompts, n, sampling=models.Sampling(stop_tokens=()),
+                                   serving=models.Serving(batch_size=b, chunk_size=32, layout=layout, decode_block=block))
         finally:
             Scheduler.RUN_AHEAD = True
 
@@ -164,7 +164,8 @@ def _compiles_per_call(settings: ServeSettings) -> dict:
         prompts = [rng.integers(0, net.config.vocab_size, k).tolist() for k in lens]
         with CompileCount() as c:
             t0 = time.perf_counter()
-            models.generate(net, prompts, new, batch_size=b, layout=layout, stop_tokens=())
+            models.generate(net, prompts, new, sampling=models.Sampling(stop_tokens=()),
+                            serving=models.Serving(batch_size=b, layout=layout))
             wall = time.perf_counter() - t0
         out.append(dict(call=label, prompts=len(lens), max_new_tokens=new, programs_compiled=c.programs,
                         compile_s=round(c.seconds, 3), wall_s=round(wall, 3)))  # fmt: skip

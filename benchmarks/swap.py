@@ -89,11 +89,10 @@ def _policy(s: SwapSettings) -> models.SwapPolicy:
 
 
 def _run(model, prompts, s: SwapSettings, layout, host_pages: int):
-    kw = dict(batch_size=s.batch, chunk_size=s.chunk_size, layout=layout, stop_tokens=())
-    if host_pages:
-        kw.update(host_pages=host_pages, swap_policy=_policy(s))
+    serving = models.Serving(batch_size=s.batch, chunk_size=s.chunk_size, layout=layout, host_pages=host_pages,
+                             swap_policy=_policy(s) if host_pages else None)  # fmt: skip
     start = time.perf_counter()
-    result = models.generate(model, prompts, s.new_tokens, **kw)
+    result = models.generate(model, prompts, s.new_tokens, sampling=models.Sampling(stop_tokens=()), serving=serving)
     jax.block_until_ready(result.cache)
     return result, time.perf_counter() - start
 

@@ -4,6 +4,8 @@
     import models
     model, tokenizer = models.load_pretrained("path/to/checkpoint", dtype=jnp.bfloat16)
     result = models.generate(model, [[1, 2, 3]], max_new_tokens=32)
+    result = models.generate(model, prompts, 64, sampling=models.Sampling(temperature=0.7, seed=1),
+                             serving=models.Serving(batch_size=16, prefix_cache=True))   # options as objects
 
 or a random-weight model: `models.init_random(models.LlamaConfig.tiny(), seed=0)` (fast: one
 numpy draw on CPU, one jitted call elsewhere) or `models.Llama(config, rngs=nnx.Rngs(0))`.
@@ -19,7 +21,12 @@ same `prefill` / `decode_step` / `generate(..., mesh=)` run across the mesh.
 transformers' generate reads them) unless given `stop_tokens`. Configs are read by
 `arena_jax.hf.config` (transformers' defaults and types); bad input of any kind is a
 ValueError naming the argument, file or key, and the limit.
+
+Old module paths kept: `models.decode_ahead` is `models.scheduler.run_ahead` (the scheduler is a
+package now, one module per idea: models.scheduler).
 """
+import sys
+
 from models import presets
 from models.config import LlamaConfig, RopeScaling
 from models.dense_baseline import DenseCache, dense_decode, dense_generate, dense_prefill, init_dense_cache
@@ -28,10 +35,14 @@ from models.host_tier import SwapPolicy
 from models.key_calibration import calibrate_key_factors
 from models.layers import MLP, Attention, Embedder, RMSNorm, apply_rope, rope_frequencies
 from models.llama import Block, Llama, init_random, token_positions
+from models.options import Parallelism, Serving
 from models.parallel import shard_model, weights_mesh
 from models.loading import Pretrained, TensorSpec, export_hf_tensors, hf_tensor_map, load_pretrained, load_tokenizer
 from models.sampling import GREEDY, Sampling, SamplingParams, filter_logits, sample
+from models.scheduler import run_ahead as decode_ahead  # the module's old path (models.decode_ahead)
 from models.steps import TRACE_COUNTS, StepOutput, decode_step, mixed_step, prefill, release_rows
+
+sys.modules["models.decode_ahead"] = decode_ahead
 
 __all__ = [
     "LlamaConfig",
@@ -62,6 +73,8 @@ __all__ = [
     "TRACE_COUNTS",
     "generate",
     "Generation",
+    "Serving",
+    "Parallelism",
     "default_layout",
     "default_decode_block",
     "length_bucket",

@@ -43,8 +43,9 @@ def check_number(name: str, value, *, low: float, high: float = math.inf, low_op
     return value
 
 
-def token_ids(name: str, ids, vocab_size: int) -> list[int]:
-    """A sequence of token ids -> list[int], each an integer in [0, vocab_size).
+def token_ids(name: str, ids, vocab_size: int | None) -> list[int]:
+    """A sequence of token ids -> list[int], each an integer in [0, vocab_size) (vocab_size
+    None: any integer; the range is checked once the vocabulary is known).
 
     Lists / tuples of Python or numpy integers, or a 1-D integer numpy / JAX array. A string,
     a float (3.7, or 3.0) or a bool is refused, not converted.
@@ -63,7 +64,7 @@ def token_ids(name: str, ids, vocab_size: int) -> list[int]:
     for j, t in enumerate(ids):
         if not is_int(t):
             raise ValueError(f"{name}[{j}] = {t!r} is not an integer token id")
-        if not 0 <= t < vocab_size:
+        if vocab_size is not None and not 0 <= t < vocab_size:
             raise ValueError(f"{name}[{j}] = {t} is outside [0, vocab_size={vocab_size})")
     return [int(t) for t in ids]
 

@@ -20,6 +20,7 @@ allocated. Compiled steps are kept in a JAX persistent compilation cache
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -224,28 +225,21 @@ def main(argv=None) -> int:
     if cache_dir is not None:  # only once the arguments and the model are known to be good
         _enable_compile_cache(cache_dir, given=args.compile_cache is not None)
     try:
-        kwargs = dict(
-            batch_size=args.batch,
-            chunk_size=chunk_size,
-            layout=layout,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            seed=args.seed,
-            stop_tokens=() if args.ignore_eos else None,  # None: the checkpoint's eos tokens
-            mixed_steps=args.mixed_steps,
-            token_budget=args.token_budget,
-            decode_block=args.decode_block,
-        )
+        # The options as generate's objects (models.options), built once from the flags.
+        sampling = models.Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                   stop_tokens=() if args.ignore_eos else None)  # None: the checkpoint's eos tokens
+        serving = models.Serving(batch_size=args.batch, chunk_size=chunk_size, layout=layout, prefix_cache=args.prefix_cache,
+                                 mixed_steps=args.mixed_steps, token_budget=args.token_budget, decode_block=args.decode_block)
         warm_start = time.perf_counter()
         warm_new = min(2, args.max_new_tokens)  # fits wherever the real run fits (checked above)
-        first = models.generate(model, prompts[:1], warm_new, **kwargs, prefix_cache=args.prefix_cache)  # compile first
+        first = models.generate(model, prompts[:1], warm_new, sampling=sampling, serving=serving)  # compile first
         if args.prefix_cache:  # a second call hits the first: the prefix ops compile too
-            again = {k: v for k, v in kwargs.items() if k != "layout"}
-            models.generate(model, prompts[:1], warm_new, **again, cache=first.cache, prefix_cache=first.prefix_cache)
+            again = dataclasses.replace(serving, layout=None)
+            models.generate(model, prompts[:1], warm_new, sampling=sampling, serving=again, cache=first.cache,
+                            prefix_cache=first.prefix_cache)  # fmt: skip
         warm = time.perf_counter() - warm_start
-        result = models.generate(model, prompts, args.max_new_tokens, **kwargs, prefix_cache=args.prefix_cache,
-                                 host_pages=args.host_pages)  # fmt: skip
+        result = models.generate(model, prompts, args.max_new_tokens, sampling=sampling,
+                                 serving=dataclasses.replace(serving, host_pages=args.host_pages))  # fmt: skip
     except ValueError as exc:
         parser.error(str(exc))
 

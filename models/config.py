@@ -24,72 +24,18 @@ can sit in an NNX graphdef that is a static argument of `jax.jit`.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from typing import Any, Mapping
 
 import numpy as np
 
 import arena_jax as aj
-from arena_jax.hf.config import INT32_MAX
+from models import preset_table
+from models.config_fields import (_GEMMA, HIDDEN_ACTS, LAYER_TYPES, MODEL_TYPES, NO_WINDOW, RopeScaling,
+                                  _optional_float, _positive_int, _positive_number)  # fmt: skip
+from models.config_hf import config_from_hf, config_to_hf
 
 __all__ = ["LlamaConfig", "RopeScaling", "MODEL_TYPES", "HIDDEN_ACTS", "NO_WINDOW"]
-
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
-HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
-LAYER_TYPES = ("full_attention", "sliding_attention")
-# A layer without a window, in the per-layer int32 windows the layer scan carries: any value
-# >= max_seq_len is no window to `aj.attend` (which clips it), and the dense baseline's
-# `key > query - window` cannot overflow with it.
-NO_WINDOW = INT32_MAX
-_GEMMA = ("gemma2", "gemma3_text")
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-    """RoPE frequency scaling. rope_type "llama3" (Llama 3.1): low frequencies divided by
-    `factor`, high frequencies kept, a smooth blend in between. "linear" (Gemma 3's global
-    layers): every frequency divided by `factor` (the other fields are unused)."""
-
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-    rope_type: str = "llama3"
-
-    def __post_init__(self):
-        if self.rope_type not in ("llama3", "linear"):
-            raise ValueError(f"rope_scaling.rope_type must be 'llama3' or 'linear', got {self.rope_type!r}")
-        for name in ("factor", "low_freq_factor", "high_freq_factor"):
-            value = getattr(self, name)
-            if not _positive_number(value):
-                raise ValueError(f"rope_scaling.{name} must be a finite number > 0, got {value!r}")
-            object.__setattr__(self, name, float(value))
-        if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
-            raise ValueError(
-                f"rope_scaling.high_freq_factor={self.high_freq_factor} must exceed "
-                f"low_freq_factor={self.low_freq_factor}"
-            )
-        _positive_int(self, "original_max_position_embeddings", prefix="rope_scaling.")
-
-
-def _positive_int(obj, name: str, prefix: str = ""):
-    value = getattr(obj, name)
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= INT32_MAX:
-        raise ValueError(f"{prefix}{name} must be an integer in [1, {INT32_MAX}], got {value!r}")
-
-
-def _positive_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-
-
-def _optional_float(obj, name: str):
-    value = getattr(obj, name)
-    if value is not None:
-        if not _positive_number(value):
-            raise ValueError(f"{name} must be a finite number > 0 or None, got {value!r}")
-        object.__setattr__(obj, name, float(value))
-
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
@@ -334,84 +280,60 @@ class LlamaConfig:
         transformers' `generate` stops at: `generation_config.json` beside a config path (or
         the `generation_config` dict given), else config.json's `eos_token_id`.
         """
-        from models.config_hf import config_from_hf
-
         return config_from_hf(cls, config, generation_config=generation_config)
 
     def to_hf(self) -> dict[str, Any]:
         """A Hugging Face `config.json` dict that transformers reads as this config."""
-        from models.config_hf import config_to_hf
-
         return config_to_hf(self)
 
     # ---- presets (models.presets) ---------------------------------------------------------------
     @classmethod
     def llama3_8b(cls) -> "LlamaConfig":
         """Meta-Llama-3.1-8B."""
-        from models import presets
-
-        return presets.llama3_8b()
+        return cls(**preset_table.llama3_8b())
 
     @classmethod
     def llama3_70b(cls) -> "LlamaConfig":
         """Meta-Llama-3.1-70B."""
-        from models import presets
-
-        return presets.llama3_70b()
+        return cls(**preset_table.llama3_70b())
 
     @classmethod
     def mistral_7b(cls) -> "LlamaConfig":
         """Mistral-7B-v0.1 (sliding window 4096)."""
-        from models import presets
-
-        return presets.mistral_7b()
+        return cls(**preset_table.mistral_7b())
 
     @classmethod
     def qwen2_5_7b(cls) -> "LlamaConfig":
         """Qwen2.5-7B-Instruct (q/k/v biases)."""
-        from models import presets
-
-        return presets.qwen2_5_7b()
+        return cls(**preset_table.qwen2_5_7b())
 
     @classmethod
     def qwen3_8b(cls) -> "LlamaConfig":
         """Qwen3-8B (q/k norms)."""
-        from models import presets
-
-        return presets.qwen3_8b()
+        return cls(**preset_table.qwen3_8b())
 
     @classmethod
     def gemma2_9b(cls) -> "LlamaConfig":
         """gemma-2-9b (soft-caps, alternating 4096 windows)."""
-        from models import presets
-
-        return presets.gemma2_9b()
+        return cls(**preset_table.gemma2_9b())
 
     @classmethod
     def gemma3_1b(cls) -> "LlamaConfig":
         """gemma-3-1b (5 local : 1 global layers, two RoPE bases, q/k norms)."""
-        from models import presets
-
-        return presets.gemma3_1b()
+        return cls(**preset_table.gemma3_1b())
 
     @classmethod
     def gemma3_4b_text(cls) -> "LlamaConfig":
         """The text decoder of gemma-3-4b (linear RoPE scaling on the global layers)."""
-        from models import presets
-
-        return presets.gemma3_4b_text()
+        return cls(**preset_table.gemma3_4b_text())
 
     @classmethod
     def tiny(cls, **overrides) -> "LlamaConfig":
         """A small random-weight Llama for tests and the CPU demo (GQA 4/2, head_dim 16)."""
-        from models import presets
-
-        return presets.tiny(**overrides)
+        return cls(**preset_table.tiny(**overrides))
 
     @classmethod
     def tiny_family(cls, model_type: str, **overrides) -> "LlamaConfig":
         """A tiny random-weight model of `model_type` with its family's features switched on
         (windows shorter than test sequences, soft-caps, two RoPE bases, biases, q/k norms)."""
-        from models import presets
-
-        return presets.tiny_family(model_type, **overrides)
+        return cls(**preset_table.tiny_family(model_type, **overrides))

@@ -4,6 +4,9 @@ Reading goes through `arena_jax.hf.config.parse_hf_config` (transformers' defaul
 derivations per model_type); what our models cannot compute is refused by name here. Writing
 gives each family's own keys, so that transformers reads the config back as the same model
 (tests/test_models_parity.py builds transformers models from `to_hf` dicts).
+
+It sits below `models.config` (whose `from_hf` / `to_hf` call it): `config_from_hf` builds the
+class it is given (`LlamaConfig`), `config_to_hf` reads the config it is given.
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from typing import Any
 
 from arena_jax.hf.config import parse_hf_config
 from arena_jax.hf.schemas import FAMILIES
-from models.config import LlamaConfig, RopeScaling
+from models.config_fields import RopeScaling
 
 __all__ = ["config_from_hf", "config_to_hf"]
 
@@ -37,7 +40,7 @@ def _scaling(where: str, what: str, rope_type: str, params) -> RopeScaling | Non
     raise ValueError(f"{where}: {what}rope_type={rope_type!r} is not supported; expected 'default', 'llama3' or 'linear'")
 
 
-def config_from_hf(cls, config, *, generation_config=None) -> LlamaConfig:
+def config_from_hf(cls, config, *, generation_config=None):
     hf = parse_hf_config(config, generation_config=generation_config)
     where = hf.source
     if hf.hidden_act not in _ACTS:
@@ -101,7 +104,7 @@ def _rope_dict(theta: float, scaling: RopeScaling | None) -> dict:
     return {"rope_type": "llama3", **fields, "rope_theta": theta}
 
 
-def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
+def config_to_hf(cfg) -> dict[str, Any]:
     kind = cfg.model_type
     out = {
         "architectures": [_ARCHITECTURES[kind]],

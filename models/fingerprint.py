@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.scheduler.readback import fetch  # gathers from every process of a multi-host mesh
+
 __all__ = ["fingerprint"]
 
 SAMPLES = 64  # values sampled per weight
@@ -38,8 +40,6 @@ def _samples(leaves):
 
 def fingerprint(model) -> str:
     """A hex digest of the model's class, config, dtype and sampled weights (module docstring)."""
-    from models.scheduler import fetch  # gathers from every process of a multi-host mesh
-
     state = nnx.state(model, nnx.Param)
     paths_leaves = jax.tree_util.tree_flatten_with_path(state)[0]
     h = hashlib.sha256()

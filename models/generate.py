@@ -14,7 +14,7 @@ one token to feed. A finished sequence releases its pages at once and its row ta
 next prompt. Shapes never change, so nothing recompiles as sequences come and go. While
 decode steps follow each other, step t+1 is dispatched (fed step t's tokens on the device)
 before step t is read back, so the host's work overlaps the device's; a stop token is seen a
-step late and the extra token discarded (`models.scheduler`, "Overlap": same tokens).
+step late and the extra token discarded (`models.scheduler.run_ahead`, "Overlap": same tokens).
 
 Memory pressure: when `reserve` cannot serve a row (ok False), the most recently admitted
 running sequence is preempted: its pages are released and it is requeued first, to be
@@ -62,12 +62,12 @@ import numpy as np
 
 import arena_jax as aj
 from arena_jax.host import check_pair
-from models.argtypes import MAX_DECODE_BLOCK
-from models.checks import INT32_MIN, check_int, token_ids
+from models.checks import check_int, token_ids
 from models.fingerprint import fingerprint
 from models.host_tier import HostTier, SwapPolicy
 from models.key_calibration import calibrate_key_factors
 from models.llama import Llama
+from models.options import Parallelism, Serving, options_from_keywords
 from models.sampling import Sampling
 from models.scheduler import Scheduler, Seq, fetch
 
@@ -93,14 +93,14 @@ class Generation:
     prefix_hit_tokens: int = 0  # tokens mapped from the prefix cache at admissions
     evictions: int = 0  # pages the prefix cache evicted (LRU) for running sequences
     first_token_seconds: list[float] | None = None  # per prompt: from the call's start to its first token
-    preempted: list[int] | None = None  # per prompt: times it was preempted (at most 1: models.scheduler)
+    preempted: list[int] | None = None  # per prompt: times it was preempted (at most 1: models.scheduler.admission)
     scheduler_steps: int = 0  # iterations of the scheduler's loop (bounded: Scheduler.step_bound)
     host: aj.HostArena | None = None  # the host tier (host_pages=... or host=...), reusable with `cache`
     recomputed_tokens: int = 0  # tokens preempted sequences had in the cache and computed again
     swap_outs: int = 0  # preemptions that moved the sequence's pages to the host tier (no prefix cache)
     swapped_tokens: int = 0  # tokens those preemptions moved (brought back, not recomputed)
     modelled_transfer_seconds: float = 0.0  # host <-> device copies made, at the SwapPolicy's bandwidth
-    run_ahead_steps: int = 0  # decode steps dispatched before the previous step was read back (models.scheduler)
+    run_ahead_steps: int = 0  # decode steps dispatched before the previous step was read back (models.scheduler.run_ahead)
     decode_step_seconds: list[float] | None = None  # per scheduler iteration that only decoded: its wall time / its decode steps
     mixed_calls: int = 0  # mixed steps (mixed_steps=True): decode rows and prompt chunks in one call
     token_seconds: list[list[float]] | None = None  # per prompt: when each generated token was read back (s after the start)
@@ -143,30 +143,26 @@ def generate(
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     *,
-    batch_size: int = 4,
-    chunk_size: int = 32,
-    layout: aj.KVLayout | None = None,
+    sampling: Sampling | None = None,
+    serving: Serving | None = None,
+    parallel: Parallelism | None = None,
     cache: aj.KVCache | None = None,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    seed: int = 0,
-    stop_tokens: Sequence[int] | None = None,
-    return_logits: bool = False,
-    prefix_cache: bool | aj.PrefixCache = False,
-    kv_dtype=None,
-    mesh=None,
-    tensor_axis: str | None = "tensor",
-    data_axis: str | None = None,
-    host_pages: int = 0,
     host: aj.HostArena | None = None,
-    swap_policy: SwapPolicy | None = None,
-    mixed_steps: bool = False,
-    token_budget: int | None = None,
     arrivals: Sequence[float] | None = None,
-    decode_block: int | None = None,
+    **options,
 ) -> Generation:
     """Generate up to `max_new_tokens` for each prompt (lists of token ids).
+
+    Options come as three objects (`models.options`; each checked when made, frozen, reusable
+    across calls): `sampling=Sampling(temperature, top_k, top_p, seed, stop_tokens,
+    return_logits)`, `serving=Serving(batch_size, chunk_size, layout, kv_dtype, prefix_cache,
+    host_pages, swap_policy, mixed_steps, token_budget, decode_block)` and
+    `parallel=Parallelism(mesh, tensor_axis, data_axis)`; None: the defaults. Each field is also
+    accepted as a keyword of its own, as before (`generate(..., batch_size=8, temperature=0.7)`:
+    the same run); an object together with one of its own keywords is a TypeError. The state a
+    call continues is given beside them: `cache`, `host`, and an earlier result's
+    `prefix_cache=<PrefixCache>` (with `Serving(prefix_cache=True)`); `arrivals` is the workload.
+    The fields, as the keywords they were:
 
     `batch_size` rows run at once (row r uses cache slot r); give `layout` (or a `cache`,
     reused and returned) to bound the arena, else it holds every row at full length, the
@@ -215,7 +211,7 @@ def generate(
 
     `decode_block=N` runs up to N decode steps in one device call while no request waits, no
     row prefills and there is no prefix cache (each row's sampled token fed back on the
-    device; `models.scheduler`, "Decode blocks"): the host's work is paid once per N steps
+    device; `models.scheduler.run_ahead`, "Decode blocks"): the host's work is paid once per N steps
     instead of every step. Same tokens (the block's steps are the same ops, bit for bit); a
     row's tokens after a stop token in the block are computed and discarded, and a block's
     tokens are read back together (`token_seconds`). Default None: `default_decode_block` (8;
@@ -227,7 +223,11 @@ def generate(
     """
     if not isinstance(model, Llama):
         raise ValueError(f"model must be a models.Llama (init_random, load_pretrained), got {type(model).__name__}")
-    sampling = Sampling(temperature, top_k, top_p)
+    sampling, serving, parallel, index = options_from_keywords(sampling, serving, parallel, options)
+    batch_size, chunk_size, layout, kv_dtype = serving.batch_size, serving.chunk_size, serving.layout, serving.kv_dtype
+    host_pages, swap_policy, token_budget, decode_block = serving.host_pages, serving.swap_policy, serving.token_budget, serving.decode_block
+    mesh, tensor_axis, data_axis = parallel.mesh, parallel.tensor_axis, parallel.data_axis
+    seed, stop_tokens, return_logits, top_k = sampling.seed, sampling.stop_tokens, sampling.return_logits, sampling.top_k
     vocab = model.config.vocab_size
     if isinstance(prompts, (str, bytes)):
         raise ValueError("prompts is a string; pass a list of token-id lists")
@@ -237,23 +237,8 @@ def generate(
         raise ValueError(f"prompts must be a sequence of token-id lists, got {type(prompts).__name__}") from None
     prompts = [token_ids(f"prompts[{i}]", p, vocab) for i, p in enumerate(prompts)]
     max_new_tokens = check_int("max_new_tokens", max_new_tokens)
-    batch_size = check_int("batch_size", batch_size, low=1)
-    chunk_size = check_int("chunk_size", chunk_size, low=1)
-    seed = check_int("seed", seed, low=INT32_MIN)
-    host_pages = check_int("host_pages", host_pages, low=0)
-    if decode_block is not None:
-        decode_block = check_int("decode_block", decode_block, low=1, high=MAX_DECODE_BLOCK)
-    for name, flag in (("mixed_steps", mixed_steps), ("return_logits", return_logits)):
-        if not isinstance(flag, bool):
-            raise ValueError(f"{name} must be a bool, got {flag!r}")
-    if token_budget is not None:
-        if not mixed_steps:
-            raise ValueError("token_budget is the mixed steps' size: give it with mixed_steps=True")
-        token_budget = check_int("token_budget", token_budget, low=1)
     arrivals_given = arrivals is not None
     arrivals = _check_arrivals(arrivals, len(prompts))
-    if swap_policy is not None and not isinstance(swap_policy, SwapPolicy):
-        raise ValueError(f"swap_policy must be a models.SwapPolicy, got {type(swap_policy).__name__}")
     if host is not None and not isinstance(host, aj.HostArena):
         raise ValueError(f"host must be an arena_jax.HostArena (an earlier Generation's .host), got {type(host).__name__}")
     if host is not None and (host_pages or cache is None):
@@ -265,18 +250,13 @@ def generate(
     if top_k is not None and top_k > vocab:
         raise ValueError(f"top_k={top_k} exceeds vocab_size={vocab}")
     longest = max((len(p) for p in prompts), default=1) + max_new_tokens
-    if kv_dtype is not None and (layout is not None or cache is not None):
+    if kv_dtype is not None and cache is not None:  # (with a layout: Serving's check)
         raise ValueError("give kv_dtype only when generate sizes the arena: a layout or cache brings its own dtype")
-    if not isinstance(prefix_cache, (bool, aj.PrefixCache)):
-        raise ValueError(f"prefix_cache must be a bool or an arena_jax.PrefixCache, got {type(prefix_cache).__name__}")
-    index = prefix_cache if isinstance(prefix_cache, aj.PrefixCache) else None
     if index is not None and cache is None:
         raise ValueError("prefix_cache=<PrefixCache> needs the cache holding its pages: cache=<the earlier Generation>.cache")
     if cache is not None and not isinstance(cache, aj.KVCache):
         raise ValueError(f"cache must be an arena_jax.KVCache (e.g. an earlier Generation's .cache), got {type(cache).__name__}")
-    if layout is not None and not isinstance(layout, aj.KVLayout):
-        raise ValueError(f"layout must be an arena_jax.KVLayout, got {type(layout).__name__}")
-    tag = fingerprint(model) if prefix_cache is not False else None  # what the cached K/V were made by
+    tag = fingerprint(model) if serving.prefix_cache else None  # what the cached K/V were made by
     if cache is not None:
         from arena_jax.validate import check_cache_arrays
 
@@ -311,7 +291,7 @@ def generate(
     else:
         dp = cache.sharding.dp if cache.sharding is not None else 1
     mixed_chunks = 0
-    if mixed_steps:  # chunks per step: the same number on every data shard
+    if serving.mixed_steps:  # chunks per step: the same number on every data shard
         least = batch_size + dp * chunk_size
         budget = least if token_budget is None else token_budget
         if budget < least:
@@ -322,14 +302,14 @@ def generate(
             )
         mixed_chunks = min(batch_size, (budget - batch_size) // chunk_size)
         mixed_chunks -= mixed_chunks % dp
-    if prefix_cache is not False and dp > 1:
+    if serving.prefix_cache and dp > 1:
         raise ValueError(f"prefix_cache needs one data shard; this mesh has {dp} (an index per data shard is not built)")
     if (host_pages or host is not None) and dp > 1:
         raise ValueError(f"host_pages needs one data shard; this mesh has {dp} (a host tier per data shard is not built)")
     if host is not None and index is None:
         check_pair(cache, host)
         if fetch(host.held)[0].any():
-            why = " (a prefix cache's host copies: pass its PrefixCache as prefix_cache)" if prefix_cache is False else ""
+            why = " (a prefix cache's host copies: pass its PrefixCache as prefix_cache)" if not serving.prefix_cache else ""
             raise ValueError(f"host must hold no pages{why}: generate owns every host page")
     if batch_size % dp or batch_size // dp > layout.max_seqs // dp:
         raise ValueError(
@@ -351,11 +331,10 @@ def generate(
         # Smoothed keys: factors from a calibration pass over the model, fixed before any request
         # (models.key_calibration): tokens never depend on scheduling or earlier tenants.
         factors = calibrate_key_factors(model) if layout.smooth_keys else None
-        on_mesh = {} if mesh is None else dict(mesh=mesh, tensor_axis=tensor_axis, data_axis=data_axis)
-        cache = aj.create(layout, key_factors=factors, **on_mesh)
+        cache = aj.create(layout, key_factors=factors, **parallel.on_mesh)
     if host_pages:
         host = aj.create_host(cache, host_pages)
-    if prefix_cache is True:
+    if serving.prefix_cache and index is None:
         index = aj.PrefixCache(layout, tag=tag, host_pages=host.num_pages if host is not None else 0)
         index.bind(cache, host=host)
     tier = None

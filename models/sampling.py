@@ -1,6 +1,8 @@
 """Token sampling inside the jitted steps: greedy, temperature, top-k, top-p.
 
-`Sampling` is the host-side, validated choice; `Sampling.rows(batch)` turns it into
+`Sampling` is the host-side, validated choice (with the seed, the stop tokens and whether to
+return logits: everything `generate` needs to know about sampling, like vLLM's
+`SamplingParams`); `Sampling.rows(batch)` turns its filters into
 `SamplingParams`, per-row arrays that the steps take as ordinary (traced) arguments. So
 any mix of sampling settings, per request, runs through ONE compiled step; a batch whose
 rows are all greedy takes a `lax.cond` branch that is a plain argmax (no sort).
@@ -17,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from models.checks import check_int, check_number
+from models.checks import INT32_MIN, check_int, check_number, token_ids
 
 __all__ = ["Sampling", "SamplingParams", "GREEDY", "sample", "filter_logits"]
 
@@ -33,16 +35,28 @@ class SamplingParams:
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """temperature 0 is greedy; top_k keeps the k largest logits; top_p the smallest set of
-    most likely tokens whose probability reaches p (after temperature and top-k), and at least
-    the most likely token: a top_p too small to keep any token keeps the argmax.
+    """What `generate` samples: temperature 0 is greedy; top_k keeps the k largest logits; top_p
+    the smallest set of most likely tokens whose probability reaches p (after temperature and
+    top-k), and at least the most likely token: a top_p too small to keep any token keeps the argmax.
 
     Checked on the host: temperature a finite number >= 0 (NaN is refused, not run greedily),
-    top_k an integer in [1, 2**31 - 1], top_p a finite number in (0, 1]."""
+    top_k an integer in [1, 2**31 - 1], top_p a finite number in (0, 1], seed an int32,
+    stop_tokens integers (kept as a tuple; against the vocabulary: by `generate`),
+    return_logits a bool. Frozen and hashable."""
 
     temperature: float = 0.0
+    """0: greedy; else logits / temperature are sampled."""
     top_k: int | None = None
+    """Keep the k largest logits (None: off)."""
     top_p: float | None = None
+    """Keep the most likely tokens whose probability reaches p (None: off)."""
+    seed: int = 0
+    """An int32 keying the draws (per sequence and position: the same tokens in any batch row)."""
+    stop_tokens: tuple[int, ...] | None = None
+    """A sequence stops after one of these (kept in its output); None: the model's
+    `config.eos_token_ids` (as transformers' generate); (): never."""
+    return_logits: bool = False
+    """Return the logits each token was drawn from (`Generation.logits`)."""
 
     def __post_init__(self):
         object.__setattr__(self, "temperature", check_number("temperature", self.temperature, low=0.0))
@@ -50,6 +64,11 @@ class Sampling:
             object.__setattr__(self, "top_k", check_int("top_k", self.top_k, low=1))
         if self.top_p is not None:
             object.__setattr__(self, "top_p", check_number("top_p", self.top_p, low=0.0, high=1.0, low_open=True))
+        object.__setattr__(self, "seed", check_int("seed", self.seed, low=INT32_MIN))
+        if self.stop_tokens is not None:
+            object.__setattr__(self, "stop_tokens", tuple(token_ids("stop_tokens", self.stop_tokens, None)))
+        if not isinstance(self.return_logits, bool):
+            raise ValueError(f"return_logits must be a bool, got {self.return_logits!r}")
 
     @property
     def greedy(self) -> bool:

@@ -23,8 +23,8 @@ def measure(rounds: int = 5, batch: int = 8, new: int = 128) -> dict:
     rng = np.random.default_rng(0)
     shared = rng.integers(0, 128, 96).tolist()
     prompts = [shared + rng.integers(0, 128, 32).tolist() for _ in range(batch)]
-    kwargs = dict(batch_size=batch, chunk_size=32, layout=models.default_layout(net, batch, 256, dtype="float32"),
-                  stop_tokens=(), prefix_cache=True)  # fmt: skip
+    kwargs = dict(sampling=models.Sampling(stop_tokens=()), serving=models.Serving(
+        batch_size=batch, chunk_size=32, layout=models.default_layout(net, batch, 256, dtype="float32"), prefix_cache=True))
     steps, tokens, ahead_steps, calls = {True: [], False: []}, {}, {}, {}
     try:
         for ahead in (True, False):  # warm: compile both schedules' programs

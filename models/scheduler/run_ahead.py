@@ -1,21 +1,53 @@
-"""Run-ahead decode for `models.scheduler.Scheduler` (its docstring, "Overlap"): the decode
-step t+1 dispatched before step t is read back, when the host can prove what it is; the
-inputs that do not change kept on the device; and the tests' page check that counts a step
-in flight. A mixin: the Scheduler's state and bookkeeping are its own.
+"""Run-ahead decode and decode blocks for `models.scheduler.Scheduler`: the decode step t+1
+dispatched before step t is read back, when the host can prove what it is; up to
+`decode_block` decode steps in one call; the inputs that do not change kept on the device; and
+the tests' page check that counts a step in flight (`RunAhead`, a part of the Scheduler; also
+importable as `models.decode_ahead`). It answers "what can the device run before the host has
+read the last step back?"
+
+Overlap (run-ahead decode). After dispatching a decode step t, the
+scheduler dispatches step t+1 before reading t back, when it can prove what t+1 is: every
+running row decoded in t (none to prefill), no admission is due (the queue is empty, or no row
+frees up at t and none was vacated since the last admission attempt: with only growing
+sequences a request that did not fit still does not), and each shard's running sequences at
+their length after t+1 fit its pages, so neither step can be refused (the device's pages in use
+are exactly the running sequences' `pages_for(fed)`: `_check_pages`). Step t+1's rows are t's
+minus those reaching max_new_tokens at t, fed t's sampled tokens on the device. A stop token is
+read one step late: that row's token from t+1 is discarded and its slot released after t+1, so
+tokens (and logits) are the same as with `RUN_AHEAD = False`; only the admission that the stop
+allows comes one step later. Slots and sequence ids are uploaded once per distinct value, and
+the steps are bound to the model's static parts once (`models.steps.bound_steps`). With a
+prefix index, step t+1 runs ahead only where neither step maps a page (page_size - 2 of every
+page_size steps of a row): the page rows the host read last stay exact for indexing the pages
+that fill up and the sequences that stop, no reservation can fail and nothing needs evicting;
+a row that stops at t is indexed as it is, and its token from t+1 lands past the indexed ones.
+
+Decode blocks (`decode_block` > 1; `generate`'s default 8 offline off a TPU). A decode call runs up to
+`decode_block` steps (`models.steps.BoundSteps.decode_block`, a while loop of the decode step on
+the device, each row's sampled token fed to its next step) when nothing waits to be admitted
+(no admission can be due: the queue is empty), every running row decodes, there is no prefix
+index and no logits are returned: row r runs min(decode_block, max_new_tokens - generated)
+steps, if each shard's rows at their length after them fit its pages (else one step). So no
+reservation in a block can fail, and the pages in use are the running rows' `pages_for(fed)`
+as before. The host reads a block back at once: each row accepts its tokens in order up to a
+stop token; the rest were computed past its end and are discarded, and its slot is released
+as at a stop. Run-ahead applies to blocks as to steps (the next block's rows are those that
+go on after the in-flight one's steps). Tokens are the one-step loop's: a block's step is the
+same computation as a `decode_step` call (bit for bit, tests/test_overlap.py). With
+decode_block > 1 every decode call (a single step too: a block whose rows run one step, which
+also returns its logits) goes through the block program, so one decode program is compiled.
 """
+
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import arena_jax as aj
-
-if TYPE_CHECKING:
-    from models.scheduler import Seq
+from models.scheduler.readback import fetch
+from models.scheduler.seq import Seq
 
 __all__ = ["RunAhead"]
 
@@ -124,10 +156,10 @@ class RunAhead:
         """(slots, seq ids, Seqs, steps) of the decode call that follows the in-flight one `slots` /
         `served` / `steps` (not read back yet; steps None: one step per row; the next call's
         steps: `_block_steps`), or None when it cannot be known before reading it back
-        (`models.scheduler` docstring, "Overlap"). Rows assumed to go on: those whose Seq is still in its
+        (the module docstring, "Overlap"). Rows assumed to go on: those whose Seq is still in its
         row (a stop token read back since is only known for the step before) and that have not
         reached max_new_tokens with the in-flight token; with a prefix index, only while neither
-        step maps a page (the module docstring of `models.scheduler`). Plain Python on the rows (it runs every
+        step maps a page (the module docstring, "Overlap"). Plain Python on the rows (it runs every
         step, on the host's critical path): no numpy until the arrays it returns, which are
         reused while the same sequences go on in the same rows."""
         if not self.RUN_AHEAD or self._to_release and waiting:
@@ -183,8 +215,6 @@ class RunAhead:
     def _check_pages(self) -> None:
         """Tests, without a prefix index: each shard's pages in use on the device are exactly its
         running sequences' `pages_for(fed)`, counting the token of a run-ahead step in flight."""
-        from models.scheduler import fetch
-
         self._flush()
         ahead = self._ahead[2] if self._ahead is not None else [None] * self.batch
         steps = self._ahead[3] if self._ahead is not None and self._ahead[3] is not None else np.ones(self.batch, int)
