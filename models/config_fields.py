@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from arena_jax.hf_config import INT32_MAX
+from arena_jax.hf.config import INT32_MAX
 
 __all__ = ["RopeScaling", "MODEL_TYPES", "HIDDEN_ACTS", "LAYER_TYPES", "NO_WINDOW"]
 
