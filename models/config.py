@@ -299,32 +299,33 @@ class LlamaConfig:
 
     @classmethod
     def mistral_7b(cls) -> "LlamaConfig":
-        """Mistral-7B-v0.1 (sliding window 4096)."""
+        """Mistral-7B-v0.1 (sliding window 4096 on every layer)."""
         return cls(**preset_table.mistral_7b())
 
     @classmethod
     def qwen2_5_7b(cls) -> "LlamaConfig":
-        """Qwen2.5-7B-Instruct (q/k/v biases)."""
+        """Qwen2.5-7B-Instruct: q/k/v biases, no window (use_sliding_window false)."""
         return cls(**preset_table.qwen2_5_7b())
 
     @classmethod
     def qwen3_8b(cls) -> "LlamaConfig":
-        """Qwen3-8B (q/k norms)."""
+        """Qwen3-8B: q/k RMSNorms, head_dim 128 (not hidden / heads)."""
         return cls(**preset_table.qwen3_8b())
 
     @classmethod
     def gemma2_9b(cls) -> "LlamaConfig":
-        """gemma-2-9b (soft-caps, alternating 4096 windows)."""
+        """gemma-2-9b: GeGLU, soft-caps 50 / 30, sliding window 4096 on every other layer."""
         return cls(**preset_table.gemma2_9b())
 
     @classmethod
     def gemma3_1b(cls) -> "LlamaConfig":
-        """gemma-3-1b (5 local : 1 global layers, two RoPE bases, q/k norms)."""
+        """gemma-3-1b (model_type gemma3_text): 5 local (window 512, RoPE base 1e4) : 1 global
+        (base 1e6) layers, q/k norms, one KV head."""
         return cls(**preset_table.gemma3_1b())
 
     @classmethod
     def gemma3_4b_text(cls) -> "LlamaConfig":
-        """The text decoder of gemma-3-4b (linear RoPE scaling on the global layers)."""
+        """The text decoder of gemma-3-4b: window 1024, global layers' RoPE linearly scaled by 8."""
         return cls(**preset_table.gemma3_4b_text())
 
     @classmethod
@@ -334,6 +335,6 @@ class LlamaConfig:
 
     @classmethod
     def tiny_family(cls, model_type: str, **overrides) -> "LlamaConfig":
-        """A tiny random-weight model of `model_type` with its family's features switched on
-        (windows shorter than test sequences, soft-caps, two RoPE bases, biases, q/k norms)."""
+        """A tiny model of `model_type` with its family's features on (see `models.preset_table._TINY`);
+        `overrides` replace any field (give `layer_types` again when changing `num_layers` of a mixed model)."""
         return cls(**preset_table.tiny_family(model_type, **overrides))
