@@ -72,3 +72,24 @@ def pytest_terminal_summary(terminalreporter):
     if HOST_SERVED:
         rows = ", ".join(f"{op} {n:,}" for op, n in sorted(HOST_SERVED.items()))
         terminalreporter.write_line(f"model-based host-tier rows served: {rows}")
+
+
+# Seconds per test file (setup + call + teardown of its tests), written as JSON to
+# $ARENA_DURATIONS_JSON at the end of the run: scripts/test_all.sh records each line's, and
+# scripts/test_changed.sh orders and budgets its selection by them (docs/testing.md).
+# (Taken out of the environment: a child pytest, e.g. the 8-device checks', writes none.)
+_FILE_SECONDS: dict[str, float] = {}
+_DURATIONS_JSON = os.environ.pop("ARENA_DURATIONS_JSON", None)
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::")[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    if _DURATIONS_JSON and _FILE_SECONDS:
+        import json
+
+        with open(_DURATIONS_JSON, "w") as f:
+            json.dump({k: round(v, 1) for k, v in sorted(_FILE_SECONDS.items())}, f, indent=1)
