@@ -175,7 +175,8 @@ def costs(line: str, root: Path = ROOT) -> dict[str, float]:
     for p in (root / ".ci-logs" / f"{line}.durations.json", root / "tests" / "file_costs.json"):
         if p.is_file():
             data = json.loads(p.read_text())
-            return data.get(line, data) if isinstance(data.get(line), dict) else data
+            data = data.get(line) or data.get("py313") or data  # (file_costs.json: per line)
+            return {k: float(v) for k, v in data.items() if not k.startswith("_")}
     return {}
 
 

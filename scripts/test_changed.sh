@@ -16,6 +16,7 @@
 #   ARENA_BUDGET_S=280           estimated seconds to spend: files past it are listed, not run
 #                                (ARENA_BUDGET_S=0: no budget, run every selected file)
 #   ARENA_COMPILE_GRID=cover     (default here) the compile grids' covering subsets (docs/testing.md)
+#   ARENA_DRY_RUN=1              print the plan and the pytest command, run nothing
 # Estimates come from the last CI run's durations (.ci-logs/<line>.durations.json) or
 # tests/file_costs.json; a file with neither counts 10 s.
 set -euo pipefail
@@ -42,6 +43,11 @@ if (( ${#later[@]} )); then
 fi
 env_line=()
 [[ $line == py313 ]] && env_line=(ARENA_HF_REFERENCE=absent)
+if [[ -n ${ARENA_DRY_RUN:-} ]]; then
+    echo "would run: JAX_PLATFORMS=cpu PYTHONPATH=$PWD ARENA_COMPILE_GRID=${ARENA_COMPILE_GRID:-cover} ${env_line[*]} $PY -m pytest -p no:cacheprovider -rs ${run[*]} $*"
+    exit 0
+fi
+set +e
 env JAX_PLATFORMS=cpu PYTHONPATH="$PWD" ARENA_COMPILE_GRID="${ARENA_COMPILE_GRID:-cover}" "${env_line[@]}" \
     "$PY" -m pytest -p no:cacheprovider -rs "${run[@]}" "$@"
 rc=$?

@@ -33,6 +33,21 @@ from jax._src import xla_bridge  # noqa: E402
 
 assert not xla_bridge.backends_are_initialized(), "a JAX backend started before tests/conftest.py set XLA_FLAGS"
 
+# A persistent compilation cache for the run (ARENA_TEST_COMPILE_CACHE: a folder, fresh per run;
+# unset: none). The module fixture below clears JAX's in-memory caches after each module, so a
+# program another module compiled already (a tiny model's steps, the same kernels) is compiled
+# again; with the folder it is read back instead. Keys hold the program, the compile options
+# and XLA_FLAGS, so only an identical compile is shared. Modules that read what a compile dumps
+# (`xla_dump_to`: the sm_90a PTX, the level-0 check) write nothing there and so read nothing.
+COMPILE_CACHE = os.environ.get("ARENA_TEST_COMPILE_CACHE") or None
+NO_CACHE_WRITES = {"test_compile_sm90", "test_compile_tpu", "test_mosaic_decode", "test_bench", "test_ci_lines",
+                   "test_cli_fuzz", "test_generate_cli"}
+_NEVER = 1e9  # seconds: a compile-time threshold nothing reaches (no entry written)
+if COMPILE_CACHE:
+    jax.config.update("jax_compilation_cache_dir", COMPILE_CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
 _COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
@@ -45,13 +60,17 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "arena"))
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _clear_jax_caches_after_each_module():
+def _clear_jax_caches_after_each_module(request):
     """Drop JAX's compiled programs after every test module. On jaxlib 0.10.2, one pytest process
     running the suite's files in order up to tests/test_mixed.py segfaulted inside XLA CPU's
     compile of a prefill in `test_mixed_steps_with_a_prefix_cache`, 3 runs of 3 (either half of
     the files before it, or that file alone, passed); with the caches cleared after each module
     the same run passed. It depends on what the process compiled before, so it is JAX's (a
     compiler must not crash on a valid program) and not reduced to a small repro; README, "Two commands"."""
+    if COMPILE_CACHE:
+        jax.config.update("jax_compilation_cache_dir", COMPILE_CACHE)  # (arena-bench points it at its own)
+        no_writes = request.module.__name__.rpartition(".")[2] in NO_CACHE_WRITES
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", _NEVER if no_writes else 0)
     yield
     jax.clear_caches()
 
