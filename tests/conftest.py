@@ -33,16 +33,25 @@ from jax._src import xla_bridge  # noqa: E402
 
 assert not xla_bridge.backends_are_initialized(), "a JAX backend started before tests/conftest.py set XLA_FLAGS"
 
-# A persistent compilation cache for the run (ARENA_TEST_COMPILE_CACHE: a folder, fresh per run;
-# unset: none). The module fixture below clears JAX's in-memory caches after each module, so a
-# program another module compiled already (a tiny model's steps, the same kernels) is compiled
-# again; with the folder it is read back instead. Keys hold the program, the compile options
-# and XLA_FLAGS, so only an identical compile is shared. Modules that read what a compile dumps
-# (`xla_dump_to`: the sm_90a PTX, the level-0 check) write nothing there and so read nothing.
-COMPILE_CACHE = os.environ.get("ARENA_TEST_COMPILE_CACHE") or None
+# A persistent compilation cache for the run: a fresh folder (removed at the end), shared with the
+# run's child processes (the 8-device checks) through ARENA_TEST_COMPILE_CACHE; =off: none; a
+# folder: that one. The module fixture below clears JAX's in-memory caches after each module, so
+# a program another module compiled already (a tiny model's steps) would be compiled again;
+# with the folder it is read back instead (py313, 4 model-test files in one run: 10% less CPU).
+# Keys hold the program, the compile options and XLA_FLAGS: only an identical compile is shared.
+# Modules that read what a compile dumps (`xla_dump_to`: the sm_90a PTX, the level-0 check) or
+# that report compiles (arena-bench) write nothing there, so their compiles are never read back.
 NO_CACHE_WRITES = {"test_compile_sm90", "test_compile_tpu", "test_mosaic_decode", "test_bench", "test_ci_lines",
                    "test_cli_fuzz", "test_generate_cli"}
 _NEVER = 1e9  # seconds: a compile-time threshold nothing reaches (no entry written)
+_OWN_CACHE = None
+COMPILE_CACHE = os.environ.get("ARENA_TEST_COMPILE_CACHE", "")
+if COMPILE_CACHE.lower() == "off":
+    COMPILE_CACHE = None
+elif not COMPILE_CACHE:
+    import tempfile
+
+    COMPILE_CACHE = _OWN_CACHE = os.environ["ARENA_TEST_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="arena-test-jax-cache-")
 if COMPILE_CACHE:
     jax.config.update("jax_compilation_cache_dir", COMPILE_CACHE)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
@@ -107,6 +116,10 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session):
+    if _OWN_CACHE:
+        import shutil
+
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
     if _DURATIONS_JSON and _FILE_SECONDS:
         import json
 
