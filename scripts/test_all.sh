@@ -8,9 +8,10 @@
 #   py313: Python 3.13 -> the newest JAX pyproject.toml admits (0.11.2 today), the `test-jax`
 #          extra: no torch (3.13 has only the ~6 GB CUDA build); the parity tests skip with
 #          that reason (ARENA_HF_REFERENCE=absent), everything else runs.
-# Each line runs the whole suite; tests/conftest.py compiles at XLA's backend optimization level 0
-# (the same optimized HLO, 35-40% less compile time), which is what fits both lines in CI's 20
-# minutes on a 2-core machine. Both get the sm_90a and TPU compile tooling
+# Each line runs every test file; the sm_90a and TPU compile grids run in full on one line and a
+# covering subset on the other (ARENA_COMPILE_GRID, set in run_line; docs/testing.md, which also
+# says where the time goes). tests/conftest.py compiles at XLA's backend optimization level 0
+# (the same optimized HLO, 35-40% less compile time). Both get the sm_90a and TPU compile tooling
 # (scripts/install_sm90_tools.sh, scripts/install_tpu_tools.sh); the lines' pytest runs start as
 # soon as each line's own venv is ready.
 #
@@ -20,6 +21,7 @@
 #   ARENA_TORCH="torch==2.13.0+cpu"   the torch requirement of the py311 line
 #   ARENA_SERIAL=1               run the lines' pytest one after the other (default: at the same
 #                                time; the lines' logs go to .ci-logs/ and their tails are printed)
+#   ARENA_COMPILE_GRID=full      both lines compile every case of the grids (default: per line, below)
 #   extra arguments              passed to both pytest runs (e.g. -x, -k ...)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -56,8 +58,16 @@ setup_line() {  # $1: line name; a fresh venv .venv-<line> with the line's extra
 
 run_line() {  # $1: line name; pytest in its venv ($2...: extra pytest arguments)
     local line=$1; shift
-    local env=()
+    local env=() grid
     [[ $line == py313 ]] && env=(ARENA_HF_REFERENCE=absent)
+    # The heavy compile grids: each in full on one line, its covering subset (every kernel, option
+    # and dtype; tests/compile_grid.py) on the other; the lines' union runs every case.
+    case $line in
+        py311) grid="sm90=cover tpu=full" ;;
+        py313) grid="sm90=full tpu=cover" ;;
+    esac
+    # Seconds per test file, for scripts/test_changed.sh's estimates (tests/conftest.py writes them).
+    env+=(ARENA_COMPILE_GRID="${ARENA_COMPILE_GRID:-$grid}" ARENA_DURATIONS_JSON="$PWD/$LOGS/$line.durations.json")
     # -rs: every skip with its reason; `time`: the line's CPU time (load-independent), on stderr
     local TIMEFORMAT="[$line] pytest: %R s wall, %U s user + %S s system CPU"
     time env "${env[@]}" ".venv-$line/bin/python" -m pytest -p no:cacheprovider -rs "$@"
@@ -82,7 +92,7 @@ line_job() {  # $1: line; its setup, then at once its pytest (each line starts w
     echo "$rc $((SECONDS - t0))" > "$LOGS/$line.rc"
     set -e
 }
-rm -f "$LOGS"/*.rc "$LOGS"/*.log  # nothing from an earlier run is read as this one's
+rm -f "$LOGS"/*.rc "$LOGS"/*.log "$LOGS"/*.durations.json  # nothing from an earlier run is read as this one's
 if [[ -n "${ARENA_SERIAL:-}" ]]; then
     for line in $LINES; do line_job "$line" "$@"; done
 else

@@ -33,6 +33,30 @@ from jax._src import xla_bridge  # noqa: E402
 
 assert not xla_bridge.backends_are_initialized(), "a JAX backend started before tests/conftest.py set XLA_FLAGS"
 
+# A persistent compilation cache for the run: a fresh folder (removed at the end), shared with the
+# run's child processes (the 8-device checks) through ARENA_TEST_COMPILE_CACHE; =off: none; a
+# folder: that one. The module fixture below clears JAX's in-memory caches after each module, so
+# a program another module compiled already (a tiny model's steps) would be compiled again;
+# with the folder it is read back instead (py313, 4 model-test files in one run: 10% less CPU).
+# Keys hold the program, the compile options and XLA_FLAGS: only an identical compile is shared.
+# Modules that read what a compile dumps (`xla_dump_to`: the sm_90a PTX, the level-0 check) or
+# that report compiles (arena-bench) write nothing there, so their compiles are never read back.
+NO_CACHE_WRITES = {"test_compile_sm90", "test_compile_tpu", "test_mosaic_decode", "test_bench", "test_ci_lines",
+                   "test_cli_fuzz", "test_generate_cli"}
+_NEVER = 1e9  # seconds: a compile-time threshold nothing reaches (no entry written)
+_OWN_CACHE = None
+COMPILE_CACHE = os.environ.get("ARENA_TEST_COMPILE_CACHE", "")
+if COMPILE_CACHE.lower() == "off":
+    COMPILE_CACHE = None
+elif not COMPILE_CACHE:
+    import tempfile
+
+    COMPILE_CACHE = _OWN_CACHE = os.environ["ARENA_TEST_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="arena-test-jax-cache-")
+if COMPILE_CACHE:
+    jax.config.update("jax_compilation_cache_dir", COMPILE_CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
 _COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
@@ -45,13 +69,17 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "arena"))
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _clear_jax_caches_after_each_module():
+def _clear_jax_caches_after_each_module(request):
     """Drop JAX's compiled programs after every test module. On jaxlib 0.10.2, one pytest process
     running the suite's files in order up to tests/test_mixed.py segfaulted inside XLA CPU's
     compile of a prefill in `test_mixed_steps_with_a_prefix_cache`, 3 runs of 3 (either half of
     the files before it, or that file alone, passed); with the caches cleared after each module
     the same run passed. It depends on what the process compiled before, so it is JAX's (a
     compiler must not crash on a valid program) and not reduced to a small repro; README, "Two commands"."""
+    if COMPILE_CACHE:
+        jax.config.update("jax_compilation_cache_dir", COMPILE_CACHE)  # (arena-bench points it at its own)
+        no_writes = request.module.__name__.rpartition(".")[2] in NO_CACHE_WRITES
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", _NEVER if no_writes else 0)
     yield
     jax.clear_caches()
 
@@ -72,3 +100,28 @@ def pytest_terminal_summary(terminalreporter):
     if HOST_SERVED:
         rows = ", ".join(f"{op} {n:,}" for op, n in sorted(HOST_SERVED.items()))
         terminalreporter.write_line(f"model-based host-tier rows served: {rows}")
+
+
+# Seconds per test file (setup + call + teardown of its tests), written as JSON to
+# $ARENA_DURATIONS_JSON at the end of the run: scripts/test_all.sh records each line's, and
+# scripts/test_changed.sh orders and budgets its selection by them (docs/testing.md).
+# (Taken out of the environment: a child pytest, e.g. the 8-device checks', writes none.)
+_FILE_SECONDS: dict[str, float] = {}
+_DURATIONS_JSON = os.environ.pop("ARENA_DURATIONS_JSON", None)
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::")[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    if _OWN_CACHE:
+        import shutil
+
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+    if _DURATIONS_JSON and _FILE_SECONDS:
+        import json
+
+        with open(_DURATIONS_JSON, "w") as f:
+            json.dump({k: round(v, 1) for k, v in sorted(_FILE_SECONDS.items())}, f, indent=1)

@@ -754,6 +754,7 @@ setup_st = st.sampled_from(DTYPES).flatmap(
 )
 
 
+@pytest.mark.timeout(600)  # ~55 s of CPU unloaded; it passed 300 s beside other jobs (docs/testing.md, "Timeouts")
 @given(ops=st.lists(op_st, min_size=8, max_size=30), setup=setup_st,
        backend=st.sampled_from(BACKENDS))  # fmt: skip
 @example(ops=PREFIX_PARTIAL, setup=("float32", "host", None), backend="reference")

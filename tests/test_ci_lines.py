@@ -52,8 +52,8 @@ def test_hf_reference_gate():
 
 def test_the_suite_compiles_at_backend_optimization_level_0_unless_told_otherwise():
     """tests/conftest.py sets XLA's backend optimization level to 0 for the whole suite (child
-    processes inherit it) unless XLA_FLAGS names a level already; the script deals nothing: each
-    line runs the whole suite."""
+    processes inherit it) unless XLA_FLAGS names a level already; the script deals no test files:
+    each line runs every one (the compile grids' covering subsets: tests/test_compile_grid.py)."""
     import os
 
     from conftest import LEVEL_FROM_USER, TEST_XLA_FLAGS

@@ -20,6 +20,7 @@ import re
 import jax
 import pytest
 
+import compile_grid
 from pallas_kernels.offline import sm90, sm90_compat
 from pallas_kernels.offline.sm90_variants import CI_VARIANTS, DTYPES, GROUPS, HEAD_DIMS, KINDS, PAGE_SIZES, QUANT_DTYPES, QUANT_KINDS
 
@@ -119,7 +120,8 @@ def test_matrix_covers_every_value_of_every_axis():
     assert {("bfloat16", "float32", "decode-split"), ("bfloat16", "float16", "prefill")} <= converted
 
 
-@pytest.mark.parametrize("variant", CI_VARIANTS, ids=lambda v: v.label.replace(" ", "-"))
+# ARENA_COMPILE_GRID (tests/compile_grid.py): every variant, or (the other CI line) a covering subset
+@pytest.mark.parametrize("variant", compile_grid.params("sm90", CI_VARIANTS), ids=lambda v: v.label.replace(" ", "-"))
 def test_compiles_for_sm90a_without_spills(tooling, variant, tmp_path):
     facts = sm90.compile_call(*variant.call(), via="xla", workdir=str(tmp_path))
     assert len(facts) == 1

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import compile_grid
 from pallas_kernels.offline import tpu as tpu_compile
 from pallas_kernels.offline.tpu_variants import CI_VARIANTS, KINDS, V6E_VARIANTS
 
@@ -72,8 +73,11 @@ def test_matrix_covers_every_kind_and_value():
     assert {v.kind for v in V6E_VARIANTS} >= {"decode", "append-prefill"} and any(v.quantized for v in V6E_VARIANTS)
 
 
-@pytest.mark.parametrize("target,variant", [("tpu-v5e", v) for v in CI_VARIANTS] + [("tpu-v6e", v) for v in V6E_VARIANTS],
-                         ids=lambda x: x if isinstance(x, str) else x.label.replace(" ", "-"))
+# ARENA_COMPILE_GRID (tests/compile_grid.py): every case of the grids below, or (the other CI line) a covering subset
+@pytest.mark.parametrize("target,variant", compile_grid.params(
+    "tpu", [("tpu-v5e", v) for v in CI_VARIANTS] + [("tpu-v6e", v) for v in V6E_VARIANTS],
+    features=compile_grid.named_features("target", "variant"), wrap=tuple),
+    ids=lambda x: x if isinstance(x, str) else x.label.replace(" ", "-"))
 def test_kernel_compiles_for_tpu_without_copying_the_arena(tooling, target, variant):
     fn, args, donate = variant.call()
     compiled = tpu_compile.compile_for_tpu(fn, args, target=target, donate_argnums=donate)
@@ -154,6 +158,9 @@ def _step_cases():
             dataclasses.replace(decode_v6e, num_layers=1, page_size=128, num_pages=2048, dtype="int8")]
 
 
+STEP_FEATURES = compile_grid.some_fields("step", "target", "mesh", "dtype", "page_size")  # (sizes follow from these)
+
+
 def _compiled_step_facts(case):
     """(compiled, cache, local arena shape, its HLO shape, facts, arena params) of a model step
     compiled for its TPU target; "big" copies are those of a quarter of one arena or more."""
@@ -167,7 +174,8 @@ def _compiled_step_facts(case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", _step_cases(), ids=lambda c: c.label.replace(" ", "-"))
+@pytest.mark.parametrize("case", compile_grid.params("tpu", _step_cases(), features=STEP_FEATURES),
+                         ids=lambda c: c.label.replace(" ", "-"))
 def test_model_step_compiles_for_tpu_with_the_arena_donated(tooling, case):
     compiled, cache, local, shape, facts, arena_params = _compiled_step_facts(case)
     assert len(arena_params) == 2, f"expected k and v params of shape {shape}: {facts.param_shapes}"
@@ -204,8 +212,10 @@ def _host_op_facts(op, dtype, tensor=1):
     return facts, size, arena_shape, cache, host
 
 
-@pytest.mark.parametrize("dtype,tensor", [("bfloat16", 1), ("int8", 1), ("int8", 2)])
-@pytest.mark.parametrize("op", ["swap_out_rows", "swap_in_rows", "offload_page_rows"])
+@pytest.mark.parametrize("op,dtype,tensor", compile_grid.params(
+    "tpu", [(op, dtype, tensor) for dtype, tensor in [("bfloat16", 1), ("int8", 1), ("int8", 2)]
+            for op in ["swap_out_rows", "swap_in_rows", "offload_page_rows"]],
+    features=compile_grid.named_features("op", "dtype", "tensor"), wrap=tuple))
 def test_host_tier_ops_compile_for_tpu_without_copying_the_host_tier(tooling, op, dtype, tensor):
     """The host tier's page moves (`models.steps.swap_out_rows` & co., a loop of one-page
     dynamic slices across memory kinds) compiled for a v5e (one device, or KV heads split over
