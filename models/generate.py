@@ -340,7 +340,6 @@ def generate(
     tier = None
     if host is not None:
         tier = HostTier(host, layout, swap_policy or SwapPolicy(), owns_pages=index is None)
-    cache = _committed(cache)  # as the host-tier ops' outputs are: the steps compile once, not again mid-run
     if decode_block is None:
         decode_block = default_decode_block(cache, online=arrivals_given)
 
@@ -411,16 +410,6 @@ def _check_arrivals(arrivals, num_prompts: int) -> list[float]:
             raise ValueError(f"arrivals[{i}]={a!r} is before arrivals[{i - 1}]={out[-1]!r}: arrivals must be non-decreasing")
         out.append(float(a))
     return out
-
-
-def _committed(cache: aj.KVCache) -> aj.KVCache:
-    """A one-device cache committed to its device. The host tier's arrays are committed (they
-    name a memory kind), so every op that takes them returns committed arrays; a jitted step
-    first called with an uncommitted cache would compile again for a committed one."""
-    leaves = [x for x in jax.tree.leaves(cache) if isinstance(x, jax.Array)]
-    if cache.sharding is not None or all(x.committed for x in leaves):
-        return cache
-    return jax.device_put(cache, next(iter(cache.k.devices())))
 
 
 def _on_mesh(model: Llama, mesh, tensor_axis):

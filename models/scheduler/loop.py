@@ -53,7 +53,7 @@ class Scheduler(Admission, PrefixPages, HostSwap, RunAhead):
                  index=None, tier: HostTier | None = None, mixed_chunks: int = 0, decode_block: int = 1):  # fmt: skip
         self.graphdef, self.state = nnx.split(model)
         self.steps = bound_steps(self.graphdef, self.state)  # split and hashed once, not per step
-        self.cache, self.layout = cache, layout
+        self.cache, self.layout = committed(cache), layout
         self.batch, self.chunk = batch_size, chunk_size
         self.sampling = sampling.rows(batch_size)  # arrays: greedy and sampled runs share one compile
         self.seed = jnp.asarray(seed, jnp.int32)
@@ -97,6 +97,7 @@ class Scheduler(Admission, PrefixPages, HostSwap, RunAhead):
         self._ahead: tuple | None = None
         self._admit_current = False  # no row was vacated or preempted since the last `_admit`
         self._on_device: dict[bytes, jax.Array] = {}  # unchanged i32[B] inputs stay on the device
+        self._token_sharding = None  # where a decode step's sampled tokens live (RunAhead._host_tokens)
         self._next_rows_cache: tuple | None = None  # run-ahead rows' arrays, reused while the same sequences go on
         self.run_ahead_steps = 0
         self.decode_step_seconds: list[float] = []  # per iteration that only decoded: its wall time / its decode steps
@@ -285,3 +286,14 @@ class Scheduler(Admission, PrefixPages, HostSwap, RunAhead):
             in_use = self.layout.num_pages - int(self.cache.table.num_free)
             assert in_use == self._pages_in_use(), f"host counts {self._pages_in_use()} pages in use, device {in_use}"
         return failed
+
+
+def committed(cache: aj.KVCache) -> aj.KVCache:
+    """A one-device cache committed to its device (no copy). A jitted step's outputs are committed
+    when any input is (the host tier's arrays name a memory kind; the run-ahead decode feeds a
+    step's tokens back), and a step lowers differently for a committed argument: a step first
+    called with a fresh `aj.create` cache would compile again, same shapes, for its own output."""
+    leaves = [x for x in jax.tree.leaves(cache) if isinstance(x, jax.Array)]
+    if cache.sharding is not None or all(x.committed for x in leaves):
+        return cache
+    return jax.device_put(cache, next(iter(cache.k.devices())))

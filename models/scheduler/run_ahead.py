@@ -69,6 +69,17 @@ class RunAhead:
             on = self._on_device[key] = jnp.asarray(rows)
         return on
 
+    def _host_tokens(self, tokens: np.ndarray) -> jax.Array:
+        """i32[B] tokens from the host, placed as a decode step's sampled tokens are (committed, with
+        their sharding), so that a call fed the previous step's tokens on the device (run-ahead, the
+        module docstring) is the same program as one fed the host's: one compile, not two. Off a mesh
+        that is the arena's device; on a mesh the sharding the last decode's tokens came back with
+        (before the first decode: left to the compiler)."""
+        sharding = self._token_sharding
+        if sharding is None and self.cache.sharding is None:
+            sharding = self._token_sharding = jax.sharding.SingleDeviceSharding(next(iter(self.cache.k.devices())))
+        return jnp.asarray(tokens) if sharding is None else jax.device_put(tokens, sharding)
+
     def _decode(self, waiting: collections.deque, run_ahead: bool = False) -> set:
         if self.index is None:
             self._flush()
@@ -83,7 +94,7 @@ class RunAhead:
             live = np.flatnonzero(slots >= 0)
             self._make_room(live.tolist(), [1] * len(live))
         steps = self._block_steps([0] * self.batch, [r for r, s in enumerate(served) if s is not None], waiting)
-        out = self._dispatch_decode(jnp.asarray(tokens), slots, seq_ids, steps)
+        out = self._dispatch_decode(self._host_tokens(tokens), slots, seq_ids, steps)
         if not run_ahead:
             return self._collect(*out, slots, (slots >= 0).astype(np.int32), steps=steps)
         return self._finish_decode(out, slots, served, waiting, steps)
@@ -130,6 +141,7 @@ class RunAhead:
             )  # fmt: skip
             self.decode_steps += int(steps.max(initial=0))
         self.cache = out[0].cache
+        self._token_sharding = out[0].tokens.sharding
         self.decode_calls += 1
         out[1].copy_to_host_async()  # the tokens start home as soon as the step ends, not when read
         return out  # (StepOutput, packed i32[2, B] or i32[block, 2, B])
