@@ -6,5 +6,5 @@
 #   nvidia-cuda-nvcc-cu12: ptxas and libdevice (~95 MB), pinned so register counts are reproducible.
 set -euo pipefail
 jax_version="$(python -c 'import jax; print(jax.__version__)')"
-pip install -q --no-deps "jax-cuda12-plugin==${jax_version}" "jax-cuda12-pjrt==${jax_version}"
-pip install -q "nvidia-cuda-nvcc-cu12==12.9.86"
+bash "$(dirname "$0")/pip_install.sh" -q --no-deps "jax-cuda12-plugin==${jax_version}" "jax-cuda12-pjrt==${jax_version}"
+bash "$(dirname "$0")/pip_install.sh" -q "nvidia-cuda-nvcc-cu12==12.9.86"

@@ -16,4 +16,4 @@ if [ -z "$spec" ]; then
   echo "install_tpu_tools.sh: the installed jax names no libtpu in its 'tpu' extra" >&2
   exit 1
 fi
-pip install -q --no-deps "$spec"
+bash "$(dirname "$0")/pip_install.sh" -q --no-deps "$spec"
