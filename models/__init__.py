@@ -2,7 +2,7 @@
 (dense), Gemma 2 and Gemma 3 (text), one `LlamaConfig` and one `Llama` for all (see models.config).
 
     import models
-    model, tokenizer = models.load_pretrained("path/to/checkpoint", dtype=jnp.bfloat16)
+    model, tokenizer = models.load_pretrained("path/to/checkpoint", dtype=jnp.bfloat16)  # or "org/name" in the HF cache
     result = models.generate(model, [[1, 2, 3]], max_new_tokens=32)
     result = models.generate(model, prompts, 64, sampling=models.Sampling(temperature=0.7, seed=1),
                              serving=models.Serving(batch_size=16, prefix_cache=True))   # options as objects
@@ -37,6 +37,7 @@ from models.layers import MLP, Attention, Embedder, RMSNorm, apply_rope, rope_fr
 from models.llama import Block, Llama, init_random, token_positions
 from models.options import Parallelism, Serving
 from models.parallel import shard_model, weights_mesh
+from models.hub import checkpoint_dir
 from models.loading import Pretrained, TensorSpec, export_hf_tensors, hf_tensor_map, load_pretrained, load_tokenizer
 from models.sampling import GREEDY, Sampling, SamplingParams, filter_logits, sample
 from models.scheduler import run_ahead as decode_ahead  # the module's old path (models.decode_ahead)
@@ -61,6 +62,7 @@ __all__ = [
     "token_positions",
     "load_pretrained",
     "load_tokenizer",
+    "checkpoint_dir",
     "hf_tensor_map",
     "export_hf_tensors",
     "TensorSpec",

@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="arena-generate", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--model-dir", help="Hugging Face checkpoint folder (config.json, *.safetensors; model_type llama, mistral, "
-                            "qwen2, qwen3, gemma2 or gemma3_text); default: a tiny random model (--model)"
+                            "qwen2, qwen3, gemma2 or gemma3_text), or a Hugging Face name (org/name) already in the "
+                            "local Hugging Face cache (nothing is downloaded); default: a tiny random model (--model)"
     )
     p.add_argument("--model", choices=sorted(TINY_MODELS), default="tiny",
                    help="the tiny random-weight model run without --model-dir")  # fmt: skip
@@ -143,6 +144,7 @@ def main(argv=None) -> int:
     if args.model_dir:
         dtype = jnp.dtype(args.dtype or "bfloat16")
         try:
+            args.model_dir = models.checkpoint_dir(args.model_dir)  # a folder, or a name in the local HF cache
             config = models.LlamaConfig.from_hf(args.model_dir)
             tokenizer = models.load_tokenizer(args.model_dir)
         except (OSError, ValueError) as exc:

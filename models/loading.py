@@ -2,6 +2,7 @@
 text; dispatched on config.json's model_type) -> `Llama` (+ tokenizer).
 
     model, tokenizer = load_pretrained("path/to/Meta-Llama-3.1-8B", dtype=jnp.bfloat16)
+    model, tokenizer = load_pretrained("meta-llama/Llama-3.1-8B")  # from the local Hugging Face cache
 
 Reads `config.json`, the weights from `model.safetensors` or the shards listed in
 `model.safetensors.index.json` (safetensors' numpy reader, no torch), and `tokenizer.json`
@@ -23,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from models.config import LlamaConfig
+from models.hub import checkpoint_dir
 from models.llama import Llama
 
 __all__ = [
@@ -238,8 +240,9 @@ def _check_tensor_names(model_dir: str, where: dict[str, _Stored], expected: dic
 
 
 def load_tokenizer(model_dir: str):
-    """`tokenizers.Tokenizer` from `tokenizer.json`, or None if the folder has none."""
-    path = os.path.join(os.fspath(model_dir), "tokenizer.json")
+    """`tokenizers.Tokenizer` from `tokenizer.json`, or None if the folder has none (`model_dir`: a
+    folder or a Hugging Face name in the local cache, `models.checkpoint_dir`)."""
+    path = os.path.join(checkpoint_dir(model_dir), "tokenizer.json")
     if not os.path.exists(path):
         return None
     from tokenizers import Tokenizer
@@ -255,7 +258,10 @@ def load_pretrained(
     scan_layers: bool = True,
 ) -> Pretrained:
     """Build a `Llama` from a Hugging Face folder; weights cast to `param_dtype` (default `dtype`).
-    `scan_layers`: stacked layers run by a scan (default) or a list of layers (see `Llama`).
+    `model_dir`: the folder, or a Hugging Face name ("org/name") already in the local Hugging Face
+    cache (`models.checkpoint_dir`: nothing is downloaded; a name not there is a FileNotFoundError
+    saying how to download it). `scan_layers`: stacked layers run by a scan (default) or a list
+    of layers (see `Llama`).
 
     With a `mesh`, each tensor goes from the host straight to its devices, split Megatron style
     over `tensor_axis` (`models.parallel`): no device ever holds the whole model. The layers'
@@ -267,7 +273,7 @@ def load_pretrained(
     `rotary_emb.inv_freq` buffers are ignored, as transformers ignores them. The config's
     `eos_token_ids` come from generation_config.json when present (see `LlamaConfig.from_hf`).
     """
-    model_dir = os.fspath(model_dir)
+    model_dir = checkpoint_dir(model_dir)
     config = LlamaConfig.from_hf(model_dir)
     param_dtype = jnp.dtype(dtype if param_dtype is None else param_dtype)
     expected = hf_tensor_map(config, scan_layers=scan_layers)
