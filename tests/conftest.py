@@ -75,7 +75,9 @@ def _clear_jax_caches_after_each_module(request):
     compile of a prefill in `test_mixed_steps_with_a_prefix_cache`, 3 runs of 3 (either half of
     the files before it, or that file alone, passed); with the caches cleared after each module
     the same run passed. It depends on what the process compiled before, so it is JAX's (a
-    compiler must not crash on a valid program) and not reduced to a small repro; README, "Two commands"."""
+    compiler must not crash on a valid program) and not reduced to a small repro; README, "Two commands".
+    Not 0.10.2's alone: on jaxlib 0.11.2 the whole suite without the clearing segfaulted too, in
+    tests/test_kernels_tpu.py's compile of a TPU kernel in interpret mode (2026-11-27)."""
     if COMPILE_CACHE:
         jax.config.update("jax_compilation_cache_dir", COMPILE_CACHE)  # (arena-bench points it at its own)
         no_writes = request.module.__name__.rpartition(".")[2] in NO_CACHE_WRITES

@@ -14,10 +14,11 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import arena_jax as aj
 import models
-from models.scheduler import Scheduler
+from models.scheduler import Scheduler, Seq
 
 BATCH, CHUNK, NEW = 4, 8, 24
 PROMPT_LENS = (3, 17, 9, 25, 1, 12, 30, 5)
@@ -98,6 +99,28 @@ def test_run_ahead_equals_the_reference_under_preemption(monkeypatch, model, lay
     assert fast.scheduler_steps == ref.scheduler_steps and fast.decode_calls == ref.decode_calls  # same schedule
     ref, fast = _both(monkeypatch, model, layouts["tight"], prompts, stop_tokens=(), host_pages=16)
     assert ref.swap_outs > 0 and fast.swap_outs == ref.swap_outs
+
+
+def test_each_step_compiles_once_whatever_commits_its_inputs(model):
+    """A fresh `aj.create` cache is uncommitted and a step's outputs are committed; run-ahead feeds
+    a step's sampled tokens back where the host feeds its own. Each lowered the same step again,
+    same shapes (the HLO differed only in sharding annotations): two compiles. The Scheduler
+    commits the cache and places the host's tokens as a step's come back: one program of each
+    (the jitted steps' executables, counted), for a Scheduler given a fresh cache and for a
+    generate continuing its cache."""
+    layout = aj.KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, page_size=4, num_pages=13, max_seqs=2,
+                         max_pages_per_seq=6, dtype="float32")  # fmt: skip (13 pages: a shape no other test compiles)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    steps = models.steps.bound_steps(*nnx.split(model))
+    assert hasattr(steps.prefill, "_cache_size"), "jax.jit's executables count (a private attribute) is gone"
+    before = steps.prefill._cache_size(), steps.decode_step._cache_size()
+    run = Scheduler(model, aj.create(layout), layout, 2, 4, models.GREEDY, 0, set(), 6, False, decode_block=1)
+    seqs = [Seq(i, p) for i, p in enumerate(prompts)]
+    run.run(seqs)
+    again = models.generate(model, prompts, 6, cache=run.cache, batch_size=2, chunk_size=4, decode_block=1, stop_tokens=())
+    after = steps.prefill._cache_size(), steps.decode_step._cache_size()
+    assert (after[0] - before[0], after[1] - before[1]) == (1, 1), (before, after)
+    assert [s.generated for s in seqs] == again.tokens and run.run_ahead_steps > 0
 
 
 def test_generate_compiles_once_for_a_length_bucket(model):

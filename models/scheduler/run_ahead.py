@@ -73,12 +73,16 @@ class RunAhead:
         """i32[B] tokens from the host, placed as a decode step's sampled tokens are (committed, with
         their sharding), so that a call fed the previous step's tokens on the device (run-ahead, the
         module docstring) is the same program as one fed the host's: one compile, not two. Off a mesh
-        that is the arena's device; on a mesh the sharding the last decode's tokens came back with
-        (before the first decode: left to the compiler)."""
-        sharding = self._token_sharding
-        if sharding is None and self.cache.sharding is None:
-            sharding = self._token_sharding = jax.sharding.SingleDeviceSharding(next(iter(self.cache.k.devices())))
-        return jnp.asarray(tokens) if sharding is None else jax.device_put(tokens, sharding)
+        that is the arena's device; on a mesh, before any decode, split over its data axis (rows
+        per data shard; replicated without one), then the sharding the last decode's came back with."""
+        if self._token_sharding is None:
+            where = self.cache.sharding
+            if where is None:
+                self._token_sharding = jax.sharding.SingleDeviceSharding(next(iter(self.cache.k.devices())))
+            else:
+                spec = jax.sharding.PartitionSpec(where.data_axis) if where.data_axis else jax.sharding.PartitionSpec()
+                self._token_sharding = jax.sharding.NamedSharding(where.mesh, spec)
+        return jax.device_put(tokens, self._token_sharding)
 
     def _decode(self, waiting: collections.deque, run_ahead: bool = False) -> set:
         if self.index is None:
