@@ -36,8 +36,19 @@ TINY_MODELS = {"tiny": "llama", "tiny-mistral": "mistral", "tiny-qwen2": "qwen2"
 DEFAULT_CACHE = os.path.join("~", ".cache", "arena-jax", "xla")
 
 
+class _HelpWithDefaults(argparse.HelpFormatter):
+    """Each option's help ends with its default, unless the help names it or there is none (None, a flag)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        none = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if action.option_strings and not none and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="arena-generate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="arena-generate", description=__doc__.split("\n\n")[0], formatter_class=_HelpWithDefaults)
     p.add_argument(
         "--model-dir", help="Hugging Face checkpoint folder (config.json, *.safetensors; model_type llama, mistral, "
                             "qwen2, qwen3, gemma2 or gemma3_text), or a Hugging Face name (org/name) already in the "
@@ -47,17 +58,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the tiny random-weight model run without --model-dir")  # fmt: skip
     p.add_argument("--prompt", default="The arena holds every page.", help="prompt text")
     p.add_argument("--num-prompts", type=positive_int, default=None, help="copies of the prompt to run (default: --batch)")
-    p.add_argument("--max-new-tokens", type=positive_int, default=32)
+    p.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens to generate per prompt")
     p.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at the checkpoint's eos tokens (generation_config.json / config.json)")  # fmt: skip
     p.add_argument("--batch", type=positive_int, default=4, help="batch rows decoded together")
     p.add_argument("--chunk-size", type=positive_int, default=32, help="prefill chunk (tokens per prefill call)")
-    p.add_argument("--page-size", type=positive_int, default=16)
+    p.add_argument("--page-size", type=positive_int, default=16, help="tokens per page of the KV arena")
     p.add_argument("--num-pages", type=positive_int, default=None, help="arena pages (default: every row at full length)")
     p.add_argument("--max-seq-len", type=positive_int, default=None, help="per-sequence limit (default: prompt + new tokens, rounded up to a power of two)")
     p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=positive_int, default=None)
-    p.add_argument("--top-p", type=float_in(0.0, 1.0, low_open=True), default=None)
+    p.add_argument("--top-k", type=positive_int, default=None, help="sample among the k likeliest tokens (default: all)")
+    p.add_argument("--top-p", type=float_in(0.0, 1.0, low_open=True), default=None,
+                   help="sample among the likeliest tokens holding this probability, in (0, 1] (default: 1, all)")  # fmt: skip
     p.add_argument("--seed", type=seed, default=0, help="sampling (and the tiny model's weights)")
     p.add_argument("--prefix-cache", action="store_true",
                    help="reuse the K/V of cached prompt prefixes (token granularity, LRU eviction); prints hit figures")  # fmt: skip

@@ -75,3 +75,21 @@ def test_creates_a_missing_compile_cache_folder(tmp_path, capsys, monkeypatch, n
 def test_refuses_flags_it_would_ignore_before_any_work(argv, message, capsys, no_model):
     err = _generate_error([*argv, "--no-compile-cache"], capsys)
     assert re.search(message, err), err
+
+
+def test_help_shows_every_default_and_accepted_value(capsys):
+    """Issue 40, item 6: `arena-generate --help` names each option's default (or says what it
+    defaults to) and lists the values of every option that takes a fixed set."""
+    with pytest.raises(SystemExit) as exc:
+        generate_cli.main(["--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for action in generate_cli.build_parser()._actions:
+        if not action.option_strings or action.help == "show this help message and exit":
+            continue
+        flag = max(action.option_strings, key=len)
+        assert action.help, f"{flag} has no help"
+        if action.default is not None and action.default is not False:
+            assert f"(default: {action.default})" in text or "default" in action.help, flag
+        for value in action.choices or ():
+            assert str(value) in text, (flag, value)
