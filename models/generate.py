@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
@@ -149,6 +149,7 @@ def generate(
     cache: aj.KVCache | None = None,
     host: aj.HostArena | None = None,
     arrivals: Sequence[float] | None = None,
+    on_token: Callable[[int, int], None] | None = None,
     **options,
 ) -> Generation:
     """Generate up to `max_new_tokens` for each prompt (lists of token ids).
@@ -218,11 +219,19 @@ def generate(
     1 with `arrivals` or on a TPU); 1 turns blocks off. With `return_logits` every call runs
     one step (through the same program: no other compile).
 
+    `on_token(i, token)` streams: it is called in the continuous-batching loop for each token
+    of prompt i as soon as the host has read it back and kept it (in order per prompt, before
+    generate returns; exactly the tokens of the result, a stop token included; none a decode
+    block or run-ahead step computed past a stop). It runs on the host between device calls: a
+    slow callback slows the run. An exception it raises ends the run and propagates.
+
     Token ids must be integers (Python or numpy; not floats, strings or bools) in
     [0, vocab_size); every bad argument is a ValueError naming it.
     """
     if not isinstance(model, Llama):
         raise ValueError(f"model must be a models.Llama (init_random, load_pretrained), got {type(model).__name__}")
+    if on_token is not None and not callable(on_token):
+        raise ValueError(f"on_token must be a callable (prompt index, token id), got {type(on_token).__name__}")
     sampling, serving, parallel, index = options_from_keywords(sampling, serving, parallel, options)
     batch_size, chunk_size, layout, kv_dtype = serving.batch_size, serving.chunk_size, serving.layout, serving.kv_dtype
     host_pages, swap_policy, token_budget, decode_block = serving.host_pages, serving.swap_policy, serving.token_budget, serving.decode_block
@@ -348,6 +357,7 @@ def generate(
         model, cache, layout, batch_size, chunk_size, sampling, seed, set(stop), max_new_tokens, return_logits, index,
         tier, mixed_chunks, decode_block,
     )
+    runner.on_token = on_token
     start = runner.start = time.perf_counter()
     if max_new_tokens > 0:
         runner.run(seqs)

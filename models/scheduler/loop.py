@@ -98,6 +98,7 @@ class Scheduler(Admission, PrefixPages, HostSwap, RunAhead):
         self._admit_current = False  # no row was vacated or preempted since the last `_admit`
         self._on_device: dict[bytes, jax.Array] = {}  # unchanged i32[B] inputs stay on the device
         self._token_sharding = None  # where a decode step's sampled tokens live (RunAhead._host_tokens)
+        self.on_token = None  # (prompt index, token) -> None, called as each token is kept (generate's on_token)
         self._next_rows_cache: tuple | None = None  # run-ahead rows' arrays, reused while the same sequences go on
         self.run_ahead_steps = 0
         self.decode_step_seconds: list[float] = []  # per iteration that only decoded: its wall time / its decode steps
@@ -106,6 +107,8 @@ class Scheduler(Admission, PrefixPages, HostSwap, RunAhead):
         seq = self.rows[r]
         seq.generated.append(token)
         seq.times.append(time.perf_counter() - self.start)
+        if self.on_token is not None:
+            self.on_token(seq.index, int(token))
         if len(seq.generated) == 1:
             self.first_token[seq.index] = seq.times[-1]
         if logits is not None:
