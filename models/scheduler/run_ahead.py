@@ -78,7 +78,7 @@ class RunAhead:
         if self._token_sharding is None:
             where = self.cache.sharding
             if where is None:
-                self._token_sharding = jax.sharding.SingleDeviceSharding(next(iter(self.cache.k.devices())))
+                self._token_sharding = self.cache.k.sharding  # the Scheduler committed it to its device
             else:
                 spec = jax.sharding.PartitionSpec(where.data_axis) if where.data_axis else jax.sharding.PartitionSpec()
                 self._token_sharding = jax.sharding.NamedSharding(where.mesh, spec)
