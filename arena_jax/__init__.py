@@ -29,11 +29,13 @@ What is where (each module's docstring has its design), from the bottom up:
     host/           the host tier: pages in pinned host memory, swap out / swap in
 
 Former module paths (`arena_jax.host_api`, `arena_jax.hf_config`, ...) name the moved modules
-(`arena_jax._moved`).
+(`arena_jax._moved`). The models and the benchmark CLI are `arena_jax.models` and
+`arena_jax.benchmarks` (the repository's models/ and benchmarks/ folders: `arena_jax._subpackages`);
+importing them is not part of `import arena_jax`.
 """
 import sys as _sys
 
-from arena_jax import _moved
+from arena_jax import _moved, _subpackages
 from arena_jax.api import (
     BACKEND_ENV,
     BACKENDS,
@@ -106,3 +108,4 @@ __all__ = [
 __version__ = "0.1.0"
 
 _moved.register(_sys.modules[__name__])  # arena_jax.host_api is arena_jax.host.api, ...
+_subpackages.register()  # arena_jax.models, arena_jax.benchmarks: the models/ and benchmarks/ folders

@@ -1,3 +1,3 @@
-from benchmarks.cli import main
+from arena_jax.benchmarks.cli import main
 
 raise SystemExit(main())

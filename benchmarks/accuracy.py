@@ -46,7 +46,7 @@ import numpy as np
 from flax import nnx
 
 import arena_jax as aj
-import models
+from arena_jax import models
 
 __all__ = ["AccuracySettings", "run_accuracy", "attention_accuracy", "model_accuracy", "exact_attention", "PARITY_CONFIGS",
            "FORMATS", "with_key_outliers"]

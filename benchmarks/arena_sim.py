@@ -23,7 +23,7 @@ import numpy as np
 from flax import struct
 
 import arena_jax as aj
-from benchmarks.allocators import _newest_refused, arena_step
+from arena_jax.benchmarks.allocators import _newest_refused, arena_step
 
 __all__ = ["SimState", "run_arena_on_device"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from models.argtypes import INT32_MAX, float_in, int_in, positive_float, positive_int, seed
+from arena_jax.models.argtypes import INT32_MAX, float_in, int_in, positive_float, positive_int, seed
 
 GIB = 2**30
 
@@ -71,7 +71,7 @@ def mesh_spec(text: str) -> tuple[int, int]:
 
 
 def _models():
-    from benchmarks.presets import PRESETS
+    from arena_jax.benchmarks.presets import PRESETS
 
     return list(PRESETS)
 
@@ -147,7 +147,7 @@ def _add_decode_args(p: argparse.ArgumentParser, defaults: dict) -> None:
 
 
 def _add_prefix_args(p: argparse.ArgumentParser) -> None:
-    from benchmarks.prefix import PrefixSettings
+    from arena_jax.benchmarks.prefix import PrefixSettings
 
     d = PrefixSettings()
     g = p.add_argument_group("prefix")
@@ -173,7 +173,7 @@ def _add_prefix_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    from benchmarks.serve_settings import ServeSettings
+    from arena_jax.benchmarks.serve_settings import ServeSettings
 
     d = ServeSettings()
     g = p.add_argument_group("serve")
@@ -189,7 +189,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="depths whose first-call compile time is measured (none: skip)")  # fmt: skip
     g.add_argument("--no-compile-cache-runs", action="store_true",
                    help="skip the two arena-generate processes that measure the persistent compilation cache")  # fmt: skip
-    from benchmarks.arrivals import ArrivalSettings
+    from arena_jax.benchmarks.arrivals import ArrivalSettings
 
     a = ArrivalSettings()
     g.add_argument("--arrivals-model", choices=("tiny", "mid"), default=a.model,
@@ -207,7 +207,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_swap_args(p: argparse.ArgumentParser) -> None:
-    from benchmarks.swap import SwapSettings
+    from arena_jax.benchmarks.swap import SwapSettings
 
     d = SwapSettings()
     g = p.add_argument_group("swap")

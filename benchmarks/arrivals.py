@@ -46,12 +46,12 @@ class ArrivalSettings:
     seed: int = 0
 
     def config(self):
-        import models
+        from arena_jax import models
 
         if self.model == "tiny":
             return models.LlamaConfig.tiny()
         if self.model == "mid":  # the mid model of benchmarks.studies.context_cost
-            from benchmarks.studies.context_cost import Settings
+            from arena_jax.benchmarks.studies.context_cost import Settings
 
             return Settings().config()
         raise ValueError(f"model must be 'tiny' or 'mid', got {self.model!r}")
@@ -70,7 +70,7 @@ def _latencies(result, arrivals) -> tuple[list, list]:
 
 
 def measure_arrivals(settings: ArrivalSettings, advance=lambda: None) -> dict:
-    import models
+    from arena_jax import models
 
     s = settings
     net = models.init_random(s.config(), seed=s.seed)

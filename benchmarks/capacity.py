@@ -23,9 +23,9 @@ import time
 import numpy as np
 
 import arena_jax as aj
-from benchmarks.allocators import ArenaBackend, ContiguousBackend, Seq, check_with_health, tiny_arena_layout
-from benchmarks.arena_sim import run_arena_on_device
-from benchmarks.workload import Workload
+from arena_jax.benchmarks.allocators import ArenaBackend, ContiguousBackend, Seq, check_with_health, tiny_arena_layout
+from arena_jax.benchmarks.arena_sim import run_arena_on_device
+from arena_jax.benchmarks.workload import Workload
 
 __all__ = ["CapacitySettings", "simulate", "run_capacity", "GOAL_UTILIZATION", "GOAL_CAPACITY_RATIO"]
 

@@ -29,13 +29,13 @@ import os
 import sys
 import time
 
-from benchmarks.arguments import GIB, TOUR_CAPACITY, TOUR_DECODE, build_parser, mesh_spec
-from benchmarks.compile_cache import CACHE_ENV, cached_compiles, init_compile_cache  # noqa: F401  (init: kept importable here)
-from benchmarks.runner import _Fail, _naming, run
-from benchmarks.runner import (  # noqa: F401  (moved to runner with main's checks; kept importable here)
+from arena_jax.benchmarks.arguments import GIB, TOUR_CAPACITY, TOUR_DECODE, build_parser, mesh_spec
+from arena_jax.benchmarks.compile_cache import CACHE_ENV, cached_compiles, init_compile_cache  # noqa: F401  (init: kept importable here)
+from arena_jax.benchmarks.runner import _Fail, _naming, run
+from arena_jax.benchmarks.runner import (  # noqa: F401  (moved to runner with main's checks; kept importable here)
     ATTENTION_FLAGS, KERNEL_REPORT_FLAGS, KERNEL_TIMING_FLAGS, MODEL_FLAGS, SERVE_ARRIVAL_FLAGS, SERVE_STEP_FLAGS)
-from benchmarks.serve import serve_command as _cmd_serve
-from models.argtypes import INT32_MAX
+from arena_jax.benchmarks.serve import serve_command as _cmd_serve
+from arena_jax.models.argtypes import INT32_MAX
 
 __all__ = ["main", "build_parser", "mesh_spec", "CACHE_ENV"]
 
@@ -45,7 +45,7 @@ __all__ = ["main", "build_parser", "mesh_spec", "CACHE_ENV"]
 
 def _check_budget_pages(budget_gib: float, page_bytes: int, model: str, page_size: int) -> None:
     """The budget must hold at least one page and no more pages than an int32 page id can name."""
-    from models.memory import fmt_bytes
+    from arena_jax.models.memory import fmt_bytes
 
     pages = int(budget_gib * GIB) // page_bytes
     most = INT32_MAX - 1  # page ids and the free-page count are int32
@@ -62,8 +62,8 @@ def _check_budget_pages(budget_gib: float, page_bytes: int, model: str, page_siz
 
 
 def _cmd_layout(args, console) -> dict:
-    from benchmarks import report
-    from benchmarks.presets import LAYOUT_MODELS, layout_report, preset
+    from arena_jax.benchmarks import report
+    from arena_jax.benchmarks.presets import LAYOUT_MODELS, layout_report, preset
 
     kv_dtype = getattr(args, "kv_dtype", "bfloat16")
     for name in LAYOUT_MODELS:
@@ -87,8 +87,8 @@ def _cmd_layout(args, console) -> dict:
 
 
 def _capacity_settings(args):
-    from benchmarks.capacity import CapacitySettings
-    from benchmarks.presets import preset
+    from arena_jax.benchmarks.capacity import CapacitySettings
+    from arena_jax.benchmarks.presets import preset
 
     kv_dtype = getattr(args, "kv_dtype", "bfloat16")
     layout = preset(args.model).kv_layout(num_pages=1, max_seqs=1, max_seq_len=16, dtype=kv_dtype)
@@ -122,8 +122,8 @@ HOST_BYTES_PER_SLOT = 256
 def _check_capacity_memory(args, settings, num_requests: int) -> None:
     """The arena the simulation really allocates (1 layer x 1 KV head, the budget's page count)
     must fit the device, and the workload the host, before either is built."""
-    from benchmarks.allocators import tiny_arena_layout
-    from models.memory import cache_bytes, check_fits, host_memory_limit
+    from arena_jax.benchmarks.allocators import tiny_arena_layout
+    from arena_jax.models.memory import cache_bytes, check_fits, host_memory_limit
 
     _check_budget_pages(args.budget_gib, settings.bytes_per_token * settings.page_size, args.model, settings.page_size)
     flags = (f"--budget-gib {args.budget_gib:g}, --page-size {args.page_size}, --max-seqs {args.max_seqs}, "
@@ -170,8 +170,8 @@ def _check_arrival_steps(rate: float, num_requests: int, args, wl=None) -> None:
 
 
 def _cmd_capacity(args, console, progress) -> dict:
-    from benchmarks import report, workload
-    from benchmarks.capacity import run_capacity
+    from arena_jax.benchmarks import report, workload
+    from arena_jax.benchmarks.capacity import run_capacity
 
     if args.page_size > args.max_seq_len:  # --max-seq-len is every slab's length: a longer page is never filled
         raise _Fail(f"--page-size {args.page_size} is longer than --max-seq-len {args.max_seq_len}: a page must fit in "
@@ -221,8 +221,8 @@ def _check_depth(model: str, num_layers: int, devices: int = 1) -> None:
     """--num-layers' weights (at 2 bytes a parameter, split over every device of a mesh: a lower
     bound) must fit a device before the config is made: a mixed-layer preset builds its layer
     pattern per layer (1e9 entries: minutes)."""
-    from benchmarks.presets import preset
-    from models.memory import TooLarge, check_fits
+    from arena_jax.benchmarks.presets import preset
+    from arena_jax.models.memory import TooLarge, check_fits
 
     one, two = preset(model).with_num_layers(1), preset(model).with_num_layers(2)
     params = one.num_params() + (num_layers - 1) * (two.num_params() - one.num_params())
@@ -236,7 +236,7 @@ def _check_depth(model: str, num_layers: int, devices: int = 1) -> None:
 def _model_config(args, tokens: int, what: str):
     """The model's config and dtype (--model / --model-dir, --num-layers, --dtype), read before any
     work; `tokens` (the longest sequence, `what` says of which flags) must fit its positions."""
-    from benchmarks.decode import config_and_dtype
+    from arena_jax.benchmarks.decode import config_and_dtype
 
     if args.model_dir and not os.path.isdir(args.model_dir):
         raise _Fail(f"--model-dir {args.model_dir!r} is not a folder")
@@ -257,7 +257,7 @@ def _model_config(args, tokens: int, what: str):
 def _check_host_tokens(tokens: int, what: str, hint: str) -> None:
     """The workload's token ids, held in Python lists, must fit the host (drawn before any check
     of the run's own could see them)."""
-    from models.memory import HOST_BYTES_PER_TOKEN, TooLarge, check_fits, host_memory_limit
+    from arena_jax.models.memory import HOST_BYTES_PER_TOKEN, TooLarge, check_fits, host_memory_limit
 
     try:
         check_fits({f"{tokens:,} token ids in Python lists": tokens * HOST_BYTES_PER_TOKEN}, limit=host_memory_limit(),
@@ -267,7 +267,7 @@ def _check_host_tokens(tokens: int, what: str, hint: str) -> None:
 
 
 def _decode_settings(args):
-    from benchmarks.decode import DecodeSettings
+    from arena_jax.benchmarks.decode import DecodeSettings
 
     if args.new_tokens < 2:
         raise _Fail("--new-tokens must be >= 2 (one token from prefill, at least one decode step)")
@@ -277,7 +277,7 @@ def _decode_settings(args):
     if hf_mode != "off":
         import jax
 
-        from benchmarks.hf_peer import unavailable_reason
+        from arena_jax.benchmarks.hf_peer import unavailable_reason
 
         reason = unavailable_reason(jax.default_backend(), getattr(args, "mesh", None))
         if reason is not None and hf_mode == "on":
@@ -304,8 +304,8 @@ def _decode_settings(args):
 
 
 def _cmd_decode(args, console, progress) -> dict:
-    from benchmarks import report
-    from benchmarks.decode import ModelTooLarge, run_decode
+    from arena_jax.benchmarks import report
+    from arena_jax.benchmarks.decode import ModelTooLarge, run_decode
 
     settings = _decode_settings(args)
     console.print(f"[bold]decode[/bold]: {settings.model_dir or settings.model}, paged arena vs dense cache (compiling first) ...")
@@ -358,8 +358,8 @@ def _cmd_decode(args, console, progress) -> dict:
 
 
 def _cmd_prefix(args, console, progress) -> dict:
-    from benchmarks import report
-    from benchmarks.prefix import PrefixSettings, PrefixTooLarge, run_prefix
+    from arena_jax.benchmarks import report
+    from arena_jax.benchmarks.prefix import PrefixSettings, PrefixTooLarge, run_prefix
 
     if args.num_pages is not None and args.budget_gib is not None:
         raise _Fail("give --num-pages or --budget-gib, not both")
@@ -392,7 +392,7 @@ def _cmd_prefix(args, console, progress) -> dict:
 
 
 def _cmd_swap(args, console, progress) -> dict:
-    from benchmarks.swap import SwapSettings, SwapTooLarge, run_swap, swap_notes, swap_table
+    from arena_jax.benchmarks.swap import SwapSettings, SwapTooLarge, run_swap, swap_notes, swap_table
 
     settings = SwapSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SwapSettings)})
     _model_config(args, settings.max_total_len, f"--prompt-len {args.prompt_len} (+ up to half of it) + --new-tokens "
@@ -424,8 +424,8 @@ def _check_kernel_memory(k: dict) -> None:
     import jax
     import jax.numpy as jnp
 
-    from benchmarks.kernels import CPU_MAX_BATCH, CPU_MAX_CONTEXT
-    from models.memory import check_fits
+    from arena_jax.benchmarks.kernels import CPU_MAX_BATCH, CPU_MAX_CONTEXT
+    from arena_jax.models.memory import check_fits
 
     itemsize = jnp.dtype(k["dtype"]).itemsize
     ps, kv, hd, qh = k["page_size"], k["num_kv_heads"], k["head_dim"], k["num_q_heads"]
@@ -450,7 +450,7 @@ def _check_kernel_memory(k: dict) -> None:
 
 
 def _cmd_tpu_compile_report(args, console, progress) -> dict:
-    from benchmarks.compile_report_tpu import format_steps_table, format_tpu_table, run_tpu_compile_report
+    from arena_jax.benchmarks.compile_report_tpu import format_steps_table, format_tpu_table, run_tpu_compile_report
 
     console.print(f"[bold]kernels --compile-report --target {args.target}[/bold]: every TPU kernel variant compiled "
                   "with libtpu (XLA + Mosaic), no TPU ...")
@@ -474,7 +474,7 @@ def _cmd_tpu_compile_report(args, console, progress) -> dict:
 
 
 def _cmd_compile_report(args, console, progress) -> dict:
-    from benchmarks.compile_report import format_table, run_compile_report
+    from arena_jax.benchmarks.compile_report import format_table, run_compile_report
 
     if getattr(args, "target", "sm90") != "sm90":
         return _cmd_tpu_compile_report(args, console, progress)
@@ -506,10 +506,10 @@ def _cmd_kernels(args, console, progress) -> dict:
     if args.compile_report:
         return _cmd_compile_report(args, console, progress)
 
-    from benchmarks import report
+    from arena_jax.benchmarks import report
 
     try:
-        from benchmarks.kernels import run_kernel_benchmark
+        from arena_jax.benchmarks.kernels import run_kernel_benchmark
     except ImportError as exc:
         raise _Fail(f"the kernel benchmark is not available in this checkout ({exc})") from None
     wanted = {
@@ -572,7 +572,7 @@ def _check_attention_memory(batch: int, context: int, q_heads: int, kv_heads: in
     """The attention test's K/V on the host (float32, their float64 copies repeated over the query
     heads for the exact attention, its scores) and on the device (float32 K/V and an arena), an
     estimate, checked before they are drawn."""
-    from models.memory import TooLarge, check_fits, host_memory_limit
+    from arena_jax.models.memory import TooLarge, check_fits, host_memory_limit
 
     kv = batch * context * kv_heads * head_dim
     host = {"K/V (float32)": 2 * kv * 4, "float64 K/V for the exact attention": 2 * kv * 8 + 2 * kv * 8 * (q_heads // kv_heads),
@@ -586,7 +586,7 @@ def _check_attention_memory(batch: int, context: int, q_heads: int, kv_heads: in
 
 
 def _cmd_accuracy(args, console, progress) -> dict:
-    from benchmarks.accuracy import (FORMATS, PARITY_CONFIGS, AccuracySettings, _model_runs, format_attention_table,
+    from arena_jax.benchmarks.accuracy import (FORMATS, PARITY_CONFIGS, AccuracySettings, _model_runs, format_attention_table,
                                      format_model_table, run_accuracy, split_format)
 
     settings_formats = lambda text: tuple(f for f in text.split(",") if f)  # noqa: E731
@@ -661,7 +661,7 @@ def _cmd_accuracy(args, console, progress) -> dict:
 
 
 def _tour(args, console, progress) -> dict:
-    from benchmarks import report
+    from arena_jax.benchmarks import report
 
     t0 = time.perf_counter()
     console.rule("[bold]arena-bench tour[/bold]")

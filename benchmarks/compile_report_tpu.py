@@ -52,7 +52,7 @@ def _step_rows(target: str, progress) -> list[dict]:
     import jax
     import numpy as np
 
-    from benchmarks.tpu_steps import STEP_CASES, compile_step, step_inputs
+    from arena_jax.benchmarks.tpu_steps import STEP_CASES, compile_step, step_inputs
     from pallas_kernels.offline import tpu as tpu_compile
 
     cases = [c for c in STEP_CASES if c.target == target]

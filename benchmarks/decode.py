@@ -36,10 +36,10 @@ import numpy as np
 from flax import nnx
 
 import arena_jax as aj
-import models
-from models import dense_baseline
-from benchmarks.presets import preset
-from models.memory import TooLarge, cache_bytes, check_fits, host_memory_limit, weight_bytes
+from arena_jax import models
+from arena_jax.models import dense_baseline
+from arena_jax.benchmarks.presets import preset
+from arena_jax.models.memory import TooLarge, cache_bytes, check_fits, host_memory_limit, weight_bytes
 
 __all__ = ["DecodeSettings", "run_decode", "build_model", "check_memory", "ModelTooLarge"]
 
@@ -260,7 +260,7 @@ def run_decode(s: DecodeSettings, progress=None) -> dict:
         )
     mesh = make_mesh(s)
     if mesh is not None:
-        from models.parallel import check_tensor_parallel
+        from arena_jax.models.parallel import check_tensor_parallel
 
         try:
             check_tensor_parallel(cfg, s.mesh[1], "tensor")
@@ -274,7 +274,7 @@ def run_decode(s: DecodeSettings, progress=None) -> dict:
     arena, dense = _ArenaRun(model, s, prompts, mesh), _DenseRun(model, s, prompts, mesh)
     runners = {"arena": arena, "dense": dense}
     if s.hf:
-        from benchmarks import hf_peer
+        from arena_jax.benchmarks import hf_peer
 
         reason = hf_peer.unavailable_reason(jax.default_backend(), mesh)
         if reason is not None:
@@ -340,7 +340,7 @@ def run_decode(s: DecodeSettings, progress=None) -> dict:
     )
     peer = None
     if s.hf:
-        from benchmarks import hf_peer
+        from arena_jax.benchmarks import hf_peer
 
         hf_tokens = results["transformers"][0]
         peer = _summary(results["transformers"][1], results["transformers"][2], s.batch, *first["transformers"])

@@ -51,7 +51,7 @@ class HFRun:
         import torch
         import transformers
 
-        from models.loading import export_hf_tensors
+        from arena_jax.models.loading import export_hf_tensors
 
         transformers.logging.set_verbosity_error()
         hf_dict = dict(model.config.to_hf())

@@ -27,7 +27,7 @@ head with float32 scales (`pallas_kernels.quant`); queries and new K/V in bfloat
 read count the scales (head_dim + 4 bytes per token row); JAX's Pallas peer gets the same
 pages and scales (its `k_scales_pages` / `v_scales_pages`); the dense peer runs in bfloat16.
 
-Run: `python -m benchmarks.kernels --help`.
+Run: `python -m arena_jax.benchmarks.kernels --help`.
 """
 from __future__ import annotations
 
@@ -394,7 +394,7 @@ def _print_table(result: dict) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m arena_jax.benchmarks.kernels", description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 4096, 32768])
     p.add_argument("--num-q-heads", type=int, default=32)

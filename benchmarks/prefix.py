@@ -45,11 +45,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import arena_jax as aj
-import models
-from benchmarks.decode import config_and_dtype
-from benchmarks.presets import preset
-from models.memory import TooLarge, cache_bytes, check_fits, host_memory_limit, weight_bytes
-from models.steps import (drop_host_page_rows, drop_page_rows, evict_to_host_rows, flush_rows, fork_page_rows,
+from arena_jax import models
+from arena_jax.benchmarks.decode import config_and_dtype
+from arena_jax.benchmarks.presets import preset
+from arena_jax.models.memory import TooLarge, cache_bytes, check_fits, host_memory_limit, weight_bytes
+from arena_jax.models.steps import (drop_host_page_rows, drop_page_rows, evict_to_host_rows, flush_rows, fork_page_rows,
                           hold_page_rows, offload_page_rows, swap_in_rows)  # fmt: skip
 
 __all__ = ["PrefixSettings", "run_prefix", "make_workload", "PrefixTooLarge"]

@@ -1,7 +1,7 @@
 """Model presets known to `arena-bench` and the KV layout report built from them."""
 from __future__ import annotations
 
-from models.config import LlamaConfig
+from arena_jax.models.config import LlamaConfig
 
 __all__ = ["PRESETS", "LAYOUT_MODELS", "preset", "layout_report"]
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 
-from benchmarks.arguments import build_parser
-from benchmarks.compile_cache import init_compile_cache
+from arena_jax.benchmarks.arguments import build_parser
+from arena_jax.benchmarks.compile_cache import init_compile_cache
 
 __all__ = ["run"]
 
@@ -122,7 +122,7 @@ def run(argv, commands: dict) -> int:
     except _Fail as exc:
         sub_parser.error(str(exc))
 
-    from benchmarks import report
+    from arena_jax.benchmarks import report
 
     init_compile_cache()
     console = report.make_console()

@@ -37,14 +37,14 @@ import sys
 import tempfile
 import time
 
-from benchmarks.runner import _naming, run
-from benchmarks.serve_settings import BLOCK, ServeSettings, _other_call
+from arena_jax.benchmarks.runner import _naming, run
+from arena_jax.benchmarks.serve_settings import BLOCK, ServeSettings, _other_call
 
 __all__ = ["ServeSettings", "run_serve", "serve_lines"]
 
 
 def _model(seed: int):
-    import models
+    from arena_jax import models
 
     return models.init_random(models.LlamaConfig.tiny(), seed=seed)
 
@@ -56,9 +56,9 @@ def _step_times(net, settings: ServeSettings, advance) -> dict:
     from flax import nnx
 
     import arena_jax as aj
-    import models
-    from models.scheduler import Scheduler
-    from models.steps import bound_steps
+    from arena_jax import models
+    from arena_jax.models.scheduler import Scheduler
+    from arena_jax.models.steps import bound_steps
 
     b, p, n = settings.batch, settings.prompt_len, settings.new_tokens
     rng = np.random.default_rng(settings.seed)
@@ -150,8 +150,8 @@ def _compiles_per_call(settings: ServeSettings) -> dict:
     again, then with other lengths on the same arena."""
     import numpy as np
 
-    import models
-    from benchmarks.compile_count import CompileCount
+    from arena_jax import models
+    from arena_jax.benchmarks.compile_count import CompileCount
 
     net = models.init_random(models.LlamaConfig.tiny(num_layers=settings.cold_layers), seed=settings.seed)
     b, p, n = settings.batch, settings.prompt_len, settings.new_tokens
@@ -173,7 +173,7 @@ def _compiles_per_call(settings: ServeSettings) -> dict:
 
 
 def _depth_compiles(settings: ServeSettings, advance) -> list[dict]:
-    from benchmarks.studies.layer_scaling import measure
+    from arena_jax.benchmarks.studies.layer_scaling import measure
 
     rows = []
     for layers in settings.layers:
@@ -185,7 +185,7 @@ def _depth_compiles(settings: ServeSettings, advance) -> list[dict]:
 
 def _persistent_cache(settings: ServeSettings) -> dict:
     """Two fresh `arena-generate` processes sharing one --compile-cache folder."""
-    argv = [sys.executable, "-m", "models.cli", "--prompt", "x" * 40, "--batch", str(settings.batch),
+    argv = [sys.executable, "-m", "arena_jax.models.cli", "--prompt", "x" * 40, "--batch", str(settings.batch),
             "--max-new-tokens", "16", "--seed", str(settings.seed)]  # fmt: skip
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
     runs = []
@@ -206,7 +206,7 @@ def _persistent_cache(settings: ServeSettings) -> dict:
 def run_serve(settings: ServeSettings, progress=None) -> dict:
     import jax
 
-    from benchmarks.arrivals import ArrivalSettings, measure_arrivals
+    from arena_jax.benchmarks.arrivals import ArrivalSettings, measure_arrivals
 
     arrivals = settings.arrivals if settings.arrivals is not None else ArrivalSettings(seed=settings.seed)
     total = (arrivals.rounds + 1 if arrivals.requests else 0) + (0 if settings.arrivals_only else
@@ -239,7 +239,7 @@ def run_serve(settings: ServeSettings, progress=None) -> dict:
 
 
 def serve_lines(result: dict) -> list[str]:
-    from benchmarks.arrivals import arrival_lines
+    from arena_jax.benchmarks.arrivals import arrival_lines
 
     tail = arrival_lines(result["arrivals"]) if result.get("arrivals") else []
     if "step" not in result:  # --arrivals-only
@@ -286,7 +286,7 @@ def serve_lines(result: dict) -> list[str]:
 
 def serve_command(args, console, progress) -> dict:
     """`arena-bench serve`: the parsed flags -> settings, checked, run, printed; the results."""
-    from benchmarks.arrivals import ArrivalSettings
+    from arena_jax.benchmarks.arrivals import ArrivalSettings
 
     settings = ServeSettings(batch=args.batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                              chunk=args.chunk, cold_layers=args.cold_layers, rounds=args.rounds, layers=tuple(args.layers),
@@ -314,7 +314,7 @@ def serve_command(args, console, progress) -> dict:
     return result
 
 
-def main(argv=None) -> int:  # python -m benchmarks.serve (the same as arena-bench serve)
+def main(argv=None) -> int:  # python -m arena_jax.benchmarks.serve (the same as arena-bench serve)
     return run(["serve", *(sys.argv[1:] if argv is None else argv)], {"serve": serve_command})
 
 

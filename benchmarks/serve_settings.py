@@ -30,10 +30,10 @@ class ServeSettings:
     def validate(self) -> None:
         """A ValueError naming the `arena-bench serve` flags of any setting the run cannot serve
         (positions past the model's, decode steps fewer than one timed run, memory), before any work."""
-        import models
-        from benchmarks.arrivals import ArrivalSettings
-        from benchmarks.studies.layer_scaling import WIDTHS
-        from models.memory import cache_bytes, check_fits, host_memory_limit, weight_bytes
+        from arena_jax import models
+        from arena_jax.benchmarks.arrivals import ArrivalSettings
+        from arena_jax.benchmarks.studies.layer_scaling import WIDTHS
+        from arena_jax.models.memory import cache_bytes, check_fits, host_memory_limit, weight_bytes
 
         a = self.arrivals if self.arrivals is not None else ArrivalSettings(seed=self.seed)
         if self.arrivals_only and not a.requests:

@@ -33,9 +33,9 @@ import jax
 import numpy as np
 
 import arena_jax as aj
-import models
-from benchmarks.decode import config_and_dtype
-from models.memory import TooLarge, cache_bytes, check_fits, host_memory_limit, weight_bytes
+from arena_jax import models
+from arena_jax.benchmarks.decode import config_and_dtype
+from arena_jax.models.memory import TooLarge, cache_bytes, check_fits, host_memory_limit, weight_bytes
 
 __all__ = ["SwapSettings", "run_swap", "SwapTooLarge"]
 
@@ -175,7 +175,7 @@ def swap_table(result: dict):
     from rich import box
     from rich.table import Table
 
-    from benchmarks.report import fmt_bytes
+    from arena_jax.benchmarks.report import fmt_bytes
 
     s = result["settings"]
     t = Table(title=(f"swap: {s['model_dir'] or s['model']}, {s['requests']} requests of {s['prompt_len']} +- "
@@ -229,6 +229,6 @@ def swap_notes(result: dict) -> list[str]:
 
 
 def fmt_b(n: int) -> str:
-    from benchmarks.report import fmt_bytes
+    from arena_jax.benchmarks.report import fmt_bytes
 
     return fmt_bytes(n)

@@ -60,8 +60,8 @@ STEP_CASES = (
 def _abstract_model(config, mesh):
     from flax import nnx
 
-    from models.llama import Llama
-    from models.parallel import state_shardings
+    from arena_jax.models.llama import Llama
+    from arena_jax.models.parallel import state_shardings
 
     graphdef, abstract = nnx.split(nnx.eval_shape(
         lambda: Llama(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))
@@ -83,7 +83,7 @@ def _abstract_cache(layout, mesh):
 def step_inputs(case: StepCase):
     """(layout, graphdef, state, cache) of `case`: the model state and the cache as placed
     ShapeDtypeStructs on the case's TPU mesh."""
-    from models.config import LlamaConfig
+    from arena_jax.models.config import LlamaConfig
     from pallas_kernels.offline import tpu as tpu_compile
 
     config = dataclasses.replace(LlamaConfig.llama3_8b(), num_layers=case.num_layers)
@@ -97,7 +97,7 @@ def step_inputs(case: StepCase):
 def compile_step(case: StepCase):
     """Compile `case` for its TPU target; returns (compiled, cache ShapeDtypeStructs, layout)."""
     import arena_jax as aj
-    from models import decode_step, prefill
+    from arena_jax.models import decode_step, prefill
     from pallas_kernels.offline import tpu as tpu_compile
 
     layout, graphdef, state, cache = step_inputs(case)
@@ -109,8 +109,8 @@ def compile_step(case: StepCase):
             if case.step == "decode":
                 lowered = decode_step.trace(graphdef, state, cache, i32(case.batch), i32(case.batch)).lower()
             elif case.step == "decode_block":  # what generate runs while no request waits
-                from models.sampling import SamplingParams
-                from models.steps import bound_steps
+                from arena_jax.models.sampling import SamplingParams
+                from arena_jax.models.steps import bound_steps
 
                 steps = bound_steps(graphdef, state)
                 f32 = jax.ShapeDtypeStruct((case.batch,), jnp.float32, sharding=rows)

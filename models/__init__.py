@@ -1,7 +1,7 @@
 """Flax NNX decoders on the arena_jax paged KV cache: Llama 2/3, Mistral, Qwen 2 / 2.5, Qwen 3
 (dense), Gemma 2 and Gemma 3 (text), one `LlamaConfig` and one `Llama` for all (see models.config).
 
-    import models
+    from arena_jax import models
     model, tokenizer = models.load_pretrained("path/to/checkpoint", dtype=jnp.bfloat16)  # or "org/name" in the HF cache
     result = models.generate(model, [[1, 2, 3]], max_new_tokens=32)
     result = models.generate(model, prompts, 64, sampling=models.Sampling(temperature=0.7, seed=1),
@@ -22,28 +22,35 @@ transformers' generate reads them) unless given `stop_tokens`. Configs are read 
 `arena_jax.hf.config` (transformers' defaults and types); bad input of any kind is a
 ValueError naming the argument, file or key, and the limit.
 
-Old module paths kept: `models.decode_ahead` is `models.scheduler.run_ahead` (the scheduler is a
-package now, one module per idea: models.scheduler).
+This folder installs as `arena_jax.models` (a user's own `models` package never shadows it). Old
+module paths kept: in a source checkout `import models` is this package (`models.llama is
+arena_jax.models.llama`); `models.decode_ahead` is `models.scheduler.run_ahead` (the scheduler is
+a package now, one module per idea: models.scheduler).
 """
 import sys
 
-from models import presets
-from models.config import LlamaConfig, RopeScaling
-from models.dense_baseline import DenseCache, dense_decode, dense_generate, dense_prefill, init_dense_cache
-from models.generate import Generation, default_decode_block, default_layout, generate, length_bucket
-from models.host_tier import SwapPolicy
-from models.key_calibration import calibrate_key_factors
-from models.layers import MLP, Attention, Embedder, RMSNorm, apply_rope, rope_frequencies
-from models.llama import Block, Llama, init_random, token_positions
-from models.options import Parallelism, Serving
-from models.parallel import shard_model, weights_mesh
-from models.hub import checkpoint_dir
-from models.loading import Pretrained, TensorSpec, export_hf_tensors, hf_tensor_map, load_pretrained, load_tokenizer
-from models.sampling import GREEDY, Sampling, SamplingParams, filter_logits, sample
-from models.scheduler import run_ahead as decode_ahead  # the module's old path (models.decode_ahead)
-from models.steps import TRACE_COUNTS, StepOutput, decode_step, mixed_step, prefill, release_rows
+if __name__ == "models":  # imported by its old top-level name (a source checkout): be arena_jax.models
+    from pallas_kernels._moved import alias_tree
 
-sys.modules["models.decode_ahead"] = decode_ahead
+    alias_tree("models", "arena_jax.models")
+
+from arena_jax.models import presets
+from arena_jax.models.config import LlamaConfig, RopeScaling
+from arena_jax.models.dense_baseline import DenseCache, dense_decode, dense_generate, dense_prefill, init_dense_cache
+from arena_jax.models.generate import Generation, default_decode_block, default_layout, generate, length_bucket
+from arena_jax.models.host_tier import SwapPolicy
+from arena_jax.models.key_calibration import calibrate_key_factors
+from arena_jax.models.layers import MLP, Attention, Embedder, RMSNorm, apply_rope, rope_frequencies
+from arena_jax.models.llama import Block, Llama, init_random, token_positions
+from arena_jax.models.options import Parallelism, Serving
+from arena_jax.models.parallel import shard_model, weights_mesh
+from arena_jax.models.hub import checkpoint_dir
+from arena_jax.models.loading import Pretrained, TensorSpec, export_hf_tensors, hf_tensor_map, load_pretrained, load_tokenizer
+from arena_jax.models.sampling import GREEDY, Sampling, SamplingParams, filter_logits, sample
+from arena_jax.models.scheduler import run_ahead as decode_ahead  # the module's old path (models.decode_ahead)
+from arena_jax.models.steps import TRACE_COUNTS, StepOutput, decode_step, mixed_step, prefill, release_rows
+
+sys.modules[f"{__name__}.decode_ahead"] = decode_ahead
 
 __all__ = [
     "LlamaConfig",

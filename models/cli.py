@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 
-from models.argtypes import MAX_DECODE_BLOCK, float_in, int_in, non_negative_float, positive_int, seed
+from arena_jax.models.argtypes import MAX_DECODE_BLOCK, float_in, int_in, non_negative_float, positive_int, seed
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _KV_DTYPES = _DTYPES + ("int8", "float8_e4m3fn", "float8_e5m2")
@@ -148,8 +148,8 @@ def main(argv=None) -> int:
 
     import jax.numpy as jnp
 
-    import models
-    from models.memory import HOST_BYTES_PER_TOKEN, TooLarge, cache_bytes, check_fits, fmt_bytes, host_memory_limit, weight_bytes
+    from arena_jax import models
+    from arena_jax.models.memory import HOST_BYTES_PER_TOKEN, TooLarge, cache_bytes, check_fits, fmt_bytes, host_memory_limit, weight_bytes
 
     # Everything is checked before a byte is allocated: config, tokenizer, sizes, memory.
     tokenizer = None

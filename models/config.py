@@ -30,10 +30,10 @@ from typing import Any, Mapping
 import numpy as np
 
 import arena_jax as aj
-from models import preset_table
-from models.config_fields import (_GEMMA, HIDDEN_ACTS, LAYER_TYPES, MODEL_TYPES, NO_WINDOW, RopeScaling,
+from arena_jax.models import preset_table
+from arena_jax.models.config_fields import (_GEMMA, HIDDEN_ACTS, LAYER_TYPES, MODEL_TYPES, NO_WINDOW, RopeScaling,
                                   _optional_float, _positive_int, _positive_number)  # fmt: skip
-from models.config_hf import config_from_hf, config_to_hf
+from arena_jax.models.config_hf import config_from_hf, config_to_hf
 
 __all__ = ["LlamaConfig", "RopeScaling", "MODEL_TYPES", "HIDDEN_ACTS", "NO_WINDOW"]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from arena_jax.hf.config import parse_hf_config
 from arena_jax.hf.schemas import FAMILIES
-from models.config_fields import RopeScaling
+from arena_jax.models.config_fields import RopeScaling
 
 __all__ = ["config_from_hf", "config_to_hf"]
 

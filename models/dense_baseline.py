@@ -40,9 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from models.checks import token_ids
-from models.config import LlamaConfig
-from models.llama import Llama, run_layers
+from arena_jax.models.checks import token_ids
+from arena_jax.models.config import LlamaConfig
+from arena_jax.models.llama import Llama, run_layers
 
 __all__ = ["DenseCache", "init_dense_cache", "dense_prefill", "dense_decode", "dense_generate"]
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.scheduler.readback import fetch  # gathers from every process of a multi-host mesh
+from arena_jax.models.scheduler.readback import fetch  # gathers from every process of a multi-host mesh
 
 __all__ = ["fingerprint"]
 

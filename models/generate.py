@@ -62,14 +62,14 @@ import numpy as np
 
 import arena_jax as aj
 from arena_jax.host import check_pair
-from models.checks import check_int, token_ids
-from models.fingerprint import fingerprint
-from models.host_tier import HostTier, SwapPolicy
-from models.key_calibration import calibrate_key_factors
-from models.llama import Llama
-from models.options import Parallelism, Serving, options_from_keywords
-from models.sampling import Sampling
-from models.scheduler import Scheduler, Seq, fetch
+from arena_jax.models.checks import check_int, token_ids
+from arena_jax.models.fingerprint import fingerprint
+from arena_jax.models.host_tier import HostTier, SwapPolicy
+from arena_jax.models.key_calibration import calibrate_key_factors
+from arena_jax.models.llama import Llama
+from arena_jax.models.options import Parallelism, Serving, options_from_keywords
+from arena_jax.models.sampling import Sampling
+from arena_jax.models.scheduler import Scheduler, Seq, fetch
 
 __all__ = ["Generation", "generate", "default_layout", "length_bucket", "default_decode_block"]
 

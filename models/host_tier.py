@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import arena_jax as aj
-from models.steps import drop_host_page_rows, swap_in_rows, swap_out_rows
+from arena_jax.models.steps import drop_host_page_rows, swap_in_rows, swap_out_rows
 
 __all__ = ["SwapPolicy", "HostTier"]
 

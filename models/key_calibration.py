@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from arena_jax import key_factors as factors_lib
-from models.checks import token_ids
+from arena_jax.models.checks import token_ids
 
 __all__ = ["CALIBRATION_TOKENS", "calibration_tokens", "calibrate_key_factors"]
 
@@ -46,8 +46,8 @@ def calibrate_key_factors(model, tokens=None) -> np.ndarray:
     """f32[num_layers, num_kv_heads, head_dim]: the model's smoothed-key factors for
     `aj.create(layout, key_factors=...)`. `tokens`: None (the built-in sample), a list of
     token ids, or a list of such lists (each at most the model's max_position_embeddings)."""
-    from models.dense_baseline import dense_prefill, init_dense_cache
-    from models.fingerprint import fingerprint
+    from arena_jax.models.dense_baseline import dense_prefill, init_dense_cache
+    from arena_jax.models.fingerprint import fingerprint
 
     cfg = getattr(model, "config", None)
     if cfg is None or not hasattr(cfg, "vocab_size"):

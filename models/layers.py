@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 import arena_jax as aj
-from models.config import NO_WINDOW, LlamaConfig, RopeScaling
+from arena_jax.models.config import NO_WINDOW, LlamaConfig, RopeScaling
 
 __all__ = [
     "Embedder", "RMSNorm", "MLP", "Attention", "rope_frequencies", "apply_rope", "layer_inv_freq", "layer_windows",

@@ -25,9 +25,9 @@ from flax import nnx
 
 import arena_jax as aj
 from arena_jax.sharding import shard_rows, slot_lengths
-from models.checks import check_int, check_number
-from models.config import LlamaConfig
-from models.layers import _FROM_CONFIG, MLP, Attention, Embedder, RMSNorm, layer_inv_freq, layer_windows
+from arena_jax.models.checks import check_int, check_number
+from arena_jax.models.config import LlamaConfig
+from arena_jax.models.layers import _FROM_CONFIG, MLP, Attention, Embedder, RMSNorm, layer_inv_freq, layer_windows
 
 __all__ = ["Block", "Llama", "init_random", "token_positions", "layer_inputs", "run_layers"]
 
@@ -263,7 +263,7 @@ def init_random(
     graphdef, abstract = nnx.split(nnx.eval_shape(build))
     shardings = None
     if mesh is not None:
-        from models.parallel import state_shardings
+        from arena_jax.models.parallel import state_shardings
 
         shardings = state_shardings(abstract, config, mesh, tensor_axis=tensor_axis)
     if jax.default_backend() == "cpu":
@@ -279,7 +279,7 @@ def init_random(
         if shardings is None:
             state = jax.tree.map(jnp.asarray, host)
         else:
-            from models.parallel import place
+            from arena_jax.models.parallel import place
 
             state = place(host, shardings)
     else:

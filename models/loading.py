@@ -23,9 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.config import LlamaConfig
-from models.hub import checkpoint_dir
-from models.llama import Llama
+from arena_jax.models.config import LlamaConfig
+from arena_jax.models.hub import checkpoint_dir
+from arena_jax.models.llama import Llama
 
 __all__ = [
     "Pretrained",
@@ -301,7 +301,7 @@ def load_pretrained(
     flat = dict(nnx.to_flat_state(state))
     put = lambda path, host: jnp.asarray(host, dtype=param_dtype)  # noqa: E731
     if mesh is not None:
-        from models.parallel import place, state_shardings
+        from arena_jax.models.parallel import place, state_shardings
 
         placement = dict(nnx.to_flat_state(state_shardings(state, config, mesh, tensor_axis=tensor_axis)))
         put = lambda path, host: place(np.asarray(host).astype(param_dtype), _value(placement[path]))  # noqa: E731

@@ -23,10 +23,10 @@ from typing import Any
 import jax
 
 import arena_jax as aj
-from models.argtypes import MAX_DECODE_BLOCK
-from models.checks import check_int
-from models.host_tier import SwapPolicy
-from models.sampling import Sampling
+from arena_jax.models.argtypes import MAX_DECODE_BLOCK
+from arena_jax.models.checks import check_int
+from arena_jax.models.host_tier import SwapPolicy
+from arena_jax.models.sampling import Sampling
 
 __all__ = ["Sampling", "Serving", "Parallelism", "SAMPLING_KEYS", "SERVING_KEYS", "PARALLEL_KEYS", "options_from_keywords"]
 

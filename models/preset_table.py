@@ -6,7 +6,7 @@ build configs from it; `models.presets` (above both) gives the same presets as f
 """
 from __future__ import annotations
 
-from models.config_fields import MODEL_TYPES, RopeScaling
+from arena_jax.models.config_fields import MODEL_TYPES, RopeScaling
 
 __all__ = [
     "llama3_8b", "llama3_70b", "mistral_7b", "qwen2_5_7b", "qwen3_8b", "gemma2_9b", "gemma3_1b", "gemma3_4b_text",

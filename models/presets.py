@@ -9,8 +9,8 @@ these functions, above `models.config`, return the configs.
 """
 from __future__ import annotations
 
-from models.config import MODEL_TYPES, LlamaConfig, RopeScaling  # noqa: F401  (the names models.presets had)
-from models.preset_table import _TINY, alternating, every_nth_global  # noqa: F401  (re-exported)
+from arena_jax.models.config import MODEL_TYPES, LlamaConfig, RopeScaling  # noqa: F401  (the names models.presets had)
+from arena_jax.models.preset_table import _TINY, alternating, every_nth_global  # noqa: F401  (re-exported)
 
 __all__ = [
     "llama3_8b", "llama3_70b", "mistral_7b", "qwen2_5_7b", "qwen3_8b", "gemma2_9b", "gemma3_1b", "gemma3_4b_text",

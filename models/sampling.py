@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from models.checks import INT32_MIN, check_int, check_number, token_ids
+from arena_jax.models.checks import INT32_MIN, check_int, check_number, token_ids
 
 __all__ = ["Sampling", "SamplingParams", "GREEDY", "sample", "filter_logits"]
 

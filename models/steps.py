@@ -34,9 +34,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 import arena_jax as aj
-from models.checks import check_shape
-from models.llama import token_positions
-from models.sampling import SamplingParams, sample
+from arena_jax.models.checks import check_shape
+from arena_jax.models.llama import token_positions
+from arena_jax.models.sampling import SamplingParams, sample
 
 __all__ = ["StepOutput", "prefill", "decode_step", "mixed_step", "release_rows", "fork_page_rows", "hold_page_rows", "drop_page_rows",
            "swap_out_rows", "swap_in_rows", "offload_page_rows", "drop_host_page_rows", "evict_to_host_rows",

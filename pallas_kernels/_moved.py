@@ -1,4 +1,4 @@
-"""Old module paths kept importable after a move: `alias(package, table)`.
+"""Old module paths kept importable after a move: `alias(package, table)`, `alias_tree(old, new)`.
 
 `table` maps an old dotted path to the module's new one. Each old path then names the very same
 module object: `import old.path`, `from package import leaf`, `package.leaf` and
@@ -21,16 +21,28 @@ class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def __init__(self):
         self.table: dict[str, str] = {}
+        self.trees: dict[str, str] = {}  # old package -> new one: every old submodule path too
         self._specs: dict[str, object] = {}  # old path -> the new module's own spec, while it is loaded
 
+    def new_path(self, name: str) -> str | None:
+        if name in self.table:
+            return self.table[name]
+        for old, new in self.trees.items():
+            if name.startswith(old + "."):
+                return new + name[len(old):]
+        return None
+
     def find_spec(self, name, path=None, target=None):
-        new = self.table.get(name)
+        new = self.new_path(name)
         if new is None:
             return None
-        return importlib.util.spec_from_loader(name, self, origin=importlib.util.find_spec(new).origin)
+        new_spec = importlib.util.find_spec(new)
+        if new_spec is None:  # no such module under the new path either: the ordinary error
+            return None
+        return importlib.util.spec_from_loader(name, self, origin=new_spec.origin)
 
     def create_module(self, spec):
-        module = importlib.import_module(self.table[spec.name])
+        module = importlib.import_module(self.new_path(spec.name))
         self._specs[spec.name] = module.__spec__
         return module
 
@@ -38,7 +50,7 @@ class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module.__spec__ = self._specs.pop(module.__spec__.name)
 
     def get_code(self, name):  # `python -m old.path` (runpy) runs the new module's code
-        spec = importlib.util.find_spec(self.table[name])
+        spec = importlib.util.find_spec(self.new_path(name))
         return spec.loader.get_code(spec.name)
 
 
@@ -59,3 +71,15 @@ def alias(package: str, table: dict[str, str]):
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
     return __getattr__
+
+
+def alias_tree(old: str, new: str) -> None:
+    """Make package `old` and every `old.<path>` name the modules of package `new` (`sys.modules[old]`
+    becomes `new`'s module). Called by a package's `__init__` when it finds itself imported by its
+    old name; the old submodule paths are served on first import, as `alias`'s are."""
+    module = importlib.import_module(new)
+    _FINDER.trees[old] = new
+    for name, loaded in list(sys.modules.items()):
+        if name.startswith(new + "."):
+            sys.modules.setdefault(old + name[len(new):], loaded)
+    sys.modules[old] = module

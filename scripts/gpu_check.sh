@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 PY=${PY:-python3}
-BENCH="$PY -m benchmarks"
+BENCH="$PY -m arena_jax.benchmarks"
 step() { local name=$1 limit=$2; shift 2; echo "=== $name ($(date -u +%H:%M:%S), limit ${limit}s): $*"
          timeout "$limit" "$@" 2>&1 | grep -v "^WARNING: All log\|^I0000\|^W0000" | tee "$OUT/$name.log"; echo "=== $name rc=${PIPESTATUS[0]}"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/device.log"

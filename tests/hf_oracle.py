@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import transformers
 
-import models
+from arena_jax import models
 from arena_jax.hf.config import parse_hf_config
 
 __all__ = ["HF", "ours", "check_model_config", "HF_CLASSES"]
@@ -109,7 +109,7 @@ def ours(cfg) -> dict:
 
 def check_model_config(cfg, hf: HF, values: dict) -> str | None:
     """What `models.LlamaConfig.from_hf` takes, against transformers' (None when equal)."""
-    from models.layers import rope_frequencies
+    from arena_jax.models.layers import rope_frequencies
 
     m = models.LlamaConfig.from_hf(cfg)
     got = (m.num_kv_heads, m.head_dim, m.rms_norm_eps, m.layer_windows(), m.tie_word_embeddings, m.qkv_bias, m.o_bias,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-import models
+from arena_jax import models
 
 CONFIG = models.LlamaConfig.tiny(num_heads=8, num_kv_heads=2)  # KV heads split over tensor=2
 SEED = 5

@@ -29,7 +29,7 @@ def main(port: int, process_id: int, out_path: str) -> None:
     from jax.sharding import PartitionSpec as P
 
     import arena_jax as aj
-    import models
+    from arena_jax import models
     from multihost_case import CONFIG, NEW_STEPS, PAGE_SIZE, SEED, prompts
 
     assert jax.process_count() == 2 and jax.device_count() == 4, (jax.process_count(), jax.device_count())

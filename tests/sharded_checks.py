@@ -25,7 +25,7 @@ import pytest
 from flax import nnx
 
 import arena_jax as aj
-import models
+from arena_jax import models
 from test_jax_bug_shardy_empty_operand import zero_sized_manual_operands
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (see the module docstring)")

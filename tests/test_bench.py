@@ -11,11 +11,11 @@ import re
 import numpy as np
 import pytest
 
-import models
-from benchmarks import cli
-from benchmarks.allocators import FirstFit
-from benchmarks.capacity import CapacitySettings, run_capacity
-from benchmarks.workload import WorkloadError, load_lengths, synthetic
+from arena_jax import models
+from arena_jax.benchmarks import cli
+from arena_jax.benchmarks.allocators import FirstFit
+from arena_jax.benchmarks.capacity import CapacitySettings, run_capacity
+from arena_jax.benchmarks.workload import WorkloadError, load_lengths, synthetic
 from hf_reference import hf_reference  # noqa: F401  (a fixture: skips / fails as the CI line says where torch is absent)
 
 # 128 MiB of Mistral-7B KV = 1,024 tokens = 64 pages; 256-token slabs: 4 max-length sequences.
@@ -213,7 +213,7 @@ def test_accuracy_attention_measurement():
     rounding and is its own reference; int4 errs more; smoothing lowers the error of outlier
     keys; the Pallas kernels (interpret mode) agree with the reference; the table prints every
     row. (Rotation vs none: test_quantized4.py.)"""
-    from benchmarks.accuracy import AccuracySettings, attention_accuracy, format_attention_table, split_format
+    from arena_jax.benchmarks.accuracy import AccuracySettings, attention_accuracy, format_attention_table, split_format
 
     settings = AccuracySettings(context=16, batch=1, outliers=1, q_heads=4, kv_heads=2, head_dim=64,
                                 outlier_scales=(1.0, 50.0), formats=("int4",), key_options=("+rot", "+smooth+rot"))
@@ -237,7 +237,7 @@ def test_key_outliers_leave_the_model_function_unchanged():
     layer and KV head of the key projection x20, the same channels of its query heads / 20: the
     logits on a float32 arena stay those of the model as drawn, while the key projection's
     columns now hold the outliers."""
-    from benchmarks.accuracy import PARITY_CONFIGS, _teacher_forced, with_key_outliers
+    from arena_jax.benchmarks.accuracy import PARITY_CONFIGS, _teacher_forced, with_key_outliers
 
     model = models.init_random(PARITY_CONFIGS["llama_gqa_rope3_tied"](), seed=3, std=0.2)
     rng = np.random.default_rng(3)
@@ -556,7 +556,7 @@ def test_serve(tmp_path, capsys):
 def test_serve_arrivals():
     """The Poisson-arrival part of `arena-bench serve` on a tiny workload: every schedule gives
     the separate schedule's tokens, latencies are positive and ordered (p50 <= p99)."""
-    from benchmarks.arrivals import ArrivalSettings, arrival_lines, measure_arrivals
+    from arena_jax.benchmarks.arrivals import ArrivalSettings, arrival_lines, measure_arrivals
 
     res = measure_arrivals(ArrivalSettings(requests=3, short_len=8, long_len=40, long_every=2, new_tokens=3, batch=2,
                                            chunk=16, chunks=(1,), rounds=1))  # fmt: skip

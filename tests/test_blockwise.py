@@ -275,7 +275,7 @@ def _greedy_run(model, prompts, new_tokens, layout, chunk):
     per step)."""
     from flax import nnx
 
-    from models.llama import token_positions
+    from arena_jax.models.llama import token_positions
 
     graphdef, state = nnx.split(model)
 
@@ -320,7 +320,7 @@ def test_greedy_steps_give_the_reference_backends_tokens(monkeypatch):
     8-bit arena is not compared here: a 1e-7 difference in a layer's output can move a value
     across a rounding boundary of the next layer's quantized K / V, a 1e-3 logit change on
     any two paths; the 8-bit rules are compared op by op above.)"""
-    import models
+    from arena_jax import models
     from arena_jax import arena_ops
 
     calls = []

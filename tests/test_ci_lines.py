@@ -72,8 +72,8 @@ def test_optimization_level_0_compiles_the_same_optimized_hlo(tmp_path):
     from flax import nnx
 
     import arena_jax as aj
-    import models
-    from models.steps import bound_steps
+    from arena_jax import models
+    from arena_jax.models.steps import bound_steps
 
     net = models.init_random(models.LlamaConfig.tiny(), seed=0)
     steps = bound_steps(*nnx.split(net))

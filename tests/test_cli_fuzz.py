@@ -43,9 +43,9 @@ import jax.numpy as jnp
 import pytest
 
 import arena_jax
-import models
-from benchmarks import cli as bench_cli
-from models import cli as generate_cli
+from arena_jax import models
+from arena_jax.benchmarks import cli as bench_cli
+from arena_jax.models import cli as generate_cli
 
 SEED = int(os.environ.get("ARENA_CLI_FUZZ_SEED", "37"))
 DRAWS = int(os.environ.get("ARENA_CLI_FUZZ_DRAWS", "1000"))
@@ -435,7 +435,7 @@ def probes(monkeypatch):
     monkeypatch.setattr(arena_jax, "create", create_probe)
     monkeypatch.setattr(models, "init_random", probe)
     monkeypatch.setattr(models, "load_pretrained", probe)
-    from benchmarks import accuracy, compile_report, compile_report_tpu, kernels
+    from arena_jax.benchmarks import accuracy, compile_report, compile_report_tpu, kernels
 
     for module, name in ((accuracy, "run_accuracy"), (kernels, "run_kernel_benchmark"),
                          (compile_report, "run_compile_report"), (compile_report_tpu, "run_tpu_compile_report")):  # fmt: skip

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from benchmarks.studies import code_bounds as cb
+from arena_jax.benchmarks.studies import code_bounds as cb
 from pallas_kernels import quant4
 
 # J. Max, "Quantizing for minimum distortion" (1960), Table I: mean squared error of the

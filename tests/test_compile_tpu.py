@@ -149,7 +149,7 @@ def _step_cases():
     and decode on an int8 arena with rotated keys (its default: the rotation runs in XLA around
     the kernels) on v6e. (A decode block, `STEP_CASES`' "decode_block", compiles in ~23 s, four
     times a step: checked by the compile report, RESULTS "Decode blocks".)"""
-    from benchmarks.tpu_steps import STEP_CASES
+    from arena_jax.benchmarks.tpu_steps import STEP_CASES
 
     by_name = {(c.step, c.target, c.dtype): c for c in STEP_CASES}
     decode_v6e = by_name[("decode", "tpu-v6e", "bfloat16")]
@@ -164,7 +164,7 @@ STEP_FEATURES = compile_grid.some_fields("step", "target", "mesh", "dtype", "pag
 def _compiled_step_facts(case):
     """(compiled, cache, local arena shape, its HLO shape, facts, arena params) of a model step
     compiled for its TPU target; "big" copies are those of a quarter of one arena or more."""
-    from benchmarks.tpu_steps import compile_step
+    from arena_jax.benchmarks.tpu_steps import compile_step
 
     compiled, cache, _ = compile_step(case)
     local = cache.k.sharding.shard_shape(cache.k.shape)
@@ -203,7 +203,7 @@ INT8_ARENA_RELAYOUT = pytest.mark.xfail(strict=True, reason=(
 
 
 def _host_op_facts(op, dtype, tensor=1):
-    from benchmarks.studies.tpu_host_tier import arena_bytes, compile_host_op
+    from arena_jax.benchmarks.studies.tpu_host_tier import arena_bytes, compile_host_op
 
     compiled, cache, host = compile_host_op(op, dtype, num_layers=2, tensor=tensor)
     size = arena_bytes(cache)  # per device
@@ -295,7 +295,7 @@ def test_an_int4_decode_step_compiles_for_tpu_without_copying_the_arena(tooling)
     take no int4: the blockwise jnp path runs): the arena must be aliased and never copied, as
     for bf16 and int8 arenas. It is copied today (strict xfail: when a layout change or XLA
     removes the copies, this fails, and the warning and the docs go)."""
-    from benchmarks.tpu_steps import STEP_CASES
+    from arena_jax.benchmarks.tpu_steps import STEP_CASES
 
     int4 = next(c for c in STEP_CASES if c.dtype == "int4")
     _, cache, local, shape, facts, arena_params = _compiled_step_facts(dataclasses.replace(int4, num_layers=1))

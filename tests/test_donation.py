@@ -71,7 +71,7 @@ def test_compiled_step_has_no_copy_of_the_arena():
 
 def test_prefix_ops_keep_the_arena_in_place():
     """The prefix cache's ops touch only the page table: no copy of the arena, same buffers back."""
-    from models.steps import drop_page_rows, fork_page_rows, hold_page_rows
+    from arena_jax.models.steps import drop_page_rows, fork_page_rows, hold_page_rows
 
     cache = aj.create(LAYOUT)
     ptr = cache.k.unsafe_buffer_pointer()
@@ -96,7 +96,7 @@ def test_layer_scan_keeps_the_arena_in_place(which):
     in the program), the donated arena still aliases the output, and the same buffers come back."""
     from flax import nnx
 
-    import models
+    from arena_jax import models
 
     cfg = models.LlamaConfig.tiny_family("gemma2")  # mixed windows: the traced per-layer window path
     model = models.init_random(cfg)
@@ -110,7 +110,7 @@ def test_layer_scan_keeps_the_arena_in_place(which):
         args = (SLOTS, decode, chunks, SLOTS[2:], jnp.asarray([5, 8], jnp.int32), SLOTS[2:], SLOTS)
     params, loops = state, 1
     if which == "decode_block":  # 3 steps of slots 0-2 (the layer loop nested in the block's loop)
-        from models.steps import bound_steps
+        from arena_jax.models.steps import bound_steps
 
         steps = bound_steps(graphdef, state)
         params, loops = steps.leaves, 2

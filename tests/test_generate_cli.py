@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-import models
-from models import cli as generate_cli
+from arena_jax import models
+from arena_jax.models import cli as generate_cli
 
 
 class _ReachedWork(Exception):

@@ -26,10 +26,10 @@ import pytest
 from flax import nnx
 
 import arena_jax as aj
-import models
-from models.options import PARALLEL_KEYS, SAMPLING_KEYS, SERVING_KEYS, options_from_keywords
+from arena_jax import models
+from arena_jax.models.options import PARALLEL_KEYS, SAMPLING_KEYS, SERVING_KEYS, options_from_keywords
 
-GENERATE = importlib.import_module("models.generate")  # the module (`models.generate` is the function)
+GENERATE = importlib.import_module("arena_jax.models.generate")  # the module (`models.generate` is the function)
 OPTION_KEYS = SAMPLING_KEYS + SERVING_KEYS + PARALLEL_KEYS
 
 NEW = 6

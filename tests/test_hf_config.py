@@ -20,7 +20,7 @@ import re
 import pytest
 
 import arena_jax as aj
-import models
+from arena_jax import models
 from arena_jax.hf.config import kv_geometry, parse_hf_config
 
 def _without(cfg, *keys):

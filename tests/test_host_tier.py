@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 
 import arena_jax as aj
-import models
+from arena_jax import models
 from arena_jax.host import ops as host_ops
 from arena_jax.host import words_as_pages
 from arena_jax.memory import to_device, to_host
-from models.scheduler import Scheduler
+from arena_jax.models.scheduler import Scheduler
 
 LAYOUT = aj.KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, page_size=4, num_pages=8, max_seqs=4,
                      max_pages_per_seq=4, dtype="float32")  # fmt: skip

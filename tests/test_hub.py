@@ -14,8 +14,8 @@ import pytest
 from flax import nnx
 from hf_folders import save_hf_folder
 
-import models
-from models import cli as generate_cli
+from arena_jax import models
+from arena_jax.models import cli as generate_cli
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

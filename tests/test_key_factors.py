@@ -205,7 +205,7 @@ def test_smoothing_changes_nothing_without_outliers():
 def test_smooth_cost_benchmark_runs(capsys):
     """benchmarks/studies/smooth_cost.py on tiny sizes: both arenas step and the table prints (its
     figures are the benchmark's business, not this test's)."""
-    from benchmarks.studies import smooth_cost
+    from arena_jax.benchmarks.studies import smooth_cost
 
     assert smooth_cost.main(["--layers", "1", "--rows", "2", "--context", "16", "--rounds", "2", "--steps", "1"]) == 0
     out = capsys.readouterr().out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from benchmarks.studies import key_scales_sim as sim
+from arena_jax.benchmarks.studies import key_scales_sim as sim
 
 
 def test_quantizers_err_at_most_half_a_step_and_the_rotation_is_orthogonal():

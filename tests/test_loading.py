@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-import models
-from models.cli import main as generate_main
+from arena_jax import models
+from arena_jax.models.cli import main as generate_main
 from hf_folders import save_hf_folder
 
 

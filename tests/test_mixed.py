@@ -17,8 +17,8 @@ import pytest
 from flax import nnx
 
 import arena_jax as aj
-import models
-from models.scheduler import Scheduler
+from arena_jax import models
+from arena_jax.models.scheduler import Scheduler
 
 BATCH, CHUNK, NEW = 4, 8, 24
 PROMPT_LENS = (3, 17, 9, 25, 1, 12, 30, 5)

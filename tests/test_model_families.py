@@ -15,8 +15,8 @@ import pytest
 from flax import nnx
 
 import arena_jax as aj
-import models
-from models.dense_baseline import dense_decode, init_dense_cache
+from arena_jax import models
+from arena_jax.models.dense_baseline import dense_decode, init_dense_cache
 
 
 def _model(model_type: str, seed: int = 0, **overrides):

@@ -17,8 +17,8 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 import arena_jax as aj
-import models
-from models.dense_baseline import dense_generate
+from arena_jax import models
+from arena_jax.models.dense_baseline import dense_generate
 from hf_folders import save_hf_folder
 
 BATCH, CHUNK, NEW = 4, 8, 24
@@ -268,7 +268,7 @@ def test_int8_arena_end_to_end_with_preemption(model, small_layout, prompts, gre
     with pytest.raises(ValueError, match="give kv_dtype only when generate sizes the arena"):
         _run(model, layout, prompts[:1], kv_dtype="int8")
     # The CLI, same shapes (no new compile): --kv-dtype int8.
-    from models.cli import main
+    from arena_jax.models.cli import main
 
     args = ["--prompt", "hello arena", "--max-new-tokens", "6", "--batch", "4", "--num-pages", "6", "--no-compile-cache",
             "--chunk-size", "8", "--max-seq-len", "64", "--kv-dtype", "int8"]
@@ -478,7 +478,7 @@ def test_generate_stops_at_the_checkpoint_eos_by_default(eos_checkpoint, small_l
 
 
 def test_cli_stops_at_eos_unless_told(eos_checkpoint, capsys):
-    from models.cli import main
+    from arena_jax.models.cli import main
 
     path, ids, free, eos = eos_checkpoint
     args = ["--model-dir", str(path), "--prompt", CLI_PROMPT, "--max-new-tokens", "6", *CLI_SHAPES, "--no-compile-cache"]
@@ -498,7 +498,7 @@ def test_dense_baseline_matches_paged(model, prompts, greedy):
 
 
 def test_cli_tiny_model(capsys):
-    from models.cli import main
+    from arena_jax.models.cli import main
 
     # Same shapes as the fixtures above (4 rows, 6 pages, chunk 8, max 64 tokens): no new compile.
     args = ["--prompt", "hello arena", "--max-new-tokens", "6", "--batch", "4", "--num-pages", "6", "--no-compile-cache"]
@@ -538,7 +538,7 @@ def test_cli_tiny_model(capsys):
     ids=lambda x: " ".join(x) if isinstance(x, list) else "",
 )
 def test_cli_bad_flags(argv, message, capsys):
-    from models.cli import main
+    from arena_jax.models.cli import main
 
     with pytest.raises(SystemExit) as exc:
         main(argv + ["--no-compile-cache"])  # never touch the user's cache from a test

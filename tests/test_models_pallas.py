@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import arena_jax as aj
-import models
+from arena_jax import models
 from hf_reference import hf_reference  # noqa: F401  (a fixture: skips / fails as the CI line says where torch is absent)
 
 # float32 weights and arena: the two paths differ only in summation order (online softmax).

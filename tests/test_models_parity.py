@@ -26,7 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import arena_jax as aj  # noqa: E402
-import models  # noqa: E402
+from arena_jax import models  # noqa: E402
 
 # Both sides compute in float32; they differ only in summation order (XLA einsums vs torch
 # matmuls, softmax reductions), which moves logits by ~1e-6 of their scale. 1e-4 of the

@@ -17,8 +17,8 @@ import pytest
 from flax import nnx
 
 import arena_jax as aj
-import models
-from models.scheduler import Scheduler, Seq
+from arena_jax import models
+from arena_jax.models.scheduler import Scheduler, Seq
 
 BATCH, CHUNK, NEW = 4, 8, 24
 PROMPT_LENS = (3, 17, 9, 25, 1, 12, 30, 5)
@@ -128,7 +128,7 @@ def test_generate_compiles_once_for_a_length_bucket(model):
     (`models.length_bucket`): other prompt lengths, fewer prompts and another max_new_tokens in
     the same bucket compile nothing (counted from JAX's compile events), and give the tokens of a
     run on an arena of exactly that bucket's layout."""
-    from benchmarks.compile_count import CompileCount
+    from arena_jax.benchmarks.compile_count import CompileCount
 
     assert [models.length_bucket(n) for n in (1, 16, 17, 33, 64, 65)] == [16, 16, 32, 64, 64, 128]
     # Batch 1, the 32 bucket: test_prefix_progress.py's default arena (2 pages of 16), compiled once per session.
@@ -194,7 +194,7 @@ def test_decode_block_steps_equal_decode_step_calls(model, layouts):
     row refused pages mid-block runs nothing after, while the others run on."""
     from flax import nnx
 
-    from models.steps import bound_steps
+    from arena_jax.models.steps import bound_steps
 
     steps = bound_steps(*nnx.split(model))
     rng = np.random.default_rng()

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import arena_jax as aj
-import models
-from models.scheduler import Scheduler
+from arena_jax import models
+from arena_jax.models.scheduler import Scheduler
 
 LAYOUT = aj.KVLayout(
     num_layers=2, num_kv_heads=1, head_dim=16, page_size=4, num_pages=8, max_seqs=4, max_pages_per_seq=4, dtype="float32"
@@ -323,7 +323,7 @@ def test_generate_refuses_a_cache_and_index_that_do_not_belong_together(model, s
 
 
 def test_cli_prefix_cache(capsys):
-    from models.cli import main
+    from arena_jax.models.cli import main
 
     args = ["--prompt", "hello arena, hello pages", "--max-new-tokens", "6", "--batch", "4", "--num-pages", "6",
             "--chunk-size", "8", "--max-seq-len", "64", "--num-prompts", "5", "--no-compile-cache", "--prefix-cache"]  # fmt: skip

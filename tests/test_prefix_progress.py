@@ -17,8 +17,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import arena_jax as aj
-import models
-from models.scheduler import Scheduler
+from arena_jax import models
+from arena_jax.models.scheduler import Scheduler
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def test_a_second_turn_continuing_the_returned_cache_and_index(model):
 
 @pytest.mark.timeout(120)
 def test_cli_prefix_cache_on_a_one_page_arena_finishes(capsys):
-    from models.cli import main
+    from arena_jax.models.cli import main
 
     args = ["--prefix-cache", "--num-pages", "1", "--page-size", "16", "--prompt", "abcdefghijklmn",
             "--max-new-tokens", "2", "--batch", "1", "--no-compile-cache"]  # fmt: skip
@@ -87,7 +87,7 @@ def test_cli_prefix_cache_on_a_one_page_arena_finishes(capsys):
 
 
 def test_cli_refuses_a_budget_below_one_sequence_before_compiling(capsys):
-    from models.cli import main
+    from arena_jax.models.cli import main
 
     before = models.TRACE_COUNTS.copy()
     with pytest.raises(SystemExit) as exc:

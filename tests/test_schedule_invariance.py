@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import arena_jax as aj
-import models
+from arena_jax import models
 
 NEW = 12
 DTYPES = ("float32", "int8", "int4")

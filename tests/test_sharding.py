@@ -26,7 +26,7 @@ import pytest
 from flax import nnx
 
 import arena_jax as aj
-import models
+from arena_jax import models
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
@@ -113,7 +113,7 @@ def test_bench_mesh_flag(capsys):
     benchmarks/RESULTS.md)."""
     import argparse
 
-    from benchmarks.cli import main, mesh_spec
+    from arena_jax.benchmarks.cli import main, mesh_spec
 
     assert mesh_spec("tp=8") == (1, 8) and mesh_spec("dp=2,tp=4") == (2, 4) and mesh_spec("dp=2") == (2, 1)
     for bad in ("tp=0", "tp=2,tp=2", "pp=2", "tp", "tp=x"):
@@ -145,7 +145,7 @@ def test_megatron_rules_and_limits():
     """Which weight is split how (models.parallel), and the degrees a model refuses."""
     from jax.sharding import PartitionSpec as P
 
-    from models.parallel import check_tensor_parallel, param_spec
+    from arena_jax.models.parallel import check_tensor_parallel, param_spec
 
     cfg = models.LlamaConfig.tiny()  # 4 query / 2 KV heads, MLP 128, vocabulary 128
     assert param_spec("q", cfg, 4, "tensor") == P(None, "tensor", None)  # column-parallel
@@ -162,7 +162,7 @@ def test_megatron_rules_and_limits():
     assert param_spec("v_bias", cfg, 4, "tensor") == P(None, None)  # 2 KV heads on tp=4: replicated, as k / v
     assert param_spec("o_bias", cfg, 4, "tensor") == P(None)
     # stacked layers: a leading None; what lies outside the layers keeps its own spec
-    from models.parallel import state_shardings
+    from arena_jax.models.parallel import state_shardings
 
     qwen3 = models.LlamaConfig.tiny_family("qwen3", attention_bias=True)
     abstract = nnx.state(nnx.eval_shape(lambda: models.Llama(qwen3, rngs=nnx.Rngs(0))))

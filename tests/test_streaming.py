@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-import models
+from arena_jax import models
 
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
 

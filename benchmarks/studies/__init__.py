@@ -1,5 +1,5 @@
 """Studies: one question each about the cache, answered by a measurement or a simulation that is not
-an `arena-bench` subcommand (run as `python -m benchmarks.studies.<name>`; RESULTS.md has their
+an `arena-bench` subcommand (run as `python -m arena_jax.benchmarks.studies.<name>`; RESULTS.md has their
 answers). Which design did the figures choose, and why?
 
 `append_cost` (append against the arena's capacity), `context_cost` (does attention follow the

@@ -1,4 +1,4 @@
-"""Append cost against the arena's capacity, per arena dtype (`python -m benchmarks.studies.append_cost`).
+"""Append cost against the arena's capacity, per arena dtype (`python -m arena_jax.benchmarks.studies.append_cost`).
 
 One jitted, donated call appends one token to each of 8 rows at every layer of an 8-layer,
 2-KV-head, head_dim-64 arena (`aj.append`, the jnp scatter that every non-GPU backend uses),
@@ -42,7 +42,7 @@ def measure(dtype: str, pages: int, repeats: int = 20) -> float:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.append_cost", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m arena_jax.benchmarks.studies.append_cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--dtypes", default="float32,float16,bfloat16,int8,int4,float8_e4m3fn")
     p.add_argument("--pages", default="64,4096", help="small,large page counts (16 tokens a page)")
     p.add_argument("--repeats", type=int, default=20)

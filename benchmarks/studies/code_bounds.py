@@ -1,6 +1,6 @@
 """What a 4-bit K/V code can reach: the bounds behind issue 20's int4 goal (<= 5% at x20).
 
-    python -m benchmarks.studies.code_bounds [--draws 4000000] [--trials 200] [--seed 0]
+    python -m arena_jax.benchmarks.studies.code_bounds [--draws 4000000] [--trials 200] [--seed 0]
 
 `arena-bench accuracy` draws V ~ N(0, 1), and attention over such values passes the values'
 relative rms error straight through (part 3 measures it). So a code's rms error on Gaussian
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from scipy.special import erfinv, ndtr
 
-from benchmarks.studies.key_scales_sim import HEAD_DIM, attention
+from arena_jax.benchmarks.studies.key_scales_sim import HEAD_DIM, attention
 from pallas_kernels import quant4
 
 __all__ = ["lloyd_max", "lloyd_max_mse", "entropy_coded_rms", "shannon_rms", "quantize_to_levels", "arena_int4",

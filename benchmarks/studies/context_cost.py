@@ -20,7 +20,7 @@ after one untimed warm-up call (compile), `block_until_ready` before the clock i
 ratio column is the median of the per-pair ratios big / tight. "compile s" is the first
 call's time minus the median (the capacity-8k arena's program).
 
-Run: `python -m benchmarks.studies.context_cost [--contexts 128,512,2048,8176] [--json out.json]`.
+Run: `python -m arena_jax.benchmarks.studies.context_cost [--contexts 128,512,2048,8176] [--json out.json]`.
 """
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ import numpy as np
 from flax import nnx
 
 import arena_jax as aj
-import models
-from models import steps as model_steps
+from arena_jax import models
+from arena_jax.models import steps as model_steps
 
 __all__ = ["Settings", "run", "main"]
 
@@ -170,7 +170,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def main(argv=None) -> int:
     d = Settings()
-    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.context_cost", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m arena_jax.benchmarks.studies.context_cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--contexts", type=_ints, default=d.contexts, help="comma-separated tokens per row")
     p.add_argument("--capacity", type=int, default=d.capacity, help="tokens per row of the big arena")
     p.add_argument("--batch", type=int, default=d.batch)

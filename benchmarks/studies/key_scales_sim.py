@@ -1,6 +1,6 @@
 """Which key-scale layout could meet issue 20's accuracy goals? A numpy simulation, not the arena.
 
-    python -m benchmarks.studies.key_scales_sim [--trials 40]
+    python -m arena_jax.benchmarks.studies.key_scales_sim [--trials 40]
 
 Attention of 4 query heads over 7 / 40 / 90 tokens (head_dim 64; q, k, v ~ N(0, 1); 1 or 4 key
 channels x20), error vs float64 over the unquantized K/V (relative Frobenius norm, mean over

@@ -1,8 +1,8 @@
 """Compile time and decode step time against model depth, and the layer scan against a Python
 loop of the same layers (issue 17: compile time must not grow with depth; the step must not slow).
 
-    JAX_PLATFORMS=cpu python -m benchmarks.studies.layer_scaling --layers 2 8 32          # compile times
-    JAX_PLATFORMS=cpu python -m benchmarks.studies.layer_scaling --compare --model mid --layers 8
+    JAX_PLATFORMS=cpu python -m arena_jax.benchmarks.studies.layer_scaling --layers 2 8 32          # compile times
+    JAX_PLATFORMS=cpu python -m arena_jax.benchmarks.studies.layer_scaling --compare --model mid --layers 8
 
 Default mode, per depth: the first-call compile time of `models.decode_step` and of
 `models.prefill` (lower + compile, no persistent cache; a fresh graphdef per depth so
@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 import arena_jax as aj
-import models
+from arena_jax import models
 
 WIDTHS = {
     "tiny": dict(),

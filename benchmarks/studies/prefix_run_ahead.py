@@ -1,7 +1,7 @@
 """Run-ahead decode with a prefix cache: `generate(prefix_cache=True)`'s decode step with
 `Scheduler.RUN_AHEAD` on and off, alternated in one process (models.scheduler, "Overlap").
 
-    python -m benchmarks.studies.prefix_run_ahead [--rounds 5] [--batch 8] [--new 128]
+    python -m arena_jax.benchmarks.studies.prefix_run_ahead [--rounds 5] [--batch 8] [--new 128]
 
 Tiny model (`LlamaConfig.tiny()`, float32), prompts of a shared 96-token prefix + 32 tokens of
 their own, greedy, no stop tokens. Per variant: the median over rounds of each round's median
@@ -14,8 +14,8 @@ import argparse
 
 import numpy as np
 
-import models
-from models.scheduler import Scheduler
+from arena_jax import models
+from arena_jax.models.scheduler import Scheduler
 
 
 def measure(rounds: int = 5, batch: int = 8, new: int = 128) -> dict:

@@ -1,4 +1,4 @@
-"""What smoothed keys cost a decode step of the cache (`python -m benchmarks.studies.smooth_cost`).
+"""What smoothed keys cost a decode step of the cache (`python -m arena_jax.benchmarks.studies.smooth_cost`).
 
 One jitted, donated call appends one token to each of `rows` rows and attends one query per
 row, at every layer of an int8 arena with Llama-3-8B-shaped heads (8 KV / 32 query heads,
@@ -50,7 +50,7 @@ def _setup(smooth: bool, layers: int, rows: int, context: int):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.smooth_cost", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m arena_jax.benchmarks.studies.smooth_cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--context", type=int, default=512)

@@ -10,7 +10,7 @@ The host tier is in its TPU format (an 8-bit arena's pages as 32-bit words,
 (`tpu_compile.module_facts`): XLA's bytes accessed, temp memory, and every copy of an array as
 large as a quarter of a k / v arena.
 
-    python -m benchmarks.studies.tpu_host_tier [--layers 32]
+    python -m arena_jax.benchmarks.studies.tpu_host_tier [--layers 32]
 
 Placement note: the inputs sit on a one-device mesh (`NamedSharding`), not a
 `SingleDeviceSharding`: JAX 0.10 gives a ShapeDtypeStruct the host memory space in its type
@@ -41,8 +41,8 @@ def compile_host_op(op: str, dtype: str = "bfloat16", num_layers: int = 2, targe
     import arena_jax as aj
     from arena_jax.host import HostArena, host_page_format, packs_as_words, page_arrays
     from arena_jax.sharding import _cache_specs
-    from models import steps
-    from models.config import LlamaConfig
+    from arena_jax.models import steps
+    from arena_jax.models.config import LlamaConfig
     from pallas_kernels.offline import tpu as tpu_compile
 
     if op not in HOST_OPS:

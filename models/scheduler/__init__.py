@@ -15,9 +15,9 @@ It answers "what goes into the next device step, and for whom?". One idea per mo
 The arrows point down that list: `loop` builds `Scheduler` from the mixins above it, which
 share `seq` and `readback`. `models.scheduler.Scheduler`, `.Seq`, `.fetch` and `.RunAhead` are re-exported here.
 """
-from models.scheduler.loop import Scheduler
-from models.scheduler.readback import fetch
-from models.scheduler.run_ahead import RunAhead
-from models.scheduler.seq import Seq
+from arena_jax.models.scheduler.loop import Scheduler
+from arena_jax.models.scheduler.readback import fetch
+from arena_jax.models.scheduler.run_ahead import RunAhead
+from arena_jax.models.scheduler.seq import Seq
 
 __all__ = ["Seq", "Scheduler", "fetch", "RunAhead"]

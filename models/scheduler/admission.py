@@ -49,8 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import arena_jax as aj
-from models.scheduler.seq import Seq
-from models.steps import fork_page_rows
+from arena_jax.models.scheduler.seq import Seq
+from arena_jax.models.steps import fork_page_rows
 
 __all__ = ["Admission"]
 

@@ -32,14 +32,14 @@ import numpy as np
 from flax import nnx
 
 import arena_jax as aj
-from models.host_tier import HostTier
-from models.scheduler.admission import Admission
-from models.scheduler.prefix import PrefixPages
-from models.scheduler.readback import fetch
-from models.scheduler.run_ahead import RunAhead
-from models.scheduler.seq import Seq
-from models.scheduler.swap import HostSwap
-from models.steps import bound_steps
+from arena_jax.models.host_tier import HostTier
+from arena_jax.models.scheduler.admission import Admission
+from arena_jax.models.scheduler.prefix import PrefixPages
+from arena_jax.models.scheduler.readback import fetch
+from arena_jax.models.scheduler.run_ahead import RunAhead
+from arena_jax.models.scheduler.seq import Seq
+from arena_jax.models.scheduler.swap import HostSwap
+from arena_jax.models.steps import bound_steps
 
 __all__ = ["Scheduler"]
 

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import arena_jax as aj
-from models.scheduler.seq import Seq
-from models.steps import drop_host_page_rows, drop_page_rows, evict_to_host_rows, flush_rows, hold_page_rows, offload_page_rows, release_rows
+from arena_jax.models.scheduler.seq import Seq
+from arena_jax.models.steps import drop_host_page_rows, drop_page_rows, evict_to_host_rows, flush_rows, hold_page_rows, offload_page_rows, release_rows
 
 __all__ = ["PrefixPages"]
 

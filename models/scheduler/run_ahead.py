@@ -46,8 +46,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import arena_jax as aj
-from models.scheduler.readback import fetch
-from models.scheduler.seq import Seq
+from arena_jax.models.scheduler.readback import fetch
+from arena_jax.models.scheduler.seq import Seq
 
 __all__ = ["RunAhead"]
 

@@ -25,7 +25,7 @@ hitting request computes, never what it is counted for, so 1.-3. hold as written
 """
 from __future__ import annotations
 
-from models.scheduler.seq import Seq
+from arena_jax.models.scheduler.seq import Seq
 
 __all__ = ["HostSwap"]
 
