@@ -185,7 +185,7 @@ def _depth_compiles(settings: ServeSettings, advance) -> list[dict]:
 
 def _persistent_cache(settings: ServeSettings) -> dict:
     """Two fresh `arena-generate` processes sharing one --compile-cache folder."""
-    argv = [sys.executable, "-m", "arena_jax.models.cli", "--prompt", "x" * 40, "--batch", str(settings.batch),
+    argv = [sys.executable, "-m", "arena_jax.models.cli", "--prompt", "x" * 40, "--batch", str(settings.batch), "--num-prompts", str(settings.batch),
             "--max-new-tokens", "16", "--seed", str(settings.seed)]  # fmt: skip
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
     runs = []

@@ -2,6 +2,7 @@
 model on the paged cache.
 
     arena-generate --model-dir path/to/checkpoint --prompt "Hello" --max-new-tokens 64
+    arena-generate --model-dir path/to/checkpoint --chat --stream --prompt "Name three colours."
     arena-generate --prompt "Hello" --batch 4 --num-prompts 8     # built-in random-weight tiny model
     arena-generate --model tiny-gemma2 --prompt "Hello"           # a tiny random model of another family
 
@@ -11,7 +12,8 @@ token ids. `--kv-dtype int8` (or float8_e4m3fn,
 float8_e5m2) runs on an 8-bit arena: half the KV bytes of bf16. `--host-pages N` adds a host-memory
 tier of N pages: a preempted sequence is swapped out and back instead of recomputed (when the
 cost model says so: `models.SwapPolicy`), or with `--prefix-cache` evicted prefixes spill there. Prints the generated tokens (decoded
-text when the checkpoint has a tokenizer.json) and tokens/s. A sequence stops at the
+text when the checkpoint has a tokenizer.json; `--stream`: as they come) and tokens/s, compile time
+left out and shown apart. A sequence stops at the
 checkpoint's eos tokens, as transformers' generate does (`--ignore-eos`: run to
 --max-new-tokens). Sizes are checked against the device's memory before anything is
 allocated. Compiled steps are kept in a JAX persistent compilation cache
@@ -57,7 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", choices=sorted(TINY_MODELS), default="tiny",
                    help="the tiny random-weight model run without --model-dir")  # fmt: skip
     p.add_argument("--prompt", default="The arena holds every page.", help="prompt text")
-    p.add_argument("--num-prompts", type=positive_int, default=None, help="copies of the prompt to run (default: --batch)")
+    p.add_argument("--chat", action="store_true",
+                   help="send --prompt as a user message through the checkpoint's chat template (tokenizer_config.json "
+                        "or chat_template.jinja), as transformers' apply_chat_template does")  # fmt: skip
+    p.add_argument("--stream", action="store_true", help="print the first prompt's text as it is generated")
+    p.add_argument("--num-prompts", type=positive_int, default=1,
+                   help="copies of the prompt to run, --batch at a time")  # fmt: skip
     p.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens to generate per prompt")
     p.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at the checkpoint's eos tokens (generation_config.json / config.json)")  # fmt: skip
@@ -158,7 +165,8 @@ def main(argv=None) -> int:
         try:
             args.model_dir = models.checkpoint_dir(args.model_dir)  # a folder, or a name in the local HF cache
             config = models.LlamaConfig.from_hf(args.model_dir)
-            tokenizer = models.load_tokenizer(args.model_dir)
+            if models.load_tokenizer(args.model_dir) is not None:
+                tokenizer = models.TextTokenizer.from_pretrained(args.model_dir)
         except (OSError, ValueError) as exc:
             parser.error(f"--model-dir {args.model_dir}: {exc}")
     else:
@@ -172,13 +180,21 @@ def main(argv=None) -> int:
         if given:
             parser.error(f"{' and '.join(given)} {'has' if len(given) == 1 else 'have'} no effect at --temperature 0 "
                          "(greedy): give --temperature > 0 to sample")
-    if tokenizer is not None:
-        prompt = tokenizer.encode(args.prompt).ids
+    if args.chat:
+        if tokenizer is None or tokenizer.chat_template is None:
+            where = f"--model-dir {args.model_dir}" if args.model_dir else "the tiny random model (no --model-dir)"
+            parser.error(f"--chat needs a checkpoint with a tokenizer and a chat template; {where} has none")
+        try:
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+        except Exception as exc:  # noqa: BLE001 - a template's own raise_exception is a jinja2 TemplateError
+            parser.error(f"--chat: the checkpoint's chat template failed: {exc}")
+    elif tokenizer is not None:
+        prompt = tokenizer.encode(args.prompt)
     else:
         prompt = [b % vocab for b in args.prompt.encode("utf-8")]
     if not prompt:
         parser.error("--prompt is empty")
-    num_prompts = args.num_prompts or args.batch
+    num_prompts = args.num_prompts
     total = len(prompt) + args.max_new_tokens
     if args.max_seq_len is not None and args.max_seq_len < total:
         parser.error(f"--max-seq-len {args.max_seq_len} is shorter than prompt + new tokens ({total})")
@@ -230,7 +246,7 @@ def main(argv=None) -> int:
 
     if args.model_dir:
         try:
-            model, tokenizer = models.load_pretrained(args.model_dir, dtype=dtype, scan_layers=not args.no_scan_layers)
+            model, _ = models.load_pretrained(args.model_dir, dtype=dtype, scan_layers=not args.no_scan_layers)
         except (OSError, ValueError) as exc:
             parser.error(f"--model-dir {args.model_dir}: {exc}")
     else:
@@ -252,19 +268,25 @@ def main(argv=None) -> int:
             models.generate(model, prompts[:1], warm_new, sampling=sampling, serving=again, cache=first.cache,
                             prefix_cache=first.prefix_cache)  # fmt: skip
         warm = time.perf_counter() - warm_start
-        result = models.generate(model, prompts, args.max_new_tokens, sampling=sampling,
+        stream = _Stream(tokenizer) if args.stream else None
+        result = models.generate(model, prompts, args.max_new_tokens, sampling=sampling, on_token=stream,
                                  serving=dataclasses.replace(serving, host_pages=args.host_pages))  # fmt: skip
     except ValueError as exc:
         parser.error(str(exc))
 
-    for i, toks in enumerate(result.tokens[: min(len(result.tokens), 4)]):
-        text = tokenizer.decode(toks) if tokenizer is not None else " ".join(map(str, toks))
+    shown = range(1 if args.stream else 0, min(len(result.tokens), 4))
+    if stream is not None:
+        stream.finish()
+    for i in shown:
+        toks = result.tokens[i]
+        text = tokenizer.decode(toks, skip_special_tokens=True) if tokenizer is not None else " ".join(map(str, toks))
         print(f"[{i}] {text}")
     if len(result.tokens) > 4:
         print(f"... ({len(result.tokens) - 4} more)")
     stops = "none" if args.ignore_eos or not model.config.eos_token_ids else list(model.config.eos_token_ids)
     print(
-        f"{result.num_generated} tokens in {result.seconds:.3f} s: {result.tokens_per_second:.1f} tokens/s "
+        f"{result.num_generated} tokens in {result.seconds:.3f} s, {result.compile_seconds:.3f} s of it compiling: "
+        f"{result.tokens_per_second:.1f} tokens/s "
         f"(batch {args.batch}, {result.prefill_calls} prefill + {result.mixed_calls} mixed + {result.decode_calls} decode calls "
         f"of {result.decode_steps} steps, "
         f"{result.preemptions} preemptions; stop tokens {stops}; KV arena {layout.dtype.name}; warm-up {warm:.1f} s)"
@@ -287,6 +309,24 @@ def main(argv=None) -> int:
             f"at the assumed 25 GB/s){hits}"
         )
     return 0
+
+
+class _Stream:
+    """--stream: prints prompt 0's text (or token ids, without a tokenizer) as the loop keeps its tokens."""
+
+    def __init__(self, tokenizer):
+        from arena_jax.models.text import TextStream
+
+        self.text = TextStream(tokenizer) if tokenizer is not None else None
+        print("[0] ", end="", flush=True)
+
+    def __call__(self, i: int, token: int) -> None:
+        if i == 0:
+            piece = self.text.push(token) if self.text is not None else f"{token} "
+            print(piece, end="", flush=True)
+
+    def finish(self) -> None:
+        print(self.text.finish() if self.text is not None else "", flush=True)
 
 
 def aj_health(result) -> dict:

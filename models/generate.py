@@ -63,6 +63,7 @@ import numpy as np
 import arena_jax as aj
 from arena_jax.host import check_pair
 from arena_jax.models.checks import check_int, token_ids
+from arena_jax.models.compile_clock import CompileClock
 from arena_jax.models.fingerprint import fingerprint
 from arena_jax.models.host_tier import HostTier, SwapPolicy
 from arena_jax.models.key_calibration import calibrate_key_factors
@@ -86,7 +87,7 @@ class Generation:
     decode_calls: int = 0  # decode_step / decode block calls
     decode_steps: int = 0  # decode steps the device ran (decode_calls when decode_block=1)
     discarded_tokens: int = 0  # tokens sampled past a row's stop token (read back late: run-ahead, decode blocks), dropped
-    seconds: float = 0.0
+    seconds: float = 0.0  # the call's wall time, compiling included
     prefix_cache: aj.PrefixCache | None = None  # the index of `cache`'s held pages (prefix_cache=...)
     prompt_tokens: int = 0  # tokens each admission had to bring into the cache (a recomputation's too)
     prefill_tokens: int = 0  # of those, the ones computed (the rest were prefix cache hits)
@@ -104,6 +105,7 @@ class Generation:
     decode_step_seconds: list[float] | None = None  # per scheduler iteration that only decoded: its wall time / its decode steps
     mixed_calls: int = 0  # mixed steps (mixed_steps=True): decode rows and prompt chunks in one call
     token_seconds: list[list[float]] | None = None  # per prompt: when each generated token was read back (s after the start)
+    compile_seconds: float = 0.0  # of `seconds`, the time spent tracing and compiling steps (models.compile_clock)
 
     @property
     def num_generated(self) -> int:
@@ -111,7 +113,10 @@ class Generation:
 
     @property
     def tokens_per_second(self) -> float:
-        return self.num_generated / self.seconds if self.seconds > 0 else float("nan")
+        """Generated tokens per second of the call's wall time less its compile time (a first call
+        compiles its steps; `seconds` and `compile_seconds` give both)."""
+        running = self.seconds - self.compile_seconds
+        return self.num_generated / running if running > 0 else float("nan")
 
 
 def default_layout(
@@ -359,8 +364,9 @@ def generate(
     )
     runner.on_token = on_token
     start = runner.start = time.perf_counter()
-    if max_new_tokens > 0:
-        runner.run(seqs)
+    with CompileClock() as compiling:
+        if max_new_tokens > 0:
+            runner.run(seqs)
     seconds = time.perf_counter() - start
     logits = None
     if return_logits:
@@ -392,6 +398,7 @@ def generate(
         decode_step_seconds=runner.decode_step_seconds,
         mixed_calls=runner.mixed_calls,
         token_seconds=[s.times for s in seqs],
+        compile_seconds=min(compiling.seconds, seconds),
     )
 
 
@@ -424,7 +431,7 @@ def _check_arrivals(arrivals, num_prompts: int) -> list[float]:
 
 def _on_mesh(model: Llama, mesh, tensor_axis):
     """The model with its weights on `mesh` (placed there if they are on one device)."""
-    from models.parallel import shard_model, weights_mesh
+    from arena_jax.models.parallel import shard_model, weights_mesh
 
     placed = weights_mesh(model)
     if mesh is None:
