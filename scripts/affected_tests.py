@@ -31,6 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SKIP_DIRS = {".git", "build", "dist", "node_modules", "__pycache__"}
 # Folders whose files are imported by their bare names (on sys.path when they run).
 FLAT_DIRS = ("tests", "scripts")
+# Folders installed under another name (pyproject's package-dir): models/x.py is arena_jax.models.x.
+INSTALLED_AS = {"models": "arena_jax.models", "benchmarks": "arena_jax.benchmarks"}
 # Changes that every test runs under.
 EVERYTHING = ("tests/conftest.py", "pyproject.toml")
 
@@ -51,7 +53,14 @@ def module_name(path: Path, root: Path = ROOT) -> str:
     parts = list(rel.with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
-    return ".".join(parts)
+    return installed_name(".".join(parts))
+
+
+def installed_name(module: str) -> str:
+    """The name a module is imported by: `models.llama` (a folder's old top-level name, still
+    importable in a checkout) is `arena_jax.models.llama`."""
+    top, dot, rest = module.partition(".")
+    return INSTALLED_AS.get(top, top) + dot + rest
 
 
 def is_test_file(rel: str) -> bool:
@@ -94,7 +103,7 @@ def imports_of(path: Path, module: str, known: set[str]) -> set[str]:
             names.add(Path(node.value).stem)  # a child started on a file: "sharded_checks.py"
     out = set()
     for name in names:  # a.b.c executes a, a.b and a.b.c
-        parts = name.split(".")
+        parts = installed_name(name).split(".")
         out.update(m for m in (".".join(parts[: i + 1]) for i in range(len(parts))) if m in known)
     out.discard(module)
     return out
