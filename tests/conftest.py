@@ -16,7 +16,7 @@ import os
 # interpret mode, 13 programs, identical text; tests/test_ci_lines.py checks the decode step),
 # so every program, its fusions, its buffer donation and aliasing are what a user compiles.
 # Compiles take 35-40% less time (most of the suite's time); tiny steps run slower. That lets
-# CI run the whole suite on both JAX lines (README, "Two commands"). An XLA_FLAGS that names
+# CI run the whole suite on both JAX lines (docs/testing.md, "The JAX versions, the optimization level"). An XLA_FLAGS that names
 # its own level wins: XLA_FLAGS=--xla_backend_optimization_level=3 pytest tests the default.
 # (Set before JAX starts a backend: XLA reads XLA_FLAGS once. The sm_90a compile checks pin the
 # default level in their own compile options, pallas_kernels/offline/sm90.py; the TPU compile checks need
@@ -75,7 +75,7 @@ def _clear_jax_caches_after_each_module(request):
     compile of a prefill in `test_mixed_steps_with_a_prefix_cache`, 3 runs of 3 (either half of
     the files before it, or that file alone, passed); with the caches cleared after each module
     the same run passed. It depends on what the process compiled before, so it is JAX's (a
-    compiler must not crash on a valid program) and not reduced to a small repro; README, "Two commands".
+    compiler must not crash on a valid program) and not reduced to a small repro; docs/testing.md.
     Not 0.10.2's alone: on jaxlib 0.11.2 the whole suite without the clearing segfaulted too, in
     tests/test_kernels_tpu.py's compile of a TPU kernel in interpret mode (2026-11-27)."""
     if COMPILE_CACHE:

@@ -12,15 +12,11 @@ import pytest
 
 from arena_jax import models
 from hf_reference import require
-
-CORPUS = ["The arena holds every page.", "Pages are fixed-size blocks of tokens.", "Grüße aus Köln — 東京 🚀 ok?",
-          "Hello, world! It's a test; isn't it?", "user: hi\nassistant: hello there"] * 20  # fmt: skip
-SPECIALS = ["<s>", "</s>", "<|user|>", "<|assistant|>", "<|end|>"]
+from text_checkpoint import CHAT_TEMPLATE, CORPUS, write_tokenizer
 
 TEMPLATES = {
     # a Llama-3-like template: bos_token in scope, a generation prompt
-    "llama3": ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] | trim }}<|end|>\n{% endfor %}"
-               "{% if add_generation_prompt %}<|assistant|>{% endif %}"),
+    "llama3": CHAT_TEMPLATE,
     # a Mistral-like one: raise_exception, loop variables, whitespace control
     "mistral": ("{{ bos_token }}{% for message in messages %}\n"
                 "    {% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}\n"
@@ -40,27 +36,11 @@ CHATS = [
 ]  # fmt: skip
 
 
-def _tokenizer(vocab_size: int = 320):
-    from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(tok_models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)  # fmt: skip
-    tok.train_from_iterator(CORPUS, trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
-    return tok
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A folder with tokenizer.json and a tokenizer_config.json carrying the llama3 template."""
     path = tmp_path_factory.mktemp("text_ckpt")
-    _tokenizer().save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": {"__type": "AddedToken", "content": "</s>", "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}, "chat_template": TEMPLATES["llama3"],
-        "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}))  # fmt: skip
+    write_tokenizer(path)
     return path
 
 
@@ -145,7 +125,7 @@ def test_generate_text_streams_the_texts_it_returns(tiny):
     for i in range(3):
         assert out.texts[i] == tok.decode(plain.tokens[i], skip_special_tokens=True)
         assert "".join(pieces[i]) == out.texts[i]
-    single = models.generate_text(model, tok, "The arena holds", 12)  # one string: a batch of one
+    single = models.generate_text(model, tok, "The arena holds", 12, batch_size=2)  # one string: a batch of one
     assert single.texts == out.texts[:1]
 
 
