@@ -12,7 +12,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-SUBPACKAGES = ("models", "benchmarks")
+SUBPACKAGES = ("models", "server", "benchmarks")
 _HERE = Path(__file__).resolve().parent  # arena_jax/
 
 

@@ -32,7 +32,7 @@ SKIP_DIRS = {".git", "build", "dist", "node_modules", "__pycache__"}
 # Folders whose files are imported by their bare names (on sys.path when they run).
 FLAT_DIRS = ("tests", "scripts")
 # Folders installed under another name (pyproject's package-dir): models/x.py is arena_jax.models.x.
-INSTALLED_AS = {"models": "arena_jax.models", "benchmarks": "arena_jax.benchmarks"}
+INSTALLED_AS = {"models": "arena_jax.models", "server": "arena_jax.server", "benchmarks": "arena_jax.benchmarks"}
 # Changes that every test runs under.
 EVERYTHING = ("tests/conftest.py", "pyproject.toml")
 

@@ -45,7 +45,7 @@ BLOCKS = _blocks()
 
 def test_the_blocks_are_found():
     names = {b[0].split(":")[0] for b in BLOCKS}
-    assert {"README.md", "docs/integrate.md", "docs/cache.md", "docs/models.md"} <= names
+    assert {"README.md", "docs/integrate.md", "docs/cache.md", "docs/models.md", "docs/serving.md"} <= names
     assert len(BLOCKS) >= 14
     for name, _, mode, reason in BLOCKS:
         assert mode == "run" or reason, f"{name}: a docs-test mark needs its reason"

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ("pallas_kernels", "arena_jax", "models", "benchmarks")  # bottom up
+LAYERS = ("pallas_kernels", "arena_jax", "models", "server", "benchmarks")  # bottom up
 
 
-INSTALLED_AS = {"models": "arena_jax.models", "benchmarks": "arena_jax.benchmarks"}  # pyproject's package-dir
+INSTALLED_AS = {"models": "arena_jax.models", "server": "arena_jax.server", "benchmarks": "arena_jax.benchmarks"}  # pyproject's package-dir
 
 
 def _module_name(path: Path) -> str:

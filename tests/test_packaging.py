@@ -10,7 +10,7 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-INSTALLED_AS = {"models": "arena_jax.models", "benchmarks": "arena_jax.benchmarks"}
+INSTALLED_AS = {"models": "arena_jax.models", "server": "arena_jax.server", "benchmarks": "arena_jax.benchmarks"}
 
 USER_MAIN = """\
 import models, benchmarks                       # the project's own packages
@@ -35,7 +35,7 @@ def test_pyproject_installs_every_package_folder_under_its_name():
     assert set(config["packages"]) == folders
     assert config["package-dir"] == {name: folder for folder, name in INSTALLED_AS.items()}
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert all(target.startswith(("arena_jax.models.", "arena_jax.benchmarks.")) for target in scripts.values())
+    assert all(target.startswith(tuple(f"{name}." for name in INSTALLED_AS.values())) for target in scripts.values())
 
 
 def test_a_user_project_with_its_own_models_package_uses_ours(tmp_path):

@@ -79,7 +79,7 @@ class Admission:
 
     def _final_pages(self, seq: Seq) -> int:
         """The most pages `seq` can ever map: its prompt plus every token it may generate."""
-        return self.layout.pages_for(len(seq.prompt) + self.max_new)
+        return self.layout.pages_for(len(seq.prompt) + self._max_new(seq))
 
     def _plan(self, seq: Seq, shard: int):
         """(fits, hit) for admitting `seq` into `shard` now (module docstring, "Admission")."""
@@ -105,6 +105,7 @@ class Admission:
         return False, None
 
     def _admit(self, waiting: collections.deque) -> None:
+        placed = False
         fork = []  # (row, hit)
         restore = []  # (row, seq, host pages, tokens, index nodes): brought back from the host tier after the forks
         now = self._admit_clock = self._clock()
@@ -121,7 +122,7 @@ class Admission:
                         break
                     continue  # another data shard may have room
                 raise RuntimeError(  # excluded by generate's checks: a request fits the arena alone
-                    f"prompt {seq.index} ({len(seq.prompt)} tokens + {self.max_new} new) cannot run even alone in "
+                    f"prompt {seq.index} ({len(seq.prompt)} tokens + {self._max_new(seq)} new) cannot run even alone in "
                     f"{self.pages_per_shard} pages of {self.layout.page_size}"
                 )
             waiting.popleft()
@@ -146,6 +147,7 @@ class Admission:
             self.prefill_tokens += len(seq.ids) - seq.fed
             self.recomputed_tokens += max(0, seq.lost - seq.fed)  # a re-admission: what did not come back
             seq.lost = 0
+            placed = True
         if fork:
             self._flush()  # the pages it maps must be held
             pages = np.full((self.batch, self.layout.max_pages_per_seq), aj.PAD_PAGE, np.int32)
@@ -157,6 +159,8 @@ class Admission:
             self._page_rows_exact = False  # rows mapped since the last read-back
         if restore:
             self._restore(restore)
+        if placed and self.row_sampling:
+            self._set_row_sampling()
         self._admit_current = True
 
     def _vacate(self, r: int) -> None:
@@ -191,5 +195,5 @@ class Admission:
         """The most loop iterations `run` can take (module docstring, "Progress"): each feeds a
         token, evicts a page or preempts a sequence; a sequence is fed at most twice and
         preempted at most once, and every eviction undoes an insertion of a written page."""
-        tokens = sum(len(s.prompt) + max_new for s in seqs)
+        tokens = sum(len(s.prompt) + (max_new if s.max_new is None else s.max_new) for s in seqs)
         return 4 * tokens + 2 * len(seqs) + 1  # + a run-ahead step whose rows all stopped, per request

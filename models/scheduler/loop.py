@@ -38,6 +38,7 @@ from arena_jax.models.scheduler.prefix import PrefixPages
 from arena_jax.models.scheduler.readback import fetch
 from arena_jax.models.scheduler.run_ahead import RunAhead
 from arena_jax.models.scheduler.seq import Seq
+from arena_jax.models.sampling import SamplingParams
 from arena_jax.models.scheduler.swap import HostSwap
 from arena_jax.models.steps import bound_steps
 
@@ -99,12 +100,20 @@ class Scheduler(Admission, PrefixPages, HostSwap, RunAhead):
         self._on_device: dict[bytes, jax.Array] = {}  # unchanged i32[B] inputs stay on the device
         self._token_sharding = None  # where a decode step's sampled tokens live (RunAhead._host_tokens)
         self.on_token = None  # (prompt index, token) -> None, called as each token is kept (generate's on_token)
+        self.on_finish = None  # (Seq) -> None, called as a sequence ends (seq.finish says why)
+        self.row_sampling = False  # each row samples with its Seq's own `sampling` (an online engine's requests)
         self._next_rows_cache: tuple | None = None  # run-ahead rows' arrays, reused while the same sequences go on
         self.run_ahead_steps = 0
         self.decode_step_seconds: list[float] = []  # per iteration that only decoded: its wall time / its decode steps
 
+    def _max_new(self, seq: Seq) -> int:
+        return self.max_new if seq.max_new is None else seq.max_new
+
     def _accept(self, r: int, token: int, logits) -> None:
         seq = self.rows[r]
+        if seq.cancelled:  # the token is dropped: the request is gone
+            self._end(r, "abort")
+            return
         seq.generated.append(token)
         seq.times.append(time.perf_counter() - self.start)
         if self.on_token is not None:
@@ -113,29 +122,39 @@ class Scheduler(Admission, PrefixPages, HostSwap, RunAhead):
             self.first_token[seq.index] = seq.times[-1]
         if logits is not None:
             seq.logits.append(logits)
-        if token in self.stop or len(seq.generated) >= self.max_new:
-            self._vacate(r)
+        if token in (self.stop if seq.stop is None else seq.stop):
+            self._end(r, "stop")
+        elif len(seq.generated) >= self._max_new(seq):
+            self._end(r, "length")
+
+    def _end(self, r: int, why: str) -> None:
+        """Row r's sequence is done (`why`: Seq.finish): its row is vacated, its pages released."""
+        seq = self.rows[r]
+        seq.finish = why
+        self._vacate(r)
+        if self.on_finish is not None:
+            self.on_finish(seq)
+
+    def _set_row_sampling(self) -> None:
+        """Each row's sampling from its Seq (`row_sampling`): arrays of the same shapes, no compile."""
+        rows = [s.sampling if s is not None and s.sampling is not None else (0.0, 0, 1.0) for s in self.rows]
+        temperature, top_k, top_p = (np.array(col) for col in zip(*rows))
+        self.sampling = SamplingParams(jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32),
+                                       jnp.asarray(top_p, jnp.float32))  # fmt: skip
 
     # ---- the loop ---------------------------------------------------------------------------
     def run(self, seqs: list[Seq]) -> None:
         waiting = collections.deque(seqs)
         bound, self.iterations = self.step_bound(seqs, self.max_new), 0
         last, last_decode_only = time.perf_counter(), None
-        while self._ahead is not None or waiting or self._running():
+        while self.busy(waiting):
             if self._ahead is None and not self._running() and waiting[0].arrival > self._clock():
                 time.sleep(waiting[0].arrival - self._clock())  # idle until the next request arrives
                 continue
             self.iterations += 1
             if self.iterations > bound:  # a broken invariant, never a hang
                 raise RuntimeError(f"the scheduler passed its bound of {bound} steps without finishing: a bug")
-            if self._ahead is not None:  # this iteration's decode step is running: flush and admit were no-ops
-                out, slots, seqs_served, steps = self._ahead
-                self._ahead = None
-                if self._finish_decode(out, slots, seqs_served, waiting, steps):
-                    raise RuntimeError("a run-ahead decode step was refused pages the scheduler counted: a bug")
-                decode_only = True
-            else:
-                decode_only = self._iterate(waiting)
+            decode_only = self.step(waiting)
             now = time.perf_counter()
             if decode_only and last_decode_only is not None:
                 self.decode_step_seconds.append((now - last) / self._collected_steps)
@@ -143,6 +162,20 @@ class Scheduler(Admission, PrefixPages, HostSwap, RunAhead):
             if self.CHECK_ACCOUNTING and self.index is None:
                 self._check_pages()
         self._flush()
+
+    def busy(self, waiting: collections.deque) -> bool:
+        """Anything left to do: a step in flight, a request waiting or a sequence running."""
+        return self._ahead is not None or bool(waiting) or bool(self._running())
+
+    def step(self, waiting: collections.deque) -> bool:
+        """One iteration of the loop (`run`'s, or an online engine's); True if it only decoded."""
+        if self._ahead is not None:  # this iteration's decode step is running: flush and admit were no-ops
+            out, slots, seqs_served, steps = self._ahead
+            self._ahead = None
+            if self._finish_decode(out, slots, seqs_served, waiting, steps):
+                raise RuntimeError("a run-ahead decode step was refused pages the scheduler counted: a bug")
+            return True
+        return self._iterate(waiting)
 
     def _clock(self) -> float:
         return time.perf_counter() - self.start
@@ -180,7 +213,7 @@ class Scheduler(Admission, PrefixPages, HostSwap, RunAhead):
             if s is not None and s.pending > 1:
                 piece = s.ids[s.fed : s.fed + self.chunk]
                 tokens[r, : len(piece)] = piece
-                slots[r], counts[r], seq_ids[r] = self.slot_of[r], len(piece), s.index
+                slots[r], counts[r], seq_ids[r] = self.slot_of[r], len(piece), s.draw_key
         self._make_room_for(slots, counts)
         start = time.perf_counter()
         out, packed = self.steps.prefill(
@@ -218,10 +251,10 @@ class Scheduler(Admission, PrefixPages, HostSwap, RunAhead):
             s = self.rows[r]
             piece = s.ids[s.fed : s.fed + width]
             chunks[i, : len(piece)], chunk_slots[i], chunk_counts[i], chunk_rows[i] = piece, self.slot_of[r], len(piece), r
-            served[r], counts[r], seq_ids[r] = self.slot_of[r], len(piece), s.index
+            served[r], counts[r], seq_ids[r] = self.slot_of[r], len(piece), s.draw_key
         for r, s in enumerate(self.rows):
             if s is not None and s.pending == 1:
-                tokens[r], slots[r], seq_ids[r] = s.ids[-1], self.slot_of[r], s.index
+                tokens[r], slots[r], seq_ids[r] = s.ids[-1], self.slot_of[r], s.draw_key
                 served[r], counts[r] = self.slot_of[r], 1
         self._make_room_for(served, counts)
         start = time.perf_counter()

@@ -93,7 +93,7 @@ class RunAhead:
         served: list[Seq | None] = [None] * self.batch
         for r, s in enumerate(self.rows):
             if s is not None and s.pending == 1:
-                tokens[r], slots[r], seq_ids[r], served[r] = s.ids[-1], self.slot_of[r], s.index, s
+                tokens[r], slots[r], seq_ids[r], served[r] = s.ids[-1], self.slot_of[r], s.draw_key, s
         if self.index is not None:
             live = np.flatnonzero(slots >= 0)
             self._make_room(live.tolist(), [1] * len(live))
@@ -117,7 +117,7 @@ class RunAhead:
         if waiting or self.index is not None or self.return_logits or any(s.pending != 1 for s in self._running()):
             return steps
         for r in going:
-            steps[r] = min(self.block, self.max_new - len(self.rows[r].generated) - in_flight[r])
+            steps[r] = min(self.block, self._max_new(self.rows[r]) - len(self.rows[r].generated) - in_flight[r])
         if not self._pages_fit([a + int(b) for a, b in zip(in_flight, steps)]):
             steps[going] = 1  # a block's reservation might fail: one step (the caller checks its pages)
         return steps
@@ -187,7 +187,7 @@ class RunAhead:
         for s in self.rows:  # a row to prefill
             if s is not None and len(s.prompt) + len(s.generated) - s.fed != 1:
                 return None
-        going = [r for r in rows if len(served[r].generated) + in_flight[r] < self.max_new]
+        going = [r for r in rows if len(served[r].generated) + in_flight[r] < self._max_new(served[r])]
         if waiting and (len(going) < len(rows) or not self._admit_current):
             return None  # a row frees up, so the next iteration admits
         if waiting and self._admit_clock < waiting[0].arrival <= self._clock():
@@ -224,7 +224,7 @@ class RunAhead:
             next_ids = np.zeros((self.batch,), np.int32)
             next_served: list[Seq | None] = [None] * self.batch
             for r in going:
-                next_slots[r], next_ids[r], next_served[r] = self.slot_of[r], served[r].index, served[r]
+                next_slots[r], next_ids[r], next_served[r] = self.slot_of[r], served[r].draw_key, served[r]
             cached = self._next_rows_cache = (key, next_slots, next_ids, next_served, next_steps)
         return cached[1:]
 

@@ -36,6 +36,17 @@ class Seq:
     lost: int = 0  # tokens it had in the cache when preempted
     arrival: float = 0.0  # seconds after the run's start when it may be admitted (an online workload)
     times: list[float] = dataclasses.field(default_factory=list)  # when each generated token was read back (s after start)
+    # Per-request settings (an online engine's requests differ; None: the scheduler's own).
+    max_new: int | None = None  # tokens it may generate
+    stop: frozenset | None = None  # token ids that end it (kept in its output)
+    sampling: tuple | None = None  # (temperature, top_k or 0, top_p): its row's sampling while it runs
+    key: int | None = None  # keys its random draws (with the step's seed and position); None: `index`
+    cancelled: bool = False  # ends at its next read-back (its tokens from then on dropped): `finish` "abort"
+    finish: str | None = None  # why it ended: "stop" (a stop token), "length" (max_new), "abort" (cancelled)
+
+    @property
+    def draw_key(self) -> int:
+        return self.index if self.key is None else self.key
 
     @property
     def ids(self) -> list[int]:

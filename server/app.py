@@ -1,0 +1,214 @@
+"""The HTTP surface: OpenAI's completions and chat completions (streamed as server-sent events or
+not), `/v1/models`, `/health` and Prometheus `/metrics`, over an `Engine` (FastAPI: pydantic
+checks every request body, and it is the stack vLLM and SGLang serve the same API with).
+
+Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a body
+that does not parse or a bad value (the field named), an unknown model or a prompt too long for
+the context; 401 without the `--api-key`; 429 (with `Retry-After`) when the queue is full.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from arena_jax.models.text import TextStream, TextTokenizer
+from arena_jax.server.engine import Engine, QueueFull
+from arena_jax.server.protocol import ChatRequest, CompletionRequest, Sampling, StopText
+
+__all__ = ["create_app"]
+
+log = logging.getLogger("arena_jax.server")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 headers: dict | None = None):  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.headers = status, message, param, kind, headers
+
+
+def _error(status: int, message: str, param=None, kind="invalid_request_error", headers=None) -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def create_app(engine: Engine, tokenizer: TextTokenizer | None, model_name: str, *, api_key: str | None = None) -> FastAPI:
+    """The app serving `engine` (started: `Engine.warm_up`) under `model_name`."""
+    app = FastAPI(title="arena-serve", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if first.get("type") == "json_invalid":
+            return _error(400, f"the body is not valid JSON: {first.get('msg', '')}")
+        param = ".".join(loc) or None
+        return _error(400, f"{param or 'body'}: {first.get('msg', 'invalid')}", param)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return _error(exc.status, exc.message, exc.param, exc.kind, exc.headers)
+
+    @app.middleware("http")
+    async def _auth_and_log(request: Request, call_next):
+        start = time.perf_counter()
+        if api_key is not None and request.url.path.startswith("/v1/"):
+            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+                return _error(401, "a valid API key is required (Authorization: Bearer ...)", kind="authentication_error")
+        response = await call_next(request)
+        log.info("%s %s %d %.3fs", request.method, request.url.path, response.status_code, time.perf_counter() - start)
+        return response
+
+    @app.get("/health")
+    async def health():
+        if engine.error is not None:
+            return _error(503, f"the engine stopped: {engine.error!r}", kind="server_error")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(generate_latest(engine.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "arena-jax",
+                                            "max_model_len": engine.max_model_len}]}  # fmt: skip
+
+    def _settings(body: Sampling, prompt_tokens: int) -> dict:
+        if body.model is not None and body.model != model_name:
+            raise ApiError(400, f"model {body.model!r} is not served here (this server serves {model_name!r})", "model")
+        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        room = engine.max_model_len - prompt_tokens
+        if room < 1:
+            raise ApiError(400, f"this model's context is {engine.max_model_len} tokens; the prompt has {prompt_tokens}",
+                           "messages" if isinstance(body, ChatRequest) else "prompt")  # fmt: skip
+        if max_tokens is None:
+            max_tokens = min(room, 16 if isinstance(body, CompletionRequest) else room)
+        if prompt_tokens + max_tokens > engine.max_model_len:
+            raise ApiError(400, f"this model's context is {engine.max_model_len} tokens; you asked for {prompt_tokens + max_tokens} "
+                                f"({prompt_tokens} in the prompt, {max_tokens} to generate)", "max_tokens")  # fmt: skip
+        vocab = engine.model.config.vocab_size
+        if body.stop_token_ids and max(body.stop_token_ids) >= vocab:
+            raise ApiError(400, f"stop_token_ids: token ids must be below the vocabulary size {vocab}", "stop_token_ids")
+        stop = set(body.stop_token_ids or ()) | (set() if body.ignore_eos else set(engine.model.config.eos_token_ids))
+        return dict(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                    seed=body.seed, stop_tokens=stop)  # fmt: skip
+
+    def _text_tokenizer(param: str) -> TextTokenizer:
+        if tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer: give the prompt as token ids", param)
+        return tokenizer
+
+    async def _run(ids: list[int], settings: dict, stops: list[str]) -> AsyncIterator[tuple[str, str | None]]:
+        """(text delta, None) ... then ("", finish reason); counts tokens in `usage`."""
+        stream = TextStream(tokenizer) if tokenizer is not None else None
+        stop_text = StopText(stops)
+        count = 0
+        try:
+            agen = engine.stream(ids, **settings)
+        except QueueFull as exc:
+            raise ApiError(429, str(exc), kind="rate_limit_error", headers={"Retry-After": "1"}) from None
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+        try:
+            async for kind, value in agen:
+                if kind == "token":
+                    count += 1
+                    piece = stream.push(value) if stream is not None else f" {value}"
+                    out = stop_text.feed(piece)
+                    if out:
+                        yield out, None
+                    if stop_text.stopped:
+                        yield "", ("stop", count)
+                        return
+                else:
+                    rest = stop_text.feed(stream.finish()) if stream is not None else ""
+                    rest += stop_text.finish()
+                    if rest:
+                        yield rest, None
+                    yield "", (value, count)
+                    return
+        finally:
+            await agen.aclose()  # leaving early (a stop string, a client gone) cancels the request
+
+    async def _serve(body: Sampling, ids: list[int], chat: bool):
+        settings = _settings(body, len(ids))
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created, name = int(time.time()), model_name
+        gen = _run(ids, settings, body.stop_strings())
+        first = await anext(gen)  # raises the 400 / 429 before any byte is sent
+
+        def usage(n):
+            return {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
+
+        if not body.stream:
+            text, end = "", None
+            async for piece, finish in _chain(first, gen):
+                text, end = text + piece, finish or end
+            reason, n = end
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+                      if chat else {"index": 0, "text": text, "finish_reason": reason, "logprobs": None})  # fmt: skip
+            return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                    "model": name, "choices": [choice], "usage": usage(n)}  # fmt: skip
+
+        async def events():
+            kind = "chat.completion.chunk" if chat else "text_completion"
+            if chat:  # the role first, as OpenAI sends it
+                yield _sse({"id": rid, "object": kind, "created": created, "model": name,
+                            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})  # fmt: skip
+            try:
+                async for piece, finish in _chain(first, gen):
+                    reason = finish[0] if finish else None
+                    if not piece and finish is None:
+                        continue
+                    delta = ({"index": 0, "delta": {"content": piece} if piece else {}, "finish_reason": reason}
+                             if chat else {"index": 0, "text": piece, "finish_reason": reason, "logprobs": None})  # fmt: skip
+                    chunk = {"id": rid, "object": kind, "created": created, "model": name, "choices": [delta]}
+                    if finish is not None:
+                        chunk["usage"] = usage(finish[1])
+                    yield _sse(chunk)
+                yield "data: [DONE]\n\n"
+            finally:
+                await gen.aclose()  # a client gone mid-stream: the request is cancelled, its pages released
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        if isinstance(body.prompt, str):
+            ids = _text_tokenizer("prompt").encode(body.prompt)
+        else:
+            ids = list(body.prompt)
+        if not ids:
+            raise ApiError(400, "prompt: empty", "prompt")
+        return await _serve(body, ids, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest):
+        tok = _text_tokenizer("messages")
+        try:
+            ids = tok.apply_chat_template([m.model_dump(exclude_none=True) for m in body.messages])
+        except Exception as exc:  # noqa: BLE001 - the template's own raise_exception, or no template
+            raise ApiError(400, f"messages: {exc}", "messages") from None
+        return await _serve(body, ids, chat=True)
+
+    return app
+
+
+async def _chain(first, rest):
+    yield first
+    async for item in rest:
+        yield item
+
+
+def _sse(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"

@@ -1,0 +1,359 @@
+"""`Engine`: an online generation engine over the paged cache. Requests join the running batch
+at the next step, whatever is running; the device loop runs in its own thread and never blocks
+the caller (an HTTP server's event loop); the arena is sized once and every program is compiled
+by `warm_up` before requests are taken, so serving compiles nothing (`compiles_since_warm_up`).
+
+    engine = Engine(model, max_seqs=8, max_model_len=1024)
+    engine.warm_up()                                   # compiles every program the loop can run
+    async for kind, value in engine.stream(prompt_ids, max_tokens=64, temperature=0.7):
+        ...                                            # ("token", id) ..., then ("finish", "stop" | "length" | "abort")
+    engine.stop()
+
+It is `models.scheduler.Scheduler` (the loop `generate` runs) stepped by a thread: admission,
+chunked prefill, decode blocks, run-ahead and preemption are the same code, with per-request
+settings (`Seq.max_new`, `.stop`, `.sampling`, `.key`) and cancellation. A request's random
+draws are keyed by its `seed` (or a number of its own), so a seeded request gives the same
+tokens whatever else runs. Cancelling a request (a client gone) ends it at its next step's
+read-back: its row and pages are released then.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from typing import AsyncIterator, Callable
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+import arena_jax as aj
+from arena_jax.models import Llama, Sampling, calibrate_key_factors
+from arena_jax.models.compile_clock import CompileClock
+from arena_jax.models.scheduler import Scheduler, Seq
+
+__all__ = ["Engine", "Request", "QueueFull"]
+
+log = logging.getLogger("arena_jax.server")
+INT32_MAX = 2**31 - 1
+
+
+class QueueFull(Exception):
+    """The engine's queue of waiting requests is full (`max_queue`): try again later."""
+
+
+@dataclasses.dataclass
+class Request:
+    """One submitted request: its Seq in the scheduler and the callbacks the engine thread calls."""
+
+    seq: Seq
+    on_token: Callable[[int], None] | None
+    on_finish: Callable[[str], None] | None
+    submitted: float
+    last_token: float | None = None
+    finish: str | None = None  # "stop" | "length" | "abort", once it ended
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+
+class Engine:
+    """An online engine: `submit` / `stream` requests, `cancel` them, `stop` it (module docstring)."""
+
+    def __init__(self, model: Llama, *, max_seqs: int = 8, max_model_len: int | None = None, page_size: int = 16,
+                 num_pages: int | None = None, kv_memory: int | None = None, kv_dtype=None, chunk_size: int = 64,
+                 decode_block: int = 4, max_queue: int = 256, seed: int = 0):  # fmt: skip
+        if not isinstance(model, Llama):
+            raise ValueError(f"model must be a models.Llama, got {type(model).__name__}")
+        config = model.config
+        max_model_len = min(config.max_position_embeddings, 4096) if max_model_len is None else max_model_len
+        for name, value, low in (("max_seqs", max_seqs, 1), ("max_model_len", max_model_len, 2), ("page_size", page_size, 1),
+                                 ("chunk_size", chunk_size, 1), ("decode_block", decode_block, 1), ("max_queue", max_queue, 1)):  # fmt: skip
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if num_pages is not None and kv_memory is not None:
+            raise ValueError("give at most one of num_pages and kv_memory")
+        dtype = model.dtype if kv_dtype is None else kv_dtype
+        per_seq = -(-max_model_len // page_size)
+        if kv_memory is not None:
+            layout = config.kv_layout(page_size=page_size, budget_bytes=kv_memory, max_seqs=max_seqs,
+                                      max_seq_len=max_model_len, dtype=dtype)  # fmt: skip
+        else:
+            layout = config.kv_layout(page_size=page_size, num_pages=num_pages or max_seqs * per_seq, max_seqs=max_seqs,
+                                      max_seq_len=max_model_len, dtype=dtype)  # fmt: skip
+        if layout.num_pages < per_seq:
+            raise ValueError(f"the arena ({layout.num_pages} pages of {page_size}) cannot hold one sequence of "
+                             f"max_model_len={max_model_len} tokens ({per_seq} pages): raise kv_memory / num_pages")
+        self.model, self.layout, self.max_model_len, self.max_queue = model, layout, max_model_len, max_queue
+        factors = calibrate_key_factors(model) if layout.smooth_keys else None
+        cache = aj.create(layout, key_factors=factors)
+        eos = frozenset(config.eos_token_ids)
+        self._sched = Scheduler(model, cache, layout, max_seqs, min(chunk_size, max_model_len), Sampling(), seed, eos,
+                                max_model_len, False, None, None, 0, decode_block)  # fmt: skip
+        self._sched.row_sampling = True
+        self._sched.on_token = self._on_token
+        self._sched.on_finish = self._on_finish
+        self._waiting: collections.deque[Seq] = collections.deque()
+        self._incoming: list[Request] = []
+        self._cancels: list[Request] = []
+        self._requests: dict[int, Request] = {}
+        self._ids = itertools.count()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._idle = threading.Event()  # set by the loop once nothing runs or waits and its pages are released
+        self.error: BaseException | None = None
+        self._clock = CompileClock().__enter__()  # programs compiled since the engine was made
+        self._warm_programs: int | None = None
+        self._metrics()
+
+    # ---- metrics ----------------------------------------------------------------------------
+    def _metrics(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.m_requests = Counter("arena_requests", "Requests finished, by finish reason", ["finish_reason"], registry=r)
+        self.m_tokens = Counter("arena_generated_tokens", "Tokens generated", registry=r)
+        self.m_ttft = Histogram("arena_time_to_first_token_seconds", "From submit to the first token", registry=r,
+                                buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))  # fmt: skip
+        self.m_itl = Histogram("arena_inter_token_latency_seconds", "Between a request's tokens", registry=r,
+                               buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1))  # fmt: skip
+        Gauge("arena_running_requests", "Requests in the batch", registry=r).set_function(
+            lambda: sum(s is not None for s in self._sched.rows))
+        Gauge("arena_waiting_requests", "Requests waiting for a row", registry=r).set_function(
+            lambda: len(self._waiting) + len(self._incoming))
+        Gauge("arena_pages_used", "KV pages the running requests hold", registry=r).set_function(self.pages_used)
+        Gauge("arena_pages_free", "KV pages free", registry=r).set_function(lambda: self.layout.num_pages - self.pages_used())
+        Gauge("arena_preemptions", "Requests preempted (recomputed later)", registry=r).set_function(
+            lambda: self._sched.preemptions)
+        Gauge("arena_compiles_since_warm_up", "Programs compiled after warm_up (0 while serving)", registry=r).set_function(
+            lambda: self.compiles_since_warm_up)
+
+    def pages_used(self) -> int:
+        """Pages the running sequences hold, as the scheduler counts them (no device read)."""
+        return sum(self.layout.pages_for(s.fed) for s in list(self._sched.rows) if s is not None)
+
+    @property
+    def compiles_since_warm_up(self) -> int:
+        """Programs JAX compiled since `warm_up` finished (None before): 0 while serving."""
+        programs = self._clock.programs if self._clock is not None else self._clock_programs
+        return -1 if self._warm_programs is None else programs - self._warm_programs
+
+    # ---- requests ---------------------------------------------------------------------------
+    def submit(self, prompt, *, max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
+               top_k: int | None = None, seed: int | None = None, stop_tokens=None,
+               on_token: Callable[[int], None] | None = None, on_finish: Callable[[str], None] | None = None) -> Request:  # fmt: skip
+        """Queue a request (token ids); the callbacks run in the engine thread. `stop_tokens`: the
+        token ids that end it (None: the model's eos tokens). ValueError names a bad argument;
+        QueueFull when `max_queue` requests wait already."""
+        ids = [int(t) for t in prompt]
+        vocab = self.model.config.vocab_size
+        if not ids:
+            raise ValueError("prompt: no token")
+        if any(t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+        if len(ids) + max_tokens > self.max_model_len:
+            raise ValueError(f"this model's context is {self.max_model_len} tokens; the prompt's {len(ids)} + "
+                             f"max_tokens {max_tokens} = {len(ids) + max_tokens}")
+        if not (np.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        if not (np.isfinite(top_p) and 0 < top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+        if top_k is not None and not (isinstance(top_k, int) and 1 <= top_k <= INT32_MAX):
+            raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
+        if seed is not None and not (isinstance(seed, int) and 0 <= seed <= INT32_MAX):
+            raise ValueError(f"seed must be an integer in [0, 2**31 - 1], got {seed!r}")
+        stop = None if stop_tokens is None else frozenset(int(t) for t in stop_tokens)  # None: the model's eos tokens
+        index = next(self._ids)
+        seq = Seq(index, ids, max_new=max_tokens, stop=stop, sampling=(float(temperature), top_k or 0, float(top_p)),
+                  key=seed if seed is not None else (INT32_MAX - index % INT32_MAX))  # fmt: skip
+        request = Request(seq, on_token, on_finish, time.perf_counter())
+        with self._cond:
+            if self.error is not None:
+                raise RuntimeError(f"the engine stopped: {self.error!r}")
+            if self._stopping:
+                raise RuntimeError("the engine is stopping")
+            if len(self._waiting) + len(self._incoming) >= self.max_queue:
+                raise QueueFull(f"{self.max_queue} requests are waiting (max_queue)")
+            self._requests[index] = request
+            self._incoming.append(request)
+            self._idle.clear()
+            self._cond.notify()
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """End a request (its client is gone): released at its next step, `finish` "abort"."""
+        with self._cond:
+            if not request.done:
+                self._cancels.append(request)
+                self._cond.notify()
+
+    def stream(self, prompt, **settings) -> AsyncIterator[tuple[str, object]]:
+        """`submit` (now: a bad argument or a full queue raises here), as an async iterator of
+        ("token", id) and finally ("finish", reason); leaving the iteration early cancels the
+        request. Call it from a running event loop."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        def post(item):
+            if not loop.is_closed():  # a loop gone (its server stopped) has no one to tell
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        request = self.submit(prompt, on_token=lambda t: post(("token", t)), on_finish=lambda why: post(("finish", why)),
+                              **settings)  # fmt: skip
+        return self._drain(request, queue)
+
+    async def _drain(self, request: Request, queue: asyncio.Queue) -> AsyncIterator[tuple[str, object]]:
+        try:
+            while True:
+                item = await queue.get()
+                yield item
+                if item[0] == "finish":
+                    return
+        finally:
+            if not request.done:
+                self.cancel(request)
+
+    # ---- the engine thread ------------------------------------------------------------------
+    def _on_token(self, index: int, token: int) -> None:
+        request = self._requests[index]
+        now = time.perf_counter()
+        (self.m_ttft if request.last_token is None else self.m_itl).observe(now - (request.last_token or request.submitted))
+        request.last_token = now
+        self.m_tokens.inc()
+        self._call(request.on_token, token)
+
+    def _on_finish(self, seq: Seq) -> None:
+        request = self._requests.pop(seq.index, None)
+        self._sched.first_token.pop(seq.index, None)
+        if request is None or request.done:
+            return
+        request.finish = seq.finish
+        self.m_requests.labels(seq.finish).inc()
+        self._call(request.on_finish, seq.finish)
+
+    @staticmethod
+    def _call(callback, value) -> None:
+        if callback is not None:
+            try:
+                callback(value)
+            except Exception:  # noqa: BLE001 - one request's callback never stops the engine
+                log.exception("a request's callback failed")
+
+    def _abort(self, request: Request) -> None:
+        """End a request that is not running (waiting, or never admitted)."""
+        request.seq.finish = "abort"
+        self._on_finish(request.seq)
+
+    def _cancel_now(self, request: Request) -> None:
+        seq = self._sched_rows_index(request.seq)
+        if request.seq in self._waiting:
+            self._waiting.remove(request.seq)
+            self._abort(request)
+        elif seq is not None:
+            if self._sched._ahead is None:
+                self._sched._end(seq, "abort")  # its row and pages go now
+            else:
+                request.seq.cancelled = True  # ends when the step in flight is read back
+        elif not request.done:
+            self._abort(request)
+
+    def _sched_rows_index(self, seq: Seq) -> int | None:
+        for r, s in enumerate(self._sched.rows):
+            if s is seq:
+                return r
+        return None
+
+    def _loop(self) -> None:
+        sched, waiting = self._sched, self._waiting
+        try:
+            while True:
+                with self._cond:
+                    while not (self._stopping or self._incoming or self._cancels or sched.busy(waiting)):
+                        self._cond.wait()
+                    incoming, self._incoming = self._incoming, []
+                    cancels, self._cancels = self._cancels, []
+                    stopping = self._stopping
+                waiting.extend(r.seq for r in incoming)
+                for request in cancels:
+                    self._cancel_now(request)
+                if stopping:
+                    for request in list(self._requests.values()):
+                        self._cancel_now(request)
+                    while sched._ahead is not None:  # read back the step in flight: it ends the cancelled rows
+                        sched.step(waiting)
+                    sched._flush()
+                    return
+                if sched.busy(waiting):
+                    sched.step(waiting)
+                if not sched.busy(waiting):
+                    sched._flush()  # the finished sequences' pages go back now
+                    with self._cond:
+                        if not self._incoming:
+                            self._idle.set()
+        except BaseException as exc:  # noqa: BLE001 - reported to every request and to `error`
+            log.exception("the engine loop failed")
+            with self._cond:
+                self.error = exc
+                pending = list(self._requests.values()) + self._incoming
+                self._incoming = []
+            for request in pending:
+                if not request.done:
+                    self._abort(request)
+
+    def start(self) -> Engine:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="arena-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def warm_up(self) -> float:
+        """Compile every program the loop runs (prefill chunks, one decode step, decode blocks,
+        releases, greedy and sampled rows) with a few requests of its own; returns the seconds."""
+        start = time.perf_counter()
+        self.start()
+        batch, chunk, block = self._sched.batch, self._sched.chunk, self._sched.block
+        vocab = self.model.config.vocab_size
+        length = min(chunk + 1, self.max_model_len - 1)  # two prefill chunks where the context allows
+        new = max(1, min(2 * block + 2, self.max_model_len - length))
+        rng = np.random.default_rng(0)
+        done = threading.Event()
+        left = [batch + 1]
+
+        def finished(_):
+            left[0] -= 1
+            if left[0] == 0:
+                done.set()
+
+        for i in range(batch + 1):  # one more than the batch: decode steps while a request waits, then blocks
+            self.submit(rng.integers(0, vocab, length).tolist(), max_tokens=new, temperature=0.7 * (i % 2),
+                        on_finish=finished, stop_tokens=())  # fmt: skip
+        if not done.wait(timeout=3600) or self.error is not None:
+            raise RuntimeError(f"warm-up failed: {self.error!r}")
+        if not self._idle.wait(timeout=600) or self.error is not None:  # its last release compiled too
+            raise RuntimeError(f"warm-up failed: {self.error!r}")
+        self._warm_programs = self._clock.programs
+        return time.perf_counter() - start
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until nothing runs or waits and every finished request's pages are released."""
+        return self._idle.wait(timeout)
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Stop taking requests, abort the ones in flight, release their pages, end the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self._clock is not None:
+            self._clock.__exit__(None, None, None)  # the compile listener goes (counts stay readable)
+            self._clock_programs, self._clock = self._clock.programs, None
+
+    @property
+    def cache(self) -> aj.KVCache:
+        """The arena (read it only once the engine is stopped: the thread donates it every step)."""
+        return self._sched.cache

@@ -1,0 +1,270 @@
+"""`arena-serve` (issue 41): the OpenAI API over the online engine, talked to with the real
+`openai` client on 127.0.0.1 (a free port; no other traffic). Greedy completions equal
+`generate_text`; streams concatenate to the non-streamed text; chat prompts are the chat
+template's tokens; bad input is a 400 naming the field; a full queue a 429; a client gone
+mid-stream frees its pages; a load of 400 requests (10% cancelled) loses or duplicates none,
+leaves no page held and compiles nothing after the warm-up; SIGTERM drains and exits 0."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+import uvicorn
+
+import arena_jax as aj
+from arena_jax import models
+from arena_jax.server.app import create_app
+from arena_jax.server.engine import Engine
+from text_checkpoint import write_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_LEN = 96
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    """An app on a free port in a thread."""
+
+    def __init__(self, app):
+        self.port = _free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    folder = write_checkpoint(tmp_path_factory.mktemp("serve") / "ckpt")
+    model, _ = models.load_pretrained(str(folder), dtype="float32")
+    tokenizer = models.TextTokenizer.from_pretrained(str(folder))
+    engine = Engine(model, max_seqs=8, max_model_len=MAX_LEN, chunk_size=32, decode_block=4, max_queue=512)
+    engine.warm_up()
+    served = Served(create_app(engine, tokenizer, "tiny-text"))
+    yield engine, model, tokenizer, served
+    served.close()
+    engine.stop()
+
+
+def _client(served, **kw):
+    return openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0, **kw)
+
+
+def _post(url: str, body: bytes | str, headers=None) -> tuple[int, dict, dict]:
+    data = body.encode() if isinstance(body, str) else body
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, dict(response.headers), json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), json.loads(exc.read())
+
+
+def test_greedy_completions_and_chat_equal_generate_text(setup):
+    engine, model, tokenizer, served = setup
+    client = _client(served)
+    chat = [{"role": "user", "content": "Name three colours."}]
+    prompts = ["The arena holds", "Grüße aus Köln", "Pages are fixed-size blocks of tokens. The capital"]
+    want = models.generate_text(model, tokenizer, prompts + [chat], 12)  # one call: one compile
+    for prompt, text, tokens in zip(prompts, want.texts, want.tokens):
+        got = client.completions.create(model="tiny-text", prompt=prompt, max_tokens=12, temperature=0)
+        assert got.choices[0].text == text and got.usage.completion_tokens == len(tokens)
+        assert got.usage.prompt_tokens == len(tokenizer.encode(prompt))
+        assert got.choices[0].finish_reason == ("stop" if len(tokens) < 12 else "length")
+    got = client.chat.completions.create(model="tiny-text", messages=chat, max_tokens=12, temperature=0)
+    assert got.choices[0].message.content == want.texts[3]
+    assert got.usage.prompt_tokens == len(tokenizer.apply_chat_template(chat))  # the template's tokens, exactly
+    got = client.completions.create(model="tiny-text", prompt=tokenizer.encode(prompts[0]), max_tokens=12, temperature=0)
+    assert got.choices[0].text == want.texts[0]  # token ids in
+
+
+def test_stream_concatenates_to_the_text(setup):
+    engine, model, tokenizer, served = setup
+    client = _client(served)
+    for seed, temperature in ((None, 0.0), (7, 0.9)):
+        kw = dict(model="tiny-text", prompt="Hello, world!", max_tokens=20, temperature=temperature, seed=seed)
+        whole = client.completions.create(**kw)
+        chunks = list(client.completions.create(stream=True, **kw))
+        assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+        assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    chat = dict(model="tiny-text", messages=[{"role": "user", "content": "hi"}], max_tokens=15, temperature=0)
+    whole = client.chat.completions.create(**chat).choices[0].message.content
+    parts = [c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **chat)]
+    assert "".join(parts) == whole
+
+
+def test_stop_strings_end_the_text(setup):
+    engine, model, tokenizer, served = setup
+    client = _client(served)
+    full = client.completions.create(model="tiny-text", prompt="The arena", max_tokens=24, temperature=0).choices[0].text
+    stop = full[5:8]
+    assert len(stop) == 3
+    got = client.completions.create(model="tiny-text", prompt="The arena", max_tokens=24, temperature=0, stop=[stop])
+    assert got.choices[0].text == full[: full.index(stop)] and got.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model="tiny-text", prompt="The arena", max_tokens=24, temperature=0,
+                                         stop=stop, stream=True)  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed) == full[: full.index(stop)]
+    assert engine.wait_idle(30) and engine.pages_used() == 0
+
+
+@pytest.mark.parametrize("body, param", [
+    ('{"prompt": "x", "max_tokens": ', None),                               # malformed JSON
+    ('{"model": "other", "prompt": "x"}', "model"),
+    ('{"prompt": "x", "max_tokens": -1}', "max_tokens"),
+    ('{"prompt": "x", "temperature": NaN}', None),                          # NaN: not JSON, or refused
+    ('{"prompt": "x", "top_p": 0}', "top_p"),
+    ('{"prompt": "x", "n": 2}', "n"),
+    ('{"prompt": "' + "word " * 200 + '"}', "prompt"),                      # longer than the context
+    ('{"prompt": "x", "max_tokens": 500}', "max_tokens"),
+    ('{"prompt": [1, 2, 100000]}', None),                                   # a token id past the vocabulary
+    ('{"prompt": "x", "stop_token_ids": [100000]}', "stop_token_ids"),
+])  # fmt: skip
+def test_bad_input_is_a_400_naming_the_field(setup, body, param):
+    engine, _, _, served = setup
+    status, _, reply = _post(f"{served.url}/v1/completions", body)
+    assert status == 400, reply
+    assert reply["error"]["type"] == "invalid_request_error" and reply["error"]["message"]
+    if param is not None:
+        assert reply["error"]["param"] == param, reply
+    status, _, reply = _post(f"{served.url}/v1/chat/completions", '{"messages": []}')
+    assert status == 400 and reply["error"]["param"] == "messages"
+    assert engine.error is None  # nothing a request sends stops the engine
+
+
+def test_full_queue_is_a_429_and_api_key(setup, monkeypatch):
+    engine, _, tokenizer, served = setup
+    monkeypatch.setattr(engine, "max_queue", 0)
+    status, headers, reply = _post(f"{served.url}/v1/completions", '{"prompt": "x", "max_tokens": 2}')
+    assert status == 429 and headers.get("retry-after") == "1" and reply["error"]["type"] == "rate_limit_error"
+    monkeypatch.undo()
+    keyed = Served(create_app(engine, tokenizer, "tiny-text", api_key="sesame"))
+    try:
+        assert _post(f"{keyed.url}/v1/completions", '{"prompt": "x", "max_tokens": 2}')[0] == 401
+        ok = _post(f"{keyed.url}/v1/completions", '{"prompt": "x", "max_tokens": 2}', {"Authorization": "Bearer sesame"})
+        assert ok[0] == 200 and ok[2]["usage"]["completion_tokens"] == 2
+    finally:
+        keyed.close()
+
+
+def test_a_client_gone_mid_stream_frees_its_pages(setup):
+    engine, _, _, served = setup
+    def aborts():
+        return engine.registry.get_sample_value("arena_requests_total", {"finish_reason": "abort"}) or 0
+
+    aborted = aborts()
+    client = _client(served)
+    stream = client.completions.create(model="tiny-text", prompt="The arena holds", max_tokens=80, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    stream.close()  # the connection goes
+    deadline = time.time() + 30
+    while aborts() == aborted and time.time() < deadline:
+        time.sleep(0.05)
+    assert aborts() == aborted + 1
+    assert engine.wait_idle(30) and engine.pages_used() == 0
+
+
+def test_load_loses_nothing_and_compiles_nothing(setup):
+    """400 requests of mixed lengths, 64 at a time, every tenth cancelled mid-stream."""
+    engine, _, _, served = setup
+    compiled = engine.compiles_since_warm_up  # (the process-wide count: generate_text above compiled its own)
+    rng = random.Random(0)
+    words = "the arena holds every page of tokens in blocks".split()
+    jobs = [(i, " ".join(rng.choice(words) for _ in range(rng.randint(1, 15))), rng.randint(1, 12)) for i in range(400)]
+    results: dict[int, tuple[str, str]] = {}
+
+    async def one(client, sem, i, prompt, new):
+        async with sem:
+            stream = await client.completions.create(model="tiny-text", prompt=prompt, max_tokens=new, stream=True,
+                                                     temperature=0.8 if i % 3 else 0.0, user=str(i))  # fmt: skip
+            text, reason = "", None
+            async for chunk in stream:
+                text += chunk.choices[0].text
+                reason = chunk.choices[0].finish_reason or reason
+                if i % 10 == 0 and text:  # cancelled mid-stream
+                    await stream.close()
+                    reason = "cancelled"
+                    break
+            assert i not in results
+            results[i] = (text, reason)
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0)
+        sem = asyncio.Semaphore(64)
+        await asyncio.gather(*(one(client, sem, *job) for job in jobs))
+        await client.close()
+
+    asyncio.run(run())
+    assert sorted(results) == list(range(400))
+    assert all(reason in ("stop", "length") for i, (_, reason) in results.items() if i % 10)
+    assert engine.wait_idle(60) and engine.pages_used() == 0
+    assert engine.compiles_since_warm_up == compiled  # serving compiled nothing
+    metrics = urllib.request.urlopen(f"{served.url}/metrics", timeout=30).read().decode()
+    assert "arena_pages_used 0.0" in metrics and 'arena_requests_total{finish_reason="abort"}' in metrics
+
+
+def test_stopped_engine_holds_no_page(setup):
+    engine, _, _, served = setup
+    served.close()
+    engine.stop()
+    health = aj.health(engine.cache)
+    assert health["pages_in_use"] == 0 and health["active_sequences"] == 0
+
+
+def test_sigterm_drains_and_exits_zero():
+    """`arena-serve` as a process: after its warm-up a request compiles nothing (its /metrics);
+    SIGTERM with a stream in flight lets it finish, then the process exits 0."""
+    port = _free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "arena_jax.server.cli", "--model", "tiny", "--port", str(port),
+                             "--max-seqs", "2", "--max-model-len", "64", "--chunk-size", "16", "--grace-period", "20",
+                             "--log-level", "warning"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 240
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=5)
+                break
+            except OSError:
+                assert proc.poll() is None and time.time() < deadline, proc.stdout.read().decode()[-3000:]
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        done = client.completions.create(model="tiny", prompt=[5] * 40, max_tokens=20, temperature=0.5)
+        assert done.usage.completion_tokens == 20
+        assert "arena_compiles_since_warm_up 0.0" in urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+        stream = client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=40, stream=True)
+        first = next(iter(stream))
+        proc.send_signal(signal.SIGTERM)  # in flight: it finishes within the grace period
+        rest = list(stream)
+        assert (rest or [first])[-1].choices[0].finish_reason == "length"
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
