@@ -229,6 +229,22 @@ def test_load_loses_nothing_and_compiles_nothing(setup):
     assert "arena_pages_used 0.0" in metrics and 'arena_requests_total{finish_reason="abort"}' in metrics
 
 
+def test_http_benchmark_load_generator(setup):
+    """`arena-bench serve --http`'s load (benchmarks.http_serve._load) against this server: every
+    request answered, its tokens counted from `usage`, the texts the server gives unstreamed."""
+    from arena_jax.benchmarks.http_serve import HttpSettings, _jobs, _load
+
+    engine, _, _, served = setup
+    jobs = _jobs(HttpSettings(requests=8, prompt_words=(2, 10)), 200.0, random.Random(3))
+    assert all(b >= a for (a, _), (b, _) in zip(jobs, jobs[1:]))  # arrivals in order
+    got = asyncio.run(_load(served.url, "tiny-text", jobs, 6))
+    assert got["errors"] == 0 and got["tokens_per_s"] > 0
+    client = _client(served)
+    want = [client.completions.create(model="tiny-text", prompt=p, max_tokens=6, temperature=0) for _, p in jobs]
+    assert got["texts"] == [w.choices[0].text for w in want]
+    assert got["tokens"] == sum(w.usage.completion_tokens for w in want)
+
+
 def test_stopped_engine_holds_no_page(setup):
     engine, _, _, served = setup
     served.close()
