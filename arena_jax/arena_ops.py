@@ -25,6 +25,9 @@ Rows follow the totality rules of `arena_jax.allocator`: pad, rejected (counted 
 """
 from __future__ import annotations
 
+import warnings
+
+import jax
 import jax.numpy as jnp
 
 from arena_jax import key_factors as factors_lib
@@ -33,8 +36,31 @@ from arena_jax.kv_cache import PAD_SLOT, KVCache
 from pallas_kernels.blockwise import paged_attention_blockwise
 from pallas_kernels.rotation import rotate_rows
 from pallas_kernels.reference import append_reference, paged_attention_reference
+from pallas_kernels.scatter import upcasts
+from pallas_kernels.tpu.common import target_platform
 
-__all__ = ["append_impl", "attend_impl"]
+__all__ = ["append_impl", "attend_impl", "warn_if_appends_copy"]
+
+_WRITE_COPY_WARNED: set = set()  # the dtypes (and "int4 on tpu", `state`'s) warned about, once each
+
+
+def warn_if_appends_copy(dtypes, platform: str | None = None) -> None:
+    """Once per dtype: a RuntimeWarning when the backend (`platform`; default: the one being
+    lowered for, `tpu.common.target_platform`) cannot update arrays of one of `dtypes` (an
+    arena's storage and scale dtypes) in place (`pallas_kernels.scatter.upcasts`: XLA CPU
+    converts whole bf16 arrays in jaxlib 0.10, whole 8-bit float arrays in 0.10 and 0.11), so
+    every append copies the arena. `append_impl` calls it as an append is traced: an arena
+    that is only sized, or only reserved and released, is never copied and never warned about."""
+    platform = platform or target_platform()
+    for dtype in dtypes:
+        if dtype is None or jnp.dtype(dtype) in _WRITE_COPY_WARNED or not upcasts(dtype, platform):
+            continue
+        _WRITE_COPY_WARNED.add(jnp.dtype(dtype))
+        warnings.warn(
+            f"arena_jax: this backend ({platform}, jax {jax.__version__}) cannot update {jnp.dtype(dtype).name} "
+            f"arrays in place: each append copies the arena's {jnp.dtype(dtype).name} arrays, so a step's cost follows the "
+            "arena's capacity, not the context (pallas_kernels/scatter.py). On CPU, float32 / float16 / int8 arenas "
+            "(and bfloat16 from jax 0.11) are written in place.", RuntimeWarning, stacklevel=3)
 
 
 def _layer(cache: KVCache, layer):
@@ -83,7 +109,8 @@ def append_impl(cache: KVCache, layer, slots, k, v, num_tokens, backend: str) ->
         from pallas_kernels.gpu.append import paged_append
 
         arenas = paged_append(cache.k, cache.v, layer_c, k, v, *kernel_rows, rotate_keys=cache.rotate_keys, **scales)
-    else:
+    else:  # the jnp scatter (`pallas_kernels.scatter.set_at`): a copy of the arena where the backend upcasts
+        warn_if_appends_copy((cache.k.dtype, None if cache.k_scale is None else cache.k_scale.dtype))
         arenas = append_reference(cache.k, cache.v, layer_c, k, v, *kernel_rows, rotate_keys=cache.rotate_keys, **scales)
     k_arena, v_arena = arenas[:2]
     if cache.k_scale is not None:  # a quantized arena: values and scales written together

@@ -1,5 +1,8 @@
 """Creating the cache: `create` allocates the arena (zeros, every page free) on one device or
-on a mesh, with its fixed key factors, and warns where the backend cannot write it in place.
+on a mesh, with its fixed key factors, and warns where XLA copies the whole arena around every
+step (an int4 arena on a TPU). Where only appends copy it (bf16 / 8-bit floats on XLA CPU) the
+first append traced warns (`arena_ops.warn_if_appends_copy`), not `create`: an arena that is
+only sized, or whose pages are only reserved and released, is never copied.
 
 The pytrees it returns (`KVCache`, `PageTable`, `CacheStats`) and the sentinels `PAD_SLOT` /
 `PAD_PAGE` live in `arena_jax.kv_cache`, near the bottom of the package; they are re-exported here.
@@ -12,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from arena_jax import key_factors as factors_lib
+from arena_jax.arena_ops import _WRITE_COPY_WARNED, warn_if_appends_copy  # noqa: F401 - the set: tests reset it
 from arena_jax.kv_cache import PAD_PAGE, PAD_SLOT, CacheStats, KVCache, PageTable, new_arena_id  # noqa: F401 - re-exported
 from arena_jax.layout import KVLayout
 from arena_jax.sharding import create_sharded
@@ -19,30 +23,21 @@ from arena_jax.sharding import create_sharded
 __all__ = ["PageTable", "CacheStats", "KVCache", "PAD_SLOT", "PAD_PAGE", "create"]
 
 
-_WRITE_COPY_WARNED: set = set()
-
-
 def warn_if_writes_copy(layout: KVLayout, platform: str | None = None) -> None:
-    """Once per dtype: a RuntimeWarning when the backend the arena lives on (`platform`, e.g. a
-    mesh's; default: the one being lowered for, `tpu.common.target_platform`) cannot update the
-    arena's storage (or scale) dtype in place (`pallas_kernels.scatter.upcasts`: XLA CPU converts
-    whole bf16 arrays in jaxlib 0.10, whole 8-bit float arrays in 0.10 and 0.11), so every append
-    copies the arena."""
-    from pallas_kernels.scatter import upcasts
+    """Once per dtype: `arena_ops.warn_if_appends_copy` for the layout's storage and scale dtypes
+    (appends copy the arena: the first append traced warns by itself), then
+    `warn_if_relayouts` (an int4 arena on a TPU)."""
+    warn_if_appends_copy((layout.storage_dtype, layout.scale_dtype if layout.quantized else None), platform)
+    warn_if_relayouts(layout, platform)
+
+
+def warn_if_relayouts(layout: KVLayout, platform: str | None = None) -> None:
+    """Once: a RuntimeWarning when an int4 arena lives on a TPU (`platform`, e.g. a mesh's;
+    default: the one being lowered for), where XLA relayouts (copies) it around every step,
+    reads and writes alike: `create` warns."""
     from pallas_kernels.tpu.common import target_platform
 
     platform = platform or target_platform()
-    for dtype in (layout.storage_dtype, layout.scale_dtype if layout.quantized else None):
-        if dtype is None or jnp.dtype(dtype) in _WRITE_COPY_WARNED or not upcasts(dtype, platform):
-            continue
-        _WRITE_COPY_WARNED.add(jnp.dtype(dtype))
-        import warnings
-
-        warnings.warn(
-            f"arena_jax: this backend ({platform}, jax {jax.__version__}) cannot update {jnp.dtype(dtype).name} "
-            f"arrays in place: each append copies the arena's {jnp.dtype(dtype).name} arrays, so a step's cost follows the "
-            "arena's capacity, not the context (pallas_kernels/scatter.py). On CPU, float32 / float16 / int8 arenas "
-            "(and bfloat16 from jax 0.11) are written in place.", RuntimeWarning, stacklevel=3)
     if platform == "tpu" and layout.int4 and "int4 on tpu" not in _WRITE_COPY_WARNED:
         _WRITE_COPY_WARNED.add("int4 on tpu")
         import warnings
@@ -75,9 +70,9 @@ def create(layout: KVLayout, *, mesh=None, tensor_axis: str | None = "tensor", d
     if mesh is not None:
         cache = create_sharded(layout, mesh, tensor_axis=tensor_axis, data_axis=data_axis,
                                key_factors=factors)  # checks the mesh first
-        warn_if_writes_copy(layout, mesh.devices.flat[0].platform)  # the backend the arena lives on
+        warn_if_relayouts(layout, mesh.devices.flat[0].platform)  # the backend the arena lives on
         return cache
-    warn_if_writes_copy(layout)
+    warn_if_relayouts(layout)
     scales = {}
     if layout.quantized:
         scales = dict(k_scale=jnp.zeros(layout.scale_shape, layout.scale_dtype),
