@@ -132,8 +132,7 @@ def _jsonable(x):
 
 
 def write_json(path: str, payload: dict) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
+    """`payload` as JSON at `path`, whose folder exists (`runner` checked it before the run)."""
     with open(path, "w", encoding="utf-8") as f:
         json.dump(_jsonable(payload), f, indent=2)
         f.write("\n")
@@ -456,8 +455,6 @@ def _pyplot():
 
 
 def _save(fig, path: str) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
     fig.savefig(path, dpi=120)
 
 

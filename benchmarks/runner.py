@@ -1,8 +1,8 @@
 """Running one `arena-bench` subcommand: how is a command line checked, run and written out?
 
 `run(argv, commands)` parses with `arguments.build_parser`, refuses before any work what the run
-would not do (unwritable --json / --plot paths, contradicting or ignored flags: usage errors,
-exit status 2), runs the subcommand's function from `commands` under a console and a progress
+would not do (unwritable --json / --plot paths, a missing folder included: none is created;
+contradicting or ignored flags: usage errors, exit status 2), runs the subcommand's function from `commands` under a console and a progress
 bar, then writes --plot and --json. `_Fail` and its helpers are the usage errors a subcommand
 finds after parsing. Below the subcommands: `cli` gives it all of them, `serve.main` its own.
 """
@@ -17,13 +17,17 @@ __all__ = ["run"]
 
 
 def _unwritable(path: str) -> str | None:
-    """Why `path` cannot be written, or None. Really opens it (as root, os.access says yes to
-    read-only mounts and /proc); a file the probe created is removed again."""
+    """Why `path` cannot be written, or None. Its folder must exist (no folder is created: a
+    typo in it would otherwise leave new folders behind); the file is really opened (as root,
+    os.access says yes to read-only mounts and /proc); a file the probe created is removed again."""
     if os.path.isdir(path):
         return "is a folder"
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        what = "is not a folder" if os.path.lexists(folder) else "does not exist"
+        return f"the folder {folder} {what}; arena-bench creates no folders"
     existed = os.path.lexists(path)
     try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "a"):  # append: an existing file is left as it is
             pass
     except OSError as exc:

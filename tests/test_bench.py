@@ -6,6 +6,7 @@ simulation and model steps compile once per session.
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import numpy as np
@@ -396,15 +397,33 @@ def test_unwritable_outputs_fail_before_the_run(path, capsys):
 
 
 def test_write_probe_leaves_nothing_behind(tmp_path, capsys):
-    target = tmp_path / "new" / "out.json"
+    target = tmp_path / "out.json"
     with pytest.raises(SystemExit):  # the output is writable; the budget is not
         cli.main(["layout", "--budget-gib", "0.0001", "--json", str(target)])
-    assert not target.exists()
+    assert "--budget-gib" in capsys.readouterr().err and not target.exists()
     existing = tmp_path / "keep.json"
     existing.write_text("{}")
     with pytest.raises(SystemExit):
         cli.main(["layout", "--budget-gib", "0.0001", "--json", str(existing)])
     assert existing.read_text() == "{}"  # probed without truncating
+
+
+@pytest.mark.parametrize("flag", ["--json", "--plot"])
+def test_an_output_in_a_missing_folder_is_a_usage_error(flag, tmp_path, monkeypatch, capsys):
+    """Issue 40, item 6: `--json some/missing/dir/out.json` created the folders without a word (a
+    typo left a tree behind). Now a usage error naming the flag and the folder, before any work."""
+    monkeypatch.chdir(tmp_path)
+    path = os.path.join("some", "missing", "dir", "out.json")
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["capacity", *CAPACITY, "--no-progress", flag, path])
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert f"{flag} {path}: cannot write there (the folder {os.path.dirname(path)} does not exist" in captured.err
+    assert "capacity: serving" not in captured.out and not os.path.exists("some")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit):
+        cli.main(["layout", "--json", os.path.join("file", "out.json")])
+    assert "--json file/out.json: cannot write there (the folder file is not a folder" in capsys.readouterr().err
 
 
 def test_capacity_refuses_a_page_longer_than_the_sequence(capsys):

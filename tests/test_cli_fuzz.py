@@ -90,8 +90,8 @@ def _bool(name):
 
 
 # Paths are relative to the test's tmp folder: "{tmp}" is replaced when drawn.
-OUT_PATHS = ("{tmp}/out/x.json",)
-BAD_OUT_PATHS = ("/proc/version", "/proc/no/such/place.json", "{tmp}", "{tmp}/lengths.csv/x.json")
+OUT_PATHS = ("{tmp}/out/x.json",)  # {tmp}/out exists (_fixtures); a missing folder is refused, not created
+BAD_OUT_PATHS = ("/proc/version", "/proc/no/such/place.json", "{tmp}", "{tmp}/lengths.csv/x.json", "{tmp}/missing/x.json")
 
 
 def _common(plot: bool):
@@ -402,6 +402,7 @@ def _invoke(main, argv, seconds: float) -> tuple[str, str]:
 def _fixtures(tmp) -> None:
     """Files the drawn paths name."""
     (tmp / "empty").mkdir(exist_ok=True)
+    (tmp / "out").mkdir(exist_ok=True)  # --json / --plot's folder
     (tmp / "lengths.csv").write_text("prompt_len,output_len\n30,40\n5,20\n60,10\n")
     (tmp / "long.csv").write_text("prompt_len,output_len\n30,40\n300,20\n")  # a prompt longer than --max-seq-len 256
     (tmp / "bad.csv").write_text("prompt_len,output_len\n10,abc\n")
