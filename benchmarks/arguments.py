@@ -1,5 +1,6 @@
 """arena-bench's command line: argument types (a bad value is an argparse error, exit status 2),
-each subcommand's flags and defaults, and `build_parser`."""
+each subcommand's flags and defaults, what `--help` says of each (`DESCRIPTION`, `SUBCOMMANDS`),
+and `build_parser`."""
 from __future__ import annotations
 
 import argparse
@@ -76,6 +77,7 @@ def _models():
     return list(PRESETS)
 
 
+_DTYPE_HELP = "the model's compute dtype (default: float32 for the tiny presets, else bfloat16)"
 KV_DTYPES = ("bfloat16", "float16", "float32", "int8", "float8_e4m3fn", "float8_e5m2")
 SIZED_KV_DTYPES = KV_DTYPES + ("int4",)  # layout / capacity: sizes only (bytes per token, scales counted)
 
@@ -129,7 +131,7 @@ def _add_decode_args(p: argparse.ArgumentParser, defaults: dict) -> None:
     g.add_argument("--repeats", type=positive_int, default=defaults["repeats"], help="timed repeats (median reported)")
     g.add_argument("--warmup", type=positive_int, default=1, help="untimed warm-up runs (compile)")
     g.add_argument("--page-size", type=positive_int, default=16, help="arena page size in tokens")
-    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="None: float32 for tiny, else bfloat16")
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help=_DTYPE_HELP)
     g.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
                    help="the paged arena's dtype (default: --dtype); int8 / float8_* quantize K/V on write (the dense "
                         "cache stays in --dtype, so greedy tokens may then differ)")  # fmt: skip
@@ -154,7 +156,7 @@ def _add_prefix_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", choices=_models(), default=d.model, help="preset with random weights")
     g.add_argument("--model-dir", help="a Hugging Face checkpoint folder (any supported family) instead of random weights")
     g.add_argument("--num-layers", type=positive_int, help="override the preset's depth")
-    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="None: float32 for tiny, else bfloat16")
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help=_DTYPE_HELP)
     g.add_argument("--system-prompts", type=positive_int, default=d.system_prompts, help="distinct system prompts")
     g.add_argument("--system-len", type=positive_int, default=d.system_len, help="tokens per system prompt")
     g.add_argument("--conversations", type=positive_int, default=d.conversations, help="conversations (requests per turn)")
@@ -203,7 +205,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--arrivals-load", type=float_in(0.0, MAX_ARRIVALS_LOAD, low_open=True), default=a.load,
                    help="arrival rate as a fraction of the rate served when every request is there at once")  # fmt: skip
     g.add_argument("--arrivals-only", action="store_true", help="run only the Poisson-arrival part")
-    g.add_argument("--seed", type=seed, default=d.seed)
+    g.add_argument("--seed", type=seed, default=d.seed, help="weights, prompts and arrivals")
 
 
 def _add_swap_args(p: argparse.ArgumentParser) -> None:
@@ -214,7 +216,7 @@ def _add_swap_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", choices=_models(), default=d.model, help="preset with random weights")
     g.add_argument("--model-dir", help="a Hugging Face Llama/Mistral checkpoint folder instead of random weights")
     g.add_argument("--num-layers", type=positive_int, help="override the preset's depth")
-    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="None: float32 for tiny, else bfloat16")
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help=_DTYPE_HELP)
     g.add_argument("--requests", type=positive_int, default=d.requests, help="prompts served")
     g.add_argument("--prompt-len", type=positive_int, default=d.prompt_len, help="mean prompt tokens (uniform in [len/2, 3len/2])")
     g.add_argument("--new-tokens", type=positive_int, default=d.new_tokens, help="greedy tokens per request")
@@ -234,6 +236,71 @@ CAPACITY_DEFAULTS = {"budget_gib": 1.0, "requests": 100}
 TOUR_CAPACITY = {"budget_gib": 1.0, "requests": 100, "max_seq_len": 2048, "max_seqs": 128}
 DECODE_DEFAULTS = {"batch": 4, "prompt_len": 32, "new_tokens": 32, "repeats": 5}
 TOUR_DECODE = {"batch": 4, "prompt_len": 32, "new_tokens": 32, "repeats": 3, "num_layers": None}
+# `arena-bench kernels`' defaults: run_kernel_benchmark's own (its flags default to None, so the benchmark's
+# signature decides; tests/test_bench.py checks these are the same)
+KERNEL_DEFAULTS = {"batches": (1, 8, 64), "contexts": (512, 4096, 32768), "page_size": 16, "repeats": 50,
+                   "num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "bfloat16"}
+
+
+DESCRIPTION = (
+    "Measure what arena_jax's paged KV cache buys and what it costs. With no subcommand, arena-bench runs the tour: "
+    "on a tiny built-in model (on a CPU by default, in under two minutes) it shows the KV layout of real models, how "
+    "many sequences the arena fits in a memory budget against contiguous allocators, and decode speed against a dense "
+    "cache. Each subcommand below measures one of these questions in depth (layout, capacity, decode, kernels, "
+    "accuracy, prefix, swap, serve); each one's own --help lists its flags. Every subcommand writes its results as "
+    "JSON with --json PATH; capacity, decode, kernels and prefix draw a PNG with --plot PATH."
+)
+
+# name -> (one line for the list under `arena-bench --help`, the paragraph on top of `arena-bench NAME --help`)
+SUBCOMMANDS = {
+    "tour": ("layout report + small capacity run + tiny-model decode (default)",
+             "A quick tour on a tiny built-in model: the layout report, a small capacity run (the arena against "
+             "contiguous allocators under one KV budget) and a tiny model's decode against a dense cache, then a "
+             "summary. What arena-bench runs with no subcommand."),
+    "layout": ("KV bytes per token and pages for a budget (Mistral-7B, Llama-3)",
+               "Bytes per token, page size and pages that fit a KV memory budget for Mistral-7B and Llama-3 8B / "
+               "70B, as arena_jax.KVLayout stores them (KV heads only; quantized arenas' scales counted). Nothing "
+               "is allocated."),
+    "capacity": ("arena vs contiguous allocators under one KV budget",
+                 "How many sequences one KV memory budget serves: the paged arena (real aj.reserve / aj.release) "
+                 "against contiguous max-length slabs and slabs with growth headroom, on the same workload (a "
+                 "seeded synthetic one, or --lengths FILE). Reports utilization, concurrency, waits and preemptions."),
+    "decode": ("end-to-end decode: paged arena vs dense cache",
+               "End-to-end decode of a model (a random-weight preset or a Hugging Face checkpoint) on the paged "
+               "arena against a dense cache sized to exactly prompt + new tokens: tokens/s, step latency, prefill "
+               "and compile time, and whether the greedy tokens match."),
+    "kernels": ("Pallas append / paged-attention timings (needs a GPU)",
+                "Timings of the paged decode-attention and append kernels over batches x contexts, against JAX's "
+                "own Pallas paged kernel and dense attention (a GPU; on a CPU the jnp reference runs on clamped "
+                "sizes). With --compile-report: every kernel variant compiled for an H100 (sm_90a) or a TPU v5e / "
+                "v6e without that device, and its static facts printed."),
+    "accuracy": ("quantized KV arenas (8-bit, int4, rotated keys): attention error (outlier keys) and end-to-end logits",
+                 "How much the quantized KV arenas (int8, fp8, int4; keys plain, rotated or smoothed) change the "
+                 "results: attention against float64 on keys with outlier channels, and end to end the logits of "
+                 "tiny random-weight models against a bf16 arena."),
+    "prefix": ("multi-turn chat with and without the prefix cache under one KV budget",
+               "A multi-turn chat workload served by generate with and without the prefix cache (and with a host "
+               "tier: --host-pages) under the same KV budget: prefill tokens, hit rate, time to first token and "
+               "throughput; the greedy tokens must match."),
+    "swap": ("a preemption-heavy generate run: recompute vs swap to a host tier",
+             "A generate run under a tight KV budget, so sequences are preempted: recomputed later, or swapped to a "
+             "host-memory tier and back (models.SwapPolicy). Reports wall time, tokens recomputed and pages moved."),
+    "serve": ("generate's decode step vs the bare jitted step, host overhead, compiles per call and by depth",
+              "generate's serving loop against its bare jitted decode step (the host's overhead per step), the "
+              "programs each generate call compiles, first-call compile time by depth, and a Poisson-arrival run "
+              "(mixed steps against separate prefill)."),
+}
+
+
+class _HelpWithDefaults(argparse.HelpFormatter):
+    """Each option's help ends with its default, unless the help names it or there is none (None, a flag)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        none = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if action.option_strings and not none and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -245,37 +312,44 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="arena-bench",
-        description=__doc__.split("\n\n")[0].replace("\n", " "),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=DESCRIPTION,
         epilog="With no subcommand: the tour (`arena-bench --json tour.json` works too).",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{tour,layout,capacity,decode,kernels,accuracy,prefix,swap,serve}")
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}")
 
-    p = sub.add_parser("tour", formatter_class=fmt, parents=[common], help="layout report + small capacity run + tiny-model decode (default)")
+    def subcommand(name: str, *parents):
+        line, paragraph = SUBCOMMANDS[name]
+        return sub.add_parser(name, formatter_class=_HelpWithDefaults, parents=list(parents), help=line,
+                              description=paragraph)  # fmt: skip
+
+    p = subcommand("tour", common)
     p.set_defaults(command="tour")
 
-    p = sub.add_parser("layout", formatter_class=fmt, parents=[common], help="KV bytes per token and pages for a budget (Mistral-7B, Llama-3)")
+    p = subcommand("layout", common)
     p.add_argument("--budget-gib", type=_budget_gib, default=40.0, help="KV budget in GiB")
     p.add_argument("--page-size", type=positive_int, default=16, help="page size in tokens")
     _add_kv_dtype(p)
 
-    p = sub.add_parser("capacity", formatter_class=fmt, parents=[common, plot], help="arena vs contiguous allocators under one KV budget")
+    p = subcommand("capacity", common, plot)
     _add_capacity_args(p, CAPACITY_DEFAULTS)
 
-    p = sub.add_parser("decode", formatter_class=fmt, parents=[common, plot], help="end-to-end decode: paged arena vs dense cache")
+    p = subcommand("decode", common, plot)
     _add_decode_args(p, DECODE_DEFAULTS)
 
-    p = sub.add_parser("kernels", formatter_class=fmt, parents=[common, plot], help="Pallas append / paged-attention timings (needs a GPU)")
-    p.add_argument("--batches", type=_int_list, default=None, help="comma-separated batch sizes")
-    p.add_argument("--contexts", type=_int_list, default=None, help="comma-separated context lengths")
-    p.add_argument("--page-size", type=positive_int, default=None)
-    p.add_argument("--repeats", type=positive_int, default=None)
-    p.add_argument("--num-q-heads", type=positive_int, default=None)
-    p.add_argument("--num-kv-heads", type=positive_int, default=None)
-    p.add_argument("--head-dim", type=positive_int, default=None)
+    p = subcommand("kernels", common, plot)
+    # None: the benchmark's own default (benchmarks.kernels.run_kernel_benchmark), named in each help
+    k = KERNEL_DEFAULTS
+    p.add_argument("--batches", type=_int_list, default=None,
+                   help=f"comma-separated batch sizes (default: {','.join(map(str, k['batches']))})")  # fmt: skip
+    p.add_argument("--contexts", type=_int_list, default=None,
+                   help=f"comma-separated context lengths, tokens per row (default: {','.join(map(str, k['contexts']))})")  # fmt: skip
+    p.add_argument("--page-size", type=positive_int, default=None, help=f"page size in tokens (default: {k['page_size']})")
+    p.add_argument("--repeats", type=positive_int, default=None, help=f"timed calls per point (default: {k['repeats']})")
+    p.add_argument("--num-q-heads", type=positive_int, default=None, help=f"query heads (default: {k['num_q_heads']})")
+    p.add_argument("--num-kv-heads", type=positive_int, default=None, help=f"KV heads (default: {k['num_kv_heads']})")
+    p.add_argument("--head-dim", type=positive_int, default=None, help=f"head dimension (default: {k['head_dim']})")
     p.add_argument("--dtype", choices=KV_DTYPES, default=None,
-                   help="the arena's dtype; for int8 / float8_* the queries and new K/V are bfloat16")
+                   help=f"the arena's dtype; for int8 / float8_* the queries and new K/V are bfloat16 (default: {k['dtype']})")
     p.add_argument("--compile-report", action="store_true",
                    help="instead of timings: compile every kernel variant for an H100 (sm_90a) without a GPU and print "
                         "registers, spills, shared memory, CTAs/SM, tensor-core instruction, TMA "
@@ -291,11 +365,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--compile-report --target tpu-*: also compile the whole Llama-3-8B-shaped prefill / decode "
                         "steps on a 2x2 (v5e) / 2x4 (v6e) mesh (minutes)")
 
-    p = sub.add_parser("accuracy", formatter_class=fmt, parents=[common],
-                       help="quantized KV arenas (8-bit, int4, rotated keys): attention error (outlier keys) and end-to-end logits")
+    p = subcommand("accuracy", common)
     p.add_argument("--context", type=positive_int, default=1024, help="cached tokens per row in the attention test")
     p.add_argument("--new-tokens", type=positive_int, default=64, help="greedy tokens per prompt in the model test")
-    p.add_argument("--seed", type=seed, default=0)
+    p.add_argument("--seed", type=seed, default=0, help="keys, queries and weights")
     p.add_argument("--skip-models", action="store_true", help="only the attention measurement")
     p.add_argument("--skip-attention", action="store_true", help="only the end-to-end measurement")
     p.add_argument("--model-formats", default="int8,int8+rot,int8+smooth+rot,float8_e4m3fn,int4,int4+rot,int4+smooth+rot",
@@ -319,14 +392,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="query heads, KV heads, head_dim of the attention test (head_dim a multiple of 32)")
     p.add_argument("--backends", default="reference,pallas",
                    help="attention backends to measure, comma-separated (pallas on CPU: interpret mode)")
-    p = sub.add_parser("prefix", formatter_class=fmt, parents=[common, plot],
-                       help="multi-turn chat with and without the prefix cache under one KV budget")  # fmt: skip
+    p = subcommand("prefix", common, plot)
     _add_prefix_args(p)
-    p = sub.add_parser("swap", formatter_class=fmt, parents=[common],
-                       help="a preemption-heavy generate run: recompute vs swap to a host tier")  # fmt: skip
+    p = subcommand("swap", common)
     _add_swap_args(p)
-    p = sub.add_parser("serve", formatter_class=fmt, parents=[common],
-                       help="generate's decode step vs the bare jitted step, host overhead, compiles per call and by depth")  # fmt: skip
+    p = subcommand("serve", common)
     _add_serve_args(p)
     parser.subcommands = sub.choices  # name -> subparser, to report errors per subcommand
     return parser

@@ -305,6 +305,36 @@ def test_tour(tmp_path, monkeypatch, capsys):
     assert "summary" in out and "131,072" in out and "327,680" in out
 
 
+def test_help_says_what_each_subcommand_does(capsys):
+    """Issue 40, item 6: `arena-bench --help` showed the internal docstring of the module that
+    builds the parser. Now a paragraph for users naming the subcommands; each subcommand's --help
+    opens with what it measures; every flag has a help text and no "(default: None)"."""
+    import inspect
+
+    from arena_jax.benchmarks import arguments
+    from arena_jax.benchmarks.kernels import run_kernel_benchmark
+
+    parser = cli.build_parser()
+    for argv in ([], *([name] for name in parser.subcommands)):
+        with pytest.raises(SystemExit) as exc:
+            cli.main([*argv, "--help"])
+        assert exc.value.code == 0
+        text = " ".join(capsys.readouterr().out.split())
+        assert "build_parser" not in text and "argparse" not in text and "(default: None)" not in text, (argv, text)
+        assert "(default: False)" not in text, (argv, text)
+        if not argv:
+            assert "Measure what arena_jax's paged KV cache buys" in text and "command line:" not in text, text
+            assert all(f"{name} " in text for name in parser.subcommands)
+            continue
+        sub = parser.subcommands[argv[0]]
+        assert sub.description and " ".join(sub.description.split()) in text, argv
+        for action in sub._actions:
+            if action.option_strings and action.help != "show this help message and exit":
+                assert action.help, f"arena-bench {argv[0]} {max(action.option_strings, key=len)} has no help"
+    defaults = {k: p.default for k, p in inspect.signature(run_kernel_benchmark).parameters.items()}
+    assert {k: defaults[k] for k in arguments.KERNEL_DEFAULTS} == arguments.KERNEL_DEFAULTS  # what kernels --help names
+
+
 @pytest.mark.parametrize(
     "argv",
     [
