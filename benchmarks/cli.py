@@ -75,14 +75,13 @@ def _cmd_layout(args, console) -> dict:
     except ValueError as exc:  # e.g. a page size the layout refuses
         raise _Fail(f"--budget-gib {args.budget_gib:g}, --page-size {args.page_size}: {exc}") from None
     console.print(report.layout_table(rows, budget, args.page_size, kv_dtype))
-    console.print(
-        "  Only KV heads are stored (GQA): sizing by query heads would need the right-hand column's bytes per token."
-    )
+    report.note(console, "Only KV heads are stored (GQA): sizing by query heads would need the bytes per token of the "
+                         "row 'if sized by query heads'.")  # fmt: skip
     if rows and rows[0]["scale_bytes_per_token"]:
         what = ("one bf16 scale per 32 lanes of each token, KV head and layer" if kv_dtype == "int4"
                 else "one float32 scale per token, KV head and layer")
-        console.print(f"  {kv_dtype}: bytes/token include {what}, for K and V "
-                      f"({rows[0]['scale_bytes_per_token']:,} B/token of {rows[0]['model']}'s).")
+        report.note(console, f"{kv_dtype}: bytes/token include {what}, for K and V "
+                             f"({rows[0]['scale_bytes_per_token']:,} B/token of {rows[0]['model']}'s).")
     return {"budget_bytes": budget, "page_size": args.page_size, "kv_dtype": kv_dtype, "models": rows}
 
 
@@ -212,8 +211,8 @@ def _cmd_capacity(args, console, progress) -> dict:
     for t in report.capacity_tables(result):
         console.print(t)
     for line in report.capacity_notes(result) + report.goal_lines(result):
-        console.print(f"  {line}", soft_wrap=True)
-    console.print(f"  ({result['wall_s']:.1f} s)")
+        report.note(console, line)
+    report.note(console, f"({result['wall_s']:.1f} s)")
     return result
 
 
@@ -319,41 +318,42 @@ def _cmd_decode(args, console, progress) -> dict:
     result["wall_s"] = time.perf_counter() - t0
     console.print(report.decode_table(result))
     a = result["arena"]
+    note = lambda text: report.note(console, text)  # noqa: E731
     if result.get("mesh"):
         m = result["mesh"]
-        console.print(
-            f"  mesh: data {m['data']} x tensor {m['tensor']} ({m['data'] * m['tensor']} devices); arena per device "
+        note(
+            f"mesh: data {m['data']} x tensor {m['tensor']} ({m['data'] * m['tensor']} devices); arena per device "
             f"{a['arena_bytes_per_device']:,} of {a['arena_bytes']:,} bytes, KV bytes/token per device "
             f"{a['kv_bytes_per_token_per_device']:,} (KV heads stored {a['kv_replicas']}x); dense cache: rows over data, KV heads over tensor when they divide"
         )
-    console.print(
-        f"  arena / dense decode tokens/s: [bold]{result['speedup_tokens_per_s']:.2f}x[/bold] "
+    note(
+        f"arena / dense decode tokens/s: [bold]{result['speedup_tokens_per_s']:.2f}x[/bold] "
         f"on {result['device']}, attention backend {result['settings']['arena_layout']['backend']!r}"
     )
     if result["same_tokens"]:
-        console.print(f"  greedy tokens: [green]match[/green] (arena == dense on every run; first tokens {result['tokens_sample']})")
+        note(f"greedy tokens: [green]match[/green] (arena == dense on every run; first tokens {result['tokens_sample']})")
     elif result["arena_quantized"]:
-        console.print(
-            f"  greedy tokens: {result['token_agreement']:.1%} equal to the dense cache's, position by position "
+        note(
+            f"greedy tokens: {result['token_agreement']:.1%} equal to the dense cache's, position by position "
             f"(the {result['settings']['arena_layout']['dtype']} arena quantizes K/V: tokens may differ; "
             "`arena-bench accuracy` measures how much)"
         )
     else:
         m = result["first_mismatch"]
-        console.print(f"  greedy tokens: [red]MISMATCH[/red] (first at row {m['row']}, token {m['token_index']}: arena {m['arena']} vs dense {m['dense']})" if m else "  greedy tokens: [red]MISMATCH[/red]")
+        note(f"greedy tokens: [red]MISMATCH[/red] (first at row {m['row']}, token {m['token_index']}: arena {m['arena']} vs dense {m['dense']})" if m else "greedy tokens: [red]MISMATCH[/red]")
     h = result.get("transformers")
     if h:
         agree = "[green]match[/green]" if h["same_tokens"] else f"{h['token_agreement']:.1%} equal position by position"
-        console.print(
-            f"  transformers ({h['model_class']}, its own KV cache, torch threads {h['torch_threads']}; JAX threads "
+        note(
+            f"transformers ({h['model_class']}, its own KV cache, torch threads {h['torch_threads']}; JAX threads "
             f"{h['jax_threads']}): arena / transformers decode tokens/s [bold]{a['tokens_per_s'] / h['tokens_per_s']:.2f}x"
             f"[/bold]; greedy tokens vs the arena's: {agree}"
         )
-    console.print(
-        f"  arena held {a['pages_in_use']} pages ({a['utilization']:.1%} of their positions filled); "
+    note(
+        f"arena held {a['pages_in_use']} pages ({a['utilization']:.1%} of their positions filled); "
         f"dense cache sized to prompt + new tokens = {result['settings']['dense_max_len']} per row (its best case)"
     )
-    console.print(f"  ({result['wall_s']:.1f} s)")
+    note(f"({result['wall_s']:.1f} s)")
     return result
 
 
@@ -664,6 +664,7 @@ def _tour(args, console, progress) -> dict:
     from arena_jax.benchmarks import report
 
     t0 = time.perf_counter()
+    console.soft_wrap = False  # every line within the console's width (80 columns included), wrapped at words
     console.rule("[bold]arena-bench tour[/bold]")
     ns = argparse.Namespace
     layout = _cmd_layout(ns(budget_gib=40.0, page_size=16), console)
@@ -694,7 +695,7 @@ def _tour(args, console, progress) -> dict:
         "arena-bench decode --model llama3-8b (GPU), arena-bench kernels (GPU)",
     ]
     for line in lines:
-        console.print(f"  {line}", soft_wrap=True)
+        report.note(console, line)
     return {"layout": layout, "capacity": capacity, "decode": decode}
 
 

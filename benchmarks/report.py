@@ -12,10 +12,13 @@ import numpy as np
 from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.padding import Padding
 from rich.table import Table
+from rich.text import Text
 
 __all__ = [
     "make_console",
+    "note",
     "BenchProgress",
     "metadata",
     "write_json",
@@ -37,11 +40,22 @@ __all__ = [
 
 
 def make_console() -> Console:
-    """Writes to the current sys.stdout (so tests can capture it); 120 columns when not a terminal."""
+    """Writes to the current sys.stdout (so tests can capture it): as wide as the terminal, or
+    when not a terminal, $COLUMNS, else 120 columns."""
     console = Console(highlight=False, soft_wrap=True)
-    if not console.is_terminal:
+    if not console.is_terminal and not os.environ.get("COLUMNS", "").isdigit():
         console = Console(highlight=False, soft_wrap=True, width=120)
     return console
+
+
+def note(console: Console, text: str) -> None:
+    """A line under a table, two spaces in (rich markup allowed). Where the console soft-wraps
+    (`make_console`'s: a terminal wraps the line, a log keeps it whole) as one line; where it
+    does not (the tour's), wrapped at the console's width with the two spaces kept."""
+    if console.soft_wrap:
+        console.print(f"  {text}")
+    else:
+        console.print(Padding(Text.from_markup(text), (0, 0, 0, 2), expand=False))
 
 
 class BenchProgress:
@@ -178,27 +192,41 @@ def _fmt(value) -> str:
 # ---- tables --------------------------------------------------------------------------------------
 
 
+def _label_column(t: Table, labels, header: str = "") -> None:
+    """The row labels' column: as wide as its longest label and never wrapped, so that at a
+    narrow console (80 columns) the value columns' headers wrap instead (`_value_column`)."""
+    t.add_column(header, width=max(map(len, [header, *labels])), no_wrap=True)
+
+
+def _value_column(t: Table, header: str, justify: str = "right") -> None:
+    """A column of figures: its header wraps at a narrow console; a figure wider than the column
+    is folded onto the next line, never cut with an ellipsis."""
+    t.add_column(header, justify=justify, overflow="fold")
+
+
 def layout_table(rows: list[dict], budget_bytes: int, page_size: int, kv_dtype: str = "bfloat16") -> Table:
+    """One column per model, one row per figure (so that it fits 80 columns)."""
     short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32",
              "int4": "int4 + bf16 scales per 32 lanes"}.get(kv_dtype, kv_dtype + " + f32 scales")
     t = Table(
         title=f"KV layout per model (arena_jax.KVLayout, {short}, {fmt_bytes(budget_bytes)} budget, {page_size}-token pages)",
         box=box.SIMPLE_HEAVY,
     )
-    for col in ("model", "layers", "q / kv heads", "head_dim", "bytes/token", "if sized by q heads", "page", "pages", "tokens"):
-        t.add_column(col, justify="left" if col == "model" else "right")
+    figures = [
+        ("layers", lambda r: str(r["layers"])),
+        ("query / KV heads", lambda r: f"{r['q_heads']} / {r['kv_heads']}"),
+        ("head_dim", lambda r: str(r["head_dim"])),
+        ("KV bytes / token", lambda r: f"{r['bytes_per_token']:,}"),
+        ("  if sized by query heads", lambda r: f"{r['bytes_per_token_if_q_heads']:,}"),
+        (f"page ({page_size} tokens)", lambda r: fmt_bytes(r["page_bytes"])),
+        ("pages in the budget", lambda r: f"{r['num_pages']:,}"),
+        ("tokens in the budget", lambda r: f"{r['token_capacity']:,}"),
+    ]
+    _label_column(t, [label for label, _ in figures])
     for r in rows:
-        t.add_row(
-            r["model"],
-            str(r["layers"]),
-            f"{r['q_heads']} / {r['kv_heads']}",
-            str(r["head_dim"]),
-            f"{r['bytes_per_token']:,}",
-            f"{r['bytes_per_token_if_q_heads']:,}",
-            fmt_bytes(r["page_bytes"]),
-            f"{r['num_pages']:,}",
-            f"{r['token_capacity']:,}",
-        )
+        _value_column(t, r["model"])
+    for label, value in figures:
+        t.add_row(label, *(value(r) for r in rows))
     return t
 
 
@@ -229,10 +257,11 @@ def capacity_tables(result: dict) -> list:
             + (f", {s['kv_dtype']} KV)" if s.get("kv_dtype", "bfloat16") != "bfloat16" else ")")
         ),
         box=box.SIMPLE_HEAVY,
+        pad_edge=False,  # in 80 columns: the labels and the three allocators' figures, none wrapped
     )
-    t.add_column("")
+    _label_column(t, [label for label, _, _ in _CAPACITY_ROWS] + ["memory recycled", "copies (regrowth / COW)"])
     for k in keys:
-        t.add_column(allocs[k]["allocator"], justify="right")
+        _value_column(t, allocs[k]["allocator"])
     for label, key, fmt in _CAPACITY_ROWS:
         t.add_row(label, *(fmt(allocs[k][key]) for k in keys))
     recycled = []
@@ -302,11 +331,9 @@ def decode_table(result: dict) -> Table:
         box=box.SIMPLE_HEAVY,
     )
     h = result.get("transformers")
-    cols = [("", "left"), ("paged arena", "right"), ("dense cache", "right"), ("arena / dense", "right")]
-    if h:
-        cols += [("transformers", "right"), ("arena / transformers", "right")]
-    for col, just in cols:
-        t.add_column(col, justify=just)
+    _label_column(t, [label for label, _, _, _ in _DECODE_ROWS])
+    for col in ("paged arena", "dense cache", "arena / dense") + (("transformers", "arena / transformers") if h else ()):
+        _value_column(t, col)
 
     def row(label, key, fmt, ratio=True):
         x, y = a[key], d[key]
@@ -316,15 +343,21 @@ def decode_table(result: dict) -> Table:
             cells += ["" if z is None else fmt(z), f"{x / z:.2f}x" if ratio and z else ""]
         t.add_row(*cells)
 
-    row("decode tokens/s (median)", "tokens_per_s", lambda v: f"{v:,.1f}")
-    row("step latency p50", "step_ms_p50", lambda v: f"{v:.3f} ms")
-    row("step latency p99", "step_ms_p99", lambda v: f"{v:.3f} ms")
-    row("prefill (median)", "prefill_ms", lambda v: f"{v:.2f} ms")
-    row("compile (first calls)", "compile_s", lambda v: f"{v:.2f} s")
-    row("KV bytes / token", "kv_bytes_per_token", lambda v: f"{v:,}", ratio=False)
-    row("KV bytes reserved", "kv_bytes_reserved", fmt_bytes)
-    row("reserved / token held", "kv_bytes_reserved_per_token", lambda v: f"{v:,.0f} B")
+    for label, key, fmt, ratio in _DECODE_ROWS:
+        row(label, key, fmt, ratio)
     return t
+
+
+_DECODE_ROWS = [
+    ("decode tokens/s (median)", "tokens_per_s", lambda v: f"{v:,.1f}", True),
+    ("step latency p50", "step_ms_p50", lambda v: f"{v:.3f} ms", True),
+    ("step latency p99", "step_ms_p99", lambda v: f"{v:.3f} ms", True),
+    ("prefill (median)", "prefill_ms", lambda v: f"{v:.2f} ms", True),
+    ("compile (first calls)", "compile_s", lambda v: f"{v:.2f} s", True),
+    ("KV bytes / token", "kv_bytes_per_token", lambda v: f"{v:,}", False),
+    ("KV bytes reserved", "kv_bytes_reserved", fmt_bytes, True),
+    ("reserved / token held", "kv_bytes_reserved_per_token", lambda v: f"{v:,.0f} B", True),
+]
 
 
 _PREFIX_ROWS = [

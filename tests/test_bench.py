@@ -291,6 +291,7 @@ def test_tour(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(cli, "TOUR_DECODE", {"batch": 2, "prompt_len": 8, "new_tokens": 5, "repeats": 2, "num_layers": 1})
     for module in (state, arena_ops):  # every warning not given yet in this process may be given again
         monkeypatch.setattr(module, "_WRITE_COPY_WARNED", set(), raising=False)
+    monkeypatch.setenv("COLUMNS", "80")  # a newcomer's terminal (capsys is none: the console reads $COLUMNS)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         res = _run(["tour"], tmp_path)["results"]
@@ -303,6 +304,10 @@ def test_tour(tmp_path, monkeypatch, capsys):
     assert res["decode"]["same_tokens"] is True
     out = capsys.readouterr().out
     assert "summary" in out and "131,072" in out and "327,680" in out
+    # Issue 40, item 6: its tables were cut at 80 columns ("…" in cells). Every line fits, no cell is cut.
+    long = [line for line in out.splitlines() if len(line) > 80]
+    assert not long and "…" not in out, "\n".join(long) or out
+    assert "2,621,440" in out and "llama3-70b" in out and "contiguous" in out and "+25% growth" in out
 
 
 def test_help_says_what_each_subcommand_does(capsys):
