@@ -330,6 +330,9 @@ def _cmd_decode(args, console, progress) -> dict:
         f"arena / dense decode tokens/s: [bold]{result['speedup_tokens_per_s']:.2f}x[/bold] "
         f"on {result['device']}, attention backend {result['settings']['arena_layout']['backend']!r}"
     )
+    if getattr(args, "explain_ratio", False):  # the tour: what that ratio means on a tiny model
+        for line in report.decode_ratio_lines(result):
+            note(line)
     if result["same_tokens"]:
         note(f"greedy tokens: [green]match[/green] (arena == dense on every run; first tokens {result['tokens_sample']})")
     elif result["arena_quantized"]:
@@ -673,7 +676,8 @@ def _tour(args, console, progress) -> dict:
                   host_scheduler=False, **TOUR_CAPACITY)  # fmt: skip
     capacity = _cmd_capacity(cap_args, console, progress)
     console.print()
-    dec_args = ns(model="tiny", model_dir=None, warmup=1, page_size=16, dtype=None, seed=0, **TOUR_DECODE)
+    dec_args = ns(model="tiny", model_dir=None, warmup=1, page_size=16, dtype=None, seed=0, explain_ratio=True,
+                  **TOUR_DECODE)  # fmt: skip
     decode = _cmd_decode(dec_args, console, progress)
     console.print()
     g = capacity["goals"]

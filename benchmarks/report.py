@@ -27,6 +27,7 @@ __all__ = [
     "capacity_notes",
     "goal_lines",
     "decode_table",
+    "decode_ratio_lines",
     "prefix_table",
     "prefix_notes",
     "plot_prefix",
@@ -358,6 +359,29 @@ _DECODE_ROWS = [
     ("KV bytes reserved", "kv_bytes_reserved", fmt_bytes, True),
     ("reserved / token held", "kv_bytes_reserved_per_token", lambda v: f"{v:,.0f} B", True),
 ]
+
+
+def decode_ratio_lines(result: dict) -> list[str]:
+    """The tour's word on its decode ratio (issue 40): what the run's arena / dense figure means,
+    from this run's own step times, and where the figures at a real model's size are. Every
+    figure is this run's; the measurements at real sizes are pointed at, not quoted."""
+    ratio, s = result["speedup_tokens_per_s"], result["settings"]
+    arena, dense = result["arena"]["step_ms_p50"], result["dense"]["step_ms_p50"]
+    context = s["prompt_len"] + s["new_tokens"]
+    elsewhere = ("For decode speed at a real model's size see benchmarks/RESULTS.md, 'Whole decode step, llama3-8b "
+                 "shapes' (a GPU), or run arena-bench decode --model llama3-8b on one. What the arena buys is the "
+                 "capacity above.")
+    if ratio >= 1 or arena <= dense:  # faster, or the step times too close to say why
+        same = (f"What {ratio:.2f}x means: the arena decoded {ratio:.2f} tokens for each token of the dense cache in "
+                f"the same time (a step {arena:.3f} ms vs {dense:.3f} ms, p50).")
+        return [same] + ([elsewhere] if ratio < 1 else [])
+    return [
+        f"What {ratio:.2f}x means: a decode step took {arena:.3f} ms on the arena and {dense:.3f} ms on the dense "
+        f"cache (p50). The {arena - dense:.3f} ms more is the paged cache's own work in every step (reserving pages, "
+        f"reading the page table, gathering each row's pages for attention), which a tiny model's short step on "
+        f"{'a CPU' if result['device'] == 'cpu' else result['device']}, at {context} tokens of context, does not amortize.",
+        elsewhere,
+    ]
 
 
 _PREFIX_ROWS = [

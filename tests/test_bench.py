@@ -308,6 +308,17 @@ def test_tour(tmp_path, monkeypatch, capsys):
     long = [line for line in out.splitlines() if len(line) > 80]
     assert not long and "…" not in out, "\n".join(long) or out
     assert "2,621,440" in out and "llama3-70b" in out and "contiguous" in out and "+25% growth" in out
+    # Issue 40, item 6: the decode ratio came with no word of what it means. Now the run's own step
+    # times say it, and where the figures at a real model's size are.
+    text, d = " ".join(out.split()), res["decode"]
+    said = (f"What {d['speedup_tokens_per_s']:.2f}x means: a decode step took {d['arena']['step_ms_p50']:.3f} ms on "
+            f"the arena and {d['dense']['step_ms_p50']:.3f} ms on the dense cache (p50)")
+    if d["speedup_tokens_per_s"] < 1:
+        assert said in text and "does not amortize" in text and "benchmarks/RESULTS.md, 'Whole decode step" in text, text
+    else:
+        assert f"What {d['speedup_tokens_per_s']:.2f}x means:" in text, text
+    results_md = os.path.join(os.path.dirname(cli.__file__), "RESULTS.md")  # the section it points at is there
+    assert "\n### Whole decode step, llama3-8b shapes" in open(results_md, encoding="utf-8").read()
 
 
 def test_help_says_what_each_subcommand_does(capsys):
