@@ -9,7 +9,8 @@ model on the paged cache.
 Without `--model-dir` a random-weight tiny model runs (`--model`: `LlamaConfig.tiny()` or
 `LlamaConfig.tiny_family(...)`) and the prompt's UTF-8 bytes (mod the vocabulary) are its
 token ids. `--kv-dtype int8` (or float8_e4m3fn,
-float8_e5m2) runs on an 8-bit arena: half the KV bytes of bf16. `--host-pages N` adds a host-memory
+float8_e5m2) runs on an 8-bit arena: half the KV bytes of bf16; `--kv-dtype int4` on a 4-bit one (two
+codes a byte and a bf16 scale per 32 lanes; head_dim a multiple of 32, e.g. `--model tiny-qwen3`). `--host-pages N` adds a host-memory
 tier of N pages: a preempted sequence is swapped out and back instead of recomputed (when the
 cost model says so: `models.SwapPolicy`), or with `--prefix-cache` evicted prefixes spill there. Prints the generated tokens (decoded
 text when the checkpoint has a tokenizer.json; `--stream`: as they come) and tokens/s, compile time
@@ -31,7 +32,7 @@ import time
 from arena_jax.models.argtypes import MAX_DECODE_BLOCK, float_in, int_in, non_negative_float, positive_int, seed
 
 _DTYPES = ("float32", "bfloat16", "float16")
-_KV_DTYPES = _DTYPES + ("int8", "float8_e4m3fn", "float8_e5m2")
+_KV_DTYPES = _DTYPES + ("int8", "float8_e4m3fn", "float8_e5m2", "int4")
 CACHE_ENV = "ARENA_JAX_COMPILE_CACHE"
 TINY_MODELS = {"tiny": "llama", "tiny-mistral": "mistral", "tiny-qwen2": "qwen2", "tiny-qwen3": "qwen3",
                "tiny-gemma2": "gemma2", "tiny-gemma3": "gemma3_text"}  # fmt: skip
@@ -88,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "weight slice copies) instead of one scan over stacked layers")  # fmt: skip
     p.add_argument("--kv-dtype", choices=_KV_DTYPES, default=None,
                    help="the KV arena's dtype (default: --dtype); int8 / float8_* store 8-bit values + a float32 scale "
-                        "per token and KV head, quantized on write")  # fmt: skip
+                        "per token and KV head, int4 two 4-bit values a byte + a bf16 scale per 32 lanes (the model's "
+                        "head_dim a multiple of 32: among the tiny models, tiny-qwen3); quantized on write")  # fmt: skip
     p.add_argument(
         "--compile-cache", metavar="DIR",
         help=f"JAX persistent compilation cache folder, so later runs skip compiling; created if missing, refused if it "
@@ -172,6 +174,11 @@ def main(argv=None) -> int:
     else:
         dtype = jnp.dtype(args.dtype or "float32")
         config = models.LlamaConfig.tiny_family(TINY_MODELS[args.model])
+    if args.kv_dtype == "int4" and config.head_dim % 32:
+        fits = [name for name, t in sorted(TINY_MODELS.items()) if models.LlamaConfig.tiny_family(t).head_dim % 32 == 0]
+        which = f"--model-dir {args.model_dir}" if args.model_dir else f"--model {args.model}"
+        parser.error(f"--kv-dtype int4 needs head_dim a multiple of 32 (one bf16 scale per 32 lanes); {which} has "
+                     f"head_dim {config.head_dim}" + ("" if args.model_dir else f": try --model {' or '.join(fits)}"))
     vocab = config.vocab_size
     if args.top_k is not None and args.top_k > vocab:
         parser.error(f"--top-k {args.top_k} exceeds the model's vocab_size {vocab}")

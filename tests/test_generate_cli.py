@@ -93,3 +93,18 @@ def test_help_shows_every_default_and_accepted_value(capsys):
             assert f"(default: {action.default})" in text or "default" in action.help, flag
         for value in action.choices or ():
             assert str(value) in text, (flag, value)
+
+
+def test_runs_on_an_int4_arena(capsys):
+    """Issue 40, item 6: `arena-generate --help` offered no int4 (--kv-dtype took float and 8-bit
+    arenas only) though `generate` runs int4 arenas. Now --kv-dtype int4 runs, here on the tiny
+    model whose head_dim is a multiple of 32 (a prefill and one decode step), and a model whose
+    head_dim is not is refused before any work, naming the one that fits."""
+    argv = ["--model", "tiny-qwen3", "--kv-dtype", "int4", "--prompt", "Hi", "--max-new-tokens", "2", "--batch", "1",
+            "--decode-block", "1", "--no-compile-cache"]  # fmt: skip
+    assert generate_cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "2 tokens in" in out and "KV arena int4" in out and "1 decode calls" in out, out
+    err = _generate_error(["--kv-dtype", "int4", "--no-compile-cache"], capsys)
+    assert "--kv-dtype int4 needs head_dim a multiple of 32 (one bf16 scale per 32 lanes); --model tiny has head_dim 16: " \
+           "try --model tiny-qwen3" in err, err
