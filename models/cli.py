@@ -305,6 +305,9 @@ def main(argv=None) -> int:
             f"tokens hit (hit rate {m['prefix_hit_rate']:.1%}); {result.prefill_tokens} tokens computed in prefill; "
             f"{m['cached_pages']} pages ({m['cached_tokens']} tokens) cached; {result.evictions} evictions"
         )
+        why = _no_prefix_hits(m["prefix_hit_tokens"], num_prompts, len(prompt), args.batch)
+        if why:
+            print(f"  no hits: {why}")
     if args.host_pages:
         m = aj_health(result)
         hits = f"; {m['prefix_host_hit_tokens']} hit tokens brought back from it" if args.prefix_cache else ""
@@ -316,6 +319,25 @@ def main(argv=None) -> int:
             f"at the assumed 25 GB/s){hits}"
         )
     return 0
+
+
+def _no_prefix_hits(hit_tokens: int, num_prompts: int, prompt_len: int, batch: int) -> str | None:
+    """Why --prefix-cache hit nothing in a run of `num_prompts` copies of one prompt (None when it
+    hit). The run starts on an empty prefix cache, and a prompt's K/V enter it only as its
+    prefill writes them (whole pages as they fill, the rest when it finishes): a copy hits what
+    copies admitted before it wrote, never a copy admitted in the same step."""
+    if hit_tokens:
+        return None
+    if prompt_len < 2:
+        return "a 1-token prompt has no prefix to look up (a prompt's last token is always computed)"
+    if num_prompts == 1:
+        return "one prompt, and the run starts on an empty prefix cache: only later prompts can hit what it wrote"
+    if num_prompts <= batch:
+        return (f"all {num_prompts} copies of the prompt fit the batch (--batch {batch}) and were admitted in the "
+                "same step, before any of them had written its K/V; a prompt's K/V enter the prefix cache as its "
+                "prefill writes them, so only copies admitted later hit (--num-prompts above --batch)")
+    return ("no copy of the prompt found K/V written by an earlier one: a prompt's K/V enter the prefix cache as its "
+            "prefill writes them, and may be evicted (--num-pages) before a later copy is admitted")
 
 
 class _Stream:

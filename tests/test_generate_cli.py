@@ -108,3 +108,22 @@ def test_runs_on_an_int4_arena(capsys):
     err = _generate_error(["--kv-dtype", "int4", "--no-compile-cache"], capsys)
     assert "--kv-dtype int4 needs head_dim a multiple of 32 (one bf16 scale per 32 lanes); --model tiny has head_dim 16: " \
            "try --model tiny-qwen3" in err, err
+
+
+def test_prefix_cache_says_why_copies_admitted_together_hit_nothing(capsys):
+    """Issue 40, item 6: `--prefix-cache --num-prompts 4 --batch 4` reported a 0% hit rate with no
+    word of why: the copies are admitted in one step, before any has written its K/V, and the
+    prefix cache holds only K/V already written. The output now says so; a copy admitted later
+    (--num-prompts above --batch) hits, and then nothing is said."""
+    base = ["--prefix-cache", "--batch", "2", "--num-pages", "8", "--max-new-tokens", "2", "--decode-block", "1",
+            "--no-compile-cache"]  # fmt: skip (8 pages: both rows admitted at once)
+    assert generate_cli.main([*base, "--num-prompts", "2"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"prefix cache: 2 lookups, 0 of \d+ prompt tokens hit", out), out
+    assert "no hits: all 2 copies of the prompt fit the batch (--batch 2) and were admitted in the same step, before " \
+           "any of them had written its K/V" in out, out
+    assert generate_cli.main([*base, "--num-prompts", "3"]) == 0  # the same shapes: nothing new to compile
+    out = capsys.readouterr().out
+    assert re.search(r"prefix cache: 3 lookups, [1-9]\d* of \d+ prompt tokens hit", out) and "no hits" not in out, out
+    assert generate_cli._no_prefix_hits(0, 1, 27, 4).startswith("one prompt, and the run starts on an empty prefix")
+    assert generate_cli._no_prefix_hits(0, 3, 1, 4).startswith("a 1-token prompt has no prefix")
