@@ -2,9 +2,10 @@
 
 `run(argv, commands)` parses with `arguments.build_parser`, refuses before any work what the run
 would not do (unwritable --json / --plot paths, a missing folder included: none is created;
-contradicting or ignored flags: usage errors, exit status 2), runs the subcommand's function from `commands` under a console and a progress
-bar, then writes --plot and --json. `_Fail` and its helpers are the usage errors a subcommand
-finds after parsing. Below the subcommands: `cli` gives it all of them, `serve.main` its own.
+contradicting or ignored flags: usage errors, exit status 2), runs the subcommand's function
+from `commands` under a console and a progress bar, then writes --plot and --json. `_Fail`
+and its helpers are the usage errors a subcommand finds after parsing. Below the subcommands:
+`cli` gives it all of them, `serve.main` its own.
 """
 from __future__ import annotations
 
