@@ -206,6 +206,21 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="arrival rate as a fraction of the rate served when every request is there at once")  # fmt: skip
     g.add_argument("--arrivals-only", action="store_true", help="run only the Poisson-arrival part")
     g.add_argument("--seed", type=seed, default=d.seed, help="weights, prompts and arrivals")
+    from arena_jax.benchmarks.http_serve import HttpSettings
+
+    h = HttpSettings()
+    g = p.add_argument_group("serve --http: arena-serve against transformers serve over loopback")
+    g.add_argument("--http", action="store_true",
+                   help="run only this: both servers as processes on the same checkpoint, Poisson loads alternated")  # fmt: skip
+    g.add_argument("--http-model-dir", help="checkpoint folder both serve (default: a demo checkpoint made for the run)")
+    g.add_argument("--http-rates", type=float_in(0.0, 1e6, low_open=True), nargs="+", default=list(h.rates),
+                   help="request arrival rates, per second")  # fmt: skip
+    g.add_argument("--http-requests", type=positive_int, default=h.requests, help="requests per load")
+    g.add_argument("--http-max-tokens", type=positive_int, default=h.max_tokens, help="greedy tokens per request")
+    g.add_argument("--http-repeats", type=positive_int, default=h.repeats, help="alternated loads per rate and server")
+    g.add_argument("--http-max-seqs", type=positive_int, default=h.max_seqs, help="arena-serve --max-seqs")
+    g.add_argument("--http-peer", choices=("auto", "transformers", "none"), default=h.peer,
+                   help="the peer server: transformers serve where torch, transformers and accelerate are installed (auto)")  # fmt: skip
 
 
 def _add_swap_args(p: argparse.ArgumentParser) -> None:

@@ -12,6 +12,7 @@ end-to-end decode against a dense cache, the Pallas kernels, and prefix caching.
     arena-bench prefix                multi-turn chat with and without the prefix cache, same KV budget
     arena-bench swap                  a preemption-heavy generate run: recompute vs swap to host memory
     arena-bench serve                 generate's decode step vs the bare jitted step, compiles per call / by depth
+    arena-bench serve --http          arena-serve vs transformers serve under Poisson loads (TTFT, ITL, tokens/s)
 
 layout, capacity, decode and kernels take the KV arena's dtype (`--kv-dtype`; kernels: `--dtype`):
 bfloat16 by default, or int8 / float8_e4m3fn / float8_e5m2 (8-bit values and a float32 scale per
