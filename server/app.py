@@ -8,6 +8,7 @@ the context; 401 without the `--api-key`; 429 (with `Retry-After`) when the queu
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -108,77 +109,111 @@ def create_app(engine: Engine, tokenizer: TextTokenizer | None, model_name: str,
             raise ApiError(400, "this model has no tokenizer: give the prompt as token ids", param)
         return tokenizer
 
-    async def _run(ids: list[int], settings: dict, stops: list[str]) -> AsyncIterator[tuple[str, str | None]]:
-        """(text delta, None) ... then ("", finish reason); counts tokens in `usage`."""
+    def _submit(ids: list[int], settings: dict, n: int) -> list:
+        """n token streams of the prompt (the engine's `TokenStream`s): the first computes the
+        prompt, the others join once its K/V are in the cache (`Engine.submit(after=)`); a seed
+        gives choice i the seed + i."""
+        streams = []
+        try:
+            for i in range(n):
+                seed = settings["seed"]
+                each = dict(settings, seed=None if seed is None else (seed + i) % (2**31))
+                streams.append(engine.stream(ids, after=streams[0].request if streams else None, **each))
+        except (QueueFull, ValueError) as exc:
+            for stream in streams:
+                engine.cancel(stream.request)
+            if isinstance(exc, QueueFull):
+                raise ApiError(429, str(exc), kind="rate_limit_error", headers={"Retry-After": "1"}) from None
+            raise ApiError(400, str(exc)) from None
+        return streams
+
+    async def _text(tokens, stops: list[str]) -> AsyncIterator[tuple[str, tuple | None]]:
+        """One choice: (text delta, None) ... then ("", (finish reason, tokens))."""
         stream = TextStream(tokenizer) if tokenizer is not None else None
         stop_text = StopText(stops)
         count = 0
         try:
-            agen = engine.stream(ids, **settings)
-        except QueueFull as exc:
-            raise ApiError(429, str(exc), kind="rate_limit_error", headers={"Retry-After": "1"}) from None
-        except ValueError as exc:
-            raise ApiError(400, str(exc)) from None
-        try:
-            async for kind, value in agen:
+            async for kind, value in tokens:
                 if kind == "token":
                     count += 1
-                    piece = stream.push(value) if stream is not None else f" {value}"
-                    out = stop_text.feed(piece)
+                    out = stop_text.feed(stream.push(value) if stream is not None else f" {value}")
                     if out:
                         yield out, None
                     if stop_text.stopped:
                         yield "", ("stop", count)
                         return
                 else:
-                    rest = stop_text.feed(stream.finish()) if stream is not None else ""
-                    rest += stop_text.finish()
+                    rest = (stop_text.feed(stream.finish()) if stream is not None else "") + stop_text.finish()
                     if rest:
                         yield rest, None
                     yield "", (value, count)
                     return
         finally:
-            await agen.aclose()  # leaving early (a stop string, a client gone) cancels the request
+            await tokens.aclose()  # leaving early (a stop string, a client gone) cancels the request
+
+    async def _merged(choices) -> AsyncIterator[tuple[int, str, tuple | None]]:
+        """(choice index, text delta, end) from every choice as it comes."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, gen):
+            try:
+                async for piece, end in gen:
+                    await queue.put((i, piece, end))
+            finally:
+                await gen.aclose()
+
+        tasks = [asyncio.create_task(pump(i, gen)) for i, gen in enumerate(choices)]
+        try:
+            open_choices = len(tasks)
+            while open_choices:
+                item = await queue.get()
+                open_choices -= item[2] is not None
+                yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _serve(body: Sampling, ids: list[int], chat: bool):
         settings = _settings(body, len(ids))
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        created, name = int(time.time()), model_name
-        gen = _run(ids, settings, body.stop_strings())
-        first = await anext(gen)  # raises the 400 / 429 before any byte is sent
+        created, name, kind = int(time.time()), model_name, ("chat.completion" if chat else "text_completion")
+        streams = _submit(ids, settings, body.n)  # a 400 / 429 here, before any byte is sent
+        choices = [_text(s, body.stop_strings()) for s in streams]
 
-        def usage(n):
+        def usage(ends):
+            n = sum(e[1] for e in ends)
             return {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
 
         if not body.stream:
-            text, end = "", None
-            async for piece, finish in _chain(first, gen):
-                text, end = text + piece, finish or end
-            reason, n = end
-            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
-                      if chat else {"index": 0, "text": text, "finish_reason": reason, "logprobs": None})  # fmt: skip
-            return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                    "model": name, "choices": [choice], "usage": usage(n)}  # fmt: skip
+            texts, ends = [""] * len(choices), [None] * len(choices)
+            async for i, piece, end in _merged(choices):
+                texts[i] += piece
+                ends[i] = end or ends[i]
+            out = [{"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": e[0]} if chat else
+                   {"index": i, "text": t, "finish_reason": e[0], "logprobs": None} for i, (t, e) in enumerate(zip(texts, ends))]  # fmt: skip
+            return {"id": rid, "object": kind, "created": created, "model": name, "choices": out, "usage": usage(ends)}
 
         async def events():
-            kind = "chat.completion.chunk" if chat else "text_completion"
-            if chat:  # the role first, as OpenAI sends it
-                yield _sse({"id": rid, "object": kind, "created": created, "model": name,
-                            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})  # fmt: skip
-            try:
-                async for piece, finish in _chain(first, gen):
-                    reason = finish[0] if finish else None
-                    if not piece and finish is None:
-                        continue
-                    delta = ({"index": 0, "delta": {"content": piece} if piece else {}, "finish_reason": reason}
-                             if chat else {"index": 0, "text": piece, "finish_reason": reason, "logprobs": None})  # fmt: skip
-                    chunk = {"id": rid, "object": kind, "created": created, "model": name, "choices": [delta]}
-                    if finish is not None:
-                        chunk["usage"] = usage(finish[1])
-                    yield _sse(chunk)
-                yield "data: [DONE]\n\n"
-            finally:
-                await gen.aclose()  # a client gone mid-stream: the request is cancelled, its pages released
+            chunk_kind = kind + ".chunk" if chat else kind
+            ends = {}
+            if chat:  # each choice's role first, as OpenAI sends it
+                for i in range(len(choices)):
+                    yield _sse({"id": rid, "object": chunk_kind, "created": created, "model": name,
+                                "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})  # fmt: skip
+            async for i, piece, end in _merged(choices):
+                if not piece and end is None:
+                    continue
+                reason = end[0] if end else None
+                delta = ({"index": i, "delta": {"content": piece} if piece else {}, "finish_reason": reason}
+                         if chat else {"index": i, "text": piece, "finish_reason": reason, "logprobs": None})  # fmt: skip
+                chunk = {"id": rid, "object": chunk_kind, "created": created, "model": name, "choices": [delta]}
+                if end is not None:
+                    ends[i] = end
+                    if len(ends) == len(choices):
+                        chunk["usage"] = usage(list(ends.values()))
+                yield _sse(chunk)
+            yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
@@ -202,12 +237,6 @@ def create_app(engine: Engine, tokenizer: TextTokenizer | None, model_name: str,
         return await _serve(body, ids, chat=True)
 
     return app
-
-
-async def _chain(first, rest):
-    yield first
-    async for item in rest:
-        yield item
 
 
 def _sse(data: dict) -> str:

@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model's compute dtype (default: bfloat16 for checkpoints, float32 for tiny)")  # fmt: skip
     p.add_argument("--chunk-size", type=positive_int, default=64, help="prompt tokens per prefill call and row")
     p.add_argument("--decode-block", type=int_in(1, 64), default=4, help="decode steps per device call while no request waits")
+    p.add_argument("--prefix-cache", action="store_true",
+                   help="reuse the K/V of earlier prompts (shared system prompts, n > 1 choices); decode then runs one "
+                        "step per device call")  # fmt: skip
     p.add_argument("--max-queue", type=positive_int, default=256, help="requests that may wait; more get HTTP 429")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ routes")
     p.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight requests get to finish on shutdown")
@@ -110,7 +113,8 @@ def main(argv=None) -> int:
             name = args.served_model_name or args.model
         engine = Engine(model, max_seqs=args.max_seqs, max_model_len=args.max_model_len, page_size=args.page_size,
                         kv_memory=args.kv_memory, kv_dtype=args.kv_dtype, chunk_size=args.chunk_size,
-                        decode_block=args.decode_block, max_queue=args.max_queue, seed=args.seed)  # fmt: skip
+                        decode_block=args.decode_block, max_queue=args.max_queue, seed=args.seed,
+                        prefix_cache=args.prefix_cache)  # fmt: skip
     except (OSError, ValueError) as exc:
         parser.error(str(exc))
     log = logging.getLogger("arena_jax.server")

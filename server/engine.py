@@ -25,7 +25,7 @@ import itertools
 import logging
 import threading
 import time
-from typing import AsyncIterator, Callable
+from typing import Callable
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -33,9 +33,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 import arena_jax as aj
 from arena_jax.models import Llama, Sampling, calibrate_key_factors
 from arena_jax.models.compile_clock import CompileClock
+from arena_jax.models.fingerprint import fingerprint
 from arena_jax.models.scheduler import Scheduler, Seq
 
-__all__ = ["Engine", "Request", "QueueFull"]
+__all__ = ["Engine", "Request", "QueueFull", "TokenStream"]
 
 log = logging.getLogger("arena_jax.server")
 INT32_MAX = 2**31 - 1
@@ -55,10 +56,40 @@ class Request:
     submitted: float
     last_token: float | None = None
     finish: str | None = None  # "stop" | "length" | "abort", once it ended
+    followers: list = dataclasses.field(default_factory=list)  # requests admitted once this one's prompt is in the cache
 
     @property
     def done(self) -> bool:
         return self.finish is not None
+
+
+class TokenStream:
+    """A request's tokens as they come (`Engine.stream`): ("token", id) ..., ("finish", reason)."""
+
+    def __init__(self, engine: Engine, request: Request, queue: asyncio.Queue):
+        self.engine, self.request, self._queue, self._ended = engine, request, queue, False
+
+    def __aiter__(self) -> TokenStream:
+        return self
+
+    async def __anext__(self) -> tuple[str, object]:
+        if self._ended:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        self._ended = item[0] == "finish"
+        return item
+
+    async def aclose(self) -> None:
+        """Cancel the request unless it ended."""
+        self._ended = True
+        if not self.request.done:
+            self.engine.cancel(self.request)
+
+    async def __aenter__(self) -> TokenStream:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
 
 
 class Engine:
@@ -66,7 +97,7 @@ class Engine:
 
     def __init__(self, model: Llama, *, max_seqs: int = 8, max_model_len: int | None = None, page_size: int = 16,
                  num_pages: int | None = None, kv_memory: int | None = None, kv_dtype=None, chunk_size: int = 64,
-                 decode_block: int = 4, max_queue: int = 256, seed: int = 0):  # fmt: skip
+                 decode_block: int = 4, max_queue: int = 256, seed: int = 0, prefix_cache: bool = False):  # fmt: skip
         if not isinstance(model, Llama):
             raise ValueError(f"model must be a models.Llama, got {type(model).__name__}")
         config = model.config
@@ -92,8 +123,12 @@ class Engine:
         factors = calibrate_key_factors(model) if layout.smooth_keys else None
         cache = aj.create(layout, key_factors=factors)
         eos = frozenset(config.eos_token_ids)
+        self.index = None
+        if prefix_cache:  # K/V of earlier prompts reused (decode blocks are off with an index: one step a call)
+            self.index = aj.PrefixCache(layout, tag=fingerprint(model))
+            self.index.bind(cache, tag=fingerprint(model))
         self._sched = Scheduler(model, cache, layout, max_seqs, min(chunk_size, max_model_len), Sampling(), seed, eos,
-                                max_model_len, False, None, None, 0, decode_block)  # fmt: skip
+                                max_model_len, False, self.index, None, 0, decode_block)  # fmt: skip
         self._sched.row_sampling = True
         self._sched.on_token = self._on_token
         self._sched.on_finish = self._on_finish
@@ -128,6 +163,12 @@ class Engine:
         Gauge("arena_pages_free", "KV pages free", registry=r).set_function(lambda: self.layout.num_pages - self.pages_used())
         Gauge("arena_preemptions", "Requests preempted (recomputed later)", registry=r).set_function(
             lambda: self._sched.preemptions)
+        Gauge("arena_prefix_cached_pages", "KV pages the prefix cache holds (0 without --prefix-cache)", registry=r).set_function(
+            lambda: self.index.num_pages if self.index is not None else 0)
+        Gauge("arena_prefix_hit_tokens", "Prompt tokens mapped from the prefix cache instead of computed", registry=r).set_function(
+            lambda: self._sched.hit_tokens)
+        Gauge("arena_prompt_tokens", "Prompt tokens admitted (hits included)", registry=r).set_function(
+            lambda: self._sched.prompt_tokens)
         Gauge("arena_compiles_since_warm_up", "Programs compiled after warm_up (0 while serving)", registry=r).set_function(
             lambda: self.compiles_since_warm_up)
 
@@ -144,10 +185,13 @@ class Engine:
     # ---- requests ---------------------------------------------------------------------------
     def submit(self, prompt, *, max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int | None = None, seed: int | None = None, stop_tokens=None,
-               on_token: Callable[[int], None] | None = None, on_finish: Callable[[str], None] | None = None) -> Request:  # fmt: skip
+               on_token: Callable[[int], None] | None = None, on_finish: Callable[[str], None] | None = None,
+               after: Request | None = None) -> Request:  # fmt: skip
         """Queue a request (token ids); the callbacks run in the engine thread. `stop_tokens`: the
         token ids that end it (None: the model's eos tokens). ValueError names a bad argument;
-        QueueFull when `max_queue` requests wait already."""
+        QueueFull when `max_queue` requests wait already. `after`: queue it only once that request
+        has its first token, i.e. its prompt's K/V are written (with `prefix_cache`, a copy of the
+        same prompt then maps those pages instead of computing them: `n > 1` choices)."""
         ids = [int(t) for t in prompt]
         vocab = self.model.config.vocab_size
         if not ids:
@@ -180,7 +224,10 @@ class Engine:
             if len(self._waiting) + len(self._incoming) >= self.max_queue:
                 raise QueueFull(f"{self.max_queue} requests are waiting (max_queue)")
             self._requests[index] = request
-            self._incoming.append(request)
+            if after is not None and not after.done and after.last_token is None:
+                after.followers.append(request)  # queued by `_on_token` at the leader's first token
+            else:
+                self._incoming.append(request)
             self._idle.clear()
             self._cond.notify()
         return request
@@ -192,30 +239,20 @@ class Engine:
                 self._cancels.append(request)
                 self._cond.notify()
 
-    def stream(self, prompt, **settings) -> AsyncIterator[tuple[str, object]]:
+    def stream(self, prompt, **settings) -> TokenStream:
         """`submit` (now: a bad argument or a full queue raises here), as an async iterator of
-        ("token", id) and finally ("finish", reason); leaving the iteration early cancels the
-        request. Call it from a running event loop."""
+        ("token", id) and finally ("finish", reason); `aclose()` (or leaving an `async with`)
+        before the end cancels the request. Call it from a running event loop."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
+
         def post(item):
             if not loop.is_closed():  # a loop gone (its server stopped) has no one to tell
                 loop.call_soon_threadsafe(queue.put_nowait, item)
 
         request = self.submit(prompt, on_token=lambda t: post(("token", t)), on_finish=lambda why: post(("finish", why)),
                               **settings)  # fmt: skip
-        return self._drain(request, queue)
-
-    async def _drain(self, request: Request, queue: asyncio.Queue) -> AsyncIterator[tuple[str, object]]:
-        try:
-            while True:
-                item = await queue.get()
-                yield item
-                if item[0] == "finish":
-                    return
-        finally:
-            if not request.done:
-                self.cancel(request)
+        return TokenStream(self, request, queue)
 
     # ---- the engine thread ------------------------------------------------------------------
     def _on_token(self, index: int, token: int) -> None:
@@ -224,6 +261,10 @@ class Engine:
         (self.m_ttft if request.last_token is None else self.m_itl).observe(now - (request.last_token or request.submitted))
         request.last_token = now
         self.m_tokens.inc()
+        if request.followers:  # its prompt is in the cache now: the requests that waited for it go in
+            with self._cond:
+                self._incoming.extend(request.followers)
+            request.followers = []
         self._call(request.on_token, token)
 
     def _on_finish(self, seq: Seq) -> None:
@@ -231,6 +272,10 @@ class Engine:
         self._sched.first_token.pop(seq.index, None)
         if request is None or request.done:
             return
+        if request.followers:  # it ended before its first token (cancelled): they go in anyway
+            with self._cond:
+                self._incoming.extend(request.followers)
+            request.followers = []
         request.finish = seq.finish
         self.m_requests.labels(seq.finish).inc()
         self._call(request.on_finish, seq.finish)
@@ -277,7 +322,7 @@ class Engine:
                     incoming, self._incoming = self._incoming, []
                     cancels, self._cancels = self._cancels, []
                     stopping = self._stopping
-                waiting.extend(r.seq for r in incoming)
+                waiting.extend(r.seq for r in incoming if not r.done)  # (a follower may be cancelled already)
                 for request in cancels:
                     self._cancel_now(request)
                 if stopping:
@@ -320,21 +365,22 @@ class Engine:
         length = min(chunk + 1, self.max_model_len - 1)  # two prefill chunks where the context allows
         new = max(1, min(2 * block + 2, self.max_model_len - length))
         rng = np.random.default_rng(0)
-        done = threading.Event()
-        left = [batch + 1]
+        prompts = [rng.integers(0, vocab, length).tolist() for _ in range(batch + 1)]
+        rounds = [prompts]  # one more than the batch: decode steps while a request waits, then blocks
+        if self.index is not None:  # the same prompts again, longer: prefix hits (a page mapped, a partial one copied)
+            rounds.append([p[:-1] + [int(t) for t in rng.integers(0, vocab, 2)] for p in prompts])
+        for group in rounds:
+            done, left = threading.Event(), [len(group)]
 
-        def finished(_):
-            left[0] -= 1
-            if left[0] == 0:
-                done.set()
+            def finished(_, left=left, done=done):
+                left[0] -= 1
+                if left[0] == 0:
+                    done.set()
 
-        for i in range(batch + 1):  # one more than the batch: decode steps while a request waits, then blocks
-            self.submit(rng.integers(0, vocab, length).tolist(), max_tokens=new, temperature=0.7 * (i % 2),
-                        on_finish=finished, stop_tokens=())  # fmt: skip
-        if not done.wait(timeout=3600) or self.error is not None:
-            raise RuntimeError(f"warm-up failed: {self.error!r}")
-        if not self._idle.wait(timeout=600) or self.error is not None:  # its last release compiled too
-            raise RuntimeError(f"warm-up failed: {self.error!r}")
+            for i, prompt in enumerate(group):
+                self.submit(prompt, max_tokens=new, temperature=0.7 * (i % 2), on_finish=finished, stop_tokens=())
+            if not done.wait(timeout=3600) or not self._idle.wait(timeout=600) or self.error is not None:
+                raise RuntimeError(f"warm-up failed: {self.error!r}")  # (idle: its last release compiled too)
         self._warm_programs = self._clock.programs
         return time.perf_counter() - start
 

@@ -25,7 +25,7 @@ class Sampling(BaseModel):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # an extra field (vLLM's): besides eos
     ignore_eos: bool = False  # an extra field (vLLM's): do not stop at the model's eos tokens
     stream: bool = False
-    n: Literal[1] = 1  # n > 1 is not served yet: a 400 naming `n`
+    n: Annotated[int, Field(ge=1, le=16)] = 1  # choices: the first computes the prompt, the others share its pages
     logprobs: Literal[None, False, 0] = None  # not served yet: a 400 naming `logprobs`
     user: str | None = None
 

@@ -117,6 +117,24 @@ def test_stream_concatenates_to_the_text(setup):
     assert "".join(parts) == whole
 
 
+def test_n_choices(setup):
+    """n > 1: greedy choices are the one greedy text; seeded choice i is the single request seeded seed + i."""
+    engine, model, tokenizer, served = setup
+    client = _client(served)
+    got = client.completions.create(model="tiny-text", prompt="The arena holds", max_tokens=8, temperature=0, n=3)
+    want = models.generate_text(model, tokenizer, ["The arena holds"], 8).texts[0]
+    assert [c.index for c in got.choices] == [0, 1, 2] and all(c.text == want for c in got.choices)
+    sampled = client.completions.create(model="tiny-text", prompt="Pages", max_tokens=8, temperature=1.0, n=2, seed=5)
+    for choice, seed in zip(sampled.choices, (5, 6)):
+        one = client.completions.create(model="tiny-text", prompt="Pages", max_tokens=8, temperature=1.0, seed=seed)
+        assert choice.text == one.choices[0].text
+    chunks = list(client.completions.create(model="tiny-text", prompt="Pages", max_tokens=8, temperature=1.0, n=2,
+                                            seed=5, stream=True))  # fmt: skip
+    for i in range(2):
+        assert "".join(c.choices[0].text for c in chunks if c.choices[0].index == i) == sampled.choices[i].text
+    assert engine.wait_idle(30) and engine.pages_used() == 0
+
+
 def test_stop_strings_end_the_text(setup):
     engine, model, tokenizer, served = setup
     client = _client(served)
@@ -137,7 +155,7 @@ def test_stop_strings_end_the_text(setup):
     ('{"prompt": "x", "max_tokens": -1}', "max_tokens"),
     ('{"prompt": "x", "temperature": NaN}', None),                          # NaN: not JSON, or refused
     ('{"prompt": "x", "top_p": 0}', "top_p"),
-    ('{"prompt": "x", "n": 2}', "n"),
+    ('{"prompt": "x", "n": 0}', "n"),
     ('{"prompt": "' + "word " * 200 + '"}', "prompt"),                      # longer than the context
     ('{"prompt": "x", "max_tokens": 500}', "max_tokens"),
     ('{"prompt": [1, 2, 100000]}', None),                                   # a token id past the vocabulary
@@ -243,6 +261,31 @@ def test_http_benchmark_load_generator(setup):
     want = [client.completions.create(model="tiny-text", prompt=p, max_tokens=6, temperature=0) for _, p in jobs]
     assert got["texts"] == [w.choices[0].text for w in want]
     assert got["tokens"] == sum(w.usage.completion_tokens for w in want)
+
+
+def test_prefix_cache_serves_shared_prompts_and_choices(setup):
+    """`--prefix-cache`: n choices and repeated prompts map the first one's pages; the same texts;
+    nothing compiled after the warm-up (this engine's own programs: hits, copies, evictions)."""
+    _, model, tokenizer, _ = setup
+    system = "The arena holds every page. Pages are fixed-size blocks of tokens. "
+    prompts = [system + q for q in ("Hello, world!", "Grüße aus Köln", "The capital", "Name three colours:")]
+    want = models.generate_text(model, tokenizer, prompts, 10).texts  # (before the engine: its compiles are not the engine's)
+    engine = Engine(model, max_seqs=4, max_model_len=MAX_LEN, chunk_size=32, num_pages=16, prefix_cache=True)
+    engine.warm_up()
+    served = Served(create_app(engine, tokenizer, "tiny-text"))
+    try:
+        compiled = engine.compiles_since_warm_up
+        client = _client(served)
+        hits = engine._sched.hit_tokens
+        for prompt, text in zip(prompts, want):
+            got = client.completions.create(model="tiny-text", prompt=prompt, max_tokens=10, temperature=0, n=2)
+            assert [c.text for c in got.choices] == [text, text]
+        assert engine._sched.hit_tokens > hits  # the system prompt and each first choice's prompt were mapped
+        assert engine.wait_idle(30) and engine.pages_used() == 0
+        assert engine.compiles_since_warm_up == compiled  # serving with hits, copies and evictions compiled nothing
+    finally:
+        served.close()
+        engine.stop()
 
 
 def test_stopped_engine_holds_no_page(setup):
