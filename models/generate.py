@@ -106,6 +106,9 @@ class Generation:
     mixed_calls: int = 0  # mixed steps (mixed_steps=True): decode rows and prompt chunks in one call
     token_seconds: list[list[float]] | None = None  # per prompt: when each generated token was read back (s after the start)
     compile_seconds: float = 0.0  # of `seconds`, the time spent tracing and compiling steps (models.compile_clock)
+    verify_calls: int = 0  # speculative decoding: verify calls (models.speculative)
+    proposed_tokens: int = 0  # tokens the proposer proposed
+    accepted_tokens: int = 0  # of those, the ones the model agreed with (kept unless past a stop)
 
     @property
     def num_generated(self) -> int:
@@ -155,6 +158,7 @@ def generate(
     host: aj.HostArena | None = None,
     arrivals: Sequence[float] | None = None,
     on_token: Callable[[int, int], None] | None = None,
+    speculative=None,
     **options,
 ) -> Generation:
     """Generate up to `max_new_tokens` for each prompt (lists of token ids).
@@ -230,6 +234,14 @@ def generate(
     block or run-ahead step computed past a stop). It runs on the host between device calls: a
     slow callback slows the run. An exception it raises ends the run and propagates.
 
+    `speculative=models.PromptLookup(k=4)` decodes speculatively (models.speculative): each
+    decode call feeds every row's last token and up to k tokens the proposer proposes (prompt
+    lookup: what followed the last n tokens earlier in the sequence), keeps the ones the model
+    agrees with and rolls the rest back in the same call. Greedy rows give exactly the tokens of
+    plain decoding; sampled rows follow the standard rejection rule (the target model's
+    distribution). Decode blocks and run-ahead are off then (each call reads the accepted
+    tokens back); the result counts `verify_calls`, `proposed_tokens`, `accepted_tokens`.
+
     Token ids must be integers (Python or numpy; not floats, strings or bools) in
     [0, vocab_size); every bad argument is a ValueError naming it.
     """
@@ -237,6 +249,10 @@ def generate(
         raise ValueError(f"model must be a models.Llama (init_random, load_pretrained), got {type(model).__name__}")
     if on_token is not None and not callable(on_token):
         raise ValueError(f"on_token must be a callable (prompt index, token id), got {type(on_token).__name__}")
+    if speculative is not None and not (callable(getattr(speculative, "propose", None))
+                                        and isinstance(getattr(speculative, "k", None), int) and speculative.k >= 1):  # fmt: skip
+        raise ValueError(f"speculative must be a proposer like models.PromptLookup(k=4) (propose(ids, limit), k >= 1), "
+                         f"got {type(speculative).__name__}")  # fmt: skip
     sampling, serving, parallel, index = options_from_keywords(sampling, serving, parallel, options)
     batch_size, chunk_size, layout, kv_dtype = serving.batch_size, serving.chunk_size, serving.layout, serving.kv_dtype
     host_pages, swap_policy, token_budget, decode_block = serving.host_pages, serving.swap_policy, serving.token_budget, serving.decode_block
@@ -363,6 +379,10 @@ def generate(
         tier, mixed_chunks, decode_block,
     )
     runner.on_token = on_token
+    if speculative is not None:
+        if return_logits:
+            raise ValueError("speculative decoding does not return logits: give return_logits=False (or no speculative)")
+        runner.speculative = speculative
     start = runner.start = time.perf_counter()
     with CompileClock() as compiling:
         if max_new_tokens > 0:
@@ -399,6 +419,9 @@ def generate(
         mixed_calls=runner.mixed_calls,
         token_seconds=[s.times for s in seqs],
         compile_seconds=min(compiling.seconds, seconds),
+        verify_calls=runner.verify_calls,
+        proposed_tokens=runner.proposed_tokens,
+        accepted_tokens=runner.accepted_tokens,
     )
 
 

@@ -89,6 +89,36 @@ def _step(graphdef, state, cache, tokens, slots, num_tokens, seq_ids, seed, samp
     return StepOutput(cache=cache, tokens=next_tokens, logits=every, ok=ok)
 
 
+def _verify(graphdef, state, cache, tokens, slots, num_tokens, seq_ids, seed, sampling):
+    """A speculative verify call (models.speculative): row b feeds tokens[b, :num_tokens[b]] (its
+    last token and its proposals), keeps the accepted ones and rolls the rest back (`aj.truncate`,
+    in the call). Returns (StepOutput: the cache, the row's last new token, its logits there,
+    ok; packed i32[T + 1, 2, B]: new token j of each row and ok for j < T, then (count, ok))."""
+    from arena_jax.models.speculative import verify_rows
+
+    model = nnx.merge(graphdef, state)
+    batch, width = tokens.shape
+    slots = slots.astype(jnp.int32)
+    num_tokens = jnp.where(slots >= 0, num_tokens.astype(jnp.int32), 0)
+    invalid = _invalid_rows(tokens, num_tokens, model.config.vocab_size)
+    cache, ok = aj.reserve(cache, slots, jnp.where(invalid, -1, num_tokens))
+    num_tokens = jnp.where(invalid | ~ok, 0, num_tokens)
+    slots = jnp.where(ok, slots, aj.PAD_SLOT)
+    positions = token_positions(cache, slots, num_tokens, width)
+    x, cache = model.hidden(tokens, positions, cache, slots, num_tokens)  # [B, T, E]
+    logits = model.logits(x).astype(jnp.float32)  # [B, T, V]
+    seq_ids = slots if seq_ids is None else seq_ids
+    new, count = verify_rows(logits, tokens, num_tokens, positions, sampling, seed, seq_ids)
+    cache = aj.truncate(cache, slots, jnp.where(slots >= 0, positions[:, 0] + count, 0))  # keep t0 and the accepted
+    last = jnp.maximum(count - 1, 0)
+    out = StepOutput(cache=cache, tokens=jnp.take_along_axis(new, last[:, None], axis=1)[:, 0],
+                     logits=jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0], ok=ok)  # fmt: skip
+    okay = ok.astype(jnp.int32)
+    packed = jnp.concatenate([jnp.stack([new.T, jnp.broadcast_to(okay, (width, batch))], axis=1),
+                              jnp.stack([count, okay])[None]], axis=0)  # fmt: skip
+    return out, packed
+
+
 def _shard_blocks(dp: int, decode, chunks):
     """[B], [P] -> [B + P]: the decode rows then the chunks of data shard 0, then of shard 1, ..."""
     return jnp.concatenate([decode.reshape(dp, -1), chunks.reshape(dp, -1)], axis=1).reshape(-1)
@@ -228,6 +258,7 @@ class BoundSteps(NamedTuple):
     leaves: list  # the state's leaves, in `treedef` order
     mixed: object = None  # (leaves, cache, tokens, slots, chunks, chunk_slots, chunk_counts, chunk_rows, seq_ids, seed, sampling) -> (StepOutput, i32[2, B])
     decode_block: object = None  # (leaves, cache, tokens, slots, counts, seq_ids, seed, sampling, length) -> (StepOutput, i32[length, 2, B])
+    verify: object = None  # (leaves, cache, tokens, slots, num_tokens, seq_ids, seed, sampling) -> (StepOutput, i32[T + 1, 2, B])
 
 
 def _packed(out: StepOutput):
@@ -289,9 +320,15 @@ def _bound(graphdef, treedef):
         state = jax.tree.unflatten(treedef, leaves)
         return _decode_block(graphdef, state, cache, tokens, slots, counts, seq_ids, seed, sampling, length)
 
+    def verify_leaves(leaves, cache, tokens, slots, num_tokens, seq_ids, seed, sampling):
+        TRACE_COUNTS["verify"] += 1
+        state = jax.tree.unflatten(treedef, leaves)
+        return _verify(graphdef, state, cache, tokens, slots, num_tokens, seq_ids, seed, sampling)
+
     return (jax.jit(prefill_leaves, static_argnames=("all_logits",), donate_argnums=(1,)),
             jax.jit(decode_leaves, donate_argnums=(1,)), jax.jit(mixed_leaves, donate_argnums=(1,)),
-            jax.jit(block_leaves, static_argnames=("length",), donate_argnums=(1,)))  # fmt: skip
+            jax.jit(block_leaves, static_argnames=("length",), donate_argnums=(1,)),
+            jax.jit(verify_leaves, donate_argnums=(1,)))  # fmt: skip
 
 
 def bound_steps(graphdef, state) -> BoundSteps:
@@ -303,8 +340,8 @@ def bound_steps(graphdef, state) -> BoundSteps:
                                          length=8)  # up to 8 steps per row; packed [8, 2, B]
     """
     leaves, treedef = jax.tree.flatten(state)
-    prefill_fn, decode_fn, mixed_fn, block_fn = _bound(graphdef, treedef)
-    return BoundSteps(prefill_fn, decode_fn, leaves, mixed_fn, block_fn)
+    prefill_fn, decode_fn, mixed_fn, block_fn, verify_fn = _bound(graphdef, treedef)
+    return BoundSteps(prefill_fn, decode_fn, leaves, mixed_fn, block_fn, verify_fn)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))

@@ -102,6 +102,8 @@ class Scheduler(Admission, PrefixPages, HostSwap, RunAhead):
         self.on_token = None  # (prompt index, token) -> None, called as each token is kept (generate's on_token)
         self.on_finish = None  # (Seq) -> None, called as a sequence ends (seq.finish says why)
         self.row_sampling = False  # each row samples with its Seq's own `sampling` (an online engine's requests)
+        self.speculative = None  # a proposer (models.speculative.PromptLookup): decode by verify calls
+        self.verify_calls = self.proposed_tokens = self.accepted_tokens = 0
         self._next_rows_cache: tuple | None = None  # run-ahead rows' arrays, reused while the same sequences go on
         self.run_ahead_steps = 0
         self.decode_step_seconds: list[float] = []  # per iteration that only decoded: its wall time / its decode steps
@@ -270,13 +272,16 @@ class Scheduler(Admission, PrefixPages, HostSwap, RunAhead):
             self.tier.observe_prefill(int(chunk_counts.sum()), time.perf_counter() - start)
         return failed
 
-    def _collect(self, out, packed, slots, counts, served: list | None = None, page_rows: bool = True, steps=None) -> set:
+    def _collect(self, out, packed, slots, counts, served: list | None = None, page_rows: bool = True, steps=None,
+                 counted: bool = False) -> set:
         """Advance the rows the step served; the data shards where a row was refused for lack of pages.
         `served`: the Seq each row served; a row whose Seq has left it since (a stop token read
         back after this run-ahead step was dispatched) is skipped, its token discarded.
         `page_rows=False`: keep the page rows read last (a run-ahead step mapped no page).
         `steps` (a decode block: packed is i32[block, 2, B]): the steps row r ran, each feeding
-        one token; a row's tokens after it stops are past its end (discarded)."""
+        one token; a row's tokens after it stops are past its end (discarded). `counted` (a
+        verify call: packed is i32[k + 2, 2, B]): as a block whose steps per row are its last
+        entry (accepted proposals + 1)."""
         wanted = [packed, *self._swap_ins]  # packed: the sampled tokens and ok, i32[2, B] (a block: [block, 2, B])
         page_rows = page_rows and self.index is not None
         if page_rows:  # the page table rows the index needs travel with the sampled tokens
@@ -286,8 +291,13 @@ class Scheduler(Admission, PrefixPages, HostSwap, RunAhead):
         if self.return_logits:
             wanted.append(out.logits)
         packed, *rest = fetch(*wanted)
-        results = packed.tolist() if steps is not None else [packed.tolist()]  # [step][tokens, ok][B]
-        per_row = steps.tolist() if steps is not None else [1] * len(results[0][0])
+        if counted:
+            *results, (per_row, _) = packed.tolist()
+            per_row = [max(1, n) for n in per_row]  # a refused row: its first step's ok (False) is read
+            self.accepted_tokens += sum(n - 1 for n, slot in zip(per_row, slots.tolist()) if slot >= 0)
+        else:
+            results = packed.tolist() if steps is not None else [packed.tolist()]  # [step][tokens, ok][B]
+            per_row = steps.tolist() if steps is not None else [1] * len(results[0][0])
         self._collected_steps = max(1, max(per_row))
         swapped_in, rest = rest[: len(self._swap_ins)], rest[len(self._swap_ins) :]
         self._swap_ins = []

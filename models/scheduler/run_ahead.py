@@ -85,6 +85,8 @@ class RunAhead:
         return jax.device_put(tokens, self._token_sharding)
 
     def _decode(self, waiting: collections.deque, run_ahead: bool = False) -> set:
+        if self.speculative is not None:
+            return self._verify()
         if self.index is None:
             self._flush()
         tokens = np.zeros((self.batch,), np.int32)
@@ -102,6 +104,37 @@ class RunAhead:
         if not run_ahead:
             return self._collect(*out, slots, (slots >= 0).astype(np.int32), steps=steps)
         return self._finish_decode(out, slots, served, waiting, steps)
+
+    def _verify(self) -> set:
+        """Speculative decoding (models.speculative): every decoding row's last token and what the
+        proposer proposes for it, in one verify call; each row advances by its accepted proposals
+        + 1. Proposals are dropped (plain decoding, in the same call) where they might not fit the
+        pages."""
+        if self.index is None:
+            self._flush()
+        k = self.speculative.k
+        tokens = np.zeros((self.batch, k + 1), np.int32)
+        slots = np.full((self.batch,), aj.PAD_SLOT, np.int32)
+        counts = np.zeros((self.batch,), np.int32)
+        seq_ids = np.zeros((self.batch,), np.int32)
+        for r, s in enumerate(self.rows):
+            if s is not None and s.pending == 1:
+                ids = s.ids
+                proposal = self.speculative.propose(ids, self._max_new(s) - len(s.generated) - 1)
+                tokens[r, 0], tokens[r, 1 : 1 + len(proposal)] = ids[-1], proposal
+                slots[r], counts[r], seq_ids[r] = self.slot_of[r], 1 + len(proposal), s.draw_key
+        if self.index is None and not self._pages_fit(counts.tolist()):
+            tokens[:, 1:], counts = 0, np.minimum(counts, 1)  # a reservation might fail: plain decoding
+        if self.index is not None:
+            live = np.flatnonzero(slots >= 0)
+            self._make_room(live.tolist(), counts[live].tolist())
+        out, packed = self.steps.verify(self.steps.leaves, self.cache, jnp.asarray(tokens), self._device(slots),
+                                        jnp.asarray(counts), self._device(seq_ids), self.seed, self.sampling)  # fmt: skip
+        self.cache = out.cache
+        self.verify_calls += 1
+        self.proposed_tokens += int(counts.sum() - (slots >= 0).sum())
+        self.decode_calls += 1
+        return self._collect(out, packed, slots, (slots >= 0).astype(np.int32), counted=True)
 
     def _block_steps(self, in_flight: list[int], going: list[int], waiting: collections.deque):
         """i32[B]: the decode steps each row of `going` runs in the next call (module docstring,

@@ -1,0 +1,125 @@
+"""Speculative decoding (issue 43): the verify step keeps exactly the proposals greedy decoding
+agrees with and rolls the rest back in the same call (pages and watermarks as if they never
+came); `generate(speculative=PromptLookup(k))` gives plain decoding's greedy tokens across
+families, arena dtypes, a prefix cache, a tight arena (preemption) and stop tokens inside an
+accepted run, with the host's page count equal to the device's after every call; sampled
+acceptance leaves each token distributed as the target model's."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import arena_jax as aj
+from arena_jax import models
+from arena_jax.models.sampling import SamplingParams
+from arena_jax.models.scheduler import Scheduler
+from arena_jax.models.speculative import verify_rows
+from arena_jax.models.steps import bound_steps
+
+
+def test_prompt_lookup_proposes_what_followed():
+    look = models.PromptLookup(k=3, max_ngram=2)
+    assert look.propose([1, 2, 3, 4, 1, 2], 10) == [3, 4, 1]  # "1 2" was followed by 3 4 1
+    assert look.propose([5, 1, 2, 9, 7, 1, 2], 10) == [9, 7, 1]  # the most recent earlier "1 2"
+    assert look.propose([1, 2, 3, 4, 1, 2], 2) == [3, 4]  # at most `limit`
+    assert look.propose([1, 2, 3], 5) == [] and look.propose([7], 5) == []
+    assert look.propose([4, 9, 4], 5) == [9, 4]  # falls back to a 1-gram
+    with pytest.raises(ValueError, match="k must be an integer >= 1"):
+        models.PromptLookup(k=0)
+    with pytest.raises(ValueError, match="min_ngram 3 > max_ngram 2"):
+        models.PromptLookup(min_ngram=3, max_ngram=2)
+    with pytest.raises(ValueError, match="speculative must be a proposer"):
+        models.generate(models.init_random(models.LlamaConfig.tiny(), seed=0), [[1, 2]], 2, speculative=4)
+
+
+def test_verify_keeps_what_greedy_decoding_agrees_with():
+    model = models.init_random(models.LlamaConfig.tiny(), seed=0)
+    steps = bound_steps(*nnx.split(model))
+    layout = models.default_layout(model, 3, 64, dtype="float32")
+    slots, ids, seed, samp = jnp.arange(3, dtype=jnp.int32), jnp.arange(3, dtype=jnp.int32), jnp.int32(0), models.Sampling().rows(3)
+    prompts = jnp.array([[5, 6, 7, 8, 9, 10], [11, 12, 13, 0, 0, 0], [40, 41, 0, 0, 0, 0]], jnp.int32)
+    lengths = jnp.array([6, 3, 2], jnp.int32)
+
+    def prefilled():
+        out, _ = steps.prefill(steps.leaves, aj.create(layout), prompts, slots, lengths, ids, seed, samp)
+        return out
+
+    out = prefilled()
+    cache, token, plain = out.cache, out.tokens, [np.asarray(out.tokens)]
+    for _ in range(5):
+        out, _ = steps.decode_step(steps.leaves, cache, token, slots, ids, seed, samp)
+        cache, token = out.cache, out.tokens
+        plain.append(np.asarray(token))
+    plain = np.stack(plain, 1)  # [3, 6]: greedy tokens
+    out = prefilled()
+    tokens = np.zeros((3, 5), np.int32)
+    tokens[:, 0] = plain[:, 0]
+    tokens[0, 1:5] = plain[0, 1:5]  # all four right: 4 accepted + the bonus
+    tokens[1, 1:3], tokens[1, 3:5] = plain[1, 1:3], (plain[1, 3] + 1) % 128  # two right, then wrong
+    tokens[2, 1] = (plain[2, 1] + 1) % 128  # wrong at once: the correction only
+    counts = jnp.array([5, 5, 2], jnp.int32)
+    got, packed = steps.verify(steps.leaves, out.cache, jnp.asarray(tokens), slots, counts, ids, seed, samp)
+    packed = np.asarray(packed)
+    assert packed[5, 0].tolist() == [5, 3, 1] and packed[5, 1].tolist() == [1, 1, 1]
+    for r, n in enumerate((5, 3, 1)):
+        assert packed[:n, 0, r].tolist() == plain[r, 1 : 1 + n].tolist()
+    table = got.cache.table
+    kept = np.asarray(lengths) + np.array([5, 3, 1])  # the prompt, t0 and the accepted proposals
+    assert np.asarray(table.lengths)[:3].tolist() == kept.tolist()
+    assert (np.asarray(table.written)[:, :3] == kept).all()  # every layer's watermark rolled back too
+    health = aj.health(got.cache)
+    assert health["pages_in_use"] == sum(layout.pages_for(int(n)) for n in kept)  # emptied pages freed
+
+
+@pytest.mark.parametrize("family, kv_dtype", [("llama", "float32"), ("gemma2", "float32"), ("qwen3", "int8")])
+def test_greedy_speculative_generate_is_plain_generate(monkeypatch, family, kv_dtype):
+    monkeypatch.setattr(Scheduler, "CHECK_ACCOUNTING", True)  # host and device page counts agree after each call
+    model = models.init_random(models.LlamaConfig.tiny_family(family), seed=1)
+    rng = np.random.default_rng(2)
+    prompts = [[3, 4, 5, 6] * 6, rng.integers(0, 128, 17).tolist(), [9, 9, 9], rng.integers(0, 128, 40).tolist(),
+               [7, 8] * 9]  # fmt: skip
+    for stop in ((), (int(rng.integers(0, 128)), 90)):
+        kw = dict(batch_size=2, stop_tokens=stop, kv_dtype=kv_dtype)
+        plain = models.generate(model, prompts, 30, **kw)
+        spec = models.generate(model, prompts, 30, speculative=models.PromptLookup(k=4), **kw)
+        assert spec.tokens == plain.tokens
+        assert spec.verify_calls > 0 and 0 < spec.accepted_tokens <= spec.proposed_tokens  # some were kept
+        assert spec.verify_calls < plain.decode_steps  # fewer calls than tokens decoded one by one
+        assert aj.health(spec.cache)["pages_in_use"] == 0
+
+
+def test_speculative_with_a_prefix_cache_and_a_tight_arena(monkeypatch):
+    monkeypatch.setattr(Scheduler, "CHECK_ACCOUNTING", True)
+    model = models.init_random(models.LlamaConfig.tiny(), seed=3)
+    system = [5, 6, 7, 8, 9] * 4
+    prompts = [system + [i, i + 1, i + 2] * 3 for i in range(6)]
+    look = models.PromptLookup(k=3)
+    layout = models.default_layout(model, 3, 64, dtype="float32")
+    tight = models.LlamaConfig.tiny().kv_layout(page_size=16, num_pages=9, max_seqs=3, max_seq_len=64, dtype="float32")
+    for kw in (dict(layout=layout, prefix_cache=True), dict(layout=tight)):  # the tight one preempts
+        plain = models.generate(model, prompts, 24, batch_size=3, stop_tokens=(), **kw)
+        spec = models.generate(model, prompts, 24, batch_size=3, stop_tokens=(), speculative=look, **kw)
+        assert spec.tokens == plain.tokens
+    assert plain.preemptions > 0  # the tight arena did preempt
+
+
+def test_sampled_acceptance_keeps_the_target_distribution():
+    """The first new token is distributed as the target's p0, whatever is proposed; after an
+    accepted proposal the next one as p1 (a tiny vocabulary, 20,000 draws)."""
+    vocab, draws = 4, 20000
+    p0, p1 = np.array([0.1, 0.2, 0.3, 0.4]), np.array([0.5, 0.25, 0.15, 0.1])
+    logits = jnp.asarray(np.log(np.stack([p0, p1, p1]))[None], jnp.float32)  # [1, 3, V]
+    tokens = jnp.array([[0, 2, 1]], jnp.int32)  # t0, then proposals 2 and 1
+    params = SamplingParams(jnp.ones((1,)), jnp.zeros((1,), jnp.int32), jnp.ones((1,)))
+    run = jax.jit(jax.vmap(lambda s: verify_rows(logits, tokens, jnp.array([3]), jnp.array([[10, 11, 12]]), params, s,
+                                                 jnp.array([0]))))  # fmt: skip
+    new, count = (np.asarray(x)[:, 0] for x in run(jnp.arange(draws)))
+    first = np.bincount(new[:, 0], minlength=vocab) / draws
+    np.testing.assert_allclose(first, p0, atol=0.015)
+    accepted = new[:, 0] == 2
+    assert abs(accepted.mean() - p0[2]) < 0.015 and (count[accepted] >= 2).all() and (count[~accepted] == 1).all()
+    second = np.bincount(new[accepted, 1], minlength=vocab) / accepted.sum()
+    np.testing.assert_allclose(second, p1, atol=0.03)
