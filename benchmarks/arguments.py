@@ -304,6 +304,10 @@ SUBCOMMANDS = {
               "generate's serving loop against its bare jitted decode step (the host's overhead per step), the "
               "programs each generate call compiles, first-call compile time by depth, and a Poisson-arrival run "
               "(mixed steps against separate prefill)."),
+    "speculative": ("speculative decoding (prompt lookup) vs plain decoding on a repetitive workload",
+                    "Speculative decoding with prompt lookup against plain decoding (one step a call, and decode "
+                    "blocks) on prompts that repeat a span: tokens per target-model call, acceptance, tokens/s "
+                    "(compile excluded), identical greedy tokens checked."),
 }
 
 
@@ -413,5 +417,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_swap_args(p)
     p = subcommand("serve", common)
     _add_serve_args(p)
+    from arena_jax.benchmarks.speculative import SpeculativeSettings
+
+    d = SpeculativeSettings()
+    p = subcommand("speculative", common)
+    p.add_argument("--model", choices=("tiny", "mid"), default=d.model, help="random-weight model (mid: hidden 512, 8 layers)")
+    p.add_argument("--batch", type=positive_int, default=d.batch, help="batch rows")
+    p.add_argument("--requests", type=positive_int, default=d.requests, help="prompts")
+    p.add_argument("--span", type=positive_int, default=d.span, help="tokens of the span each prompt repeats")
+    p.add_argument("--repeats-in-prompt", type=positive_int, default=d.repeats_in_prompt, help="times the span repeats")
+    p.add_argument("--new-tokens", type=positive_int, default=d.new_tokens, help="greedy tokens per prompt")
+    p.add_argument("--k", type=int_in(1, 64), default=d.k, help="proposals per verify call")
+    p.add_argument("--rounds", type=positive_int, default=d.rounds, help="alternated timing rounds (medians)")
+    p.add_argument("--seed", type=seed, default=d.seed, help="weights and prompts")
     parser.subcommands = sub.choices  # name -> subparser, to report errors per subcommand
     return parser

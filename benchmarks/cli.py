@@ -13,6 +13,7 @@ end-to-end decode against a dense cache, the Pallas kernels, and prefix caching.
     arena-bench swap                  a preemption-heavy generate run: recompute vs swap to host memory
     arena-bench serve                 generate's decode step vs the bare jitted step, compiles per call / by depth
     arena-bench serve --http          arena-serve vs transformers serve under Poisson loads (TTFT, ITL, tokens/s)
+    arena-bench speculative           speculative decoding (prompt lookup) vs plain decoding, repetitive prompts
 
 layout, capacity, decode and kernels take the KV arena's dtype (`--kv-dtype`; kernels: `--dtype`):
 bfloat16 by default, or int8 / float8_e4m3fn / float8_e5m2 (8-bit values and a float32 scale per
@@ -395,6 +396,19 @@ def _cmd_prefix(args, console, progress) -> dict:
     return result
 
 
+def _cmd_speculative(args, console, progress) -> dict:
+    from arena_jax.benchmarks.speculative import SpeculativeSettings, run_speculative, speculative_lines
+
+    settings = SpeculativeSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SpeculativeSettings)})
+    console.print("[bold]speculative[/bold]: prompt lookup vs plain decoding (compiling first) ...")
+    t0 = time.perf_counter()
+    result = run_speculative(settings, progress)
+    for line in speculative_lines(result):
+        print(line)
+    console.print(f"  ({time.perf_counter() - t0:.0f} s)")
+    return result
+
+
 def _cmd_swap(args, console, progress) -> dict:
     from arena_jax.benchmarks.swap import SwapSettings, SwapTooLarge, run_swap, swap_notes, swap_table
 
@@ -711,5 +725,5 @@ def main(argv=None) -> int:
     return run(sys.argv[1:] if argv is None else argv, {
         "layout": lambda args, console, progress: _cmd_layout(args, console), "capacity": _cmd_capacity,
         "decode": _cmd_decode, "kernels": _cmd_kernels, "accuracy": _cmd_accuracy, "prefix": _cmd_prefix,
-        "swap": _cmd_swap, "serve": _cmd_serve, "tour": _tour,
+        "swap": _cmd_swap, "serve": _cmd_serve, "speculative": _cmd_speculative, "tour": _tour,
     })

@@ -181,14 +181,15 @@ def run_http(settings: HttpSettings, progress=None) -> dict:
             for name, server in servers.items():  # warm-up: compiles, caches, lazy loads
                 asyncio.run(_load(server.url, names[name], warm, settings.max_tokens))
             rows = []
+            advance = progress.add_task("serve --http: loads", total=len(settings.rates) * settings.repeats * len(servers)) if progress else None
             for rate in settings.rates:
                 runs = {name: [] for name in servers}
                 for rep in range(settings.repeats):
                     jobs = _jobs(settings, rate, random.Random(settings.seed + rep))
                     for name, server in servers.items():  # alternated, the same jobs
                         runs[name].append(asyncio.run(_load(server.url, names[name], jobs, settings.max_tokens)))
-                        if progress:
-                            progress()
+                        if advance:
+                            advance(1)
                 for name, got in runs.items():
                     med = {k: statistics.median(r[k] for r in got) for k in
                            ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "wall_s")}  # fmt: skip

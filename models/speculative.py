@@ -32,8 +32,9 @@ __all__ = ["PromptLookup", "verify_rows"]
 
 @dataclasses.dataclass(frozen=True)
 class PromptLookup:
-    """Propose what followed the most recent earlier occurrence of the sequence's last n tokens
-    (n from `max_ngram` down to `min_ngram`): no second model. `k`: proposals per step."""
+    """Propose what followed an earlier occurrence of the sequence's last n tokens (n from
+    `max_ngram` down to `min_ngram`): the most recent one followed by k tokens, else the
+    earliest (the longest continuation). No second model. `k`: proposals per step."""
 
     k: int = 4
     max_ngram: int = 3
@@ -53,10 +54,14 @@ class PromptLookup:
         if limit <= 0:
             return []
         for n in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):
-            tail = ids[-n:]
-            for start in range(len(ids) - n - 1, -1, -1):  # the most recent earlier match
+            tail, found = ids[-n:], None
+            for start in range(len(ids) - n - 1, -1, -1):  # the most recent earlier match with `limit` tokens after it
                 if ids[start : start + n] == tail:
-                    return ids[start + n : start + n + limit]
+                    if len(ids) - (start + n) >= limit:
+                        return ids[start + n : start + n + limit]
+                    found = start  # else the earliest: the longest continuation (in a short loop the latest ends early)
+            if found is not None:
+                return ids[found + n : found + n + limit]
         return []
 
 

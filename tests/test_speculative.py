@@ -24,6 +24,9 @@ def test_prompt_lookup_proposes_what_followed():
     look = models.PromptLookup(k=3, max_ngram=2)
     assert look.propose([1, 2, 3, 4, 1, 2], 10) == [3, 4, 1]  # "1 2" was followed by 3 4 1
     assert look.propose([5, 1, 2, 9, 7, 1, 2], 10) == [9, 7, 1]  # the most recent earlier "1 2"
+    assert look.propose([1, 2, 8, 8, 8, 1, 2, 6, 1, 2], 10) == [6, 1, 2]  # the latest match with k tokens after it
+    assert look.propose([1, 2, 8, 8, 8, 1, 2], 10) == [8, 8, 8]  # ... skipping none: here the only one
+    assert look.propose([3, 3, 3, 3], 10) == [3, 3]  # none has k after it: the most recent
     assert look.propose([1, 2, 3, 4, 1, 2], 2) == [3, 4]  # at most `limit`
     assert look.propose([1, 2, 3], 5) == [] and look.propose([7], 5) == []
     assert look.propose([4, 9, 4], 5) == [9, 4]  # falls back to a 1-gram
