@@ -22,10 +22,32 @@ TOLERANCES = {
 }
 
 
+def on_device(x, dtype):
+    """`x` (numpy or a Python value) as a device array of `dtype`, converted on the host exactly as
+    `jnp.asarray(x, dtype)` converts it (float64 to float32 first, then to `dtype`, round to
+    nearest even): one transfer and no compile. (`jnp.asarray` of float64 data to another dtype,
+    `jnp.full` and `bitcast_convert_type` each compile a one-op program per shape and dtype:
+    about half the programs the kernel tests' case builders compiled.)"""
+    x = np.asarray(x)
+    if x.dtype == np.float64:
+        x = x.astype(np.float32)
+    return jnp.asarray(x.astype(jnp.dtype(dtype)))
+
+
+def full(shape, value, dtype):
+    """`jnp.full(shape, value, dtype)`, built on the host (`on_device`)."""
+    return on_device(np.full(shape, value, np.float32 if jnp.issubdtype(dtype, jnp.floating) else dtype), dtype)
+
+
+def random_bits(rng, shape, dtype):
+    """Random bytes viewed as an 8-bit `dtype` (fp8: NaN and inf patterns included), on the host."""
+    return jnp.asarray(rng.integers(0, 256, shape, dtype=np.uint8).view(jnp.dtype(dtype)))
+
+
 def scrambled_page_map(seed, lengths, page_size, max_pages, num_pages):
-    """i32[rows, max_pages]: each row's pages drawn from a random permutation of the pool; -1
-    beyond its length. Keep `num_pages` fixed per test file: the permutation compiles once."""
-    perm = jax.random.permutation(jax.random.PRNGKey(seed), num_pages)[: len(lengths) * max_pages]
+    """i32[rows, max_pages]: each row's pages drawn from a random permutation of the pool (numpy's,
+    on the host); -1 beyond its length."""
+    perm = np.random.default_rng(seed).permutation(num_pages)[: len(lengths) * max_pages]
     needed = -(-np.asarray(lengths) // page_size)
-    pm = np.where(np.arange(max_pages)[None, :] < needed[:, None], np.asarray(perm).reshape(-1, max_pages), -1)
+    pm = np.where(np.arange(max_pages)[None, :] < needed[:, None], perm.reshape(-1, max_pages), -1)
     return jnp.asarray(pm, jnp.int32)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from hf_reference import hf_reference  # noqa: F401  (a fixture: skips / fails as the CI line says where torch is absent)
-from kernel_cases import TOLERANCES, fill_ref
+from kernel_cases import TOLERANCES, fill_ref, full, on_device, random_bits
 from pallas_kernels import BlockSizes, paged_attention, paged_attention_reference
 from pallas_kernels.quant import is_quantized
 
@@ -55,21 +55,20 @@ def make_case(*, seed, arena, q_dtype, lengths, num_tokens, tokens, q_heads, kv_
     page_map = page_map_of(rng, lengths, page_size, max_pages, num_pages, extra_pages)
     k = rng.standard_normal((batch, n, kv_heads, HEAD_DIM)) * 1.5
     v = rng.standard_normal((batch, n, kv_heads, HEAD_DIM))
-    q = jnp.asarray(rng.standard_normal((batch, tokens, q_heads, HEAD_DIM)), q_dtype)
+    q = on_device(rng.standard_normal((batch, tokens, q_heads, HEAD_DIM)), q_dtype)
     for kind, row, pos, head, value in poison:
         (k if kind == "k" else v)[row, pos, head, LANE] = value
     shape = (1, kv_heads, num_pages, page_size, HEAD_DIM)
     lens = jnp.asarray(lengths, jnp.int32)
     if is_quantized(arena):
-        bits = rng.integers(0, 256, shape, dtype=np.uint8)
-        values = jax.lax.bitcast_convert_type(jnp.asarray(bits), jnp.dtype(arena))
-        scales = jnp.full(shape[:4], np.nan, jnp.float32)
-        ka, va, ks, vs = fill_ref(values, values, 0, jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32),
+        values = random_bits(rng, shape, arena)
+        scales = full(shape[:4], np.nan, jnp.float32)
+        ka, va, ks, vs = fill_ref(values, values, 0, on_device(k, jnp.float32), on_device(v, jnp.float32),
                                   page_map, lens, lens, k_scale=scales, v_scale=scales)
         arrays = dict(k_arena=ka, v_arena=va, k_scale=ks, v_scale=vs)
     else:
-        full = jnp.full(shape, stale, arena)
-        ka, va = fill_ref(full, full, 0, jnp.asarray(k, arena), jnp.asarray(v, arena), page_map, lens, lens)
+        stale_arena = full(shape, stale, arena)
+        ka, va = fill_ref(stale_arena, stale_arena, 0, on_device(k, arena), on_device(v, arena), page_map, lens, lens)
         arrays = dict(k_arena=ka, v_arena=va)
     return dict(q=q, layer=0, page_map=page_map, lengths=lens, num_tokens=jnp.asarray(num_tokens, jnp.int32), **arrays)
 
@@ -78,7 +77,7 @@ def oracle(case, *, window=None, cap=None):
     """float64 dense attention over the values the arena holds (8-bit: values * scale)."""
     q = np.asarray(case["q"], np.float64)
     batch, tokens, q_heads, head_dim = q.shape
-    ka, va = (np.asarray(case[a].astype(jnp.float32), np.float64)[0] for a in ("k_arena", "v_arena"))
+    ka, va = (np.asarray(case[a]).astype(np.float32).astype(np.float64)[0] for a in ("k_arena", "v_arena"))
     if "k_scale" in case:
         ka = ka * np.asarray(case["k_scale"], np.float64)[0][..., None]
         va = va * np.asarray(case["v_scale"], np.float64)[0][..., None]

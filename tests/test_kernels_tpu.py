@@ -32,7 +32,7 @@ from pallas_kernels.tpu.append import tpu_paged_append
 from pallas_kernels.tpu.attention import tpu_paged_attention
 
 FULL = os.environ.get("ARENA_TPU_GRID", "").strip().lower() == "full"
-NUM_PAGES = 40  # one pool size: the permutation compiles once
+NUM_PAGES = 40  # one pool size
 COUNTS: collections.Counter = collections.Counter()  # cases run per kind (printed at the end with -s)
 append_ref = jax.jit(append_reference)
 
@@ -53,12 +53,12 @@ def float_case(*, seed, lengths, num_tokens, tokens, q_heads, kv_heads, page_siz
     batch = len(lengths)
     max_pages = max_pages or int(-(-lengths.max() // page_size))
     page_map = kernel_cases.scrambled_page_map(seed, lengths, page_size, max_pages, NUM_PAGES)
-    arena = jnp.full((layers, kv_heads, NUM_PAGES, page_size, head_dim), stale, dtype)
+    arena = kernel_cases.full((layers, kv_heads, NUM_PAGES, page_size, head_dim), stale, dtype)
     n = int(lengths.max())
-    k, v = (jnp.asarray(rng.standard_normal((batch, n, kv_heads, head_dim)), dtype) for _ in range(2))
+    k, v = (kernel_cases.on_device(rng.standard_normal((batch, n, kv_heads, head_dim)), dtype) for _ in range(2))
     lens = jnp.asarray(lengths, jnp.int32)
     k_arena, v_arena = fill_ref(arena, arena, layer, k, v, page_map, lens, lens)
-    q = jnp.asarray(rng.standard_normal((batch, tokens, q_heads, head_dim)), dtype)
+    q = kernel_cases.on_device(rng.standard_normal((batch, tokens, q_heads, head_dim)), dtype)
     return dict(q=q, k_arena=k_arena, v_arena=v_arena, layer=layer, page_map=page_map, lengths=lens,
                 num_tokens=jnp.asarray(num_tokens, jnp.int32))
 
@@ -72,16 +72,15 @@ def quantized_case(*, seed, dtype, lengths, num_tokens, tokens, q_heads, kv_head
     batch = len(lengths)
     max_pages = int(-(-lengths.max() // page_size))
     page_map = kernel_cases.scrambled_page_map(seed, lengths, page_size, max_pages, NUM_PAGES)
-    bits = rng.integers(0, 256, (2, kv_heads, NUM_PAGES, page_size, head_dim), dtype=np.uint8)
-    values = jax.lax.bitcast_convert_type(jnp.asarray(bits), jnp.dtype(dtype))
-    scales = jnp.full((2, kv_heads, NUM_PAGES, page_size), stale_scale, jnp.float32)
+    values = kernel_cases.random_bits(rng, (2, kv_heads, NUM_PAGES, page_size, head_dim), dtype)
+    scales = kernel_cases.full((2, kv_heads, NUM_PAGES, page_size), stale_scale, jnp.float32)
     n = int(lengths.max())
     k = rng.standard_normal((batch, n, kv_heads, head_dim)) * np.where(np.arange(head_dim) % 7 == 3, 20.0, 1.0)
     v = rng.standard_normal((batch, n, kv_heads, head_dim))
     lens = jnp.asarray(lengths, jnp.int32)
-    ka, va, ks, vs = fill_ref(values, values, layer, jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32),
-                              page_map, lens, lens, k_scale=scales, v_scale=scales)
-    q = jnp.asarray(rng.standard_normal((batch, tokens, q_heads, head_dim)), q_dtype)
+    ka, va, ks, vs = fill_ref(values, values, layer, kernel_cases.on_device(k, jnp.float32),
+                              kernel_cases.on_device(v, jnp.float32), page_map, lens, lens, k_scale=scales, v_scale=scales)
+    q = kernel_cases.on_device(rng.standard_normal((batch, tokens, q_heads, head_dim)), q_dtype)
     return dict(q=q, k_arena=ka, v_arena=va, layer=layer, page_map=page_map, lengths=lens,
                 num_tokens=jnp.asarray(num_tokens, jnp.int32), k_scale=ks, v_scale=vs)
 
@@ -158,7 +157,7 @@ def test_chunked_prefill_equals_one_shot():
     q_heads, kv_heads, page_size, head_dim, window, n_max = 4, 2, 8, 128, 10, 13
     k, v, q = (rng.standard_normal((3, n_max, h, head_dim)).astype(np.float32) for h in (kv_heads, kv_heads, q_heads))
     page_map = kernel_cases.scrambled_page_map(11, np.full(3, n_max), page_size, 2, NUM_PAGES)
-    arena = jnp.full((1, kv_heads, NUM_PAGES, page_size, head_dim), jnp.nan, jnp.float32)
+    arena = kernel_cases.full((1, kv_heads, NUM_PAGES, page_size, head_dim), np.nan, jnp.float32)
     lens = jnp.asarray(n, jnp.int32)
     ka, va = tpu_paged_append(arena, arena, 0, k, v, page_map, lens, lens, interpret=True)
     for got, want in zip((ka, va), append_ref(arena, arena, 0, k, v, page_map, lens, lens)):
@@ -261,8 +260,8 @@ def append_inputs(*, seed, page_size, kv_heads, dtype, tokens, head_dim=128, max
     rng = np.random.default_rng(seed)
     lengths, num_tokens = rows_for(page_size, tokens)
     shape = (2, kv_heads, NUM_PAGES, page_size, head_dim)
-    k_arena, v_arena = (jnp.asarray(rng.standard_normal(shape), dtype) for _ in range(2))
-    k, v = (jnp.asarray(rng.standard_normal((6, tokens, kv_heads, head_dim)), dtype) for _ in range(2))
+    k_arena, v_arena = (kernel_cases.on_device(rng.standard_normal(shape), dtype) for _ in range(2))
+    k, v = (kernel_cases.on_device(rng.standard_normal((6, tokens, kv_heads, head_dim)), dtype) for _ in range(2))
     page_map = kernel_cases.scrambled_page_map(seed, lengths, page_size, max_pages, NUM_PAGES)
     return k_arena, v_arena, k, v, page_map, jnp.asarray(lengths, jnp.int32), jnp.asarray(num_tokens, jnp.int32)
 
@@ -333,11 +332,11 @@ def test_quantized_append_matches_reference(dtype):
     rng = np.random.default_rng(5)
     lengths, num_tokens = (1, s - 1, s, s + 1, 2 * s + 2, 4), (1, 9, 2, 9, 9, 0)
     bits = rng.integers(0, 256, (2, 2, NUM_PAGES, s, head_dim), dtype=np.uint8)
-    values = jax.lax.bitcast_convert_type(jnp.asarray(bits), dtype)
+    values = jnp.asarray(bits.view(jnp.dtype(dtype)))
     scales = jnp.asarray(rng.standard_normal((2, 2, NUM_PAGES, s)), jnp.float32)  # stale: must stay where not written
     k = rng.standard_normal((6, tokens, 2, head_dim)) * 3
     k[4, 0], k[4, 1, 0, 3], k[4, 2, 1, 0], k[4, 3, 0, :3] = 0.0, np.nan, -np.inf, (1e5, -1e5, 1e-3)
-    k, v = jnp.asarray(k, jnp.bfloat16), jnp.asarray(rng.standard_normal((6, tokens, 2, head_dim)), jnp.bfloat16)
+    k, v = kernel_cases.on_device(k, jnp.bfloat16), kernel_cases.on_device(rng.standard_normal((6, tokens, 2, head_dim)), jnp.bfloat16)
     page_map = kernel_cases.scrambled_page_map(5, lengths, s, 3, NUM_PAGES)
     args = (values, values, 1, k, v, page_map, jnp.asarray(lengths, jnp.int32), jnp.asarray(num_tokens, jnp.int32))
     got = tpu_paged_append(*args, k_scale=scales, v_scale=scales, interpret=True)
@@ -411,7 +410,7 @@ def test_api_rotated_int8_keys_match_reference(q_dtype):
             k[..., 5] *= 20.0  # an outlier key channel
             k, v = jnp.asarray(k, jnp.float32), jnp.asarray(rng.standard_normal((2, 4, 2, 128)), jnp.float32)
             cache = aj.append(cache, 0, slots, k, v, num_tokens=counts, backend=backend)
-            q = jnp.asarray(rng.standard_normal((2, 4, 4, 128)), q_dtype)
+            q = kernel_cases.on_device(rng.standard_normal((2, 4, 4, 128)), q_dtype)
             outs.append(aj.attend(q, cache, 0, slots, num_tokens=counts, backend=backend))
         return cache, outs
 
@@ -446,7 +445,7 @@ def test_page_copies_match_a_scatter(dtype):
         values = [jnp.asarray(rng.integers(-128, 128, (L, H, P, S, D)), jnp.int8) for _ in range(2)]
         arrays = values + [jnp.asarray(rng.standard_normal((L, H, P, S)), jnp.float32) for _ in range(2)]
     else:
-        arrays = [jnp.asarray(rng.standard_normal((L, H, P, S, D)), jnp.bfloat16) for _ in range(2)]
+        arrays = [kernel_cases.on_device(rng.standard_normal((L, H, P, S, D)), jnp.bfloat16) for _ in range(2)]
     src, dst = jnp.array([1, 4, 2, 0, 2]), jnp.array([5, P, 3, P + 2, 0])
     want = [np.asarray(a.at[:, :, dst].set(a[:, :, src], mode="drop")) for a in arrays]
     copy = jax.jit(lambda arrays, src, dst: tpu_copy_pages(arrays, src, dst, interpret=True), donate_argnums=0)
