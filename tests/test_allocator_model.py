@@ -142,27 +142,41 @@ def _stored(fmt: str, factors_bytes):
 # ---- the calls, eager (host mode) or inside the test's own jit (jit mode) --------------------------
 
 
-def _ops(backend):
+def _backend_ops(backend):
     return {
-        "reserve": lambda c, s, n: aj.reserve(c, s, n),
         "append": lambda c, layer, s, k, v, n: aj.append(c, layer, s, k, v, num_tokens=n, backend=backend),
         "attend": lambda q, c, layer, s, n, w: aj.attend(q, c, layer, s, num_tokens=n, sliding_window=w, backend=backend),
-        "release": lambda c, s: aj.release(c, s),
-        "fork": lambda c, src, dst: aj.fork(c, src, dst),
-        "truncate": lambda c, s, n: aj.truncate(c, s, n),
-        "hold_pages": lambda c, p, n: aj.hold_pages(c, p, n),
-        "drop_pages": lambda c, p: aj.drop_pages(c, p),
-        "fork_pages": lambda c, p, n, d: aj.fork_pages(c, p, n, d),
-        **host_calls(),
     }
+
+
+# The ops without a backend: the same functions (so, in jit mode, the same jits) for every backend.
+_SHARED_OPS = {
+    "reserve": lambda c, s, n: aj.reserve(c, s, n),
+    "release": lambda c, s: aj.release(c, s),
+    "fork": lambda c, src, dst: aj.fork(c, src, dst),
+    "truncate": lambda c, s, n: aj.truncate(c, s, n),
+    "hold_pages": lambda c, p, n: aj.hold_pages(c, p, n),
+    "drop_pages": lambda c, p: aj.drop_pages(c, p),
+    "fork_pages": lambda c, p, n, d: aj.fork_pages(c, p, n, d),
+}
+
+
+def _ops(backend):
+    return {**_SHARED_OPS, **_backend_ops(backend), **host_calls()}
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_jitted():
+    """One jit per backend-free op for the session: traced and compiled once per cache format,
+    not once more per backend."""
+    return {name: jax.jit(f, donate_argnums=0) for name, f in _SHARED_OPS.items()}
 
 
 @functools.lru_cache(maxsize=None)
 def jitted(backend):
-    ops = _ops(backend)
-    out = {name: jax.jit(f, donate_argnums=0) for name, f in ops.items() if name != "attend"}
-    out["attend"] = jax.jit(ops["attend"], static_argnums=5)
-    return {**out, **jitted_calls()}
+    ops = _backend_ops(backend)
+    out = {"append": jax.jit(ops["append"], donate_argnums=0), "attend": jax.jit(ops["attend"], static_argnums=5)}
+    return {**_shared_jitted(), **out, **jitted_calls()}
 
 
 def i32(values):
