@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from arena_jax.models.argtypes import INT32_MAX, float_in, int_in, positive_float, positive_int, seed
+from arena_jax.models.argtypes import INT32_MAX, HelpWithDefaults, float_in, int_in, positive_float, positive_int, seed
 
 GIB = 2**30
 
@@ -306,20 +306,9 @@ SUBCOMMANDS = {
               "(mixed steps against separate prefill)."),
     "speculative": ("speculative decoding (prompt lookup) vs plain decoding on a repetitive workload",
                     "Speculative decoding with prompt lookup against plain decoding (one step a call, and decode "
-                    "blocks) on prompts that repeat a span: tokens per target-model call, acceptance, tokens/s "
+                    "blocks) on prompts that repeat a span: tokens per call of the model, acceptance, tokens/s "
                     "(compile excluded), identical greedy tokens checked."),
 }
-
-
-class _HelpWithDefaults(argparse.HelpFormatter):
-    """Each option's help ends with its default, unless the help names it or there is none (None, a flag)."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        none = action.default is None or action.default is False or action.default == argparse.SUPPRESS
-        if action.option_strings and not none and "default" not in text:
-            text += " (default: %(default)s)"
-        return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -338,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def subcommand(name: str, *parents):
         line, paragraph = SUBCOMMANDS[name]
-        return sub.add_parser(name, formatter_class=_HelpWithDefaults, parents=list(parents), help=line,
+        return sub.add_parser(name, formatter_class=HelpWithDefaults, parents=list(parents), help=line,
                               description=paragraph)  # fmt: skip
 
     p = subcommand("tour", common)

@@ -397,16 +397,12 @@ def _cmd_prefix(args, console, progress) -> dict:
 
 
 def _cmd_speculative(args, console, progress) -> dict:
+    from arena_jax.benchmarks import report
     from arena_jax.benchmarks.speculative import SpeculativeSettings, run_speculative, speculative_lines
 
     settings = SpeculativeSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SpeculativeSettings)})
-    console.print("[bold]speculative[/bold]: prompt lookup vs plain decoding (compiling first) ...")
-    t0 = time.perf_counter()
-    result = run_speculative(settings, progress)
-    for line in speculative_lines(result):
-        print(line)
-    console.print(f"  ({time.perf_counter() - t0:.0f} s)")
-    return result
+    return report.run_printed(console, "[bold]speculative[/bold]: prompt lookup vs plain decoding (compiling first) ...",
+                              lambda: run_speculative(settings, progress), speculative_lines)  # fmt: skip
 
 
 def _cmd_swap(args, console, progress) -> dict:

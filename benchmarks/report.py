@@ -6,6 +6,7 @@ import json
 import math
 import os
 import platform
+import time
 import sys
 
 import numpy as np
@@ -600,3 +601,14 @@ def plot_kernels(rows: list[dict], path: str) -> bool:
 
 def eprint(*args) -> None:
     print(*args, file=sys.stderr)
+
+
+def run_printed(console, headline: str, run, lines) -> dict:
+    """A subcommand that prints plain lines: the headline, `run()`, its `lines(result)`, the seconds."""
+    console.print(headline)
+    start = time.perf_counter()
+    result = run()
+    for line in lines(result):
+        print(line)
+    console.print(f"  ({time.perf_counter() - start:.0f} s)")
+    return result

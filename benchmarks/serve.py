@@ -289,18 +289,14 @@ def serve_command(args, console, progress) -> dict:
     from arena_jax.benchmarks.arrivals import ArrivalSettings
 
     if args.http:
+        from arena_jax.benchmarks import report
         from arena_jax.benchmarks.http_serve import HttpSettings, http_lines, run_http
 
         settings = HttpSettings(model_dir=args.http_model_dir, rates=tuple(args.http_rates), requests=args.http_requests,
                                 max_tokens=args.http_max_tokens, repeats=args.http_repeats, max_seqs=args.http_max_seqs,
                                 peer=args.http_peer, seed=args.seed)  # fmt: skip
-        console.print("[bold]serve --http[/bold]: arena-serve vs transformers serve, Poisson loads over loopback ...")
-        start = time.perf_counter()
-        result = run_http(settings, progress)
-        for line in http_lines(result):
-            print(line)
-        console.print(f"  ({time.perf_counter() - start:.0f} s)")
-        return result
+        return report.run_printed(console, "[bold]serve --http[/bold]: arena-serve vs transformers serve, Poisson loads "
+                                  "over loopback ...", lambda: run_http(settings, progress), http_lines)  # fmt: skip
 
     settings = ServeSettings(batch=args.batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                              chunk=args.chunk, cold_layers=args.cold_layers, rounds=args.rounds, layers=tuple(args.layers),

@@ -7,7 +7,7 @@ import math
 
 from arena_jax.hf.config import INT32_MAX
 
-__all__ = ["INT32_MAX", "MAX_DECODE_BLOCK", "int_in", "positive_int", "seed", "float_in", "non_negative_float", "positive_float"]
+__all__ = ["HelpWithDefaults", "INT32_MAX", "MAX_DECODE_BLOCK", "int_in", "positive_int", "seed", "float_in", "non_negative_float", "positive_float"]
 
 
 MAX_DECODE_BLOCK = 1024  # decode steps per device call at most (`generate(decode_block=)`; results i32[block, 2, batch])
@@ -58,3 +58,14 @@ def float_in(low: float, high: float = math.inf, *, low_open: bool = False):
 
 non_negative_float = float_in(0.0)
 positive_float = float_in(0.0, low_open=True)
+
+
+class HelpWithDefaults(argparse.HelpFormatter):
+    """Each option's help ends with its default, unless the help names it or there is none (None, a flag)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        none = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if action.option_strings and not none and "default" not in text:
+            text += " (default: %(default)s)"
+        return text

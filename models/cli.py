@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 
-from arena_jax.models.argtypes import MAX_DECODE_BLOCK, float_in, int_in, non_negative_float, positive_int, seed
+from arena_jax.models.argtypes import MAX_DECODE_BLOCK, HelpWithDefaults, float_in, int_in, non_negative_float, positive_int, seed
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _KV_DTYPES = _DTYPES + ("int8", "float8_e4m3fn", "float8_e5m2", "int4")
@@ -39,19 +39,8 @@ TINY_MODELS = {"tiny": "llama", "tiny-mistral": "mistral", "tiny-qwen2": "qwen2"
 DEFAULT_CACHE = os.path.join("~", ".cache", "arena-jax", "xla")
 
 
-class _HelpWithDefaults(argparse.HelpFormatter):
-    """Each option's help ends with its default, unless the help names it or there is none (None, a flag)."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        none = action.default is None or action.default is False or action.default == argparse.SUPPRESS
-        if action.option_strings and not none and "default" not in text:
-            text += " (default: %(default)s)"
-        return text
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="arena-generate", description=__doc__.split("\n\n")[0], formatter_class=_HelpWithDefaults)
+    p = argparse.ArgumentParser(prog="arena-generate", description=__doc__.split("\n\n")[0], formatter_class=HelpWithDefaults)
     p.add_argument(
         "--model-dir", help="Hugging Face checkpoint folder (config.json, *.safetensors; model_type llama, mistral, "
                             "qwen2, qwen3, gemma2 or gemma3_text), or a Hugging Face name (org/name) already in the "

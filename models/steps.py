@@ -64,17 +64,22 @@ def _invalid_rows(tokens, num_tokens, vocab: int):
     return (num_tokens > width) | outside
 
 
-def _step(graphdef, state, cache, tokens, slots, num_tokens, seq_ids, seed, sampling, all_logits):
-    model = nnx.merge(graphdef, state)
-    batch, width = tokens.shape
+def _reserve_rows(model, cache, tokens, slots, num_tokens):
+    """Reserve each row's tokens: (cache, ok, slots with refused rows PAD_SLOT, num_tokens with
+    refused rows 0, positions i32[B, T]). An invalid row asks `reserve` for -1 tokens: refused
+    (ok False), counted in stats.rejected_rows."""
     slots = slots.astype(jnp.int32)
     num_tokens = jnp.where(slots >= 0, num_tokens.astype(jnp.int32), 0)
-    # An invalid row asks `reserve` for -1 tokens: refused (ok False), counted in stats.rejected_rows.
     invalid = _invalid_rows(tokens, num_tokens, model.config.vocab_size)
     cache, ok = aj.reserve(cache, slots, jnp.where(invalid, -1, num_tokens))
-    num_tokens = jnp.where(invalid, 0, num_tokens)
+    num_tokens = jnp.where(invalid | ~ok, 0, num_tokens)
     slots = jnp.where(ok, slots, aj.PAD_SLOT)  # a refused row writes and reads nothing this step
-    positions = token_positions(cache, slots, num_tokens, width)
+    return cache, ok, slots, num_tokens, token_positions(cache, slots, num_tokens, tokens.shape[1])
+
+
+def _step(graphdef, state, cache, tokens, slots, num_tokens, seq_ids, seed, sampling, all_logits):
+    model = nnx.merge(graphdef, state)
+    cache, ok, slots, num_tokens, positions = _reserve_rows(model, cache, tokens, slots, num_tokens)
     x, cache = model.hidden(tokens, positions, cache, slots, num_tokens)  # [B, T, E]
     last = jnp.maximum(num_tokens - 1, 0)
     if all_logits:
@@ -98,13 +103,7 @@ def _verify(graphdef, state, cache, tokens, slots, num_tokens, seq_ids, seed, sa
 
     model = nnx.merge(graphdef, state)
     batch, width = tokens.shape
-    slots = slots.astype(jnp.int32)
-    num_tokens = jnp.where(slots >= 0, num_tokens.astype(jnp.int32), 0)
-    invalid = _invalid_rows(tokens, num_tokens, model.config.vocab_size)
-    cache, ok = aj.reserve(cache, slots, jnp.where(invalid, -1, num_tokens))
-    num_tokens = jnp.where(invalid | ~ok, 0, num_tokens)
-    slots = jnp.where(ok, slots, aj.PAD_SLOT)
-    positions = token_positions(cache, slots, num_tokens, width)
+    cache, ok, slots, num_tokens, positions = _reserve_rows(model, cache, tokens, slots, num_tokens)
     x, cache = model.hidden(tokens, positions, cache, slots, num_tokens)  # [B, T, E]
     logits = model.logits(x).astype(jnp.float32)  # [B, T, V]
     seq_ids = slots if seq_ids is None else seq_ids

@@ -14,7 +14,7 @@ import argparse
 import logging
 import sys
 
-from arena_jax.models.argtypes import int_in, positive_int
+from arena_jax.models.argtypes import HelpWithDefaults, int_in, positive_int
 
 TINY = ("tiny", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3")
 _FAMILY = {"tiny": "llama", "tiny-mistral": "mistral", "tiny-qwen2": "qwen2", "tiny-qwen3": "qwen3",
@@ -59,7 +59,7 @@ class _Server:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="arena-serve", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+                                formatter_class=HelpWithDefaults)  # fmt: skip
     p.add_argument("--model-dir", help="Hugging Face checkpoint folder or org/name in the local HF cache (default: --model)")
     p.add_argument("--model", choices=TINY, default="tiny", help="the tiny random-weight model served without --model-dir")
     p.add_argument("--served-model-name", help="the model's name in the API (default: the folder's or --model's name)")
