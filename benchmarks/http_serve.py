@@ -198,7 +198,17 @@ def run_http(settings: HttpSettings, progress=None) -> dict:
                 if len(runs) == 2:
                     a, b = (runs[n] for n in servers)
                     same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra["texts"], rb["texts"]))
-                    notes.append(f"rate {rate}/s: greedy texts equal in {same} of {len(a) * settings.requests} requests")
+                    notes.append(f"rate {rate}/s: streamed greedy texts equal in {same} of {len(a) * settings.requests} "
+                                 "requests (not diagnosed; random weights emit invalid UTF-8, which streams may decode differently)")  # fmt: skip
+            if len(servers) == 2:  # the tokens themselves: one request at a time, not streamed
+                from openai import OpenAI
+
+                jobs = _jobs(settings, 1.0, random.Random(settings.seed))[:16]
+                texts = [[OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0).completions.create(
+                    model=names[name], prompt=p, max_tokens=settings.max_tokens, temperature=0).choices[0].text
+                    for _, p in jobs] for name, server in servers.items()]  # fmt: skip
+                notes.append(f"greedy texts, not streamed, one request at a time: equal in "
+                             f"{sum(x == y for x, y in zip(*texts))} of {len(jobs)}")
         finally:
             for server in servers.values():
                 server.stop()
