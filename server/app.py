@@ -9,6 +9,7 @@ the context; 401 without the `--api-key`; 429 (with `Retry-After`) when the queu
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -63,7 +64,7 @@ def create_app(engine: Engine, tokenizer: TextTokenizer | None, model_name: str,
     async def _auth_and_log(request: Request, call_next):
         start = time.perf_counter()
         if api_key is not None and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+            if not hmac.compare_digest(request.headers.get("authorization", "").encode(), f"Bearer {api_key}".encode()):
                 return _error(401, "a valid API key is required (Authorization: Bearer ...)", kind="authentication_error")
         response = await call_next(request)
         log.info("%s %s %d %.3fs", request.method, request.url.path, response.status_code, time.perf_counter() - start)
