@@ -31,7 +31,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 import arena_jax as aj
-from arena_jax.models import Llama, Sampling, calibrate_key_factors
+from arena_jax.models import Llama, PromptLookup, Sampling, calibrate_key_factors
 from arena_jax.models.compile_clock import CompileClock
 from arena_jax.models.fingerprint import fingerprint
 from arena_jax.models.scheduler import Scheduler, Seq
@@ -97,7 +97,8 @@ class Engine:
 
     def __init__(self, model: Llama, *, max_seqs: int = 8, max_model_len: int | None = None, page_size: int = 16,
                  num_pages: int | None = None, kv_memory: int | None = None, kv_dtype=None, chunk_size: int = 64,
-                 decode_block: int = 4, max_queue: int = 256, seed: int = 0, prefix_cache: bool = False):  # fmt: skip
+                 decode_block: int = 4, max_queue: int = 256, seed: int = 0, prefix_cache: bool = False,
+                 speculative: int = 0):  # fmt: skip
         if not isinstance(model, Llama):
             raise ValueError(f"model must be a models.Llama, got {type(model).__name__}")
         config = model.config
@@ -130,6 +131,10 @@ class Engine:
         self._sched = Scheduler(model, cache, layout, max_seqs, min(chunk_size, max_model_len), Sampling(), seed, eos,
                                 max_model_len, False, self.index, None, 0, decode_block)  # fmt: skip
         self._sched.row_sampling = True
+        if not isinstance(speculative, int) or isinstance(speculative, bool) or speculative < 0:
+            raise ValueError(f"speculative must be an integer >= 0 (proposals per step; 0: off), got {speculative!r}")
+        if speculative:  # prompt lookup: every decode is a verify call (models.speculative)
+            self._sched.speculative = PromptLookup(k=speculative)
         self._sched.on_token = self._on_token
         self._sched.on_finish = self._on_finish
         self._waiting: collections.deque[Seq] = collections.deque()
@@ -169,6 +174,10 @@ class Engine:
             lambda: self._sched.hit_tokens)
         Gauge("arena_prompt_tokens", "Prompt tokens admitted (hits included)", registry=r).set_function(
             lambda: self._sched.prompt_tokens)
+        Gauge("arena_speculative_proposed_tokens", "Tokens prompt lookup proposed (0 without --speculative-k)", registry=r).set_function(
+            lambda: self._sched.proposed_tokens)
+        Gauge("arena_speculative_accepted_tokens", "Of those, the ones the model agreed with", registry=r).set_function(
+            lambda: self._sched.accepted_tokens)
         Gauge("arena_compiles_since_warm_up", "Programs compiled after warm_up (0 while serving)", registry=r).set_function(
             lambda: self.compiles_since_warm_up)
 

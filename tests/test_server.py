@@ -288,6 +288,29 @@ def test_prefix_cache_serves_shared_prompts_and_choices(setup):
         engine.stop()
 
 
+def test_speculative_engine_serves_the_same_greedy_texts(setup):
+    """`--speculative-k`: prompt lookup in the engine; the same greedy texts, nothing compiled after warm-up."""
+    _, model, tokenizer, _ = setup
+    prompts = ["The arena holds every page. The arena holds every page. The arena", "Pages are fixed-size blocks"]
+    want = models.generate_text(model, tokenizer, prompts, 16).texts  # (before the engine: its compiles are not the engine's)
+    engine = Engine(model, max_seqs=2, max_model_len=MAX_LEN, chunk_size=32, speculative=4)
+    engine.warm_up()
+    served = Served(create_app(engine, tokenizer, "tiny-text"))
+    try:
+        compiled = engine.compiles_since_warm_up
+        client = _client(served)
+        for prompt, text in zip(prompts, want):
+            got = client.completions.create(model="tiny-text", prompt=prompt, max_tokens=16, temperature=0)
+            assert got.choices[0].text == text
+        assert engine._sched.verify_calls > 0 and engine._sched.proposed_tokens > 0
+        assert engine.wait_idle(30) and engine.pages_used() == 0 and engine.compiles_since_warm_up == compiled
+    finally:
+        served.close()
+        engine.stop()
+    with pytest.raises(ValueError, match="speculative must be an integer >= 0"):
+        Engine(model, speculative=-1)
+
+
 def test_stopped_engine_holds_no_page(setup):
     engine, _, _, served = setup
     served.close()
