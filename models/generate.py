@@ -57,7 +57,6 @@ import dataclasses
 import time
 from typing import Callable, Sequence
 
-import jax
 import numpy as np
 
 import arena_jax as aj

@@ -24,7 +24,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-import arena_jax as aj
 from arena_jax.models.sampling import SamplingParams, filter_logits
 
 __all__ = ["PromptLookup", "verify_rows"]

@@ -126,8 +126,9 @@ class Engine:
         eos = frozenset(config.eos_token_ids)
         self.index = None
         if prefix_cache:  # K/V of earlier prompts reused (decode blocks are off with an index: one step a call)
-            self.index = aj.PrefixCache(layout, tag=fingerprint(model))
-            self.index.bind(cache, tag=fingerprint(model))
+            tag = fingerprint(model)  # hashes the sampled weights: once
+            self.index = aj.PrefixCache(layout, tag=tag)
+            self.index.bind(cache, tag=tag)
         self._sched = Scheduler(model, cache, layout, max_seqs, min(chunk_size, max_model_len), Sampling(), seed, eos,
                                 max_model_len, False, self.index, None, 0, decode_block)  # fmt: skip
         self._sched.row_sampling = True
@@ -303,19 +304,19 @@ class Engine:
         self._on_finish(request.seq)
 
     def _cancel_now(self, request: Request) -> None:
-        seq = self._sched_rows_index(request.seq)
+        row = self._row_of(request.seq)
         if request.seq in self._waiting:
             self._waiting.remove(request.seq)
             self._abort(request)
-        elif seq is not None:
+        elif row is not None:
             if self._sched._ahead is None:
-                self._sched._end(seq, "abort")  # its row and pages go now
+                self._sched._end(row, "abort")  # its row and pages go now
             else:
                 request.seq.cancelled = True  # ends when the step in flight is read back
         elif not request.done:
             self._abort(request)
 
-    def _sched_rows_index(self, seq: Seq) -> int | None:
+    def _row_of(self, seq: Seq) -> int | None:
         for r, s in enumerate(self._sched.rows):
             if s is seq:
                 return r
