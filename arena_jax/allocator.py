@@ -27,14 +27,16 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.index_math import ceil_div_nonneg, div_nonneg, rem_nonneg
 from pallas_kernels.scatter import set_at
 from arena_jax.kv_cache import PAD_SLOT, KVCache, PageTable
 
 __all__ = ["reserve_impl", "release_impl", "fork_impl", "truncate_impl", "slot_rows", "in_range_rows"]
 
 
-def _ceil_div(a, b):
-    return (a + b - 1) // b
+def _ceil_div(a, b: int):
+    """ceil(a / b) for token counts a >= 0 (lengths never go below 0) and the static page size b."""
+    return ceil_div_nonneg(a, b)
 
 
 def in_range_rows(table: PageTable, slots):
@@ -66,7 +68,11 @@ def _page_rows(num_pages: int, pages):
 
 
 def _saturating_cumsum(x, cap: int):
-    """Inclusive prefix sums of x (values in [0, cap]) that stop at `cap` instead of overflowing."""
+    """Inclusive prefix sums of x (values in [0, cap]) that stop at `cap` instead of overflowing:
+    min(prefix sum, cap). When no prefix sum can pass int32 (len(x) * cap < 2**31, static), a
+    plain cumsum (one XLA op) clipped at cap; else a scan whose every step saturates."""
+    if x.shape[0] * cap < 2**31:
+        return jnp.minimum(jnp.cumsum(x, dtype=jnp.int32), cap)
     return lax.associative_scan(lambda a, b: jnp.minimum(a, cap - b) + b, x)
 
 
@@ -105,10 +111,10 @@ def reserve_impl(cache: KVCache, slots, num_tokens):
     row = table.page_map[idx]  # [B, M]
 
     # Copy-on-write: the last page is partly filled, shared, and this row will write into it.
-    last_lp = jnp.minimum(length // page_size, max_pages - 1)
+    last_lp = jnp.minimum(div_nonneg(length, page_size), max_pages - 1)
     last_page = jnp.take_along_axis(row, last_lp[:, None], axis=1)[:, 0]
     last_refs = table.refcount[jnp.clip(last_page, 0, num_pages - 1)]
-    wants_cow = live & (n > 0) & (length % page_size != 0) & (last_refs > 1)
+    wants_cow = live & (n > 0) & (rem_nonneg(length, page_size) != 0) & (last_refs > 1)
     # When every holder of that page is in this batch and wants to write, the first one keeps it.
     same = wants_cow[:, None] & wants_cow[None, :] & (last_page[:, None] == last_page[None, :])  # [B, B]
     rank = jnp.sum(jnp.tril(same, k=-1), axis=1)

@@ -34,6 +34,7 @@ from arena_jax import key_factors as factors_lib
 from arena_jax.allocator import in_range_rows, slot_rows
 from arena_jax.kv_cache import PAD_SLOT, KVCache
 from pallas_kernels.blockwise import paged_attention_blockwise
+from pallas_kernels.index_math import div_nonneg
 from pallas_kernels.rotation import rotate_rows
 from pallas_kernels.reference import append_reference, paged_attention_reference
 from pallas_kernels.scatter import upcasts
@@ -90,7 +91,7 @@ def append_impl(cache: KVCache, layer, slots, k, v, num_tokens, backend: str) ->
     pos = start[:, None] + t  # [B, T]
     in_use = t < n[:, None]
     rows = table.page_map[idx]  # [B, M]
-    page = jnp.take_along_axis(rows, jnp.clip(pos // page_size, 0, max_pages - 1), axis=1)
+    page = jnp.take_along_axis(rows, jnp.minimum(div_nonneg(pos, page_size), max_pages - 1), axis=1)
     private = (page >= 0) & (table.refcount[jnp.clip(page, 0, num_pages - 1)] == 1)
     writable = good & fits & jnp.all(private | ~in_use, axis=1)
     accepted = jnp.where(writable, n, 0)

@@ -20,6 +20,11 @@ So a decode step costs O(batch * longest context) and a sliding window O(batch *
 whatever `max_pages_per_seq` is: `generate`, which sizes its layout by the longest prompt +
 `max_new_tokens`, no longer charges every step for the capacity.
 
+When a row's whole capacity fits one big block (`max_pages_per_seq * page_size <= block_keys`),
+there is no loop: one straight-line block over every page (the keys no query sees masked). That
+costs at most `block_keys` keys per row, and compiles one block's graph instead of the two loop
+bodies (big blocks, tail blocks): the tiny model's decode step lost about a third of its HLO.
+
 Design, and why:
 
 - **One loop body, a dynamic trip count** (`lax.fori_loop` with traced bounds lowers to one
@@ -44,8 +49,8 @@ Design, and why:
   raw score is not finite, or whose V row is not (8-bit: whose value scale is not), flags the
   pairs that attend to it, their weight is NaN, and the NaN survives every later rescale
   (`alpha * NaN`), so the whole output row of that query head is NaN; masked pairs contribute
-  exactly 0, so stale pages (NaN, huge values) change nothing, bit for bit, and a key that no
-  query of the batch can see is never even gathered. The key scale multiplies the f32 score,
+  exactly 0, so stale pages (NaN, huge values) change nothing, bit for bit, and (in the loop)
+  a key that no query of the batch can see is never even gathered. The key scale multiplies the f32 score,
   the value scale the f32 weights (fp16 compute: the V rows are dequantized with
   `quant.dequantize_rows` and rounded to fp16), exactly as the reference.
 - **8-bit, int4 and other stored formats** go through `_block_operands`, the only place that
@@ -85,13 +90,18 @@ def block_geometry(page_size: int, max_pages: int, block_keys: int | None = None
     Big blocks hold about `block_keys` keys, tail blocks about `tail_keys` (default a quarter
     of a big block), both whole pages, at least one page, at most the row's `max_pages`; a
     big block is a whole number of tail blocks."""
-    big = DEFAULT_BLOCK_KEYS if block_keys is None else int(block_keys)
+    big = block_keys_or_default(block_keys)
     small = max(1, big // TAIL_FRACTION) if tail_keys is None else int(tail_keys)
     if big < 1 or small < 1:
         raise ValueError(f"block_keys={block_keys}, tail_keys={tail_keys}: keys per block must be >= 1")
     small_pages = max(1, min(max_pages, small // page_size))
     big_pages = max(small_pages, min(max_pages, big // page_size)) // small_pages * small_pages
     return big_pages, small_pages, -(-max_pages // small_pages) * small_pages
+
+
+def block_keys_or_default(block_keys: int | None) -> int:
+    """The keys per big block that `block_keys` asks for (None: `DEFAULT_BLOCK_KEYS`)."""
+    return DEFAULT_BLOCK_KEYS if block_keys is None else int(block_keys)
 
 
 def _gather_block(arena, layer, pages):
@@ -289,12 +299,19 @@ def paged_attention_blockwise(
     shape = (batch, num_kv_heads, group, tokens)
     state = (jnp.full(shape, -jnp.inf, f32), jnp.zeros(shape, f32), jnp.zeros((*shape, head_dim), f32))
     state = _varying_like(state, q, k_arena, v_arena, k_scale, v_scale, layer, page_map, lengths, num_tokens, window)
-    if big > small:  # whole big blocks first, then at most big / small - 1 tail blocks
-        state = lax.fori_loop(0, num_big, lambda j, st: step(start + j * big, big_pages, st), state)
+    if max_pages * page_size <= block_keys_or_default(block_keys):
+        # The whole capacity fits one block: one straight-line block over every page (no loop:
+        # half the graph of the two loop bodies below, no while-loop overhead; the keys no
+        # query sees are masked, contributing exactly nothing).
+        state = step(0, width, state)
     else:
-        num_big = 0
-    tail = start + num_big * big
-    state = lax.fori_loop(0, (keys - num_big * big) // small, lambda j, st: step(tail + j * small, small_pages, st), state)
+        if big > small:  # whole big blocks first, then at most big / small - 1 tail blocks
+            state = lax.fori_loop(0, num_big, lambda j, st: step(start + j * big, big_pages, st), state)
+        else:
+            num_big = 0
+        tail = start + num_big * big
+        state = lax.fori_loop(0, (keys - num_big * big) // small, lambda j, st: step(tail + j * small, small_pages, st),
+                              state)  # fmt: skip
     _, l, acc = state
     seen = (l != 0)[..., None]  # NaN != 0: a poisoned row stays NaN
     out = jnp.where(seen, acc / jnp.where(seen, l[..., None], 1.0), 0.0)  # [B, Hkv, G, T, D]

@@ -33,6 +33,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.index_math import div_nonneg, rem_nonneg
 from pallas_kernels.quant import quantize_rows
 from pallas_kernels.quant4 import GROUP, arena_format, quantize_groups, unpack_codes
 from pallas_kernels.scatter import set_at
@@ -67,13 +68,14 @@ def append_reference(k_arena, v_arena, layer, k, v, page_map, lengths, num_token
     _, _, num_pages, page_size, _ = k_arena.shape
     tokens = k.shape[1]
     pos, valid = token_positions(lengths, num_tokens, tokens)  # [B, T]
-    logical = jnp.clip(pos // page_size, 0, page_map.shape[1] - 1)
+    pos_c = jnp.maximum(pos, 0)  # (negative positions are never ok; unsigned page arithmetic below)
+    logical = jnp.minimum(div_nonneg(pos_c, page_size), page_map.shape[1] - 1)
     page = jnp.take_along_axis(page_map, logical, axis=1)  # [B, T]
     # Positions past the page table (pos >= M * page_size) are dropped, not clipped onto the last page.
     ok = valid & (page >= 0) & (pos >= 0) & (pos < page_map.shape[1] * page_size)
     # An explicit out-of-range sentinel plus mode="drop": padded tokens write nothing.
     page = jnp.where(ok, page, num_pages)
-    offset = jnp.where(ok, pos % page_size, 0)
+    offset = jnp.where(ok, rem_nonneg(pos_c, page_size), 0)
     layer = jnp.asarray(layer, jnp.int32)
     # arena[layer][:, page, offset] <- k[b, t] for every (b, t): indices broadcast to [B, T],
     # the head axis is a slice, so the update is [B, T, Hkv, D] (int4: D / 2 bytes).
