@@ -148,9 +148,12 @@ def reserve_impl(cache: KVCache, slots, num_tokens):
     new_row = jnp.where(do_cow[:, None] & (lp == last_lp[:, None]), cow_page[:, None], new_row)
 
     target = jnp.where(ok, slots, max_seqs)  # only served rows change
-    refcount = table.refcount.at[jnp.where(is_new, new_page, num_pages)].set(1, mode="drop")
-    refcount = refcount.at[cow_page].set(1, mode="drop")
-    refcount = refcount.at[jnp.where(do_cow, last_page, num_pages)].add(-1, mode="drop")
+    # One scatter: +1 for each popped page (new pages and COW copies: free, so refcount 0 -> 1),
+    # -1 for the shared page a COW row leaves (its other holders keep it).
+    ref_pages = jnp.concatenate([jnp.where(is_new, new_page, num_pages).reshape(-1), cow_page,
+                                 jnp.where(do_cow, last_page, num_pages)])  # fmt: skip
+    ref_delta = jnp.concatenate([jnp.ones(is_new.size + cow_page.size, jnp.int32), jnp.full(cow_page.shape, -1, jnp.int32)])
+    refcount = table.refcount.at[ref_pages].add(ref_delta, mode="drop")
     table = table.replace(
         page_map=table.page_map.at[target].set(new_row, mode="drop"),
         lengths=table.lengths.at[target].set(new_length, mode="drop"),
