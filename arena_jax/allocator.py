@@ -299,6 +299,12 @@ def _copy_pages(cache, src, dst):
         arrays = list(tpu_copy_pages(arrays, src, dst))
     else:
         every = slice(None)
-        arrays = [set_at(x, (every, every, dst), x[:, :, src]) for x in arrays]
+
+        def copy(arrays):
+            return [set_at(x, (every, every, dst), x[:, :, src]) for x in arrays]
+
+        # Most reservations copy no page (a decode step's rows rarely write into a shared page):
+        # then the [L, H, B, S, D] gather of every row's source page is skipped, not dropped.
+        arrays = lax.cond(jnp.any(dst < cache.k.shape[2]), copy, list, arrays)
     scales = {} if cache.k_scale is None else {"k_scale": arrays[2], "v_scale": arrays[3]}
     return arrays[0], arrays[1], scales

@@ -6,6 +6,7 @@ answers). Which design did the figures choose, and why?
 context or the capacity?), `layer_scaling` (compile and step time against depth; `arena-bench
 serve` uses its `measure`), `prefix_run_ahead` (run-ahead decode with a prefix cache),
 `smooth_cost` (what smoothed keys cost a step), `tpu_host_tier` (host-tier ops compiled for a v5e:
-a page or the whole arena?), `key_scales_sim` (which key-scale layout, a numpy simulation) and
+a page or the whole arena?), `op_hlo` (where a paged step's compile time goes: HLO
+instructions, kernels and compile time per cache op), `key_scales_sim` (which key-scale layout, a numpy simulation) and
 `code_bounds` (what a 4-bit code can reach).
 """

@@ -1,0 +1,120 @@
+"""Where a paged step's compile time goes: the HLO of each cache op (issue 39, item 4).
+
+    python -m arena_jax.benchmarks.studies.op_hlo [--batch 4] [--capacity 64] [--page-size 8]
+
+Compiles for this machine's CPU, at XLA's default optimization level unless XLA_FLAGS names one:
+the tiny model's paged decode step, the dense baseline's decode step on the same weights, and
+each cache op of the paged step alone (`aj.reserve`, `aj.append` and `aj.attend` with the
+"xla" backend, `aj.release`). Per program: HLO instructions, kernels (fusions and unfused
+ops: what XLA's CPU backend emits and compiles one by one, and calls one by one at run time),
+while loops, and the compile's CPU seconds. Compile time follows the kernel count more than
+anything else; RESULTS.md ("Compile time of the cache ops") has the figures before and after
+the changes they chose.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import resource
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import arena_jax as aj
+from arena_jax import api, models
+from arena_jax.models import dense_baseline, steps
+
+__all__ = ["hlo_counts", "measure"]
+
+_NOT_KERNELS = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast"}
+
+
+def _opcode(line: str) -> str | None:
+    """The opcode of an instruction line (`%name = TYPE opcode(...)`; a tuple TYPE has spaces
+    and nested parentheses), else None."""
+    _, eq, rest = line.partition(" = ")
+    if not eq:
+        return None
+    if rest.startswith("("):  # skip the balanced tuple type
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0:
+                rest = rest[i + 1 :]
+                break
+    else:
+        rest = rest.partition(" ")[2]
+    op = re.match(r"\s*([\w-]+)\(", rest)
+    return op.group(1) if op else None
+
+
+def hlo_counts(hlo_text: str) -> dict:
+    """Counts in an optimized HLO module's text: instructions (every computation), kernels (the
+    instructions of computations that are not fused bodies, less parameters, tuples, constants
+    and bitcasts; reductions' small adder bodies count too) and while loops."""
+    instructions = kernels = loops = 0
+    fused = False
+    for line in hlo_text.splitlines():
+        head = re.match(r"^(ENTRY )?%(\S+) ", line)
+        if head:
+            fused = "fused" in head.group(2)
+            continue
+        op = _opcode(line)
+        if op is None:
+            continue
+        instructions += 1
+        loops += op == "while"
+        kernels += not fused and op not in _NOT_KERNELS
+    return dict(instructions=instructions, kernels=kernels, while_loops=loops)
+
+
+def _cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _compiled(name: str, lowered) -> dict:
+    start = _cpu_seconds()
+    text = lowered.compile().as_text()
+    return dict(program=name, compile_cpu_s=round(_cpu_seconds() - start, 3), **hlo_counts(text))
+
+
+def measure(batch: int = 4, capacity: int = 64, page_size: int = 8) -> list[dict]:
+    """One row per program (`hlo_counts` plus its compile CPU seconds), the tiny model's steps
+    first. `capacity`: tokens per sequence the arena (and the dense cache) hold."""
+    model = models.init_random(models.LlamaConfig.tiny(), seed=0)
+    graphdef, state = nnx.split(model)
+    config = model.config
+    cache = aj.create(models.default_layout(model, batch, capacity, page_size=page_size))
+    tokens, slots = jnp.zeros((batch,), jnp.int32), jnp.arange(batch, dtype=jnp.int32)
+    ones = jnp.ones((batch,), jnp.int32)
+    kv = jnp.ones((batch, 1, config.num_kv_heads, config.head_dim), jnp.float32)
+    q = jnp.ones((batch, 1, config.num_heads, config.head_dim), jnp.float32)
+    dense = dense_baseline.init_dense_cache(config, batch, capacity)
+    return [
+        _compiled("paged decode step", steps.decode_step.lower(graphdef, state, cache, tokens, slots)),
+        _compiled("dense decode step", dense_baseline.dense_decode.lower(graphdef, state, dense, tokens)),
+        _compiled("aj.reserve", api._reserve.lower(cache, slots, ones)),
+        _compiled("aj.append (xla)", api._append.lower(cache, jnp.int32(0), slots, kv, kv, ones, "xla")),
+        _compiled("aj.attend (xla)", api._attend.lower(q, cache, jnp.int32(0), slots, ones, None, "xla", None, None, None)),
+        _compiled("aj.release", api._release.lower(cache, slots)),
+    ]
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--capacity", type=int, default=64, help="tokens per sequence (default: 64)")
+    p.add_argument("--page-size", type=int, default=8)
+    args = p.parse_args(argv)
+    rows = measure(args.batch, args.capacity, args.page_size)
+    print(f"jax {jax.__version__}, {jax.devices()[0].platform}; tiny model, batch {args.batch}, capacity "
+          f"{args.capacity}, page {args.page_size}")
+    print(f"{'program':<20} {'instructions':>12} {'kernels':>8} {'while':>6} {'compile CPU s':>14}")
+    for r in rows:
+        print(f"{r['program']:<20} {r['instructions']:>12,} {r['kernels']:>8} {r['while_loops']:>6} {r['compile_cpu_s']:>14.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""benchmarks/studies/op_hlo.py: its HLO counter reads a stored module right, and what it measures
+holds: blockwise attention compiles no loop when a row's capacity fits one block, and the loops
+when it does not; reserve's copy-on-write sits under a conditional (issue 39, item 4)."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+import arena_jax as aj
+from arena_jax import api
+from arena_jax.benchmarks.studies.op_hlo import hlo_counts, measure
+
+SMALL_MODULE = """HloModule m
+
+%fused_computation (param_0: s32[4]) -> s32[4] {
+  %param_0 = s32[4]{0} parameter(0)
+  %constant.1 = s32[] constant(1)
+  %broadcast.1 = s32[4]{0} broadcast(%constant.1), dimensions={}
+  ROOT %add.1 = s32[4]{0} add(%param_0, %broadcast.1)
+}
+
+%body (p: (s32[], s32[4])) -> (s32[], s32[4]) {
+  %p = (s32[], s32[4]{0}) parameter(0)
+  %gte.0 = s32[] get-tuple-element(%p), index=0
+  %gte.1 = s32[4]{0} get-tuple-element(%p), index=1
+  %fusion = s32[4]{0} fusion(%gte.1), kind=kLoop, calls=%fused_computation
+  ROOT %tuple = (s32[], s32[4]{0}) tuple(%gte.0, %fusion)
+}
+
+ENTRY %main (x: s32[4]) -> s32[4] {
+  %x = s32[4]{0} parameter(0)
+  %copy = s32[4]{0} copy(%x)
+  %zero = s32[] constant(0)
+  %init = (s32[], s32[4]{0}) tuple(%zero, %copy)
+  %while = (s32[], s32[4]{0}) while(%init), condition=%cond, body=%body
+  %out = s32[4]{0} get-tuple-element(%while), index=1
+  ROOT %negate = s32[4]{0} negate(%out)
+}
+"""
+
+
+def test_the_counter_reads_a_stored_module():
+    assert hlo_counts(SMALL_MODULE) == dict(instructions=16, kernels=4, while_loops=1)  # tuples counted, fused bodies no kernels
+
+
+def _attend_loops(max_pages: int, page_size: int = 8) -> int:
+    layout = aj.KVLayout(num_layers=1, num_kv_heads=2, head_dim=16, page_size=page_size, num_pages=4 * max_pages,
+                         max_seqs=2, max_pages_per_seq=max_pages, dtype=jnp.float32)  # fmt: skip
+    cache = aj.create(layout)
+    slots, ones = jnp.arange(2, dtype=jnp.int32), jnp.ones((2,), jnp.int32)
+    q = jnp.ones((2, 1, 4, 16), jnp.float32)
+    lowered = api._attend.lower(q, cache, jnp.int32(0), slots, ones, None, "xla", None, None, None)
+    return hlo_counts(lowered.compile().as_text())["while_loops"]
+
+
+def test_one_block_compiles_no_loop_and_a_longer_capacity_the_loops():
+    assert _attend_loops(max_pages=32) == 0  # 256 keys: one block
+    assert _attend_loops(max_pages=33) >= 1  # 264 keys: blocks in a loop
+
+
+def test_the_study_reports_every_program():
+    rows = {r["program"]: r for r in measure(batch=2, capacity=16, page_size=8)}
+    assert set(rows) == {"paged decode step", "dense decode step", "aj.reserve", "aj.append (xla)", "aj.attend (xla)",
+                         "aj.release"}  # fmt: skip
+    assert all(r["kernels"] > 0 and r["instructions"] >= r["kernels"] and r["compile_cpu_s"] > 0 for r in rows.values())
+    assert rows["aj.attend (xla)"]["while_loops"] == 0  # 16 keys: one block
+    assert rows["paged decode step"]["kernels"] > rows["aj.reserve"]["kernels"]
+
+
+def test_reserve_copies_pages_only_under_a_conditional():
+    """The copy-on-write gather of every row's last page (all layers and heads) is not run
+    when no row copies: it sits in a branch of a conditional."""
+    layout = aj.KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, page_size=8, num_pages=16, max_seqs=2,
+                         max_pages_per_seq=4, dtype=jnp.float32)  # fmt: skip
+    slots = jnp.arange(2, dtype=jnp.int32)
+    text = api._reserve.lower(aj.create(layout), slots, jnp.ones((2,), jnp.int32)).compile().as_text()
+    assert " conditional(" in text
