@@ -34,11 +34,6 @@ from arena_jax.kv_cache import PAD_SLOT, KVCache, PageTable
 __all__ = ["reserve_impl", "release_impl", "fork_impl", "truncate_impl", "slot_rows", "in_range_rows"]
 
 
-def _ceil_div(a, b: int):
-    """ceil(a / b) for token counts a >= 0 (lengths never go below 0) and the static page size b."""
-    return ceil_div_nonneg(a, b)
-
-
 def in_range_rows(table: PageTable, slots):
     """(in range bool[B], gather index i32[B]): the index is 0 where the slot is out of range."""
     max_seqs = table.page_map.shape[0]
@@ -106,8 +101,8 @@ def reserve_impl(cache: KVCache, slots, num_tokens):
     live &= fits
     n = jnp.where(live, num_tokens, 0)
     new_length = length + n
-    have = _ceil_div(length, page_size)  # mapped pages
-    need = _ceil_div(new_length, page_size)
+    have = ceil_div_nonneg(length, page_size)  # mapped pages (lengths are never negative)
+    need = ceil_div_nonneg(new_length, page_size)
     row = table.page_map[idx]  # [B, M]
 
     # Copy-on-write: the last page is partly filled, shared, and this row will write into it.
@@ -185,7 +180,7 @@ def _unmap_tail(cache: KVCache, slots, rows, keep_tokens):
     num_pages, page_size = cache.k.shape[2], cache.k.shape[3]
     _, idx = in_range_rows(table, slots)
     row = table.page_map[idx]
-    keep_pages = _ceil_div(keep_tokens, page_size)
+    keep_pages = ceil_div_nonneg(keep_tokens, page_size)
     lp = jnp.arange(max_pages, dtype=jnp.int32)[None, :]
     drop = rows[:, None] & (lp >= keep_pages[:, None]) & (row >= 0)  # [B, M]
     table, freed = _drop_refs(table, jnp.where(drop, row, num_pages))

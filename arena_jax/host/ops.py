@@ -45,13 +45,10 @@ from arena_jax.allocator import _drop_refs, _page_rows, _release_rows, _saturati
 from arena_jax.host.arena import HostArena, page_arrays
 from arena_jax.kv_cache import PAD_PAGE, PAD_SLOT, KVCache
 from arena_jax.memory import to_device, to_host
+from pallas_kernels.index_math import ceil_div_nonneg
 
 __all__ = ["swap_out_impl", "swap_in_impl", "offload_pages_impl", "drop_host_pages_impl", "move_pages",
            "move_pages_reference"]
-
-
-def _ceil_div(a, b):
-    return (a + b - 1) // b
 
 
 def move_pages(src: dict, dst: dict, src_pages, dst_pages, moves, transfer) -> dict:
@@ -142,7 +139,7 @@ def swap_out_impl(cache: KVCache, host: HostArena, slots, host_pages):
     length = jnp.where(live, table.lengths[idx], 0)
     settled = jnp.all(table.written[:, idx] == table.lengths[idx][None, :], axis=0)
     lp = jnp.arange(max_pages, dtype=jnp.int32)[None, :]
-    use = lp < _ceil_div(length, page_size)[:, None]  # [B, M]
+    use = lp < ceil_div_nonneg(length, page_size)[:, None]  # [B, M]
     free = (host_pages >= 0) & (host_pages < n_host) & (host.held[jnp.clip(host_pages, 0, n_host - 1)] == 0)
     distinct = _first_uses(host_pages, use, n_host)
     ok = live & table.active[idx] & settled & jnp.all((free & distinct) | ~use, axis=1) & _same_arena(cache, host)
