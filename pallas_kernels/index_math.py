@@ -4,8 +4,8 @@
 a sign fix-up (compares, negates, selects), and fuses a copy of that into every fusion that
 reads the result. Positions and lengths are never negative (callers clamp what could be), so
 dividing them as unsigned integers gives the same values with one instruction, a shift and a
-mask when the page size is a power of two. In a tiny model's decode step that removed about a
-fifth of the paging bookkeeping's HLO (docs/design.md, "Compile time").
+mask when the page size is a power of two. That removed about a fifth of `aj.reserve`'s HLO
+instructions (2,731 -> 2,203 at batch 4; docs/design.md, "Compile time").
 """
 from __future__ import annotations
 
