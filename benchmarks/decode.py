@@ -17,7 +17,7 @@ decode time; step latencies p50/p99 are over all timed steps.
 
 `mesh=(dp, tp)`: the same run sharded over dp * tp devices. The model's weights are placed
 Megatron style (`models.parallel`), the arena split over KV heads (tensor) and over slots
-and pages (data, when dp > 1), the dense baseline's cache split alike ([L, B, S, K, H]:
+and pages (data, when dp > 1), the dense baseline's cache split alike ([L, B, K, S, H]:
 rows over data, KV heads over tensor when they divide); greedy tokens are compared as
 without a mesh. On a CPU with host devices it is a functional check.
 
@@ -201,7 +201,7 @@ class _DenseRun:
             from arena_jax.sharding import auto_mesh
 
             heads = "tensor" if model.config.num_kv_heads % mesh.shape["tensor"] == 0 else None
-            rows = NamedSharding(auto_mesh(mesh), P(None, "data", None, heads))  # [L, B, S, K, H]
+            rows = NamedSharding(auto_mesh(mesh), P(None, "data", heads))  # [L, B, K, S, H]
             self.placement = dense_baseline.DenseCache(
                 k=rows, v=rows, lengths=NamedSharding(rows.mesh, P("data")),
                 positions=NamedSharding(rows.mesh, P("data", None)), end=NamedSharding(rows.mesh, P()))

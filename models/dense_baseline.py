@@ -4,14 +4,18 @@ cache: the baseline that the benchmarks compare the paged arena against.
 The cache is what a well-written dense Flax sampler keeps, preallocated per batch row at full
 length:
 
-    k, v: [num_layers, batch, max_len, num_kv_heads, head_dim]
+    k, v: [num_layers, batch, num_kv_heads, max_len, head_dim]   (heads-major)
     positions: i32[batch, max_len]   each cache slot's token position, -1 for an empty slot
     lengths: i32[batch]              tokens held per row
     end: i32[]                       slots used, the same for every row
 
 A step of T tokens writes every row's K/V at slots [end, end + T) of its layer with ONE
 `jax.lax.dynamic_update_slice` per layer (K and V) into the loop-carried cache: in place, no
-scatter, no transpose of the cache (tests/test_models.py checks the compiled HLO). A row's
+scatter, no transpose of the cache (tests/test_model_families.py checks the compiled HLO).
+Heads-major, as attention reads it (`BKSH`): a layer's keys of one head are contiguous, so
+the step reads its layer without a transpose. (The layout was `[L, B, S, K, H]` until
+2026-11-28: XLA then transposed each layer's K and V every step, and the baseline ran slower
+than a dense cache can: benchmarks/RESULTS.md, "A heads-major dense baseline".) A row's
 padding tokens occupy slots too, marked -1 in `positions` and never attended to; RoPE uses
 each row's own positions (`lengths + t`). The layers run in the same `jax.lax.scan` as the
 paged model (`models.llama.run_layers`), with each layer's window, RoPE, scale and soft-cap.
@@ -49,15 +53,15 @@ __all__ = ["DenseCache", "init_dense_cache", "dense_prefill", "dense_decode", "d
 
 @struct.dataclass
 class DenseCache:
-    k: jax.Array  # [L, B, S, K, H]
-    v: jax.Array  # [L, B, S, K, H]
+    k: jax.Array  # [L, B, K, S, H]
+    v: jax.Array  # [L, B, K, S, H]
     lengths: jax.Array  # i32[B] tokens held per row
     positions: jax.Array  # i32[B, S] token position per slot, -1 empty
     end: jax.Array  # i32[] slots used (every row)
 
 
 def init_dense_cache(config: LlamaConfig, batch: int, max_len: int, dtype=jnp.float32) -> DenseCache:
-    shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+    shape = (config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim)
     return DenseCache(
         k=jnp.zeros(shape, dtype),
         v=jnp.zeros(shape, dtype),
@@ -68,13 +72,13 @@ def init_dense_cache(config: LlamaConfig, batch: int, max_len: int, dtype=jnp.fl
 
 
 def _attention(q, k, v, q_pos, key_pos, window, sm_scale, soft_cap):
-    """q [B, T, N, H], k/v [B, S, K, H], q_pos i32[B, T], key_pos i32[B, S] (-1: empty slot),
+    """q [B, T, N, H], k/v [B, K, S, H], q_pos i32[B, T], key_pos i32[B, S] (-1: empty slot),
     window None or i32[] -> [B, T, N, H]. Query at position p sees keys at 0 <= j <= p (and
     j > p - window)."""
     b, t, n, h = q.shape
-    kv_heads = k.shape[2]
+    kv_heads = k.shape[1]
     qg = q.reshape(b, t, kv_heads, n // kv_heads, h).astype(jnp.float32)
-    scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k.astype(jnp.float32)) * sm_scale
+    scores = jnp.einsum("BTKGH,BKSH->BKGTS", qg, k.astype(jnp.float32)) * sm_scale
     if soft_cap is not None:
         scores = jnp.tanh(scores / soft_cap) * soft_cap
     keys = key_pos[:, None, :]  # [B, 1, S]
@@ -84,7 +88,7 @@ def _attention(q, k, v, q_pos, key_pos, window, sm_scale, soft_cap):
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     weights = jax.nn.softmax(scores, axis=-1)
     weights = jnp.where(mask[:, None, None], weights, 0.0)  # rows with no key (padding) give 0, not NaN
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", weights, v.astype(jnp.float32))
+    out = jnp.einsum("BKGTS,BKSH->BTKGH", weights, v.astype(jnp.float32))
     return out.reshape(b, t, n, h).astype(q.dtype)
 
 
@@ -101,10 +105,11 @@ def _forward(model: Llama, cache: DenseCache, tokens, num_tokens):
     def body(block, x, kv, layer, window, inv_freq):
         k_all, v_all = kv
         q, k, v = block.attn.project(block.attn_norm(x), q_pos, inv_freq)
-        at = (layer, zero, cache.end, zero, zero)
-        k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), at)
-        v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), at)
-        k_layer = jax.lax.dynamic_index_in_dim(k_all, layer, keepdims=False)  # [B, S, K, H]
+        at = (layer, zero, zero, cache.end, zero)
+        heads_major = lambda x, like: jnp.swapaxes(x, 1, 2)[None].astype(like.dtype)  # noqa: E731  [B, T, K, H] -> [1, B, K, T, H]
+        k_all = jax.lax.dynamic_update_slice(k_all, heads_major(k, k_all), at)
+        v_all = jax.lax.dynamic_update_slice(v_all, heads_major(v, v_all), at)
+        k_layer = jax.lax.dynamic_index_in_dim(k_all, layer, keepdims=False)  # [B, K, S, H]
         v_layer = jax.lax.dynamic_index_in_dim(v_all, layer, keepdims=False)
         o = _attention(q, k_layer, v_layer, q_pos, key_pos, window, cfg.sm_scale, cfg.attn_logit_softcapping)
         return block.finish(x, block.attn.output(o)), (k_all, v_all)

@@ -73,7 +73,7 @@ def calibrate_key_factors(model, tokens=None) -> np.ndarray:
         lengths = np.asarray([len(r) for r in rows], np.int32)
         graphdef, state = nnx.split(model)
         _, dense = dense_prefill(graphdef, state, init_dense_cache(cfg, len(rows), width), ids, lengths)
-        k = np.asarray(dense.k)  # [L, B, T, K, D] float32
+        k = np.asarray(dense.k).transpose(0, 1, 3, 2, 4)  # [L, B, K, T, D] -> [L, B, T, K, D] float32
         k = np.where((np.arange(width)[None, :] < lengths[:, None])[None, :, :, None, None], k, 0.0)  # padding: zeros
         if len(_FOUND) >= _KEEP:
             _FOUND.pop(next(iter(_FOUND)))

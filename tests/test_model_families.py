@@ -89,7 +89,7 @@ def test_step_program_does_not_grow_with_depth():
 
 def test_dense_baseline_updates_its_cache_in_place():
     """The dense step writes K and V with one dynamic-update-slice each per layer into the
-    loop-carried [L, B, S, K, H] cache: no transpose, copy or scatter of a whole-cache-shaped
+    loop-carried [L, B, K, S, H] cache (heads-major): no transpose, copy or scatter of a whole-cache-shaped
     buffer, and the donated cache aliases the output."""
     model = _model("gemma2")
     graphdef, state = nnx.split(model)
@@ -102,3 +102,9 @@ def test_dense_baseline_updates_its_cache_in_place():
     updates = [line for line in hlo.splitlines() if re.search(r"= " + whole + r"\S* dynamic-update-slice\(", line)]
     assert len(updates) == 2, updates  # K and V, inside the layer loop (one body for every layer)
     assert "input_output_alias" in hlo
+    # Heads-major: attention reads a layer as stored ([B, K, S, H]), with no transpose of it in
+    # either order (the [L, B, S, K, H] layout transposed each layer's K and V every step).
+    _, b, k, s, h = cache.k.shape
+    layer = "|".join(re.escape(f"f32[{','.join(map(str, d))}]") for d in ((b, k, s, h), (b, s, k, h)))
+    transposes = [line.strip()[:160] for line in hlo.splitlines() if re.search(r"= (" + layer + r")\S* transpose\(", line)]
+    assert not transposes, "a layer's K or V transposed:\n" + "\n".join(transposes)
