@@ -24,7 +24,9 @@ past int32 are computed so that they cannot overflow.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+from flax import struct
 from jax import lax
 
 from pallas_kernels.index_math import ceil_div_nonneg, div_nonneg, rem_nonneg
@@ -88,9 +90,15 @@ def _drop_refs(table: PageTable, pages):
 
 
 def reserve_impl(cache: KVCache, slots, num_tokens):
-    """Grow each slot by num_tokens[b]; see `arena_jax.reserve`. Returns (cache, ok bool[B])."""
+    """Grow each slot by num_tokens[b]; see `arena_jax.reserve`. Returns (cache, ok bool[B]).
+
+    Most calls pop no page: a decode step's rows cross a page boundary once every page_size
+    tokens. When every served row grows inside the last page it holds alone, a conditional
+    takes the short branch (`_grow_in_place`: lengths and flags only); the allocator
+    (`_allocate`: first come first served, copy-on-write, the free stack) runs otherwise. Both
+    branches give the same result on such calls; the rows are classified once, before them."""
     table = cache.table
-    max_seqs, max_pages = table.page_map.shape
+    max_pages = table.page_map.shape[1]
     num_pages, page_size = cache.k.shape[2], cache.k.shape[3]
     pad = slots == PAD_SLOT
     live, idx = slot_rows(table, slots)
@@ -100,16 +108,70 @@ def reserve_impl(cache: KVCache, slots, num_tokens):
     rejected = ~pad & ~(live & fits)
     live &= fits
     n = jnp.where(live, num_tokens, 0)
-    new_length = length + n
-    have = ceil_div_nonneg(length, page_size)  # mapped pages (lengths are never negative)
-    need = ceil_div_nonneg(new_length, page_size)
-    row = table.page_map[idx]  # [B, M]
-
+    rows = _ReserveRows(live=live, n=n, new_length=length + n,
+                        have=ceil_div_nonneg(length, page_size),  # mapped pages (lengths are never negative)
+                        need=ceil_div_nonneg(length + n, page_size), row=table.page_map[idx])  # fmt: skip
     # Copy-on-write: the last page is partly filled, shared, and this row will write into it.
     last_lp = jnp.minimum(div_nonneg(length, page_size), max_pages - 1)
-    last_page = jnp.take_along_axis(row, last_lp[:, None], axis=1)[:, 0]
+    last_page = jnp.take_along_axis(rows.row, last_lp[:, None], axis=1)[:, 0]
     last_refs = table.refcount[jnp.clip(last_page, 0, num_pages - 1)]
     wants_cow = live & (n > 0) & (rem_nonneg(length, page_size) != 0) & (last_refs > 1)
+    in_place = jnp.all(~live | ((rows.need == rows.have) & ~wants_cow))
+    ok, new_row, cow_page, total, no_page, ref_pages, ref_delta = lax.cond(
+        in_place, _grow_in_place, _allocate, table.free_stack, table.num_free, rows, last_lp, last_page, last_refs, wants_cow)
+    # One scatter: +1 for each popped page (new pages and COW copies: free, so refcount 0 -> 1),
+    # -1 for the shared page a COW row leaves (its other holders keep it).
+    target = jnp.where(ok, slots, table.page_map.shape[0])  # only served rows change
+    table = table.replace(
+        page_map=table.page_map.at[target].set(new_row, mode="drop"),
+        lengths=table.lengths.at[target].set(rows.new_length, mode="drop"),
+        active=table.active.at[target].set(True, mode="drop"),
+        num_free=table.num_free - total,
+        refcount=table.refcount.at[ref_pages].add(ref_delta, mode="drop"),
+    )
+
+    # The private copy of a shared page, all layers and heads: [L, H, B, S, D] (and an 8-bit
+    # arena's scales, [L, H, B, S]: a page's values mean nothing without them).
+    do_cow = cow_page < num_pages
+    k, v, scales = _copy_pages(cache, jnp.where(do_cow, last_page, 0), cow_page)
+    stats = cache.stats.bump(
+        pages_allocated=total,
+        cow_copies=do_cow,
+        metadata_ops=ok & (n > 0) & no_page,
+        failed_reservations=live & ~ok,
+        rejected_rows=rejected,
+    )
+    return cache.replace(k=k, v=v, table=table, stats=stats, **scales), ok | pad
+
+
+@struct.dataclass
+class _ReserveRows:
+    """A reserve call's rows, classified (bool / i32 [B]; row: the slot's page-table row [B, M])."""
+
+    live: jax.Array  # served by the allocator's rules (pages permitting)
+    n: jax.Array  # tokens asked (0 unless live)
+    new_length: jax.Array
+    have: jax.Array  # pages mapped
+    need: jax.Array  # pages mapped once grown
+    row: jax.Array
+
+
+def _grow_in_place(free_stack, num_free, rows: _ReserveRows, last_lp, last_page, last_refs, wants_cow):
+    """No live row needs a page (nor a copy): every one is served in place. Returns what
+    `_allocate` does: (ok [B], page-table rows [B, M], copy-on-write target [B] (num_pages:
+    none), pages popped, rows served without a page [B], refcount changes: pages [K], deltas [K])."""
+    del num_free, last_lp, last_refs, wants_cow
+    num_pages = free_stack.shape[0]
+    # (Made from the rows where _allocate's vary per shard inside shard_map; its deltas are constants.)
+    none = jnp.where(rows.live, num_pages, num_pages)  # [B]
+    no_pages = jnp.broadcast_to(last_page[:1] * 0 + num_pages, (rows.row.size + 2 * none.size,))  # [K]: drop
+    return rows.live, rows.row, none, jnp.sum(rows.n) * 0, rows.live | True, no_pages, jnp.zeros(no_pages.shape, jnp.int32)
+
+
+def _allocate(free_stack, num_free, rows: _ReserveRows, last_lp, last_page, last_refs, wants_cow):
+    """The allocator: pages popped first come first served, copy-on-write of shared last pages."""
+    num_pages, max_pages = free_stack.shape[0], rows.row.shape[1]
+    live, have, need, row = rows.live, rows.have, rows.need, rows.row
     # When every holder of that page is in this batch and wants to write, the first one keeps it.
     same = wants_cow[:, None] & wants_cow[None, :] & (last_page[:, None] == last_page[None, :])  # [B, B]
     rank = jnp.sum(jnp.tril(same, k=-1), axis=1)
@@ -121,7 +183,7 @@ def reserve_impl(cache: KVCache, slots, num_tokens):
     # every earlier row, fits in the free pages. Rows that need no page are always served.
     cap = num_pages + 1  # any demand above num_free fails alike
     demand = jnp.minimum(jnp.where(live, need - have + cow, 0), cap)
-    ok_pages = (demand == 0) | (_saturating_cumsum(demand, cap) <= table.num_free)
+    ok_pages = (demand == 0) | (_saturating_cumsum(demand, cap) <= num_free)
     ok = live & ok_pages
     # The keeper writes into a page its co-holders hold until they get their copies: it is
     # served only if every co-holder in the batch is (else it would write into a shared page).
@@ -132,7 +194,7 @@ def reserve_impl(cache: KVCache, slots, num_tokens):
     total = jnp.sum(granted)
 
     def popped(i):  # the i-th page popped from the stack top
-        return table.free_stack[jnp.clip(table.num_free - 1 - i, 0, num_pages - 1)]
+        return free_stack[jnp.clip(num_free - 1 - i, 0, num_pages - 1)]
 
     do_cow = ok & cow
     cow_page = jnp.where(do_cow, popped(first), num_pages)  # [B]
@@ -142,34 +204,10 @@ def reserve_impl(cache: KVCache, slots, num_tokens):
     new_row = jnp.where(is_new, new_page, row)
     new_row = jnp.where(do_cow[:, None] & (lp == last_lp[:, None]), cow_page[:, None], new_row)
 
-    target = jnp.where(ok, slots, max_seqs)  # only served rows change
-    # One scatter: +1 for each popped page (new pages and COW copies: free, so refcount 0 -> 1),
-    # -1 for the shared page a COW row leaves (its other holders keep it).
     ref_pages = jnp.concatenate([jnp.where(is_new, new_page, num_pages).reshape(-1), cow_page,
                                  jnp.where(do_cow, last_page, num_pages)])  # fmt: skip
     ref_delta = jnp.concatenate([jnp.ones(is_new.size + cow_page.size, jnp.int32), jnp.full(cow_page.shape, -1, jnp.int32)])
-    refcount = table.refcount.at[ref_pages].add(ref_delta, mode="drop")
-    table = table.replace(
-        page_map=table.page_map.at[target].set(new_row, mode="drop"),
-        lengths=table.lengths.at[target].set(new_length, mode="drop"),
-        active=table.active.at[target].set(True, mode="drop"),
-        num_free=table.num_free - total,
-        refcount=refcount,
-    )
-
-    # The private copy of a shared page, all layers and heads: [L, H, B, S, D] (and an 8-bit
-    # arena's scales, [L, H, B, S]: a page's values mean nothing without them).
-    src = jnp.where(do_cow, last_page, 0)
-    k, v, scales = _copy_pages(cache, src, cow_page)
-
-    stats = cache.stats.bump(
-        pages_allocated=total,
-        cow_copies=jnp.sum(do_cow),
-        metadata_ops=jnp.sum(ok & (n > 0) & (demand == 0)),
-        failed_reservations=jnp.sum(live & ~ok),
-        rejected_rows=jnp.sum(rejected),
-    )
-    return cache.replace(k=k, v=v, table=table, stats=stats, **scales), ok | pad
+    return ok, new_row, cow_page, total, demand == 0, ref_pages, ref_delta
 
 
 def _unmap_tail(cache: KVCache, slots, rows, keep_tokens):
@@ -208,7 +246,7 @@ def release_impl(cache: KVCache, slots):
     live, _ = slot_rows(cache.table, slots)
     cache, freed = _release_rows(cache, slots, live)
     rejected = (slots != PAD_SLOT) & ~live
-    return cache.replace(stats=cache.stats.bump(pages_recycled=freed, rejected_rows=jnp.sum(rejected)))
+    return cache.replace(stats=cache.stats.bump(pages_recycled=freed, rejected_rows=rejected))
 
 
 def truncate_impl(cache: KVCache, slots, lengths):
@@ -230,7 +268,7 @@ def truncate_impl(cache: KVCache, slots, lengths):
     rejected = (slots != PAD_SLOT) & ~ok
     # A truncate that shortens nothing (an idle slot, or the slot's own length) is no operation.
     changed = ok & (new_length < held)
-    stats = cache.stats.bump(pages_recycled=freed, metadata_ops=jnp.sum(changed), rejected_rows=jnp.sum(rejected))
+    stats = cache.stats.bump(pages_recycled=freed, metadata_ops=changed, rejected_rows=rejected)
     return cache.replace(table=table, stats=stats)
 
 
@@ -267,7 +305,7 @@ def fork_impl(cache: KVCache, src, dst):
         refcount=refcount,
     )
     stats = cache.stats.bump(
-        metadata_ops=jnp.sum(ok), pages_recycled=freed, rejected_rows=jnp.sum(~dst_pad & ~ok)
+        metadata_ops=ok, pages_recycled=freed, rejected_rows=~dst_pad & ~ok
     )
     return cache.replace(table=table, stats=stats)
 

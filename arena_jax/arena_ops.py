@@ -119,9 +119,9 @@ def append_impl(cache: KVCache, layer, slots, k, v, num_tokens, backend: str) ->
     target = jnp.where(writable, slots, max_seqs)
     table = table.replace(written=table.written.at[layer_c, target].add(accepted, mode="drop"))
     stats = cache.stats.bump(
-        tokens_written=jnp.where(layer_ok & (layer_c == 0), jnp.sum(accepted), 0),
-        dropped_writes=jnp.sum(good & (n > 0) & ~writable),
-        rejected_rows=jnp.sum(rejected),
+        tokens_written=jnp.where(layer_ok & (layer_c == 0), accepted, 0),
+        dropped_writes=good & (n > 0) & ~writable,
+        rejected_rows=rejected,
     )
     return cache.replace(k=k_arena, v=v_arena, table=table, stats=stats, **scales)
 

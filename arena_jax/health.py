@@ -1,7 +1,6 @@
 """`health(cache)`: a host-side report of how the arena is used (reads the state back once)."""
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 
@@ -86,7 +85,7 @@ def health(cache: KVCache, prefix=None, host=None) -> dict:
     tokens_held = int(filled.sum())
     written = _host(t.written)[:, active]  # [L, active slots]
     written_tokens = int(written.min(axis=0).sum()) if written.size else 0
-    counters = {f.name: int(np.sum(_host(getattr(cache.stats, f.name)))) for f in dataclasses.fields(cache.stats)}
+    counters = {name: int(np.sum(_host(value))) for name, value in cache.stats.as_dict().items()}
     placement = {}
     if sh is not None:
         placement = dict(

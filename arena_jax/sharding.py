@@ -202,7 +202,7 @@ class CacheSharding:
                          written=_spec(None, self.data_axis), held=d, arena_id=P())  # fmt: skip
 
     def stats_specs(self) -> CacheStats:
-        """Counters: one per data shard ([dp]), else replicated scalars."""
+        """Counters: a row per data shard ([dp, N]), else one replicated vector [N]."""
         return jax.tree.map(lambda _: _spec(self.data_axis), CacheStats.zeros())
 
     def named(self, spec: P) -> NamedSharding:
@@ -227,7 +227,7 @@ def create_sharded(layout: KVLayout, mesh, *, tensor_axis: str | None = "tensor"
             # One free stack per data shard, of local page ids (top: page 0 of each shard).
             local = jnp.arange(pages_per_shard - 1, -1, -1, dtype=jnp.int32)
             table = table.replace(free_stack=jnp.tile(local, sh.dp), num_free=jnp.full((sh.dp,), pages_per_shard, jnp.int32))
-            stats = jax.tree.map(lambda x: jnp.zeros((sh.dp,), x.dtype), stats)
+            stats = jax.tree.map(lambda x: jnp.zeros((sh.dp, *x.shape), x.dtype), stats)  # a row of counters a shard
         shape = sh.arena_shape(layout)
         extras = {}
         if layout.quantized:  # [layers, heads, pages, page_size(, groups)]: split like the arena

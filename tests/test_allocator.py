@@ -222,3 +222,69 @@ def test_a_truncate_that_shortens_nothing_counts_as_nothing():
     assert int(cache.stats.metadata_ops) == 0 and int(cache.stats.rejected_rows) == 0
     cache = aj.truncate(cache, [0], 3)
     assert int(cache.stats.metadata_ops) == 1
+
+
+# ---- reserve's in-place branch against the allocator ---------------------------------------
+
+
+def _reserve_with(grow):
+    """`reserve_impl` jitted, with `grow` as its in-place branch (the allocator itself: the reference)."""
+    from arena_jax import allocator
+
+    def run(cache, slots, n):
+        saved = allocator._grow_in_place
+        allocator._grow_in_place = grow
+        try:
+            return allocator.reserve_impl(cache, slots, n)
+        finally:
+            allocator._grow_in_place = saved
+
+    return jax.jit(run)
+
+
+def test_reserve_in_place_branch_equals_the_allocator_on_random_calls():
+    """On fresh random states and calls (duplicate, padded, out-of-range slots, bad counts,
+    forks sharing a partly filled page), `reserve` with its in-place branch gives the same
+    cache and ok as with the allocator on both branches; the calls take the in-place branch
+    often (a decode-like step: rows inside their last page) and not always."""
+    from arena_jax import allocator
+
+    fast, reference = _reserve_with(allocator._grow_in_place), _reserve_with(allocator._allocate)
+    rng = np.random.default_rng(0)
+    took = []
+    for trial in range(40):
+        cache = aj.create(LAYOUT)
+        for slot in range(3):  # some slots hold tokens; a fork shares a partly filled page
+            n = int(rng.integers(0, 7))
+            if n:
+                cache, _, _ = fill(cache, slot, n, seed=3 * trial + slot)
+        if rng.random() < 0.5 and int(cache.table.lengths[0]) > 0:
+            cache = aj.fork(cache, [0], [3])
+        lengths = np.asarray(cache.table.lengths)
+        slots = rng.choice([-1, 0, 1, 2, 3, 3, 4, 7], size=4).astype(np.int32)
+        inside = (LAYOUT.page_size - lengths % LAYOUT.page_size) % LAYOUT.page_size  # room in the last page
+        room = np.where((slots >= 0) & (slots < 4), inside[np.clip(slots, 0, 3)], 1)
+        n = np.where(rng.random(4) < 0.7, np.minimum(room, 1), rng.integers(-1, 9, 4)).astype(np.int32)
+        want = jax.device_get(reference(snapshot(cache), slots, n))
+        got = jax.device_get(fast(snapshot(cache), slots, n))
+        assert_same(got, want)
+        took.append(int(got[0].stats.pages_allocated) == int(cache.stats.pages_allocated))  # no page popped
+    assert 5 < sum(took) < len(took), took
+
+
+def test_stats_are_one_vector_read_by_name():
+    """`CacheStats` packs the counters in one i32[N] (`STAT_NAMES` order); `bump` sums per-row
+    flags and counts of any shape with scalars, each into its own counter, and refuses a name it
+    does not know."""
+    from arena_jax.kv_cache import STAT_NAMES, CacheStats
+
+    stats = CacheStats.zeros()
+    assert stats.counts.shape == (len(STAT_NAMES),) and jax.tree_util.tree_leaves(stats) == [stats.counts]
+    stats = stats.bump(rejected_rows=jnp.array([True, False, True]), pages_allocated=3,
+                       tokens_written=jnp.array([2, 5, 0]), cow_copies=jnp.ones((2, 2), bool))  # fmt: skip
+    stats = jax.jit(lambda s: s.bump(rejected_rows=1, swap_ins=jnp.array([1, 1])))(stats)
+    want = dict.fromkeys(STAT_NAMES, 0) | dict(rejected_rows=3, pages_allocated=3, tokens_written=7, cow_copies=4, swap_ins=2)
+    assert {name: int(v) for name, v in stats.as_dict().items()} == want
+    assert {name: int(getattr(stats, name)) for name in STAT_NAMES} == want
+    with pytest.raises(TypeError, match="unknown counters \\['page_alocated'\\]"):
+        stats.bump(page_alocated=1)

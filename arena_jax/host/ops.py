@@ -152,7 +152,7 @@ def swap_out_impl(cache: KVCache, host: HostArena, slots, host_pages):
     held = host.held.at[jnp.where(moves, host_pages, n_host)].set(tokens, mode="drop")
     cache, freed = _release_rows(cache, slots, ok)
     stats = cache.stats.bump(
-        pages_to_host=jnp.sum(moves), swap_outs=jnp.sum(ok), pages_recycled=freed, rejected_rows=jnp.sum(~pad & ~ok)
+        pages_to_host=moves, swap_outs=ok, pages_recycled=freed, rejected_rows=~pad & ~ok
     )
     return cache.replace(stats=stats), host.replace(pages=pages, held=held), ok | pad
 
@@ -206,8 +206,8 @@ def swap_in_impl(cache: KVCache, host: HostArena, host_pages, num_tokens, dst):
     fresh = jnp.where(moves, new_page, 0).reshape(-1)
     arrays = move_pages(host.pages, page_arrays(cache), src, fresh, moves.reshape(-1), to_device)
     stats = cache.stats.bump(
-        pages_allocated=total, pages_to_device=total, swap_ins=jnp.sum(ok),
-        failed_swaps=jnp.sum(valid & ~ok), rejected_rows=jnp.sum(~pad & ~valid),
+        pages_allocated=total, pages_to_device=total, swap_ins=ok,
+        failed_swaps=valid & ~ok, rejected_rows=~pad & ~valid,
     )  # fmt: skip
     return cache.replace(table=table, stats=stats, **arrays), host, ok | pad
 
@@ -234,8 +234,8 @@ def offload_pages_impl(cache: KVCache, host: HostArena, pages, host_pages):
     target = jnp.where(ok, pages, num_pages)
     table, freed = _drop_refs(table.replace(held=table.held.at[target].set(0, mode="drop")), target)
     stats = cache.stats.bump(
-        pages_to_host=jnp.sum(ok), holds_dropped=jnp.sum(ok), pages_evicted=freed, pages_recycled=freed,
-        rejected_rows=jnp.sum(~pad & ~ok),
+        pages_to_host=ok, holds_dropped=ok, pages_evicted=freed, pages_recycled=freed,
+        rejected_rows=~pad & ~ok,
     )  # fmt: skip
     return cache.replace(table=table, stats=stats), host.replace(pages=arrays, held=host_held)
 
@@ -247,5 +247,5 @@ def drop_host_pages_impl(cache: KVCache, host: HostArena, host_pages):
     _, first, idx = _page_rows(n_host, host_pages)
     ok = first & (host.held[idx] > 0) & _same_arena(cache, host)
     held = host.held.at[jnp.where(ok, host_pages, n_host)].set(0, mode="drop")
-    stats = cache.stats.bump(host_pages_dropped=jnp.sum(ok), rejected_rows=jnp.sum(~pad & ~ok))
+    stats = cache.stats.bump(host_pages_dropped=ok, rejected_rows=~pad & ~ok)
     return cache.replace(stats=stats), host.replace(held=held)

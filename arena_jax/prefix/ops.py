@@ -65,7 +65,7 @@ def hold_pages_impl(cache: KVCache, pages, num_tokens):
         held=table.held.at[target].set(num_tokens, mode="drop"),
         refcount=table.refcount.at[target].add(1, mode="drop"),
     )
-    stats = cache.stats.bump(pages_held=jnp.sum(ok), rejected_rows=jnp.sum(~pad & ~ok))
+    stats = cache.stats.bump(pages_held=ok, rejected_rows=~pad & ~ok)
     return cache.replace(table=table, stats=stats)
 
 
@@ -79,7 +79,7 @@ def drop_pages_impl(cache: KVCache, pages):
     target = jnp.where(ok, pages, num_pages)
     table, freed = _drop_refs(table.replace(held=table.held.at[target].set(0, mode="drop")), target)
     stats = cache.stats.bump(
-        holds_dropped=jnp.sum(ok), pages_evicted=freed, pages_recycled=freed, rejected_rows=jnp.sum(~pad & ~ok)
+        holds_dropped=ok, pages_evicted=freed, pages_recycled=freed, rejected_rows=~pad & ~ok
     )
     return cache.replace(table=table, stats=stats)
 
@@ -121,10 +121,10 @@ def fork_pages_impl(cache: KVCache, pages, num_tokens, dst):
         refcount=table.refcount.at[jnp.where(mapped, pages, num_pages)].add(1, mode="drop"),
     )
     stats = cache.stats.bump(
-        metadata_ops=jnp.sum(ok),
-        prefix_forks=jnp.sum(ok),
-        prefix_tokens=jnp.sum(jnp.where(ok, n, 0)),
+        metadata_ops=ok,
+        prefix_forks=ok,
+        prefix_tokens=jnp.where(ok, n, 0),
         pages_recycled=freed,
-        rejected_rows=jnp.sum(~dst_pad & ~ok),
+        rejected_rows=~dst_pad & ~ok,
     )
     return cache.replace(table=table, stats=stats)
