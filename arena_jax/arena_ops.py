@@ -36,7 +36,7 @@ from arena_jax.kv_cache import PAD_SLOT, KVCache
 from pallas_kernels.blockwise import paged_attention_blockwise
 from pallas_kernels.index_math import div_nonneg
 from pallas_kernels.rotation import rotate_rows
-from pallas_kernels.reference import append_reference, paged_attention_reference
+from pallas_kernels.reference import paged_attention_reference, write_tokens
 from pallas_kernels.scatter import upcasts
 from pallas_kernels.tpu.common import target_platform
 
@@ -112,7 +112,10 @@ def append_impl(cache: KVCache, layer, slots, k, v, num_tokens, backend: str) ->
         arenas = paged_append(cache.k, cache.v, layer_c, k, v, *kernel_rows, rotate_keys=cache.rotate_keys, **scales)
     else:  # the jnp scatter (`pallas_kernels.scatter.set_at`): a copy of the arena where the backend upcasts
         warn_if_appends_copy((cache.k.dtype, None if cache.k_scale is None else cache.k_scale.dtype))
-        arenas = append_reference(cache.k, cache.v, layer_c, k, v, *kernel_rows, rotate_keys=cache.rotate_keys, **scales)
+        # The reference's writes at the pages looked up above (its own lookup would repeat them):
+        # the same tokens, pages and offsets as `append_reference(..., *kernel_rows)`.
+        ok = writable[:, None] & in_use & (page >= 0) & (pos < max_pages * page_size)
+        arenas = write_tokens(cache.k, cache.v, layer_c, k, v, page, pos, ok, rotate_keys=cache.rotate_keys, **scales)
     k_arena, v_arena = arenas[:2]
     if cache.k_scale is not None:  # a quantized arena: values and scales written together
         scales = dict(k_scale=arenas[2], v_scale=arenas[3])

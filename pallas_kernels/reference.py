@@ -39,7 +39,7 @@ from pallas_kernels.quant4 import GROUP, arena_format, quantize_groups, unpack_c
 from pallas_kernels.scatter import set_at
 from pallas_kernels.rotation import rotate_rows
 
-__all__ = ["append_reference", "paged_attention_reference", "token_positions"]
+__all__ = ["append_reference", "write_tokens", "paged_attention_reference", "token_positions"]
 
 
 def token_positions(lengths, num_tokens, tokens: int):
@@ -73,9 +73,19 @@ def append_reference(k_arena, v_arena, layer, k, v, page_map, lengths, num_token
     page = jnp.take_along_axis(page_map, logical, axis=1)  # [B, T]
     # Positions past the page table (pos >= M * page_size) are dropped, not clipped onto the last page.
     ok = valid & (page >= 0) & (pos >= 0) & (pos < page_map.shape[1] * page_size)
+    return write_tokens(k_arena, v_arena, layer, k, v, page, pos_c, ok, k_scale=k_scale, v_scale=v_scale,
+                        rotate_keys=rotate_keys)  # fmt: skip
+
+
+def write_tokens(k_arena, v_arena, layer, k, v, page, pos, ok, *, k_scale=None, v_scale=None, rotate_keys=False):
+    """The write half of `append_reference`, for callers that looked the pages up already: token
+    (b, t) of k, v [B, T, Hkv, D] goes to page[b, t] at offset pos[b, t] % page_size where
+    ok[b, t] (page i32[B, T] in range there, pos i32[B, T] >= 0); nothing elsewhere. Returns
+    what `append_reference` returns (quantized and rotated the same way)."""
+    num_pages, page_size = k_arena.shape[2], k_arena.shape[3]
     # An explicit out-of-range sentinel plus mode="drop": padded tokens write nothing.
     page = jnp.where(ok, page, num_pages)
-    offset = jnp.where(ok, rem_nonneg(pos_c, page_size), 0)
+    offset = jnp.where(ok, rem_nonneg(pos, page_size), 0)
     layer = jnp.asarray(layer, jnp.int32)
     # arena[layer][:, page, offset] <- k[b, t] for every (b, t): indices broadcast to [B, T],
     # the head axis is a slice, so the update is [B, T, Hkv, D] (int4: D / 2 bytes).
