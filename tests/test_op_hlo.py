@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 import arena_jax as aj
 from arena_jax import api
-from arena_jax.benchmarks.studies.op_hlo import hlo_counts, measure
+from arena_jax.benchmarks.studies.op_hlo import hlo_counts, kernels_by_part, measure
 
 SMALL_MODULE = """HloModule m
 
@@ -59,11 +59,38 @@ def test_one_block_compiles_no_loop_and_a_longer_capacity_the_loops():
 
 def test_the_study_reports_every_program():
     rows = {r["program"]: r for r in measure(batch=2, capacity=16, page_size=8)}
-    assert set(rows) == {"paged decode step", "dense decode step", "aj.reserve", "aj.append (xla)", "aj.attend (xla)",
-                         "aj.release"}  # fmt: skip
+    assert set(rows) == {"paged decode step", "paged prefill, sampled", "dense decode step", "aj.reserve",
+                         "aj.append (xla)", "aj.attend (xla)", "aj.release"}  # fmt: skip
     assert all(r["kernels"] > 0 and r["instructions"] >= r["kernels"] and r["compile_cpu_s"] > 0 for r in rows.values())
     assert rows["aj.attend (xla)"]["while_loops"] == 0  # 16 keys: one block
     assert rows["paged decode step"]["kernels"] > rows["aj.reserve"]["kernels"]
+    for name in ("paged decode step", "paged prefill, sampled", "dense decode step"):  # every kernel has a part
+        assert sum(rows[name]["parts"].values()) == rows[name]["kernels"], name
+    decode, prefill, dense = (rows[n]["parts"] for n in ("paged decode step", "paged prefill, sampled", "dense decode step"))
+    assert min(decode["reserve"], decode["append"], decode["attend"]) > 0 and decode["sampling: threefry"] == 0  # greedy
+    assert prefill["sampling: threefry"] > 0 and dense["reserve"] == dense["append"] == dense["attend"] == 0
+
+
+def test_kernels_by_part_reads_op_names():
+    text = """HloModule m
+
+%fused_computation (param_0: s32[4]) -> s32[4] {
+  %param_0 = s32[4]{0} parameter(0)
+  ROOT %negate.9 = s32[4]{0} negate(%param_0), metadata={op_name="jit(step)/jit(_reserve)/neg"}
+}
+
+ENTRY %main (x: s32[4]) -> s32[4] {
+  %x = s32[4]{0} parameter(0)
+  %a = s32[4]{0} fusion(%x), kind=kLoop, calls=%fused_computation, metadata={op_name="jit(step)/jit(_reserve)/neg"}
+  %b = s32[4]{0} negate(%a), metadata={op_name="jit(step)/while/body/jit(_append)/neg"}
+  %c = s32[4]{0} negate(%b), metadata={op_name="jit(step)/jit(_random_bits)/threefry2x32"}
+  %d = s32[4]{0} negate(%c), metadata={op_name="jit(step)/add"}
+  ROOT %e = s32[4]{0} negate(%d)
+}
+"""
+    parts = kernels_by_part(text)
+    assert (parts["reserve"], parts["append"], parts["sampling: threefry"], parts["model"], parts["no op_name"]) == (1, 1, 1, 1, 1)
+    assert sum(parts.values()) == hlo_counts(text)["kernels"] == 5
 
 
 def test_reserve_copies_pages_only_under_a_conditional():

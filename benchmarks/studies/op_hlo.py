@@ -5,9 +5,11 @@
 Compiles for this machine's CPU, at XLA's default optimization level unless XLA_FLAGS names one:
 the tiny model's paged decode step, the dense baseline's decode step on the same weights, and
 each cache op of the paged step alone (`aj.reserve`, `aj.append` and `aj.attend` with the
-"xla" backend, `aj.release`). Per program: HLO instructions, kernels (fusions and unfused
+"xla" backend, `aj.release`), and `generate`'s prefill program with per-row sampling (a 16-token
+chunk). Per program: HLO instructions, kernels (fusions and unfused
 ops: what XLA's CPU backend emits and compiles one by one, and calls one by one at run time),
-while loops, and the compile's CPU seconds. Compile time follows the kernel count more than
+while loops, and the compile's CPU seconds; for the steps, their kernels by part (the cache
+ops, the sampler, the layers' weight slices, the rest of the model). Compile time follows the kernel count more than
 anything else; RESULTS.md ("Compile time of the cache ops") has the figures before and after
 the changes they chose.
 """
@@ -25,7 +27,7 @@ import arena_jax as aj
 from arena_jax import api, models
 from arena_jax.models import dense_baseline, steps
 
-__all__ = ["hlo_counts", "measure"]
+__all__ = ["hlo_counts", "kernels_by_part", "measure"]
 
 _NOT_KERNELS = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast"}
 
@@ -69,10 +71,40 @@ def hlo_counts(hlo_text: str) -> dict:
     return dict(instructions=instructions, kernels=kernels, while_loops=loops)
 
 
+# A kernel's part of the step, from the first of these names in its op_name (JAX's name stack):
+# the cache ops are jitted functions of their own, the sampler's draws are threefry hashes, the
+# rest of the sampler is a conditional's branch (greedy rows skip it).
+PARTS = (("reserve", "jit(_reserve)"), ("append", "jit(_append)"), ("attend", "jit(_attend)"),
+         ("sampling: threefry", "threefry"), ("sampling: the rest", "/cond/branch_"),
+         ("layer weights sliced", "jit(dynamic_index_in_dim)"))  # fmt: skip
+
+
+def kernels_by_part(hlo_text: str) -> dict:
+    """The kernels `hlo_counts` counts, by part of the step (`PARTS`; "model": any other op of
+    the program, "no op_name": reductions' adder bodies and the like)."""
+    parts = dict.fromkeys([name for name, _ in PARTS] + ["model", "no op_name"], 0)
+    fused = False
+    for line in hlo_text.splitlines():
+        head = re.match(r"^(ENTRY )?%(\S+) ", line)
+        if head:
+            fused = "fused" in head.group(2)
+            continue
+        op = _opcode(line)
+        if op is None or fused or op in _NOT_KERNELS:
+            continue
+        name = re.search(r'op_name="([^"]+)"', line)
+        if name is None:
+            parts["no op_name"] += 1
+            continue
+        parts[next((part for part, key in PARTS if key in name.group(1)), "model")] += 1
+    return parts
+
+
 def _compiled(name: str, lowered) -> dict:
     start = time.process_time()  # this process's CPU time (all its threads)
     text = lowered.compile().as_text()
-    return dict(program=name, compile_cpu_s=round(time.process_time() - start, 3), **hlo_counts(text))
+    return dict(program=name, compile_cpu_s=round(time.process_time() - start, 3), **hlo_counts(text),
+                parts=kernels_by_part(text))  # fmt: skip
 
 
 def measure(batch: int = 4, capacity: int = 64, page_size: int = 8) -> list[dict]:
@@ -87,8 +119,13 @@ def measure(batch: int = 4, capacity: int = 64, page_size: int = 8) -> list[dict
     kv = jnp.ones((batch, 1, config.num_kv_heads, config.head_dim), jnp.float32)
     q = jnp.ones((batch, 1, config.num_heads, config.head_dim), jnp.float32)
     dense = dense_baseline.init_dense_cache(config, batch, capacity)
+    bound = steps.bound_steps(graphdef, state)
+    sampling = models.Sampling(0.7, top_k=8, top_p=0.9).rows(batch)  # generate's prefill program: per-row sampling
+    chunk = jnp.zeros((batch, 16), jnp.int32)
     return [
         _compiled("paged decode step", steps.decode_step.lower(graphdef, state, cache, tokens, slots)),
+        _compiled("paged prefill, sampled", bound.prefill.lower(bound.leaves, cache, chunk, slots, ones * 16, slots,
+                                                               jnp.int32(0), sampling)),  # fmt: skip
         _compiled("dense decode step", dense_baseline.dense_decode.lower(graphdef, state, dense, tokens)),
         _compiled("aj.reserve", api._reserve.lower(cache, slots, ones)),
         _compiled("aj.append (xla)", api._append.lower(cache, jnp.int32(0), slots, kv, kv, ones, "xla")),
@@ -106,9 +143,14 @@ def main(argv=None) -> None:
     rows = measure(args.batch, args.capacity, args.page_size)
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}; tiny model, batch {args.batch}, capacity "
           f"{args.capacity}, page {args.page_size}")
-    print(f"{'program':<20} {'instructions':>12} {'kernels':>8} {'while':>6} {'compile CPU s':>14}")
+    print(f"{'program':<22} {'instructions':>12} {'kernels':>8} {'while':>6} {'compile CPU s':>14}")
     for r in rows:
-        print(f"{r['program']:<20} {r['instructions']:>12,} {r['kernels']:>8} {r['while_loops']:>6} {r['compile_cpu_s']:>14.2f}")
+        print(f"{r['program']:<22} {r['instructions']:>12,} {r['kernels']:>8} {r['while_loops']:>6} {r['compile_cpu_s']:>14.2f}")
+    steps_ = [r for r in rows if r["program"].startswith(("paged", "dense"))]
+    print("\nkernels by part of the step (op_name):")
+    print(f"{'part':<22}" + "".join(f" {r['program']:>22}" for r in steps_))
+    for part in steps_[0]["parts"]:
+        print(f"{part:<22}" + "".join(f" {r['parts'][part]:>22}" for r in steps_))
 
 
 if __name__ == "__main__":
