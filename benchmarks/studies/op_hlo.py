@@ -51,23 +51,32 @@ def _opcode(line: str) -> str | None:
     return op.group(1) if op else None
 
 
-def hlo_counts(hlo_text: str) -> dict:
-    """Counts in an optimized HLO module's text: instructions (every computation), kernels (the
-    instructions of computations that are not fused bodies, less parameters, tuples, constants
-    and bitcasts; reductions' small adder bodies count too) and while loops."""
-    instructions = kernels = loops = 0
-    fused = False
+def _instructions(hlo_text: str):
+    """(computation, opcode, line, runs as kernels) per instruction of an optimized HLO module.
+    Instructions run as kernels in the entry computation, in while loops' bodies and conditions
+    and in conditionals' branches; not in fusion bodies (`calls=`: a fusion is one kernel, its
+    body included) nor in reductions' and scatters' small combiner bodies (`to_apply=`)."""
+    called = set(re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", hlo_text))
+    computation = None
     for line in hlo_text.splitlines():
         head = re.match(r"^(ENTRY )?%(\S+) ", line)
         if head:
-            fused = "fused" in head.group(2)
+            computation = head.group(2)
             continue
         op = _opcode(line)
-        if op is None:
-            continue
+        if op is not None:
+            yield computation, op, line, computation not in called and op not in _NOT_KERNELS
+
+
+def hlo_counts(hlo_text: str) -> dict:
+    """Counts in an optimized HLO module's text: instructions (every computation), kernels (the
+    instructions that run as kernels, `_instructions`: fusions and unfused ops, less parameters,
+    tuples, constants and bitcasts) and while loops."""
+    instructions = kernels = loops = 0
+    for _, op, _, kernel in _instructions(hlo_text):
         instructions += 1
         loops += op == "while"
-        kernels += not fused and op not in _NOT_KERNELS
+        kernels += kernel
     return dict(instructions=instructions, kernels=kernels, while_loops=loops)
 
 
@@ -81,16 +90,10 @@ PARTS = (("reserve", "jit(_reserve)"), ("append", "jit(_append)"), ("attend", "j
 
 def kernels_by_part(hlo_text: str) -> dict:
     """The kernels `hlo_counts` counts, by part of the step (`PARTS`; "model": any other op of
-    the program, "no op_name": reductions' adder bodies and the like)."""
+    the program, "no op_name": copies and the like that XLA adds without one)."""
     parts = dict.fromkeys([name for name, _ in PARTS] + ["model", "no op_name"], 0)
-    fused = False
-    for line in hlo_text.splitlines():
-        head = re.match(r"^(ENTRY )?%(\S+) ", line)
-        if head:
-            fused = "fused" in head.group(2)
-            continue
-        op = _opcode(line)
-        if op is None or fused or op in _NOT_KERNELS:
+    for _, _, line, kernel in _instructions(hlo_text):
+        if not kernel:
             continue
         name = re.search(r'op_name="([^"]+)"', line)
         if name is None:
