@@ -161,11 +161,17 @@ def _grow_in_place(free_stack, num_free, rows: _ReserveRows, last_lp, last_page,
     `_allocate` does: (ok [B], page-table rows [B, M], copy-on-write target [B] (num_pages:
     none), pages popped, rows served without a page [B], refcount changes: pages [K], deltas [K])."""
     del num_free, last_lp, last_refs, wants_cow
-    num_pages = free_stack.shape[0]
-    # (Made from the rows where _allocate's vary per shard inside shard_map; its deltas are constants.)
-    none = jnp.where(rows.live, num_pages, num_pages)  # [B]
-    no_pages = jnp.broadcast_to(last_page[:1] * 0 + num_pages, (rows.row.size + 2 * none.size,))  # [K]: drop
-    return rows.live, rows.row, none, jnp.sum(rows.n) * 0, rows.live | True, no_pages, jnp.zeros(no_pages.shape, jnp.int32)
+    num_pages, batch = free_stack.shape[0], rows.live.shape[0]
+    dropped = _like_rows(rows.n, num_pages, (rows.row.size + 2 * batch,))  # [K]: refcount scatter drops them
+    return (rows.live, rows.row, _like_rows(rows.n, num_pages, (batch,)), _like_rows(rows.n, 0, ()),
+            _like_rows(rows.n, True, (batch,)), dropped, jnp.zeros(dropped.shape, jnp.int32))  # fmt: skip
+
+
+def _like_rows(rows_value, value, shape):
+    """`value` in `shape`, computed from a per-row array: inside shard_map it then varies per
+    shard as `_allocate`'s outputs do (lax.cond needs the branches' types equal; a constant
+    would not vary)."""
+    return jnp.broadcast_to(jnp.where(jnp.any(rows_value == rows_value), value, value), shape)
 
 
 def _allocate(free_stack, num_free, rows: _ReserveRows, last_lp, last_page, last_refs, wants_cow):
