@@ -48,6 +48,7 @@ from arena_jax.models.hub import checkpoint_dir
 from arena_jax.models.loading import Pretrained, TensorSpec, export_hf_tensors, hf_tensor_map, load_pretrained, load_tokenizer
 from arena_jax.models.sampling import GREEDY, Sampling, SamplingParams, filter_logits, sample
 from arena_jax.models.scheduler import run_ahead as decode_ahead  # the module's old path (models.decode_ahead)
+from arena_jax.models.draft import DraftModel, first_layers
 from arena_jax.models.speculative import PromptLookup
 from arena_jax.models.text import TextGeneration, TextStream, TextTokenizer, generate_text
 from arena_jax.models.steps import TRACE_COUNTS, StepOutput, decode_step, mixed_step, prefill, release_rows
@@ -86,6 +87,8 @@ __all__ = [
     "Generation",
     "generate_text",
     "PromptLookup",
+    "DraftModel",
+    "first_layers",
     "TextGeneration",
     "TextTokenizer",
     "TextStream",

@@ -252,6 +252,8 @@ def generate(
                                         and isinstance(getattr(speculative, "k", None), int) and speculative.k >= 1):  # fmt: skip
         raise ValueError(f"speculative must be a proposer like models.PromptLookup(k=4) (propose(ids, limit), k >= 1), "
                          f"got {type(speculative).__name__}")  # fmt: skip
+    if speculative is not None and hasattr(speculative, "check_target"):
+        speculative.check_target(model)  # (models.DraftModel: the same vocabulary)
     sampling, serving, parallel, index = options_from_keywords(sampling, serving, parallel, options)
     batch_size, chunk_size, layout, kv_dtype = serving.batch_size, serving.chunk_size, serving.layout, serving.kv_dtype
     host_pages, swap_policy, token_budget, decode_block = serving.host_pages, serving.swap_policy, serving.token_budget, serving.decode_block

@@ -128,3 +128,58 @@ def test_sampled_acceptance_keeps_the_target_distribution():
     assert abs(accepted.mean() - p0[2]) < 0.015 and (count[accepted] >= 2).all() and (count[~accepted] == 1).all()
     second = np.bincount(new[accepted, 1], minlength=vocab) / accepted.sum()
     np.testing.assert_allclose(second, p1, atol=0.03)
+
+
+def test_a_draft_model_proposes_and_greedy_tokens_stay_plain(monkeypatch):
+    """models.DraftModel (issue 43, item 2b): a draft in its own arena proposes greedily; the
+    target's tokens are plain decoding's whatever it proposes. A draft that IS the target has
+    every proposal kept; a one-layer draft (`first_layers`) some. Rows are reused by later
+    prompts (batch 2, four prompts), and after every call each draft row holds exactly the
+    tokens it says it holds: rollback by truncation leaks nothing."""
+    monkeypatch.setattr(Scheduler, "CHECK_ACCOUNTING", True)
+    model = models.init_random(models.LlamaConfig.tiny(num_layers=3), seed=4)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 128, n).tolist() for n in (5, 19, 2, 11)]
+    kw = dict(batch_size=2, stop_tokens=())
+    plain = models.generate(model, prompts, 20, **kw)
+    same = models.DraftModel(model, k=4, max_len=64, chunk_size=8)
+    held = []
+    original = same.propose_rows
+
+    def checked(requests):
+        out = original(requests)
+        lengths = np.asarray(same.cache.table.lengths)
+        held.append([int(n) for n in lengths] == [len(f) for f in same.fed])
+        return out
+
+    monkeypatch.setattr(same, "propose_rows", checked)
+    spec = models.generate(model, prompts, 20, speculative=same, **kw)
+    assert spec.tokens == plain.tokens and all(held) and held
+    assert spec.accepted_tokens == spec.proposed_tokens > 0  # the target agrees with itself
+    assert spec.verify_calls * 2 < plain.decode_steps
+    short = models.DraftModel(models.first_layers(model, 1), k=3, max_len=64)
+    spec = models.generate(model, prompts, 20, speculative=short, **kw)
+    assert spec.tokens == plain.tokens and spec.proposed_tokens > 0
+    assert aj.health(spec.cache)["pages_in_use"] == 0 and aj.health(short.cache)["rejected_rows"] == 0
+    # a sequence longer than the draft's rows gets no proposals: it decodes plainly
+    tiny_rows = models.DraftModel(model, k=4, max_len=8)
+    spec = models.generate(model, prompts[1:2], 6, speculative=tiny_rows, **kw)
+    assert spec.tokens == [plain.tokens[1][:6]]
+    assert spec.proposed_tokens == 0
+
+
+def test_first_layers_and_draft_arguments():
+    model = models.init_random(models.LlamaConfig.tiny(num_layers=3), seed=0)
+    draft = models.first_layers(model, 2)
+    assert draft.config.num_layers == 2
+    ours, theirs = (np.asarray(m.layers.attn.q[...]) for m in (draft, model))  # stacked [L, ...]
+    np.testing.assert_array_equal(ours, theirs[:2])
+    with pytest.raises(ValueError, match=r"num_layers must be an integer in \[1, 3\], got 4"):
+        models.first_layers(model, 4)
+    with pytest.raises(ValueError, match="k must be an integer >= 1, got 0"):
+        models.DraftModel(model, k=0)
+    with pytest.raises(ValueError, match="model must be a models.Llama"):
+        models.DraftModel("draft")
+    other = models.init_random(models.LlamaConfig.tiny(vocab_size=256), seed=0)
+    with pytest.raises(ValueError, match="vocab_size 256 differs from the model's 128"):
+        models.generate(model, [[1, 2]], 2, speculative=models.DraftModel(other))

@@ -117,11 +117,16 @@ class RunAhead:
         slots = np.full((self.batch,), aj.PAD_SLOT, np.int32)
         counts = np.zeros((self.batch,), np.int32)
         seq_ids = np.zeros((self.batch,), np.int32)
+        requests = [(s.ids, self._max_new(s) - len(s.generated) - 1) if s is not None and s.pending == 1 else None
+                    for s in self.rows]  # fmt: skip
+        if hasattr(self.speculative, "propose_rows"):  # a batched proposer (models.DraftModel): one call
+            proposals = self.speculative.propose_rows(requests)
+        else:
+            proposals = [None if q is None else self.speculative.propose(*q) for q in requests]
         for r, s in enumerate(self.rows):
-            if s is not None and s.pending == 1:
-                ids = s.ids
-                proposal = self.speculative.propose(ids, self._max_new(s) - len(s.generated) - 1)
-                tokens[r, 0], tokens[r, 1 : 1 + len(proposal)] = ids[-1], proposal
+            if requests[r] is not None:
+                proposal = list(proposals[r])[:k]
+                tokens[r, 0], tokens[r, 1 : 1 + len(proposal)] = s.ids[-1], proposal
                 slots[r], counts[r], seq_ids[r] = self.slot_of[r], 1 + len(proposal), s.draw_key
         if self.index is None and not self._pages_fit(counts.tolist()):
             tokens[:, 1:], counts = 0, np.minimum(counts, 1)  # a reservation might fail: plain decoding
