@@ -417,6 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats-in-prompt", type=positive_int, default=d.repeats_in_prompt, help="times the span repeats")
     p.add_argument("--new-tokens", type=positive_int, default=d.new_tokens, help="greedy tokens per prompt")
     p.add_argument("--k", type=int_in(1, 64), default=d.k, help="proposals per verify call")
+    p.add_argument("--draft-layers", type=int_in(0, 64), default=d.draft_layers,
+                   help="also a draft model: the target's first N layers (0: none)")
     p.add_argument("--rounds", type=positive_int, default=d.rounds, help="alternated timing rounds (medians)")
     p.add_argument("--seed", type=seed, default=d.seed, help="weights and prompts")
     parser.subcommands = sub.choices  # name -> subparser, to report errors per subcommand

@@ -1,5 +1,6 @@
 """`arena-bench speculative`: speculative decoding with prompt lookup against plain decoding, on
-the same model, prompts and arena, alternated. How many tokens does each target-model call
+the same model, prompts and arena, alternated (and with `--draft-layers N` a draft model: the
+target's first N layers, `models.DraftModel`). How many tokens does each target-model call
 give, how many proposals are accepted, and what does that buy in tokens per second?
 
 The workload is repetitive on purpose (prompt lookup's case: code, templates, a document being
@@ -28,6 +29,7 @@ class SpeculativeSettings:
     repeats_in_prompt: int = 4
     new_tokens: int = 128
     k: int = 4
+    draft_layers: int = 0  # > 0: also a draft model, the target's first N layers (models.first_layers)
     rounds: int = 3
     seed: int = 0
 
@@ -52,6 +54,10 @@ def run_speculative(settings: SpeculativeSettings, progress=None) -> dict:
     look = models.PromptLookup(k=settings.k)
     modes = {"plain, 1 step a call": dict(decode_block=1), "plain, decode blocks": dict(decode_block=8),
              f"speculative, k={settings.k}": dict(speculative=look)}  # fmt: skip
+    if settings.draft_layers:
+        draft = models.DraftModel(models.first_layers(model, settings.draft_layers), k=settings.k,
+                                  max_len=models.length_bucket(total))  # fmt: skip
+        modes[f"draft {settings.draft_layers}/{model.config.num_layers} layers, k={settings.k}"] = dict(speculative=draft)
     common = dict(batch_size=settings.batch, layout=layout, stop_tokens=())
     for kw in modes.values():  # compile first
         models.generate(model, prompts[:1], 4, **common, **kw)
@@ -79,10 +85,13 @@ def run_speculative(settings: SpeculativeSettings, progress=None) -> dict:
             "same_tokens": all(x.tokens == base for x in results),
         })  # fmt: skip
     plain = {row["mode"]: row for row in rows}
-    spec = rows[-1]
-    return {"settings": dataclasses.asdict(settings), "rows": rows,
-            "speedup_vs_one_step": round(spec["tokens_per_s"] / plain["plain, 1 step a call"]["tokens_per_s"], 2),
-            "speedup_vs_blocks": round(spec["tokens_per_s"] / plain["plain, decode blocks"]["tokens_per_s"], 2)}  # fmt: skip
+    spec = rows[2]  # prompt lookup
+    out = {"settings": dataclasses.asdict(settings), "rows": rows,
+           "speedup_vs_one_step": round(spec["tokens_per_s"] / plain["plain, 1 step a call"]["tokens_per_s"], 2),
+           "speedup_vs_blocks": round(spec["tokens_per_s"] / plain["plain, decode blocks"]["tokens_per_s"], 2)}  # fmt: skip
+    if settings.draft_layers:
+        out["draft_speedup_vs_one_step"] = round(rows[3]["tokens_per_s"] / plain["plain, 1 step a call"]["tokens_per_s"], 2)
+    return out
 
 
 def speculative_lines(result: dict) -> list[str]:
@@ -97,4 +106,6 @@ def speculative_lines(result: dict) -> list[str]:
                    f"{'yes' if r['same_tokens'] else 'NO':>6}")  # fmt: skip
     out.append(f"speculative / plain: {result['speedup_vs_one_step']:.2f}x one step a call, "
                f"{result['speedup_vs_blocks']:.2f}x decode blocks (tokens/s, compile excluded)")
+    if "draft_speedup_vs_one_step" in result:
+        out.append(f"draft model / plain: {result['draft_speedup_vs_one_step']:.2f}x one step a call")
     return out

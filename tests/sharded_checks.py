@@ -494,6 +494,22 @@ def test_generate_with_a_mesh_equals_one_device(single):
     assert got.cache.sharding.dp == 2 and aj.health(got.cache)["free_pages"] == got.cache.layout.num_pages
 
 
+def test_speculative_decoding_on_a_mesh_equals_one_device(single):
+    """generate(speculative=...) on tp=4 and on dp=2 x tp=4: each decode call is a verify call
+    (every row's last token and its proposals as one chunk, the rejected tail rolled back by
+    truncate in the same call, per tensor and data shard). The proposer is a draft model, the
+    single-device model itself in its own one-device arena, so every proposal is kept; the
+    tokens are the single-device greedy run's and every page comes back."""
+    model, prompts, want_tokens, _ = single
+    for shape, data in (((1, 4), None), ((2, 4), "data")):
+        draft = models.DraftModel(model, k=3, max_len=16)
+        got = models.generate(model, prompts.tolist(), NEW, batch_size=2, mesh=make_mesh(shape), data_axis=data,
+                              speculative=draft)  # fmt: skip
+        assert got.tokens == want_tokens.tolist(), shape
+        assert got.accepted_tokens == got.proposed_tokens > 0 and got.verify_calls <= len(prompts), shape  # NEW - 1 tokens in one call
+        assert aj.health(got.cache)["free_pages"] == got.cache.layout.num_pages
+
+
 def test_prefix_cache_on_a_tensor_parallel_mesh_equals_one_device(single):
     """generate with a prefix cache on tp=4 (its holds, page forks and drops run per tensor
     shard): a first call, then the same prompts again, which hit the first call's pages. Both

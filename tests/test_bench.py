@@ -654,3 +654,15 @@ def test_serve_refuses_a_bad_load(load, capsys):
     err = capsys.readouterr().err
     assert f"arena-bench serve: error: argument --arrivals-load: expected a finite number in (0, 10], got {load}" in err
     assert "Traceback" not in err
+
+
+def test_speculative(tmp_path, capsys):
+    """`arena-bench speculative`: prompt lookup and (--draft-layers) a draft model against plain
+    decoding, alternated; the same greedy tokens in every mode."""
+    res = _run(["speculative", "--requests", "2", "--span", "4", "--repeats-in-prompt", "3", "--new-tokens", "8",
+                "--k", "2", "--draft-layers", "1", "--rounds", "1"], tmp_path)["results"]  # fmt: skip
+    modes = [r["mode"] for r in res["rows"]]
+    assert modes == ["plain, 1 step a call", "plain, decode blocks", "speculative, k=2", "draft 1/2 layers, k=2"]
+    assert all(r["same_tokens"] and r["tokens_per_s"] > 0 for r in res["rows"])
+    assert res["rows"][0]["acceptance"] is None and 0 <= res["rows"][3]["acceptance"] <= 1
+    assert res["draft_speedup_vs_one_step"] > 0 and "draft model / plain" in capsys.readouterr().out
