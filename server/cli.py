@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-k", type=int_in(0, 16), default=0,
                    help="speculative decoding by prompt lookup: up to K tokens proposed per step from the request's own "
                         "history, verified in one call (greedy output unchanged); 0: off")  # fmt: skip
+    p.add_argument("--host-pages", type=int_in(0, 2**31 - 1), default=0,
+                   help="a host-memory tier of N pages: a preempted request's pages are swapped out and back instead "
+                        "of recomputed when moving them is cheaper (not with --prefix-cache); 0: none")  # fmt: skip
     p.add_argument("--max-queue", type=positive_int, default=256, help="requests that may wait; more get HTTP 429")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ routes")
     p.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight requests get to finish on shutdown")
@@ -117,7 +120,7 @@ def main(argv=None) -> int:
         engine = Engine(model, max_seqs=args.max_seqs, max_model_len=args.max_model_len, page_size=args.page_size,
                         kv_memory=args.kv_memory, kv_dtype=args.kv_dtype, chunk_size=args.chunk_size,
                         decode_block=args.decode_block, max_queue=args.max_queue, seed=args.seed,
-                        prefix_cache=args.prefix_cache, speculative=args.speculative_k)  # fmt: skip
+                        prefix_cache=args.prefix_cache, speculative=args.speculative_k, host_pages=args.host_pages)  # fmt: skip
     except (OSError, ValueError) as exc:
         parser.error(str(exc))
     log = logging.getLogger("arena_jax.server")

@@ -27,6 +27,7 @@ import threading
 import time
 from typing import Callable
 
+import jax.numpy as jnp
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -34,6 +35,8 @@ import arena_jax as aj
 from arena_jax.models import Llama, PromptLookup, Sampling, calibrate_key_factors
 from arena_jax.models.compile_clock import CompileClock
 from arena_jax.models.fingerprint import fingerprint
+from arena_jax.models.host_tier import HostTier, SwapPolicy
+from arena_jax.models.steps import drop_host_page_rows, swap_out_rows
 from arena_jax.models.scheduler import Scheduler, Seq
 
 __all__ = ["Engine", "Request", "QueueFull", "TokenStream"]
@@ -98,7 +101,7 @@ class Engine:
     def __init__(self, model: Llama, *, max_seqs: int = 8, max_model_len: int | None = None, page_size: int = 16,
                  num_pages: int | None = None, kv_memory: int | None = None, kv_dtype=None, chunk_size: int = 64,
                  decode_block: int = 4, max_queue: int = 256, seed: int = 0, prefix_cache: bool = False,
-                 speculative: int = 0):  # fmt: skip
+                 speculative: int = 0, host_pages: int = 0, swap_policy: SwapPolicy | None = None):  # fmt: skip
         if not isinstance(model, Llama):
             raise ValueError(f"model must be a models.Llama, got {type(model).__name__}")
         config = model.config
@@ -107,6 +110,13 @@ class Engine:
                                  ("chunk_size", chunk_size, 1), ("decode_block", decode_block, 1), ("max_queue", max_queue, 1)):  # fmt: skip
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if not isinstance(host_pages, int) or isinstance(host_pages, bool) or host_pages < 0:
+            raise ValueError(f"host_pages must be an integer >= 0 (0: no host tier), got {host_pages!r}")
+        if host_pages and prefix_cache:
+            raise ValueError("host_pages with prefix_cache: the prefix cache's host spill tier is not served yet "
+                             "(host_pages serves swap preemption without a prefix cache)")  # fmt: skip
+        if swap_policy is not None and not isinstance(swap_policy, SwapPolicy):
+            raise ValueError(f"swap_policy must be a models.SwapPolicy, got {type(swap_policy).__name__}")
         if num_pages is not None and kv_memory is not None:
             raise ValueError("give at most one of num_pages and kv_memory")
         dtype = model.dtype if kv_dtype is None else kv_dtype
@@ -129,8 +139,11 @@ class Engine:
             tag = fingerprint(model)  # hashes the sampled weights: once
             self.index = aj.PrefixCache(layout, tag=tag)
             self.index.bind(cache, tag=tag)
+        tier = None
+        if host_pages:  # swap preemption: a preempted request's pages go to host memory and come back
+            tier = HostTier(aj.create_host(cache, host_pages), layout, swap_policy or SwapPolicy(), owns_pages=True)
         self._sched = Scheduler(model, cache, layout, max_seqs, min(chunk_size, max_model_len), Sampling(), seed, eos,
-                                max_model_len, False, self.index, None, 0, decode_block)  # fmt: skip
+                                max_model_len, False, self.index, tier, 0, decode_block)  # fmt: skip
         self._sched.row_sampling = True
         if not isinstance(speculative, int) or isinstance(speculative, bool) or speculative < 0:
             raise ValueError(f"speculative must be an integer >= 0 (proposals per step; 0: off), got {speculative!r}")
@@ -179,6 +192,15 @@ class Engine:
             lambda: self._sched.proposed_tokens)
         Gauge("arena_speculative_accepted_tokens", "Of those, the ones the model agreed with", registry=r).set_function(
             lambda: self._sched.accepted_tokens)
+        tier = self._sched.tier
+        host_total = tier.host.num_pages if tier is not None else 0
+        host_used = lambda: host_total - len(tier.free) if tier is not None else 0  # noqa: E731
+        Gauge("arena_host_pages_total", "Pages of the host tier (0 without --host-pages)", registry=r).set(host_total)
+        Gauge("arena_host_pages_used", "Host-tier pages holding swapped-out requests", registry=r).set_function(host_used)
+        Gauge("arena_host_bytes_used", "Bytes of the host tier holding swapped-out requests", registry=r).set_function(
+            lambda: host_used() * self.layout.page_bytes)
+        Gauge("arena_swap_outs", "Preempted requests whose pages went to the host tier (not recomputed)", registry=r).set_function(
+            lambda: tier.swap_outs if tier is not None else 0)
         Gauge("arena_compiles_since_warm_up", "Programs compiled after warm_up (0 while serving)", registry=r).set_function(
             lambda: self.compiles_since_warm_up)
 
@@ -369,6 +391,7 @@ class Engine:
         """Compile every program the loop runs (prefill chunks, one decode step, decode blocks,
         releases, greedy and sampled rows) with a few requests of its own; returns the seconds."""
         start = time.perf_counter()
+        self._warm_host_tier()
         self.start()
         batch, chunk, block = self._sched.batch, self._sched.chunk, self._sched.block
         vocab = self.model.config.vocab_size
@@ -393,6 +416,19 @@ class Engine:
                 raise RuntimeError(f"warm-up failed: {self.error!r}")  # (idle: its last release compiled too)
         self._warm_programs = self._clock.programs
         return time.perf_counter() - start
+
+    def _warm_host_tier(self) -> None:
+        """Compile the host tier's page moves (swap out, swap in, host pages freed) with rows that
+        move nothing: preemption happens only under pressure, which a warm-up cannot count on.
+        Before the loop's thread starts (it owns the cache afterwards)."""
+        sched, tier = self._sched, self._sched.tier
+        if tier is None or self._thread is not None:
+            return
+        batch, width = sched.batch, self.layout.max_pages_per_seq
+        pads = lambda *shape: jnp.asarray(np.full(shape, aj.PAD_PAGE, np.int32))  # noqa: E731  (as the tier makes them)
+        sched.cache, tier.host = swap_out_rows(sched.cache, tier.host, pads(batch), pads(batch, width))
+        sched.cache, _ = tier.swap_in(sched.cache, [], batch)
+        sched.cache, tier.host = drop_host_page_rows(sched.cache, tier.host, pads(batch * width))
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until nothing runs or waits and every finished request's pages are released."""

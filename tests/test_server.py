@@ -311,6 +311,47 @@ def test_speculative_engine_serves_the_same_greedy_texts(setup):
         Engine(model, speculative=-1)
 
 
+def test_host_tier_swaps_preempted_requests_and_compiles_nothing_while_serving(setup):
+    """`--host-pages`: an arena of 8 pages for 4 rows of up to 96 tokens preempts; the preempted
+    requests' pages go to the host tier and come back (a policy that always prefers moving), the
+    texts are generate_text's, nothing is compiled after warm-up and no host page stays held;
+    /metrics reports the tier."""
+    _, model, tokenizer, _ = setup
+    prompts = [f"Request {i}: pages are fixed-size blocks of tokens, and the arena holds them all." for i in range(6)]
+    want = models.generate_text(model, tokenizer, prompts, 24).texts  # (before the engine: its compiles are not the engine's)
+    engine = Engine(model, max_seqs=4, max_model_len=MAX_LEN, chunk_size=32, num_pages=8, host_pages=16,
+                    swap_policy=models.SwapPolicy(prefill_tokens_per_s=1.0))  # fmt: skip
+    engine.warm_up()
+    served = Served(create_app(engine, tokenizer, "tiny-text"))
+    try:
+        compiled = engine.compiles_since_warm_up
+        client = _client(served)
+
+        async def all_at_once():
+            aclient = openai.AsyncOpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0)
+            got = await asyncio.gather(*(aclient.completions.create(model="tiny-text", prompt=p, max_tokens=24,
+                                                                    temperature=0) for p in prompts))  # fmt: skip
+            return [g.choices[0].text for g in got]
+
+        assert asyncio.run(all_at_once()) == want
+        tier = engine._sched.tier
+        assert tier.swap_outs > 0 and engine._sched.preemptions > 0
+        assert engine.wait_idle(30) and engine.pages_used() == 0 and len(tier.free) == 16
+        assert engine.compiles_since_warm_up == compiled  # the swap programs were compiled by the warm-up
+        with urllib.request.urlopen(f"{served.url}/metrics", timeout=30) as response:
+            metrics = response.read().decode()
+        assert "arena_host_pages_total 16.0" in metrics and "arena_host_bytes_used 0.0" in metrics
+        assert f"arena_swap_outs {float(tier.swap_outs)}" in metrics
+        del client
+    finally:
+        served.close()
+        engine.stop()
+    with pytest.raises(ValueError, match="host_pages with prefix_cache"):
+        Engine(model, host_pages=4, prefix_cache=True)
+    with pytest.raises(ValueError, match="host_pages must be an integer >= 0"):
+        Engine(model, host_pages=-1)
+
+
 def test_stopped_engine_holds_no_page(setup):
     engine, _, _, served = setup
     served.close()

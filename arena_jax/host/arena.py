@@ -256,9 +256,12 @@ def create_host(cache: KVCache, num_pages: int) -> HostArena:
     small = SingleDeviceSharding(devices[0]) if sh is None else sh.named(jax.sharding.PartitionSpec())
     held = jax.device_put(np.zeros((num_pages,), np.int32), small)
     host_id = jax.device_put(np.asarray(int.from_bytes(os.urandom(4), "little") % (2**31 - 1) + 1, np.int32), small)
-    # The cache it belongs to: copies (an op donating the cache must not delete the host tier's).
-    factors = None if cache.key_factors is None else jnp.copy(cache.key_factors)
-    return HostArena(pages=pages, held=held, host_id=host_id, sharding=sh, arena_id=jnp.copy(cache.table.arena_id),
+    # The cache it belongs to: copies (an op donating the cache must not delete the host tier's),
+    # committed where the cache's are, as every leaf here is: an op's first call then compiles the
+    # program its later calls run (an uncommitted leaf is another jit signature).
+    copy = lambda x: jax.device_put(jnp.copy(x), x.sharding)  # noqa: E731
+    factors = None if cache.key_factors is None else copy(cache.key_factors)
+    return HostArena(pages=pages, held=held, host_id=host_id, sharding=sh, arena_id=copy(cache.table.arena_id),
                      key_factors=factors, layout=cache.layout)  # fmt: skip
 
 
