@@ -103,7 +103,7 @@ def create_app(engine: Engine, tokenizer: TextTokenizer | None, model_name: str,
             raise ApiError(400, f"stop_token_ids: token ids must be below the vocabulary size {vocab}", "stop_token_ids")
         stop = set(body.stop_token_ids or ()) | (set() if body.ignore_eos else set(engine.model.config.eos_token_ids))
         return dict(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                    seed=body.seed, stop_tokens=stop)  # fmt: skip
+                    seed=body.seed, stop_tokens=stop, logprobs=body.logprobs_wanted())  # fmt: skip
 
     def _text_tokenizer(param: str) -> TextTokenizer:
         if tokenizer is None:
@@ -125,41 +125,64 @@ def create_app(engine: Engine, tokenizer: TextTokenizer | None, model_name: str,
                 engine.cancel(stream.request)
             if isinstance(exc, QueueFull):
                 raise ApiError(429, str(exc), kind="rate_limit_error", headers={"Retry-After": "1"}) from None
-            raise ApiError(400, str(exc)) from None
+            raise ApiError(400, str(exc), "logprobs" if str(exc).startswith("logprobs") else None) from None
         return streams
 
-    async def _text(tokens, stops: list[str]) -> AsyncIterator[tuple[str, tuple | None]]:
-        """One choice: (text delta, None) ... then ("", (finish reason, tokens))."""
+    async def _text(tokens, stops: list[str]) -> AsyncIterator[tuple[str, tuple | None, list]]:
+        """One choice: (text delta, None, logprobs) ... then ("", (finish reason, tokens), logprobs):
+        logprobs, the `TokenLogprobs` of the tokens since the last item (with `logprobs` asked)."""
         stream = TextStream(tokenizer) if tokenizer is not None else None
         stop_text = StopText(stops)
-        count = 0
+        entries, sent, count = tokens.request.entries, 0, 0
+
+        def new_entries():
+            nonlocal sent
+            out, sent = [e for e in entries[sent:count] if e is not None], count
+            return out
+
         try:
             async for kind, value in tokens:
                 if kind == "token":
                     count += 1
                     out = stop_text.feed(stream.push(value) if stream is not None else f" {value}")
-                    if out:
-                        yield out, None
                     if stop_text.stopped:
-                        yield "", ("stop", count)
+                        yield out, ("stop", count), new_entries()
                         return
+                    if out or tokens.request.logprobs is not None:
+                        yield out, None, new_entries()
                 else:
                     rest = (stop_text.feed(stream.finish()) if stream is not None else "") + stop_text.finish()
-                    if rest:
-                        yield rest, None
-                    yield "", (value, count)
+                    yield rest, (value, count), new_entries()
                     return
         finally:
             await tokens.aclose()  # leaving early (a stop string, a client gone) cancels the request
 
-    async def _merged(choices) -> AsyncIterator[tuple[int, str, tuple | None]]:
-        """(choice index, text delta, end) from every choice as it comes."""
+    def _token_text(token: int) -> str:
+        return tokenizer.decode([token]) if tokenizer is not None else f" {token}"
+
+    def _chat_logprobs(entries) -> dict:
+        """OpenAI's chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+        def one(token, logprob):
+            text = _token_text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [dict(one(e.token, e.logprob), top_logprobs=[one(t, lp) for t, lp in e.top]) for e in entries]}
+
+    def _completion_logprobs(entries, offset: int) -> dict:
+        """OpenAI's completions `logprobs`: tokens, token_logprobs, top_logprobs, text_offset."""
+        texts = [_token_text(e.token) for e in entries]
+        offsets = [offset + sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+        return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{_token_text(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
+
+    async def _merged(choices) -> AsyncIterator[tuple[int, str, tuple | None, list]]:
+        """(choice index, text delta, end, logprobs) from every choice as it comes."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i, gen):
             try:
-                async for piece, end in gen:
-                    await queue.put((i, piece, end))
+                async for piece, end, entries in gen:
+                    await queue.put((i, piece, end, entries))
             finally:
                 await gen.aclose()
 
@@ -186,13 +209,23 @@ def create_app(engine: Engine, tokenizer: TextTokenizer | None, model_name: str,
             n = sum(e[1] for e in ends)
             return {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
 
+        wants = body.logprobs_wanted() is not None
+
+        def logprobs(entries, offset):
+            if not wants:
+                return None
+            return _chat_logprobs(entries) if chat else _completion_logprobs(entries, offset)
+
         if not body.stream:
-            texts, ends = [""] * len(choices), [None] * len(choices)
-            async for i, piece, end in _merged(choices):
+            texts, ends, entries = [""] * len(choices), [None] * len(choices), [[] for _ in choices]
+            async for i, piece, end, got in _merged(choices):
                 texts[i] += piece
                 ends[i] = end or ends[i]
-            out = [{"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": e[0]} if chat else
-                   {"index": i, "text": t, "finish_reason": e[0], "logprobs": None} for i, (t, e) in enumerate(zip(texts, ends))]  # fmt: skip
+                entries[i] += got
+            out = []
+            for i, (t, e, lp) in enumerate(zip(texts, ends, entries)):
+                choice = {"index": i, "message": {"role": "assistant", "content": t}} if chat else {"index": i, "text": t}
+                out.append(dict(choice, logprobs=logprobs(lp, 0), finish_reason=e[0]))
             return {"id": rid, "object": kind, "created": created, "model": name, "choices": out, "usage": usage(ends)}
 
         async def events():
@@ -202,12 +235,15 @@ def create_app(engine: Engine, tokenizer: TextTokenizer | None, model_name: str,
                 for i in range(len(choices)):
                     yield _sse({"id": rid, "object": chunk_kind, "created": created, "model": name,
                                 "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})  # fmt: skip
-            async for i, piece, end in _merged(choices):
-                if not piece and end is None:
+            offsets = [0] * len(choices)
+            async for i, piece, end, got in _merged(choices):
+                if not piece and end is None and not got:
                     continue
                 reason = end[0] if end else None
                 delta = ({"index": i, "delta": {"content": piece} if piece else {}, "finish_reason": reason}
-                         if chat else {"index": i, "text": piece, "finish_reason": reason, "logprobs": None})  # fmt: skip
+                         if chat else {"index": i, "text": piece, "finish_reason": reason})  # fmt: skip
+                delta["logprobs"] = logprobs(got, offsets[i]) if got else None
+                offsets[i] += sum(len(_token_text(e.token)) for e in got) if wants and not chat else 0
                 chunk = {"id": rid, "object": chunk_kind, "created": created, "model": name, "choices": [delta]}
                 if end is not None:
                     ends[i] = end

@@ -39,7 +39,7 @@ from arena_jax.models.host_tier import HostTier, SwapPolicy
 from arena_jax.models.steps import drop_host_page_rows, swap_out_rows
 from arena_jax.models.scheduler import Scheduler, Seq
 
-__all__ = ["Engine", "Request", "QueueFull", "TokenStream"]
+__all__ = ["Engine", "Request", "QueueFull", "TokenStream", "TokenLogprobs", "token_logprobs"]
 
 log = logging.getLogger("arena_jax.server")
 INT32_MAX = 2**31 - 1
@@ -60,10 +60,35 @@ class Request:
     last_token: float | None = None
     finish: str | None = None  # "stop" | "length" | "abort", once it ended
     followers: list = dataclasses.field(default_factory=list)  # requests admitted once this one's prompt is in the cache
+    logprobs: int | None = None  # top alternatives per token wanted (0: the chosen token's only); None: no logprobs
+    entries: list = dataclasses.field(default_factory=list)  # per token with logprobs: `TokenLogprobs` (engine thread)
 
     @property
     def done(self) -> bool:
         return self.finish is not None
+
+
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """A generated token's log-probability under the model (log-softmax of its raw logits, before
+    temperature and top-k / top-p, as vLLM reports them) and the `top` most likely tokens."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+
+
+def token_logprobs(logits: np.ndarray, token: int, top: int) -> TokenLogprobs:
+    """`TokenLogprobs` of `token` from its step's logits f32[V] (numpy, on the host)."""
+    x = np.asarray(logits, np.float64)
+    peak = x.max()
+    logp = x - (peak + np.log(np.exp(x - peak).sum()))
+    best = np.argpartition(-logp, top - 1)[:top] if top else np.zeros((0,), np.int64)
+    best = best[np.argsort(-logp[best], kind="stable")]
+    return TokenLogprobs(int(token), float(logp[token]), tuple((int(i), float(logp[i])) for i in best))
 
 
 class TokenStream:
@@ -218,12 +243,15 @@ class Engine:
     def submit(self, prompt, *, max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int | None = None, seed: int | None = None, stop_tokens=None,
                on_token: Callable[[int], None] | None = None, on_finish: Callable[[str], None] | None = None,
-               after: Request | None = None) -> Request:  # fmt: skip
+               after: Request | None = None, logprobs: int | None = None) -> Request:  # fmt: skip
         """Queue a request (token ids); the callbacks run in the engine thread. `stop_tokens`: the
         token ids that end it (None: the model's eos tokens). ValueError names a bad argument;
         QueueFull when `max_queue` requests wait already. `after`: queue it only once that request
         has its first token, i.e. its prompt's K/V are written (with `prefix_cache`, a copy of the
-        same prompt then maps those pages instead of computing them: `n > 1` choices)."""
+        same prompt then maps those pages instead of computing them: `n > 1` choices). `logprobs`:
+        each token's `TokenLogprobs` with that many alternatives (0-20) in `Request.entries`, filled
+        before its `on_token` call (steps read their logits back while such a request runs: one
+        step per call, no decode blocks)."""
         ids = [int(t) for t in prompt]
         vocab = self.model.config.vocab_size
         if not ids:
@@ -243,11 +271,16 @@ class Engine:
             raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
         if seed is not None and not (isinstance(seed, int) and 0 <= seed <= INT32_MAX):
             raise ValueError(f"seed must be an integer in [0, 2**31 - 1], got {seed!r}")
+        if logprobs is not None:
+            if not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {logprobs!r}")
+            if self._sched.speculative is not None:
+                raise ValueError("logprobs: not served with speculative decoding (a verify call keeps no per-token logits)")
         stop = None if stop_tokens is None else frozenset(int(t) for t in stop_tokens)  # None: the model's eos tokens
         index = next(self._ids)
         seq = Seq(index, ids, max_new=max_tokens, stop=stop, sampling=(float(temperature), top_k or 0, float(top_p)),
                   key=seed if seed is not None else (INT32_MAX - index % INT32_MAX))  # fmt: skip
-        request = Request(seq, on_token, on_finish, time.perf_counter())
+        request = Request(seq, on_token, on_finish, time.perf_counter(), logprobs=logprobs)
         with self._cond:
             if self.error is not None:
                 raise RuntimeError(f"the engine stopped: {self.error!r}")
@@ -293,6 +326,10 @@ class Engine:
         (self.m_ttft if request.last_token is None else self.m_itl).observe(now - (request.last_token or request.submitted))
         request.last_token = now
         self.m_tokens.inc()
+        logits = request.seq.logits
+        if request.logprobs is not None:
+            request.entries.append(token_logprobs(logits[-1], token, request.logprobs) if logits else None)
+        logits.clear()  # (every row's are read back while a logprobs request runs: keep none)
         if request.followers:  # its prompt is in the cache now: the requests that waited for it go in
             with self._cond:
                 self._incoming.extend(request.followers)
@@ -354,6 +391,8 @@ class Engine:
                     incoming, self._incoming = self._incoming, []
                     cancels, self._cancels = self._cancels, []
                     stopping = self._stopping
+                    # logits come back with the steps while a request wants logprobs (one step a call then)
+                    sched.return_logits = any(r.logprobs is not None for r in self._requests.values())
                 waiting.extend(r.seq for r in incoming if not r.done)  # (a follower may be cancelled already)
                 for request in cancels:
                     self._cancel_now(request)

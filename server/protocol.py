@@ -26,7 +26,6 @@ class Sampling(BaseModel):
     ignore_eos: bool = False  # an extra field (vLLM's): do not stop at the model's eos tokens
     stream: bool = False
     n: Annotated[int, Field(ge=1, le=16)] = 1  # choices: the first computes the prompt, the others share its pages
-    logprobs: Literal[None, False, 0] = None  # not served yet: a 400 naming `logprobs`
     user: str | None = None
 
     @model_validator(mode="after")
@@ -39,10 +38,18 @@ class Sampling(BaseModel):
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    def logprobs_wanted(self) -> int | None:
+        """Alternatives per token for the engine (0: the chosen token's only), or None: none."""
+        return None
+
 
 class CompletionRequest(Sampling):
     prompt: Union[str, list[Annotated[int, Field(ge=0)]]]
     echo: Literal[False] = False
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # each token's logprob and this many alternatives
+
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -55,6 +62,17 @@ class ChatMessage(BaseModel):
 class ChatRequest(Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False  # each token's logprob ...
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # ... and this many alternatives
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
+        return self
+
+    def logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class StopText:

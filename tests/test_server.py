@@ -20,6 +20,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import openai
 import pytest
 import uvicorn
@@ -160,6 +161,7 @@ def test_stop_strings_end_the_text(setup):
     ('{"prompt": "x", "max_tokens": 500}', "max_tokens"),
     ('{"prompt": [1, 2, 100000]}', None),                                   # a token id past the vocabulary
     ('{"prompt": "x", "stop_token_ids": [100000]}', "stop_token_ids"),
+    ('{"prompt": "x", "logprobs": 21}', "logprobs"),
 ])  # fmt: skip
 def test_bad_input_is_a_400_naming_the_field(setup, body, param):
     engine, _, _, served = setup
@@ -171,6 +173,43 @@ def test_bad_input_is_a_400_naming_the_field(setup, body, param):
     status, _, reply = _post(f"{served.url}/v1/chat/completions", '{"messages": []}')
     assert status == 400 and reply["error"]["param"] == "messages"
     assert engine.error is None  # nothing a request sends stops the engine
+
+
+def test_logprobs_are_the_models(setup):
+    """`logprobs` (completions: alternatives per token; chat: `logprobs` + `top_logprobs`): each
+    token's log-softmax under the model, as `generate(return_logits=True)` gives its logits, the
+    alternatives most likely first (greedy: the token itself first); a stream's logprobs are the
+    whole response's; nothing compiled (the same programs, one step a call while they run)."""
+    engine, model, tokenizer, served = setup
+    compiled = engine.compiles_since_warm_up
+    client = _client(served)
+    prompt = "Pages are fixed-size blocks of tokens. The capital"
+    ids = tokenizer.encode(prompt)
+    want = models.generate(model, [ids], 10, return_logits=True)
+    logits = want.logits[0].astype(np.float64)
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    want_lp = [logp[i, t] for i, t in enumerate(want.tokens[0])]
+    got = client.completions.create(model="tiny-text", prompt=prompt, max_tokens=10, temperature=0, logprobs=3)
+    lp = got.choices[0].logprobs
+    assert len(lp.tokens) == got.usage.completion_tokens == len(want.tokens[0])
+    np.testing.assert_allclose(lp.token_logprobs, want_lp, atol=1e-4)
+    for top, token_lp in zip(lp.top_logprobs, lp.token_logprobs):  # (keyed by text: two tokens may share one)
+        assert 1 <= len(top) <= 3 and token_lp >= max(top.values()) - 1e-6  # greedy: nothing more likely than the token
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    chunks = list(client.completions.create(model="tiny-text", prompt=prompt, max_tokens=10, temperature=0, logprobs=3,
+                                            stream=True))  # fmt: skip
+    streamed = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
+    np.testing.assert_allclose(streamed, lp.token_logprobs, atol=1e-6)
+    chat = dict(model="tiny-text", messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0)
+    got = client.chat.completions.create(logprobs=True, top_logprobs=2, **chat)
+    content = got.choices[0].logprobs.content
+    assert len(content) == got.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.top_logprobs[0].logprob == c.logprob and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
+               for c in content)  # fmt: skip
+    assert client.chat.completions.create(**chat).choices[0].logprobs is None  # none unless asked
+    status, _, reply = _post(f"{served.url}/v1/chat/completions", json.dumps(dict(chat, top_logprobs=2)))
+    assert status == 400 and "top_logprobs" in reply["error"]["message"]
+    assert engine.wait_idle(30) and engine.compiles_since_warm_up == compiled
 
 
 def test_full_queue_is_a_429_and_api_key(setup, monkeypatch):
@@ -304,6 +343,8 @@ def test_speculative_engine_serves_the_same_greedy_texts(setup):
             assert got.choices[0].text == text
         assert engine._sched.verify_calls > 0 and engine._sched.proposed_tokens > 0
         assert engine.wait_idle(30) and engine.pages_used() == 0 and engine.compiles_since_warm_up == compiled
+        with pytest.raises(ValueError, match="logprobs: not served with speculative decoding"):
+            engine.submit([1, 2], logprobs=1)
     finally:
         served.close()
         engine.stop()

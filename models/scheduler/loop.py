@@ -118,12 +118,12 @@ class Scheduler(Admission, PrefixPages, HostSwap, RunAhead):
             return
         seq.generated.append(token)
         seq.times.append(time.perf_counter() - self.start)
+        if logits is not None:  # (before on_token: a callback may read the token's logits)
+            seq.logits.append(logits)
         if self.on_token is not None:
             self.on_token(seq.index, int(token))
         if len(seq.generated) == 1:
             self.first_token[seq.index] = seq.times[-1]
-        if logits is not None:
-            seq.logits.append(logits)
         if token in (self.stop if seq.stop is None else seq.stop):
             self._end(r, "stop")
         elif len(seq.generated) >= self._max_new(seq):
