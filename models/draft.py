@@ -120,12 +120,12 @@ class DraftModel:
             return
         from flax import nnx
 
-        from arena_jax import models
-        from arena_jax.models import steps
+        from arena_jax.models.generate import default_layout
+        from arena_jax.models.steps import bound_steps
 
-        layout = models.default_layout(self.model, rows, self.max_len, page_size=self.page_size, dtype=self.kv_dtype)
+        layout = default_layout(self.model, rows, self.max_len, page_size=self.page_size, dtype=self.kv_dtype)
         self.cache = aj.create(layout)
-        self.steps = steps.bound_steps(*nnx.split(self.model))
+        self.steps = bound_steps(*nnx.split(self.model))
         self.fed = [[] for _ in range(layout.max_seqs)]
 
     def propose_rows(self, requests: list) -> list[list[int]]:
