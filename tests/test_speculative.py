@@ -143,10 +143,11 @@ def test_a_draft_model_proposes_and_greedy_tokens_stay_plain(monkeypatch):
     prompts (batch 2, four prompts), and after every call each draft row holds exactly the
     tokens it says it holds: rollback by truncation leaks nothing."""
     monkeypatch.setattr(Scheduler, "CHECK_ACCOUNTING", True)
-    model = models.init_random(models.LlamaConfig.tiny(num_layers=3), seed=4)
+    # (the model, batch, arena dtype and length bucket of the llama case above: its programs are reused)
+    model = models.init_random(models.LlamaConfig.tiny_family("llama"), seed=4)
     rng = np.random.default_rng(5)
-    prompts = [rng.integers(0, 128, n).tolist() for n in (5, 19, 2, 11)]
-    kw = dict(batch_size=2, stop_tokens=())
+    prompts = [rng.integers(0, 128, n).tolist() for n in (5, 40, 2, 11)]
+    kw = dict(batch_size=2, stop_tokens=(), kv_dtype="float32")
     plain = models.generate(model, prompts, 20, **kw)
     same = models.DraftModel(model, k=4, max_len=64, chunk_size=8)
     held = []
@@ -163,7 +164,7 @@ def test_a_draft_model_proposes_and_greedy_tokens_stay_plain(monkeypatch):
     assert spec.tokens == plain.tokens and all(held) and held
     assert spec.accepted_tokens == spec.proposed_tokens > 0  # the target agrees with itself
     assert spec.verify_calls * 2 < plain.decode_steps
-    short = models.DraftModel(models.first_layers(model, 1), k=3, max_len=64)
+    short = models.DraftModel(models.first_layers(model, 1), k=4, max_len=64, chunk_size=8)
     spec = models.generate(model, prompts, 20, speculative=short, **kw)
     assert spec.tokens == plain.tokens and spec.proposed_tokens > 0
     assert aj.health(spec.cache)["pages_in_use"] == 0 and aj.health(short.cache)["rejected_rows"] == 0
@@ -175,7 +176,7 @@ def test_a_draft_model_proposes_and_greedy_tokens_stay_plain(monkeypatch):
 
 
 def test_first_layers_and_draft_arguments():
-    model = models.init_random(models.LlamaConfig.tiny(num_layers=3), seed=0)
+    model = models.init_random(models.LlamaConfig.tiny(num_layers=3), seed=0)  # (nothing compiled here)
     draft = models.first_layers(model, 2)
     assert draft.config.num_layers == 2
     ours, theirs = (np.asarray(m.layers.attn.q[...]) for m in (draft, model))  # stacked [L, ...]
