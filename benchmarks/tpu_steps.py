@@ -25,6 +25,7 @@ class StepCase:
     """One model step to compile: which step, target, mesh and sizes."""
 
     step: str  # "prefill" | "decode" | "decode_block" (generate's block program: `tokens` decode steps per call)
+    #          | "verify" (speculative decoding's call: each row's last token + `tokens` - 1 proposals)
     target: str  # "tpu-v5e" | "tpu-v6e"
     mesh: str  # "2x2" | "2x4": (data, tensor)
     batch: int
@@ -54,6 +55,9 @@ STEP_CASES = (
     StepCase("decode", "tpu-v6e", "2x4", batch=64, tokens=1, num_pages=16384, dtype="int4"),
     # a decode block (`generate(decode_block=8)`: 8 decode steps in one call; its weights+KV are one step's)
     StepCase("decode_block", "tpu-v6e", "2x4", batch=64, tokens=8, num_pages=16384),
+    # speculative decoding's verify call (`generate(speculative=PromptLookup(k=4))`: 1 + 4 tokens a row)
+    StepCase("verify", "tpu-v5e", "2x2", batch=32, tokens=5, num_pages=8192),
+    StepCase("verify", "tpu-v6e", "2x4", batch=64, tokens=5, num_pages=16384),
 )
 
 
@@ -108,17 +112,21 @@ def compile_step(case: StepCase):
         with tpu_compile.tpu_lowering(case.target):
             if case.step == "decode":
                 lowered = decode_step.trace(graphdef, state, cache, i32(case.batch), i32(case.batch)).lower()
-            elif case.step == "decode_block":  # what generate runs while no request waits
+            elif case.step in ("decode_block", "verify"):  # what generate runs while no request waits; speculating
                 from arena_jax.models.sampling import SamplingParams
                 from arena_jax.models.steps import bound_steps
 
                 steps = bound_steps(graphdef, state)
                 f32 = jax.ShapeDtypeStruct((case.batch,), jnp.float32, sharding=rows)
                 sampling = SamplingParams(temperature=f32, top_k=i32(case.batch), top_p=f32)
-                lowered = steps.decode_block.trace(
-                    steps.leaves, cache, i32(case.batch), i32(case.batch), i32(case.batch), i32(case.batch),
-                    jax.ShapeDtypeStruct((), jnp.int32), sampling, length=case.tokens,
-                ).lower()  # fmt: skip
+                seed = jax.ShapeDtypeStruct((), jnp.int32)
+                if case.step == "verify":
+                    lowered = steps.verify.trace(steps.leaves, cache, i32(case.batch, case.tokens), i32(case.batch),
+                                                 i32(case.batch), i32(case.batch), seed, sampling).lower()  # fmt: skip
+                else:
+                    lowered = steps.decode_block.trace(steps.leaves, cache, i32(case.batch), i32(case.batch),
+                                                       i32(case.batch), i32(case.batch), seed, sampling,
+                                                       length=case.tokens).lower()  # fmt: skip
             else:
                 lowered = prefill.trace(graphdef, state, cache, i32(case.batch, case.tokens), i32(case.batch),
                                         i32(case.batch)).lower()
