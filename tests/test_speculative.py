@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -190,3 +192,60 @@ def test_first_layers_and_draft_arguments():
     other = models.init_random(models.LlamaConfig.tiny(vocab_size=256), seed=0)
     with pytest.raises(ValueError, match="vocab_size 256 differs from the model's 128"):
         models.generate(model, [[1, 2]], 2, speculative=models.DraftModel(other))
+
+
+class _Wrong:
+    """A proposer the model almost always rejects: k random tokens (full rejection)."""
+
+    k = 3
+
+    def __init__(self, seed: int):
+        self.rng = np.random.default_rng(seed)
+
+    def propose(self, ids, limit):
+        return self.rng.integers(0, 128, max(0, min(self.k, limit))).tolist()
+
+
+_DRAWN_MODEL = models.init_random(models.LlamaConfig.tiny(), seed=7)
+_DRAWN_LAYOUTS = {  # roomy, and at the page limit: 2 rows of up to 12 + 12 tokens need 6 pages of 8, it has 4 (rows wait)
+    "roomy": models.LlamaConfig.tiny().kv_layout(page_size=8, num_pages=8, max_seqs=2, max_seq_len=32, dtype="float32"),
+    "tight": models.LlamaConfig.tiny().kv_layout(page_size=8, num_pages=4, max_seqs=2, max_seq_len=32, dtype="float32"),
+}
+
+
+@st.composite
+def _spec_workloads(draw):
+    span = draw(st.lists(st.integers(0, 127), min_size=1, max_size=4))
+    prompts = [draw(st.one_of(st.lists(st.integers(0, 127), min_size=1, max_size=12),
+                              st.just((span * 4)[: draw(st.integers(2, 12))])))  # repetitive: prompt lookup's case
+               for _ in range(draw(st.integers(1, 3)))]  # fmt: skip
+    return prompts, draw(st.sampled_from(["lookup", "draft (the model itself)", "wrong"])), draw(st.sampled_from(sorted(_DRAWN_LAYOUTS))), draw(st.booleans())
+
+
+@pytest.mark.timeout(600)
+@settings(max_examples=8, deadline=None)
+@given(work=_spec_workloads(), seed=st.integers(0, 1000))
+def test_drawn_speculative_workloads_give_plain_tokens(work, seed):
+    """Drawn prompts (some repetitive) x proposers (prompt lookup; a draft that is the model itself:
+    full acceptance; random tokens: full rejection) x arenas (roomy, or at their page limit:
+    a row waits for another's pages) x a stop token inside the output or none: greedy tokens are plain decoding's; the
+    host's page count equals the device's after every call (no page leaked by a rollback) and
+    every page comes back."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Scheduler, "CHECK_ACCOUNTING", True)
+        _drawn_workload(*work, seed)
+
+
+def _drawn_workload(prompts, proposer, arena, stop, seed):
+    kw = dict(batch_size=2, chunk_size=4, stop_tokens=(), layout=_DRAWN_LAYOUTS[arena])
+    plain = models.generate(_DRAWN_MODEL, prompts, 12, **kw)
+    if stop and len(plain.tokens[0]) > 3:
+        kw["stop_tokens"] = (plain.tokens[0][3],)  # ends the first prompt mid-run (inside an accepted run, often)
+        plain = models.generate(_DRAWN_MODEL, prompts, 12, **kw)
+    spec = {"lookup": models.PromptLookup(k=3), "wrong": _Wrong(seed),
+            "draft (the model itself)": models.DraftModel(_DRAWN_MODEL, k=3, max_len=32)}[proposer]
+    got = models.generate(_DRAWN_MODEL, prompts, 12, speculative=spec, **kw)
+    assert got.tokens == plain.tokens, (proposer, arena)
+    assert aj.health(got.cache)["pages_in_use"] == 0 and aj.health(got.cache)["rejected_rows"] == 0
+    if proposer.startswith("draft") and got.proposed_tokens:
+        assert got.accepted_tokens == got.proposed_tokens
