@@ -86,22 +86,22 @@ def verify_rows(logits, tokens, num_tokens, positions, sampling: SamplingParams 
     def greedy(_):
         return proposals == greedy_y, greedy_y
 
-    def sampled(_):
-        def per_position(j):
-            filtered = filter_logits(logits[:, j], sampling)  # [B, V], as a decode step filters
-            drawn = jax.vmap(jax.random.categorical)(_keys(seed, seq_ids, draw_pos[:, j], 0), filtered).astype(jnp.int32)
-            p = jnp.take_along_axis(jax.nn.softmax(filtered, axis=-1), proposals[:, j : j + 1], axis=1)[:, 0]
-            u = jax.vmap(jax.random.uniform)(_keys(seed, seq_ids, draw_pos[:, j], 1))
-            residual = jnp.where(jnp.arange(vocab)[None, :] == proposals[:, j : j + 1], -jnp.inf, filtered)
-            resampled = jax.vmap(jax.random.categorical)(_keys(seed, seq_ids, draw_pos[:, j], 2), residual).astype(jnp.int32)
-            hot = sampling.temperature > 0
-            ok = jnp.where(hot, u < p, proposals[:, j] == greedy_y[:, j])
-            # a rejected proposal: the residual's draw; nothing proposed: the decode step's own draw
-            fix = jnp.where(hot, jnp.where(has_next[:, j], resampled, drawn), greedy_y[:, j])
-            return ok, fix
-
-        oks, fixes = zip(*(per_position(j) for j in range(width)))  # k + 1 positions: a static loop
-        return jnp.stack(oks, axis=1), jnp.stack(fixes, axis=1)
+    def sampled(_):  # every (row, position) at once: one filter and three draws over B * T rows
+        params = sampling if isinstance(sampling, SamplingParams) else sampling.rows(batch)
+        per_token = jax.tree.map(lambda a: jnp.repeat(a, width, axis=0), params)  # [B * T]
+        flat = lambda a: a.reshape(batch * width, *a.shape[2:])  # noqa: E731  [B, T, ...] -> [B * T, ...]
+        ids, pos, proposed, greedy_flat = jnp.repeat(seq_ids, width), flat(draw_pos), flat(proposals), flat(greedy_y)
+        filtered = filter_logits(flat(logits), per_token)  # [B * T, V], as a decode step filters
+        drawn = jax.vmap(jax.random.categorical)(_keys(seed, ids, pos, 0), filtered).astype(jnp.int32)
+        p = jnp.take_along_axis(jax.nn.softmax(filtered, axis=-1), proposed[:, None], axis=1)[:, 0]
+        u = jax.vmap(jax.random.uniform)(_keys(seed, ids, pos, 1))
+        residual = jnp.where(jnp.arange(vocab)[None, :] == proposed[:, None], -jnp.inf, filtered)
+        resampled = jax.vmap(jax.random.categorical)(_keys(seed, ids, pos, 2), residual).astype(jnp.int32)
+        hot = per_token.temperature > 0
+        ok = jnp.where(hot, u < p, proposed == greedy_flat)
+        # a rejected proposal: the residual's draw; nothing proposed: the decode step's own draw
+        fix = jnp.where(hot, jnp.where(flat(has_next), resampled, drawn), greedy_flat)
+        return ok.reshape(batch, width), fix.reshape(batch, width)
 
     if sampling is None:
         accept, corrected = greedy(None)

@@ -249,3 +249,51 @@ def _drawn_workload(prompts, proposer, arena, stop, seed):
     assert aj.health(got.cache)["pages_in_use"] == 0 and aj.health(got.cache)["rejected_rows"] == 0
     if proposer.startswith("draft") and got.proposed_tokens:
         assert got.accepted_tokens == got.proposed_tokens
+
+
+def _verify_rows_per_position(logits, tokens, num_tokens, positions, sampling, seed, seq_ids):
+    """The acceptance rule written one position at a time (the reference `verify_rows`, which
+    filters and draws for every position at once, must equal bit for bit)."""
+    from arena_jax.models.sampling import filter_logits
+    from arena_jax.models.speculative import _keys
+
+    batch, width, vocab = logits.shape
+    draw_pos = positions + 1
+    greedy_y = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    proposals = jnp.concatenate([tokens[:, 1:], jnp.zeros((batch, 1), tokens.dtype)], axis=1).astype(jnp.int32)
+    has_next = jnp.arange(width)[None, :] < (num_tokens[:, None] - 1)
+    oks, fixes = [], []
+    for j in range(width):
+        filtered = filter_logits(logits[:, j], sampling)
+        drawn = jax.vmap(jax.random.categorical)(_keys(seed, seq_ids, draw_pos[:, j], 0), filtered).astype(jnp.int32)
+        p = jnp.take_along_axis(jax.nn.softmax(filtered, axis=-1), proposals[:, j : j + 1], axis=1)[:, 0]
+        u = jax.vmap(jax.random.uniform)(_keys(seed, seq_ids, draw_pos[:, j], 1))
+        residual = jnp.where(jnp.arange(vocab)[None, :] == proposals[:, j : j + 1], -jnp.inf, filtered)
+        resampled = jax.vmap(jax.random.categorical)(_keys(seed, seq_ids, draw_pos[:, j], 2), residual).astype(jnp.int32)
+        hot = sampling.temperature > 0
+        oks.append(jnp.where(hot, u < p, proposals[:, j] == greedy_y[:, j]))
+        fixes.append(jnp.where(hot, jnp.where(has_next[:, j], resampled, drawn), greedy_y[:, j]))
+    accept = has_next & jnp.stack(oks, axis=1)
+    a = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)
+    new = jnp.where(jnp.arange(width)[None, :] < a[:, None], proposals, jnp.take_along_axis(jnp.stack(fixes, 1), a[:, None], 1))
+    return new.astype(jnp.int32), jnp.where(num_tokens > 0, a + 1, 0).astype(jnp.int32)
+
+
+def test_verify_rows_equals_the_rule_one_position_at_a_time():
+    """Fresh random logits, proposals, counts, positions and per-row sampling (greedy rows among
+    sampled ones, top-k, top-p): `verify_rows` (all positions in one filter) gives exactly the
+    tokens and counts of the per-position rule."""
+    rng = np.random.default_rng()
+    fast, reference = jax.jit(verify_rows), jax.jit(_verify_rows_per_position)  # (a compile each, not one per op)
+    for trial in range(4):
+        batch, width, vocab = 5, 4, 37
+        args = (jnp.asarray(rng.normal(size=(batch, width, vocab)).astype(np.float32) * 3),
+                jnp.asarray(rng.integers(0, vocab, (batch, width)), jnp.int32),
+                jnp.asarray(rng.integers(0, width + 1, batch), jnp.int32),
+                jnp.asarray(rng.integers(0, 50, (batch, 1)) + np.arange(width)[None], jnp.int32),
+                SamplingParams(jnp.asarray(rng.choice([0.0, 0.5, 1.0, 1.7], batch), jnp.float32),
+                               jnp.asarray(rng.choice([0, 3, 10], batch), jnp.int32),
+                               jnp.asarray(rng.choice([1.0, 0.9, 0.3], batch), jnp.float32)),
+                jnp.int32(rng.integers(0, 1000)), jnp.asarray(rng.integers(0, 100, batch), jnp.int32))  # fmt: skip
+        for got, want in zip(fast(*args), reference(*args)):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
