@@ -232,11 +232,16 @@ def test_drawn_speculative_workloads_give_plain_tokens(work, seed):
     host's page count equals the device's after every call (no page leaked by a rollback) and
     every page comes back."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(Scheduler, "CHECK_ACCOUNTING", True)
-        _drawn_workload(*work, seed)
+        patch.setattr(Scheduler, "CHECK_ACCOUNTING", True)  # (a mismatch raises inside generate)
+        proposer, plain, got = _drawn_workload(*work, seed)
+    assert got.tokens == plain.tokens, proposer
+    assert aj.health(got.cache)["pages_in_use"] == 0 and aj.health(got.cache)["rejected_rows"] == 0
+    if proposer.startswith("draft") and got.proposed_tokens:
+        assert got.accepted_tokens == got.proposed_tokens
 
 
 def _drawn_workload(prompts, proposer, arena, stop, seed):
+    """(proposer, plain Generation, speculative Generation) of one drawn workload."""
     kw = dict(batch_size=2, chunk_size=4, stop_tokens=(), layout=_DRAWN_LAYOUTS[arena])
     plain = models.generate(_DRAWN_MODEL, prompts, 12, **kw)
     if stop and len(plain.tokens[0]) > 3:
@@ -244,11 +249,7 @@ def _drawn_workload(prompts, proposer, arena, stop, seed):
         plain = models.generate(_DRAWN_MODEL, prompts, 12, **kw)
     spec = {"lookup": models.PromptLookup(k=3), "wrong": _Wrong(seed),
             "draft (the model itself)": models.DraftModel(_DRAWN_MODEL, k=3, max_len=32)}[proposer]
-    got = models.generate(_DRAWN_MODEL, prompts, 12, speculative=spec, **kw)
-    assert got.tokens == plain.tokens, (proposer, arena)
-    assert aj.health(got.cache)["pages_in_use"] == 0 and aj.health(got.cache)["rejected_rows"] == 0
-    if proposer.startswith("draft") and got.proposed_tokens:
-        assert got.accepted_tokens == got.proposed_tokens
+    return f"{proposer}, {arena} arena", plain, models.generate(_DRAWN_MODEL, prompts, 12, speculative=spec, **kw)
 
 
 def _verify_rows_per_position(logits, tokens, num_tokens, positions, sampling, seed, seq_ids):
