@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 import json
 import logging
 import time
@@ -171,7 +172,7 @@ def create_app(engine: Engine, tokenizer: TextTokenizer | None, model_name: str,
     def _completion_logprobs(entries, offset: int) -> dict:
         """OpenAI's completions `logprobs`: tokens, token_logprobs, top_logprobs, text_offset."""
         texts = [_token_text(e.token) for e in entries]
-        offsets = [offset + sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+        offsets = list(itertools.accumulate((len(t) for t in texts[:-1]), initial=offset)) if texts else []
         return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [{_token_text(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
 
@@ -243,7 +244,8 @@ def create_app(engine: Engine, tokenizer: TextTokenizer | None, model_name: str,
                 delta = ({"index": i, "delta": {"content": piece} if piece else {}, "finish_reason": reason}
                          if chat else {"index": i, "text": piece, "finish_reason": reason})  # fmt: skip
                 delta["logprobs"] = logprobs(got, offsets[i]) if got else None
-                offsets[i] += sum(len(_token_text(e.token)) for e in got) if wants and not chat else 0
+                if delta["logprobs"] and not chat:  # the next chunk's tokens start after these
+                    offsets[i] += sum(map(len, delta["logprobs"]["tokens"]))
                 chunk = {"id": rid, "object": chunk_kind, "created": created, "model": name, "choices": [delta]}
                 if end is not None:
                     ends[i] = end
