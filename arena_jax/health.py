@@ -41,6 +41,9 @@ def health(cache: KVCache, prefix=None, host=None) -> dict:
     host_tokens_held, host_bytes (and, with `prefix` too, prefix_host_index_matches: the
     index's host pages are exactly the host tier's held pages).
 
+    Speculative decoding (a verify step on this cache, `models.speculative`): proposed_tokens,
+    accepted_tokens and acceptance_rate (accepted / proposed; 0.0 before any proposal).
+
     Smoothed keys (`smooth_keys`): key_factor_layers_calibrated (layers given factors at any
     KV head by `create`), key_channels_smoothed (factors > 1, over layers, stored heads and
     channels) and key_factor_max (0: created without factors, no smoothing).
@@ -97,7 +100,8 @@ def health(cache: KVCache, prefix=None, host=None) -> dict:
             bytes_per_token_per_device=sh.bytes_per_token_per_device(layout),
         )
     extra = {"bytes_to_host": counters["pages_to_host"] * layout.page_bytes,
-             "bytes_to_device": counters["pages_to_device"] * layout.page_bytes}  # fmt: skip
+             "bytes_to_device": counters["pages_to_device"] * layout.page_bytes,
+             "acceptance_rate": counters["accepted_tokens"] / max(counters["proposed_tokens"], 1)}  # fmt: skip
     if cache.key_factors is not None:  # smoothed keys: the factors the cache was created with
         factors = _host(cache.key_factors)  # [L, H (replicas included), D]; 0: not calibrated (1)
         calibrated = factors.reshape(factors.shape[0], -1).max(axis=1) > 0

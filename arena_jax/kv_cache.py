@@ -98,6 +98,9 @@ STAT_NAMES = {
     "swap_ins": "slots swapped in (`swap_in` rows served)",
     "failed_swaps": "`swap_in` rows refused for lack of device pages",
     "host_pages_dropped": "host pages freed (`drop_host_pages`)",
+    # Speculative decoding (counted by the verify step that runs on the cache: `models.speculative`).
+    "proposed_tokens": "tokens proposed to verify calls (speculative decoding)",
+    "accepted_tokens": "of those, the ones the model agreed with (the rest rolled back by `truncate`)",
 }
 _STAT_INDEX = {name: i for i, name in enumerate(STAT_NAMES)}
 
@@ -128,13 +131,18 @@ class CacheStats:
             raise TypeError(f"CacheStats.bump: unknown counters {unknown} (known: {', '.join(STAT_NAMES)})")
         values = {name: jnp.asarray(v, jnp.int32) for name, v in deltas.items()}
         counts = self.counts
+        shards = counts.shape[0] if counts.ndim == 2 else 1  # [dp, N]: a row of counters per data shard
         for shape in sorted({v.shape for v in values.values()}):
             names = [n for n, v in values.items() if v.shape == shape]
-            flat = jnp.stack([values[n] for n in names]).reshape(len(names), -1)  # [k, rows]
+            if counts.ndim == 2 and (len(shape) != 1 or shape[0] % shards):
+                raise ValueError(f"CacheStats.bump: counters of {shards} data shards take per-row counts [B] "
+                                 f"(B a multiple of {shards}, rows in shard order), got shape {shape} for {names}")
+            flat = jnp.stack([values[n] for n in names]).reshape(len(names), shards, -1)  # [k, shards, rows]
             # Each count summed straight into its place of the [N] vector (a static one-hot
             # [k, N]): one reduction whatever k, no per-counter slices to stack again.
             place = np.eye(len(STAT_NAMES), dtype=np.int32)[[_STAT_INDEX[n] for n in names]]
-            counts = counts + jnp.sum(flat[:, :, None] * place[:, None, :], axis=(0, 1))
+            per_shard = jnp.sum(flat[:, :, :, None] * place[:, None, None, :], axis=(0, 2))  # [shards, N]
+            counts = counts + (per_shard if counts.ndim == 2 else per_shard[0])
         return self.replace(counts=counts)
 
     def as_dict(self) -> dict:

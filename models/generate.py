@@ -158,6 +158,7 @@ def generate(
     arrivals: Sequence[float] | None = None,
     on_token: Callable[[int, int], None] | None = None,
     speculative=None,
+    speculate: Sequence[bool] | None = None,
     **options,
 ) -> Generation:
     """Generate up to `max_new_tokens` for each prompt (lists of token ids).
@@ -239,7 +240,11 @@ def generate(
     agrees with and rolls the rest back in the same call. Greedy rows give exactly the tokens of
     plain decoding; sampled rows follow the standard rejection rule (the target model's
     distribution). Decode blocks and run-ahead are off then (each call reads the accepted
-    tokens back); the result counts `verify_calls`, `proposed_tokens`, `accepted_tokens`.
+    tokens back); the result counts `verify_calls`, `proposed_tokens`, `accepted_tokens`, and
+    so do the cache's counters (`aj.health`: proposed_tokens, accepted_tokens, acceptance_rate).
+    `speculate` (one bool per prompt; default all True) opts prompts out: a prompt given False
+    gets no proposals and decodes plainly, in the same verify call as the others (a call whose
+    decoding rows all opted out is a plain decode step).
 
     Token ids must be integers (Python or numpy; not floats, strings or bools) in
     [0, vocab_size); every bad argument is a ValueError naming it.
@@ -270,6 +275,7 @@ def generate(
     max_new_tokens = check_int("max_new_tokens", max_new_tokens)
     arrivals_given = arrivals is not None
     arrivals = _check_arrivals(arrivals, len(prompts))
+    speculate = _check_speculate(speculate, len(prompts), speculative)
     if host is not None and not isinstance(host, aj.HostArena):
         raise ValueError(f"host must be an arena_jax.HostArena (an earlier Generation's .host), got {type(host).__name__}")
     if host is not None and (host_pages or cache is None):
@@ -374,7 +380,7 @@ def generate(
     if decode_block is None:
         decode_block = default_decode_block(cache, online=arrivals_given)
 
-    seqs = [Seq(i, p, arrival=a) for i, (p, a) in enumerate(zip(prompts, arrivals))]
+    seqs = [Seq(i, p, arrival=a, speculate=f) for i, (p, a, f) in enumerate(zip(prompts, arrivals, speculate))]
     runner = Scheduler(
         model, cache, layout, batch_size, chunk_size, sampling, seed, set(stop), max_new_tokens, return_logits, index,
         tier, mixed_chunks, decode_block,
@@ -451,6 +457,22 @@ def _check_arrivals(arrivals, num_prompts: int) -> list[float]:
             raise ValueError(f"arrivals[{i}]={a!r} is before arrivals[{i - 1}]={out[-1]!r}: arrivals must be non-decreasing")
         out.append(float(a))
     return out
+
+
+def _check_speculate(speculate, num_prompts: int, speculative) -> list[bool]:
+    """Per-prompt opt-outs of speculative decoding: bools, one per prompt (None: every prompt speculates)."""
+    if speculate is None:
+        return [True] * num_prompts
+    if speculative is None:
+        raise ValueError("speculate: per-prompt opt-outs need a proposer (give speculative=, e.g. models.PromptLookup(k=4))")
+    if isinstance(speculate, (str, bytes)) or not hasattr(speculate, "__len__"):
+        raise ValueError(f"speculate must be a sequence of bools, one per prompt, got {type(speculate).__name__}")
+    if len(speculate) != num_prompts:
+        raise ValueError(f"speculate has {len(speculate)} entries for {num_prompts} prompts: give one per prompt")
+    for i, flag in enumerate(speculate):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise ValueError(f"speculate[{i}]={flag!r} must be a bool (False: that prompt decodes without proposals)")
+    return [bool(f) for f in speculate]
 
 
 def _on_mesh(model: Llama, mesh, tensor_axis):

@@ -109,6 +109,9 @@ def _verify(graphdef, state, cache, tokens, slots, num_tokens, seq_ids, seed, sa
     seq_ids = slots if seq_ids is None else seq_ids
     new, count = verify_rows(logits, tokens, num_tokens, positions, sampling, seed, seq_ids)
     cache = aj.truncate(cache, slots, jnp.where(slots >= 0, positions[:, 0] + count, 0))  # keep t0 and the accepted
+    live = slots >= 0  # (rows the reservation refused are not live: they proposed nothing)
+    cache = cache.replace(stats=cache.stats.bump(proposed_tokens=jnp.where(live, jnp.maximum(num_tokens - 1, 0), 0),
+                                                 accepted_tokens=jnp.where(live, jnp.maximum(count - 1, 0), 0)))  # fmt: skip
     last = jnp.maximum(count - 1, 0)
     out = StepOutput(cache=cache, tokens=jnp.take_along_axis(new, last[:, None], axis=1)[:, 0],
                      logits=jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0], ok=ok)  # fmt: skip

@@ -104,7 +104,7 @@ def create_app(engine: Engine, tokenizer: TextTokenizer | None, model_name: str,
             raise ApiError(400, f"stop_token_ids: token ids must be below the vocabulary size {vocab}", "stop_token_ids")
         stop = set(body.stop_token_ids or ()) | (set() if body.ignore_eos else set(engine.model.config.eos_token_ids))
         return dict(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                    seed=body.seed, stop_tokens=stop, logprobs=body.logprobs_wanted())  # fmt: skip
+                    seed=body.seed, stop_tokens=stop, logprobs=body.logprobs_wanted(), speculative=body.speculative)  # fmt: skip
 
     def _text_tokenizer(param: str) -> TextTokenizer:
         if tokenizer is None:

@@ -243,7 +243,7 @@ class Engine:
     def submit(self, prompt, *, max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int | None = None, seed: int | None = None, stop_tokens=None,
                on_token: Callable[[int], None] | None = None, on_finish: Callable[[str], None] | None = None,
-               after: Request | None = None, logprobs: int | None = None) -> Request:  # fmt: skip
+               after: Request | None = None, logprobs: int | None = None, speculative: bool = True) -> Request:  # fmt: skip
         """Queue a request (token ids); the callbacks run in the engine thread. `stop_tokens`: the
         token ids that end it (None: the model's eos tokens). ValueError names a bad argument;
         QueueFull when `max_queue` requests wait already. `after`: queue it only once that request
@@ -251,7 +251,9 @@ class Engine:
         same prompt then maps those pages instead of computing them: `n > 1` choices). `logprobs`:
         each token's `TokenLogprobs` with that many alternatives (0-20) in `Request.entries`, filled
         before its `on_token` call (steps read their logits back while such a request runs: one
-        step per call, no decode blocks)."""
+        step per call, no decode blocks; on a speculating engine, plain steps, as a verify call
+        keeps no per-token logits). `speculative=False` opts the request out of the engine's
+        speculative decoding: it gets no proposals and decodes plainly (in the same calls)."""
         ids = [int(t) for t in prompt]
         vocab = self.model.config.vocab_size
         if not ids:
@@ -274,12 +276,12 @@ class Engine:
         if logprobs is not None:
             if not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {logprobs!r}")
-            if self._sched.speculative is not None:
-                raise ValueError("logprobs: not served with speculative decoding (a verify call keeps no per-token logits)")
+        if not isinstance(speculative, (bool, np.bool_)):
+            raise ValueError(f"speculative must be a bool (False: no proposals for this request), got {speculative!r}")
         stop = None if stop_tokens is None else frozenset(int(t) for t in stop_tokens)  # None: the model's eos tokens
         index = next(self._ids)
         seq = Seq(index, ids, max_new=max_tokens, stop=stop, sampling=(float(temperature), top_k or 0, float(top_p)),
-                  key=seed if seed is not None else (INT32_MAX - index % INT32_MAX))  # fmt: skip
+                  key=seed if seed is not None else (INT32_MAX - index % INT32_MAX), speculate=bool(speculative))  # fmt: skip
         request = Request(seq, on_token, on_finish, time.perf_counter(), logprobs=logprobs)
         with self._cond:
             if self.error is not None:
@@ -441,7 +443,11 @@ class Engine:
         rounds = [prompts]  # one more than the batch: decode steps while a request waits, then blocks
         if self.index is not None:  # the same prompts again, longer: prefix hits (a page mapped, a partial one copied)
             rounds.append([p[:-1] + [int(t) for t in rng.integers(0, vocab, 2)] for p in prompts])
-        for group in rounds:
+        speculating = [True] * len(rounds)
+        if self._sched.speculative is not None:  # verify calls above; then requests that opt out: plain steps
+            rounds.append(prompts)
+            speculating.append(False)
+        for group, speculate in zip(rounds, speculating):
             done, left = threading.Event(), [len(group)]
 
             def finished(_, left=left, done=done):
@@ -450,7 +456,8 @@ class Engine:
                     done.set()
 
             for i, prompt in enumerate(group):
-                self.submit(prompt, max_tokens=new, temperature=0.7 * (i % 2), on_finish=finished, stop_tokens=())
+                self.submit(prompt, max_tokens=new, temperature=0.7 * (i % 2), on_finish=finished, stop_tokens=(),
+                            speculative=speculate)  # fmt: skip
             if not done.wait(timeout=3600) or not self._idle.wait(timeout=600) or self.error is not None:
                 raise RuntimeError(f"warm-up failed: {self.error!r}")  # (idle: its last release compiled too)
         self._warm_programs = self._clock.programs

@@ -24,6 +24,7 @@ class Sampling(BaseModel):
     stop: Union[str, list[str], None] = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # an extra field (vLLM's): besides eos
     ignore_eos: bool = False  # an extra field (vLLM's): do not stop at the model's eos tokens
+    speculative: bool = True  # an extra field: false opts out of the server's speculative decoding (--speculative-k)
     stream: bool = False
     n: Annotated[int, Field(ge=1, le=16)] = 1  # choices: the first computes the prompt, the others share its pages
     user: str | None = None

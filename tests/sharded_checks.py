@@ -507,7 +507,9 @@ def test_speculative_decoding_on_a_mesh_equals_one_device(single):
                               speculative=draft)  # fmt: skip
         assert got.tokens == want_tokens.tolist(), shape
         assert got.accepted_tokens == got.proposed_tokens > 0 and got.verify_calls <= len(prompts), shape  # NEW - 1 tokens in one call
-        assert aj.health(got.cache)["free_pages"] == got.cache.layout.num_pages
+        health = aj.health(got.cache)  # the verify step's counters: one row per data shard, summed
+        assert health["free_pages"] == got.cache.layout.num_pages
+        assert (health["proposed_tokens"], health["accepted_tokens"]) == (got.proposed_tokens, got.accepted_tokens), shape
 
 
 def test_prefix_cache_on_a_tensor_parallel_mesh_equals_one_device(single):

@@ -288,3 +288,11 @@ def test_stats_are_one_vector_read_by_name():
     assert {name: int(getattr(stats, name)) for name in STAT_NAMES} == want
     with pytest.raises(TypeError, match="unknown counters \\['page_alocated'\\]"):
         stats.bump(page_alocated=1)
+    # Counters of 2 data shards ([2, N], as a sharded cache holds them): per-row counts, rows in
+    # shard order (the first half shard 0's), each shard's summed into its own row.
+    sharded = CacheStats(counts=jnp.zeros((2, len(STAT_NAMES)), jnp.int32)).bump(
+        proposed_tokens=jnp.array([1, 2, 3, 4]), accepted_tokens=jnp.array([True, False, True, True]))
+    assert np.asarray(sharded.proposed_tokens).tolist() == [3, 7]
+    assert np.asarray(sharded.accepted_tokens).tolist() == [1, 2]
+    with pytest.raises(ValueError, match="counters of 2 data shards take per-row counts"):
+        sharded.bump(proposed_tokens=1)

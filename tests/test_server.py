@@ -181,11 +181,11 @@ def test_logprobs_are_the_models(setup):
     alternatives most likely first (greedy: the token itself first); a stream's logprobs are the
     whole response's; nothing compiled (the same programs, one step a call while they run)."""
     engine, model, tokenizer, served = setup
-    compiled = engine.compiles_since_warm_up
     client = _client(served)
     prompt = "Pages are fixed-size blocks of tokens. The capital"
     ids = tokenizer.encode(prompt)
     want = models.generate(model, [ids], 10, return_logits=True)
+    compiled = engine.compiles_since_warm_up  # (after the reference's own compiles: the counter is the process's)
     logits = want.logits[0].astype(np.float64)
     logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
     want_lp = [logp[i, t] for i, t in enumerate(want.tokens[0])]
@@ -328,7 +328,9 @@ def test_prefix_cache_serves_shared_prompts_and_choices(setup):
 
 
 def test_speculative_engine_serves_the_same_greedy_texts(setup):
-    """`--speculative-k`: prompt lookup in the engine; the same greedy texts, nothing compiled after warm-up."""
+    """`--speculative-k`: prompt lookup in the engine; the same greedy texts, nothing compiled
+    after warm-up. A request with `"speculative": false` (or asking for logprobs) gets no
+    proposals: it decodes plainly, to the same text."""
     _, model, tokenizer, _ = setup
     prompts = ["The arena holds every page. The arena holds every page. The arena", "Pages are fixed-size blocks"]
     want = models.generate_text(model, tokenizer, prompts, 16).texts  # (before the engine: its compiles are not the engine's)
@@ -342,9 +344,15 @@ def test_speculative_engine_serves_the_same_greedy_texts(setup):
             got = client.completions.create(model="tiny-text", prompt=prompt, max_tokens=16, temperature=0)
             assert got.choices[0].text == text
         assert engine._sched.verify_calls > 0 and engine._sched.proposed_tokens > 0
+        proposed, verified = engine._sched.proposed_tokens, engine._sched.verify_calls
+        for extra in ({"speculative": False}, {"logprobs": 1}):
+            got = client.completions.create(model="tiny-text", prompt=prompts[0], max_tokens=16, temperature=0, extra_body=extra)
+            assert got.choices[0].text == want[0]
+            assert (engine._sched.proposed_tokens, engine._sched.verify_calls) == (proposed, verified)  # no proposal
+        assert len(got.choices[0].logprobs.token_logprobs) == got.usage.completion_tokens
         assert engine.wait_idle(30) and engine.pages_used() == 0 and engine.compiles_since_warm_up == compiled
-        with pytest.raises(ValueError, match="logprobs: not served with speculative decoding"):
-            engine.submit([1, 2], logprobs=1)
+        with pytest.raises(ValueError, match="speculative must be a bool"):
+            engine.submit([1, 2], speculative=None)
     finally:
         served.close()
         engine.stop()

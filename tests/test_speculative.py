@@ -96,7 +96,48 @@ def test_greedy_speculative_generate_is_plain_generate(monkeypatch, family, kv_d
     assert spec.tokens == plain.tokens
     assert spec.verify_calls > 0 and 0 < spec.accepted_tokens <= spec.proposed_tokens  # some were kept
     assert spec.verify_calls < plain.decode_steps  # fewer calls than tokens decoded one by one
-    assert aj.health(spec.cache)["pages_in_use"] == 0
+    health = aj.health(spec.cache)  # the cache's own counters, counted in the verify step
+    assert health["pages_in_use"] == 0
+    assert (health["proposed_tokens"], health["accepted_tokens"]) == (spec.proposed_tokens, spec.accepted_tokens)
+    assert health["acceptance_rate"] == spec.accepted_tokens / spec.proposed_tokens
+
+
+class _Asked(models.PromptLookup):
+    """Prompt lookup that records the prompts it was asked to propose for."""
+
+    def __init__(self, k: int, prompts):
+        super().__init__(k=k)
+        object.__setattr__(self, "asked", set())
+        object.__setattr__(self, "prompts", [tuple(p) for p in prompts])
+
+    def propose(self, ids, limit):
+        self.asked.update(i for i, p in enumerate(self.prompts) if tuple(ids[: len(p)]) == p)
+        return super().propose(ids, limit)
+
+
+def test_prompts_opt_out_of_speculation():
+    """`speculate=[...]`: a prompt given False gets no proposals and decodes plainly, in the
+    same verify calls as the others; all False runs plain decode steps (no verify call)."""
+    model = models.init_random(models.LlamaConfig.tiny(), seed=1)
+    prompts = [[3, 4, 5, 6] * 5, [7, 8, 9] * 6, [11, 12] * 8]
+    kw = dict(batch_size=3, stop_tokens=())
+    plain = models.generate(model, prompts, 20, **kw)
+    proposer = _Asked(3, prompts)
+    spec = models.generate(model, prompts, 20, speculative=proposer, speculate=[True, False, True], **kw)
+    assert spec.tokens == plain.tokens
+    assert proposer.asked == {0, 2} and spec.verify_calls > 0 and spec.accepted_tokens > 0
+    health = aj.health(spec.cache)
+    assert (health["proposed_tokens"], health["accepted_tokens"]) == (spec.proposed_tokens, spec.accepted_tokens)
+    proposer = _Asked(3, prompts)
+    none = models.generate(model, prompts, 20, speculative=proposer, speculate=(False,) * 3, **kw)
+    assert none.tokens == plain.tokens and none.verify_calls == 0 and not proposer.asked
+    assert aj.health(none.cache)["proposed_tokens"] == 0
+    for bad, match in [([True], "speculate has 1 entries for 3 prompts"), ([1, 0, 1], r"speculate\[0\]=1 must be a bool"),
+                       ("yes", "speculate must be a sequence of bools")]:  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            models.generate(model, prompts, 4, speculative=models.PromptLookup(), speculate=bad, **kw)
+    with pytest.raises(ValueError, match="speculate: per-prompt opt-outs need a proposer"):
+        models.generate(model, prompts, 4, speculate=[True] * 3, **kw)
 
 
 @pytest.mark.parametrize("extra", [dict(prefix_cache=True), dict(host_pages=8)], ids=["prefix cache", "host tier"])

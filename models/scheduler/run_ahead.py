@@ -85,8 +85,10 @@ class RunAhead:
         return jax.device_put(tokens, self._token_sharding)
 
     def _decode(self, waiting: collections.deque, run_ahead: bool = False) -> set:
-        if self.speculative is not None:
+        if self.speculative is not None and not self.return_logits and any(
+                s.speculate for s in self.rows if s is not None and s.pending == 1):  # fmt: skip
             return self._verify()
+        run_ahead = run_ahead and self.speculative is None  # (a verify call may follow: nothing in flight)
         if self.index is None:
             self._flush()
         tokens = np.zeros((self.batch,), np.int32)
@@ -108,8 +110,9 @@ class RunAhead:
     def _verify(self) -> set:
         """Speculative decoding (models.speculative): every decoding row's last token and what the
         proposer proposes for it, in one verify call; each row advances by its accepted proposals
-        + 1. Proposals are dropped (plain decoding, in the same call) where they might not fit the
-        pages."""
+        + 1. A row that opted out (`Seq.speculate`) gets no proposals: it decodes plainly in the
+        same call. Proposals are dropped (plain decoding, in the same call) where they might not
+        fit the pages."""
         if self.index is None:
             self._flush()
         k = self.speculative.k
@@ -117,15 +120,16 @@ class RunAhead:
         slots = np.full((self.batch,), aj.PAD_SLOT, np.int32)
         counts = np.zeros((self.batch,), np.int32)
         seq_ids = np.zeros((self.batch,), np.int32)
-        requests = [(s.ids, self._max_new(s) - len(s.generated) - 1) if s is not None and s.pending == 1 else None
-                    for s in self.rows]  # fmt: skip
+        decoding = [s is not None and s.pending == 1 for s in self.rows]
+        requests = [(s.ids, self._max_new(s) - len(s.generated) - 1) if going and s.speculate else None
+                    for s, going in zip(self.rows, decoding)]  # fmt: skip
         if hasattr(self.speculative, "propose_rows"):  # a batched proposer (models.DraftModel): one call
             proposals = self.speculative.propose_rows(requests)
         else:
             proposals = [None if q is None else self.speculative.propose(*q) for q in requests]
         for r, s in enumerate(self.rows):
-            if requests[r] is not None:
-                proposal = list(proposals[r])[:k]
+            if decoding[r]:
+                proposal = [] if requests[r] is None else list(proposals[r])[:k]
                 tokens[r, 0], tokens[r, 1 : 1 + len(proposal)] = s.ids[-1], proposal
                 slots[r], counts[r], seq_ids[r] = self.slot_of[r], 1 + len(proposal), s.draw_key
         if self.index is None and not self._pages_fit(counts.tolist()):

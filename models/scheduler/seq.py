@@ -41,6 +41,7 @@ class Seq:
     stop: frozenset | None = None  # token ids that end it (kept in its output)
     sampling: tuple | None = None  # (temperature, top_k or 0, top_p): its row's sampling while it runs
     key: int | None = None  # keys its random draws (with the step's seed and position); None: `index`
+    speculate: bool = True  # False: decodes without proposals under speculative decoding (an opt-out)
     cancelled: bool = False  # ends at its next read-back (its tokens from then on dropped): `finish` "abort"
     finish: str | None = None  # why it ended: "stop" (a stop token), "length" (max_new), "abort" (cancelled)
 
