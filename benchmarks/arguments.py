@@ -419,6 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int_in(1, 64), default=d.k, help="proposals per verify call")
     p.add_argument("--draft-layers", type=int_in(0, 64), default=d.draft_layers,
                    help="also a draft model: the target's first N layers (0: none)")
+    p.add_argument("--damping", type=float_in(0.0, 1.0), default=d.damping,
+                   help="with --draft-layers: scale the output projections of the target's layers past the draft's "
+                        "(< 1: a synthetic target its draft agrees with often, in place of a trained pair)")
     p.add_argument("--rounds", type=positive_int, default=d.rounds, help="alternated timing rounds (medians)")
     p.add_argument("--seed", type=seed, default=d.seed, help="weights and prompts")
     parser.subcommands = sub.choices  # name -> subparser, to report errors per subcommand

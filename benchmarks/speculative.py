@@ -17,7 +17,7 @@ import statistics
 
 import numpy as np
 
-__all__ = ["SpeculativeSettings", "run_speculative", "speculative_lines"]
+__all__ = ["SpeculativeSettings", "damped_after", "run_speculative", "speculative_lines"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +30,10 @@ class SpeculativeSettings:
     new_tokens: int = 128
     k: int = 4
     draft_layers: int = 0  # > 0: also a draft model, the target's first N layers (models.first_layers)
+    # < 1: the target's layers past the draft's add `damping` x their output to the residual
+    # stream (attention and MLP output projections scaled): a synthetic target its first layers
+    # agree with often, standing in for a trained pair (random weights agree rarely); 1: as drawn.
+    damping: float = 1.0
     rounds: int = 3
     seed: int = 0
 
@@ -39,7 +43,30 @@ def _model(settings: SpeculativeSettings):
     from arena_jax.benchmarks.arrivals import ArrivalSettings
 
     config = ArrivalSettings(model=settings.model).config()
-    return models.init_random(config, seed=settings.seed)
+    model = models.init_random(config, seed=settings.seed)
+    if settings.damping != 1.0 and settings.draft_layers:
+        model = damped_after(model, settings.draft_layers, settings.damping)
+    return model
+
+
+def damped_after(model, first: int, factor: float):
+    """`model` with layers `first`.. contributing `factor` x their output to the residual
+    stream: their attention output and MLP down projections scaled (stacked layers only)."""
+    import jax
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+    scale = np.where(np.arange(model.config.num_layers) < first, 1.0, factor)
+
+    def damp(path, leaf):
+        name = jax.tree_util.keystr(path)
+        if not ("['attn']['o']" in name or "['mlp']['down']" in name):
+            return leaf
+        if leaf.shape[0] != model.config.num_layers:
+            raise ValueError("damped_after: needs stacked layers (scan_layers=True)")
+        return leaf * scale.reshape(-1, *([1] * (leaf.ndim - 1))).astype(leaf.dtype)
+
+    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(damp, state))
 
 
 def run_speculative(settings: SpeculativeSettings, progress=None) -> dict:
@@ -96,8 +123,11 @@ def run_speculative(settings: SpeculativeSettings, progress=None) -> dict:
 
 def speculative_lines(result: dict) -> list[str]:
     s = result["settings"]
+    damped = (f"; target's layers past the draft's damped x{s['damping']:g} (a synthetic pair)"
+              if s.get("damping", 1.0) != 1.0 and s["draft_layers"] else "")  # fmt: skip
     out = [f"{s['model']} model, batch {s['batch']}, {s['requests']} prompts of a {s['span']}-token span x "
-           f"{s['repeats_in_prompt']}, {s['new_tokens']} greedy tokens each, median of {s['rounds']} alternated rounds",
+           f"{s['repeats_in_prompt']}, {s['new_tokens']} greedy tokens each, median of {s['rounds']} alternated rounds"
+           + damped,
            f"{'mode':<24}{'tok/s':>9}{'calls':>7}{'tok/call':>9}{'accept':>8}{'acc/verify':>11}{'same':>6}"]  # fmt: skip
     for r in result["rows"]:
         acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.0%}"

@@ -219,7 +219,7 @@ class Scheduler(Admission, PrefixPages, HostSwap, RunAhead):
         self._make_room_for(slots, counts)
         start = time.perf_counter()
         out, packed = self.steps.prefill(
-            self.steps.leaves, self.cache, jnp.asarray(tokens), self._device(slots), jnp.asarray(counts),
+            self.steps.leaves, self.cache, tokens, self._device(slots), counts,  # (numpy: `_verify`'s note)
             self._device(seq_ids), self.seed, self.sampling,
         )  # fmt: skip
         self.cache = out.cache
@@ -261,8 +261,8 @@ class Scheduler(Admission, PrefixPages, HostSwap, RunAhead):
         self._make_room_for(served, counts)
         start = time.perf_counter()
         out, packed = self.steps.mixed(
-            self.steps.leaves, self.cache, jnp.asarray(tokens), self._device(slots), jnp.asarray(chunks),
-            jnp.asarray(chunk_slots), jnp.asarray(chunk_counts), jnp.asarray(chunk_rows), self._device(seq_ids), self.seed,
+            self.steps.leaves, self.cache, tokens, self._device(slots), chunks,  # (numpy: `_verify`'s note)
+            chunk_slots, chunk_counts, chunk_rows, self._device(seq_ids), self.seed,
             self.sampling,
         )  # fmt: skip
         self.cache = out.cache
