@@ -682,3 +682,9 @@ def test_speculative(tmp_path, capsys):
     assert all(r["same_tokens"] and r["tokens_per_s"] > 0 for r in res["rows"])
     assert res["rows"][0]["acceptance"] is None and 0 <= res["rows"][3]["acceptance"] <= 1
     assert res["draft_speedup_vs_one_step"] > 0 and "draft model / plain" in capsys.readouterr().out
+    # --damping 0: the target's second layer adds nothing, so its first layer (the draft) agrees
+    # with it (up to float rounding between the two programs); undamped it agreed on 12%
+    damped = _run(["speculative", "--requests", "2", "--span", "4", "--repeats-in-prompt", "3", "--new-tokens", "8",
+                   "--k", "2", "--draft-layers", "1", "--damping", "0", "--rounds", "1"], tmp_path)["results"]  # fmt: skip
+    assert damped["settings"]["damping"] == 0 and damped["rows"][3]["acceptance"] >= 0.9
+    assert all(r["same_tokens"] for r in damped["rows"]) and "damped x0 (a synthetic pair)" in capsys.readouterr().out
