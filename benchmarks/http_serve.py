@@ -180,7 +180,7 @@ def run_http(settings: HttpSettings, progress=None) -> dict:
             warm = _jobs(dataclasses.replace(settings, requests=min(8, settings.requests)), 100.0, random.Random(1))
             for name, server in servers.items():  # warm-up: compiles, caches, lazy loads
                 asyncio.run(_load(server.url, names[name], warm, settings.max_tokens))
-            rows = []
+            rows, loaded = [], None  # loaded: (the last load's jobs, each server's streamed texts of them)
             advance = progress.add_task("serve --http: loads", total=len(settings.rates) * settings.repeats * len(servers)) if progress else None
             for rate in settings.rates:
                 runs = {name: [] for name in servers}
@@ -190,6 +190,7 @@ def run_http(settings: HttpSettings, progress=None) -> dict:
                         runs[name].append(asyncio.run(_load(server.url, names[name], jobs, settings.max_tokens)))
                         if advance:
                             advance(1)
+                    loaded = (jobs, {name: got[-1]["texts"] for name, got in runs.items()})
                 for name, got in runs.items():
                     med = {k: statistics.median(r[k] for r in got) for k in
                            ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "wall_s")}  # fmt: skip
@@ -199,16 +200,21 @@ def run_http(settings: HttpSettings, progress=None) -> dict:
                     a, b = (runs[n] for n in servers)
                     same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra["texts"], rb["texts"]))
                     notes.append(f"rate {rate}/s: streamed greedy texts equal in {same} of {len(a) * settings.requests} "
-                                 "requests (not diagnosed; random weights emit invalid UTF-8, which streams may decode differently)")  # fmt: skip
-            if len(servers) == 2:  # the tokens themselves: one request at a time, not streamed
+                                 "requests (the two servers'; whose texts move under load: below)")  # fmt: skip
+            if loaded is not None:  # each server against itself: the last load's prompts again, one at a time, not streamed
                 from openai import OpenAI
 
-                jobs = _jobs(settings, 1.0, random.Random(settings.seed))[:16]
-                texts = [[OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0).completions.create(
+                jobs, streamed = loaded
+                alone = {name: [OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0).completions.create(
                     model=names[name], prompt=p, max_tokens=settings.max_tokens, temperature=0).choices[0].text
-                    for _, p in jobs] for name, server in servers.items()]  # fmt: skip
-                notes.append(f"greedy texts, not streamed, one request at a time: equal in "
-                             f"{sum(x == y for x, y in zip(*texts))} of {len(jobs)}")
+                    for _, p in jobs] for name, server in servers.items()}  # fmt: skip
+                for name in servers:
+                    notes.append(f"{name}: greedy texts streamed under the last load == one request at a time, not "
+                                 f"streamed: {sum(x == y for x, y in zip(streamed[name], alone[name]))} of {len(jobs)}")
+                if len(servers) == 2:
+                    x, y = alone.values()
+                    notes.append(f"greedy texts, one request at a time, not streamed: the two servers equal in "
+                                 f"{sum(a == b for a, b in zip(x, y))} of {len(jobs)}")
         finally:
             for server in servers.values():
                 server.stop()
