@@ -239,8 +239,8 @@ def generate(
     lookup: what followed the last n tokens earlier in the sequence), keeps the ones the model
     agrees with and rolls the rest back in the same call. Greedy rows give exactly the tokens of
     plain decoding; sampled rows follow the standard rejection rule (the target model's
-    distribution). Decode blocks and run-ahead are off then (each call reads the accepted
-    tokens back); the result counts `verify_calls`, `proposed_tokens`, `accepted_tokens`, and
+    distribution). Decode blocks and run-ahead are off while a row speculates (each call reads
+    the accepted tokens back); the result counts `verify_calls`, `proposed_tokens`, `accepted_tokens`, and
     so do the cache's counters (`aj.health`: proposed_tokens, accepted_tokens, acceptance_rate).
     `speculate` (one bool per prompt; default all True) opts prompts out: a prompt given False
     gets no proposals and decodes plainly, in the same verify call as the others (a call whose
