@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "history, verified in one call (greedy output unchanged); 0: off")  # fmt: skip
     p.add_argument("--host-pages", type=int_in(0, 2**31 - 1), default=0,
                    help="a host-memory tier of N pages: a preempted request's pages are swapped out and back instead "
-                        "of recomputed when moving them is cheaper (not with --prefix-cache); 0: none")  # fmt: skip
+                        "of recomputed when moving them is cheaper; with --prefix-cache, the cache's spill tier "
+                        "(evicted pages go there, a hit brings them back); 0: none")  # fmt: skip
     p.add_argument("--max-queue", type=positive_int, default=256, help="requests that may wait; more get HTTP 429")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ routes")
     p.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight requests get to finish on shutdown")

@@ -36,7 +36,7 @@ from arena_jax.models import Llama, PromptLookup, Sampling, calibrate_key_factor
 from arena_jax.models.compile_clock import CompileClock
 from arena_jax.models.fingerprint import fingerprint
 from arena_jax.models.host_tier import HostTier, SwapPolicy
-from arena_jax.models.steps import drop_host_page_rows, swap_out_rows
+from arena_jax.models.steps import drop_host_page_rows, evict_to_host_rows, offload_page_rows, swap_out_rows
 from arena_jax.models.scheduler import Scheduler, Seq
 
 __all__ = ["Engine", "Request", "QueueFull", "TokenStream", "TokenLogprobs", "token_logprobs"]
@@ -137,9 +137,6 @@ class Engine:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         if not isinstance(host_pages, int) or isinstance(host_pages, bool) or host_pages < 0:
             raise ValueError(f"host_pages must be an integer >= 0 (0: no host tier), got {host_pages!r}")
-        if host_pages and prefix_cache:
-            raise ValueError("host_pages with prefix_cache: the prefix cache's host spill tier is not served yet "
-                             "(host_pages serves swap preemption without a prefix cache)")  # fmt: skip
         if swap_policy is not None and not isinstance(swap_policy, SwapPolicy):
             raise ValueError(f"swap_policy must be a models.SwapPolicy, got {type(swap_policy).__name__}")
         if num_pages is not None and kv_memory is not None:
@@ -160,13 +157,15 @@ class Engine:
         cache = aj.create(layout, key_factors=factors)
         eos = frozenset(config.eos_token_ids)
         self.index = None
+        host = aj.create_host(cache, host_pages) if host_pages else None
         if prefix_cache:  # K/V of earlier prompts reused (decode blocks are off with an index: one step a call)
             tag = fingerprint(model)  # hashes the sampled weights: once
-            self.index = aj.PrefixCache(layout, tag=tag)
-            self.index.bind(cache, tag=tag)
+            self.index = aj.PrefixCache(layout, tag=tag, host_pages=host_pages)
+            self.index.bind(cache, tag=tag, host=host)
         tier = None
-        if host_pages:  # swap preemption: a preempted request's pages go to host memory and come back
-            tier = HostTier(aj.create_host(cache, host_pages), layout, swap_policy or SwapPolicy(), owns_pages=True)
+        if host is not None:  # without an index: swap preemption (a preempted request's pages go to host memory
+            # and come back); with one: the index's spill tier (evicted pages go there, a hit brings them back)
+            tier = HostTier(host, layout, swap_policy or SwapPolicy(), owns_pages=self.index is None)
         self._sched = Scheduler(model, cache, layout, max_seqs, min(chunk_size, max_model_len), Sampling(), seed, eos,
                                 max_model_len, False, self.index, tier, 0, decode_block)  # fmt: skip
         self._sched.row_sampling = True
@@ -464,16 +463,22 @@ class Engine:
         return time.perf_counter() - start
 
     def _warm_host_tier(self) -> None:
-        """Compile the host tier's page moves (swap out, swap in, host pages freed) with rows that
-        move nothing: preemption happens only under pressure, which a warm-up cannot count on.
+        """Compile the host tier's page moves (swap out, or with a prefix cache its spills; swap in,
+        host pages freed) with rows that move nothing: preemption and spills happen only under
+        pressure, which a warm-up cannot count on.
         Before the loop's thread starts (it owns the cache afterwards)."""
         sched, tier = self._sched, self._sched.tier
         if tier is None or self._thread is not None:
             return
         batch, width = sched.batch, self.layout.max_pages_per_seq
         pads = lambda *shape: jnp.asarray(np.full(shape, aj.PAD_PAGE, np.int32))  # noqa: E731  (as the tier makes them)
-        sched.cache, tier.host = swap_out_rows(sched.cache, tier.host, pads(batch), pads(batch, width))
-        sched.cache, _ = tier.swap_in(sched.cache, [], batch)
+        if self.index is None:  # swap preemption
+            sched.cache, tier.host = swap_out_rows(sched.cache, tier.host, pads(batch), pads(batch, width))
+        else:  # the index's spill tier: evicted pages copied to the host (with the frees and drops of a flush, or alone)
+            rows = batch * width  # (`models.scheduler.prefix`: a flush's rows)
+            sched.cache, tier.host = evict_to_host_rows(sched.cache, tier.host, *(pads(rows) for _ in range(4)))
+            sched.cache, tier.host = offload_page_rows(sched.cache, tier.host, pads(rows), pads(rows))
+        sched.cache, _ = tier.swap_in(sched.cache, [], batch)  # (with an index: a hit's host pages brought back)
         sched.cache, tier.host = drop_host_page_rows(sched.cache, tier.host, pads(batch * width))
 
     def wait_idle(self, timeout: float | None = None) -> bool:

@@ -360,6 +360,37 @@ def test_speculative_engine_serves_the_same_greedy_texts(setup):
         Engine(model, speculative=-1)
 
 
+def test_prefix_cache_spills_to_the_host_tier_and_hits_there(setup):
+    """`--prefix-cache --host-pages`: the index's spill tier. An arena of 8 pages: the first
+    prompt's cached pages are evicted to host memory by the prompts after it, and the first
+    prompt asked again maps them back from there; the texts are generate_text's, nothing is
+    compiled after warm-up (the spills were compiled by it), and the index's host pages are
+    exactly the host tier's held pages."""
+    _, model, tokenizer, _ = setup
+    first = "Pages are fixed-size blocks of tokens, and the arena holds every page of them."
+    prompts = [first] + [f"Request {i}: a different prompt of about the same length, {i * 7} words." for i in range(4)] + [first]
+    want = models.generate_text(model, tokenizer, prompts, 8).texts  # (before the engine: its compiles are not the engine's)
+    engine = Engine(model, max_seqs=2, max_model_len=MAX_LEN, chunk_size=32, num_pages=8, host_pages=16, prefix_cache=True)
+    engine.warm_up()
+    served = Served(create_app(engine, tokenizer, "tiny-text"))
+    try:
+        compiled, before = engine.compiles_since_warm_up, engine.index.metrics()
+        client = _client(served)
+        got = [client.completions.create(model="tiny-text", prompt=p, max_tokens=8, temperature=0).choices[0].text
+               for p in prompts]  # fmt: skip
+        assert got == want
+        after = engine.index.metrics()
+        assert after["prefix_host_hit_tokens"] > before["prefix_host_hit_tokens"]  # the last prompt, from the host tier
+        assert after["prefix_offloaded_pages"] > before["prefix_offloaded_pages"] and engine.wait_idle(30)
+        assert engine.compiles_since_warm_up == compiled
+        del client
+    finally:
+        served.close()
+        engine.stop()
+    health = aj.health(engine.cache, engine.index, engine._sched.tier.host)
+    assert health["prefix_host_index_matches"] and health["prefix_index_matches"] and health["host_pages_held"] > 0
+
+
 def test_host_tier_swaps_preempted_requests_and_compiles_nothing_while_serving(setup):
     """`--host-pages`: an arena of 8 pages for 4 rows of up to 96 tokens preempts; the preempted
     requests' pages go to the host tier and come back (a policy that always prefers moving), the
@@ -395,8 +426,6 @@ def test_host_tier_swaps_preempted_requests_and_compiles_nothing_while_serving(s
     finally:
         served.close()
         engine.stop()
-    with pytest.raises(ValueError, match="host_pages with prefix_cache"):
-        Engine(model, host_pages=4, prefix_cache=True)
     with pytest.raises(ValueError, match="host_pages must be an integer >= 0"):
         Engine(model, host_pages=-1)
 
