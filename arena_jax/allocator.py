@@ -30,7 +30,6 @@ from flax import struct
 from jax import lax
 
 from pallas_kernels.index_math import ceil_div_nonneg, div_nonneg, rem_nonneg
-from pallas_kernels.scatter import set_at
 from arena_jax.kv_cache import PAD_SLOT, KVCache, PageTable
 
 __all__ = ["reserve_impl", "release_impl", "fork_impl", "truncate_impl", "slot_rows", "in_range_rows"]
@@ -330,20 +329,28 @@ def _copy_pages(cache, src, dst):
     """Page dst[b] := page src[b] (dst == num_pages: nothing) in every layer and head of the
     arena and an 8-bit arena's scales: (k, v, {scale name: array}). On a TPU whose kernels take
     the layout, by DMA (`pallas_kernels.tpu.copy_pages`: XLA's TPU layout assignment may
-    relayout the arena for a gather + scatter); elsewhere `set_at` (in place for bf16 on CPU too)."""
+    relayout the arena for a gather + scatter); elsewhere a loop over the rows that copy, one
+    page of every layer and head per trip (a slice and an in-place update)."""
     arrays = [cache.k, cache.v] + ([] if cache.k_scale is None else [cache.k_scale, cache.v_scale])
     if copies_pages_by_dma(cache):
         from pallas_kernels.tpu.copy_pages import tpu_copy_pages
 
         arrays = list(tpu_copy_pages(arrays, src, dst))
     else:
-        every = slice(None)
-
-        def copy(arrays):
-            return [set_at(x, (every, every, dst), x[:, :, src]) for x in arrays]
-
         # Most reservations copy no page (a decode step's rows rarely write into a shared page):
-        # then the [L, H, B, S, D] gather of every row's source page is skipped, not dropped.
-        arrays = lax.cond(jnp.any(dst < cache.k.shape[2]), copy, list, arrays)
+        # the loop then runs no trip. Not a `lax.cond` around a gather + scatter: the arena passed
+        # through a conditional is copied whole (both branches, and again at the step's end) by
+        # XLA's GPU compiler in jaxlib 0.10 (benchmarks/studies/sm90_steps.py showed 6 copies of
+        # k / v per step); a while loop's carry stays in place. Destinations are new pages, never
+        # another row's source, so the order of the copies does not matter.
+        copies = dst < cache.k.shape[2]
+        rows = jnp.argsort(~copies)  # (stable) the rows that copy first
+
+        def copy_one(i, arrays):
+            s, d = src[rows[i]], dst[rows[i]]
+            return [lax.dynamic_update_slice_in_dim(x, lax.dynamic_slice_in_dim(x, s, 1, axis=2), d, axis=2)
+                    for x in arrays]  # fmt: skip
+
+        arrays = lax.fori_loop(0, jnp.sum(copies), copy_one, arrays)
     scales = {} if cache.k_scale is None else {"k_scale": arrays[2], "v_scale": arrays[3]}
     return arrays[0], arrays[1], scales

@@ -141,3 +141,19 @@ def test_compiles_for_sm90a_without_spills(tooling, variant, tmp_path):
         assert (splits > 1) == (variant.kind in ("decode-split", "window-decode")), f.name
         if variant.compute != "float32":  # the dots' dtype: an 8-bit arena's pages meet q in q's dtype
             assert f.tensor_core in ("mma", "wgmma"), f"{f.name} does not use tensor cores: {f}"
+
+
+# A whole model step, the speculative verify call (benchmarks/studies/sm90_steps.py: a
+# Llama-3-8B-shaped model, here 2 layers; its decode and prefill steps are in RESULTS.md, and the
+# kernels they call are variants of the grid above).
+def test_verify_step_compiles_for_sm90a_with_the_arena_in_place(tooling, tmp_path):
+    """The jitted verify step (each row's last token + 4 proposals) with the cache donated,
+    compiled for an H100 with the Triton kernels: the arena's k and v aliased to the outputs, no
+    arena-sized copy, the append and chunked attention kernels without spills."""
+    from arena_jax.benchmarks.studies.sm90_steps import compile_step, step_facts
+
+    compiled, state, cache, _ = compile_step("verify", 32, 5, 2, str(tmp_path))
+    facts = step_facts(compiled, state, cache, str(tmp_path))
+    assert facts["aliased"] and facts["arena_copies"] == 0, facts
+    assert [k["name"].split("_bt")[0] for k in facts["kernels"]] == ["paged_append", "paged_attention"], facts
+    assert all(k["regs"] and k["spills"] == 0 for k in facts["kernels"]), facts
