@@ -38,6 +38,13 @@ from arena_jax.models.checks import check_shape
 from arena_jax.models.llama import token_positions
 from arena_jax.models.sampling import SamplingParams, sample
 
+# Compile options of every model step. `xla_gpu_enable_triton_gemm=False`: on a GPU the layer
+# scan's matmuls go to cuBLAS, whose operands XLA reads in place from the stacked weights [L, ...]
+# (a "dynamic-slice fusion": the slice is an address); with Triton GEMMs XLA first copies each
+# layer's weights out of the stack every step (benchmarks/studies/sm90_steps.py, issue 39 item 1:
+# 416 MiB a layer at Llama-3-8B shape). Other platforms ignore GPU options.
+STEP_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+
 __all__ = ["StepOutput", "prefill", "decode_step", "mixed_step", "release_rows", "fork_page_rows", "hold_page_rows", "drop_page_rows",
            "swap_out_rows", "swap_in_rows", "offload_page_rows", "drop_host_page_rows", "evict_to_host_rows",
            "flush_rows", "TRACE_COUNTS", "BoundSteps", "bound_steps"]
@@ -187,7 +194,7 @@ def _mixed(graphdef, state, cache, tokens, slots, chunks, chunk_slots, chunk_cou
     return StepOutput(cache=cache, tokens=to_rows(drawn), logits=to_rows(logits), ok=to_rows(ok))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",), compiler_options=STEP_COMPILER_OPTIONS)
 def mixed_step(graphdef, state, cache: aj.KVCache, tokens, slots, chunks, chunk_slots, chunk_counts, chunk_rows,
                seq_ids=None, seed=0, sampling: SamplingParams | None = None) -> StepOutput:  # fmt: skip
     """Decode rows and prefill chunks in ONE call (continuous batching's mixed step).
@@ -212,7 +219,8 @@ def mixed_step(graphdef, state, cache: aj.KVCache, tokens, slots, chunks, chunk_
                   sampling)  # fmt: skip
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "all_logits"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "all_logits"), donate_argnames=("cache",),
+                   compiler_options=STEP_COMPILER_OPTIONS)
 def prefill(
     graphdef,
     state,
@@ -236,7 +244,7 @@ def prefill(
     return _step(graphdef, state, cache, tokens, slots, num_tokens, seq_ids, seed, sampling, all_logits)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",), compiler_options=STEP_COMPILER_OPTIONS)
 def decode_step(
     graphdef, state, cache: aj.KVCache, tokens, slots, seq_ids=None, seed=0, sampling: SamplingParams | None = None
 ) -> StepOutput:
@@ -327,10 +335,11 @@ def _bound(graphdef, treedef):
         state = jax.tree.unflatten(treedef, leaves)
         return _verify(graphdef, state, cache, tokens, slots, num_tokens, seq_ids, seed, sampling)
 
-    return (jax.jit(prefill_leaves, static_argnames=("all_logits",), donate_argnums=(1,)),
-            jax.jit(decode_leaves, donate_argnums=(1,)), jax.jit(mixed_leaves, donate_argnums=(1,)),
-            jax.jit(block_leaves, static_argnames=("length",), donate_argnums=(1,)),
-            jax.jit(verify_leaves, donate_argnums=(1,)))  # fmt: skip
+    options = dict(donate_argnums=(1,), compiler_options=STEP_COMPILER_OPTIONS)
+    return (jax.jit(prefill_leaves, static_argnames=("all_logits",), **options),
+            jax.jit(decode_leaves, **options), jax.jit(mixed_leaves, **options),
+            jax.jit(block_leaves, static_argnames=("length",), **options),
+            jax.jit(verify_leaves, **options))  # fmt: skip
 
 
 def bound_steps(graphdef, state) -> BoundSteps:

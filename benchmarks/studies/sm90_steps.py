@@ -118,8 +118,9 @@ def step_facts(compiled, state, cache, dump: str) -> dict:
     for dtype, dims, op in ARRAY_OP.findall(text):  # every array-valued instruction, fused computations included
         if op in ("copy", "copy-done") and _shape_bytes(dtype, dims) >= arena_bytes:
             arena_copies += 1
-        elif op in ("dynamic-slice", "copy") and f"{dtype}[{dims}]" in per_layer:
-            weight_copies += 1
+    for dtype, dims, op in ARRAY_OP.findall(_unfused(text)):  # buffers the step materializes
+        if op in ("dynamic-slice", "copy", "fusion", "fusion-done") and f"{dtype}[{dims}]" in per_layer:
+            weight_copies += 1  # (a slice fused into its matmul, XLA's "dynamic-slice-fusion", makes none)
             weight_bytes += _shape_bytes(dtype, dims)
     kernels = []
     ptxs = [open(os.path.join(dump, f)).read() for f in sorted(os.listdir(dump)) if f.endswith(".ptx")]
@@ -131,6 +132,22 @@ def step_facts(compiled, state, cache, dump: str) -> dict:
     return dict(kernels=kernels, aliased=len(arena_params) == 2 and arena_params <= aliased,
                 arena_copies=arena_copies, weight_copies=weight_copies, weight_bytes=weight_bytes,
                 temp_bytes=compiled.memory_analysis().temp_size_in_bytes)
+
+
+def _unfused(text: str) -> str:
+    """The module's text without its fused computations (those a fusion `calls=`): what is left
+    are the entry, loop and branch computations, whose instructions each produce a buffer."""
+    fused = set(re.findall(r"calls=(%[\w.-]+)", text))
+    keep, inside = [], False
+    for line in text.splitlines():
+        head = re.match(r"(%[\w.-]+) ", line)
+        if head and line.rstrip().endswith("{"):
+            inside = head.group(1) in fused
+        if not inside:
+            keep.append(line)
+        if line.startswith("}"):
+            inside = False
+    return "\n".join(keep)
 
 
 def _print_table(rows: list[list[str]]) -> None:
