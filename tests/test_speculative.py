@@ -139,17 +139,17 @@ def test_prompts_opt_out_of_speculation():
     """`speculate=[...]`: a prompt given False gets no proposals and decodes plainly, in the
     same verify calls as the others; all False runs plain decode steps (no verify call)."""
     model = models.init_random(models.LlamaConfig.tiny(), seed=1)
-    prompts = [[3, 4, 5, 6] * 5, [7, 8, 9] * 6, [11, 12] * 8]
-    kw = dict(batch_size=3, stop_tokens=())
-    plain = models.generate(model, prompts, 20, **kw)
+    prompts = [[3, 4, 5, 6] * 5, [7, 8, 9] * 6, [11, 12] * 18]
+    kw = dict(batch_size=2, stop_tokens=(), kv_dtype="float32")  # (the shapes of the llama case above: its programs)
+    plain = models.generate(model, prompts, 30, **kw)
     proposer = _Asked(3, prompts)
-    spec = models.generate(model, prompts, 20, speculative=proposer, speculate=[True, False, True], **kw)
+    spec = models.generate(model, prompts, 30, speculative=proposer, speculate=[True, False, True], **kw)
     assert spec.tokens == plain.tokens
     assert proposer.asked == {0, 2} and spec.verify_calls > 0 and spec.accepted_tokens > 0
     health = aj.health(spec.cache)
     assert (health["proposed_tokens"], health["accepted_tokens"]) == (spec.proposed_tokens, spec.accepted_tokens)
     proposer = _Asked(3, prompts)
-    none = models.generate(model, prompts, 20, speculative=proposer, speculate=(False,) * 3, **kw)
+    none = models.generate(model, prompts, 30, speculative=proposer, speculate=(False,) * 3, **kw)
     assert none.tokens == plain.tokens and none.verify_calls == 0 and not proposer.asked
     assert aj.health(none.cache)["proposed_tokens"] == 0
     for bad, match in [([True], "speculate has 1 entries for 3 prompts"), ([1, 0, 1], r"speculate\[0\]=1 must be a bool"),
