@@ -218,10 +218,16 @@ class Engine:
             lambda: self._sched.accepted_tokens)
         tier = self._sched.tier
         host_total = tier.host.num_pages if tier is not None else 0
-        host_used = lambda: host_total - len(tier.free) if tier is not None else 0  # noqa: E731
+
+        def host_used() -> int:  # swap preemption: the tier's own pages; with a prefix cache: the index's spilled ones
+            if tier is None:
+                return 0
+            return self.index.num_host_pages if self.index is not None else host_total - len(tier.free)
+
         Gauge("arena_host_pages_total", "Pages of the host tier (0 without --host-pages)", registry=r).set(host_total)
-        Gauge("arena_host_pages_used", "Host-tier pages holding swapped-out requests", registry=r).set_function(host_used)
-        Gauge("arena_host_bytes_used", "Bytes of the host tier holding swapped-out requests", registry=r).set_function(
+        Gauge("arena_host_pages_used", "Host-tier pages in use: swapped-out requests', or the prefix cache's spilled pages",
+              registry=r).set_function(host_used)  # fmt: skip
+        Gauge("arena_host_bytes_used", "Bytes of those host-tier pages", registry=r).set_function(
             lambda: host_used() * self.layout.page_bytes)
         Gauge("arena_swap_outs", "Preempted requests whose pages went to the host tier (not recomputed)", registry=r).set_function(
             lambda: tier.swap_outs if tier is not None else 0)

@@ -383,6 +383,11 @@ def test_prefix_cache_spills_to_the_host_tier_and_hits_there(setup):
         assert after["prefix_host_hit_tokens"] > before["prefix_host_hit_tokens"]  # the last prompt, from the host tier
         assert after["prefix_offloaded_pages"] > before["prefix_offloaded_pages"] and engine.wait_idle(30)
         assert engine.compiles_since_warm_up == compiled
+        with urllib.request.urlopen(f"{served.url}/metrics", timeout=30) as response:
+            metrics = response.read().decode()
+        spilled = engine.index.num_host_pages
+        assert spilled > 0 and f"arena_host_pages_used {float(spilled)}" in metrics
+        assert f"arena_host_bytes_used {float(spilled * engine.layout.page_bytes)}" in metrics
         del client
     finally:
         served.close()
