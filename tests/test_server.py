@@ -284,6 +284,9 @@ def test_load_loses_nothing_and_compiles_nothing(setup):
     assert engine.compiles_since_warm_up == compiled  # serving compiled nothing
     metrics = urllib.request.urlopen(f"{served.url}/metrics", timeout=30).read().decode()
     assert "arena_pages_used 0.0" in metrics and 'arena_requests_total{finish_reason="abort"}' in metrics
+    health = aj.health(engine.cache)  # the device's page table, read while the idle engine runs nothing (its
+    # small reads compile programs of their own: after the count above)
+    assert health["pages_in_use"] == health["active_sequences"] == 0 and health["free_pages"] == engine.layout.num_pages
 
 
 def test_http_benchmark_load_generator(setup):
