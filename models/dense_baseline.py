@@ -47,7 +47,6 @@ from flax import nnx, struct
 from arena_jax.models.checks import token_ids
 from arena_jax.models.config import LlamaConfig
 from arena_jax.models.llama import Llama, run_layers
-from arena_jax.models.steps import STEP_COMPILER_OPTIONS  # (the same compile as the arena's steps: a fair baseline)
 
 __all__ = ["DenseCache", "init_dense_cache", "dense_prefill", "dense_decode", "dense_generate"]
 
@@ -120,7 +119,7 @@ def _forward(model: Llama, cache: DenseCache, tokens, num_tokens):
     return model.norm(x), cache
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",), compiler_options=STEP_COMPILER_OPTIONS)
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
 def dense_prefill(graphdef, state, cache: DenseCache, tokens, num_tokens):
     """Greedy next token after each row's first num_tokens[b] tokens of tokens [B, T]."""
     model = nnx.merge(graphdef, state)
@@ -130,7 +129,7 @@ def dense_prefill(graphdef, state, cache: DenseCache, tokens, num_tokens):
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",), compiler_options=STEP_COMPILER_OPTIONS)
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
 def dense_decode(graphdef, state, cache: DenseCache, tokens):
     """Feed tokens i32[B] (one per row), return the greedy next tokens."""
     model = nnx.merge(graphdef, state)

@@ -38,11 +38,15 @@ from arena_jax.models.checks import check_shape
 from arena_jax.models.llama import token_positions
 from arena_jax.models.sampling import SamplingParams, sample
 
-# Compile options of every model step. `xla_gpu_enable_triton_gemm=False`: on a GPU the layer
-# scan's matmuls go to cuBLAS, whose operands XLA reads in place from the stacked weights [L, ...]
-# (a "dynamic-slice fusion": the slice is an address); with Triton GEMMs XLA first copies each
+# Compile options of the bound steps (`bound_steps`: what `generate`, the scheduler, the server
+# and the draft model run). `xla_gpu_enable_triton_gemm=False`: on a GPU the layer scan's matmuls
+# go to cuBLAS, whose operands XLA reads in place from the stacked weights [L, ...] (a
+# "dynamic-slice fusion": the slice is an address); with Triton GEMMs XLA first copies each
 # layer's weights out of the stack every step (benchmarks/studies/sm90_steps.py, issue 39 item 1:
-# 416 MiB a layer at Llama-3-8B shape). Other platforms ignore GPU options.
+# 416 MiB a layer at Llama-3-8B shape). Other platforms ignore GPU options. JAX takes compile
+# options only on a top-level jit, so the public `decode_step` / `prefill` / `mixed_step`, which a
+# user may call inside their own jit or `eval_shape`, do not carry them: give them to your own
+# top-level jit (`jax.jit(f, compiler_options=STEP_COMPILER_OPTIONS)`).
 STEP_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 
 __all__ = ["StepOutput", "prefill", "decode_step", "mixed_step", "release_rows", "fork_page_rows", "hold_page_rows", "drop_page_rows",
@@ -194,7 +198,7 @@ def _mixed(graphdef, state, cache, tokens, slots, chunks, chunk_slots, chunk_cou
     return StepOutput(cache=cache, tokens=to_rows(drawn), logits=to_rows(logits), ok=to_rows(ok))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",), compiler_options=STEP_COMPILER_OPTIONS)
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
 def mixed_step(graphdef, state, cache: aj.KVCache, tokens, slots, chunks, chunk_slots, chunk_counts, chunk_rows,
                seq_ids=None, seed=0, sampling: SamplingParams | None = None) -> StepOutput:  # fmt: skip
     """Decode rows and prefill chunks in ONE call (continuous batching's mixed step).
@@ -219,8 +223,7 @@ def mixed_step(graphdef, state, cache: aj.KVCache, tokens, slots, chunks, chunk_
                   sampling)  # fmt: skip
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "all_logits"), donate_argnames=("cache",),
-                   compiler_options=STEP_COMPILER_OPTIONS)
+@functools.partial(jax.jit, static_argnames=("graphdef", "all_logits"), donate_argnames=("cache",))
 def prefill(
     graphdef,
     state,
@@ -244,7 +247,7 @@ def prefill(
     return _step(graphdef, state, cache, tokens, slots, num_tokens, seq_ids, seed, sampling, all_logits)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",), compiler_options=STEP_COMPILER_OPTIONS)
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
 def decode_step(
     graphdef, state, cache: aj.KVCache, tokens, slots, seq_ids=None, seed=0, sampling: SamplingParams | None = None
 ) -> StepOutput:

@@ -108,12 +108,12 @@ def test_layer_scan_keeps_the_arena_in_place(which):
         chunks = jnp.ones((2, 8), jnp.int32)
         decode = jnp.asarray([0, 1, aj.PAD_SLOT, aj.PAD_SLOT], jnp.int32)
         args = (SLOTS, decode, chunks, SLOTS[2:], jnp.asarray([5, 8], jnp.int32), SLOTS[2:], SLOTS)
-    params, loops = state, 1
+    params, loops = state, 2  # the layer loop and `reserve`'s copy-on-write loop
     if which == "decode_block":  # 3 steps of slots 0-2 (the layer loop nested in the block's loop)
         from arena_jax.models.steps import bound_steps
 
         steps = bound_steps(graphdef, state)
-        params, loops = steps.leaves, 2
+        params, loops = steps.leaves, 3  # and the block's loop around them
         args = (SLOTS, SLOTS.at[3].set(aj.PAD_SLOT), jnp.asarray([3, 3, 3, 0], jnp.int32), SLOTS, jnp.int32(0),
                 models.GREEDY.rows(4))  # fmt: skip
         compiled = steps.decode_block.lower(params, cache, *args, length=3).compile()
@@ -124,8 +124,9 @@ def test_layer_scan_keeps_the_arena_in_place(which):
     copies = [line.strip() for line in hlo.splitlines() if re.search(r"= " + arena + r"\S* copy(-start)?\(", line)]
     assert not copies, "arena copies in the scanned step:\n" + "\n".join(copies)
     assert "input_output_alias" in hlo
-    # the layer loop: the one while loop that carries the arena (the blockwise attention's block
-    # loops, nested in it on the "xla" backend, carry no arena); a decode block's loop around it
+    # the while loops that carry the arena: the layer loop and `reserve`'s copy-on-write loop (no
+    # trip unless a row copies a page; the blockwise attention's block loops, nested in the layer
+    # loop on the "xla" backend, carry no arena); a decode block's loop around them
     assert len([w for w in re.findall(r"= \((.*)\) while\(", hlo) if re.search(arena, w)]) == loops
     ptr = cache.k.unsafe_buffer_pointer()
     out = compiled(params, cache, *args)

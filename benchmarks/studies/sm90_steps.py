@@ -66,7 +66,6 @@ def compile_step(step: str, batch: int, tokens: int, layers: int, dump: str):
     from flax import nnx
 
     import arena_jax as aj
-    from arena_jax.models import decode_step, prefill
     from arena_jax.models.config import LlamaConfig
     from arena_jax.models.llama import Llama
     from arena_jax.models.sampling import SamplingParams
@@ -84,15 +83,16 @@ def compile_step(step: str, batch: int, tokens: int, layers: int, dump: str):
                               dtype="bfloat16")
     cache = place(jax.eval_shape(lambda: aj.create(layout)))  # k, v: bf16[L, 8, 8192, 16, 128]
     t0 = time.perf_counter()
-    with _h100(device):
-        if step == "decode":  # tokens i32[B], slots i32[B]
-            traced = decode_step.trace(graphdef, state, cache, i32(batch), i32(batch))
-        elif step == "prefill":  # tokens i32[B, T], slots i32[B], num_tokens i32[B]
-            traced = prefill.trace(graphdef, state, cache, i32(batch, tokens), i32(batch), i32(batch))
-        else:  # verify: tokens i32[B, T], slots, num_tokens, seq_ids i32[B], seed i32[], per-row sampling
-            steps = bound_steps(graphdef, state)
-            f32 = jax.ShapeDtypeStruct((batch,), jnp.float32, sharding=h100)
-            sampling = SamplingParams(temperature=f32, top_k=i32(batch), top_p=f32)
+    with _h100(device):  # the bound steps `generate` runs (their compile options: models.steps.STEP_COMPILER_OPTIONS)
+        steps = bound_steps(graphdef, state)
+        f32 = jax.ShapeDtypeStruct((batch,), jnp.float32, sharding=h100)
+        sampling = SamplingParams(temperature=f32, top_k=i32(batch), top_p=f32)  # per row
+        if step == "decode":  # tokens i32[B], slots, seq_ids i32[B], seed i32[]
+            traced = steps.decode_step.trace(steps.leaves, cache, i32(batch), i32(batch), i32(batch), i32(), sampling)
+        elif step == "prefill":  # tokens i32[B, T], slots, num_tokens, seq_ids i32[B], seed i32[]
+            traced = steps.prefill.trace(steps.leaves, cache, i32(batch, tokens), i32(batch), i32(batch), i32(batch),
+                                         i32(), sampling)
+        else:  # verify: tokens i32[B, T], slots, num_tokens, seq_ids i32[B], seed i32[]
             traced = steps.verify.trace(steps.leaves, cache, i32(batch, tokens), i32(batch), i32(batch), i32(batch),
                                         i32(), sampling)
         compiled = traced.lower().compile({"xla_dump_to": dump, **sm90_compat.PTX_DUMP_OPTIONS,
