@@ -79,7 +79,8 @@ def test_verify_keeps_what_greedy_decoding_agrees_with():
     assert health["pages_in_use"] == sum(layout.pages_for(int(n)) for n in kept)  # emptied pages freed
 
 
-@pytest.mark.parametrize("family, kv_dtype, stops", [("llama", "float32", False), ("gemma2", "int8", True)])
+@pytest.mark.parametrize("family, kv_dtype, stops", [("llama", "float32", False), ("gemma2", "int8", True),
+                                                     ("gemma3_text", "float32", False)])  # fmt: skip
 def test_greedy_speculative_generate_is_plain_generate(monkeypatch, family, kv_dtype, stops):
     monkeypatch.setattr(Scheduler, "CHECK_ACCOUNTING", True)  # host and device page counts agree after each call
     model = models.init_random(models.LlamaConfig.tiny_family(family), seed=1)
