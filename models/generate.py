@@ -64,7 +64,7 @@ from arena_jax.host import check_pair
 from arena_jax.models.checks import check_int, token_ids
 from arena_jax.models.compile_clock import CompileClock
 from arena_jax.models.fingerprint import fingerprint
-from arena_jax.models.host_tier import HostTier, SwapPolicy
+from arena_jax.models.host_tier import HostTier
 from arena_jax.models.key_calibration import calibrate_key_factors
 from arena_jax.models.llama import Llama
 from arena_jax.models.options import Parallelism, Serving, options_from_keywords
@@ -374,9 +374,7 @@ def generate(
     if serving.prefix_cache and index is None:
         index = aj.PrefixCache(layout, tag=tag, host_pages=host.num_pages if host is not None else 0)
         index.bind(cache, host=host)
-    tier = None
-    if host is not None:
-        tier = HostTier(host, layout, swap_policy or SwapPolicy(), owns_pages=index is None)
+    tier = HostTier.beside(host, layout, swap_policy, index)
     if decode_block is None:
         decode_block = default_decode_block(cache, online=arrivals_given)
 

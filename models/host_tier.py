@@ -81,6 +81,14 @@ class HostTier:
         self.modelled_transfer_s = 0.0  # what the moves would cost at the policy's bandwidth
         self._prefill_tokens, self._prefill_s, self._prefill_calls = 0, 0.0, 0
 
+    @classmethod
+    def beside(cls, host, layout: aj.KVLayout, policy: SwapPolicy | None, index) -> "HostTier | None":
+        """The tier a scheduler runs with `host` (None: no tier): without a prefix index it owns
+        the host pages (swap preemption); with one, the index does (its spill tier)."""
+        if host is None:
+            return None
+        return cls(host, layout, policy or SwapPolicy(), owns_pages=index is None)
+
     # ---- the cost model ---------------------------------------------------------------------
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """A prefill call's computed tokens and wall time (the first call compiles: skipped)."""

@@ -162,10 +162,9 @@ class Engine:
             tag = fingerprint(model)  # hashes the sampled weights: once
             self.index = aj.PrefixCache(layout, tag=tag, host_pages=host_pages)
             self.index.bind(cache, tag=tag, host=host)
-        tier = None
-        if host is not None:  # without an index: swap preemption (a preempted request's pages go to host memory
-            # and come back); with one: the index's spill tier (evicted pages go there, a hit brings them back)
-            tier = HostTier(host, layout, swap_policy or SwapPolicy(), owns_pages=self.index is None)
+        # without an index: swap preemption (a preempted request's pages go to host memory and come
+        # back); with one: the index's spill tier (evicted pages go there, a hit brings them back)
+        tier = HostTier.beside(host, layout, swap_policy, self.index)
         self._sched = Scheduler(model, cache, layout, max_seqs, min(chunk_size, max_model_len), Sampling(), seed, eos,
                                 max_model_len, False, self.index, tier, 0, decode_block)  # fmt: skip
         self._sched.row_sampling = True
