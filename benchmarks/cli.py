@@ -464,7 +464,8 @@ def _check_kernel_memory(k: dict) -> None:
 
 
 def _cmd_tpu_compile_report(args, console, progress) -> dict:
-    from arena_jax.benchmarks.compile_report_tpu import format_steps_table, format_tpu_table, run_tpu_compile_report
+    from arena_jax.benchmarks.compile_report_tpu import (format_bundles_table, format_steps_table, format_tpu_table,
+                                                         run_tpu_compile_report)
 
     console.print(f"[bold]kernels --compile-report --target {args.target}[/bold]: every TPU kernel variant compiled "
                   "with libtpu (XLA + Mosaic), no TPU ...")
@@ -482,6 +483,14 @@ def _cmd_tpu_compile_report(args, console, progress) -> dict:
                   "the module's; DMA plan: the kernels' CostEstimate at the workload (rows at full page-table length); "
                   "XLA bytes: cost analysis of the module (plan + what XLA adds); must move: K/V/scales read or new "
                   "rows written. Static facts, not timings.")
+    if result["bundle_rows"]:
+        print(format_bundles_table(result["bundle_rows"], result["bundle_figures"]))
+        console.print("  one iteration of the innermost loop with MXU ops (ours: block_k keys of one KV head; JAX paged: "
+                      "pages_per_compute_block x page keys of one head; ragged: a KV block of all heads of its head "
+                      "block). Static count: every bundle once, both arms of each branch; a nested loop with a constant "
+                      "trip count x that count; a register-bound nested loop (reg) not in the iteration but under "
+                      "'cold bundles' (ours: a row's first / last block or a block with a hole; an interior block runs "
+                      "none). issue = bundles / clock, HBM = K + V ""(+ scales) of the iteration's keys / bandwidth; both per 512 keys of one head.")
     if result["steps"]:
         print(format_steps_table(result["steps"]))
     return result

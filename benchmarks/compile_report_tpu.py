@@ -8,6 +8,11 @@ cost analysis of the whole module (bytes accessed: the kernels' plan plus everyt
 around them), the bytes the call must move (`kv_bytes`: K/V/scales read by attention, new rows
 written by append), and any copy XLA made of an arena-sized array (must be none).
 
+Then decode attention's per-block loop in libtpu's final VLIW bundles, ours beside JAX's own
+`paged_attention` and `ragged_paged_attention` (`pallas_kernels.offline.tpu_bundles`, compiled in
+one child process with libtpu's dump flags): bundles, DMAs and MXU pushes per (KV head x 512
+keys), and issue time (bundles / clock) against the HBM time of the bytes the loop reads.
+
 `--steps` adds the whole model steps of `benchmarks.tpu_steps.STEP_CASES` (Llama-3-8B shape, 32
 layers, bf16, sharded over 2x2 / 2x4 meshes, cache donated): per device, XLA's bytes accessed
 vs what the step must read (its weights and the KV at full page-table length), whether the
@@ -19,7 +24,7 @@ from __future__ import annotations
 
 import time
 
-__all__ = ["run_tpu_compile_report", "format_tpu_table", "format_steps_table"]
+__all__ = ["run_tpu_compile_report", "format_tpu_table", "format_steps_table", "format_bundles_table"]
 
 MIB = 1 << 20
 
@@ -97,8 +102,11 @@ def run_tpu_compile_report(*, target: str = "tpu-v5e", only: str | None = None, 
     problem = tpu_compile.tooling_problem()
     if problem:
         raise RuntimeError(f"cannot compile for {target} here: {problem}")
+    from pallas_kernels.offline import tpu_bundles
+
     start = time.perf_counter()
     rows = _kernel_rows(target, only, progress)
+    bundle_rows = tpu_bundles.capture(target, only=only, progress=progress)
     step_rows = _step_rows(target, progress) if steps else []
     import libtpu  # noqa: F401  (version for the record)
     from importlib.metadata import version
@@ -106,7 +114,7 @@ def run_tpu_compile_report(*, target: str = "tpu-v5e", only: str | None = None, 
     return dict(
         metadata=dict(jax=jax.__version__, libtpu=version("libtpu"), target=target, variants=len(rows),
                       wall_s=round(time.perf_counter() - start, 1)),
-        rows=rows, steps=step_rows,
+        rows=rows, bundle_rows=bundle_rows, bundle_figures=tpu_bundles.figures(target), steps=step_rows,
     )
 
 
@@ -143,3 +151,33 @@ def format_steps_table(rows: list[dict]) -> str:
         code=f"{r['code_bytes'] / MIB:.1f}", temp=f"{r['temp_bytes'] / MIB:.1f}", seconds=f"{r['seconds']:.0f}")
         for r in rows]
     return _table(columns, cells)
+
+
+def format_bundles_table(rows: list[dict], figures: dict) -> str:
+    """Decode attention's per-block loop, per (KV head x 512 keys); a refused or failed case's row says why."""
+    head = (f"decode attention, final bundles per (KV head x 512 keys), ours vs JAX ({figures['target']}: clock "
+            f"{figures['clock_ghz']} GHz, {figures['clock_source']}; HBM {figures['hbm_gb_per_s']:g} GB/s, "
+            f"{figures['hbm_source']})")
+    columns = (("variant", "variant"), ("bundles", "bundles/iter"), ("kh", "keys x heads/iter"),
+               ("b512", "bundles/512"), ("dma", "DMAs/page"), ("push", "MXU pushes/512"), ("issue", "issue ns"),
+               ("hbm", "HBM ns"), ("ratio", "issue/HBM"), ("nested", "nested loops"),
+               ("cold", "cold bundles"))
+    cells = []
+    for r in rows:
+        if r["status"] != "ok":
+            cells.append(dict({k: "" for k, _ in columns}, variant=r["label"]))
+            continue
+        it, nested = r["per_iter"], r["nested"]
+        trips = sorted({"reg" if n["trip"] is None else str(n["trip"]) for n in nested})
+        cells.append(dict(
+            variant=r["label"], bundles=str(it["bundles"]), cold=str(it["cold"]),
+            kh=f"{r['keys_per_iter']} x {r['heads_per_iter']}", b512=f"{r['bundles_per_512']:.0f}",
+            dma=f"{r['dmas_per_page']:.2f}", push=f"{r['pushes_per_512']:.0f}", issue=f"{r['issue_ns']:.0f}",
+            hbm=f"{r['hbm_ns']:.0f}", ratio=f"{r['issue_over_hbm']:.2f}",
+            nested=f"{len(nested)} (x {', '.join(trips)})" if nested else "0"))
+    lines = _table(columns, cells).split("\n")
+    width = len(lines[1].split("  ")[0])  # the variant column's
+    for i, r in enumerate(rows):  # a row without numbers says why, past the variant, unaligned
+        if r["status"] != "ok":
+            lines[2 + i] = f"{r['label'].ljust(width)}  {r['status']}"
+    return "\n".join([head, *lines])

@@ -1,0 +1,133 @@
+"""`pallas_kernels.offline.tpu_bundles`: the parser of libtpu's final VLIW bundles, pinned on a
+stored dump, and one real capture (ours and JAX's paged_attention compiled for v5e in a child
+process with libtpu's dump flags).
+
+tests/data/tpu_final_bundles_small.txt is JAX's `paged_attention` (bf16, page 128, v5e, libtpu
+0.0.48.1) cut to 87 of its 695 bundles, most ops dropped, its structure kept: the grid loop
+(depth 1, back branch inside, 4 delay slots); the per-block loop (depth 2, rotated: its back
+branch printed after it at depth 1, then 4 empty delay slots) with DMA starts and waits, MXU
+pushes and matmuls, spills; inside it a loop of 8 trips (depth 3, rotated, a delay slot at depth
+3); a bounds check whose comment spans lines and names `dma.hbm_to_vmem` (not a DMA).
+
+The capture test needs libtpu: it skips without it, and fails under CI=true (as
+tests/test_compile_tpu.py).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pallas_kernels.offline import tpu as tpu_compile
+from pallas_kernels.offline import tpu_bundles as tb
+from test_compile_tpu import IN_CI, gate
+
+SMALL = Path(__file__).parent / "data" / "tpu_final_bundles_small.txt"
+
+
+@pytest.fixture(scope="module")
+def small():
+    return tb.parse_bundles(SMALL.read_text())
+
+
+def test_bundles_comments_and_empty_bundles(small):
+    assert len(small) == 87 and sum(1 for b in small if not b.ops) == 9
+    assert small[0].address == 0 and small[-1].address == 0x2A4
+    by_addr = {b.address: b for b in small}
+    assert by_addr[0x13].marker == "LB" and by_addr[0x13].depth == 1
+    assert by_addr[0x272].marker == "PF" and by_addr[0x272].depth == 1
+    # an empty bundle has no depth marker: it takes the previous bundle's
+    assert by_addr[0x6B].depth == 2 and by_addr[0x72].depth == 3 and by_addr[0x26E].depth == 1
+    # a comment spanning lines is dropped with the names in it; the bundle stays
+    assert by_addr[0x8E].ops == "%2759 = shalt.err (!%p2756_p10)"
+    assert sum(b.ops.count("dma.hbm_to_vmem") for b in small) == 16
+
+
+def test_loops_and_the_per_block_loop(small):
+    outer, block, inner = tb.loops(small)
+    assert (outer.first, outer.last, outer.depth, outer.bundles) == (0x13, 0x2A2, 1, 81)
+    assert (outer.spills, outer.branches, outer.trip) == (14, 9, None)
+    # rotated: the back branch at 0x26d (depth 1) and its 4 delay slots belong to the loop
+    assert (block.first, block.last, block.depth, block.bundles, block.empty) == (0x40, 0x271, 2, 67, 7)
+    assert (block.dma_starts, block.dma_waits, block.mxu_pushes, block.matmuls, block.branches, block.spills) == (
+        16, 2, 17, 8, 8, 3)
+    assert block.trip is None  # bounded by a register (the page count)
+    assert (inner.first, inner.last, inner.depth, inner.bundles, inner.empty, inner.trip) == (0x6D, 0x72, 3, 6, 1, 8)
+    assert block.nested == (inner,) and outer.nested == (block,)
+    assert tb.block_loop(small) == block
+
+
+def test_per_iteration_runs_nested_loops_their_trips(small):
+    block = tb.block_loop(small)
+    assert tb.per_iteration(block, pages=4) == dict(bundles=67 + 6 * 7, empty=7 + 1 * 7, dma_starts=16, dma_waits=2,
+                                                    mxu_pushes=17, matmuls=8, branches=8 + 1 * 7, spills=3, cold=0)
+    # a register-bound nested loop is not in the steady-state iteration: its bundles are reported as cold
+    dma_loop = tb.LoopFacts(0, 9, 3, 10, 0, 2, 0, 0, 0, 1, 0, trip=None)
+    other = tb.LoopFacts(20, 24, 3, 5, 0, 0, 0, 0, 0, 1, 0, trip=None)
+    loop = tb.LoopFacts(0, 40, 2, 41, 0, 2, 0, 8, 1, 2, 0, trip=None, nested=(dma_loop, other))
+    got = tb.per_iteration(loop, pages=4)
+    assert (got["bundles"], got["dma_starts"], got["branches"], got["cold"]) == (26, 0, 0, 10 + 5)
+
+
+def test_no_loop_with_mxu_ops():
+    text = "  0x1 LB: > { %1 = sadd.s32 1, %0 }\n  0x2   : > { %2 = sbr.rel (!%p1) target = $region3 }\n"
+    assert tb.block_loop(tb.parse_bundles(text)) is None
+
+
+def test_cases_say_what_ours_refuses():
+    labels = [c.label for c in tb.CASES]
+    assert len(set(labels)) == len(labels)
+    for c in tb.CASES:
+        call = tb._case_call(c)
+        refused = isinstance(call, str)
+        assert refused == (c.kernel == "ours" and c.dtype == "int8" and c.page_size < 128), c.label
+        if refused:
+            assert f"page_size={c.page_size}" in call
+
+
+def test_the_table_says_why_a_row_has_no_numbers():
+    from arena_jax.benchmarks.compile_report_tpu import format_bundles_table
+
+    row = dict(label="ours int8 d128 p16", status="refused: page_size=16: the TPU kernels take multiples of 128")
+    text = format_bundles_table([row], tb.figures("tpu-v5e"))
+    assert "clock 1.503 GHz" in text and "HBM 819 GB/s" in text and "cloud.google.com/tpu/docs/v5e" in text
+    assert text.splitlines()[-1] == "ours int8 d128 p16  refused: page_size=16: the TPU kernels take multiples of 128"
+
+
+@pytest.fixture(scope="module")
+def tooling():
+    action = gate(tpu_compile.tooling_problem(), IN_CI)
+    if action is not None:
+        kind, message = action
+        (pytest.fail if kind == "fail" else pytest.skip)(message)
+
+
+def test_capture_ours_and_jax_for_v5e(tooling):
+    cases = [tb.BundleCase("ours", "bfloat16", 128), tb.BundleCase("jax", "bfloat16", 128)]
+    ours, jax_row = tb.capture("tpu-v5e", cases=cases)
+    for row in (ours, jax_row):
+        assert row["status"] == "ok", row
+        assert row["loop"]["mxu_pushes"] > 0 and row["loop"]["matmuls"] > 0
+        assert row["per_iter"]["dma_starts"] > 0 and row["keys_per_iter"] == 512 and row["heads_per_iter"] == 1
+        assert row["bytes_per_iter"] == 512 * 2 * 128 * 2  # K and V, bf16, one head
+        assert row["issue_ns"] > 0 and row["hbm_ns"] == pytest.approx(512 * 2 * 128 * 2 / 819e9 * 1e9)
+    assert ours["hlo_name"].startswith("tpu_paged_attention_") and "_bk512_" in ours["hlo_name"]
+    assert jax_row["hlo_name"].startswith("paged_attention")
+
+
+def test_compile_report_prints_and_saves_the_bundle_rows(tooling, tmp_path, capsys):
+    """`arena-bench kernels --compile-report --target tpu-v5e --only <label>`: --only picks bundle rows
+    by label too (here no kernel variant matches); the table and the --json file carry them."""
+    import json
+
+    from arena_jax.benchmarks import cli
+
+    path = tmp_path / "out.json"
+    argv = ["kernels", "--compile-report", "--target", "tpu-v5e", "--only", "jax paged bf16 d128 p128",
+            "--no-progress", "--json", str(path)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "final bundles per (KV head x 512 keys), ours vs JAX" in out and "jax paged bf16 d128 p128" in out
+    res = json.loads(path.read_text())["results"]
+    assert res["rows"] == [] and [r["label"] for r in res["bundle_rows"]] == ["jax paged bf16 d128 p128"]
+    assert res["bundle_rows"][0]["status"] == "ok" and res["bundle_figures"]["hbm_gb_per_s"] == 819.0
