@@ -9,18 +9,23 @@ row's page table, lengths and the layer live in SMEM (scalar prefetch); K/V stay
 - The keys any of its queries may see are `[lo, hi)`: `hi` = the last query's position + 1,
   `lo` = the first query's window start (0 without a window). They are read in blocks of
   `block_k` keys (`block_k / page_size` whole pages, block-aligned from position 0); block j
-  of head h is one async DMA per page, `k_arena[layer, h, page] -> kbuf[slot, i*S:(i+1)*S]`
-  (page_size x head_dim elements each), and the same for V.
+  of head h is one async DMA per page and buffer, `k_arena[layer, h, page] -> kbuf[slot,
+  i*S:(i+1)*S]` (page_size x head_dim elements each), and the same for V: two DMAs a page
+  (four with 8-bit scales), nothing else. A block wholly inside `[lo, hi)` issues them
+  unrolled with no branch and is waited for with one wait per buffer (the DMA semaphore counts
+  bytes); the first and last blocks of a row issue only their pages inside `[lo, hi)`, in a
+  loop, and wait page by page.
 - One flat loop runs over (head, block) pairs, so the DMAs of the next pair (the next block,
   or the next head's first block) are in flight while this one computes: double buffering in
-  VMEM across heads, not only within one head.
-- A page wholly outside `[lo, hi)` (the window's first block, the last block past the
-  last query) is not read at all; one inside it that is unmapped (-1) or past the page table
-  is filled by DMA from a zero page. A per-page flag row (1 live, 0 dead, `[1, page_size]`
-  float32, DMA'd beside the page) masks dead pages' keys; V rows outside `[lo, hi)` are
-  selected to zero by position, so an unread slot's stale contents (NaN in interpret mode)
-  never reach the output.
+  VMEM across heads, not only within one head. The pair is carried, not divided out.
+- A page outside `[lo, hi)` is not read. A hole (an unmapped entry, -1, inside it) reads some
+  arena page all the same, without a branch; a block that has one (rare) then masks the
+  hole's keys and overwrites its V rows with a zero page. V rows outside `[lo, hi)` (stale
+  data, or a slot never written) are zeroed in place, 8-row-tile chunks, only in the blocks
+  that have any; so no stale value (NaN in interpret mode) reaches the output.
 - Online softmax in float32, state carried through the loop, reset at each head's first block.
+- Every index the kernel forms is clipped into range, so Mosaic's runtime bounds checks (two
+  per DMA) are turned off.
 
 Dtype and masking rules are the reference's (`pallas_kernels.reference`): dots in q's dtype
 (K/V converted to it, products accumulated in f32; f32 dots at full precision), scores /
@@ -28,7 +33,12 @@ soft-cap / mask / softmax in f32, the unnormalized weights rounded to q's dtype 
 A key a query does not attend to contributes nothing: masked scores are selected to -inf,
 V rows outside `[lo, hi)` (or of dead pages) are selected to zero. Non-finite inputs: a query
 attending to a key whose raw score is not finite, or whose V row (8-bit: its value scale) is
-not finite, is NaN in every lane; the kernel keeps a per-row poison flag for that.
+not finite, is NaN in every lane; the kernel keeps a per-row poison flag for that. In decode
+(one query token per program) every row attends exactly the V rows in `[lo, hi)`, all others
+being zero: the P @ V product itself carries a non-finite V row into the accumulator
+(x * NaN = NaN, 0 * inf = NaN), checked once per head. This relies on the MXU's IEEE
+products; interpret mode checks it, a TPU has not. Prefill rows differ in what they attend:
+non-finite V rows are found per block and zeroed, and the rows attending them poisoned.
 
 8-bit arenas: K/V values are converted to q's dtype (exact), the key scale multiplies the f32
 score, the value scale the f32 weights (`(p * v_scale) @ vq`), or, with float16 q, the V tile
@@ -123,7 +133,6 @@ def _attention_kernel(
     k_hbm,  # [L, Hkv, P, S, D] HBM
     v_hbm,  # [L, Hkv, P, S, D] HBM
     zero_page_hbm,  # [S, D] zeros in the arena dtype, HBM
-    flags_hbm,  # f32[2, S]: row 0 zeros (dead), row 1 ones (live), HBM
     *refs,  # 8-bit: ks_hbm, vs_hbm f32[L, Hkv, P, S]; then o_ref [Hkv, rows, D]; then scratch
     quantized: bool,
     sm_scale: float,
@@ -136,16 +145,16 @@ def _attention_kernel(
     compute,
 ):
     if quantized:
-        ks_hbm, vs_hbm, o_ref, kbuf, vbuf, okbuf, ksbuf, vsbuf, sem = refs
+        ks_hbm, vs_hbm, o_ref, kbuf, vbuf, ksbuf, vsbuf, sem = refs
     else:
-        o_ref, kbuf, vbuf, okbuf, sem = refs
+        o_ref, kbuf, vbuf, sem = refs
         ks_hbm = vs_hbm = ksbuf = vsbuf = None
     b, rb = pl.program_id(0), pl.program_id(1)
     _, num_kv_heads, num_pages, page_size, head_dim = k_hbm.shape
     _, block_k, _ = kbuf.shape
     ppb = block_k // page_size
     rows = q_ref.shape[1]
-    f32 = jnp.float32
+    f32, i32 = jnp.float32, jnp.int32
 
     layer = meta_ref[0]
     length = lengths_ref[b]
@@ -164,107 +173,131 @@ def _attention_kernel(
         lo = jnp.zeros_like(hi)
     lo = jnp.minimum(lo, hi)
     blk_lo = lax.div(lo, block_k)
-    n_blocks = lax.div(hi + block_k - 1, block_k) - blk_lo
-    total = num_kv_heads * n_blocks
+    blk_end = lax.div(hi + block_k - 1, block_k)
+    total = num_kv_heads * (blk_end - blk_lo)
 
-    def pair(i):
-        """Flat iteration i -> (KV head, block index)."""
-        safe = jnp.maximum(n_blocks, 1)
-        return lax.div(i, safe), blk_lo + lax.rem(i, safe)
+    def page_range(j):
+        """The pages of block j that hold keys in [lo, hi): [p0, p1) (the rest are not read;
+        their keys are masked by position)."""
+        first = j * block_k
+        p0 = jnp.clip(lax.div(jnp.maximum(lo - first, 0), page_size), 0, ppb)
+        p1 = jnp.clip(lax.div(jnp.maximum(hi - first + page_size - 1, 0), page_size), 0, ppb)
+        return p0, jnp.maximum(p0, p1)
 
-    def copies(i, slot):
-        """The DMAs of pair i into buffer slot `slot`, per page: (read, live, copies from the
-        arena, copies from the zero page / zero row, the flag row); copies are built when used.
-        A page in [lo, hi) is read from the arena if mapped (live), else from the zero page (a
-        hole: its V rows must be zero); a page outside [lo, hi) is not read at all (its keys
-        and V rows are masked by position), only its flag row (dead)."""
-        h, j = pair(i)
-        out = []
-        for p in range(ppb):
-            lp = j * ppb + p  # logical page
-            page = page_map_ref[b * max_pages + jnp.minimum(lp, max_pages - 1)]
-            read = (lp * page_size < hi) & ((lp + 1) * page_size > lo)
-            live = read & (lp < max_pages) & (page >= 0)
-            page = jnp.clip(page, 0, num_pages - 1)
-            dst, row, sem_ = pl.ds(p * page_size, page_size), pl.ds(p, 1), sem.at[slot]
+    def page_at(j, p):
+        """Page p of block j in the arena (clipped into range), and whether it is live (mapped
+        and inside the page table; a read page that is not is a hole)."""
+        lp = j * ppb + p  # logical page
+        page = page_map_ref[b * max_pages + jnp.minimum(lp, max_pages - 1)]
+        return jnp.clip(page, 0, num_pages - 1), (lp < max_pages) & (page >= 0)
 
-            def from_arena(page=page, dst=dst, row=row, sem_=sem_, h=h):
-                out = [pltpu.make_async_copy(k_hbm.at[layer, h, page], kbuf.at[slot, dst], sem_),
-                       pltpu.make_async_copy(v_hbm.at[layer, h, page], vbuf.at[slot, dst], sem_)]
+    def start_page(h, j, p, slot):
+        """Start the DMAs of page p of (head h, block j) into `slot`: K and V (and their scale
+        rows), one DMA each. Returns the page table's entry: a hole (-1, unmapped) reads an
+        arena page all the same (any: its keys are masked and V rows zeroed in the block's body).
+        The caller keeps p inside [lo, hi), which lies inside the page table."""
+        entry = page_map_ref[b * max_pages + j * ppb + p]
+        # One unsigned min clips both ways: a negative entry is a huge unsigned number.
+        page = jnp.minimum(entry.astype(jnp.uint32), jnp.uint32(num_pages - 1)).astype(i32)
+        dst = pl.ds(pl.multiple_of(p * page_size, page_size), page_size)
+        pltpu.make_async_copy(k_hbm.at[layer, h, page], kbuf.at[slot, dst], sem.at[slot]).start()
+        pltpu.make_async_copy(v_hbm.at[layer, h, page], vbuf.at[slot, dst], sem.at[slot]).start()
+        if quantized:
+            row = pl.ds(p, 1)
+            pltpu.make_async_copy(ks_hbm.at[layer, h, pl.ds(page, 1)], ksbuf.at[slot, row], sem.at[slot]).start()
+            pltpu.make_async_copy(vs_hbm.at[layer, h, pl.ds(page, 1)], vsbuf.at[slot, row], sem.at[slot]).start()
+        return entry
+
+    def start_block(h, j, slot, go):
+        """Start the DMAs of (head h, block j)'s pages in range into `slot` (when `go`): a block
+        wholly in range unrolled, with no branch; the first and last blocks of a row in a loop.
+        Returns (pages read, whether any is a hole), int32."""
+        p0, p1 = page_range(j)
+        n_read = jnp.where(go, p1 - p0, 0)
+
+        def whole():
+            return functools.reduce(jnp.minimum, [start_page(h, j, p, slot) for p in range(ppb)])
+
+        def part():
+            return lax.fori_loop(p0, p0 + n_read, lambda p, low: jnp.minimum(low, start_page(h, j, p, slot)),
+                                 jnp.int32(0))
+
+        lowest = lax.cond(go & (n_read == ppb), whole, part)
+        return n_read, (lowest < 0).astype(i32)
+
+    def wait_block(slot, n_read):
+        """Wait for the `n_read` pages started into `slot`: the semaphore counts bytes, so a whole
+        block is one wait per buffer, a partial one a wait per page."""
+        sem_ = sem.at[slot]
+        bufs = (kbuf, vbuf) + ((ksbuf, vsbuf) if quantized else ())
+
+        @pl.when(n_read == ppb)
+        def _():
+            for buf in bufs:
+                pltpu.make_async_copy(buf.at[slot], buf.at[slot], sem_).wait()
+
+        @pl.when(n_read < ppb)
+        def _():
+            def one(_, c):
+                pltpu.make_async_copy(kbuf.at[slot, pl.ds(0, page_size)], kbuf.at[slot, pl.ds(0, page_size)], sem_).wait()
+                pltpu.make_async_copy(vbuf.at[slot, pl.ds(0, page_size)], vbuf.at[slot, pl.ds(0, page_size)], sem_).wait()
                 if quantized:
-                    out += [pltpu.make_async_copy(ks_hbm.at[layer, h, pl.ds(page, 1)], ksbuf.at[slot, row], sem_),
-                            pltpu.make_async_copy(vs_hbm.at[layer, h, pl.ds(page, 1)], vsbuf.at[slot, row], sem_)]
-                return out
+                    for buf in (ksbuf, vsbuf):
+                        pltpu.make_async_copy(buf.at[slot, pl.ds(0, 1)], buf.at[slot, pl.ds(0, 1)], sem_).wait()
+                return c
 
-            def from_zeros(dst=dst, row=row, sem_=sem_):
-                out = [pltpu.make_async_copy(zero_page_hbm, kbuf.at[slot, dst], sem_),
-                       pltpu.make_async_copy(zero_page_hbm, vbuf.at[slot, dst], sem_)]
-                if quantized:
-                    out += [pltpu.make_async_copy(flags_hbm.at[pl.ds(0, 1)], ksbuf.at[slot, row], sem_),
-                            pltpu.make_async_copy(flags_hbm.at[pl.ds(0, 1)], vsbuf.at[slot, row], sem_)]
-                return out
-
-            flag = pltpu.make_async_copy(flags_hbm.at[pl.ds(live.astype(jnp.int32), 1)], okbuf.at[slot, row], sem_)
-            out.append((read, live, from_arena, from_zeros, flag))
-        return out
-
-    def start_copies(i, slot):
-        for read, live, from_arena, from_zeros, flag in copies(i, slot):
-            @pl.when(live)
-            def _():
-                for c in from_arena():
-                    c.start()
-
-            @pl.when(read & jnp.logical_not(live))
-            def _():
-                for c in from_zeros():
-                    c.start()
-
-            flag.start()
-
-    def wait_copies(i, slot):
-        for read, _, from_arena, _, flag in copies(i, slot):  # a wait counts bytes: both sources match
-            @pl.when(read)
-            def _():
-                for c in from_arena():
-                    c.wait()
-
-            flag.wait()
+            lax.fori_loop(0, n_read, one, 0)
 
     o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)  # rows that see no key (and heads of a row without keys)
 
     # Per-row constants: token, position and validity of each query row.
-    r = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+    r = lax.broadcasted_iota(i32, (rows, 1), 0)
     t = t_first + lax.div(r, group)  # [rows, 1]
     q_pos = start + t
     row_ok = t < n_valid
-    kk = lax.broadcasted_iota(jnp.int32, (1, block_k), 1)  # key offset in the block, lanes
-    kk_col = lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)  # the same, sublanes
+    kk = lax.broadcasted_iota(i32, (1, block_k), 1)  # key offset in the block, lanes
+    kk_col = lax.broadcasted_iota(i32, (block_k, 1), 0)  # the same, sublanes
+    # One query token per program (decode): every row sees the keys [lo, hi), no more, no fewer.
+    one_token = block_tokens == 1
+    # V rows zeroed in chunks of whole (8, 128) tiles: 8 rows of 4 bytes, 16 of 2, 32 of 1.
+    chunk = math.gcd(block_k, 8 * 4 // jnp.dtype(vbuf.dtype).itemsize)
 
-    @pl.when(total > 0)
-    def _():
-        start_copies(0, 0)
+    n_read0, holes0 = start_block(0, blk_lo, 0, total > 0)
 
     def body(i, carry):
-        m_prev, l_prev, acc_prev, bad_prev = carry  # [rows, 1] x2, [rows, D], [rows, 1] (f32)
+        m_prev, l_prev, acc_prev, bad_prev, h, j, n_read, holes = carry  # [rows, 1] x2, [rows, D], [rows, 1]; scalars
         slot = lax.rem(i, 2)
-        h, j = pair(i)
         first = j == blk_lo
         m_prev = jnp.where(first, -jnp.inf, m_prev)
         l_prev = jnp.where(first, 0.0, l_prev)
         acc_prev = jnp.where(first, 0.0, acc_prev)
         bad_prev = jnp.where(first, 0.0, bad_prev)
+        last = j + 1 == blk_end  # the head's last block
+        h_next, j_next = jnp.where(last, h + 1, h), jnp.where(last, blk_lo, j + 1)
+        n_read_next, holes_next = start_block(h_next, j_next, 1 - slot, i + 1 < total)
 
-        @pl.when(i + 1 < total)
-        def _():
-            start_copies(i + 1, 1 - slot)
-
-        wait_copies(i, slot)
+        wait_block(slot, n_read)
         kpos = j * block_k + kk  # [1, block_k]
         kpos_col = j * block_k + kk_col  # [block_k, 1]
-        page_ok = okbuf[slot].reshape(1, block_k) > 0.5  # [1, block_k]: key's page live and read
-        in_range = page_ok & (kpos >= lo) & (kpos < hi)  # keys this program's queries may attend
-        in_range_col = (kpos_col >= lo) & (kpos_col < hi)  # (dead pages arrive as zeros)
+        in_range = (kpos >= lo) & (kpos < hi)  # keys this program's queries may attend
+
+        def fix_hole(p, dead):
+            """A hole's keys are masked and its V rows zeroed (its slot holds stale data)."""
+            _, live = page_at(j, p)
+
+            @pl.when(jnp.logical_not(live))
+            def _():
+                dst = vbuf.at[slot, pl.ds(pl.multiple_of(p * page_size, page_size), page_size)]
+                copy = pltpu.make_async_copy(zero_page_hbm, dst, sem.at[slot])
+                copy.start()
+                copy.wait()
+
+            return jnp.where(jnp.logical_not(live) & (kk >= p * page_size) & (kk < (p + 1) * page_size), 1, dead)
+
+        p0, p1 = page_range(j)
+        dead = lax.fori_loop(p0, jnp.where(holes > 0, p1, p0), fix_hole, jnp.zeros((1, block_k), i32))
+        in_range &= dead == 0
+        in_range_col = (kpos_col >= lo) & (kpos_col < hi)  # (holes' V rows are zeros)
 
         q = q_ref[h].astype(compute)  # [rows, D]
         k = kbuf[slot].astype(compute)  # [block_k, D]
@@ -277,33 +310,57 @@ def _attention_kernel(
         s_ok = jnp.isfinite(s)
         if soft_cap is not None:
             s = jnp.tanh(s / soft_cap) * soft_cap
-        mask = in_range & (kpos <= q_pos) & row_ok  # [rows, block_k]
-        if window is not None:
-            mask &= kpos > q_pos - window
+        if one_token:
+            mask = jnp.broadcast_to(in_range, (rows, block_k))
+        else:
+            mask = in_range & (kpos <= q_pos) & row_ok  # [rows, block_k]
+            if window is not None:
+                mask &= kpos > q_pos - window
+        bad_s = jnp.max(jnp.where(mask & ~s_ok, 1.0, 0.0), axis=1, keepdims=True)  # [rows, 1]
 
         fold_v = quantized and compute != jnp.dtype(jnp.float16)
+        if not quantized:
+            # Rows outside [lo, hi) hold stale data (or nothing): zero them, in place, in the
+            # blocks that have any (a window's first block, a row's last).
+            def zero_chunk(c, carry):
+                r0 = pl.multiple_of(c * chunk, chunk)
+                pos0 = j * block_k + r0
+
+                @pl.when((pos0 < lo) | (pos0 + chunk > hi))
+                def _():
+                    pos = pos0 + lax.broadcasted_iota(i32, (chunk, 1), 0)
+                    rows_v = vbuf[slot, pl.ds(r0, chunk)]
+                    vbuf[slot, pl.ds(r0, chunk)] = jnp.where((pos >= lo) & (pos < hi), rows_v, jnp.zeros((), vbuf.dtype))
+
+                return carry
+
+            boundary = (j * block_k < lo) | ((j + 1) * block_k > hi)
+            lax.fori_loop(0, jnp.where(boundary, block_k // chunk, 0), zero_chunk, 0)
+
+            v = vbuf[slot].astype(compute)  # [block_k, D]
+        elif fold_v:  # int8 rows are finite and meet a zero weight; stale 8-bit floats may not be
+            v = vbuf[slot].astype(compute)
+            if jnp.issubdtype(vbuf.dtype, jnp.floating):
+                v = jnp.where(in_range_col, v, jnp.zeros((), compute))
+        else:  # fp16 q: dequantize the V tile (vq * scale may overflow fp16)
+            vs_row = jnp.where(in_range, vsbuf[slot].reshape(1, block_k), 0.0)
+            eye = lax.broadcasted_iota(i32, (block_k, block_k), 0) == lax.broadcasted_iota(i32, (block_k, block_k), 1)
+            vs_col = jnp.sum(jnp.where(eye, vs_row, 0.0), axis=1, keepdims=True)  # [block_k, 1], exact
+            v = jnp.where(in_range_col, (vbuf[slot].astype(f32) * vs_col).astype(compute), jnp.zeros((), compute))
         if fold_v:  # 8-bit values are finite by construction: a row's poison is its scale
             vs = vsbuf[slot].reshape(1, block_k)
             v_ok = jnp.isfinite(vs)
             vs = jnp.where(in_range & v_ok, vs, 0.0)
-            v = jnp.where(in_range_col, vbuf[slot].astype(compute), jnp.zeros((), compute))
-            poison = mask & ~(s_ok & v_ok)
-            bad_blk = jnp.max(jnp.where(poison, 1.0, 0.0), axis=1, keepdims=True)
-        else:
-            if quantized:  # fp16: dequantize the V tile (vq * scale may overflow fp16)
-                vs_row = jnp.where(in_range, vsbuf[slot].reshape(1, block_k), 0.0)
-                eye = lax.broadcasted_iota(jnp.int32, (block_k, block_k), 0) == lax.broadcasted_iota(
-                    jnp.int32, (block_k, block_k), 1)
-                vs_col = jnp.sum(jnp.where(eye, vs_row, 0.0), axis=1, keepdims=True)  # [block_k, 1], exact
-                v = (vbuf[slot].astype(f32) * vs_col).astype(compute)
-            else:
-                v = vbuf[slot].astype(compute)  # [block_k, D]
+            bad_blk = jnp.maximum(bad_s, jnp.max(jnp.where(mask & ~v_ok, 1.0, 0.0), axis=1, keepdims=True))
+        elif one_token:  # every row attends exactly the V rows in range: P @ V itself finds a
+            bad_blk = bad_s  # non-finite one (x * NaN = NaN, 0 * inf = NaN), checked once a head
+        else:  # a V row may be attended by some rows only: zero non-finite rows, poison those rows
             v_ok_col = jnp.min(jnp.where(jnp.isfinite(v.astype(f32)), 1.0, 0.0), axis=1, keepdims=True) > 0.5
-            v = jnp.where(in_range_col & v_ok_col, v, jnp.zeros((), compute))
-            bad_v = jnp.where(in_range_col & ~v_ok_col, 1.0, 0.0)  # [block_k, 1]
-            bad_blk = jnp.maximum(
-                jnp.max(jnp.where(mask & ~s_ok, 1.0, 0.0), axis=1, keepdims=True),
-                jnp.where(_dot(jnp.where(mask, 1.0, 0.0), bad_v) > 0.5, 1.0, 0.0))  # [rows, 1]
+            v = jnp.where(v_ok_col, v, jnp.zeros((), compute))
+            bad_v = jnp.where(in_range_col & ~v_ok_col, 1.0, 0.0).astype(jnp.bfloat16)  # [block_k, 1]
+            hit = lax.dot_general(jnp.where(mask, 1.0, 0.0).astype(jnp.bfloat16), bad_v, (((1,), (0,)), ((), ())),
+                                  preferred_element_type=f32)  # [rows, 1], exact: sums of 0 / 1 products
+            bad_blk = jnp.maximum(bad_s, jnp.where(hit > 0.5, 1.0, 0.0))
         s = jnp.where(mask & s_ok, s, -jnp.inf)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # rows that saw no key yet
@@ -315,17 +372,20 @@ def _attention_kernel(
         acc = acc_prev * alpha + _dot(p.astype(compute), v)
         bad = jnp.maximum(bad_prev, bad_blk)
 
-        @pl.when(j == blk_lo + n_blocks - 1)
+        @pl.when(last)
         def _():
             seen = l_next != 0  # a seen key adds exp(0) = 1 to its row's sum
             out = jnp.where(seen, acc / jnp.where(seen, l_next, 1.0), 0.0)
-            out = jnp.where(bad > 0.5, jnp.nan, out)
+            poisoned = bad > 0.5
+            if one_token and not fold_v:
+                poisoned |= jnp.max(jnp.where(jnp.isfinite(acc), 0.0, 1.0), axis=1, keepdims=True) > 0.5
+            out = jnp.where(poisoned, jnp.nan, out)
             o_ref[h] = jnp.where(row_ok, out, 0.0).astype(o_ref.dtype)
 
-        return m_next, l_next, acc, bad
+        return m_next, l_next, acc, bad, h_next, j_next, n_read_next, holes_next
 
     init = (jnp.full((rows, 1), -jnp.inf, f32), jnp.zeros((rows, 1), f32), jnp.zeros((rows, head_dim), f32),
-            jnp.zeros((rows, 1), f32))
+            jnp.zeros((rows, 1), f32), jnp.int32(0), blk_lo, n_read0, holes0)
     lax.fori_loop(0, total, body, init)
 
 
@@ -359,9 +419,8 @@ def _tpu_attention_call(q, k_arena, v_arena, meta, page_map, lengths, num_tokens
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     q_spec = pl.BlockSpec((None, num_kv_heads, rows, head_dim), lambda b, rb, *_: (b, 0, rb, 0))
     ppb = block_k // page_size
-    scratch = [pltpu.VMEM((2, block_k, head_dim), k_arena.dtype), pltpu.VMEM((2, block_k, head_dim), k_arena.dtype),
-               pltpu.VMEM((2, ppb, page_size), jnp.float32)]
-    in_specs = [q_spec, hbm, hbm, hbm, hbm]
+    scratch = [pltpu.VMEM((2, block_k, head_dim), k_arena.dtype), pltpu.VMEM((2, block_k, head_dim), k_arena.dtype)]
+    in_specs = [q_spec, hbm, hbm, hbm]
     extra = ()
     if quantized:
         scratch += [pltpu.VMEM((2, ppb, page_size), jnp.float32), pltpu.VMEM((2, ppb, page_size), jnp.float32)]
@@ -369,13 +428,12 @@ def _tpu_attention_call(q, k_arena, v_arena, meta, page_map, lengths, num_tokens
         extra = (k_scale, v_scale)
     scratch.append(pltpu.SemaphoreType.DMA((2,)))
     zero_page = jnp.zeros((page_size, head_dim), k_arena.dtype)
-    flags = jnp.stack([jnp.zeros((page_size,), jnp.float32), jnp.ones((page_size,), jnp.float32)])
     name = f"tpu_paged_attention_bt{block_tokens}_g{group}_bk{block_k}_d{head_dim}"
     if quantized:
         name += f"_{jnp.dtype(k_arena.dtype).name}"
     # The DMA plan at its workload bound (every row at the page table's full length; with a
     # static window, the window's pages plus one for alignment), for XLA's scheduler and cost
-    # analysis: pages read per (program, head), each K and V (and scale rows), plus flag rows.
+    # analysis: pages read per (program, head), each K and V (and scale rows).
     keys = max_pages * page_size if not has_window or window_bound is None else min(
         max_pages * page_size, window_bound + block_tokens - 1)
     pages_read = min(max_pages, -(-keys // page_size) + (1 if has_window else 0))
@@ -385,8 +443,7 @@ def _tpu_attention_call(q, k_arena, v_arena, meta, page_map, lengths, num_tokens
     cost = pl.CostEstimate(
         flops=int(4 * programs * rows * n_blocks * block_k * head_dim),
         transcendentals=int(programs * rows * n_blocks * block_k),
-        bytes_accessed=int(programs * (pages_read * page_bytes + n_blocks * ppb * page_size * 4)
-                           + 2 * qg.size * qg.dtype.itemsize),
+        bytes_accessed=int(programs * pages_read * page_bytes + 2 * qg.size * qg.dtype.itemsize),
     )
     out = pl.pallas_call(
         kernel,
@@ -398,11 +455,13 @@ def _tpu_attention_call(q, k_arena, v_arena, meta, page_map, lengths, num_tokens
             scratch_shapes=scratch,
         ),
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        # Every index the kernel forms is clipped into range (pages, heads, layer): Mosaic's
+        # runtime bounds checks (two per DMA) would only cost issue slots.
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"), disable_bounds_checks=True),
         interpret=interpret,
         name=name,
         cost_estimate=cost,
-    )(meta, lengths, num_tokens, page_map.reshape(-1), qg, k_arena, v_arena, zero_page, flags, *extra)
+    )(meta, lengths, num_tokens, page_map.reshape(-1), qg, k_arena, v_arena, zero_page, *extra)
     out = out.reshape(batch, num_kv_heads, row_blocks * block_tokens, group, head_dim)[:, :, :tokens]
     return out.transpose(0, 2, 1, 3, 4).reshape(batch, tokens, num_q_heads, head_dim)
 
