@@ -324,18 +324,15 @@ def _attention_kernel(
             # blocks that have any (a window's first block, a row's last).
             def zero_chunk(c, carry):
                 r0 = pl.multiple_of(c * chunk, chunk)
-                pos0 = j * block_k + r0
-
-                @pl.when((pos0 < lo) | (pos0 + chunk > hi))
-                def _():
-                    pos = pos0 + lax.broadcasted_iota(i32, (chunk, 1), 0)
-                    rows_v = vbuf[slot, pl.ds(r0, chunk)]
-                    vbuf[slot, pl.ds(r0, chunk)] = jnp.where((pos >= lo) & (pos < hi), rows_v, jnp.zeros((), vbuf.dtype))
-
+                pos = j * block_k + r0 + lax.broadcasted_iota(i32, (chunk, 1), 0)
+                rows_v = vbuf[slot, pl.ds(r0, chunk)]
+                vbuf[slot, pl.ds(r0, chunk)] = jnp.where((pos >= lo) & (pos < hi), rows_v, jnp.zeros((), vbuf.dtype))
                 return carry
 
-            boundary = (j * block_k < lo) | ((j + 1) * block_k > hi)
-            lax.fori_loop(0, jnp.where(boundary, block_k // chunk, 0), zero_chunk, 0)
+            # The chunks holding a row at or past hi (a row's last block), then those holding
+            # a row before lo (a window's first block); none in an interior block.
+            lax.fori_loop(lax.div(jnp.clip(hi - j * block_k, 0, block_k), chunk), block_k // chunk, zero_chunk, 0)
+            lax.fori_loop(0, lax.div(jnp.clip(lo - j * block_k, 0, block_k) + chunk - 1, chunk), zero_chunk, 0)
 
             v = vbuf[slot].astype(compute)  # [block_k, D]
         elif fold_v:  # int8 rows are finite and meet a zero weight; stale 8-bit floats may not be
