@@ -1,6 +1,6 @@
 """Creating the cache: `create` allocates the arena (zeros, every page free) on one device or
-on a mesh, with its fixed key factors, and warns where XLA copies the whole arena around every
-step (an int4 arena on a TPU). Where only appends copy it (bf16 / 8-bit floats on XLA CPU) the
+on a mesh, with its fixed key factors, and refuses an int4 arena on a TPU, where XLA would copy
+the whole arena around every step. Where only appends copy it (bf16 / 8-bit floats on XLA CPU) the
 first append traced warns (`arena_ops.warn_if_appends_copy`), not `create`: an arena that is
 only sized, or whose pages are only reserved and released, is never copied.
 
@@ -23,32 +23,47 @@ from arena_jax.sharding import create_sharded
 __all__ = ["PageTable", "CacheStats", "KVCache", "PAD_SLOT", "PAD_PAGE", "create"]
 
 
+ALLOW_INT4_ON_TPU_ENV = "ARENA_JAX_ALLOW_INT4_ON_TPU"  # "1": create one anyway (measuring the copies), with a warning
+
+
 def warn_if_writes_copy(layout: KVLayout, platform: str | None = None) -> None:
     """Once per dtype: `arena_ops.warn_if_appends_copy` for the layout's storage and scale dtypes
     (appends copy the arena: the first append traced warns by itself), then
-    `warn_if_relayouts` (an int4 arena on a TPU)."""
+    `refuse_int4_on_tpu`."""
     warn_if_appends_copy((layout.storage_dtype, layout.scale_dtype if layout.quantized else None), platform)
-    warn_if_relayouts(layout, platform)
+    refuse_int4_on_tpu(layout, platform)
 
 
-def warn_if_relayouts(layout: KVLayout, platform: str | None = None) -> None:
-    """Once: a RuntimeWarning when an int4 arena lives on a TPU (`platform`, e.g. a mesh's;
-    default: the one being lowered for), where XLA relayouts (copies) it around every step,
-    reads and writes alike: `create` warns."""
+def _int4_on_tpu_reason(layout: KVLayout) -> str:
+    return (f"an int4 arena's packed rows (head_dim / 2 = {layout.head_dim // 2} bytes) and group scales "
+            f"({layout.head_dim // 32} per token) are narrower than the TPU's 128 lanes, so XLA relayouts (copies) the "
+            "whole arena and its scales around every step: a Llama-3-8B-shaped decode step compiled for a TPU v6e 2x4 "
+            "mesh holds 13.3 GB of temp memory per device against 1.1 GB of arena (8.5 MB with a bfloat16 arena) and "
+            "reads 8x the bytes it must (benchmarks/RESULTS.md, 'int4 arenas on a TPU'), so int4 saves no memory "
+            "there and costs bandwidth")
+
+
+def refuse_int4_on_tpu(layout: KVLayout, platform: str | None = None) -> None:
+    """A ValueError when an int4 arena would live on a TPU (`platform`, e.g. a mesh's; default:
+    the one being lowered for), naming the reason; with $ARENA_JAX_ALLOW_INT4_ON_TPU=1, a
+    RuntimeWarning instead (once), for measuring it."""
+    import os
+
     from pallas_kernels.tpu.common import target_platform
 
     platform = platform or target_platform()
-    if platform == "tpu" and layout.int4 and "int4 on tpu" not in _WRITE_COPY_WARNED:
+    if platform != "tpu" or not layout.int4:
+        return
+    reason = _int4_on_tpu_reason(layout)
+    if os.environ.get(ALLOW_INT4_ON_TPU_ENV) != "1":
+        raise ValueError(f"dtype='int4' is refused on a TPU: {reason}. Use dtype='int8' (page_size 128 or 256) or "
+                         f"'bfloat16' there ({ALLOW_INT4_ON_TPU_ENV}=1 creates it anyway, with a warning)")
+    if "int4 on tpu" not in _WRITE_COPY_WARNED:
         _WRITE_COPY_WARNED.add("int4 on tpu")
         import warnings
 
-        warnings.warn(
-            f"arena_jax: an int4 arena on a TPU: its packed rows (head_dim / 2 = {layout.head_dim // 2} bytes) and its "
-            f"group scales ({layout.head_dim // 32} per token) are narrower than the TPU's 128 lanes, so XLA relayouts "
-            "(copies) the whole arena and its scales around every step (a Llama-3-8B-shaped decode step compiled for a "
-            "TPU v6e 2x4 mesh: 13.3 GB of temp memory per device against 1.1 GB of arena, 8.5 MB with a bfloat16 arena; "
-            "benchmarks/RESULTS.md, 'int4 arenas on a TPU'). On a TPU use int8 (pages of 128 tokens) or bfloat16.",
-            RuntimeWarning, stacklevel=3)
+        warnings.warn(f"arena_jax: an int4 arena on a TPU ({ALLOW_INT4_ON_TPU_ENV}=1): {reason}.", RuntimeWarning,
+                      stacklevel=3)
 
 
 def create(layout: KVLayout, *, mesh=None, tensor_axis: str | None = "tensor", data_axis: str | None = None,
@@ -68,11 +83,10 @@ def create(layout: KVLayout, *, mesh=None, tensor_axis: str | None = "tensor", d
         raise ValueError(f"layout must be a KVLayout, got {type(layout).__name__}")
     factors = _initial_key_factors(layout, key_factors)
     if mesh is not None:
-        cache = create_sharded(layout, mesh, tensor_axis=tensor_axis, data_axis=data_axis,
-                               key_factors=factors)  # checks the mesh first
-        warn_if_relayouts(layout, mesh.devices.flat[0].platform)  # the backend the arena lives on
-        return cache
-    warn_if_relayouts(layout)
+        if hasattr(mesh, "devices"):  # (a wrong mesh is create_sharded's to name)
+            refuse_int4_on_tpu(layout, mesh.devices.flat[0].platform)  # the backend the arena lives on
+        return create_sharded(layout, mesh, tensor_axis=tensor_axis, data_axis=data_axis, key_factors=factors)
+    refuse_int4_on_tpu(layout)
     scales = {}
     if layout.quantized:
         scales = dict(k_scale=jnp.zeros(layout.scale_shape, layout.scale_dtype),

@@ -51,7 +51,8 @@ STEP_CASES = (
     StepCase("prefill", "tpu-v6e", "2x4", batch=8, tokens=512, num_pages=16384),
     # an int8 arena (keys rotated: its default), the same tokens in 128-token pages (8-bit pages on a TPU)
     StepCase("decode", "tpu-v5e", "2x2", batch=32, tokens=1, num_pages=1024, page_size=128, dtype="int8"),
-    # an int4 arena (the TPU kernels take none: the blockwise jnp path); XLA copies it (RESULTS, "int4 arenas on a TPU")
+    # an int4 arena (the TPU kernels take none: the blockwise jnp path); XLA copies it (RESULTS, "int4 arenas on a
+    # TPU"), so aj.create refuses it on a TPU: built here with $ARENA_JAX_ALLOW_INT4_ON_TPU=1 to show why
     StepCase("decode", "tpu-v6e", "2x4", batch=64, tokens=1, num_pages=16384, dtype="int4"),
     # a decode block (`generate(decode_block=8)`: 8 decode steps in one call; its weights+KV are one step's)
     StepCase("decode_block", "tpu-v6e", "2x4", batch=64, tokens=8, num_pages=16384),
@@ -77,8 +78,18 @@ def _abstract_model(config, mesh):
 def _abstract_cache(layout, mesh):
     import arena_jax as aj
     from arena_jax.sharding import _cache_specs
+    from arena_jax.state import ALLOW_INT4_ON_TPU_ENV
 
-    cache = jax.eval_shape(lambda: aj.create(layout, mesh=mesh, tensor_axis="tensor", data_axis="data"))
+    # aj.create refuses an int4 arena on a TPU (the copies this case measures); create it anyway here.
+    allow = os.environ.get(ALLOW_INT4_ON_TPU_ENV)
+    os.environ[ALLOW_INT4_ON_TPU_ENV] = "1"
+    try:
+        cache = jax.eval_shape(lambda: aj.create(layout, mesh=mesh, tensor_axis="tensor", data_axis="data"))
+    finally:
+        if allow is None:
+            os.environ.pop(ALLOW_INT4_ON_TPU_ENV)
+        else:
+            os.environ[ALLOW_INT4_ON_TPU_ENV] = allow
     specs = _cache_specs(cache)
     named = jax.tree.map(cache.sharding.named, specs)
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), cache, named)

@@ -265,9 +265,10 @@ def test_a_cache_on_a_tpu_mesh_gets_no_warning_about_the_cpus_writes(tooling):
         assert not copies, (where, [str(w.message) for w in caught])
 
 
-def test_an_int4_cache_on_a_tpu_mesh_warns_that_xla_copies_it(tooling):
-    """An int4 layout on a TPU mesh gets `aj.create`'s warning that XLA relayouts the arena
-    around every step (the next test); on the CPU host it does not."""
+def test_an_int4_cache_on_a_tpu_mesh_is_refused_with_the_reason(tooling, monkeypatch):
+    """`aj.create` refuses an int4 layout on a TPU mesh, naming dtype, the measured cost (the next
+    test) and what to use instead; on the CPU host it creates it. $ARENA_JAX_ALLOW_INT4_ON_TPU=1
+    creates it on the TPU mesh with a warning (how the next test and the benchmark measure it)."""
     import warnings
 
     import arena_jax as aj
@@ -276,30 +277,33 @@ def test_an_int4_cache_on_a_tpu_mesh_warns_that_xla_copies_it(tooling):
     layout = aj.KVLayout(num_layers=1, num_kv_heads=2, head_dim=128, page_size=16, num_pages=8, max_seqs=2,
                          max_pages_per_seq=4, dtype="int4")  # fmt: skip
     mesh = tpu_compile.mesh_of("tpu-v5e", "2x2", ("data", "tensor"))
-    for where, expected in ((None, False), (mesh, True)):
-        state._WRITE_COPY_WARNED.discard("int4 on tpu")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            jax.eval_shape(lambda: aj.create(layout, mesh=where, tensor_axis="tensor"))  # noqa: B023
-        said = [str(w.message) for w in caught if "int4 arena on a TPU" in str(w.message)]
-        assert bool(said) == expected, (where, said)
-        assert not said or "64 bytes" in said[0] and "4 per token" in said[0]
+    monkeypatch.delenv(state.ALLOW_INT4_ON_TPU_ENV, raising=False)
+    jax.eval_shape(lambda: aj.create(layout, tensor_axis="tensor"))  # the CPU host
+    with pytest.raises(ValueError, match=r"dtype='int4' is refused on a TPU: .*64 bytes.*4 per token.*13\.3 GB.*int8"):
+        aj.create(layout, mesh=mesh, tensor_axis="tensor")
+    monkeypatch.setenv(state.ALLOW_INT4_ON_TPU_ENV, "1")
+    state._WRITE_COPY_WARNED.discard("int4 on tpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.eval_shape(lambda: aj.create(layout, mesh=mesh, tensor_axis="tensor"))
+    assert any("an int4 arena on a TPU" in str(w.message) for w in caught), [str(w.message) for w in caught]
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "known (benchmarks/RESULTS.md, 'int4 arenas on a TPU'; aj.create warns): an int4 arena's packed "
+    "known (benchmarks/RESULTS.md, 'int4 arenas on a TPU'; aj.create refuses it there): an int4 arena's packed "
     "rows (64 bytes at head_dim 128) and group scales (4 per token) are narrower than the TPU's 128 "
     "lanes, so XLA relayouts the arena and its scales around the step (1 layer: six arena-sized copies)"))
-def test_an_int4_decode_step_compiles_for_tpu_without_copying_the_arena(tooling):
+def test_an_int4_decode_step_compiles_for_tpu_without_copying_the_arena(tooling, monkeypatch):
     """Llama-3-8B-shaped decode (1 layer) on a v6e 2x4 mesh with an int4 arena (the TPU kernels
     take no int4: the blockwise jnp path runs): the arena must be aliased and never copied, as
     for bf16 and int8 arenas. It is copied today (strict xfail: when a layout change or XLA
-    removes the copies, this fails, and the warning and the docs go). The relayout comes from
+    removes the copies, this fails, and the refusal and the docs go). The relayout comes from
     the packed rows' width, not the arena's size: 8 rows of up to 128 tokens in 256 pages show
     the same copies as the benchmark's 64 rows in 16,384 pages, and compile in a third of the
     time (10 s against 33 s of CPU, JAX 0.11.2)."""
     from arena_jax.benchmarks.tpu_steps import STEP_CASES
 
+    monkeypatch.setenv("ARENA_JAX_ALLOW_INT4_ON_TPU", "1")  # aj.create refuses it on a TPU otherwise
     int4 = next(c for c in STEP_CASES if c.dtype == "int4")
     small = dataclasses.replace(int4, num_layers=1, batch=8, num_pages=256, max_seq_len=128)
     _, cache, local, shape, facts, arena_params = _compiled_step_facts(small)
