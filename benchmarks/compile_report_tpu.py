@@ -81,7 +81,7 @@ def _step_rows(target: str, progress) -> list[dict]:
         weights = sum(int(np.prod(s.sharding.shard_shape(s.shape))) * s.dtype.itemsize for s in jax.tree.leaves(state))
         context = layout.max_pages_per_seq * layout.page_size
         per_token = layout.bytes_per_token // (2 * layout.num_layers * layout.num_kv_heads)  # one head's K, scales included
-        kv = (case.batch // dp) * context * (layout.num_kv_heads // tp) * per_token * 2 * case.num_layers  # K and V
+        kv = ((case.batch + case.chunks) // dp) * context * (layout.num_kv_heads // tp) * per_token * 2 * case.num_layers  # K and V
         rows.append(dict(
             step=case.label, layers=case.num_layers, kernels=len(facts.kernels), code_bytes=facts.code_bytes,
             temp_bytes=facts.temp_bytes, xla_bytes=facts.bytes_accessed, weights_bytes=weights, kv_bytes=kv,

@@ -26,6 +26,7 @@ class StepCase:
 
     step: str  # "prefill" | "decode" | "decode_block" (generate's block program: `tokens` decode steps per call)
     #          | "verify" (speculative decoding's call: each row's last token + `tokens` - 1 proposals)
+    #          | "mixed" (continuous batching's mixed step: `batch` decode rows + `chunks` prefill chunks of `tokens`)
     target: str  # "tpu-v5e" | "tpu-v6e"
     mesh: str  # "2x2" | "2x4": (data, tensor)
     batch: int
@@ -35,11 +36,13 @@ class StepCase:
     max_seq_len: int = 4096
     num_layers: int = 32  # Llama-3-8B has 32; fewer keep a CI compile short (every layer is the same)
     dtype: str = "bfloat16"  # the arena's
+    chunks: int = 0  # prefill chunks of a mixed step (a multiple of the mesh's data axis)
 
     @property
     def label(self) -> str:
         layers = "" if self.num_layers == 32 else f" {self.num_layers} layers"
-        return (f"{self.step} {self.target} {self.mesh} B={self.batch} T={self.tokens} page={self.page_size} "
+        chunks = f" +{self.chunks} chunks" if self.chunks else ""
+        return (f"{self.step} {self.target} {self.mesh} B={self.batch}{chunks} T={self.tokens} page={self.page_size} "
                 f"{self.dtype}{layers}")
 
 
@@ -59,6 +62,9 @@ STEP_CASES = (
     # speculative decoding's verify call (`generate(speculative=PromptLookup(k=4))`: 1 + 4 tokens a row)
     StepCase("verify", "tpu-v5e", "2x2", batch=32, tokens=5, num_pages=8192),
     StepCase("verify", "tpu-v6e", "2x4", batch=64, tokens=5, num_pages=16384),
+    # continuous batching's mixed step: 32 decode rows and 2 prompt chunks of 256 tokens in one call (the decode
+    # rows and the chunks each attend with their own Mosaic kernel call, per layer)
+    StepCase("mixed", "tpu-v5e", "2x2", batch=32, tokens=256, num_pages=8192, chunks=2),
 )
 
 
@@ -138,6 +144,12 @@ def compile_step(case: StepCase):
                     lowered = steps.decode_block.trace(steps.leaves, cache, i32(case.batch), i32(case.batch),
                                                        i32(case.batch), i32(case.batch), seed, sampling,
                                                        length=case.tokens).lower()  # fmt: skip
+            elif case.step == "mixed":
+                from arena_jax.models import mixed_step
+
+                lowered = mixed_step.trace(graphdef, state, cache, i32(case.batch), i32(case.batch),
+                                           i32(case.chunks, case.tokens), i32(case.chunks), i32(case.chunks),
+                                           i32(case.chunks)).lower()  # fmt: skip
             else:
                 lowered = prefill.trace(graphdef, state, cache, i32(case.batch, case.tokens), i32(case.batch),
                                         i32(case.batch)).lower()

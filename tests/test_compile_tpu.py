@@ -146,8 +146,9 @@ def test_smem_budget_is_what_mosaic_allows(tooling, rows, fits):
 
 def _step_cases():
     """CI: one layer of the 32 (all identical), decode on v6e 2x4, a 64-token prefill on v5e 2x2,
-    and decode on an int8 arena with rotated keys (its default: the rotation runs in XLA around
-    the kernels) on v6e. (A decode block, `STEP_CASES`' "decode_block", compiles in ~23 s, four
+    decode on an int8 arena with rotated keys (its default: the rotation runs in XLA around
+    the kernels) on v6e, and a mixed step (decode rows and prompt chunks, each part through its
+    own attention kernel call) on v5e 2x2. (A decode block, `STEP_CASES`' "decode_block", compiles in ~23 s, four
     times a step: checked by the compile report, RESULTS "Decode blocks".)"""
     from arena_jax.benchmarks.tpu_steps import STEP_CASES
 
@@ -155,7 +156,8 @@ def _step_cases():
     decode_v6e = by_name[("decode", "tpu-v6e", "bfloat16")]
     return [dataclasses.replace(decode_v6e, num_layers=1),
             dataclasses.replace(by_name[("prefill", "tpu-v5e", "bfloat16")], num_layers=1, tokens=64),
-            dataclasses.replace(decode_v6e, num_layers=1, page_size=128, num_pages=2048, dtype="int8")]
+            dataclasses.replace(decode_v6e, num_layers=1, page_size=128, num_pages=2048, dtype="int8"),
+            dataclasses.replace(by_name[("mixed", "tpu-v5e", "bfloat16")], num_layers=1, tokens=64)]
 
 
 STEP_FEATURES = compile_grid.some_fields("step", "target", "mesh", "dtype", "page_size")  # (sizes follow from these)
