@@ -331,7 +331,8 @@ def _attention_kernel(
 
             # The chunks holding a row at or past hi (a row's last block), then those holding
             # a row before lo (a window's first block); none in an interior block.
-            lax.fori_loop(lax.div(jnp.clip(hi - j * block_k, 0, block_k), chunk), block_k // chunk, zero_chunk, 0)
+            tail = lax.div(jnp.clip(hi - j * block_k, 0, block_k), chunk)  # the first chunk past hi
+            lax.fori_loop(0, block_k // chunk - tail, lambda c, carry: zero_chunk(tail + c, carry), 0)
             lax.fori_loop(0, lax.div(jnp.clip(lo - j * block_k, 0, block_k) + chunk - 1, chunk), zero_chunk, 0)
 
             v = vbuf[slot].astype(compute)  # [block_k, D]
