@@ -215,15 +215,15 @@ def _attention_kernel(
         p0, p1 = page_range(j)
         n_read = jnp.where(go, p1 - p0, 0)
 
+        # Any hole: the entries' OR is negative (one op a page).
         def whole():
-            return functools.reduce(jnp.minimum, [start_page(h, j, p, slot) for p in range(ppb)])
+            return functools.reduce(jnp.bitwise_or, [start_page(h, j, p, slot) for p in range(ppb)])
 
         def part():
-            return lax.fori_loop(p0, p0 + n_read, lambda p, low: jnp.minimum(low, start_page(h, j, p, slot)),
-                                 jnp.int32(0))
+            return lax.fori_loop(p0, p0 + n_read, lambda p, any_: any_ | start_page(h, j, p, slot), jnp.int32(0))
 
-        lowest = lax.cond(go & (n_read == ppb), whole, part)
-        return n_read, (lowest < 0).astype(i32)
+        entries = lax.cond(go & (n_read == ppb), whole, part)
+        return n_read, (entries < 0).astype(i32)
 
     def wait_block(slot, n_read):
         """Wait for the `n_read` pages started into `slot`: the semaphore counts bytes, so a whole
