@@ -222,6 +222,38 @@ def test_soft_cap_traced_windows_and_poison_rules():
     COUNTS["attention (soft-cap, traced windows, poison rules)"] += len(scenarios)
 
 
+def test_decode_poison_rules_and_a_hole_over_a_nan_page():
+    """Decode (one token a program: the kernel finds a non-finite V row through P @ V itself)
+    == the reference: NaN or inf in one lane of a V row a query attends to, or NaN in a K row,
+    NaNs its whole output row; NaN in a V row past the length or outside the window
+    contributes nothing; a hole (-1 entry) inside the range, whose DMA reads a NaN page, is
+    masked (its V rows zeroed, its keys dead)."""
+    case = float_case(seed=21, lengths=(40, 36, 9), num_tokens=(1, 1, 0), tokens=1, q_heads=4, kv_heads=2,
+                      page_size=8, head_dim=128, dtype=jnp.float32)
+    pm, layer = np.asarray(case["page_map"]), case["layer"]
+    last = NUM_PAGES - 1  # where a -1 entry's DMA reads (the clip)
+    assert not (pm == last).any()
+    nan_page = {name: case[name].at[:, :, last].set(jnp.nan) for name in ("k_arena", "v_arena")}
+    hole = {**case, **nan_page, "page_map": case["page_map"].at[1, 2].set(-1)}
+
+    def poison(name, row, pos, head, lane, value=jnp.nan):
+        return {**case, name: case[name].at[layer, head, pm[row, pos // 8], pos % 8, lane].set(value)}
+
+    step = jax.jit(lambda c, w: tpu_paged_attention(**c, sliding_window=w, interpret=True))
+    scenarios = [("visible v nan", poison("v_arena", 1, 33, 1, 5), 16, True),
+                 ("visible v inf", poison("v_arena", 0, 12, 0, 9, jnp.inf), 1000, True),
+                 ("visible k", poison("k_arena", 1, 34, 0, 7), 16, True),
+                 ("v past the length", poison("v_arena", 1, 38, 1, 2), 1000, False),
+                 ("v outside the window", poison("v_arena", 1, 2, 0, 3), 16, False),
+                 ("a hole over a nan page", hole, 1000, False)]
+    for label, c, w, nans in scenarios:
+        got = step(c, jnp.int32(w))
+        want = reference_traced(**c, sliding_window=jnp.int32(w))
+        assert_same_nans_and_close(got, want, jnp.float32, label)
+        assert bool(np.isnan(np.asarray(want)).any()) == nans, label
+    COUNTS["attention (soft-cap, traced windows, poison rules)"] += len(scenarios)
+
+
 @pytest.mark.parametrize("q_dtype,arena", [("float32", "bfloat16"), ("bfloat16", "float32")])
 def test_q_dtype_other_than_the_arena(q_dtype, arena):
     """The dots run in q's dtype (the arena's values converted to it)."""

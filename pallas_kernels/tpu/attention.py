@@ -184,13 +184,6 @@ def _attention_kernel(
         p1 = jnp.clip(lax.div(jnp.maximum(hi - first + page_size - 1, 0), page_size), 0, ppb)
         return p0, jnp.maximum(p0, p1)
 
-    def page_at(j, p):
-        """Page p of block j in the arena (clipped into range), and whether it is live (mapped
-        and inside the page table; a read page that is not is a hole)."""
-        lp = j * ppb + p  # logical page
-        page = page_map_ref[b * max_pages + jnp.minimum(lp, max_pages - 1)]
-        return jnp.clip(page, 0, num_pages - 1), (lp < max_pages) & (page >= 0)
-
     def start_page(h, j, p, slot):
         """Start the DMAs of page p of (head h, block j) into `slot`: K and V (and their scale
         rows), one DMA each. Returns the page table's entry: a hole (-1, unmapped) reads an
@@ -282,17 +275,17 @@ def _attention_kernel(
         in_range = (kpos >= lo) & (kpos < hi)  # keys this program's queries may attend
 
         def fix_hole(p, dead):
-            """A hole's keys are masked and its V rows zeroed (its slot holds stale data)."""
-            _, live = page_at(j, p)
+            """A hole's keys are masked and its V rows zeroed (its slot holds another page's)."""
+            hole = page_map_ref[b * max_pages + j * ppb + p] < 0  # (p is inside [lo, hi): in the table)
 
-            @pl.when(jnp.logical_not(live))
+            @pl.when(hole)
             def _():
                 dst = vbuf.at[slot, pl.ds(pl.multiple_of(p * page_size, page_size), page_size)]
                 copy = pltpu.make_async_copy(zero_page_hbm, dst, sem.at[slot])
                 copy.start()
                 copy.wait()
 
-            return jnp.where(jnp.logical_not(live) & (kk >= p * page_size) & (kk < (p + 1) * page_size), 1, dead)
+            return jnp.where(hole & (kk >= p * page_size) & (kk < (p + 1) * page_size), 1, dead)
 
         p0, p1 = page_range(j)
         dead = lax.fori_loop(p0, jnp.where(holes > 0, p1, p0), fix_hole, jnp.zeros((1, block_k), i32))
