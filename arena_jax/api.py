@@ -36,6 +36,7 @@ __all__ = [
     "reserve",
     "append",
     "attend",
+    "attend_mixed",
     "release",
     "fork",
     "truncate",
@@ -494,6 +495,11 @@ def attend(
     included; a NaN / inf in a key or value it attends to makes its whole output row NaN
     (`pallas_kernels.reference.paged_attention_reference` states the rules).
     """
+    return _attend(*_attend_args(q, cache, layer, slots, num_tokens, sliding_window, sm_scale, logits_soft_cap, backend))
+
+
+def _attend_args(q, cache, layer, slots, num_tokens, sliding_window, sm_scale, logits_soft_cap, backend):
+    """`attend`'s checks; returns `_attend`'s arguments."""
     layout = _check_cache(cache)
     slots = check_slots(layout, slots)
     layer = check_layer(layout, layer)
@@ -522,5 +528,25 @@ def attend(
                 )
     window = sliding_window if isinstance(sliding_window, jax.core.Tracer) else None
     static_window = None if window is not None else sliding_window
-    return _attend(jnp.asarray(q), cache, layer, slots, num_tokens, window, backend, static_window, sm_scale,
-                   logits_soft_cap)
+    return (jnp.asarray(q), cache, layer, slots, num_tokens, window, backend, static_window, sm_scale,
+            logits_soft_cap)
+
+
+def attend_mixed(parts, cache: KVCache, layer, *, sliding_window=None, sm_scale: float | None = None,
+                 logits_soft_cap: float | None = None, backend: str | None = None) -> list:
+    """`attend` of a mixed step's row groups at one layer: `parts` is a list of (q [R_i, T_i, Hq,
+    D], slots i32[R_i], num_tokens i32[R_i] or None), each checked and answered as `attend` would
+    (the same options for all). Returns the outputs, one per part. On the TPU kernels
+    ("pallas_tpu"; on a mesh, per shard), a decode part (T = 1) followed by a chunk part (T > 1)
+    runs in ONE kernel call (`pallas_kernels.tpu.mixed`), equal to the two calls; any other
+    combination runs `attend` per part."""
+    args = [_attend_args(q, cache, layer, slots, n, sliding_window, sm_scale, logits_soft_cap, backend)
+            for q, slots, n in parts]
+    one_call = (len(args) == 2 and all(a[6] == "pallas_tpu" for a in args) and args[0][0].shape[1] == 1
+                and args[1][0].shape[1] > 1)
+    if not one_call:
+        return [_attend(*a) for a in args]
+    (q_dec, _, _, slots_dec, n_dec, window, _, static_window, _, _), (q_pre, _, _, slots_pre, n_pre, *_) = args
+    mixed = sharding.attend_mixed if cache.sharding is not None else arena_ops.attend_mixed_impl
+    return list(mixed(q_dec, slots_dec, n_dec, q_pre, slots_pre, n_pre, cache, args[0][2],
+                      static_window if window is None else window, args[0][8], args[0][9]))

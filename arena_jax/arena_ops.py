@@ -129,26 +129,39 @@ def append_impl(cache: KVCache, layer, slots, k, v, num_tokens, backend: str) ->
     return cache.replace(k=k_arena, v=v_arena, table=table, stats=stats, **scales)
 
 
+def _attend_rows(cache: KVCache, layer, slots, num_tokens, tokens: int):
+    """(layer clipped, page_map [B, M], lengths [B], num_tokens [B]) as the kernels take them:
+    a row whose slot is out of range, or that asks for more query tokens than `tokens` or
+    than the slot has written at `layer`, reads nothing (-1 pages, length 0)."""
+    table = cache.table
+    layer_ok, layer_c = _layer(cache, layer)
+    in_range, idx = in_range_rows(table, slots)
+    written = jnp.where(in_range & layer_ok, table.written[layer_c, idx], 0)
+    good = in_range & layer_ok & (num_tokens >= 0) & (num_tokens <= tokens) & (num_tokens <= written)
+    return (layer_c, jnp.where(good[:, None], table.page_map[idx], -1), jnp.where(good, written, 0),
+            jnp.where(good, num_tokens, 0))
+
+
+def _kernel_q(q, cache: KVCache, layer_c, backend: str):
+    """q as the backend's kernel takes it: smoothed keys' factors applied; rotated for the
+    TPU kernels and the blockwise path (the GPU kernels and the reference rotate it themselves)."""
+    if cache.key_factors is not None:  # smoothed keys: q times the factors keeps q . k as it was
+        q = factors_lib.smooth_queries(q, cache.key_factors[layer_c])
+    if backend in ("pallas_tpu", "xla") and cache.rotate_keys:
+        q = rotate_rows(q, q.dtype)
+    return q
+
+
 def attend_impl(q, cache: KVCache, layer, slots, num_tokens, backend: str, sliding_window, sm_scale,
                 logits_soft_cap=None):
     """Attention of q [B, T, Hq, D], the last num_tokens[b] tokens written at `layer` in row b's
     slot, over that slot's tokens written at `layer`. Rows whose slot is out of range, or that
     ask for more query tokens than T or than the slot has written, give zeros. `sliding_window`:
     None, a static int, or a traced integer scalar (a value <= 0 admits no key: zeros)."""
-    table = cache.table
-    layer_ok, layer_c = _layer(cache, layer)
-    in_range, idx = in_range_rows(table, slots)
-    written = jnp.where(in_range & layer_ok, table.written[layer_c, idx], 0)
-    good = in_range & layer_ok & (num_tokens >= 0) & (num_tokens <= q.shape[1]) & (num_tokens <= written)
-    page_map = jnp.where(good[:, None], table.page_map[idx], -1)
-    lengths = jnp.where(good, written, 0)
-    n = jnp.where(good, num_tokens, 0)
+    layer_c, page_map, lengths, n = _attend_rows(cache, layer, slots, num_tokens, q.shape[1])
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                   k_scale=cache.k_scale, v_scale=cache.v_scale)
-    if cache.key_factors is not None:  # smoothed keys: q times the factors keeps q . k as it was
-        q = factors_lib.smooth_queries(q, cache.key_factors[layer_c])
-    if backend in ("pallas_tpu", "xla") and cache.rotate_keys:  # they take q rotated, as the reference rotates it
-        q = rotate_rows(q, q.dtype)
+    q = _kernel_q(q, cache, layer_c, backend)
     if backend == "pallas_tpu":
         from pallas_kernels.tpu.attention import tpu_paged_attention
 
@@ -165,3 +178,17 @@ def attend_impl(q, cache: KVCache, layer, slots, num_tokens, backend: str, slidi
 
         return mosaic_paged_decode(q, cache.k, cache.v, layer_c, page_map, lengths, n, sm_scale=sm_scale)
     return paged_attention_reference(q, cache.k, cache.v, layer_c, page_map, lengths, n, **kwargs)
+
+
+def attend_mixed_impl(q_dec, slots_dec, n_dec, q_pre, slots_pre, n_pre, cache: KVCache, layer, sliding_window,
+                      sm_scale, logits_soft_cap=None):
+    """`attend_impl` of a decode part (q_dec [B, 1, Hq, D]) and a chunk part (q_pre [P, T, Hq, D])
+    through the TPU kernels in ONE call (`pallas_kernels.tpu.mixed`); returns (out_dec, out_pre)."""
+    from pallas_kernels.tpu.mixed import tpu_paged_attention_mixed
+
+    layer_c, pm_dec, len_dec, n_dec = _attend_rows(cache, layer, slots_dec, n_dec, q_dec.shape[1])
+    _, pm_pre, len_pre, n_pre = _attend_rows(cache, layer, slots_pre, n_pre, q_pre.shape[1])
+    return tpu_paged_attention_mixed(
+        _kernel_q(q_dec, cache, layer_c, "pallas_tpu"), _kernel_q(q_pre, cache, layer_c, "pallas_tpu"), cache.k, cache.v,
+        layer_c, pm_dec, len_dec, n_dec, pm_pre, len_pre, n_pre, k_scale=cache.k_scale, v_scale=cache.v_scale,
+        sm_scale=sm_scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)

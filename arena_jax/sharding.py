@@ -80,7 +80,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from arena_jax.allocator import copies_pages_by_dma, fork_impl, release_impl, reserve_impl, truncate_impl
-from arena_jax.arena_ops import append_impl, attend_impl
+from arena_jax.arena_ops import append_impl, attend_impl, attend_mixed_impl
 from arena_jax.kv_cache import PAD_SLOT, CacheStats, KVCache, PageTable
 from arena_jax.layout import KVLayout
 from arena_jax.prefix.ops import drop_pages_impl, fork_pages_impl, hold_pages_impl
@@ -478,3 +478,20 @@ def attend(q, cache: KVCache, layer, slots, num_tokens, backend: str, sliding_wi
     specs = (sh.heads_spec(), P(), sh.rows_spec, sh.rows_spec, P())
     return _run(cache, body, (q, layer, slots, num_tokens, window), specs, sh.heads_spec(), returns_cache=False,
                 check_vma=backend == "reference")  # fmt: skip
+
+
+def attend_mixed(q_dec, slots_dec, n_dec, q_pre, slots_pre, n_pre, cache: KVCache, layer, sliding_window, sm_scale,
+                 logits_soft_cap=None):
+    """`arena_ops.attend_mixed_impl` per shard (the TPU kernels: one call for both parts)."""
+    sh = cache.sharding
+    static_window = sliding_window is None or isinstance(sliding_window, int)
+    window = jnp.zeros((), jnp.int32) if static_window else sliding_window  # a traced window travels as data
+
+    def body(local, max_seqs, q_dec, layer, slots_dec, n_dec, q_pre, slots_pre, n_pre, window):
+        return attend_mixed_impl(q_dec, _local_slots(sh, slots_dec, max_seqs), n_dec, q_pre,
+                                 _local_slots(sh, slots_pre, max_seqs), n_pre, local, layer,
+                                 sliding_window if static_window else window, sm_scale, logits_soft_cap)
+
+    specs = (sh.heads_spec(), P(), sh.rows_spec, sh.rows_spec, sh.heads_spec(), sh.rows_spec, sh.rows_spec, P())
+    return _run(cache, body, (q_dec, layer, slots_dec, n_dec, q_pre, slots_pre, n_pre, window), specs,
+                (sh.heads_spec(), sh.heads_spec()), returns_cache=False, check_vma=False)

@@ -227,7 +227,8 @@ class Attention(nnx.Module):
         other (N = sum R_i * T_i); groups: (slots i32[R_i], num_tokens i32[R_i], T_i) per group
         (e.g. decode rows, T = 1, and prefill rows, T = a chunk). The projections run once over
         the N tokens (one read of the weights); each group appends and attends as a batch of its
-        own, so each takes its kernel (decode or chunked prefill). Every group appends before any
+        own, so each takes its kernel (decode or chunked prefill; on a TPU both in one call,
+        `aj.attend_mixed`). Every group appends before any
         attends (the groups' slots differ, so no group reads what another writes): the arena's
         writes form one chain that XLA updates in place, with no read between them that would
         make it copy the arena. Returns (out [1, N, E], cache).
@@ -242,7 +243,8 @@ class Attention(nnx.Module):
             start += size
         for (_, k_part, v_part), (slots, num_tokens, _) in zip(parts, groups):
             cache = aj.append(cache, layer, slots, k_part, v_part, num_tokens=num_tokens)
-        options = self.attend_options(layer, window)
-        outs = [aj.attend(q_part, cache, layer, slots, num_tokens=num_tokens, **options).reshape(1, -1, *q.shape[2:])
-                for (q_part, _, _), (slots, num_tokens, _) in zip(parts, groups)]  # fmt: skip
-        return self.output(jnp.concatenate(outs, axis=1)), cache
+        # One call for all groups: on the TPU kernels a decode group and a chunk group share one
+        # kernel launch (`aj.attend_mixed`); elsewhere each group attends as a batch of its own.
+        outs = aj.attend_mixed([(q_part, slots, num_tokens) for (q_part, _, _), (slots, num_tokens, _) in zip(parts, groups)],
+                               cache, layer, **self.attend_options(layer, window))
+        return self.output(jnp.concatenate([o.reshape(1, -1, *q.shape[2:]) for o in outs], axis=1)), cache

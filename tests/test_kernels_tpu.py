@@ -420,6 +420,64 @@ def test_api_backend_matches_reference():
     COUNTS["API (aj.append / aj.attend)"] += len(tpu_outs)
 
 
+@pytest.mark.parametrize("dtype,window,soft_cap", [("float32", None, None), ("bfloat16", 10, 30.0)], ids=str)
+def test_mixed_call_equals_its_two_calls(dtype, window, soft_cap):
+    """`tpu_paged_attention_mixed`: decode rows (one of them padded: 0 tokens) and prompt chunks
+    (ragged: 13 and 6 of 13 tokens, in row blocks of 4) in ONE call == `tpu_paged_attention` on
+    each part, bit for bit, and == the reference, over a NaN-filled arena."""
+    from pallas_kernels.tpu.mixed import tpu_paged_attention_mixed
+
+    c = float_case(seed=3, lengths=(40, 17, 9, 13, 30), num_tokens=(1, 1, 0, 13, 6), tokens=13, q_heads=8,
+                   kv_heads=2, page_size=8, head_dim=128, dtype=jnp.dtype(dtype))
+    pm, lengths, counts, q = c["page_map"], c["lengths"], c["num_tokens"], c["q"]
+    arena = dict(k_arena=c["k_arena"], v_arena=c["v_arena"], layer=c["layer"])
+    opts = dict(sliding_window=window, logits_soft_cap=soft_cap, interpret=True)
+    bs = BlockSizes(block_tokens=4)
+    dec, pre = (slice(0, 3), slice(3, 5))
+    got_dec, got_pre = tpu_paged_attention_mixed(q[dec, :1], q[pre], c["k_arena"], c["v_arena"], c["layer"], pm[dec],
+                                                 lengths[dec], counts[dec], pm[pre], lengths[pre], counts[pre],
+                                                 block_sizes=bs, **opts)
+    for got, part, q_part, block_sizes in ((got_dec, dec, q[dec, :1], None), (got_pre, pre, q[pre], bs)):
+        rows = dict(page_map=pm[part], lengths=lengths[part], num_tokens=counts[part])
+        want = tpu_paged_attention(q_part, **arena, **rows, block_sizes=block_sizes, **opts)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert np.isfinite(np.asarray(got, np.float32)).all()
+        assert_close(got, attention_ref(q_part, **arena, **rows, sliding_window=window, logits_soft_cap=soft_cap),
+                     dtype)
+    COUNTS["mixed call (decode rows + chunks)"] += 1
+
+
+def test_api_attend_mixed_is_one_call_equal_to_attend_per_part():
+    """aj.attend_mixed on the TPU kernels (interpret mode): a decode part and a chunk part in
+    one kernel call == aj.attend on each part, bit for bit; other combinations (two decode
+    parts, the reference backend) are aj.attend per part."""
+    import arena_jax as aj
+
+    layout = aj.KVLayout(num_layers=1, num_kv_heads=2, head_dim=128, page_size=8, num_pages=16, max_seqs=4,
+                         max_pages_per_seq=4, dtype="float32")
+    rng = np.random.default_rng(2)
+    cache = aj.create(layout)
+    cache = cache.replace(k=jnp.full_like(cache.k, jnp.nan), v=jnp.full_like(cache.v, jnp.nan))
+    slots, counts = jnp.array([0, 1, 2, 3]), jnp.array([9, 20, 5, 0], jnp.int32)
+    cache, ok = aj.reserve(cache, slots, counts)
+    assert np.asarray(ok).all()
+    k, v = (jnp.asarray(rng.standard_normal((4, 20, 2, 128)), jnp.float32) for _ in range(2))
+    cache = aj.append(cache, 0, slots, k, v, num_tokens=counts, backend="pallas_tpu")
+    q_dec = jnp.asarray(rng.standard_normal((2, 1, 4, 128)), jnp.float32)
+    q_pre = jnp.asarray(rng.standard_normal((2, 6, 4, 128)), jnp.float32)
+    parts = [(q_dec, jnp.array([0, 3]), jnp.array([1, 0])), (q_pre, jnp.array([1, 2]), jnp.array([6, 3]))]
+    opts = dict(sliding_window=7, backend="pallas_tpu")
+    got = aj.attend_mixed(parts, cache, 0, **opts)
+    text = str(jax.make_jaxpr(lambda c: aj.attend_mixed(parts, c, 0, **opts))(cache))
+    assert text.count("tpu_paged_attention_mixed") == 1 and "tpu_paged_attention_bt" not in text, text[-2000:]
+    for out, (q, s, n) in zip(got, parts):
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(aj.attend(q, cache, 0, s, num_tokens=n, **opts)))
+        assert_close(out, aj.attend(q, cache, 0, s, num_tokens=n, sliding_window=7, backend="reference"), jnp.float32)
+    two_decode = aj.attend_mixed(parts[:1] * 2, cache, 0, **opts)
+    np.testing.assert_array_equal(np.asarray(two_decode[1]), np.asarray(got[0]))
+    COUNTS["mixed call (decode rows + chunks)"] += 1
+
+
 @pytest.mark.parametrize("q_dtype", [jnp.float32, jnp.bfloat16], ids=str)
 def test_api_rotated_int8_keys_match_reference(q_dtype):
     """An int8 arena with rotated keys (the int8 default) through the TPU kernels (interpret

@@ -143,13 +143,19 @@ def _attention_kernel(
     tokens: int,
     max_pages: int,
     compute,
+    row=None,
+    row_block=None,
 ):
+    """The kernel body (module docstring). `row`, `row_block`: the batch row (of the tables) and
+    the block of query tokens this body serves; default the program's ids (a mixed call,
+    `pallas_kernels.tpu.mixed`, runs two bodies in one kernel and names them)."""
     if quantized:
         ks_hbm, vs_hbm, o_ref, kbuf, vbuf, ksbuf, vsbuf, sem = refs
     else:
         o_ref, kbuf, vbuf, sem = refs
         ks_hbm = vs_hbm = ksbuf = vsbuf = None
-    b, rb = pl.program_id(0), pl.program_id(1)
+    b = pl.program_id(0) if row is None else row
+    rb = pl.program_id(1) if row_block is None else row_block
     _, num_kv_heads, num_pages, page_size, head_dim = k_hbm.shape
     _, block_k, _ = kbuf.shape
     ppb = block_k // page_size
@@ -380,6 +386,38 @@ def _attention_kernel(
     lax.fori_loop(0, total, body, init)
 
 
+def grouped(q, row_blocks: int, block_tokens: int, num_kv_heads: int):
+    """[R, T, Hq, D] -> [R, Hkv, T_pad * G, D] (T_pad = row_blocks * block_tokens): row r of a
+    head's block is token r // G, head r % G (GQA packing)."""
+    rows, tokens, num_q_heads, head_dim = q.shape
+    group = num_q_heads // num_kv_heads
+    qg = q.reshape(rows, tokens, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, row_blocks * block_tokens - tokens), (0, 0), (0, 0)))
+    return qg.reshape(rows, num_kv_heads, row_blocks * block_tokens * group, head_dim)
+
+
+def ungrouped(out, tokens: int, num_q_heads: int):
+    """`grouped`'s inverse: [R, Hkv, T_pad * G, D] -> [R, tokens, Hq, D]."""
+    rows, num_kv_heads, padded, head_dim = out.shape
+    group = num_q_heads // num_kv_heads
+    out = out.reshape(rows, num_kv_heads, padded // group, group, head_dim)[:, :, :tokens]
+    return out.transpose(0, 2, 1, 3, 4).reshape(rows, tokens, num_q_heads, head_dim)
+
+
+def _meta(layer, num_layers: int, sliding_window, logits_soft_cap, max_keys: int):
+    """The kernel's i32[2] (layer clipped into range, window), after checking the options."""
+    if isinstance(sliding_window, (bool, float)) or (isinstance(sliding_window, int) and sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive int, a traced integer scalar or None, got {sliding_window!r}")
+    if sliding_window is not None and not isinstance(sliding_window, int):
+        w = jnp.asarray(sliding_window)
+        if w.shape != () or not jnp.issubdtype(w.dtype, jnp.integer):
+            raise ValueError(f"sliding_window must be an integer scalar, got shape {w.shape} dtype {w.dtype}")
+    if logits_soft_cap is not None and not (isinstance(logits_soft_cap, (int, float)) and logits_soft_cap > 0):
+        raise ValueError(f"logits_soft_cap must be a positive float or None, got {logits_soft_cap!r}")
+    window = jnp.int32(0) if sliding_window is None else _window_value(sliding_window, max_keys)
+    return jnp.stack([jnp.clip(layer[0], 0, num_layers - 1), window]).astype(jnp.int32)
+
+
 def _window_value(sliding_window, max_keys: int):
     """The window as the kernel's int32 scalar, clipped into [0, max_keys] (same mask)."""
     if isinstance(sliding_window, int):
@@ -398,10 +436,7 @@ def _tpu_attention_call(q, k_arena, v_arena, meta, page_map, lengths, num_tokens
     row_blocks = -(-tokens // block_tokens)
     rows = block_tokens * group
     quantized = k_scale is not None
-    # [B, T, Hq, D] -> [B, Hkv, T_pad * G, D]: row r of a head's block is token r // G, head r % G.
-    qg = q.reshape(batch, tokens, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, row_blocks * block_tokens - tokens), (0, 0), (0, 0)))
-    qg = qg.reshape(batch, num_kv_heads, row_blocks * rows, head_dim)
+    qg = grouped(q, row_blocks, block_tokens, num_kv_heads)  # [B, Hkv, T_pad * G, D]
 
     compute = jnp.dtype(q.dtype)
     kernel = functools.partial(
@@ -453,8 +488,7 @@ def _tpu_attention_call(q, k_arena, v_arena, meta, page_map, lengths, num_tokens
         name=name,
         cost_estimate=cost,
     )(meta, lengths, num_tokens, page_map.reshape(-1), qg, k_arena, v_arena, zero_page, *extra)
-    out = out.reshape(batch, num_kv_heads, row_blocks * block_tokens, group, head_dim)[:, :, :tokens]
-    return out.transpose(0, 2, 1, 3, 4).reshape(batch, tokens, num_q_heads, head_dim)
+    return ungrouped(out, tokens, num_q_heads)
 
 
 def tpu_paged_attention(
@@ -496,24 +530,13 @@ def tpu_paged_attention(
     layer = check_layer(layer, num_layers)
     page_map, lengths, num_tokens = check_rows(page_map, lengths, num_tokens, batch)
     check_smem_tables(f"page_map [{batch}, {page_map.shape[1]}]", page_map.size + 2 * batch + 2)
-    max_keys = page_map.shape[1] * page_size
-    has_window = sliding_window is not None
-    if isinstance(sliding_window, (bool, float)) or (isinstance(sliding_window, int) and sliding_window < 1):
-        raise ValueError(f"sliding_window must be a positive int, a traced integer scalar or None, got {sliding_window!r}")
-    if has_window and not isinstance(sliding_window, int):
-        w = jnp.asarray(sliding_window)
-        if w.shape != () or not jnp.issubdtype(w.dtype, jnp.integer):
-            raise ValueError(f"sliding_window must be an integer scalar, got shape {w.shape} dtype {w.dtype}")
-    if logits_soft_cap is not None and not (isinstance(logits_soft_cap, (int, float)) and logits_soft_cap > 0):
-        raise ValueError(f"logits_soft_cap must be a positive float or None, got {logits_soft_cap!r}")
-    window = _window_value(sliding_window, max_keys) if has_window else jnp.int32(0)
-    meta = jnp.stack([jnp.clip(layer[0], 0, num_layers - 1), window]).astype(jnp.int32)
+    meta = _meta(layer, num_layers, sliding_window, logits_soft_cap, page_map.shape[1] * page_size)
     tiles = TpuAttentionTiles.choose(tokens=tokens, group=num_q_heads // num_kv_heads, page_size=page_size,
                                      max_pages=page_map.shape[1], block_sizes=block_sizes, num_kv_heads=num_kv_heads,
                                      head_dim=head_dim, itemsize=jnp.dtype(q.dtype).itemsize)
     return _tpu_attention_call(
         q, k_arena, v_arena, meta, page_map, lengths, num_tokens, k_scale, v_scale,
-        sm_scale=float(head_dim**-0.5 if sm_scale is None else sm_scale), has_window=has_window,
+        sm_scale=float(head_dim**-0.5 if sm_scale is None else sm_scale), has_window=sliding_window is not None,
         window_bound=sliding_window if isinstance(sliding_window, int) else None,
         soft_cap=None if logits_soft_cap is None else float(logits_soft_cap), tiles=tiles,
         interpret=resolve_tpu_interpret(interpret),

@@ -1,0 +1,178 @@
+"""Decode rows and prompt chunks in ONE Mosaic call: continuous batching's mixed step on a TPU.
+
+`tpu_paged_attention_mixed` takes a mixed step's two parts, decode rows (one query token each)
+and prefill chunks (up to T tokens each), and runs both through one `pallas_call`: the grid
+is (B + P rows, row blocks of a chunk), its first B rows the decode rows (their block 0 does
+the work, the others nothing), the rest the chunks. Each program runs the attention kernel's
+body (`attention._attention_kernel`) for its part, with that part's static tiling: a decode
+row's G query rows a head, a chunk's `block_tokens x G`. So a decode row costs what it costs
+in a decode call, with no padding to the chunk width, and the two parts share one launch,
+one pair of VMEM slots and the DMA pipeline's warm-up.
+
+How the parts' blocks stay out of each other's way: the decode part's q and output blocks
+are indexed by min(row, B - 1) and the chunks' by max(row - B, 0), so while one part runs the
+other's block index does not change; Pallas then neither fetches nor writes it back between
+those programs, and the last program to write a block is the one that owns it. The grid
+runs in order (both dimensions "arbitrary").
+
+Contract: the decode part == `tpu_paged_attention` on (q_dec, page_map_dec, lengths_dec,
+num_tokens_dec) and the chunk part == `tpu_paged_attention` on the chunk arguments, bit for
+bit (the same body, the same tiles); `tests/test_kernels_tpu.py` checks both and the reference.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels._common import BlockSizes, check_arena, check_layer, check_rows, check_tokens
+from pallas_kernels.tpu.attention import TpuAttentionTiles, _attention_kernel, _meta, grouped, ungrouped
+from pallas_kernels.tpu.common import check_smem_tables, resolve_tpu_interpret, tpu_unsupported_reason
+
+__all__ = ["tpu_paged_attention_mixed"]
+
+
+def _mixed_kernel(meta_ref, lengths_ref, num_tokens_ref, page_map_ref, q_dec_ref, q_pre_ref, k_hbm, v_hbm,
+                  zero_page_hbm, *refs, quantized: bool, num_decode: int, decode: dict, prefill: dict):
+    scales = refs[:2] if quantized else ()
+    o_dec_ref, o_pre_ref = refs[len(scales): len(scales) + 2]
+    scratch = refs[len(scales) + 2:]
+    b, rb = pl.program_id(0), pl.program_id(1)
+    common = (meta_ref, lengths_ref, num_tokens_ref, page_map_ref)
+
+    @pl.when((b < num_decode) & (rb == 0))
+    def _():
+        _attention_kernel(*common, q_dec_ref, k_hbm, v_hbm, zero_page_hbm, *scales, o_dec_ref, *scratch, row=b,
+                          row_block=0, quantized=quantized, **decode)
+
+    @pl.when(b >= num_decode)
+    def _():
+        _attention_kernel(*common, q_pre_ref, k_hbm, v_hbm, zero_page_hbm, *scales, o_pre_ref, *scratch, row=b,
+                          row_block=rb, quantized=quantized, **prefill)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "has_window", "soft_cap", "tiles", "interpret"))
+def _mixed_call(q_dec, q_pre, k_arena, v_arena, meta, page_map, lengths, num_tokens, k_scale, v_scale, *, sm_scale,
+                has_window, soft_cap, tiles, interpret):
+    num_decode, _, num_q_heads, head_dim = q_dec.shape
+    num_chunks, tokens = q_pre.shape[:2]
+    _, num_kv_heads, _, page_size, _ = k_arena.shape
+    group = num_q_heads // num_kv_heads
+    block_k, block_tokens = tiles.block_k, tiles.block_tokens
+    row_blocks = -(-tokens // block_tokens)
+    quantized = k_scale is not None
+    qd = grouped(q_dec, 1, 1, num_kv_heads)  # [B, Hkv, G, D]
+    qp = grouped(q_pre, row_blocks, block_tokens, num_kv_heads)  # [P, Hkv, RB * bt * G, D]
+    static = dict(sm_scale=sm_scale, has_window=has_window, soft_cap=soft_cap, group=group,
+                  max_pages=page_map.shape[1], compute=jnp.dtype(q_dec.dtype))
+    kernel = functools.partial(_mixed_kernel, quantized=quantized, num_decode=num_decode,
+                               decode=dict(static, block_tokens=1, tokens=1),
+                               prefill=dict(static, block_tokens=block_tokens, tokens=tokens))
+    dec_spec = pl.BlockSpec((None, num_kv_heads, group, head_dim),
+                            lambda b, rb, *_: (jnp.minimum(b, num_decode - 1), 0, 0, 0))
+    pre_spec = pl.BlockSpec((None, num_kv_heads, block_tokens * group, head_dim),
+                            lambda b, rb, *_: (jnp.maximum(b - num_decode, 0), 0, jnp.where(b < num_decode, 0, rb), 0))
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    ppb = block_k // page_size
+    scratch = [pltpu.VMEM((2, block_k, head_dim), k_arena.dtype), pltpu.VMEM((2, block_k, head_dim), k_arena.dtype)]
+    extra = ()
+    if quantized:
+        scratch += [pltpu.VMEM((2, ppb, page_size), jnp.float32), pltpu.VMEM((2, ppb, page_size), jnp.float32)]
+        extra = (k_scale, v_scale)
+    scratch.append(pltpu.SemaphoreType.DMA((2,)))
+    zero_page = jnp.zeros((page_size, head_dim), k_arena.dtype)
+    rows = num_decode + num_chunks
+    keys = page_map.shape[1] * page_size
+    page_bytes = 2 * page_size * head_dim * jnp.dtype(k_arena.dtype).itemsize + (2 * page_size * 4 if quantized else 0)
+    programs = (num_decode + num_chunks * row_blocks) * num_kv_heads
+    cost = pl.CostEstimate(  # at the workload bound: every row at the page table's full length
+        flops=int(4 * keys * head_dim * num_kv_heads * group * (num_decode + num_chunks * row_blocks * block_tokens)),
+        transcendentals=int(keys * num_kv_heads * group * (num_decode + num_chunks * row_blocks * block_tokens)),
+        bytes_accessed=int(programs * page_map.shape[1] * page_bytes
+                           + 2 * (qd.size + qp.size) * qd.dtype.itemsize),
+    )
+    name = f"tpu_paged_attention_mixed_bt{block_tokens}_g{group}_bk{block_k}_d{head_dim}"
+    if quantized:
+        name += f"_{jnp.dtype(k_arena.dtype).name}"
+    o_dec, o_pre = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(rows, row_blocks),
+            in_specs=[dec_spec, pre_spec, hbm, hbm, hbm] + [hbm] * len(extra),
+            out_specs=[dec_spec, pre_spec],
+            scratch_shapes=scratch,
+        ),
+        out_shape=[jax.ShapeDtypeStruct(qd.shape, q_dec.dtype), jax.ShapeDtypeStruct(qp.shape, q_pre.dtype)],
+        # In order: a part's blocks stay put (neither fetched nor written back) while the other runs.
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary"), disable_bounds_checks=True),
+        interpret=interpret,
+        name=name,
+        cost_estimate=cost,
+    )(meta, lengths, num_tokens, page_map.reshape(-1), qd, qp, k_arena, v_arena, zero_page, *extra)
+    return ungrouped(o_dec, 1, num_q_heads), ungrouped(o_pre, tokens, num_q_heads)
+
+
+def tpu_paged_attention_mixed(
+    q_dec,
+    q_pre,
+    k_arena,
+    v_arena,
+    layer,
+    page_map_dec,
+    lengths_dec,
+    num_tokens_dec,
+    page_map_pre,
+    lengths_pre,
+    num_tokens_pre,
+    *,
+    k_scale=None,
+    v_scale=None,
+    sm_scale: float | None = None,
+    sliding_window=None,
+    logits_soft_cap: float | None = None,
+    interpret=None,
+    block_sizes: BlockSizes | None = None,
+):
+    """A mixed step's attention in one call. q_dec: [B, 1, Hq, D] (decode rows; num_tokens_dec
+    0 or 1), q_pre: [P, T, Hq, D] (prefill chunks); page maps i32[B, M] / i32[P, M] (the same M),
+    lengths and num_tokens per row of each part. The options are `tpu_paged_attention`'s, for
+    both parts. Returns (out_dec [B, 1, Hq, D], out_pre [P, T, Hq, D]) in q's dtype, each equal
+    to `tpu_paged_attention` on its part."""
+    num_layers, num_kv_heads, _, page_size, head_dim = check_arena(k_arena, v_arena, k_scale, v_scale)
+    check_tokens("q_dec", q_dec, batch=None, heads=None, head_dim=head_dim)
+    check_tokens("q_pre", q_pre, batch=None, heads=q_dec.shape[2], head_dim=head_dim)
+    num_decode, one, num_q_heads, _ = q_dec.shape
+    num_chunks, tokens = q_pre.shape[:2]
+    if one != 1 or num_decode < 1 or num_chunks < 1:
+        raise ValueError(f"q_dec must be [B >= 1, 1, Hq, D] and q_pre [P >= 1, T, Hq, D], got {q_dec.shape} and "
+                         f"{q_pre.shape} (one part alone: tpu_paged_attention)")
+    if q_pre.dtype != q_dec.dtype:
+        raise ValueError(f"q_dec and q_pre must share a dtype, got {q_dec.dtype} and {q_pre.dtype}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"q has {num_q_heads} heads, not a multiple of the arena's {num_kv_heads} KV heads")
+    reason = tpu_unsupported_reason(head_dim=head_dim, page_size=page_size, dtype=k_arena.dtype,
+                                    scale_dtype=None if k_scale is None else k_scale.dtype, q_dtype=q_dec.dtype)
+    if reason:
+        raise ValueError(reason)
+    layer = check_layer(layer, num_layers)
+    dec = check_rows(page_map_dec, lengths_dec, num_tokens_dec, num_decode)
+    pre = check_rows(page_map_pre, lengths_pre, num_tokens_pre, num_chunks)
+    if dec[0].shape[1] != pre[0].shape[1]:
+        raise ValueError(f"page_map_dec and page_map_pre must have the same width, got {dec[0].shape[1]} and "
+                         f"{pre[0].shape[1]}")
+    page_map, lengths, num_tokens = (jnp.concatenate([d, p]) for d, p in zip(dec, pre))
+    rows = num_decode + num_chunks
+    check_smem_tables(f"page_map [{rows}, {page_map.shape[1]}]", page_map.size + 2 * rows + 2)
+    meta = _meta(layer, num_layers, sliding_window, logits_soft_cap, page_map.shape[1] * page_size)
+    tiles = TpuAttentionTiles.choose(tokens=tokens, group=num_q_heads // num_kv_heads, page_size=page_size,
+                                     max_pages=page_map.shape[1], block_sizes=block_sizes, num_kv_heads=num_kv_heads,
+                                     head_dim=head_dim, itemsize=jnp.dtype(q_dec.dtype).itemsize)
+    return _mixed_call(
+        q_dec, q_pre, k_arena, v_arena, meta, page_map, lengths, num_tokens, k_scale, v_scale,
+        sm_scale=float(head_dim**-0.5 if sm_scale is None else sm_scale), has_window=sliding_window is not None,
+        soft_cap=None if logits_soft_cap is None else float(logits_soft_cap), tiles=tiles,
+        interpret=resolve_tpu_interpret(interpret))
