@@ -540,6 +540,9 @@ def attend_mixed(parts, cache: KVCache, layer, *, sliding_window=None, sm_scale:
     ("pallas_tpu"; on a mesh, per shard), a decode part (T = 1) followed by a chunk part (T > 1)
     runs in ONE kernel call (`pallas_kernels.tpu.mixed`), equal to the two calls; any other
     combination runs `attend` per part."""
+    if not isinstance(parts, (list, tuple)) or not all(isinstance(p, (list, tuple)) and len(p) == 3 for p in parts):
+        raise ValueError(f"parts must be a list of (q, slots, num_tokens) triples, got {type(parts).__name__} "
+                         f"{[type(p).__name__ for p in parts] if isinstance(parts, (list, tuple)) else ''}")
     args = [_attend_args(q, cache, layer, slots, n, sliding_window, sm_scale, logits_soft_cap, backend)
             for q, slots, n in parts]
     one_call = (len(args) == 2 and all(a[6] == "pallas_tpu" for a in args) and args[0][0].shape[1] == 1

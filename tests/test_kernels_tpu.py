@@ -475,6 +475,9 @@ def test_api_attend_mixed_is_one_call_equal_to_attend_per_part():
         assert_close(out, aj.attend(q, cache, 0, s, num_tokens=n, sliding_window=7, backend="reference"), jnp.float32)
     two_decode = aj.attend_mixed(parts[:1] * 2, cache, 0, **opts)
     np.testing.assert_array_equal(np.asarray(two_decode[1]), np.asarray(got[0]))
+    for bad in ((q_dec, jnp.array([0, 3])), [(q_dec, jnp.array([0, 3]))], q_dec):
+        with pytest.raises(ValueError, match="parts must be a list of \\(q, slots, num_tokens\\) triples"):
+            aj.attend_mixed(bad, cache, 0, **opts)
     COUNTS["mixed call (decode rows + chunks)"] += 1
 
 
