@@ -18,9 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from pallas_kernels.offline import tpu as tpu_compile
 from pallas_kernels.offline import tpu_bundles as tb
-from test_compile_tpu import IN_CI, gate
+from test_compile_tpu import tooling  # noqa: F401 - the fixture: libtpu present (CI: must be)
 
 SMALL = Path(__file__).parent / "data" / "tpu_final_bundles_small.txt"
 
@@ -59,13 +58,13 @@ def test_loops_and_the_per_block_loop(small):
 
 def test_per_iteration_runs_nested_loops_their_trips(small):
     block = tb.block_loop(small)
-    assert tb.per_iteration(block, pages=4) == dict(bundles=67 + 6 * 7, empty=7 + 1 * 7, dma_starts=16, dma_waits=2,
+    assert tb.per_iteration(block) == dict(bundles=67 + 6 * 7, empty=7 + 1 * 7, dma_starts=16, dma_waits=2,
                                                     mxu_pushes=17, matmuls=8, branches=8 + 1 * 7, spills=3, cold=0)
     # a register-bound nested loop is not in the steady-state iteration: its bundles are reported as cold
     dma_loop = tb.LoopFacts(0, 9, 3, 10, 0, 2, 0, 0, 0, 1, 0, trip=None)
     other = tb.LoopFacts(20, 24, 3, 5, 0, 0, 0, 0, 0, 1, 0, trip=None)
     loop = tb.LoopFacts(0, 40, 2, 41, 0, 2, 0, 8, 1, 2, 0, trip=None, nested=(dma_loop, other))
-    got = tb.per_iteration(loop, pages=4)
+    got = tb.per_iteration(loop)
     assert (got["bundles"], got["dma_starts"], got["branches"], got["cold"]) == (26, 0, 0, 10 + 5)
 
 
@@ -94,12 +93,6 @@ def test_the_table_says_why_a_row_has_no_numbers():
     assert text.splitlines()[-1] == "ours int8 d128 p16  refused: page_size=16: the TPU kernels take multiples of 128"
 
 
-@pytest.fixture(scope="module")
-def tooling():
-    action = gate(tpu_compile.tooling_problem(), IN_CI)
-    if action is not None:
-        kind, message = action
-        (pytest.fail if kind == "fail" else pytest.skip)(message)
 
 
 def test_capture_ours_and_jax_for_v5e(tooling):

@@ -202,17 +202,17 @@ def block_loop(bundles: list[Bundle]) -> LoopFacts | None:
     return max(inner, key=lambda lp: lp.bundles, default=None)
 
 
-def per_iteration(loop: LoopFacts, pages: int) -> dict:
+def per_iteration(loop: LoopFacts) -> dict:
     """`loop`'s counts per iteration in the steady state: its nested loops with a constant trip
     count run that many times; a loop bounded by a register is counted apart, in `cold` (its
     static bundles, once), not in the iteration: in our kernel those run only in a row's first
     and last blocks (pages partly in range, page-by-page waits, V rows zeroed) or in a block
     with an unmapped page, and an interior block, the steady state at long contexts, runs none.
-    (`pages` is kept for callers; JAX's kernels have no register-bound nested loop here.)"""
+    (JAX's kernels have no register-bound nested loop here.)"""
     out = {k: getattr(loop, k) - sum(getattr(c, k) for c in loop.nested) for k in COUNTED}
     out["cold"] = 0
     for child in loop.nested:
-        sub = per_iteration(child, pages)
+        sub = per_iteration(child)
         if child.trip is None:
             out["cold"] += sub["bundles"] + sub["cold"]
             continue
@@ -348,7 +348,7 @@ def _row(case: BundleCase, target: str, new_files: list[str], dump_dir: str, sec
         return dict(row, status=f"failed: no loop with MXU ops in {hlo_name} ({len(bundles)} bundles)", hlo_name=hlo_name)
     keys, heads = _keys_heads(case, hlo_name)
     pages = keys // case.page_size  # pages of the block (one page holds every head of ragged's head block)
-    it = per_iteration(loop, pages)
+    it = per_iteration(loop)
     chip = CHIPS[target]
     per = keys * heads / BLOCK_KEYS  # (KV head x 512 keys) units per iteration
     nbytes = keys * heads * _bytes_per_key_head(case)

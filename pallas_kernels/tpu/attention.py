@@ -404,6 +404,17 @@ def ungrouped(out, tokens: int, num_q_heads: int):
     return out.transpose(0, 2, 1, 3, 4).reshape(rows, tokens, num_q_heads, head_dim)
 
 
+def check_geometry(num_q_heads: int, k_arena, k_scale, q_dtype) -> None:
+    """A ValueError unless the TPU kernels take this q head count, arena and q dtype."""
+    _, num_kv_heads, _, page_size, head_dim = k_arena.shape
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"q has {num_q_heads} heads, not a multiple of the arena's {num_kv_heads} KV heads")
+    reason = tpu_unsupported_reason(head_dim=head_dim, page_size=page_size, dtype=k_arena.dtype,
+                                    scale_dtype=None if k_scale is None else k_scale.dtype, q_dtype=q_dtype)
+    if reason:
+        raise ValueError(reason)
+
+
 def _meta(layer, num_layers: int, sliding_window, logits_soft_cap, max_keys: int):
     """The kernel's i32[2] (layer clipped into range, window), after checking the options."""
     if isinstance(sliding_window, (bool, float)) or (isinstance(sliding_window, int) and sliding_window < 1):
@@ -521,12 +532,7 @@ def tpu_paged_attention(
     num_layers, num_kv_heads, _, page_size, head_dim = check_arena(k_arena, v_arena, k_scale, v_scale)
     check_tokens("q", q, batch=None, heads=None, head_dim=head_dim)
     batch, tokens, num_q_heads, _ = q.shape
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"q has {num_q_heads} heads, not a multiple of the arena's {num_kv_heads} KV heads")
-    reason = tpu_unsupported_reason(head_dim=head_dim, page_size=page_size, dtype=k_arena.dtype,
-                                    scale_dtype=None if k_scale is None else k_scale.dtype, q_dtype=q.dtype)
-    if reason:
-        raise ValueError(reason)
+    check_geometry(num_q_heads, k_arena, k_scale, q.dtype)
     layer = check_layer(layer, num_layers)
     page_map, lengths, num_tokens = check_rows(page_map, lengths, num_tokens, batch)
     check_smem_tables(f"page_map [{batch}, {page_map.shape[1]}]", page_map.size + 2 * batch + 2)

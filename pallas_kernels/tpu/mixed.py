@@ -29,8 +29,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._common import BlockSizes, check_arena, check_layer, check_rows, check_tokens
-from pallas_kernels.tpu.attention import TpuAttentionTiles, _attention_kernel, _meta, grouped, ungrouped
-from pallas_kernels.tpu.common import check_smem_tables, resolve_tpu_interpret, tpu_unsupported_reason
+from pallas_kernels.tpu.attention import TpuAttentionTiles, _attention_kernel, _meta, check_geometry, grouped, ungrouped
+from pallas_kernels.tpu.common import check_smem_tables, resolve_tpu_interpret
 
 __all__ = ["tpu_paged_attention_mixed"]
 
@@ -152,12 +152,7 @@ def tpu_paged_attention_mixed(
                          f"{q_pre.shape} (one part alone: tpu_paged_attention)")
     if q_pre.dtype != q_dec.dtype:
         raise ValueError(f"q_dec and q_pre must share a dtype, got {q_dec.dtype} and {q_pre.dtype}")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"q has {num_q_heads} heads, not a multiple of the arena's {num_kv_heads} KV heads")
-    reason = tpu_unsupported_reason(head_dim=head_dim, page_size=page_size, dtype=k_arena.dtype,
-                                    scale_dtype=None if k_scale is None else k_scale.dtype, q_dtype=q_dec.dtype)
-    if reason:
-        raise ValueError(reason)
+    check_geometry(num_q_heads, k_arena, k_scale, q_dec.dtype)
     layer = check_layer(layer, num_layers)
     dec = check_rows(page_map_dec, lengths_dec, num_tokens_dec, num_decode)
     pre = check_rows(page_map_pre, lengths_pre, num_tokens_pre, num_chunks)
