@@ -31,6 +31,27 @@ _init = nnx.initializers.normal(stddev=0.02)
 _FROM_CONFIG = object()  # "the layer's own window / RoPE, from the config"
 
 
+def one_row_safe_einsum(spec: str, x, w, **kwargs):
+    """`jnp.einsum(spec, x, w, **kwargs)` for x [B, T, ...] whose one row (B * T == 1) runs on a
+    GPU as two, the second zero and dropped. For a one-row dot XLA's GPU compiler either rewrites
+    it as a reduce over a transposed copy of the weight (the k / v projections) or converts the
+    whole weight to float32 first (the float32 logits: 2 GiB at Llama-3-8B's vocabulary): 1.5 ms
+    of a 7.3 ms Llama-3-8B decode step at batch 1 on an H200 (benchmarks/RESULTS.md, issue 39).
+    With two rows it calls cuBLAS on the weight where it lies. Other platforms: the einsum as is
+    (`lax.platform_dependent` lowers one branch)."""
+
+    def plain(x, w):
+        return jnp.einsum(spec, x, w, **kwargs)
+
+    if x.shape[0] * x.shape[1] != 1:
+        return plain(x, w)
+
+    def two_rows(x, w):
+        return plain(jnp.concatenate([x, jnp.zeros_like(x)]), w)[:1]
+
+    return jax.lax.platform_dependent(x, w, cuda=two_rows, rocm=two_rows, default=plain)
+
+
 class Embedder(nnx.Module):
     """Token embedding table `[V, E]`; `decode` is the tied LM head. `scale` (Gemma:
     sqrt(hidden_size)) multiplies the embeddings, in the compute dtype, as transformers does."""
@@ -45,7 +66,7 @@ class Embedder(nnx.Module):
         return x if self.scale is None else x * jnp.asarray(self.scale, self.dtype)
 
     def decode(self, x):  # [B, T, E] -> [B, T, V] float32
-        return jnp.einsum("BTE,VE->BTV", x, self.embedding[...].astype(x.dtype), preferred_element_type=jnp.float32)
+        return one_row_safe_einsum("BTE,VE->BTV", x, self.embedding[...].astype(x.dtype), preferred_element_type=jnp.float32)
 
 
 class RMSNorm(nnx.Module):
@@ -180,8 +201,8 @@ class Attention(nnx.Module):
         norms and RoPE applied). inv_freq f32[H/2]: the layer's RoPE (default: `layer`'s)."""
         cfg = self.config
         q = jnp.einsum("BTE,ENH->BTNH", x, self._weight("q"))
-        k = jnp.einsum("BTE,EKH->BTKH", x, self._weight("k"))
-        v = jnp.einsum("BTE,EKH->BTKH", x, self._weight("v"))
+        k = one_row_safe_einsum("BTE,EKH->BTKH", x, self._weight("k"))
+        v = one_row_safe_einsum("BTE,EKH->BTKH", x, self._weight("v"))
         if cfg.qkv_bias:
             q, k, v = q + self._weight("q_bias"), k + self._weight("k_bias"), v + self._weight("v_bias")
         if cfg.qk_norm:

@@ -27,7 +27,7 @@ import arena_jax as aj
 from arena_jax.sharding import shard_rows, slot_lengths
 from arena_jax.models.checks import check_int, check_number
 from arena_jax.models.config import LlamaConfig
-from arena_jax.models.layers import _FROM_CONFIG, MLP, Attention, Embedder, RMSNorm, layer_inv_freq, layer_windows
+from arena_jax.models.layers import _FROM_CONFIG, MLP, Attention, Embedder, RMSNorm, layer_inv_freq, layer_windows, one_row_safe_einsum
 
 __all__ = ["Block", "Llama", "init_random", "token_positions", "layer_inputs", "run_layers"]
 
@@ -209,7 +209,8 @@ class Llama(nnx.Module):
         if self.lm_head is None:
             logits = self.embed.decode(x)
         else:
-            logits = jnp.einsum("BTE,EV->BTV", x, self.lm_head[...].astype(x.dtype), preferred_element_type=jnp.float32)
+            logits = one_row_safe_einsum("BTE,EV->BTV", x, self.lm_head[...].astype(x.dtype),
+                                         preferred_element_type=jnp.float32)  # fmt: skip
         cap = self.config.final_logit_softcapping
         return logits if cap is None else jnp.tanh(logits / cap) * cap
 

@@ -47,7 +47,7 @@ from arena_jax.models.sampling import SamplingParams, sample
 # options only on a top-level jit, so the public `decode_step` / `prefill` / `mixed_step`, which a
 # user may call inside their own jit or `eval_shape`, do not carry them: give them to your own
 # top-level jit (`jax.jit(f, compiler_options=STEP_COMPILER_OPTIONS)`).
-STEP_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+STEP_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_dot_merger_threshold_mb": 0}
 
 __all__ = ["StepOutput", "prefill", "decode_step", "mixed_step", "release_rows", "fork_page_rows", "hold_page_rows", "drop_page_rows",
            "swap_out_rows", "swap_in_rows", "offload_page_rows", "drop_host_page_rows", "evict_to_host_rows",

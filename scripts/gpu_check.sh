@@ -20,6 +20,7 @@ for s in ${@:-tests kernels decode kernels_int8}; do case $s in
   kernels) step kernels ${T_KERNELS:-200} $BENCH kernels --no-progress --batches 1,8,64 --contexts 512,4096,32768 --json "$OUT/kernels.json" ;;
   decode) step decode ${T_DECODE:-150} $BENCH decode --no-progress --model llama3-8b --batch 8 --prompt-len 512 --new-tokens 64 --repeats 3 --hf off --json "$OUT/decode.json" ;;
   decode_f32) step decode_f32 ${T_DECODE_F32:-90} $BENCH decode --no-progress --model llama3-8b --num-layers 8 --dtype float32 --batch 8 --prompt-len 512 --new-tokens 64 --repeats 2 --hf off --json "$OUT/decode_f32.json" ;;
+  weights) step weights ${T_WEIGHTS:-330} $PY -m arena_jax.benchmarks.studies.gpu_step --json "$OUT/gpu_step.json" ;;
   kernels_int8) step kernels_int8 ${T_INT8:-60} $BENCH kernels --no-progress --dtype int8 --batches 8,64 --contexts 4096 --json "$OUT/kernels_int8.json" ;;
   *) echo "unknown step $s"; exit 2 ;;
 esac; done

@@ -161,3 +161,28 @@ def test_verify_step_compiles_for_sm90a_with_the_arena_in_place(tooling, tmp_pat
     assert all(k["regs"] and k["spills"] == 0 for k in facts["kernels"]), facts
     if _jaxlib_minor() >= (0, 11):
         assert facts["weight_bytes"] < 2**20, facts  # (the two norm scales' 8 KiB slices remain)
+    # XLA's dot merger (off: `STEP_COMPILER_OPTIONS`) would concatenate each layer's q / k / v
+    # weights into one [E, (N + 2K) H] buffer every step, to run one matmul.
+    e, n, k, h = 4096, 32, 8, 128  # Llama-3-8B
+    assert f"bf16[{e},{(n + 2 * k) * h}]" not in compiled.as_text(), "q / k / v weights concatenated every step"
+
+
+def test_one_row_decode_step_reads_its_weights_where_they_lie(tooling, tmp_path):
+    """A decode step of one row compiled for an H100 (2 layers of a Llama-3-8B-shaped model):
+    no weight-sized buffer is made. Before `layers.one_row_safe_einsum`, XLA turned the one-row
+    k / v projections into reduces over a transposed copy of the stacked k / v weights, and the
+    float32 logits into a float32 copy of the LM head (2 GiB): 1.5 ms of a 7.3 ms step on an H200
+    (benchmarks/RESULTS.md). JAX 0.10's XLA still copies per-layer weight slices (see above)."""
+    from arena_jax.benchmarks.studies.sm90_steps import ARRAY_OP, _shape_bytes, _unfused, compile_step, step_facts
+
+    compiled, state, cache, _ = compile_step("decode", 1, 1, 2, str(tmp_path))
+    facts = step_facts(compiled, state, cache, str(tmp_path))
+    assert facts["aliased"] and facts["arena_copies"] == 0, facts
+    arena = f"{cache.k.dtype}[{','.join(map(str, cache.k.shape))}]".replace("bfloat16", "bf16")
+    made = [f"{op} {dtype}[{dims}]" for dtype, dims, op in ARRAY_OP.findall(_unfused(compiled.as_text()))
+            if op in ("fusion", "copy", "transpose", "convert", "concatenate") and f"{dtype}[{dims}]" != arena
+            and _shape_bytes(dtype, dims) >= 4 * 2**20]  # fmt: skip
+    if _jaxlib_minor() >= (0, 11):
+        assert made == [] and facts["weight_bytes"] < 2**20, (made, facts)
+    else:  # only the per-layer slices of the stacked weights ([1, ...]) that XLA 0.10 copies
+        assert all(m.split("[")[1].startswith("1,") for m in made), made

@@ -546,3 +546,24 @@ def test_cli_bad_flags(argv, message, capsys):
     err = capsys.readouterr().err
     assert "arena-generate: error:" in err and "Traceback" not in err
     assert re.search(message, err), err
+
+
+@pytest.mark.parametrize("spec, rows, w_shape", [("BTE,EKH->BTKH", (1, 1), (16, 2, 8)), ("BTE,EV->BTV", (1, 1), (16, 40)),
+                                                 ("BTE,EV->BTV", (3, 2), (16, 40))])  # fmt: skip
+def test_one_row_safe_einsum_runs_one_row_as_two_on_a_gpu_only(spec, rows, w_shape):
+    """Its values are the einsum's; lowered for CUDA a lone row is computed beside a zero row
+    (what keeps XLA's GPU compiler from copying the weight: test_compile_sm90), for the CPU (and
+    for more rows than one) it is the plain einsum."""
+    from arena_jax.models.layers import one_row_safe_einsum
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((*rows, 16)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal(w_shape), jnp.float32)
+    f = jax.jit(lambda x, w: one_row_safe_einsum(spec, x, w, preferred_element_type=jnp.float32))
+    np.testing.assert_array_equal(np.asarray(f(x, w)), np.asarray(jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)))
+    cuda = f.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    cpu = f.trace(x, w).lower(lowering_platforms=("cpu",)).as_text()
+    assert "concatenate" not in cpu
+    assert ("concatenate" in cuda) == (rows == (1, 1)), cuda
+    if rows == (1, 1):
+        assert re.search(r"dot_general.*-> tensor<2x", cuda), cuda
