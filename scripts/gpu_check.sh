@@ -15,8 +15,9 @@ step() { local name=$1 limit=$2; shift 2; echo "=== $name ($(date -u +%H:%M:%S),
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/device.log"
 $PY -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tail -1 | tee -a "$OUT/device.log"
 for s in ${@:-tests kernels decode kernels_int8}; do case $s in
-  tests) step tests ${T_TESTS:-240} $PY -m pytest -p no:cacheprovider --timeout 200 -rf \
-           tests/test_kernels_append.py tests/test_kernels_attention.py tests/test_kernels_quantized.py tests/test_backends.py ;;
+  tests) step tests ${T_TESTS:-240} $PY -m pytest -p no:cacheprovider --timeout 200 -rfs \
+           tests/test_kernels_append.py tests/test_kernels_attention.py tests/test_kernels_quantized.py tests/test_backends.py \
+           tests/test_models.py::test_one_row_safe_einsum_on_a_gpu_matches_the_einsum ;;
   kernels) step kernels ${T_KERNELS:-200} $BENCH kernels --no-progress --batches 1,8,64 --contexts 512,4096,32768 --json "$OUT/kernels.json" ;;
   decode) step decode ${T_DECODE:-150} $BENCH decode --no-progress --model llama3-8b --batch 8 --prompt-len 512 --new-tokens 64 --repeats 3 --hf off --json "$OUT/decode.json" ;;
   decode_f32) step decode_f32 ${T_DECODE_F32:-90} $BENCH decode --no-progress --model llama3-8b --num-layers 8 --dtype float32 --batch 8 --prompt-len 512 --new-tokens 64 --repeats 2 --hf off --json "$OUT/decode_f32.json" ;;

@@ -567,3 +567,22 @@ def test_one_row_safe_einsum_runs_one_row_as_two_on_a_gpu_only(spec, rows, w_sha
     assert ("concatenate" in cuda) == (rows == (1, 1)), cuda
     if rows == (1, 1):
         assert re.search(r"dot_general.*-> tensor<2x", cuda), cuda
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the two-row branch runs on a GPU only (scripts/gpu_check.sh tests)")
+@pytest.mark.parametrize("spec, w_shape", [("BTE,EKH->BTKH", (512, 8, 128)), ("BTE,EV->BTV", (512, 32000))])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_row_safe_einsum_on_a_gpu_matches_the_einsum(spec, w_shape, dtype):
+    """The GPU branch (one row computed beside a zero row, cuBLAS) against the plain einsum
+    (what XLA made of one row: a reduce, or a float32 GEMV), float32 logits as the models take them."""
+    from arena_jax.models.layers import one_row_safe_einsum
+
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((1, 1, 512)), dtype)
+    w = jnp.asarray(rng.standard_normal(w_shape) / 20, dtype)
+    with jax.default_matmul_precision("highest"):
+        got = jax.jit(lambda x, w: one_row_safe_einsum(spec, x, w, preferred_element_type=jnp.float32))(x, w)
+        want = jax.jit(lambda x, w: jnp.einsum(spec, x, w, preferred_element_type=jnp.float32))(x, w)
+    tol = 1e-5 if dtype == "float32" else 1e-2
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tol, atol=tol)
+    assert "concatenate" in jax.jit(lambda x, w: one_row_safe_einsum(spec, x, w)).lower(x, w).as_text()

@@ -25,7 +25,7 @@ donated. Variants, alternated call by call in one process:
 "must read" is what one step has to read at least: every weight but the embedding table (a
 step gathers B of its rows), plus the K/V of `context` tokens per row at every layer. GB/s is
 that over the median step time, and "% copy" its share of the device's copy bandwidth
-(read + write of 2 GiB, measured in the same run). Figures are medians of `--repeats` calls after
+(`copy_bandwidth`, wall clock, measured in the same run). Figures are medians of `--repeats` calls after
 one untimed call, whose extra time is "compile s".
 """
 from __future__ import annotations
@@ -60,9 +60,11 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def copy_bandwidth(nbytes: int = 2 * 2**30, repeats: int = 10) -> float:
-    """Bytes/s of one elementwise read + write over `nbytes`, in place (the buffer donated: no
+def copy_bandwidth(nbytes: int | None = None, repeats: int = 10) -> float:
+    """Bytes/s of one elementwise read + write over `nbytes` (8 GiB on an accelerator, where a
+    wall-clock figure needs a long kernel; 256 MiB on a CPU), in place (the buffer donated: no
     allocation timed), median of `repeats` calls."""
+    nbytes = nbytes or (2**28 if jax.default_backend() == "cpu" else 8 * 2**30)
     state = {"x": jnp.zeros((nbytes // 4,), jnp.uint32)}
     f = jax.jit(lambda x: x + 1, donate_argnums=0)
 
