@@ -10,6 +10,11 @@ row holds), two decode steps alternate call by call in one process:
 - dense: `models.dense_baseline.dense_decode` on a dense cache of the same capacity, every row
          holding c tokens (positions set, K/V zeros: a step's cost does not depend on the values).
 
+Both are jits of our own over the model's state, its graphdef closed over: neither hashes the
+graphdef per call as the module-level jits (static `graphdef`) do. Until 2026-11-28 (session 21)
+only the arena's was; the dense step paid that hash, ~40-50 us a call on this CPU, which
+inflated the tiny model's ratio from about 0.6x to 0.8x (benchmarks/RESULTS.md).
+
 Each figure is the median of `--repeats` timed calls after one untimed warm-up (compile),
 `block_until_ready` before the clock is read; "arena / dense" is the median of the per-pair
 ratios of step times, and its inverse the tokens/s ratio `arena-bench decode` prints. Run it
@@ -53,7 +58,9 @@ class _DenseRunner:
     """The dense baseline's decode step, every row holding `context` tokens."""
 
     def __init__(self, model, batch: int, context: int, capacity: int):
-        self.graphdef, self.state = nnx.split(model)
+        graphdef, self.state = nnx.split(model)
+        raw = dense_baseline.dense_decode.__wrapped__  # a jit of our own, as the arena's (`_Runner`): no static
+        self.fn = jax.jit(lambda *a: raw(graphdef, *a), donate_argnums=(1,))  # graphdef hashed per call
         cache = dense_baseline.init_dense_cache(model.config, batch, capacity)
         slot = jnp.arange(capacity, dtype=jnp.int32)[None, :]
         self.cache = cache.replace(lengths=jnp.full((batch,), context, jnp.int32),
@@ -62,7 +69,7 @@ class _DenseRunner:
         self.tokens = jnp.zeros((batch,), jnp.int32)
 
     def call(self):
-        self.tokens, self.cache = dense_baseline.dense_decode(self.graphdef, self.state, self.cache, self.tokens)
+        self.tokens, self.cache = self.fn(self.state, self.cache, self.tokens)
         return self.tokens
 
 
