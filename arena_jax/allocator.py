@@ -30,7 +30,7 @@ from flax import struct
 from jax import lax
 
 from pallas_kernels.index_math import ceil_div_nonneg, div_nonneg, rem_nonneg
-from arena_jax.kv_cache import PAD_SLOT, KVCache, PageTable
+from arena_jax.kv_cache import PAD_SLOT, CacheStats, KVCache, PageTable
 
 __all__ = ["reserve_impl", "release_impl", "fork_impl", "truncate_impl", "slot_rows", "in_range_rows"]
 
@@ -93,9 +93,10 @@ def reserve_impl(cache: KVCache, slots, num_tokens):
 
     Most calls pop no page: a decode step's rows cross a page boundary once every page_size
     tokens. When every served row grows inside the last page it holds alone, a conditional
-    takes the short branch (`_grow_in_place`: lengths and flags only); the allocator
-    (`_allocate`: first come first served, copy-on-write, the free stack) runs otherwise. Both
-    branches give the same result on such calls; the rows are classified once, before them."""
+    takes the short branch (`_grow_in_place`: lengths, flags and counters only); the allocator
+    (`_allocate_and_map`: first come first served, copy-on-write, the free stack, then the page table's
+    scatters) runs otherwise. Both branches give the same result on such calls; the rows are
+    classified once, before them, and the page copies of copy-on-write run after them."""
     table = cache.table
     max_pages = table.page_map.shape[1]
     num_pages, page_size = cache.k.shape[2], cache.k.shape[3]
@@ -116,31 +117,15 @@ def reserve_impl(cache: KVCache, slots, num_tokens):
     last_refs = table.refcount[jnp.clip(last_page, 0, num_pages - 1)]
     wants_cow = live & (n > 0) & (rem_nonneg(length, page_size) != 0) & (last_refs > 1)
     in_place = jnp.all(~live | ((rows.need == rows.have) & ~wants_cow))
-    ok, new_row, cow_page, total, no_page, ref_pages, ref_delta = lax.cond(
-        in_place, _grow_in_place, _allocate, table.free_stack, table.num_free, rows, last_lp, last_page, last_refs, wants_cow)
-    # One scatter: +1 for each popped page (new pages and COW copies: free, so refcount 0 -> 1),
-    # -1 for the shared page a COW row leaves (its other holders keep it).
-    target = jnp.where(ok, slots, table.page_map.shape[0])  # only served rows change
-    table = table.replace(
-        page_map=table.page_map.at[target].set(new_row, mode="drop"),
-        lengths=table.lengths.at[target].set(rows.new_length, mode="drop"),
-        active=table.active.at[target].set(True, mode="drop"),
-        num_free=table.num_free - total,
-        refcount=table.refcount.at[ref_pages].add(ref_delta, mode="drop"),
-    )
+    # The table and the counters go through the conditional, the arena does not (`_copy_pages`).
+    table, counts, ok, cow_page = lax.cond(in_place, _grow_in_place, _allocate_and_map, table, cache.stats.counts, slots,
+                                           rows, rejected, last_lp, last_page, last_refs, wants_cow)  # fmt: skip
 
     # The private copy of a shared page, all layers and heads: [L, H, B, S, D] (and an 8-bit
     # arena's scales, [L, H, B, S]: a page's values mean nothing without them).
     do_cow = cow_page < num_pages
     k, v, scales = _copy_pages(cache, jnp.where(do_cow, last_page, 0), cow_page)
-    stats = cache.stats.bump(
-        pages_allocated=total,
-        cow_copies=do_cow,
-        metadata_ops=ok & (n > 0) & no_page,
-        failed_reservations=live & ~ok,
-        rejected_rows=rejected,
-    )
-    return cache.replace(k=k, v=v, table=table, stats=stats, **scales), ok | pad
+    return cache.replace(k=k, v=v, table=table, stats=CacheStats(counts=counts), **scales), ok | pad
 
 
 @struct.dataclass
@@ -155,15 +140,43 @@ class _ReserveRows:
     row: jax.Array
 
 
-def _grow_in_place(free_stack, num_free, rows: _ReserveRows, last_lp, last_page, last_refs, wants_cow):
-    """No live row needs a page (nor a copy): every one is served in place. Returns what
-    `_allocate` does: (ok [B], page-table rows [B, M], copy-on-write target [B] (num_pages:
-    none), pages popped, rows served without a page [B], refcount changes: pages [K], deltas [K])."""
-    del num_free, last_lp, last_refs, wants_cow
-    num_pages, batch = free_stack.shape[0], rows.live.shape[0]
-    dropped = _like_rows(rows.n, num_pages, (rows.row.size + 2 * batch,))  # [K]: refcount scatter drops them
-    return (rows.live, rows.row, _like_rows(rows.n, num_pages, (batch,)), _like_rows(rows.n, 0, ()),
-            _like_rows(rows.n, True, (batch,)), dropped, jnp.zeros(dropped.shape, jnp.int32))  # fmt: skip
+def _grow_in_place(table: PageTable, counts, slots, rows: _ReserveRows, rejected, last_lp, last_page, last_refs, wants_cow):
+    """`reserve`'s branch when no live row needs a page (nor a copy): lengths, flags and
+    counters only. Returns what `_allocate_and_map` does: (table, counts, ok [B], copy-on-write
+    target [B]: num_pages, none)."""
+    del last_lp, last_page, last_refs, wants_cow
+    num_pages = table.refcount.shape[0]
+    target = jnp.where(rows.live, slots, table.page_map.shape[0])  # only live rows change
+    table = table.replace(lengths=table.lengths.at[target].set(rows.new_length, mode="drop"),
+                          active=table.active.at[target].set(True, mode="drop"))  # fmt: skip
+    stats = CacheStats(counts=counts).bump(metadata_ops=rows.live & (rows.n > 0), rejected_rows=rejected)
+    return table, stats.counts, rows.live, _like_rows(rows.n, num_pages, rows.n.shape)
+
+
+def _allocate_and_map(table: PageTable, counts, slots, rows: _ReserveRows, rejected, last_lp, last_page, last_refs,
+                      wants_cow):  # fmt: skip
+    """`reserve`'s allocator branch: `_allocate`, then the page table's scatters and the counters."""
+    num_pages = table.refcount.shape[0]
+    ok, new_row, cow_page, total, no_page, ref_pages, ref_delta = _allocate(
+        table.free_stack, table.num_free, rows, last_lp, last_page, last_refs, wants_cow)
+    # One scatter: +1 for each popped page (new pages and COW copies: free, so refcount 0 -> 1),
+    # -1 for the shared page a COW row leaves (its other holders keep it).
+    target = jnp.where(ok, slots, table.page_map.shape[0])  # only served rows change
+    table = table.replace(
+        page_map=table.page_map.at[target].set(new_row, mode="drop"),
+        lengths=table.lengths.at[target].set(rows.new_length, mode="drop"),
+        active=table.active.at[target].set(True, mode="drop"),
+        num_free=table.num_free - total,
+        refcount=table.refcount.at[ref_pages].add(ref_delta, mode="drop"),
+    )
+    stats = CacheStats(counts=counts).bump(
+        pages_allocated=total,
+        cow_copies=cow_page < num_pages,
+        metadata_ops=ok & (rows.n > 0) & no_page,
+        failed_reservations=rows.live & ~ok,
+        rejected_rows=rejected,
+    )
+    return table, stats.counts, ok, cow_page
 
 
 def _like_rows(rows_value, value, shape):

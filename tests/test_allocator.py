@@ -249,7 +249,7 @@ def test_reserve_in_place_branch_equals_the_allocator_on_random_calls():
     often (a decode-like step: rows inside their last page) and not always."""
     from arena_jax import allocator
 
-    fast, reference = _reserve_with(allocator._grow_in_place), _reserve_with(allocator._allocate)
+    fast, reference = _reserve_with(allocator._grow_in_place), _reserve_with(allocator._allocate_and_map)
     rng = np.random.default_rng(0)
     took = []
     for trial in range(40):
