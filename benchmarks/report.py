@@ -369,9 +369,9 @@ def decode_ratio_lines(result: dict) -> list[str]:
     ratio, s = result["speedup_tokens_per_s"], result["settings"]
     arena, dense = result["arena"]["step_ms_p50"], result["dense"]["step_ms_p50"]
     context = s["prompt_len"] + s["new_tokens"]
-    elsewhere = ("For decode speed at a real model's size see benchmarks/RESULTS.md, 'Whole decode step, llama3-8b "
-                 "shapes' (a GPU), or run arena-bench decode --model llama3-8b on one. What the arena buys is the "
-                 "capacity above.")
+    elsewhere = ("For decode speed at a real model's size see benchmarks/RESULTS.md, 'Layer weights read in place: the "
+                 "step time on an H200' (Llama-3-8B on a GPU), or run arena-bench decode --model llama3-8b on one. What "
+                 "the arena buys is the capacity above.")
     if ratio >= 1 or arena <= dense:  # faster, or the step times too close to say why
         same = (f"What {ratio:.2f}x means: the arena decoded {ratio:.2f} tokens for each token of the dense cache in "
                 f"the same time (a step {arena:.3f} ms vs {dense:.3f} ms, p50).")

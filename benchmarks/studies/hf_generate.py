@@ -1,0 +1,153 @@
+"""`models.generate` against transformers' `generate` and its continuous batching (issue 39, item 3).
+
+    XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1" \
+        python -m arena_jax.benchmarks.studies.hf_generate [--batch 32] [--prompt-len 128] [--new-tokens 64]
+
+The same random weights (the "mid" model of `context_cost` / `dense_ratio`: hidden 512, 8 layers,
+8 query / 2 KV heads, head_dim 64, MLP 1536, vocab 32,000, float32) and the same random prompts
+(all `--prompt-len` tokens) on three paths, greedy, `--new-tokens` tokens per prompt, no stop
+token, one thread each (torch by `torch.set_num_threads(1)`, XLA by the flags above):
+
+- arena:  `models.generate(model, prompts, new_tokens, batch_size=batch)` (its defaults otherwise:
+          chunked prefill, decode blocks, the paged arena sized by the call);
+- hf:     transformers' `model.generate(input_ids, do_sample=False, max_new_tokens=...)` with its
+          own KV cache, eager attention (what `arena-bench decode --hf on` builds: `hf_peer`);
+- hf-cb:  transformers' continuous batching, `model.generate_batch(...)` (paged attention
+          on its own cache), where the installed transformers has it.
+
+Each path runs once untimed (JAX compiles; torch warms), then the paths alternate for `--rounds`
+rounds; each figure is the median of its rounds' wall times, generated tokens / s over the whole
+call (prefill included). Tokens: the arena's against each peer's, position by position.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from arena_jax import models
+from arena_jax.benchmarks.studies.context_cost import Settings
+
+__all__ = ["run", "main"]
+
+
+def _hf_model(model):
+    """transformers' model of the arena model's config, on its weights (`hf_peer.HFRun`'s recipe)."""
+    import torch
+    import transformers
+
+    from arena_jax.models.loading import export_hf_tensors
+
+    transformers.logging.set_verbosity_error()
+    hf_dict = dict(model.config.to_hf())
+    model_type = hf_dict.pop("model_type")
+    config = transformers.AutoConfig.for_model(model_type, **hf_dict)
+    config._attn_implementation = "eager"
+    hf = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    tensors = {name: torch.from_numpy(np.array(a)) for name, a in export_hf_tensors(model).items()}  # (a writable copy)
+    missing, unexpected = hf.load_state_dict(tensors, strict=False)
+    if unexpected or [m for m in missing if "rotary" not in m]:
+        raise ValueError(f"weights do not match transformers' model: missing {missing}, unexpected {unexpected}")
+    hf.eval()
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    return hf
+
+
+def _timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def run(batch: int = 32, prompt_len: int = 128, new_tokens: int = 64, rounds: int = 3, seed: int = 0, log=print) -> dict:
+    import torch
+
+    torch.set_num_threads(1)
+    cfg = dataclasses.replace(Settings(capacity=prompt_len + new_tokens), batch=batch).config()
+    model = models.init_random(cfg, seed=seed, dtype=jnp.float32)
+    prompts = np.random.default_rng(seed).integers(1, cfg.vocab_size, (batch, prompt_len)).astype(np.int64)
+    hf = _hf_model(model)
+
+    def arena():
+        out = models.generate(model, prompts.tolist(), new_tokens, batch_size=batch)
+        return np.asarray([list(t) for t in out.tokens])
+
+    def hf_generate():
+        with torch.inference_mode():
+            ids = torch.from_numpy(prompts)
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens)  # fmt: skip
+        return out[:, prompt_len:].numpy()
+
+    def hf_cb():
+        import transformers
+
+        gen = transformers.GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                            eos_token_id=None, pad_token_id=0)  # fmt: skip
+        with torch.inference_mode():
+            out = hf.generate_batch(inputs=prompts.tolist(), generation_config=gen, progress_bar=False)
+        return np.asarray([out[k].generated_tokens for k in sorted(out, key=lambda k: int(str(k).split("_")[-1]))])
+
+    paths = {"arena": arena, "hf": hf_generate}
+    if hasattr(hf, "generate_batch"):
+        paths["hf-cb"] = hf_cb
+    tokens, skipped = {}, {}
+    for name, fn in list(paths.items()):  # untimed: compile / warm
+        try:
+            tokens[name] = fn()
+        except Exception as exc:  # noqa: BLE001  (a peer that cannot run here is reported, not fatal)
+            if name == "arena":
+                raise
+            skipped[name] = f"{type(exc).__name__}: {exc}"[:300]
+            del paths[name]
+    times = {name: [] for name in paths}
+    for _ in range(rounds):
+        for name, fn in paths.items():
+            _, seconds = _timed(fn)
+            times[name].append(seconds)
+    rows = []
+    arena_s = float(np.median(times["arena"]))
+    for name in paths:
+        s = float(np.median(times[name]))
+        same = float(np.mean(tokens[name] == tokens["arena"])) if tokens[name].shape == tokens["arena"].shape else None
+        rows.append(dict(path=name, seconds=s, tokens_per_s=batch * new_tokens / s, arena_speedup=s / arena_s,
+                         tokens_equal_to_arena=same, rounds=times[name]))  # fmt: skip
+        log(f"| {name} | {s:.2f} | {batch * new_tokens / s:,.0f} | {s / arena_s:.2f}x | "
+            f"{'' if same is None else f'{same:.1%}'} |")  # fmt: skip
+    for name, why in skipped.items():
+        log(f"| {name} | not run: {why} | | | |")
+    return dict(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, rounds=rounds, rows=rows, skipped=skipped)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m arena_jax.benchmarks.studies.hf_generate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    import torch
+    import transformers
+
+    print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}, torch {torch.__version__}, transformers "
+          f"{transformers.__version__}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; mid model, batch {a.batch}, "
+          f"{a.prompt_len} prompt + {a.new_tokens} new tokens, {a.rounds} alternated rounds")  # fmt: skip
+    print("| path | seconds (median) | generated tokens/s | arena speedup | tokens equal to the arena's |")
+    print("|---|---:|---:|---:|---:|")
+    result = run(a.batch, a.prompt_len, a.new_tokens, a.rounds)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
