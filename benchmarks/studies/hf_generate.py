@@ -6,7 +6,8 @@
 The same random weights (the "mid" model of `context_cost` / `dense_ratio`: hidden 512, 8 layers,
 8 query / 2 KV heads, head_dim 64, MLP 1536, vocab 32,000, float32) and the same random prompts
 (all `--prompt-len` tokens) on three paths, greedy, `--new-tokens` tokens per prompt, no stop
-token, one thread each (torch by `torch.set_num_threads(1)`, XLA by the flags above):
+token, one thread each on a CPU (torch by `torch.set_num_threads(1)`, XLA by the flags above).
+`--model llama3-8b --dtype bfloat16` on a GPU: both on the GPU, transformers with SDPA attention:
 
 - arena:  `models.generate(model, prompts, new_tokens, batch_size=batch)` (its defaults otherwise:
           chunked prefill, decode blocks, the paged arena sized by the call);
@@ -37,8 +38,9 @@ from arena_jax.benchmarks.studies.context_cost import Settings
 __all__ = ["run", "main"]
 
 
-def _hf_model(model):
-    """transformers' model of the arena model's config, on its weights (`hf_peer.HFRun`'s recipe)."""
+def _hf_model(model, device: str, attention: str):
+    """transformers' model of the arena model's config, on its weights (`hf_peer.HFRun`'s recipe),
+    on torch's `device` in the model's dtype."""
     import torch
     import transformers
 
@@ -48,9 +50,15 @@ def _hf_model(model):
     hf_dict = dict(model.config.to_hf())
     model_type = hf_dict.pop("model_type")
     config = transformers.AutoConfig.for_model(model_type, **hf_dict)
-    config._attn_implementation = "eager"
-    hf = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
-    tensors = {name: torch.from_numpy(np.array(a)) for name, a in export_hf_tensors(model).items()}  # (a writable copy)
+    config._attn_implementation = attention
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[jnp.dtype(model.dtype).name]
+    with torch.device(device):
+        hf = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+    tensors = {}
+    for name, a in export_hf_tensors(model).items():
+        a = np.array(a)  # (a writable copy)
+        t = torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16) if a.dtype.name == "bfloat16" else torch.from_numpy(a)
+        tensors[name] = t.to(device=device, dtype=dtype)
     missing, unexpected = hf.load_state_dict(tensors, strict=False)
     if unexpected or [m for m in missing if "rotary" not in m]:
         raise ValueError(f"weights do not match transformers' model: missing {missing}, unexpected {unexpected}")
@@ -66,14 +74,31 @@ def _timed(fn):
     return out, time.perf_counter() - t0
 
 
-def run(batch: int = 32, prompt_len: int = 128, new_tokens: int = 64, rounds: int = 3, seed: int = 0, log=print) -> dict:
+def _config(model: str, capacity: int):
+    if model == "mid":
+        return Settings(capacity=capacity).config()
+    from arena_jax.benchmarks.presets import PRESETS
+
+    return PRESETS[model]()
+
+
+def run(batch: int = 32, prompt_len: int = 128, new_tokens: int = 64, rounds: int = 3, seed: int = 0, model_name: str = "mid",
+        dtype: str = "float32", peers=("hf", "hf-cb"), log=print) -> dict:  # fmt: skip
     import torch
 
-    torch.set_num_threads(1)
-    cfg = dataclasses.replace(Settings(capacity=prompt_len + new_tokens), batch=batch).config()
-    model = models.init_random(cfg, seed=seed, dtype=jnp.float32)
+    on_gpu = jax.default_backend() == "gpu" and torch.cuda.is_available()
+    device = "cuda" if on_gpu else "cpu"
+    if not on_gpu:
+        torch.set_num_threads(1)
+    cfg = _config(model_name, prompt_len + new_tokens)
+    model = models.init_random(cfg, seed=seed, dtype=jnp.dtype(dtype))
     prompts = np.random.default_rng(seed).integers(1, cfg.vocab_size, (batch, prompt_len)).astype(np.int64)
-    hf = _hf_model(model)
+    hf = _hf_model(model, device, "sdpa" if on_gpu else "eager")
+
+    def synced(out):
+        if on_gpu:
+            torch.cuda.synchronize()
+        return out
 
     def arena():
         out = models.generate(model, prompts.tolist(), new_tokens, batch_size=batch)
@@ -81,10 +106,10 @@ def run(batch: int = 32, prompt_len: int = 128, new_tokens: int = 64, rounds: in
 
     def hf_generate():
         with torch.inference_mode():
-            ids = torch.from_numpy(prompts)
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
-                              min_new_tokens=new_tokens)  # fmt: skip
-        return out[:, prompt_len:].numpy()
+            ids = torch.from_numpy(prompts).to(device)
+            out = synced(hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
+                                     min_new_tokens=new_tokens))  # fmt: skip
+        return out[:, prompt_len:].cpu().numpy()
 
     def hf_cb():
         import transformers
@@ -92,16 +117,18 @@ def run(batch: int = 32, prompt_len: int = 128, new_tokens: int = 64, rounds: in
         gen = transformers.GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                                             eos_token_id=None, pad_token_id=0)  # fmt: skip
         with torch.inference_mode():
-            out = hf.generate_batch(inputs=prompts.tolist(), generation_config=gen, progress_bar=False)
+            out = synced(hf.generate_batch(inputs=prompts.tolist(), generation_config=gen, progress_bar=False))
         return np.asarray([out[k].generated_tokens for k in sorted(out, key=lambda k: int(str(k).split("_")[-1]))])
 
     paths = {"arena": arena, "hf": hf_generate}
     if hasattr(hf, "generate_batch"):
         paths["hf-cb"] = hf_cb
+    paths = {name: fn for name, fn in paths.items() if name == "arena" or name in peers}
     tokens, skipped = {}, {}
     for name, fn in list(paths.items()):  # untimed: compile / warm
         try:
-            tokens[name] = fn()
+            tokens[name], seconds = _timed(fn)
+            log(f"# {name}: untimed first call {seconds:.1f} s")
         except Exception as exc:  # noqa: BLE001  (a peer that cannot run here is reported, not fatal)
             if name == "arena":
                 raise
@@ -112,6 +139,7 @@ def run(batch: int = 32, prompt_len: int = 128, new_tokens: int = 64, rounds: in
         for name, fn in paths.items():
             _, seconds = _timed(fn)
             times[name].append(seconds)
+            log(f"# {name}: {seconds:.2f} s")
     rows = []
     arena_s = float(np.median(times["arena"]))
     for name in paths:
@@ -132,17 +160,21 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--model", default="mid", help="'mid' (default) or a preset of arena-bench (e.g. llama3-8b)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--peers", default="hf,hf-cb", help="comma-separated: hf (generate), hf-cb (generate_batch)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     import torch
     import transformers
 
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}, torch {torch.__version__}, transformers "
-          f"{transformers.__version__}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; mid model, batch {a.batch}, "
+          f"{transformers.__version__}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; {a.model} model ({a.dtype}), batch {a.batch}, "
           f"{a.prompt_len} prompt + {a.new_tokens} new tokens, {a.rounds} alternated rounds")  # fmt: skip
     print("| path | seconds (median) | generated tokens/s | arena speedup | tokens equal to the arena's |")
     print("|---|---:|---:|---:|---:|")
-    result = run(a.batch, a.prompt_len, a.new_tokens, a.rounds)
+    result = run(a.batch, a.prompt_len, a.new_tokens, a.rounds, model_name=a.model, dtype=a.dtype,
+                 peers=tuple(a.peers.split(",")))  # fmt: skip
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)
