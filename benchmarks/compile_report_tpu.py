@@ -154,11 +154,13 @@ def format_steps_table(rows: list[dict]) -> str:
 
 
 def format_bundles_table(rows: list[dict], figures: dict) -> str:
-    """Decode attention's per-block loop, per (KV head x 512 keys); a refused or failed case's row says why."""
+    """Decode attention's per-block loop, per (KV head x 512 keys); a refused or failed case's row says why.
+    The mixed cases (decode rows and a prompt chunk in one call: ours, ragged) add the chunk's
+    loop, whose iteration serves "q tokens/iter" query tokens (a decode loop's: one a row)."""
     head = (f"decode attention, final bundles per (KV head x 512 keys), ours vs JAX ({figures['target']}: clock "
             f"{figures['clock_ghz']} GHz, {figures['clock_source']}; HBM {figures['hbm_gb_per_s']:g} GB/s, "
             f"{figures['hbm_source']})")
-    columns = (("variant", "variant"), ("bundles", "bundles/iter"), ("kh", "keys x heads/iter"),
+    columns = (("variant", "variant"), ("bundles", "bundles/iter"), ("kh", "keys x heads/iter"), ("qt", "q tokens/iter"),
                ("b512", "bundles/512"), ("dma", "DMAs/page"), ("push", "MXU pushes/512"), ("issue", "issue ns"),
                ("hbm", "HBM ns"), ("ratio", "issue/HBM"), ("nested", "nested loops"),
                ("cold", "cold bundles"))
@@ -171,7 +173,8 @@ def format_bundles_table(rows: list[dict], figures: dict) -> str:
         trips = sorted({"reg" if n["trip"] is None else str(n["trip"]) for n in nested})
         cells.append(dict(
             variant=r["label"], bundles=str(it["bundles"]), cold=str(it["cold"]),
-            kh=f"{r['keys_per_iter']} x {r['heads_per_iter']}", b512=f"{r['bundles_per_512']:.0f}",
+            kh=f"{r['keys_per_iter']} x {r['heads_per_iter']}", qt=str(r.get("query_tokens_per_iter", 1)),
+            b512=f"{r['bundles_per_512']:.0f}",
             dma=f"{r['dmas_per_page']:.2f}", push=f"{r['pushes_per_512']:.0f}", issue=f"{r['issue_ns']:.0f}",
             hbm=f"{r['hbm_ns']:.0f}", ratio=f"{r['issue_over_hbm']:.2f}",
             nested=f"{len(nested)} (x {', '.join(trips)})" if nested else "0"))

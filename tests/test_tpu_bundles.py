@@ -96,8 +96,16 @@ def test_the_table_says_why_a_row_has_no_numbers():
 
 
 def test_capture_ours_and_jax_for_v5e(tooling):
-    cases = [tb.BundleCase("ours", "bfloat16", 128), tb.BundleCase("jax", "bfloat16", 128)]
-    ours, jax_row = tb.capture("tpu-v5e", cases=cases)
+    """Ours and JAX's paged_attention, and our mixed call (decode rows + a 128-token chunk): its
+    decode loop is the decode call's, bundle for bundle (the same body and tiles), and its chunk
+    loop serves the chunk's row block of query tokens an iteration."""
+    cases = [tb.BundleCase("ours", "bfloat16", 128), tb.BundleCase("jax", "bfloat16", 128),
+             tb.BundleCase("mixed", "bfloat16", 128, chunk=128)]
+    ours, jax_row, decode, chunk = tb.capture("tpu-v5e", cases=cases)
+    assert [decode.get("part"), chunk.get("part")] == ["decode", "chunk"], (decode, chunk)
+    assert decode["status"] == chunk["status"] == "ok" and decode["hlo_name"].startswith("tpu_paged_attention_mixed")
+    assert decode["per_iter"] == ours["per_iter"] and decode["query_tokens_per_iter"] == 1
+    assert chunk["query_tokens_per_iter"] == 128 and chunk["per_iter"]["mxu_pushes"] > decode["per_iter"]["mxu_pushes"]
     for row in (ours, jax_row):
         assert row["status"] == "ok", row
         assert row["loop"]["mxu_pushes"] > 0 and row["loop"]["matmuls"] > 0

@@ -33,6 +33,13 @@ kernel's, and returns one plain dict per case, normalized per (KV head x 512 key
 - JAX's `ragged_paged_attention`: `num_kv_pages_per_block * page_size` keys of all the KV heads
   of its head block (heads unrolled in the loop body).
 
+The mixed cases (`chunk` > 0: BATCH decode rows and one prompt chunk of `chunk` tokens in one
+call) compile ours, `pallas_kernels.tpu.mixed.tpu_paged_attention_mixed`, whose two per-block
+loops (`block_loops`, in program order: the decode part's, then the chunk's) give a row each,
+and `ragged_paged_attention` on the same tokens packed (`RAGGED_QUERIES_PER_BLOCK` query tokens a
+block). A chunk loop's iteration serves `query_tokens_per_iter` query tokens (ours: the chunk's
+row block, `_bt<tokens>_`), so compare chunk loops per query token too.
+
 Issue time = loop bundles / clock (one bundle a cycle, no stall); HBM time = the bytes one
 iteration reads (K + V of its keys and heads, + scales) / HBM bandwidth; `CHIPS` gives both
 figures with their sources.
@@ -52,7 +59,7 @@ import threading
 import time
 
 __all__ = ["CHIPS", "CASES", "Chip", "BundleCase", "Bundle", "LoopFacts", "parse_bundles", "loops", "block_loop",
-           "per_iteration", "capture", "figures"]
+           "block_loops", "per_iteration", "capture", "figures"]
 
 BLOCK_KEYS = 512  # the normalization: per (KV head x 512 keys)
 
@@ -193,13 +200,18 @@ def loops(bundles: list[Bundle]) -> list[LoopFacts]:
     return [facts[i] for i, _ in spans]
 
 
-def block_loop(bundles: list[Bundle]) -> LoopFacts | None:
-    """The per-block loop: the innermost loop with MXU ops (no loop inside it has any); the
-    largest when there are several. None when no loop has MXU ops."""
+def block_loops(bundles: list[Bundle]) -> list[LoopFacts]:
+    """The innermost loops with MXU ops (no loop inside one has any), in program order."""
     mxu = [lp for lp in loops(bundles) if lp.mxu_pushes + lp.matmuls]
     inner = [lp for lp in mxu if not any(o is not lp and lp.first <= o.first and o.last <= lp.last and o.depth > lp.depth
                                          for o in mxu)]
-    return max(inner, key=lambda lp: lp.bundles, default=None)
+    return sorted(inner, key=lambda lp: lp.first)
+
+
+def block_loop(bundles: list[Bundle]) -> LoopFacts | None:
+    """The per-block loop: the innermost loop with MXU ops; the largest when there are several.
+    None when no loop has MXU ops."""
+    return max(block_loops(bundles), key=lambda lp: lp.bundles, default=None)
 
 
 def per_iteration(loop: LoopFacts) -> dict:
@@ -224,9 +236,12 @@ def per_iteration(loop: LoopFacts) -> dict:
 
 # --- the cases ---------------------------------------------------------------------------------------------------
 BATCH, Q_HEADS, KV_HEADS, CONTEXT = 8, 32, 8, 4096
-KERNEL_NAMES = {"ours": "ours", "jax": "jax paged", "ragged": "jax ragged"}
+KERNEL_NAMES = {"ours": "ours", "jax": "jax paged", "ragged": "jax ragged", "mixed": "ours mixed"}
 # HLO name (in the dump file's name) of each kernel's Mosaic call
-_HLO_PREFIX = {"ours": "tpu_paged_attention_", "jax": "paged_attention", "ragged": "ragged_paged_attention"}
+_HLO_PREFIX = {"ours": "tpu_paged_attention_", "jax": "paged_attention", "ragged": "ragged_paged_attention",
+               "mixed": "tpu_paged_attention_mixed"}
+CHUNK = 128  # a mixed case's prompt chunk: BATCH decode rows and one chunk of CHUNK tokens in one call
+RAGGED_QUERIES_PER_BLOCK = 32  # ragged_paged_attention's query block in the mixed cases
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,11 +250,13 @@ class BundleCase:
     dtype: str  # the arena's: "bfloat16" | "int8" (q is bfloat16)
     page_size: int
     head_dim: int = 128
+    chunk: int = 0  # > 0: a mixed step, BATCH decode rows and one prompt chunk of `chunk` tokens
 
     @property
     def label(self) -> str:
         dt = {"bfloat16": "bf16", "int8": "int8"}[self.dtype]
-        return f"{KERNEL_NAMES[self.kernel]} {dt} d{self.head_dim} p{self.page_size}"
+        mixed = f" +chunk{self.chunk}" if self.chunk else ""
+        return f"{KERNEL_NAMES[self.kernel]} {dt} d{self.head_dim} p{self.page_size}{mixed}"
 
 
 CASES = tuple(
@@ -247,6 +264,7 @@ CASES = tuple(
     + [BundleCase(k, "bfloat16", 128, 256) for k in ("ours", "jax")]
     + [BundleCase(k, "int8", p) for p in (16, 32, 64, 128) for k in ("ours", "jax")]
     + [BundleCase("ragged", "bfloat16", p) for p in (16, 128)]
+    + [BundleCase(k, "bfloat16", p, chunk=CHUNK) for p in (16, 128) for k in ("mixed", "ragged")]
 )
 
 
@@ -290,22 +308,33 @@ def _case_call(case: BundleCase):
         def fn(q, k, v, n, pi):
             return paged_attention(q, k, v, n, pi, pages_per_compute_block=BLOCK_KEYS // page)
         return fn, (q, kv, kv, S((B,), i32), S((B, M), i32))
+    if case.kernel == "mixed":  # B decode rows + one chunk of case.chunk tokens, one call
+        from pallas_kernels.tpu.mixed import tpu_paged_attention_mixed
+
+        kv = S((1, Hkv, P, page, D), dt)
+
+        def fn(qd, qp, k, v, pmd, nd, td, pmp, np_, tp):
+            return tpu_paged_attention_mixed(qd, qp, k, v, 0, pmd, nd, td, pmp, np_, tp, interpret=False)
+        return fn, (S((B, 1, Hq, D), jnp.bfloat16), S((1, case.chunk, Hq, D), jnp.bfloat16), kv, kv, S((B, M), i32),
+                    S((B,), i32), S((B,), i32), S((1, M), i32), S((1,), i32), S((1,), i32))
     if case.kernel == "ragged":
         from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 
-        q = S((B, Hq, D), jnp.bfloat16)  # one new token per sequence: [tokens, Hq, D]
+        seqs = B + (1 if case.chunk else 0)  # a mixed case: the chunk is one more sequence
+        q = S((B + case.chunk, Hq, D), jnp.bfloat16)  # every sequence's new tokens, packed: [tokens, Hq, D]
         kv = S((P, page, 2 * Hkv, D), dt)  # K and V heads interleaved: [P, S, 2 Hkv, D]
 
         def fn(q, kv, n, pi, cu, ns):
             return ragged_paged_attention(q, kv, n, pi, cu, ns, sm_scale=D**-0.5,
-                                          num_kv_pages_per_block=BLOCK_KEYS // page, num_queries_per_block=B)
-        return fn, (q, kv, S((B,), i32), S((B, M), i32), S((B + 1,), i32), S((1,), i32))
+                                          num_kv_pages_per_block=BLOCK_KEYS // page,
+                                          num_queries_per_block=B if not case.chunk else RAGGED_QUERIES_PER_BLOCK)
+        return fn, (q, kv, S((seqs,), i32), S((seqs, M), i32), S((seqs + 1,), i32), S((1,), i32))
     raise ValueError(f"kernel={case.kernel!r}")
 
 
 def _keys_heads(case: BundleCase, hlo_name: str) -> tuple[int, int]:
     """(keys, KV heads) one iteration of the case's per-block loop processes."""
-    if case.kernel == "ours":
+    if case.kernel in ("ours", "mixed"):
         m = re.search(r"_bk(\d+)_", hlo_name)
         if not m:
             raise ValueError(f"kernel name {hlo_name!r} has no _bk<keys>_")
@@ -317,6 +346,17 @@ def _keys_heads(case: BundleCase, hlo_name: str) -> tuple[int, int]:
 
     _, combined = ragged.get_min_heads_per_blk(Q_HEADS, 2 * KV_HEADS, jnp.bfloat16, jnp.dtype(case.dtype))
     return BLOCK_KEYS // case.page_size * case.page_size, combined // 2
+
+
+def _query_tokens(case: BundleCase, hlo_name: str, part: str | None) -> int:
+    """Query tokens one iteration of the loop serves. Decode loops serve one (ragged's query block
+    holds a token of each row, and an iteration reads one row's keys); a chunk's loop serves its
+    query block: ours `_bt<tokens>_` (the kernel's name), ragged `RAGGED_QUERIES_PER_BLOCK`."""
+    if case.kernel == "ragged":
+        return RAGGED_QUERIES_PER_BLOCK if case.chunk else 1
+    if part == "chunk":
+        return int(re.search(r"_bt(\d+)_", hlo_name).group(1))
+    return 1
 
 
 def _bytes_per_key_head(case: BundleCase) -> int:
@@ -333,20 +373,9 @@ def _bytes_per_key_head(case: BundleCase) -> int:
 _NAME = re.compile(r"^\d+-(.+)-\d+-final_bundles\.txt$")
 
 
-def _row(case: BundleCase, target: str, new_files: list[str], dump_dir: str, seconds: float) -> dict:
-    row = dict(label=case.label, kernel=KERNEL_NAMES[case.kernel], dtype=case.dtype, page_size=case.page_size,
-               head_dim=case.head_dim, compile_s=round(seconds, 1))
-    names = {f: _NAME.match(f).group(1) for f in new_files if _NAME.match(f)}
-    mine = sorted((n, f) for f, n in names.items() if n.startswith(_HLO_PREFIX[case.kernel]))
-    if not mine:
-        return dict(row, status=f"failed: no {_HLO_PREFIX[case.kernel]}* final_bundles among {len(names)} new dumps")
-    hlo_name, path = mine[0]
-    with open(os.path.join(dump_dir, path)) as f:
-        bundles = parse_bundles(f.read())
-    loop = block_loop(bundles)
-    if loop is None:
-        return dict(row, status=f"failed: no loop with MXU ops in {hlo_name} ({len(bundles)} bundles)", hlo_name=hlo_name)
-    keys, heads = _keys_heads(case, hlo_name)
+def _loop_figures(case: BundleCase, target: str, loop: LoopFacts, keys: int, heads: int, tokens: int) -> dict:
+    """One per-block loop's figures: per iteration, and per (KV head x 512 keys); `tokens`: the
+    query tokens an iteration serves (a chunk loop's work grows with them, a decode loop's is one)."""
     pages = keys // case.page_size  # pages of the block (one page holds every head of ragged's head block)
     it = per_iteration(loop)
     chip = CHIPS[target]
@@ -356,11 +385,39 @@ def _row(case: BundleCase, target: str, new_files: list[str], dump_dir: str, sec
     static = {k: v for k, v in dataclasses.asdict(loop).items() if k != "nested"}
     nested = [dict(first=c.first, bundles=c.bundles, trip=c.trip, dma_starts=c.dma_starts, dma_waits=c.dma_waits)
               for c in loop.nested]
-    return dict(row, status="ok", hlo_name=hlo_name, file_bundles=len(bundles), loop=static, nested=nested,
-                per_iter=it, keys_per_iter=keys, heads_per_iter=heads, pages_per_iter=pages, bytes_per_iter=nbytes,
-                bundles_per_512=it["bundles"] / per, dmas_per_page=it["dma_starts"] / pages,
+    return dict(loop=static, nested=nested, per_iter=it, keys_per_iter=keys, heads_per_iter=heads, pages_per_iter=pages,
+                query_tokens_per_iter=tokens,
+                bytes_per_iter=nbytes, bundles_per_512=it["bundles"] / per, dmas_per_page=it["dma_starts"] / pages,
                 pushes_per_512=it["mxu_pushes"] / per, issue_ns=issue_ns / per, hbm_ns=hbm_ns / per,
-                issue_over_hbm=issue_ns / hbm_ns)
+                issue_over_hbm=issue_ns / hbm_ns)  # fmt: skip
+
+
+def _row(case: BundleCase, target: str, new_files: list[str], dump_dir: str, seconds: float) -> list[dict]:
+    """The case's rows: one, or for our mixed call one per part (its per-block loops in program
+    order: `_mixed_kernel` runs the decode part's body first, then the chunk's)."""
+    row = dict(label=case.label, kernel=KERNEL_NAMES[case.kernel], dtype=case.dtype, page_size=case.page_size,
+               head_dim=case.head_dim, chunk=case.chunk, compile_s=round(seconds, 1))
+    names = {f: _NAME.match(f).group(1) for f in new_files if _NAME.match(f)}
+    mine = sorted((n, f) for f, n in names.items() if n.startswith(_HLO_PREFIX[case.kernel]))
+    if not mine:
+        return [dict(row, status=f"failed: no {_HLO_PREFIX[case.kernel]}* final_bundles among {len(names)} new dumps")]
+    hlo_name, path = mine[0]
+    with open(os.path.join(dump_dir, path)) as f:
+        bundles = parse_bundles(f.read())
+    found = block_loops(bundles)
+    if not found:
+        return [dict(row, status=f"failed: no loop with MXU ops in {hlo_name} ({len(bundles)} bundles)", hlo_name=hlo_name)]
+    keys, heads = _keys_heads(case, hlo_name)
+    done = dict(row, status="ok", hlo_name=hlo_name, file_bundles=len(bundles))
+    if case.kernel != "mixed":
+        loop = max(found, key=lambda lp: lp.bundles)
+        return [dict(done, **_loop_figures(case, target, loop, keys, heads, _query_tokens(case, hlo_name, None)))]
+    if len(found) != 2:
+        return [dict(row, status=f"failed: {len(found)} loops with MXU ops in {hlo_name}, not 2 (decode, chunk)",
+                     hlo_name=hlo_name)]  # fmt: skip
+    return [dict(done, label=f"{case.label} {part}", part=part,
+                 **_loop_figures(case, target, lp, keys, heads, _query_tokens(case, hlo_name, part)))
+            for part, lp in zip(("decode", "chunk"), found)]  # fmt: skip
 
 
 def _one_line(exc: BaseException) -> str:
@@ -395,7 +452,7 @@ def _worker(target: str, cases, dump_dir: str) -> None:
         seconds = time.perf_counter() - t0
         new = sorted(set(os.listdir(dump_dir)) - before)
         try:
-            rows.append(_row(case, target, new, dump_dir, seconds))
+            rows.extend(_row(case, target, new, dump_dir, seconds))
         except Exception as exc:  # noqa: BLE001
             rows.append(dict(label=case.label, status=f"failed: {_one_line(exc)}"))
         for f in new:  # ~500 files a compile: keep the folder small
@@ -468,8 +525,9 @@ def main(argv=None) -> int:
             if r["status"] != "ok":
                 print(f"{r['label']}: {r['status']}")
             else:
-                print(f"{r['label']}: {r['loop']['bundles']} bundles / {r['keys_per_iter']} keys x {r['heads_per_iter']} "
-                      f"heads, issue/HBM {r['issue_over_hbm']:.2f}")
+                print(f"{r['label']}: {r['per_iter']['bundles']} bundles an iteration ({r['loop']['bundles']} in the loop) / "
+                      f"{r['keys_per_iter']} keys x {r['heads_per_iter']} heads x {r['query_tokens_per_iter']} query tokens, "
+                      f"{r['bundles_per_512']:.0f} per (KV head x 512 keys), issue/HBM {r['issue_over_hbm']:.2f}")
     return 0
 
 
