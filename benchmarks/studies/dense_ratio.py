@@ -39,7 +39,7 @@ from arena_jax import models
 from arena_jax.benchmarks.studies.context_cost import Settings, _filled_cache, _layout, _Runner, _timed
 from arena_jax.models import dense_baseline
 
-__all__ = ["CASES", "run", "main"]
+__all__ = ["CASES", "DenseRunner", "run", "main"]
 
 # (model, batch, context): the goals of issue 39, item 3
 CASES = (("tiny", 4, 32), ("tiny", 1, 128), ("mid", 1, 128), ("mid", 8, 128), ("mid", 8, 1024), ("mid", 8, 4096))
@@ -54,14 +54,16 @@ def _settings(model: str, batch: int, context: int, repeats: int) -> Settings:
     return s
 
 
-class _DenseRunner:
-    """The dense baseline's decode step, every row holding `context` tokens."""
+class DenseRunner:
+    """The dense baseline's decode step, every row holding `context` tokens (`compiler_options`:
+    the jit's, e.g. `models.steps.STEP_COMPILER_OPTIONS`)."""
 
-    def __init__(self, model, batch: int, context: int, capacity: int):
+    def __init__(self, model, batch: int, context: int, capacity: int, compiler_options=None):
         graphdef, self.state = nnx.split(model)
         raw = dense_baseline.dense_decode.__wrapped__  # a jit of our own, as the arena's (`_Runner`): no static
-        self.fn = jax.jit(lambda *a: raw(graphdef, *a), donate_argnums=(1,))  # graphdef hashed per call
-        cache = dense_baseline.init_dense_cache(model.config, batch, capacity)
+        self.fn = jax.jit(lambda *a: raw(graphdef, *a), donate_argnums=(1,),  # graphdef hashed per call
+                          compiler_options=compiler_options)  # fmt: skip
+        cache = dense_baseline.init_dense_cache(model.config, batch, capacity, model.dtype)
         slot = jnp.arange(capacity, dtype=jnp.int32)[None, :]
         self.cache = cache.replace(lengths=jnp.full((batch,), context, jnp.int32),
                                    positions=jnp.broadcast_to(jnp.where(slot < context, slot, -1), cache.positions.shape),
@@ -79,7 +81,7 @@ def measure(model_name: str, batch: int, context: int, repeats: int = 15, seed: 
     model = models.init_random(cfg, seed=seed, dtype=jnp.dtype(s.dtype))
     arena_cache = _filled_cache(s, _layout(s, cfg, s.capacity, s.layers), context, np.random.default_rng(seed))
     runners = {"arena": _Runner(s, "step", "xla", arena_cache, model),
-               "dense": _DenseRunner(model, batch, context, arena_cache.layout.max_seq_len)}  # fmt: skip
+               "dense": DenseRunner(model, batch, context, arena_cache.layout.max_seq_len)}  # fmt: skip
     for r in runners.values():
         _timed(r.call)  # compile
     times = {name: [] for name in runners}

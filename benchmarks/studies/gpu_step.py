@@ -46,7 +46,8 @@ from flax import nnx
 import arena_jax as aj
 from arena_jax import models
 from arena_jax.benchmarks.presets import PRESETS
-from arena_jax.models import dense_baseline, layers, llama
+from arena_jax.benchmarks.studies.dense_ratio import DenseRunner
+from arena_jax.models import layers, llama
 from arena_jax.models import steps as model_steps
 
 __all__ = ["VARIANTS", "run", "main"]
@@ -147,24 +148,6 @@ class _Arena:
         return out.tokens
 
 
-class _Dense:
-    def __init__(self, model, batch: int, context: int, capacity: int, options):
-        graphdef, self.state = nnx.split(model)
-        raw = dense_baseline.dense_decode.__wrapped__
-        self.fn = jax.jit(lambda state, cache, tokens: raw(graphdef, state, cache, tokens), donate_argnums=(1,),
-                          compiler_options=options)  # fmt: skip
-        cache = dense_baseline.init_dense_cache(model.config, batch, capacity, model.dtype)
-        slot = jnp.arange(capacity, dtype=jnp.int32)[None, :]
-        self.cache = cache.replace(lengths=jnp.full((batch,), context, jnp.int32),
-                                   positions=jnp.broadcast_to(jnp.where(slot < context, slot, -1), cache.positions.shape),
-                                   end=jnp.int32(context))  # fmt: skip
-        self.tokens = jnp.zeros((batch,), jnp.int32)
-
-    def call(self):
-        self.tokens, self.cache = self.fn(self.state, self.cache, self.tokens)
-        return self.tokens
-
-
 def must_read_bytes(model, layout: aj.KVLayout, batch: int, context: int) -> int:
     """Bytes one decode step reads at least: every weight but the embedding table, its B rows,
     and `context` tokens of K/V per row at every layer."""
@@ -190,7 +173,7 @@ def measure(models_by_kind: dict, batch: int, context: int, variants, repeats: i
             runners[v] = _Arena(models_by_kind["unrolled" if v == "arena-unrolled" else "scan"],
                                 jax.tree.map(jnp.copy, filled), batch, _options(v), v == "arena-cublas-only")  # fmt: skip
         else:
-            runners[v] = _Dense(model, batch, context, capacity, _options(v))
+            runners[v] = DenseRunner(model, batch, context, capacity, _options(v))
     del filled
     first = {v: _timed(r.call) for v, r in runners.items()}
     times = {v: [] for v in runners}
