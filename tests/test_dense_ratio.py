@@ -11,7 +11,7 @@ from arena_jax.benchmarks.studies import dense_ratio
 
 def test_the_dense_runner_holds_the_context():
     model = models.init_random(models.LlamaConfig.tiny(), seed=0)
-    runner = dense_ratio._DenseRunner(model, batch=2, context=5, capacity=8)
+    runner = dense_ratio.DenseRunner(model, batch=2, context=5, capacity=8)
     cache = runner.cache
     assert cache.k.shape == (model.config.num_layers, 2, model.config.num_kv_heads, 8, model.config.head_dim)  # heads-major
     np.testing.assert_array_equal(np.asarray(cache.positions), [[0, 1, 2, 3, 4, -1, -1, -1]] * 2)
