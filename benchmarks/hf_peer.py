@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-__all__ = ["unavailable_reason", "HFRun", "jax_threads"]
+__all__ = ["unavailable_reason", "HFRun", "hf_model", "jax_threads"]
 
 
 def unavailable_reason(platform: str, mesh) -> str | None:
@@ -43,33 +43,47 @@ def jax_threads() -> str:
     return f"XLA's pool ({os.cpu_count()} cores)"
 
 
+def hf_model(model, device: str = "cpu", attention: str = "eager"):
+    """transformers' model of `model`'s `model_type` on its weights (`export_hf_tensors`), in its
+    dtype, on torch's `device`, in eval mode; `attention`: transformers' implementation name."""
+    import torch
+    import transformers
+
+    from arena_jax.models.loading import export_hf_tensors
+
+    transformers.logging.set_verbosity_error()
+    hf_dict = dict(model.config.to_hf())
+    model_type = hf_dict.pop("model_type")
+    config = transformers.AutoConfig.for_model(model_type, **hf_dict)
+    config._attn_implementation = attention
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[np.dtype(model.dtype).name]
+    with torch.device(device):
+        hf = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+    tensors = {}
+    for name, a in export_hf_tensors(model).items():
+        a = np.array(a)  # (a writable copy; bfloat16 travels as its bits)
+        t = torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16) if a.dtype.name == "bfloat16" else torch.from_numpy(a)
+        tensors[name] = t.to(device=device, dtype=dtype)
+    missing, unexpected = hf.load_state_dict(tensors, strict=False)
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    if unexpected or set(missing) - tied:
+        raise RuntimeError(f"transformers' {type(hf).__name__} does not take our tensors: missing {sorted(missing)}, "
+                           f"unexpected {sorted(unexpected)}")  # fmt: skip
+    if tied:
+        hf.tie_weights()
+    return hf.eval()
+
+
 class HFRun:
     """transformers' model on the arena model's weights. `run()` -> (tokens i32[B, new_tokens],
     prefill seconds, [decode step seconds]), like the arena and dense runs."""
 
     def __init__(self, model, prompts: np.ndarray, new_tokens: int, threads: int = 1):
         import torch
-        import transformers
 
-        from arena_jax.models.loading import export_hf_tensors
-
-        transformers.logging.set_verbosity_error()
-        hf_dict = dict(model.config.to_hf())
-        model_type = hf_dict.pop("model_type")
-        config = transformers.AutoConfig.for_model(model_type, **hf_dict)
-        config._attn_implementation = "eager"
-        self.torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[np.dtype(model.dtype).name]
-        with torch.device("cpu"):
-            hf = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=self.torch_dtype)
-        tensors = {k: torch.from_numpy(np.array(v, np.float32)).to(self.torch_dtype) for k, v in export_hf_tensors(model).items()}
-        missing, unexpected = hf.load_state_dict(tensors, strict=False)
-        tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
-        if unexpected or set(missing) - tied:
-            raise RuntimeError(f"transformers' {type(hf).__name__} does not take our tensors: missing {sorted(missing)}, "
-                               f"unexpected {sorted(unexpected)}")  # fmt: skip
-        if tied:
-            hf.tie_weights()
-        self.hf = hf.eval()
+        hf = hf_model(model)
+        self.torch_dtype = hf.dtype
+        self.hf = hf
         self.torch = torch
         self.prompts = torch.from_numpy(np.asarray(prompts, np.int64))
         self.steps = new_tokens - 1

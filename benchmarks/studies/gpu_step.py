@@ -35,7 +35,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import time
 from unittest import mock
 
 import jax
@@ -46,6 +45,7 @@ from flax import nnx
 import arena_jax as aj
 from arena_jax import models
 from arena_jax.benchmarks.presets import PRESETS
+from arena_jax.benchmarks.studies.context_cost import _timed
 from arena_jax.benchmarks.studies.dense_ratio import DenseRunner
 from arena_jax.models import layers, llama
 from arena_jax.models import steps as model_steps
@@ -53,12 +53,6 @@ from arena_jax.models import steps as model_steps
 __all__ = ["VARIANTS", "run", "main"]
 
 VARIANTS = ("arena", "arena-triton", "arena-cublas-only", "dense", "dense-triton", "arena-unrolled")
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    return time.perf_counter() - t0
 
 
 def copy_bandwidth(nbytes: int | None = None, repeats: int = 10) -> float:

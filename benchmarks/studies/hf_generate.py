@@ -39,30 +39,10 @@ __all__ = ["run", "main"]
 
 
 def _hf_model(model, device: str, attention: str):
-    """transformers' model of the arena model's config, on its weights (`hf_peer.HFRun`'s recipe),
-    on torch's `device` in the model's dtype."""
-    import torch
-    import transformers
+    """transformers' model on the arena model's weights (`hf_peer.hf_model`), greedy to the end."""
+    from arena_jax.benchmarks.hf_peer import hf_model
 
-    from arena_jax.models.loading import export_hf_tensors
-
-    transformers.logging.set_verbosity_error()
-    hf_dict = dict(model.config.to_hf())
-    model_type = hf_dict.pop("model_type")
-    config = transformers.AutoConfig.for_model(model_type, **hf_dict)
-    config._attn_implementation = attention
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[jnp.dtype(model.dtype).name]
-    with torch.device(device):
-        hf = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
-    tensors = {}
-    for name, a in export_hf_tensors(model).items():
-        a = np.array(a)  # (a writable copy)
-        t = torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16) if a.dtype.name == "bfloat16" else torch.from_numpy(a)
-        tensors[name] = t.to(device=device, dtype=dtype)
-    missing, unexpected = hf.load_state_dict(tensors, strict=False)
-    if unexpected or [m for m in missing if "rotary" not in m]:
-        raise ValueError(f"weights do not match transformers' model: missing {missing}, unexpected {unexpected}")
-    hf.eval()
+    hf = hf_model(model, device, attention)
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
     return hf
