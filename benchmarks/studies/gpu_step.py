@@ -20,7 +20,11 @@ donated. Variants, alternated call by call in one process:
 - dense, dense-triton: the dense baseline's step (`dense_baseline.dense_decode`, heads-major
                   cache of the same capacity), with and without the options;
 - arena-unrolled: `scan_layers=False` (a Python loop over per-layer weights: nothing to slice),
-                  XLA's default options; only at the batches of `--unrolled-batches`.
+                  XLA's default options; only at the batches of `--unrolled-batches`;
+- arena-1split:   the arena step with the decode attention kernel's split-K off (`BlockSizes.
+                  num_splits` = 1: one program per (row, KV head) reads the whole context, no
+                  log-sum-exp merge), where the default splits until the device holds two waves of
+                  programs (up to 64, from the page table's capacity, `--capacity`).
 
 "must read" is what one step has to read at least: every weight but the embedding table (a
 step gathers B of its rows), plus the K/V of `context` tokens per row at every layer. GB/s is
@@ -52,7 +56,7 @@ from arena_jax.models import steps as model_steps
 
 __all__ = ["VARIANTS", "run", "main"]
 
-VARIANTS = ("arena", "arena-triton", "arena-cublas-only", "dense", "dense-triton", "arena-unrolled")
+VARIANTS = ("arena", "arena-triton", "arena-cublas-only", "dense", "dense-triton", "arena-unrolled", "arena-1split")
 
 
 def copy_bandwidth(nbytes: int | None = None, repeats: int = 10) -> float:
@@ -112,6 +116,20 @@ def _one_row_dots_plain():
         yield
 
 
+@contextlib.contextmanager
+def _one_split():
+    """Trace with the attention kernels' default `num_splits` set to 1."""
+    from pallas_kernels._common import BlockSizes
+
+    default = BlockSizes.for_attention
+
+    def one(*args, **kwargs):
+        return dataclasses.replace(default(*args, **kwargs), num_splits=1)
+
+    with mock.patch.object(BlockSizes, "for_attention", one):
+        yield
+
+
 def filled_arena(layout: aj.KVLayout, batch: int, context: int, seed: int) -> aj.KVCache:
     """Every row holds `context` tokens of random K/V (drawn on the device) at every layer."""
     slots = jnp.arange(batch, dtype=jnp.int32)
@@ -126,14 +144,14 @@ def filled_arena(layout: aj.KVLayout, batch: int, context: int, seed: int) -> aj
 
 
 class _Arena:
-    def __init__(self, model, cache: aj.KVCache, batch: int, options, plain_rows: bool = False):
+    def __init__(self, model, cache: aj.KVCache, batch: int, options, trace_context=contextlib.nullcontext):
         graphdef, self.state = nnx.split(model)
         raw = model_steps.decode_step.__wrapped__
         self.fn = jax.jit(lambda state, cache, tokens, slots: raw(graphdef, state, cache, tokens, slots, slots, 0),
                           donate_argnums=(1,), compiler_options=options)  # fmt: skip
         self.cache, self.slots = cache, jnp.arange(batch, dtype=jnp.int32)
         self.tokens = jnp.zeros((batch,), jnp.int32)
-        self.trace_context = _one_row_dots_plain if plain_rows else contextlib.nullcontext
+        self.trace_context = trace_context
 
     def call(self):
         with self.trace_context():  # (the first call traces)
@@ -155,17 +173,21 @@ def must_read_bytes(model, layout: aj.KVLayout, batch: int, context: int) -> int
 
 
 def measure(models_by_kind: dict, batch: int, context: int, variants, repeats: int, page_size: int, seed: int,
-            profile: str | None = None, log=print) -> list[dict]:
+            profile: str | None = None, log=print, capacity: int | None = None) -> list[dict]:
     model = models_by_kind["scan"]
-    capacity = -(-(context + repeats + 8) // page_size) * page_size  # every step's token fits (5 more to profile)
+    # Tokens a row's page table holds (and the dense cache's length): every step's token fits
+    # (5 more to profile); `capacity`, where larger, as a server's table would be.
+    capacity = -(-max(context + repeats + 8, capacity or 0) // page_size) * page_size
     layout = model.config.kv_layout(page_size=page_size, num_pages=batch * capacity // page_size, max_seqs=batch,
                                     max_seq_len=capacity, dtype=model.dtype)  # fmt: skip
     filled = filled_arena(layout, batch, context, seed)
     runners = {}
     for v in variants:
         if v.startswith("arena"):
+            context_of = {"arena-cublas-only": _one_row_dots_plain, "arena-1split": _one_split}
             runners[v] = _Arena(models_by_kind["unrolled" if v == "arena-unrolled" else "scan"],
-                                jax.tree.map(jnp.copy, filled), batch, _options(v), v == "arena-cublas-only")  # fmt: skip
+                                jax.tree.map(jnp.copy, filled), batch, _options(v),
+                                context_of.get(v, contextlib.nullcontext))  # fmt: skip
         else:
             runners[v] = DenseRunner(model, batch, context, capacity, _options(v))
     del filled
@@ -206,6 +228,7 @@ class Settings:
     page_size: int = 16
     seed: int = 0
     profile: str | None = None  # a folder: trace 5 more calls of each variant, print the device's top kernels
+    capacity: int | None = None  # tokens per row of the page table (and the dense cache), if more than a run needs
 
 
 def run(s: Settings, log=print) -> dict:
@@ -225,7 +248,7 @@ def run(s: Settings, log=print) -> dict:
     rows = []
     for batch, context in s.cases:
         variants = [v for v in s.variants if v != "arena-unrolled" or batch in s.unrolled_batches]
-        case = measure(models_by_kind, batch, context, variants, s.repeats, s.page_size, s.seed, s.profile, log)
+        case = measure(models_by_kind, batch, context, variants, s.repeats, s.page_size, s.seed, s.profile, log, s.capacity)
         arena_ms = next((r["step_ms"] for r in case if r["variant"] == "arena"), None)
         for r in case:
             r["copy_fraction"] = r["gbps"] * 1e9 / copy_bw
@@ -254,13 +277,16 @@ def main(argv=None) -> int:
     p.add_argument("--unrolled-batches", type=lambda t: tuple(int(x) for x in t.split(",") if x), default=d.unrolled_batches)
     p.add_argument("--repeats", type=int, default=d.repeats)
     p.add_argument("--profile", default=None, help="a folder: trace 5 calls of each variant, print the top device kernels")
+    p.add_argument("--capacity", type=int, default=None, help="tokens per row of the page table and the dense cache "
+                   "(default: what the run needs; the attention's default split count follows it)")
     p.add_argument("--json", default=None, help="write the rows here")
     a = p.parse_args(argv)
     bad = [v for v in a.variants if v not in VARIANTS]
     if bad or "arena" not in a.variants:
         p.error(f"--variants: unknown {bad} or no 'arena' (the ratios' base); choose from {VARIANTS}")
     s = dataclasses.replace(d, model=a.model, layers=a.layers, dtype=a.dtype, cases=a.cases, variants=a.variants,
-                            unrolled_batches=a.unrolled_batches, repeats=a.repeats, profile=a.profile)  # fmt: skip
+                            unrolled_batches=a.unrolled_batches, repeats=a.repeats, profile=a.profile,
+                            capacity=a.capacity)  # fmt: skip
     result = run(s)
     if a.json:
         with open(a.json, "w") as f:

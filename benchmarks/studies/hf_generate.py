@@ -13,6 +13,8 @@ token, one thread each on a CPU (torch by `torch.set_num_threads(1)`, XLA by the
           chunked prefill, decode blocks, the paged arena sized by the call);
 - hf:     transformers' `model.generate(input_ids, do_sample=False, max_new_tokens=...)` with its
           own KV cache, eager attention (what `arena-bench decode --hf on` builds: `hf_peer`);
+- hf-static: the same `generate` with `cache_implementation="static"` (a preallocated cache;
+          transformers compiles its decode forward with `torch.compile` where it can, on a GPU);
 - hf-cb:  transformers' continuous batching, `model.generate_batch(...)` (paged attention
           on its own cache), where the installed transformers has it.
 
@@ -84,11 +86,11 @@ def run(batch: int = 32, prompt_len: int = 128, new_tokens: int = 64, rounds: in
         out = models.generate(model, prompts.tolist(), new_tokens, batch_size=batch)
         return np.asarray([list(t) for t in out.tokens])
 
-    def hf_generate():
+    def hf_generate(**cache):
         with torch.inference_mode():
             ids = torch.from_numpy(prompts).to(device)
             out = synced(hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
-                                     min_new_tokens=new_tokens))  # fmt: skip
+                                     min_new_tokens=new_tokens, **cache))  # fmt: skip
         return out[:, prompt_len:].cpu().numpy()
 
     def hf_cb():
@@ -100,7 +102,7 @@ def run(batch: int = 32, prompt_len: int = 128, new_tokens: int = 64, rounds: in
             out = synced(hf.generate_batch(inputs=prompts.tolist(), generation_config=gen, progress_bar=False))
         return np.asarray([out[k].generated_tokens for k in sorted(out, key=lambda k: int(str(k).split("_")[-1]))])
 
-    paths = {"arena": arena, "hf": hf_generate}
+    paths = {"arena": arena, "hf": hf_generate, "hf-static": lambda: hf_generate(cache_implementation="static")}
     if hasattr(hf, "generate_batch"):
         paths["hf-cb"] = hf_cb
     paths = {name: fn for name, fn in paths.items() if name == "arena" or name in peers}
@@ -142,7 +144,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--model", default="mid", help="'mid' (default) or a preset of arena-bench (e.g. llama3-8b)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    p.add_argument("--peers", default="hf,hf-cb", help="comma-separated: hf (generate), hf-cb (generate_batch)")
+    p.add_argument("--peers", default="hf,hf-cb", help="comma-separated: hf (generate), hf-static (generate, static cache), "
+                   "hf-cb (generate_batch)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     import torch
