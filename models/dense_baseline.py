@@ -47,6 +47,7 @@ from flax import nnx, struct
 from arena_jax.models.checks import token_ids
 from arena_jax.models.config import LlamaConfig
 from arena_jax.models.llama import Llama, run_layers
+from arena_jax.models.sampling import first_argmax
 
 __all__ = ["DenseCache", "init_dense_cache", "dense_prefill", "dense_decode", "dense_generate"]
 
@@ -126,7 +127,7 @@ def dense_prefill(graphdef, state, cache: DenseCache, tokens, num_tokens):
     x, cache = _forward(model, cache, tokens, num_tokens)
     last = jnp.maximum(num_tokens - 1, 0)
     logits = model.logits(jnp.take_along_axis(x, last[:, None, None], axis=1))[:, 0]
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+    return first_argmax(logits), cache
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
@@ -134,7 +135,7 @@ def dense_decode(graphdef, state, cache: DenseCache, tokens):
     """Feed tokens i32[B] (one per row), return the greedy next tokens."""
     model = nnx.merge(graphdef, state)
     x, cache = _forward(model, cache, tokens[:, None], jnp.ones_like(tokens))
-    return jnp.argmax(model.logits(x)[:, 0], axis=-1).astype(jnp.int32), cache
+    return first_argmax(model.logits(x)[:, 0]), cache
 
 
 def dense_generate(

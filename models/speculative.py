@@ -24,7 +24,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from arena_jax.models.sampling import SamplingParams, filter_logits
+from arena_jax.models.sampling import SamplingParams, filter_logits, first_argmax
 
 __all__ = ["PromptLookup", "verify_rows"]
 
@@ -79,7 +79,7 @@ def verify_rows(logits, tokens, num_tokens, positions, sampling: SamplingParams 
     (accepted + 1; 0 for a row with no token))."""
     batch, width, vocab = logits.shape
     draw_pos = positions + 1  # the position each target token takes: the key a decode step uses
-    greedy_y = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, T]
+    greedy_y = first_argmax(logits)  # [B, T]
     proposals = jnp.concatenate([tokens[:, 1:], jnp.zeros((batch, 1), tokens.dtype)], axis=1).astype(jnp.int32)
     has_next = jnp.arange(width)[None, :] < (num_tokens[:, None] - 1)  # p_{j+1} exists
 
