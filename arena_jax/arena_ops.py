@@ -167,7 +167,12 @@ def attend_impl(q, cache: KVCache, layer, slots, num_tokens, backend: str, slidi
 
         return tpu_paged_attention(q, cache.k, cache.v, layer_c, page_map, lengths, n, **kwargs)
     if backend == "xla":  # blocks of pages up to the longest written context
-        return paged_attention_blockwise(q, cache.k, cache.v, layer_c, page_map, lengths, n, **kwargs)
+        # The barrier makes the gathers read the arena as the append left it. Without it, XLA CPU
+        # can fuse an append's update into the gather that follows (the gather then reads the old
+        # arena, the update is applied after it) and copy the whole arena twice to do so (mid
+        # model, rows of 9 pages: two arena-sized copies a layer; benchmarks/RESULTS.md).
+        k_arena, v_arena = jax.lax.optimization_barrier((cache.k, cache.v))
+        return paged_attention_blockwise(q, k_arena, v_arena, layer_c, page_map, lengths, n, **kwargs)
     kwargs["rotate_keys"] = cache.rotate_keys  # the GPU kernels and the reference rotate q themselves
     if backend == "pallas":
         from pallas_kernels.gpu.attention import paged_attention
