@@ -269,8 +269,9 @@ def paged_attention_blockwise(
     qg = qg.transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
     q_ok = q_valid[:, :, None]  # [B, T, 1]: the mask's key-independent part
 
-    def step(first_key, num_pages, state):
-        m, l, acc = state  # [B, Hkv, G, T], same, [B, Hkv, G, T, D]
+    def block(first_key, num_pages):
+        """The block's masked scores s f32[B, Hkv, G, T, N] (-inf where masked or not finite),
+        which pairs are poisoned (bool, same shape) and its P @ V (`values`)."""
         cols = lax.dynamic_slice_in_dim(page_map, first_key // page_size, num_pages, axis=1)  # [B, P]
         key_pos = first_key + jnp.arange(num_pages * page_size, dtype=jnp.int32)  # [N]
         key_live = (key_pos[None, :] < lengths[:, None]) & jnp.repeat(cols >= 0, page_size, axis=1)  # [B, N]
@@ -286,13 +287,19 @@ def paged_attention_blockwise(
             mask &= key_pos[None, None, :] > (q_pos[:, :, None] - window)
         mask = mask[:, None, None]  # [B, 1, 1, T, N]
 
-        s = jnp.where(mask & s_ok, s, -jnp.inf)
+        return jnp.where(mask & s_ok, s, -jnp.inf), mask & ~(s_ok & v_ok[:, :, None, None, :]), values
+
+    def weights(s, poisoned, m):
+        """exp(s - m) (0 where masked, NaN where poisoned) and the max actually subtracted."""
+        m_use = jnp.where(jnp.isfinite(m), m, 0.0)
+        return jnp.where(poisoned, jnp.nan, jnp.exp(s - m_use[..., None])), m_use
+
+    def step(first_key, num_pages, state):
+        m, l, acc = state  # [B, Hkv, G, T], same, [B, Hkv, G, T, D]
+        s, poisoned, values = block(first_key, num_pages)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        m_use = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p, m_use = weights(s, poisoned, m_new)
         alpha = jnp.exp(m - m_use)  # 0 while nothing was seen (m = -inf); NaN * alpha stays NaN
-        p = jnp.exp(s - m_use[..., None])  # 0 where masked
-        poisoned = mask & ~(s_ok & v_ok[:, :, None, None, :])
-        p = jnp.where(poisoned, jnp.nan, p)
         l = alpha * l + jnp.sum(p, axis=-1)
         return m_new, l, alpha[..., None] * acc + values(p)
 
@@ -302,8 +309,11 @@ def paged_attention_blockwise(
     if max_pages * page_size <= block_keys_or_default(block_keys):
         # The whole capacity fits one block: one straight-line block over every page (no loop:
         # half the graph of the two loop bodies below, no while-loop overhead; the keys no
-        # query sees are masked, contributing exactly nothing).
-        state = step(0, width, state)
+        # query sees are masked, contributing exactly nothing), and a plain softmax: `step`
+        # from the empty state without its rescaling (alpha = 0) of a zero sum and accumulator.
+        s, poisoned, values = block(0, width)
+        p, _ = weights(s, poisoned, jnp.max(s, axis=-1))
+        state = (None, jnp.sum(p, axis=-1), values(p))
     else:
         if big > small:  # whole big blocks first, then at most big / small - 1 tail blocks
             state = lax.fori_loop(0, num_big, lambda j, st: step(start + j * big, big_pages, st), state)
