@@ -303,9 +303,6 @@ def paged_attention_blockwise(
         l = alpha * l + jnp.sum(p, axis=-1)
         return m_new, l, alpha[..., None] * acc + values(p)
 
-    shape = (batch, num_kv_heads, group, tokens)
-    state = (jnp.full(shape, -jnp.inf, f32), jnp.zeros(shape, f32), jnp.zeros((*shape, head_dim), f32))
-    state = _varying_like(state, q, k_arena, v_arena, k_scale, v_scale, layer, page_map, lengths, num_tokens, window)
     if max_pages * page_size <= block_keys_or_default(block_keys):
         # The whole capacity fits one block: one straight-line block over every page (no loop:
         # half the graph of the two loop bodies below, no while-loop overhead; the keys no
@@ -313,16 +310,18 @@ def paged_attention_blockwise(
         # from the empty state without its rescaling (alpha = 0) of a zero sum and accumulator.
         s, poisoned, values = block(0, width)
         p, _ = weights(s, poisoned, jnp.max(s, axis=-1))
-        state = (None, jnp.sum(p, axis=-1), values(p))
+        l, acc = jnp.sum(p, axis=-1), values(p)
     else:
+        shape = (batch, num_kv_heads, group, tokens)
+        state = (jnp.full(shape, -jnp.inf, f32), jnp.zeros(shape, f32), jnp.zeros((*shape, head_dim), f32))
+        state = _varying_like(state, q, k_arena, v_arena, k_scale, v_scale, layer, page_map, lengths, num_tokens, window)
         if big > small:  # whole big blocks first, then at most big / small - 1 tail blocks
             state = lax.fori_loop(0, num_big, lambda j, st: step(start + j * big, big_pages, st), state)
         else:
             num_big = 0
         tail = start + num_big * big
-        state = lax.fori_loop(0, (keys - num_big * big) // small, lambda j, st: step(tail + j * small, small_pages, st),
-                              state)  # fmt: skip
-    _, l, acc = state
+        _, l, acc = lax.fori_loop(0, (keys - num_big * big) // small,
+                                  lambda j, st: step(tail + j * small, small_pages, st), state)  # fmt: skip
     seen = (l != 0)[..., None]  # NaN != 0: a poisoned row stays NaN
     out = jnp.where(seen, acc / jnp.where(seen, l[..., None], 1.0), 0.0)  # [B, Hkv, G, T, D]
     out = out.transpose(0, 3, 1, 2, 4)  # [B, T, Hkv, G, D]

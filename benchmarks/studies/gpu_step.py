@@ -130,6 +130,9 @@ def _one_split():
         yield
 
 
+_TRACE_CONTEXTS = {"arena-cublas-only": _one_row_dots_plain, "arena-1split": _one_split}  # how a variant traces
+
+
 def filled_arena(layout: aj.KVLayout, batch: int, context: int, seed: int) -> aj.KVCache:
     """Every row holds `context` tokens of random K/V (drawn on the device) at every layer."""
     slots = jnp.arange(batch, dtype=jnp.int32)
@@ -184,10 +187,9 @@ def measure(models_by_kind: dict, batch: int, context: int, variants, repeats: i
     runners = {}
     for v in variants:
         if v.startswith("arena"):
-            context_of = {"arena-cublas-only": _one_row_dots_plain, "arena-1split": _one_split}
             runners[v] = _Arena(models_by_kind["unrolled" if v == "arena-unrolled" else "scan"],
                                 jax.tree.map(jnp.copy, filled), batch, _options(v),
-                                context_of.get(v, contextlib.nullcontext))  # fmt: skip
+                                _TRACE_CONTEXTS.get(v, contextlib.nullcontext))  # fmt: skip
         else:
             runners[v] = DenseRunner(model, batch, context, capacity, _options(v))
     del filled
