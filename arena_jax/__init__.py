@@ -64,6 +64,7 @@ from arena_jax.host import (
 )
 from arena_jax.kv_cache import PAD_PAGE, PAD_SLOT, CacheStats, KVCache, PageTable
 from arena_jax.layout import KVLayout
+from arena_jax.plan import StepPlan, plan_step
 from arena_jax.prefix import PrefixCache, PrefixHit
 from arena_jax.sharding import CacheSharding
 from arena_jax.state import create
@@ -86,6 +87,8 @@ __all__ = [
     "positions",
     "begin_step",
     "CacheStep",
+    "plan_step",
+    "StepPlan",
     "release",
     "fork",
     "truncate",

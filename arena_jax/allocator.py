@@ -24,6 +24,8 @@ past int32 are computed so that they cannot overflow.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -32,7 +34,7 @@ from jax import lax
 from pallas_kernels.index_math import ceil_div_nonneg, div_nonneg, rem_nonneg
 from arena_jax.kv_cache import PAD_SLOT, CacheStats, KVCache, PageTable
 
-__all__ = ["reserve_impl", "release_impl", "fork_impl", "truncate_impl", "slot_rows", "in_range_rows"]
+__all__ = ["reserve_impl", "release_impl", "fork_impl", "truncate_impl", "slot_rows", "in_range_rows", "first_rows"]
 
 
 def in_range_rows(table: PageTable, slots):
@@ -45,11 +47,18 @@ def in_range_rows(table: PageTable, slots):
 def slot_rows(table: PageTable, slots):
     """(live bool[B], gather index i32[B]): live rows name an in-range slot that no earlier
     row of the batch names (the first occurrence of a duplicate wins)."""
+    ok, idx, first = first_rows(table, slots)
+    return ok & (first == jnp.arange(slots.shape[0], dtype=jnp.int32)), idx
+
+
+def first_rows(table: PageTable, slots):
+    """(in range bool[B], gather index i32[B], first i32[B]): first[b] is the first row of the
+    batch naming row b's slot (b itself for a live row; B where the slot is out of range)."""
     max_seqs = table.page_map.shape[0]
     ok, idx = in_range_rows(table, slots)
     row = jnp.arange(slots.shape[0], dtype=jnp.int32)
     first = jnp.full((max_seqs,), slots.shape[0], jnp.int32).at[jnp.where(ok, slots, max_seqs)].min(row, mode="drop")
-    return ok & (first[idx] == row), idx
+    return ok, idx, jnp.where(ok, first[idx], slots.shape[0])
 
 
 def _page_rows(num_pages: int, pages):
@@ -95,70 +104,79 @@ def reserve_impl(cache: KVCache, slots, num_tokens):
     tokens. When every served row grows inside the last page it holds alone, a conditional
     takes the short branch (`_grow_in_place`: lengths, flags and counters only); the allocator
     (`_allocate_and_map`: first come first served, copy-on-write, the free stack, then the page table's
-    scatters) runs otherwise. Both branches give the same result on such calls; the rows are
-    classified once, before them, and the page copies of copy-on-write run after them."""
+    scatters) runs otherwise. Both branches give the same result on such calls. The rows are
+    classified before them (slot, length, served or not); what only the allocator needs (pages
+    mapped and needed, the last page's holders) it works out in its own branch, so the short one
+    pays nothing for it (XLA's CPU backend runs a kernel per array passed into a branch). The
+    page copies of copy-on-write run after the conditional."""
     table = cache.table
     max_pages = table.page_map.shape[1]
-    num_pages, page_size = cache.k.shape[2], cache.k.shape[3]
+    page_size = cache.k.shape[3]
     pad = slots == PAD_SLOT
     live, idx = slot_rows(table, slots)
     length = jnp.where(live, table.lengths[idx], 0)
     # `n <= room`, never `length + n <= limit`: an arbitrary traced n would overflow the sum.
-    fits = (num_tokens >= 0) & (num_tokens <= max_pages * page_size - length)
-    rejected = ~pad & ~(live & fits)
-    live &= fits
+    live &= (num_tokens >= 0) & (num_tokens <= max_pages * page_size - length)
     n = jnp.where(live, num_tokens, 0)
-    rows = _ReserveRows(live=live, n=n, new_length=length + n,
-                        have=ceil_div_nonneg(length, page_size),  # mapped pages (lengths are never negative)
-                        need=ceil_div_nonneg(length + n, page_size), row=table.page_map[idx])  # fmt: skip
-    # Copy-on-write: the last page is partly filled, shared, and this row will write into it.
-    last_lp = jnp.minimum(div_nonneg(length, page_size), max_pages - 1)
-    last_page = jnp.take_along_axis(rows.row, last_lp[:, None], axis=1)[:, 0]
-    last_refs = table.refcount[jnp.clip(last_page, 0, num_pages - 1)]
-    wants_cow = live & (n > 0) & (rem_nonneg(length, page_size) != 0) & (last_refs > 1)
-    in_place = jnp.all(~live | ((rows.need == rows.have) & ~wants_cow))
+    rows = _reserve_rows(table, page_size, idx, live, n, length)
+    in_place = jnp.all(~live | ((rows.need == rows.have) & ~rows.wants_cow))
     # The table and the counters go through the conditional, the arena does not (`_copy_pages`).
-    table, counts, ok, cow_page = lax.cond(in_place, _grow_in_place, _allocate_and_map, table, cache.stats.counts, slots,
-                                           rows, rejected, last_lp, last_page, last_refs, wants_cow)  # fmt: skip
-
+    grow, allocate = (functools.partial(branch, page_size) for branch in (_grow_in_place, _allocate_and_map))
+    table, counts, ok, cow_src, cow_dst = lax.cond(in_place, grow, allocate, table, cache.stats.counts, slots, idx, live,
+                                                   n, length)  # fmt: skip
     # The private copy of a shared page, all layers and heads: [L, H, B, S, D] (and an 8-bit
     # arena's scales, [L, H, B, S]: a page's values mean nothing without them).
-    do_cow = cow_page < num_pages
-    k, v, scales = _copy_pages(cache, jnp.where(do_cow, last_page, 0), cow_page)
+    k, v, scales = _copy_pages(cache, cow_src, cow_dst)
     return cache.replace(k=k, v=v, table=table, stats=CacheStats(counts=counts), **scales), ok | pad
 
 
 @struct.dataclass
 class _ReserveRows:
-    """A reserve call's rows, classified (bool / i32 [B]; row: the slot's page-table row [B, M])."""
+    """A reserve call's rows, classified (bool / i32 [B])."""
 
     live: jax.Array  # served by the allocator's rules (pages permitting)
     n: jax.Array  # tokens asked (0 unless live)
     new_length: jax.Array
     have: jax.Array  # pages mapped
     need: jax.Array  # pages mapped once grown
-    row: jax.Array
+    last_lp: jax.Array  # the logical page the row's next token goes to (its last, partly filled one)
+    last_page: jax.Array  # its physical page (-1: none)
+    last_refs: jax.Array  # that page's holders
+    wants_cow: jax.Array  # the last page is partly filled, shared, and this row will write into it
 
 
-def _grow_in_place(table: PageTable, counts, slots, rows: _ReserveRows, rejected, last_lp, last_page, last_refs, wants_cow):
+def _reserve_rows(table: PageTable, page_size: int, idx, live, n, length) -> _ReserveRows:
+    max_pages = table.page_map.shape[1]
+    num_pages = table.refcount.shape[0]
+    last_lp = jnp.minimum(div_nonneg(length, page_size), max_pages - 1)
+    last_page = table.page_map[idx, last_lp]
+    last_refs = table.refcount[jnp.clip(last_page, 0, num_pages - 1)]
+    return _ReserveRows(live=live, n=n, new_length=length + n,
+                        have=ceil_div_nonneg(length, page_size),  # lengths are never negative
+                        need=ceil_div_nonneg(length + n, page_size), last_lp=last_lp, last_page=last_page,
+                        last_refs=last_refs,
+                        wants_cow=live & (n > 0) & (rem_nonneg(length, page_size) != 0) & (last_refs > 1))  # fmt: skip
+
+
+def _grow_in_place(page_size: int, table: PageTable, counts, slots, idx, live, n, length):
     """`reserve`'s branch when no live row needs a page (nor a copy): lengths, flags and
     counters only. Returns what `_allocate_and_map` does: (table, counts, ok [B], copy-on-write
-    target [B]: num_pages, none)."""
-    del last_lp, last_page, last_refs, wants_cow
+    sources and targets [B]: num_pages, none)."""
+    del page_size, idx
     num_pages = table.refcount.shape[0]
-    target = jnp.where(rows.live, slots, table.page_map.shape[0])  # only live rows change
-    table = table.replace(lengths=table.lengths.at[target].set(rows.new_length, mode="drop"),
+    target = jnp.where(live, slots, table.page_map.shape[0])  # only live rows change
+    table = table.replace(lengths=table.lengths.at[target].set(length + n, mode="drop"),
                           active=table.active.at[target].set(True, mode="drop"))  # fmt: skip
-    stats = CacheStats(counts=counts).bump(metadata_ops=rows.live & (rows.n > 0), rejected_rows=rejected)
-    return table, stats.counts, rows.live, _like_rows(rows.n, num_pages, rows.n.shape)
+    stats = CacheStats(counts=counts).bump(metadata_ops=live & (n > 0), rejected_rows=(slots != PAD_SLOT) & ~live)
+    return table, stats.counts, live, _like_rows(n, 0, n.shape), _like_rows(n, num_pages, n.shape)
 
 
-def _allocate_and_map(table: PageTable, counts, slots, rows: _ReserveRows, rejected, last_lp, last_page, last_refs,
-                      wants_cow):  # fmt: skip
+def _allocate_and_map(page_size: int, table: PageTable, counts, slots, idx, live, n, length):
     """`reserve`'s allocator branch: `_allocate`, then the page table's scatters and the counters."""
     num_pages = table.refcount.shape[0]
-    ok, new_row, cow_page, total, no_page, ref_pages, ref_delta = _allocate(
-        table.free_stack, table.num_free, rows, last_lp, last_page, last_refs, wants_cow)
+    rows = _reserve_rows(table, page_size, idx, live, n, length)
+    row = table.page_map[idx]  # [B, M]
+    ok, new_row, cow_page, total, no_page, ref_pages, ref_delta = _allocate(table.free_stack, table.num_free, rows, row)
     # One scatter: +1 for each popped page (new pages and COW copies: free, so refcount 0 -> 1),
     # -1 for the shared page a COW row leaves (its other holders keep it).
     target = jnp.where(ok, slots, table.page_map.shape[0])  # only served rows change
@@ -174,9 +192,9 @@ def _allocate_and_map(table: PageTable, counts, slots, rows: _ReserveRows, rejec
         cow_copies=cow_page < num_pages,
         metadata_ops=ok & (rows.n > 0) & no_page,
         failed_reservations=rows.live & ~ok,
-        rejected_rows=rejected,
+        rejected_rows=(slots != PAD_SLOT) & ~live,
     )
-    return table, stats.counts, ok, cow_page
+    return table, stats.counts, ok, jnp.where(cow_page < num_pages, rows.last_page, 0), cow_page
 
 
 def _like_rows(rows_value, value, shape):
@@ -186,10 +204,12 @@ def _like_rows(rows_value, value, shape):
     return jnp.broadcast_to(jnp.where(jnp.any(rows_value == rows_value), value, value), shape)
 
 
-def _allocate(free_stack, num_free, rows: _ReserveRows, last_lp, last_page, last_refs, wants_cow):
-    """The allocator: pages popped first come first served, copy-on-write of shared last pages."""
-    num_pages, max_pages = free_stack.shape[0], rows.row.shape[1]
-    live, have, need, row = rows.live, rows.have, rows.need, rows.row
+def _allocate(free_stack, num_free, rows: _ReserveRows, row):
+    """The allocator: pages popped first come first served, copy-on-write of shared last pages.
+    row i32[B, M]: the slots' page-table rows."""
+    num_pages, max_pages = free_stack.shape[0], row.shape[1]
+    live, have, need = rows.live, rows.have, rows.need
+    last_lp, last_page, last_refs, wants_cow = rows.last_lp, rows.last_page, rows.last_refs, rows.wants_cow
     # When every holder of that page is in this batch and wants to write, the first one keeps it.
     same = wants_cow[:, None] & wants_cow[None, :] & (last_page[:, None] == last_page[None, :])  # [B, B]
     rank = jnp.sum(jnp.tril(same, k=-1), axis=1)
@@ -261,10 +281,12 @@ def _release_rows(cache: KVCache, slots, rows):
 def release_impl(cache: KVCache, slots):
     """Drop the slots; pages whose refcount reaches 0 go back on the free stack. Releasing an
     idle slot does nothing."""
-    live, _ = slot_rows(cache.table, slots)
+    live, idx = slot_rows(cache.table, slots)
+    changed = live & cache.table.active[idx]  # releasing an idle slot changes nothing
     cache, freed = _release_rows(cache, slots, live)
     rejected = (slots != PAD_SLOT) & ~live
-    return cache.replace(stats=cache.stats.bump(pages_recycled=freed, rejected_rows=rejected))
+    return cache.replace(table=cache.table.advanced(changed),
+                         stats=cache.stats.bump(pages_recycled=freed, rejected_rows=rejected))
 
 
 def truncate_impl(cache: KVCache, slots, lengths):
@@ -287,7 +309,7 @@ def truncate_impl(cache: KVCache, slots, lengths):
     # A truncate that shortens nothing (an idle slot, or the slot's own length) is no operation.
     changed = ok & (new_length < held)
     stats = cache.stats.bump(pages_recycled=freed, metadata_ops=changed, rejected_rows=rejected)
-    return cache.replace(table=table, stats=stats)
+    return cache.replace(table=table.advanced(changed), stats=stats)
 
 
 def fork_impl(cache: KVCache, src, dst):
@@ -325,7 +347,7 @@ def fork_impl(cache: KVCache, src, dst):
     stats = cache.stats.bump(
         metadata_ops=ok, pages_recycled=freed, rejected_rows=~dst_pad & ~ok
     )
-    return cache.replace(table=table, stats=stats)
+    return cache.replace(table=table.advanced(ok), stats=stats)
 
 
 def copies_pages_by_dma(cache) -> bool:
@@ -357,10 +379,10 @@ def _copy_pages(cache, src, dst):
         # k / v per step); a while loop's carry stays in place. Destinations are new pages, never
         # another row's source, so the order of the copies does not matter.
         copies = dst < cache.k.shape[2]
-        rows = jnp.argsort(~copies)  # (stable) the rows that copy first
 
         def copy_one(i, arrays):
-            s, d = src[rows[i]], dst[rows[i]]
+            row = jnp.argmax(jnp.cumsum(copies) > i)  # the i-th row that copies (no sort before the loop)
+            s, d = src[row], dst[row]
             return [lax.dynamic_update_slice_in_dim(x, lax.dynamic_slice_in_dim(x, s, 1, axis=2), d, axis=2)
                     for x in arrays]  # fmt: skip
 

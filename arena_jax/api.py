@@ -419,13 +419,33 @@ def _check_reserved(cache, slots, n, layer) -> None:
 
 
 @functools.partial(jax.jit, static_argnames=("backend",), donate_argnames=("cache",))
-def _append(cache, layer, slots, k, v, num_tokens, backend):
+def _append(cache, layer, slots, k, v, num_tokens, backend, plan=None):
     if cache.sharding is not None:
         return sharding.append(cache, layer, slots, k, v, num_tokens, backend)
-    return arena_ops.append_impl(cache, layer, slots, k, v, num_tokens, backend)
+    return arena_ops.append_impl(cache, layer, slots, k, v, num_tokens, backend, plan)
 
 
-def append(cache: KVCache, layer, slots, k, v, *, num_tokens=None, backend: str | None = None) -> KVCache:
+def _check_plan(cache, plan, slots, num_tokens, tokens: int) -> None:
+    """A `StepPlan` passed to append / attend: made for this call's rows (on the host, when
+    concrete) and width, on a cache with one data shard."""
+    if plan is None:
+        return
+    from arena_jax.plan import StepPlan
+
+    if not isinstance(plan, StepPlan):
+        raise ValueError(f"plan must be a StepPlan (from aj.plan_step) or None, got {type(plan).__name__}")
+    if cache.sharding is not None:
+        raise ValueError("plan: a sharded cache takes no plan (aj.plan_step returns None for it)")
+    if tokens != plan.width:
+        raise ValueError(f"plan was made for {plan.width} tokens a row, this call has {tokens}")
+    for name, given, planned in (("slots", slots, plan.slots), ("num_tokens", num_tokens, plan.num_tokens)):
+        g, p = concrete(given), concrete(planned)
+        if g is not None and p is not None and not np.array_equal(g, p):
+            raise ValueError(f"{name}={g.tolist()} differs from the plan's {p.tolist()}: a plan answers for the rows "
+                             "it was made for (aj.plan_step after the step's reserve)")
+
+
+def append(cache: KVCache, layer, slots, k, v, *, num_tokens=None, backend: str | None = None, plan=None) -> KVCache:
     """Write `k, v: [batch, tokens, num_kv_heads, head_dim]` at each slot's written watermark for `layer`.
 
     Row b's first `num_tokens[b]` tokens (default: all `tokens`) go to positions
@@ -437,6 +457,11 @@ def append(cache: KVCache, layer, slots, k, v, *, num_tokens=None, backend: str 
     float8_e5m2) takes them in bfloat16, float16 or float32 (both alike) and quantizes each
     token of each KV head (absmax per row, one scale each; `pallas_kernels.quant` has the
     rounding, saturation, zero and NaN rules).
+
+    `plan`: the step's `aj.plan_step(cache, slots, num_tokens, width)`, made after its reserve
+    for these slots and counts: the rows are classified once for every layer instead of per
+    call (`arena_jax.plan`). A plan made before a later reserve / release / fork / truncate (a
+    table at another epoch) writes nothing and counts every row in `stats.rejected_rows`.
     """
     layout = _check_cache(cache)
     slots = check_slots(layout, slots)
@@ -449,17 +474,18 @@ def append(cache: KVCache, layer, slots, k, v, *, num_tokens=None, backend: str 
     if n is not None and n.size and n.max() > tokens:
         raise ValueError(f"num_tokens={int(n.max())} exceeds the {tokens} tokens given in k and v")
     _check_reserved(cache, slots, n, layer)
-    return _append(cache, layer, slots, jnp.asarray(k), jnp.asarray(v), num_tokens, _resolve_backend(backend, layout))
+    _check_plan(cache, plan, slots, num_tokens, tokens)
+    return _append(cache, layer, slots, jnp.asarray(k), jnp.asarray(v), num_tokens, _resolve_backend(backend, layout), plan)
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "sliding_window", "sm_scale", "logits_soft_cap"))
-def _attend(q, cache, layer, slots, num_tokens, window, backend, sliding_window, sm_scale, logits_soft_cap):
+def _attend(q, cache, layer, slots, num_tokens, window, backend, sliding_window, sm_scale, logits_soft_cap, plan=None):
     """`sliding_window`: a static window or None; `window`: a traced one (i32[]) or None."""
     sliding_window = sliding_window if window is None else window
     if cache.sharding is not None:
         return sharding.attend(q, cache, layer, slots, num_tokens, backend, sliding_window, sm_scale, logits_soft_cap)
     return arena_ops.attend_impl(q, cache, layer, slots, num_tokens, backend, sliding_window, sm_scale,
-                                 logits_soft_cap)
+                                 logits_soft_cap, plan)
 
 
 def attend(
@@ -473,6 +499,7 @@ def attend(
     sm_scale: float | None = None,
     logits_soft_cap: float | None = None,
     backend: str | None = None,
+    plan=None,
 ):
     """Attention of `q: [batch, q_tokens, num_q_heads, head_dim]` over the tokens written at `layer`.
 
@@ -494,8 +521,13 @@ def attend(
     float32 softmax. A key a query does not attend to contributes nothing, NaN and inf
     included; a NaN / inf in a key or value it attends to makes its whole output row NaN
     (`pallas_kernels.reference.paged_attention_reference` states the rules).
+
+    `plan`: the step's `aj.plan_step` (see `aj.append`): the rows as they stand after this
+    layer's append, classified once for every layer. A plan of another epoch reads nothing (zeros).
     """
-    return _attend(*_attend_args(q, cache, layer, slots, num_tokens, sliding_window, sm_scale, logits_soft_cap, backend))
+    args = _attend_args(q, cache, layer, slots, num_tokens, sliding_window, sm_scale, logits_soft_cap, backend)
+    _check_plan(cache, plan, args[3], args[4], q.shape[1])
+    return _attend(*args, plan)
 
 
 def _attend_args(q, cache, layer, slots, num_tokens, sliding_window, sm_scale, logits_soft_cap, backend):

@@ -29,10 +29,11 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from arena_jax import key_factors as factors_lib
 from arena_jax.allocator import in_range_rows, slot_rows
-from arena_jax.kv_cache import PAD_SLOT, KVCache
+from arena_jax.kv_cache import PAD_SLOT, CacheStats, KVCache
 from pallas_kernels.blockwise import paged_attention_blockwise
 from pallas_kernels.index_math import div_nonneg
 from pallas_kernels.rotation import rotate_rows
@@ -64,24 +65,48 @@ def warn_if_appends_copy(dtypes, platform: str | None = None) -> None:
             "(and bfloat16 from jax 0.11) are written in place.", RuntimeWarning, stacklevel=3)
 
 
-def _layer(cache: KVCache, layer):
+def _layer(table, layer):
     """(layer in range bool[], layer clipped into range i32[]: safe to index with)."""
-    num_layers = cache.table.written.shape[0]
+    num_layers = table.written.shape[0]
     return (layer >= 0) & (layer < num_layers), jnp.clip(layer, 0, num_layers - 1)
 
 
-def append_impl(cache: KVCache, layer, slots, k, v, num_tokens, backend: str) -> KVCache:
-    """Write row b's first num_tokens[b] tokens of k, v [B, T, Hkv, D] at its slot's written
-    watermark for `layer` and advance it. A row whose tokens would pass the slot's reservation
-    or land in a page it shares writes nothing (counted in `dropped_writes`)."""
-    table = cache.table
+@struct.dataclass
+class AppendRows:
+    """One layer's append, classified row by row: what `append_impl` writes and counts."""
+
+    page: jax.Array  # i32[B, T] physical page of each new token (where `ok`)
+    pos: jax.Array  # i32[B, T] its position in the slot (only pos % page_size is read)
+    ok: jax.Array  # bool[B, T] the token is written
+    writable: jax.Array  # bool[B] the row writes (all its tokens)
+    accepted: jax.Array  # i32[B] tokens the row writes
+    end: jax.Array  # i32[B] the watermark once written (the kernels' lengths)
+    target: jax.Array  # i32[B] the slot whose watermark advances (max_seqs: none)
+    counts: jax.Array  # i32[N] what the append adds to `stats.counts`
+
+
+@struct.dataclass
+class AttendRows:
+    """One layer's attention rows: a row that is not `good` reads nothing (-1 pages, length 0)."""
+
+    good: jax.Array  # bool[B]
+    lengths: jax.Array  # i32[B] tokens written at the layer (0 unless good)
+    num_tokens: jax.Array  # i32[B] query tokens (0 unless good)
+
+
+def page_rows(table, slots):
+    """page_map rows i32[B, M] of the slots (row 0's where a slot is out of range): what every
+    layer's append and attend of a call look the pages up in."""
+    return table.page_map[in_range_rows(table, slots)[1]]
+
+
+def append_rows(table, page_size: int, layer, slots, num_tokens, tokens: int, rows) -> AppendRows:
+    """`append_impl`'s classification at `layer` (the rules in its docstring; rows: `page_rows`)."""
     max_seqs, max_pages = table.page_map.shape
-    num_pages, page_size = cache.k.shape[2], cache.k.shape[3]
-    tokens = k.shape[1]
-    layer_ok, layer_c = _layer(cache, layer)
+    num_pages = table.refcount.shape[0]
+    layer_ok, layer_c = _layer(table, layer)
     live, idx = slot_rows(table, slots)
     good = live & layer_ok & (num_tokens >= 0) & (num_tokens <= tokens)
-    rejected = (slots != PAD_SLOT) & ~good
     n = jnp.where(good, num_tokens, 0)
     start = jnp.where(good, table.written[layer_c, idx], 0)
     reserved = jnp.where(good, table.lengths[idx], 0)
@@ -90,13 +115,31 @@ def append_impl(cache: KVCache, layer, slots, k, v, num_tokens, backend: str) ->
     t = jnp.arange(tokens, dtype=jnp.int32)[None, :]
     pos = start[:, None] + t  # [B, T]
     in_use = t < n[:, None]
-    rows = table.page_map[idx]  # [B, M]
     page = jnp.take_along_axis(rows, jnp.minimum(div_nonneg(pos, page_size), max_pages - 1), axis=1)
     private = (page >= 0) & (table.refcount[jnp.clip(page, 0, num_pages - 1)] == 1)
     writable = good & fits & jnp.all(private | ~in_use, axis=1)
     accepted = jnp.where(writable, n, 0)
+    counts = CacheStats.zeros().bump(tokens_written=jnp.where(layer_ok & (layer_c == 0), accepted, 0),
+                                     dropped_writes=good & (n > 0) & ~writable,
+                                     rejected_rows=(slots != PAD_SLOT) & ~good).counts  # fmt: skip
+    return AppendRows(page=page, pos=pos, ok=writable[:, None] & in_use & (page >= 0) & (pos < max_pages * page_size),
+                      writable=writable, accepted=accepted, end=start + accepted,
+                      target=jnp.where(writable, slots, max_seqs), counts=counts)  # fmt: skip
 
-    kernel_rows = (jnp.where(writable[:, None], rows, -1), start + accepted, accepted)
+
+def append_impl(cache: KVCache, layer, slots, k, v, num_tokens, backend: str, plan=None) -> KVCache:
+    """Write row b's first num_tokens[b] tokens of k, v [B, T, Hkv, D] at its slot's written
+    watermark for `layer` and advance it. A row whose tokens would pass the slot's reservation
+    or land in a page it shares writes nothing (counted in `dropped_writes`). `plan`: an
+    `arena_jax.plan.StepPlan` made for these slots and counts, whose rows this call takes
+    instead of classifying them again."""
+    layer_c = _layer(cache.table, layer)[1]
+    if plan is None:
+        rows = page_rows(cache.table, slots)
+        r = append_rows(cache.table, cache.k.shape[3], layer, slots, num_tokens, k.shape[1], rows)
+    else:
+        rows, r = plan.rows, plan.append_at(layer, cache.table)
+    kernel_rows = (jnp.where(r.writable[:, None], rows, -1), r.end, r.accepted)
     if cache.key_factors is not None:  # smoothed keys: divided by the cache's fixed factors
         k = factors_lib.smooth_keys(k, cache.key_factors[layer_c])
     scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)  # None for float arenas
@@ -114,32 +157,38 @@ def append_impl(cache: KVCache, layer, slots, k, v, num_tokens, backend: str) ->
         warn_if_appends_copy((cache.k.dtype, None if cache.k_scale is None else cache.k_scale.dtype))
         # The reference's writes at the pages looked up above (its own lookup would repeat them):
         # the same tokens, pages and offsets as `append_reference(..., *kernel_rows)`.
-        ok = writable[:, None] & in_use & (page >= 0) & (pos < max_pages * page_size)
-        arenas = write_tokens(cache.k, cache.v, layer_c, k, v, page, pos, ok, rotate_keys=cache.rotate_keys, **scales)
+        arenas = write_tokens(cache.k, cache.v, layer_c, k, v, r.page, r.pos, r.ok, rotate_keys=cache.rotate_keys,
+                              **scales)  # fmt: skip
     k_arena, v_arena = arenas[:2]
     if cache.k_scale is not None:  # a quantized arena: values and scales written together
         scales = dict(k_scale=arenas[2], v_scale=arenas[3])
-    target = jnp.where(writable, slots, max_seqs)
-    table = table.replace(written=table.written.at[layer_c, target].add(accepted, mode="drop"))
-    stats = cache.stats.bump(
-        tokens_written=jnp.where(layer_ok & (layer_c == 0), accepted, 0),
-        dropped_writes=good & (n > 0) & ~writable,
-        rejected_rows=rejected,
-    )
-    return cache.replace(k=k_arena, v=v_arena, table=table, stats=stats, **scales)
+    # set, not add: a row's slot is unique among the writing rows (`slot_rows`), and a planned
+    # layer appended twice leaves the watermark where one append does (`arena_jax.plan`).
+    table = cache.table.replace(written=cache.table.written.at[layer_c, r.target].set(r.end, mode="drop"))
+    return cache.replace(k=k_arena, v=v_arena, table=table, stats=cache.stats.replace(counts=cache.stats.counts + r.counts),
+                         **scales)  # fmt: skip
 
 
-def _attend_rows(cache: KVCache, layer, slots, num_tokens, tokens: int):
-    """(layer clipped, page_map [B, M], lengths [B], num_tokens [B]) as the kernels take them:
-    a row whose slot is out of range, or that asks for more query tokens than `tokens` or
-    than the slot has written at `layer`, reads nothing (-1 pages, length 0)."""
-    table = cache.table
-    layer_ok, layer_c = _layer(cache, layer)
+def attend_rows(table, layer, slots, num_tokens, tokens: int, written=None) -> AttendRows:
+    """`attend_impl`'s rows at `layer`: a row whose slot is out of range, or that asks for more
+    query tokens than `tokens` or than the slot has written at `layer`, reads nothing.
+    `written` i32[B]: each row's slot's watermark at `layer` (default: the table's)."""
+    layer_ok, layer_c = _layer(table, layer)
     in_range, idx = in_range_rows(table, slots)
-    written = jnp.where(in_range & layer_ok, table.written[layer_c, idx], 0)
+    written = table.written[layer_c, idx] if written is None else written
+    written = jnp.where(in_range & layer_ok, written, 0)
     good = in_range & layer_ok & (num_tokens >= 0) & (num_tokens <= tokens) & (num_tokens <= written)
-    return (layer_c, jnp.where(good[:, None], table.page_map[idx], -1), jnp.where(good, written, 0),
-            jnp.where(good, num_tokens, 0))
+    return AttendRows(good=good, lengths=jnp.where(good, written, 0), num_tokens=jnp.where(good, num_tokens, 0))
+
+
+def _attend_rows(cache: KVCache, layer, slots, num_tokens, tokens: int, plan=None):
+    """(layer clipped, page_map [B, M], lengths [B], num_tokens [B]) as the kernels take them
+    (`attend_rows`, or the plan's)."""
+    if plan is None:
+        rows, r = page_rows(cache.table, slots), attend_rows(cache.table, layer, slots, num_tokens, tokens)
+    else:
+        rows, r = plan.rows, plan.attend_at(layer, cache.table)
+    return _layer(cache.table, layer)[1], jnp.where(r.good[:, None], rows, -1), r.lengths, r.num_tokens
 
 
 def _kernel_q(q, cache: KVCache, layer_c, backend: str):
@@ -153,12 +202,12 @@ def _kernel_q(q, cache: KVCache, layer_c, backend: str):
 
 
 def attend_impl(q, cache: KVCache, layer, slots, num_tokens, backend: str, sliding_window, sm_scale,
-                logits_soft_cap=None):
+                logits_soft_cap=None, plan=None):
     """Attention of q [B, T, Hq, D], the last num_tokens[b] tokens written at `layer` in row b's
     slot, over that slot's tokens written at `layer`. Rows whose slot is out of range, or that
     ask for more query tokens than T or than the slot has written, give zeros. `sliding_window`:
     None, a static int, or a traced integer scalar (a value <= 0 admits no key: zeros)."""
-    layer_c, page_map, lengths, n = _attend_rows(cache, layer, slots, num_tokens, q.shape[1])
+    layer_c, page_map, lengths, n = _attend_rows(cache, layer, slots, num_tokens, q.shape[1], plan)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                   k_scale=cache.k_scale, v_scale=cache.v_scale)
     q = _kernel_q(q, cache, layer_c, backend)

@@ -53,6 +53,18 @@ class PageTable:
     # mean something only in their own arena, so a prefix index bound to one arena can tell
     # another apart (`PrefixCache.check`). Data, not a static field: a new arena must not recompile.
     arena_id: jax.Array
+    # i32[], advanced by every call that unmaps a slot's page or shares a private one (release,
+    # truncate, fork, fork_pages, hold_pages; a call that changes nothing leaves it): a
+    # `StepPlan` is made at one epoch and void at any other, so a plan kept past such a call
+    # writes and reads nothing. The ops that only map more pages or make shared pages private
+    # (reserve, swap_in, drop_pages, offload_pages) leave it: a plan made before them never
+    # writes a page it may no longer write (it refuses, at worst, rows they have since served).
+    epoch: jax.Array
+
+    def advanced(self, changed) -> "PageTable":
+        """This table at the next epoch if any of `changed` (bool[...]: the rows the call
+        served) is set, else at its own (wraps at 2**32)."""
+        return self.replace(epoch=self.epoch + jnp.any(changed).astype(jnp.int32))
 
     @classmethod
     def empty(cls, layout: KVLayout, arena_id: int | None = None) -> "PageTable":
@@ -67,6 +79,7 @@ class PageTable:
             written=jnp.zeros((layout.num_layers, layout.max_seqs), jnp.int32),
             held=jnp.zeros((layout.num_pages,), jnp.int32),
             arena_id=jnp.asarray(new_arena_id() if arena_id is None else arena_id, jnp.int32),
+            epoch=jnp.zeros((), jnp.int32),
         )
 
 

@@ -33,8 +33,8 @@ Design, and why.
   slot s lives on shard `s // (max_seqs / dp)`; `page_map` holds page ids *local to the slot's
   shard*, so the per-shard body is exactly the single-device code. Arrays indexed by slot or
   page keep their global shapes (split along that axis: `cache.table.lengths[slot]` still
-  works), and the two that are per allocator, `num_free` and the `stats` counters, gain a
-  leading `[dp]` axis. Batch rows are split likewise: a batch of B rows is dp blocks of
+  works), and the three that are per allocator, `num_free`, `epoch` and the `stats` counters,
+  gain a leading `[dp]` axis. Batch rows are split likewise: a batch of B rows is dp blocks of
   B / dp, and block d may only name shard d's slots (or PAD_SLOT); the host check raises
   otherwise, and inside a user's jit such a row is rejected and counted, as any invalid row.
   No op moves a page or a table entry between shards.
@@ -199,7 +199,7 @@ class CacheSharding:
     def table_specs(self) -> PageTable:
         d = _spec(self.data_axis)
         return PageTable(page_map=d, lengths=d, active=d, free_stack=d, num_free=d, refcount=d,
-                         written=_spec(None, self.data_axis), held=d, arena_id=P())  # fmt: skip
+                         written=_spec(None, self.data_axis), held=d, arena_id=P(), epoch=d)  # fmt: skip
 
     def stats_specs(self) -> CacheStats:
         """Counters: a row per data shard ([dp, N]), else one replicated vector [N]."""
@@ -226,7 +226,8 @@ def create_sharded(layout: KVLayout, mesh, *, tensor_axis: str | None = "tensor"
         if sh.data_axis is not None:
             # One free stack per data shard, of local page ids (top: page 0 of each shard).
             local = jnp.arange(pages_per_shard - 1, -1, -1, dtype=jnp.int32)
-            table = table.replace(free_stack=jnp.tile(local, sh.dp), num_free=jnp.full((sh.dp,), pages_per_shard, jnp.int32))
+            table = table.replace(free_stack=jnp.tile(local, sh.dp), num_free=jnp.full((sh.dp,), pages_per_shard, jnp.int32),
+                                  epoch=jnp.zeros((sh.dp,), jnp.int32))  # fmt: skip
             stats = jax.tree.map(lambda x: jnp.zeros((sh.dp, *x.shape), x.dtype), stats)  # a row of counters a shard
         shape = sh.arena_shape(layout)
         extras = {}
@@ -336,7 +337,7 @@ def _local(cache: KVCache) -> KVCache:
     """This shard's blocks -> the cache as the single-device code knows it (no sharding)."""
     table, stats = cache.table, cache.stats
     if cache.sharding.data_axis is not None:  # per-allocator values: [1] here
-        table = table.replace(num_free=table.num_free[0])
+        table = table.replace(num_free=table.num_free[0], epoch=table.epoch[0])
         stats = jax.tree.map(lambda x: x[0], stats)
     return cache.replace(table=table, stats=stats, sharding=None)
 
@@ -345,7 +346,7 @@ def _blocks(local: KVCache, sh: CacheSharding) -> KVCache:
     """A shard's local cache -> its blocks of the global cache (the inverse of `_local`)."""
     table, stats = local.table, local.stats
     if sh.data_axis is not None:
-        table = table.replace(num_free=table.num_free[None])
+        table = table.replace(num_free=table.num_free[None], epoch=table.epoch[None])
         stats = jax.tree.map(lambda x: x[None], stats)
     return local.replace(table=table, stats=stats, sharding=sh)
 

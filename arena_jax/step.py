@@ -24,6 +24,7 @@ from flax import struct
 
 from arena_jax import api
 from arena_jax.kv_cache import PAD_SLOT, KVCache
+from arena_jax.plan import StepPlan, plan_step
 from arena_jax.validate import check_counts, check_reserved, check_slots, check_width, concrete
 
 __all__ = ["positions", "append_attend", "CacheStep", "begin_step"]
@@ -74,15 +75,17 @@ def _positions(cache: KVCache, slots, num_tokens, width: int):
     return jnp.where(live, pos, 0)
 
 
-def append_attend(q, k, v, cache: KVCache, layer, slots, *, num_tokens=None, backend: str | None = None, **attend_options):
+def append_attend(q, k, v, cache: KVCache, layer, slots, *, num_tokens=None, backend: str | None = None, plan=None,
+                  **attend_options):  # fmt: skip
     """One layer's cache work: `aj.append(cache, layer, slots, k, v)` then `aj.attend(q, ...)`.
 
     q [B, T, q_heads, D]; k, v [B, T, kv_heads, D]; row b's first num_tokens[b] tokens are real
     (default all T). `attend_options`: `sm_scale`, `sliding_window` (an int, None or a traced
-    int32), `logits_soft_cap`, as `aj.attend` takes them. Returns (cache, out [B, T, q_heads, D]).
+    int32), `logits_soft_cap`, as `aj.attend` takes them; `plan`: the step's `aj.plan_step`.
+    Returns (cache, out [B, T, q_heads, D]).
     """
-    cache = api.append(cache, layer, slots, k, v, num_tokens=num_tokens, backend=backend)
-    out = api.attend(q, cache, layer, slots, num_tokens=num_tokens, backend=backend, **attend_options)
+    cache = api.append(cache, layer, slots, k, v, num_tokens=num_tokens, backend=backend, plan=plan)
+    out = api.attend(q, cache, layer, slots, num_tokens=num_tokens, backend=backend, plan=plan, **attend_options)
     return cache, out
 
 
@@ -91,12 +94,14 @@ class CacheStep:
     """The cache during one forward pass, with the rows' slots, token counts and positions.
 
     slots i32[B] (rows whose reservation failed are PAD_SLOT), num_tokens i32[B] (0 for those
-    rows), positions i32[B, T]."""
+    rows), positions i32[B, T]; plan: the rows classified once for every layer
+    (`aj.plan_step`; None on a sharded cache)."""
 
     cache: KVCache
     slots: jax.Array
     num_tokens: jax.Array
     positions: jax.Array
+    plan: StepPlan | None = None
 
     def attend(self, layer, q, k, v, *, backend: str | None = None, **attend_options):
         """append + attend at `layer` (see `append_attend`); k, v are cast to a float arena's
@@ -104,7 +109,7 @@ class CacheStep:
         if self.cache.k_scale is None:
             k, v = k.astype(self.cache.k.dtype), v.astype(self.cache.v.dtype)
         cache, out = append_attend(q, k, v, self.cache, layer, self.slots, num_tokens=self.num_tokens, backend=backend,
-                                   **attend_options)  # fmt: skip
+                                   plan=self.plan, **attend_options)  # fmt: skip
         return self.replace(cache=cache), out
 
 
@@ -125,4 +130,5 @@ def begin_step(cache: KVCache, slots, num_tokens, *, width: int | None = None) -
     cache, ok = api.reserve(cache, slots, jnp.where(num_tokens > width, -1, num_tokens))
     slots = jnp.where(ok, slots, PAD_SLOT)
     num_tokens = jnp.where(ok, num_tokens, 0)
-    return CacheStep(cache, slots, num_tokens, _positions(cache, slots, num_tokens, width)), ok
+    plan = plan_step(cache, slots, num_tokens, width)  # every layer's bookkeeping, once
+    return CacheStep(cache, slots, num_tokens, _positions(cache, slots, num_tokens, width), plan), ok

@@ -226,19 +226,20 @@ class Attention(nnx.Module):
                     logits_soft_cap=cfg.attn_logit_softcapping)
 
     def __call__(self, x, positions, cache: aj.KVCache, layer, slots, num_tokens, *, window=_FROM_CONFIG,
-                 inv_freq=None):
+                 inv_freq=None, plan=None):
         """One layer's attention for tokens already reserved in `cache`.
 
         x [B, T, E]; positions i32[B, T]; slots i32[B] (PAD_SLOT rows do nothing);
         num_tokens i32[B] (row b's first num_tokens[b] tokens are real); layer: an int or a
         traced i32[]. `window` (None, an int or a traced i32[]; NO_WINDOW is none) and
-        `inv_freq` f32[H/2] default to the layer's own. Returns (out [B, T, E], cache).
+        `inv_freq` f32[H/2] default to the layer's own; `plan`: the step's `aj.plan_step` for these
+        slots and counts (the page bookkeeping done once for every layer). Returns (out [B, T, E], cache).
         """
         q, k, v = self.project(x, positions, inv_freq, layer=layer)
         if cache.k_scale is None:  # a float arena stores its own dtype; an 8-bit one quantizes k, v as computed
             k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
-        cache = aj.append(cache, layer, slots, k, v, num_tokens=num_tokens)
-        o = aj.attend(q, cache, layer, slots, num_tokens=num_tokens, **self.attend_options(layer, window))
+        cache = aj.append(cache, layer, slots, k, v, num_tokens=num_tokens, plan=plan)
+        o = aj.attend(q, cache, layer, slots, num_tokens=num_tokens, plan=plan, **self.attend_options(layer, window))
         return self.output(o), cache
 
     def mixed(self, x, positions, cache: aj.KVCache, layer, groups, *, window=_FROM_CONFIG, inv_freq=None):

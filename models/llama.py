@@ -61,10 +61,10 @@ class Block(nnx.Module):
             m = self.post_mlp_norm(m)
         return x + m
 
-    def __call__(self, x, positions, cache, layer, slots, num_tokens, *, window=_FROM_CONFIG, inv_freq=None):
+    def __call__(self, x, positions, cache, layer, slots, num_tokens, *, window=_FROM_CONFIG, inv_freq=None, plan=None):
         """One layer over the paged cache; `layer` an int or a traced i32[] (see `Attention`)."""
         h, cache = self.attn(self.attn_norm(x), positions, cache, layer, slots, num_tokens, window=window,
-                             inv_freq=inv_freq)
+                             inv_freq=inv_freq, plan=plan)
         return self.finish(x, h), cache
 
     def mixed(self, x, positions, cache, layer, groups, *, window=_FROM_CONFIG, inv_freq=None):
@@ -172,9 +172,10 @@ class Llama(nnx.Module):
     def hidden(self, tokens, positions, cache: aj.KVCache, slots, num_tokens):
         """tokens i32[B, T] -> final-normed hidden states [B, T, E] and the updated cache."""
         x = shard_rows(self.embed(tokens), cache)  # a sharded cache: rows over data, replicated over tensor
+        plan = aj.plan_step(cache, slots, num_tokens, tokens.shape[1])  # every layer's page bookkeeping, once
 
         def body(block, x, cache, layer, window, inv_freq):
-            x, cache = block(x, positions, cache, layer, slots, num_tokens, window=window, inv_freq=inv_freq)
+            x, cache = block(x, positions, cache, layer, slots, num_tokens, window=window, inv_freq=inv_freq, plan=plan)
             return shard_rows(x, cache), cache
 
         x, cache = run_layers(self, x, cache, body)

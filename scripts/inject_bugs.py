@@ -4,7 +4,8 @@
     JAX_PLATFORMS=cpu python scripts/inject_bugs.py "twice"    # those whose name contains a word
 
 Each bug is a one-line edit of the prefix cache (device ops, index, scheduler), the host tier
-(its ops, its binding to its cache) or the smoothed keys' factors (fixed at create). The tests that should catch it run in a copy of the
+(its ops, its binding to its cache), the smoothed keys' factors (fixed at create) or a step's
+plan (`arena_jax.plan`: its epoch, its watermarks). The tests that should catch it run in a copy of the
 tracked files (this checkout is never modified), with the hypothesis profile "find" (the CI's
 examples, no shrinking: only "caught or not" matters).
 Prints one line per bug and test file; exits 1 if a bug got through.
@@ -94,6 +95,13 @@ MUTANTS = {
     "append: keys divided by factors of the write's own keys, not the cache's": ("arena_jax/arena_ops.py",
         "        k = factors_lib.smooth_keys(k, cache.key_factors[layer_c])\n",
         "        k = factors_lib.smooth_keys(k, factors_lib.from_keys(k[None])[0])\n"),
+    # step plans: every layer's bookkeeping once a step (issue 39, item 2)
+    "plan: a plan of another epoch still used": ("arena_jax/plan.py",
+        " & (table.epoch == self.epoch)", ""),
+    "plan: attention reads the watermark before the layer's append": ("arena_jax/plan.py",
+        "    after = written + jnp.take(append.accepted, first, axis=1)\n", "    after = written\n"),
+    "release: the epoch kept (a stale plan writes the freed pages)": ("arena_jax/allocator.py",
+        "    return cache.replace(table=cache.table.advanced(changed),", "    return cache.replace(table=cache.table,"),
 }
 TESTS = {
     "arena_jax/prefix/ops.py": ["tests/test_allocator_model.py", "tests/test_prefix.py"],
@@ -107,6 +115,8 @@ TESTS = {
     "models/generate.py": ["tests/test_schedule_invariance.py"],
     "arena_jax/state.py": ["tests/test_key_factors.py"],
     "arena_jax/arena_ops.py": ["tests/test_key_factors.py", "tests/test_allocator_model.py"],
+    "arena_jax/plan.py": ["tests/test_plan.py"],
+    "arena_jax/allocator.py": ["tests/test_plan.py", "tests/test_allocator_model.py"],
 }
 
 

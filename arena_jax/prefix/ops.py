@@ -66,7 +66,7 @@ def hold_pages_impl(cache: KVCache, pages, num_tokens):
         refcount=table.refcount.at[target].add(1, mode="drop"),
     )
     stats = cache.stats.bump(pages_held=ok, rejected_rows=~pad & ~ok)
-    return cache.replace(table=table, stats=stats)
+    return cache.replace(table=table.advanced(ok), stats=stats)
 
 
 def drop_pages_impl(cache: KVCache, pages):
@@ -127,4 +127,4 @@ def fork_pages_impl(cache: KVCache, pages, num_tokens, dst):
         pages_recycled=freed,
         rejected_rows=~dst_pad & ~ok,
     )
-    return cache.replace(table=table, stats=stats)
+    return cache.replace(table=table.advanced(ok), stats=stats)

@@ -1,0 +1,124 @@
+"""A forward pass's paging bookkeeping, done once for every layer (issue 39, item 2).
+
+Each `aj.append` / `aj.attend` classifies its rows: which slot each names, whether it is live,
+where its watermark stands at that layer, which page each new token lands in, whether that
+page is private, what attention may read. Done per layer, that is a dozen small XLA kernels a
+layer on top of the data movement itself; on a small model's decode step it cost as much as
+the attention.
+
+What those answers depend on changes only with `reserve` (the page table, reference counts,
+lengths) and with the layer's own append (its watermark). So after a step's `reserve`,
+`plan_step` answers them for every layer at once (the same functions as the ops, vmapped over
+the layers: `arena_ops.append_rows`, `arena_ops.attend_rows`), and each layer's append and
+attend take their layer's entry (`aj.append(..., plan=)`, `aj.attend(..., plan=)`; `CacheStep`
+and the models pass it): the per-layer work is the writes, the reads, one watermark scatter and
+one counter add.
+
+The plan is valid for one append per layer, at any order of the layers, with the slots and
+counts it was made for, until the next `reserve`, `release`, `truncate` or `fork` (anything that
+changes the page table). Results equal the unplanned calls' exactly (tests/test_plan.py).
+A layer appended twice with one plan writes the same positions again and leaves the watermark
+where one append would: the page table stays consistent and other slots untouched (total).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from arena_jax.allocator import first_rows
+from arena_jax.arena_ops import AppendRows, AttendRows, append_rows, attend_rows, page_rows
+from arena_jax.kv_cache import KVCache
+from arena_jax.validate import check_cache_arrays, check_counts, check_slots
+from pallas_kernels.index_math import div_nonneg, rem_nonneg
+
+__all__ = ["StepPlan", "plan_step"]
+
+
+@struct.dataclass
+class StepPlan:
+    """The rows of one forward pass, classified for every layer (`plan_step`).
+
+    Packed so that making it writes three small arrays (XLA's CPU backend runs one kernel per
+    array it materializes), each with an entry a layer and a last entry, L, for a layer out of
+    range (every row rejected):
+
+    - tokens i32[L + 1, B, T]: where each new token goes, page * page_size + offset into the
+      layer's pages; num_pages * page_size where the token is not written;
+    - rows4 i32[L + 1, B, 4]: the watermark once appended (end), the tokens appended (-1: the
+      row writes nothing), the keys its attention reads, its query tokens (-1: it reads nothing);
+    - counts i32[L + 1, N]: what each layer's append adds to `stats.counts`.
+
+    slots, num_tokens i32[B] and width (static): the rows it was made for (page_size: the
+    arena's); rows i32[B, M]: their
+    page-table rows; epoch i32[]: the table's when the plan was made (`PageTable.epoch`)."""
+
+    slots: jax.Array
+    num_tokens: jax.Array
+    rows: jax.Array
+    tokens: jax.Array
+    rows4: jax.Array
+    counts: jax.Array
+    epoch: jax.Array
+    width: int = struct.field(pytree_node=False)
+    page_size: int = struct.field(pytree_node=False)
+
+    def _index(self, layer, table):
+        """Entry `layer`; entry L for a layer out of range or a table at another epoch."""
+        num_layers = self.counts.shape[0] - 1
+        usable = (layer >= 0) & (layer < num_layers) & (table.epoch == self.epoch)
+        return jnp.where(usable, layer, num_layers)
+
+    def append_at(self, layer, table) -> AppendRows:
+        """Layer `layer`'s append rows over `table` (the cache's table now)."""
+        i = self._index(layer, table)
+        flat, (end, accepted, _, _) = self.tokens[i], jnp.moveaxis(self.rows4[i], -1, 0)
+        num_pages, max_seqs, size = table.refcount.shape[0], table.page_map.shape[0], self.page_size
+        writable = accepted >= 0
+        return AppendRows(page=div_nonneg(flat, size), pos=flat, ok=flat < num_pages * size, writable=writable,
+                          accepted=jnp.maximum(accepted, 0), end=end, target=jnp.where(writable, self.slots, max_seqs),
+                          counts=self.counts[i])  # fmt: skip
+
+    def attend_at(self, layer, table) -> AttendRows:
+        """Layer `layer`'s attention rows, as they stand after its append."""
+        _, _, lengths, n = jnp.moveaxis(self.rows4[self._index(layer, table)], -1, 0)
+        return AttendRows(good=n >= 0, lengths=lengths, num_tokens=jnp.maximum(n, 0))
+def plan_step(cache: KVCache, slots, num_tokens, width: int) -> StepPlan | None:
+    """The plan of a forward pass of `width` tokens a row (slots, num_tokens i32[B]) over `cache`
+    as it is after the step's `reserve`: pass it to every layer's `aj.append` / `aj.attend`
+    (`plan=`) with the same slots and counts. None for a sharded cache (each shard classifies
+    its own rows inside every call). On the host, slots and counts are checked as `aj.append`
+    checks them (a ValueError naming the argument); inside jit, any values give a plan that keeps
+    the cache's rules (rows the ops would refuse are refused by the plan)."""
+    layout = check_cache_arrays(cache)
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise ValueError(f"width must be a positive Python int (the tokens axis of the step), got {width!r}")
+    slots = check_slots(layout, slots)
+    num_tokens = check_counts(layout, num_tokens, slots.shape[0], "num_tokens")
+    if cache.sharding is not None:
+        return None
+    return _plan(cache, slots, num_tokens, width)
+
+
+@functools.partial(jax.jit, static_argnames=("width",))
+def _plan(cache: KVCache, slots, num_tokens, width: int) -> StepPlan:
+    table = cache.table
+    num_layers = table.written.shape[0]
+    num_pages, page_size = cache.k.shape[2], cache.k.shape[3]
+    rows = page_rows(table, slots)
+    layers = jnp.arange(num_layers + 1, dtype=jnp.int32)  # the last: out of range
+    append = jax.vmap(lambda layer: append_rows(table, page_size, layer, slots, num_tokens, width, rows))(layers)
+    # What each row's attention reads after its layer's append: the slot's watermark plus what
+    # the batch's row that writes that slot (its first) appended (`append_impl` advances it so).
+    _, idx, first = first_rows(table, slots)
+    first = jnp.minimum(first, slots.shape[0] - 1)  # out-of-range rows: read nothing anyway
+    written = jnp.concatenate([table.written[:, idx], jnp.zeros_like(idx)[None]])  # [L + 1, B]
+    after = written + jnp.take(append.accepted, first, axis=1)
+    attend = jax.vmap(lambda layer, w: attend_rows(table, layer, slots, num_tokens, width, written=w))(layers, after)
+    tokens = jnp.where(append.ok, append.page * page_size + rem_nonneg(append.pos, page_size), num_pages * page_size)
+    rows4 = jnp.stack([append.end, jnp.where(append.writable, append.accepted, -1), attend.lengths,
+                       jnp.where(attend.good, attend.num_tokens, -1)], axis=-1)  # fmt: skip
+    return StepPlan(slots=slots, num_tokens=num_tokens, rows=rows, tokens=tokens, rows4=rows4, counts=append.counts,
+                    epoch=table.epoch, width=width, page_size=page_size)

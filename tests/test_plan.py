@@ -1,0 +1,182 @@
+"""`aj.plan_step`: every layer's append / attend with the step's plan equals the same calls
+without it, on fresh random states (uneven watermarks, shared pages, duplicate, padded,
+out-of-range and over-long rows inside jit); a plan of another epoch writes and reads nothing;
+the ops that can unmap or share a slot's page advance the epoch, and only when they change
+something."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import arena_jax as aj
+
+LAYOUT = aj.KVLayout(num_layers=3, num_kv_heads=2, head_dim=16, page_size=4, num_pages=40, max_seqs=6,
+                     max_pages_per_seq=8, dtype="float32")  # fmt: skip
+WIDTH = 3
+
+
+def _state(seed: int):
+    """A random cache: slots 0-3 filled to random lengths, their layers' watermarks uneven
+    (layer l of slot s written up to a random point), slot 4 a fork of slot 0 (shared pages),
+    slot 5 idle. Returns (cache, numpy rng)."""
+    rng = np.random.default_rng(seed)
+    cache = aj.create(LAYOUT)
+    lengths = rng.integers(1, 14, size=4)
+    slots = jnp.arange(4, dtype=jnp.int32)
+    cache, ok = aj.reserve(cache, slots, jnp.asarray(lengths, jnp.int32))
+    assert bool(ok.all())
+    for layer in range(LAYOUT.num_layers):
+        n = lengths.copy()
+        if layer > 0:  # layers 1, 2 of slots 1-3: some tokens not yet written (uneven watermarks)
+            n[1:] -= rng.integers(0, 2, size=3) * np.minimum(n[1:], rng.integers(1, 3, size=3))
+        k, v = (jnp.asarray(rng.normal(size=(4, 14, 2, 16)), jnp.float32) for _ in range(2))
+        cache = aj.append(cache, layer, slots, k, v, num_tokens=jnp.asarray(n, jnp.int32))
+    cache = aj.fork(cache, [0], [4])  # slot 0 is written at every layer: shared pages from here on
+    return cache, rng
+
+
+def _rows(rng):
+    """A step's rows as a user's jit may get them: slots with a pad, a duplicate, an idle and an
+    out-of-range slot, counts up to WIDTH + 1 (over the tokens axis) and a negative one."""
+    slots = rng.choice([0, 1, 2, 3, 4, 5, 0, aj.PAD_SLOT, 9], size=6, replace=False)
+    counts = rng.choice([0, 1, 2, 3, 3, 4, -1], size=6)
+    return jnp.asarray(slots, jnp.int32), jnp.asarray(counts, jnp.int32)
+
+
+def _step(cache, slots, n, q, k, v, layers, plan_it: bool, backend: str):
+    """reserve, then append + attend at `layers` (in that order), with or without a plan."""
+    cache, _ = aj.reserve(cache, slots, jnp.clip(n, 0, WIDTH))
+    plan = aj.plan_step(cache, slots, n, WIDTH) if plan_it else None
+    outs = []
+    for layer in layers:
+        cache = aj.append(cache, layer, slots, k, v, num_tokens=n, backend=backend, plan=plan)
+        outs.append(aj.attend(q, cache, layer, slots, num_tokens=n, backend=backend, plan=plan, sliding_window=5))
+    return cache, outs
+
+
+def _assert_caches_equal(got, want):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("backend", ["xla", "reference"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_planned_step_equals_the_unplanned_calls_inside_jit(seed, backend):
+    cache, rng = _state(seed)
+    slots, n = _rows(rng)
+    q = jnp.asarray(rng.normal(size=(6, WIDTH, 4, 16)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(6, WIDTH, 2, 16)), jnp.float32) for _ in range(2))
+    layers = jnp.asarray(list(rng.permutation(LAYOUT.num_layers)) + [LAYOUT.num_layers, -1], jnp.int32)  # + out of range
+    copy = jax.tree.map(jnp.copy, cache)
+
+    def run(plan_it):
+        def body(cache, slots, n, layers):
+            return _step(cache, slots, n, q, k, v, [layers[i] for i in range(layers.shape[0])], plan_it, backend)
+
+        return jax.jit(body)(cache if plan_it else copy, slots, n, layers)
+
+    got, got_out = run(True)
+    want, want_out = run(False)
+    _assert_caches_equal(got, want)
+    for a, b in zip(got_out, want_out):
+        np.testing.assert_array_equal(a, b)
+    assert int(got.stats.rejected_rows) > 0  # the bad rows and layers were refused, not dropped silently
+
+
+def test_a_planned_step_equals_the_unplanned_calls_on_the_host():
+    cache, rng = _state(3)
+    slots, n = jnp.asarray([2, 0, 3], jnp.int32), jnp.asarray([3, 1, 2], jnp.int32)
+    q = jnp.asarray(rng.normal(size=(3, WIDTH, 4, 16)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(3, WIDTH, 2, 16)), jnp.float32) for _ in range(2))
+    copy = jax.tree.map(jnp.copy, cache)
+    got, got_out = _step(cache, slots, n, q, k, v, [2, 0, 1], True, "xla")
+    want, want_out = _step(copy, slots, n, q, k, v, [2, 0, 1], False, "xla")
+    _assert_caches_equal(got, want)
+    for a, b in zip(got_out, want_out):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_layer_appended_twice_with_one_plan_keeps_its_watermark():
+    cache, rng = _state(4)
+    slots, n = jnp.asarray([1, 2], jnp.int32), jnp.asarray([2, 2], jnp.int32)
+    k, v = (jnp.asarray(rng.normal(size=(2, WIDTH, 2, 16)), jnp.float32) for _ in range(2))
+    cache, _ = aj.reserve(cache, slots, n)
+    plan = aj.plan_step(cache, slots, n, WIDTH)
+    once = aj.append(cache, 0, slots, k, v, num_tokens=n, plan=plan)
+    written = np.asarray(once.table.written)
+    with pytest.raises(ValueError, match="would pass its reservation"):  # the host refuses a second append
+        aj.append(once, 0, slots, k, v, num_tokens=n, plan=plan)
+    twice = jax.jit(lambda c: aj.append(c, 0, slots, k, v, num_tokens=n, plan=plan))(once)  # inside jit: total
+    np.testing.assert_array_equal(twice.table.written, written)
+    assert bool((np.asarray(twice.table.written) <= np.asarray(twice.table.lengths)[None]).all())
+
+
+def test_a_plan_of_another_epoch_writes_and_reads_nothing():
+    cache, rng = _state(5)
+    slots, n = jnp.asarray([1, 2], jnp.int32), jnp.asarray([1, 1], jnp.int32)
+    q = jnp.asarray(rng.normal(size=(2, WIDTH, 4, 16)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(2, WIDTH, 2, 16)), jnp.float32) for _ in range(2))
+    cache, _ = aj.reserve(cache, slots, n)
+    plan = aj.plan_step(cache, slots, n, WIDTH)
+    # Slot 2 is released and its pages go to slot 5: the stale plan would write them.
+    cache = aj.release(cache, [2])
+    cache, ok = aj.reserve(cache, [5], 16)
+    assert bool(ok.all()) and int(cache.table.epoch) != int(plan.epoch)
+    before = jax.tree.map(np.asarray, cache)
+
+    @jax.jit
+    def stale(cache):
+        cache = aj.append(cache, 0, slots, k, v, num_tokens=n, plan=plan)
+        return cache, aj.attend(q, cache, 0, slots, num_tokens=n, plan=plan)
+
+    after, out = stale(cache)
+    np.testing.assert_array_equal(after.k, before.k)
+    np.testing.assert_array_equal(after.table.written, before.table.written)
+    assert int(after.stats.rejected_rows) == int(before.stats.rejected_rows) + 2
+    np.testing.assert_array_equal(out, 0.0)
+
+
+def _settled():
+    """Slots 0-3 with 8 tokens each, written at every layer; slots 4, 5 idle."""
+    cache = aj.create(LAYOUT)
+    slots = jnp.arange(4, dtype=jnp.int32)
+    cache, _ = aj.reserve(cache, slots, 8)
+    kv = jnp.ones((4, 8, 2, 16), jnp.float32)
+    for layer in range(LAYOUT.num_layers):
+        cache = aj.append(cache, layer, slots, kv, kv)
+    return cache
+
+
+def _released(cache):
+    return aj.release(cache, [1])
+
+
+def _truncated(cache):
+    return aj.truncate(cache, [1], [1])
+
+
+def _forked(cache):
+    return aj.fork(cache, [2], [5])
+
+
+def _held(cache):
+    return aj.hold_pages(cache, [int(cache.table.page_map[2, 0])], [LAYOUT.page_size])
+
+
+@pytest.mark.parametrize("op", [_released, _truncated, _forked, _held])
+def test_ops_that_unmap_or_share_a_page_advance_the_epoch(op):
+    cache = _settled()
+    epoch = int(cache.table.epoch)
+    assert int(op(cache).table.epoch) == epoch + 1
+
+
+def test_calls_that_change_nothing_keep_the_epoch():
+    cache = _settled()
+    epoch = int(cache.table.epoch)
+    for call in (lambda c: aj.release(c, [5]),  # an idle slot
+                 lambda c: aj.truncate(c, [0], [int(c.table.lengths[0])]),  # to its own length
+                 lambda c: aj.reserve(c, [0, 1], [3, 4])[0]):  # reserve maps more pages only
+        cache = call(cache)
+        assert int(cache.table.epoch) == epoch
