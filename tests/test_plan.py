@@ -180,3 +180,54 @@ def test_calls_that_change_nothing_keep_the_epoch():
                  lambda c: aj.reserve(c, [0, 1], [3, 4])[0]):  # reserve maps more pages only
         cache = call(cache)
         assert int(cache.table.epoch) == epoch
+
+
+def _equations(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs inside it (jitted calls, loops, branches)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _equations(inner)
+
+
+def test_the_layer_loop_of_a_model_step_looks_up_no_page():
+    """`models.decode_step` (layers under `lax.scan`) plans once: inside the layer loop nothing
+    gathers from the page table or the reference counts (before the plan, every layer's append
+    and attend did both)."""
+    from flax import nnx
+
+    from arena_jax import models
+    from arena_jax.models import steps
+
+    model = models.init_random(models.LlamaConfig.tiny(), seed=0)
+    graphdef, state = nnx.split(model)
+    layout = model.config.kv_layout(page_size=8, num_pages=37, max_seqs=6, max_seq_len=64, dtype=model.dtype)
+    cache = aj.create(layout)
+    slots = jnp.arange(4, dtype=jnp.int32)
+    step = steps.decode_step.__wrapped__
+    jaxpr = jax.make_jaxpr(lambda c: step(graphdef, state, c, jnp.zeros((4,), jnp.int32), slots))(cache).jaxpr
+    loops = [e for e in _equations(jaxpr) if e.primitive.name == "scan"]
+    assert loops, "the layers are not scanned"
+    table_shapes = {(tuple(cache.table.page_map.shape), "int32"), (tuple(cache.table.refcount.shape), "int32")}
+    lookups = [(e.primitive.name, [getattr(v.aval, "shape", None) for v in e.invars])
+               for loop in loops for e in _equations(loop.params["jaxpr"].jaxpr)
+               if e.primitive.name in ("gather", "dynamic_slice") and any(
+                   (tuple(getattr(v.aval, "shape", ())), str(getattr(v.aval, "dtype", ""))) in table_shapes
+                   for v in e.invars)]  # fmt: skip
+    assert lookups == []
+    # The check sees a lookup where there is one: the step outside the loop (the plan, reserve) has them.
+    outside = [e for e in jaxpr.eqns if e.primitive.name != "scan"]
+    assert any(e.primitive.name == "gather" and any(tuple(getattr(v.aval, "shape", ())) == tuple(cache.table.page_map.shape)
+                                                    for v in e.invars)
+               for eqn in outside for e in _equations_of(eqn))  # fmt: skip
+
+
+def _equations_of(eqn):
+    yield eqn
+    for param in eqn.params.values():
+        inner = getattr(param, "jaxpr", param)
+        if hasattr(inner, "eqns"):
+            yield from _equations(inner)

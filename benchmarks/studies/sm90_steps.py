@@ -10,7 +10,8 @@ donated, backend "pallas": the Triton kernels) is compiled by XLA's deviceless G
 One row per step: the Pallas (Triton) kernels in the module with registers/thread and spill
 bytes (ptxas on XLA's PTX), whether the arena's k and v are aliased to outputs (updated in
 place), arena-sized copies, the per-layer copies of stacked weights (the layer scan's
-dynamic-slice fusions), temp bytes (`memory_analysis()`) and compile seconds.
+dynamic-slice fusions), the XLA kernels a layer and once a step (`launches`), temp bytes
+(`memory_analysis()`) and compile seconds.
 
 `--layers` (default 32, as the TPU rows): the layer loop is a `lax.scan`, so the body compiles
 once whatever the depth (each step compiles in 5-15 s at 1, 2 or 32 layers). At 1 layer XLA
@@ -131,7 +132,24 @@ def step_facts(compiled, state, cache, dump: str) -> dict:
         kernels.append(dict(name=name, regs=info.get("regs"), spills=spills))
     return dict(kernels=kernels, aliased=len(arena_params) == 2 and arena_params <= aliased,
                 arena_copies=arena_copies, weight_copies=weight_copies, weight_bytes=weight_bytes,
-                temp_bytes=compiled.memory_analysis().temp_size_in_bytes)
+                temp_bytes=compiled.memory_analysis().temp_size_in_bytes, **launches(text))
+
+
+def launches(text: str) -> dict:
+    """XLA kernels (fusions, custom calls, unfused ops: `op_hlo.hlo_counts`' count) in the layer
+    loop's body, which runs once a layer, and outside every loop, which runs once a step: a
+    step launches about `per_layer * layers + once` kernels (the other loops, e.g. reserve's
+    copy-on-write, run no trip on most steps)."""
+    from arena_jax.benchmarks.studies.op_hlo import _instructions
+
+    bodies = set(re.findall(r"body=%([\w.\-]+)", text))
+    per = {}
+    for computation, _, _, kernel in _instructions(text):
+        if kernel:
+            key = computation if computation in bodies else None
+            per[key] = per.get(key, 0) + 1
+    in_bodies = [n for c, n in per.items() if c is not None]
+    return dict(per_layer=max(in_bodies, default=0), once=per.get(None, 0))
 
 
 def _unfused(text: str) -> str:
@@ -152,7 +170,7 @@ def _unfused(text: str) -> str:
 
 def _print_table(rows: list[list[str]]) -> None:
     heads = ("step", "Pallas Triton calls", "kernel: regs/thread, spill bytes", "arena aliased", "arena copies",
-             "weight copies/layer (MiB)", "temp MiB", "compile s")
+             "weight copies/layer (MiB)", "XLA kernels: a layer / once", "temp MiB", "compile s")
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(heads)]
     for cells in (heads, ["-" * w for w in widths], *rows):
         print("  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip())
@@ -178,7 +196,7 @@ def main(argv=None) -> None:
             kernels = "; ".join(f"{k['name']}: {k['regs']}, {k['spills']}" for k in f["kernels"])
             rows.append([label, str(len(f["kernels"])), kernels, "yes" if f["aliased"] else "NO",
                          str(f["arena_copies"]), f"{f['weight_copies']} ({f['weight_bytes'] / 2**20:.0f})",
-                         f"{f['temp_bytes'] / 2**20:.1f}", f"{seconds:.1f}"])
+                         f"{f['per_layer']} / {f['once']}", f"{f['temp_bytes'] / 2**20:.1f}", f"{seconds:.1f}"])
     print(f"H100 (sm_90a), Llama-3-8B shape, {args.layers} layers, bf16, page {PAGE_SIZE}, {NUM_PAGES} pages, "
           f"jax {jax.__version__}")
     _print_table(rows)
