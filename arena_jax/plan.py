@@ -3,22 +3,22 @@
 Each `aj.append` / `aj.attend` classifies its rows: which slot each names, whether it is live,
 where its watermark stands at that layer, which page each new token lands in, whether that
 page is private, what attention may read. Done per layer, that is a dozen small XLA kernels a
-layer on top of the data movement itself; on a small model's decode step it cost as much as
-the attention.
+layer besides the data movement itself.
 
-What those answers depend on changes only with `reserve` (the page table, reference counts,
-lengths) and with the layer's own append (its watermark). So after a step's `reserve`,
-`plan_step` answers them for every layer at once (the same functions as the ops, vmapped over
-the layers: `arena_ops.append_rows`, `arena_ops.attend_rows`), and each layer's append and
-attend take their layer's entry (`aj.append(..., plan=)`, `aj.attend(..., plan=)`; `CacheStep`
-and the models pass it): the per-layer work is the writes, the reads, one watermark scatter and
-one counter add.
+What those answers depend on changes only with the page-table ops (`reserve`, `release`, ...)
+and with the layer's own append (its watermark). So after a step's `reserve`, `plan_step`
+answers them for every layer at once (the same functions as the ops, vmapped over the layers:
+`arena_ops.append_rows`, `arena_ops.attend_rows`), and each layer's append and attend take
+their layer's entry (`aj.append(..., plan=)`, `aj.attend(..., plan=)`; `CacheStep` and the
+models pass it): the per-layer work is the writes, the reads, one watermark scatter and one
+counter add. Results equal the unplanned calls' exactly, layers in any order
+(tests/test_plan.py).
 
-The plan is valid for one append per layer, at any order of the layers, with the slots and
-counts it was made for, until the next `reserve`, `release`, `truncate` or `fork` (anything that
-changes the page table). Results equal the unplanned calls' exactly (tests/test_plan.py).
-A layer appended twice with one plan writes the same positions again and leaves the watermark
-where one append would: the page table stays consistent and other slots untouched (total).
+A plan answers for the slots and counts it was made for, one append per layer. Inside jit,
+misuse stays total: a layer appended twice writes the same positions again and leaves the
+watermark where one append does; a plan kept past a call that unmaps or shares a page
+(`PageTable.epoch` moved on) rejects every row, so it never writes a page its slot no longer
+holds alone. What it buys and costs, measured: benchmarks/RESULTS.md, "A step's plan".
 """
 from __future__ import annotations
 
