@@ -23,6 +23,7 @@ for s in ${@:-tests kernels decode kernels_int8}; do case $s in
   decode_f32) step decode_f32 ${T_DECODE_F32:-90} $BENCH decode --no-progress --model llama3-8b --num-layers 8 --dtype float32 --batch 8 --prompt-len 512 --new-tokens 64 --repeats 2 --hf off --json "$OUT/decode_f32.json" ;;
   weights) step weights ${T_WEIGHTS:-330} $PY -m arena_jax.benchmarks.studies.gpu_step --json "$OUT/gpu_step.json" ;;
   splits) step splits ${T_SPLITS:-200} $PY -m arena_jax.benchmarks.studies.gpu_step --cases 1:512,8:512,32:512 --capacity 4096 --variants arena,arena-1split,dense --json "$OUT/gpu_step_splits.json" ;;
+  plan) step plan ${T_PLAN:-200} $PY -m arena_jax.benchmarks.studies.gpu_step --cases 1:512,8:512,32:512 --variants arena,arena-noplan,dense --json "$OUT/gpu_step_plan.json" ;;
   hf_static) step hf_static ${T_HF_STATIC:-240} $PY -m arena_jax.benchmarks.studies.hf_generate --model llama3-8b --dtype bfloat16 --batch 8 --prompt-len 512 --new-tokens 64 --rounds 2 --peers hf,hf-static --json "$OUT/hf_static.json" ;;
   kernels_int8) step kernels_int8 ${T_INT8:-60} $BENCH kernels --no-progress --dtype int8 --batches 8,64 --contexts 4096 --json "$OUT/kernels_int8.json" ;;
   *) echo "unknown step $s"; exit 2 ;;

@@ -24,7 +24,10 @@ donated. Variants, alternated call by call in one process:
 - arena-1split:   the arena step with the decode attention kernel's split-K off (`BlockSizes.
                   num_splits` = 1: one program per (row, KV head) reads the whole context, no
                   log-sum-exp merge), where the default splits until the device holds two waves of
-                  programs (up to 64, from the page table's capacity, `--capacity`).
+                  programs (up to 64, from the page table's capacity, `--capacity`);
+- arena-noplan:   the arena step without the step's plan (`aj.plan_step` traced as returning
+                  None): every layer's append and attend classify their rows again, as before
+                  the plan (issue 39, item 2; `sm90_steps` counts the kernels either way).
 
 "must read" is what one step has to read at least: every weight but the embedding table (a
 step gathers B of its rows), plus the K/V of `context` tokens per row at every layer. GB/s is
@@ -56,7 +59,8 @@ from arena_jax.models import steps as model_steps
 
 __all__ = ["VARIANTS", "run", "main"]
 
-VARIANTS = ("arena", "arena-triton", "arena-cublas-only", "dense", "dense-triton", "arena-unrolled", "arena-1split")
+VARIANTS = ("arena", "arena-triton", "arena-cublas-only", "dense", "dense-triton", "arena-unrolled", "arena-1split",
+            "arena-noplan")
 
 
 def copy_bandwidth(nbytes: int | None = None, repeats: int = 10) -> float:
@@ -130,7 +134,15 @@ def _one_split():
         yield
 
 
-_TRACE_CONTEXTS = {"arena-cublas-only": _one_row_dots_plain, "arena-1split": _one_split}  # how a variant traces
+@contextlib.contextmanager
+def _no_plan():
+    """Trace with `aj.plan_step` returning None: the layers classify their rows per call."""
+    with mock.patch.object(aj, "plan_step", lambda *args, **kwargs: None):
+        yield
+
+
+_TRACE_CONTEXTS = {"arena-cublas-only": _one_row_dots_plain, "arena-1split": _one_split,
+                   "arena-noplan": _no_plan}  # how a variant traces  # fmt: skip
 
 
 def filled_arena(layout: aj.KVLayout, batch: int, context: int, seed: int) -> aj.KVCache:
@@ -224,7 +236,7 @@ class Settings:
     layers: int | None = None
     dtype: str = "bfloat16"
     cases: tuple[tuple[int, int], ...] = ((8, 512), (32, 512), (1, 512))
-    variants: tuple[str, ...] = VARIANTS
+    variants: tuple[str, ...] = tuple(v for v in VARIANTS if v != "arena-noplan")  # (gpu_check.sh's `plan` step runs it)
     unrolled_batches: tuple[int, ...] = (1,)
     repeats: int = 20
     page_size: int = 16
