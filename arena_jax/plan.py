@@ -51,9 +51,9 @@ class StepPlan:
       row writes nothing), the keys its attention reads, its query tokens (-1: it reads nothing);
     - counts i32[L + 1, N]: what each layer's append adds to `stats.counts`.
 
-    slots, num_tokens i32[B] and width (static): the rows it was made for (page_size: the
-    arena's); rows i32[B, M]: their
-    page-table rows; epoch i32[]: the table's when the plan was made (`PageTable.epoch`)."""
+    slots, num_tokens i32[B] and width (static): the rows it was made for; rows i32[B, M]: their
+    page-table rows; epoch i32[]: the table's when the plan was made (`PageTable.epoch`);
+    page_size (static): the arena's."""
 
     slots: jax.Array
     num_tokens: jax.Array
@@ -85,6 +85,8 @@ class StepPlan:
         """Layer `layer`'s attention rows, as they stand after its append."""
         _, _, lengths, n = jnp.moveaxis(self.rows4[self._index(layer, table)], -1, 0)
         return AttendRows(good=n >= 0, lengths=lengths, num_tokens=jnp.maximum(n, 0))
+
+
 def plan_step(cache: KVCache, slots, num_tokens, width: int) -> StepPlan | None:
     """The plan of a forward pass of `width` tokens a row (slots, num_tokens i32[B]) over `cache`
     as it is after the step's `reserve`: pass it to every layer's `aj.append` / `aj.attend`
