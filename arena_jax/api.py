@@ -16,6 +16,7 @@ import numpy as np
 
 from arena_jax import allocator, arena_ops, sharding
 from arena_jax.kv_cache import PAD_PAGE, PAD_SLOT, KVCache
+from arena_jax.plan import StepPlan
 from arena_jax.prefix import ops as prefix_ops
 from arena_jax.validate import (
     check_cache_arrays,
@@ -430,8 +431,6 @@ def _check_plan(cache, plan, slots, num_tokens, tokens: int) -> None:
     concrete) and width, on a cache with one data shard."""
     if plan is None:
         return
-    from arena_jax.plan import StepPlan
-
     if not isinstance(plan, StepPlan):
         raise ValueError(f"plan must be a StepPlan (from aj.plan_step) or None, got {type(plan).__name__}")
     if cache.sharding is not None:

@@ -185,12 +185,17 @@ def test_calls_that_change_nothing_keep_the_epoch():
 def _equations(jaxpr):
     """Every equation of a jaxpr and of the jaxprs inside it (jitted calls, loops, branches)."""
     for eqn in jaxpr.eqns:
-        yield eqn
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (list, tuple)) else [param]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from _equations(inner)
+        yield from _equations_of(eqn)
+
+
+def _equations_of(eqn):
+    """An equation and every equation of the jaxprs inside it."""
+    yield eqn
+    for param in eqn.params.values():
+        for sub in param if isinstance(param, (list, tuple)) else [param]:
+            inner = getattr(sub, "jaxpr", sub)
+            if hasattr(inner, "eqns"):
+                yield from _equations(inner)
 
 
 def test_the_layer_loop_of_a_model_step_looks_up_no_page():
@@ -223,11 +228,3 @@ def test_the_layer_loop_of_a_model_step_looks_up_no_page():
     assert any(e.primitive.name == "gather" and any(tuple(getattr(v.aval, "shape", ())) == tuple(cache.table.page_map.shape)
                                                     for v in e.invars)
                for eqn in outside for e in _equations_of(eqn))  # fmt: skip
-
-
-def _equations_of(eqn):
-    yield eqn
-    for param in eqn.params.values():
-        inner = getattr(param, "jaxpr", param)
-        if hasattr(inner, "eqns"):
-            yield from _equations(inner)
