@@ -163,7 +163,7 @@ def format_bundles_table(rows: list[dict], figures: dict) -> str:
     columns = (("variant", "variant"), ("bundles", "bundles/iter"), ("kh", "keys x heads/iter"), ("qt", "q tokens/iter"),
                ("b512", "bundles/512"), ("dma", "DMAs/page"), ("push", "MXU pushes/512"), ("issue", "issue ns"),
                ("hbm", "HBM ns"), ("ratio", "issue/HBM"), ("nested", "nested loops"),
-               ("cold", "cold bundles"))
+               ("cold", "cold bundles"), ("general", "general-path bundles"))
     cells = []
     for r in rows:
         if r["status"] != "ok":
@@ -173,6 +173,7 @@ def format_bundles_table(rows: list[dict], figures: dict) -> str:
         trips = sorted({"reg" if n["trip"] is None else str(n["trip"]) for n in nested})
         cells.append(dict(
             variant=r["label"], bundles=str(it["bundles"]), cold=str(it["cold"]),
+            general="-" if r.get("general_path_bundles") is None else str(r["general_path_bundles"]),
             kh=f"{r['keys_per_iter']} x {r['heads_per_iter']}", qt=str(r.get("query_tokens_per_iter", 1)),
             b512=f"{r['bundles_per_512']:.0f}",
             dma=f"{r['dmas_per_page']:.2f}", push=f"{r['pushes_per_512']:.0f}", issue=f"{r['issue_ns']:.0f}",

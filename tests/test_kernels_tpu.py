@@ -254,6 +254,42 @@ def test_decode_poison_rules_and_a_hole_over_a_nan_page():
     COUNTS["attention (soft-cap, traced windows, poison rules)"] += len(scenarios)
 
 
+@pytest.mark.parametrize("quantized", [False, True], ids=["bf16", "int8"])
+def test_decode_fast_loop_equals_the_general_path(quantized, monkeypatch):
+    """Decode's steady state (whole, hole-free blocks: a branch-free loop that starts the next
+    block's DMAs after this block's reads and writes the output every block) == the general
+    path alone, bit for bit, and == the reference, NaN rules included. Blocks of 2 pages over
+    rows of whole blocks (the fast loop crossing heads), a partial last block, a window (a
+    partial first block), a hole inside a row, a NaN V row in an interior block, NaN stale data."""
+    from pallas_kernels.tpu import attention as tpu_attention
+
+    page = 128 if quantized else 8
+    lengths, window = (8 * page, 5 * page + 3, 6 * page, 2 * page), 3 * page + 5
+    common = dict(seed=5, lengths=lengths, num_tokens=(1, 1, 1, 1), tokens=1, q_heads=8, kv_heads=2,
+                  page_size=page, head_dim=128)
+    if quantized:
+        case = quantized_case(**common, dtype=jnp.dtype(jnp.int8), q_dtype=jnp.bfloat16)
+    else:
+        case = float_case(**common, dtype=jnp.dtype(jnp.bfloat16), max_pages=8)
+    pm, layer = np.asarray(case["page_map"]), case["layer"]
+    scenarios = {"whole rows": case, "a hole in row 2": {**case, "page_map": case["page_map"].at[2, 3].set(-1)}}
+    if not quantized:
+        v = case["v_arena"].at[layer, 1, pm[0, 5], 2, 7].set(jnp.nan)  # row 0, position 42: an interior block
+        scenarios["a nan v row in an interior block"] = {**case, "v_arena": v}
+    bs = BlockSizes(block_k=2 * page)
+    for label, c in scenarios.items():
+        for w in (None, window):
+            monkeypatch.setattr(tpu_attention, "FAST_DECODE", True)
+            fast = tpu_paged_attention(**c, sliding_window=w, interpret=True, block_sizes=bs)
+            monkeypatch.setattr(tpu_attention, "FAST_DECODE", False)
+            general = tpu_paged_attention(**c, sliding_window=w, interpret=True, block_sizes=bs)
+            np.testing.assert_array_equal(np.asarray(fast, np.float32), np.asarray(general, np.float32),
+                                          err_msg=f"{label}, window {w}")
+            want = reference_traced(**c, sliding_window=None if w is None else jnp.int32(w))
+            assert_same_nans_and_close(fast, want, jnp.bfloat16, f"{label}, window {w}")
+    COUNTS["attention (decode's fast loop)"] += 2 * len(scenarios)
+
+
 @pytest.mark.parametrize("q_dtype,arena", [("float32", "bfloat16"), ("bfloat16", "float32")])
 def test_q_dtype_other_than_the_arena(q_dtype, arena):
     """The dots run in q's dtype (the arena's values converted to it)."""

@@ -68,6 +68,44 @@ def test_per_iteration_runs_nested_loops_their_trips(small):
     assert (got["bundles"], got["dma_starts"], got["branches"], got["cold"]) == (26, 0, 0, 10 + 5)
 
 
+# A loop whose body the compiler printed with a few lower-depth bundles inside (phi copies), its
+# back branch past them; around it a loop with an MXU op of its own (ours in decode: the general
+# path around the branch-free steady-state loop).
+SPLIT_LOOP = """\
+  0x1 LB: > { %s1 = sadd.s32 1, %s0 } /* Start region 10 */
+  0x2 LB: >> { %v1 = vmatpush.bf16.msra.mxu0 %v0  ;;  %s2 = sadd.s32 1, %s3 } /* Start region 20 :: Start region 21 */
+  0x3   : >> { %v2 = vmatmul.bf16.gmra.mxu0 %v1 }
+  0x4   : > { %s4 = smov %s2 } /* copy for cssa */
+  0x5   : >> { %5 = dma.hbm_to_vmem [thread:$0]  %s4 }
+  0x6   : >> { %7 = sbr.rel (%p1_p1) target = $region20 }
+  0x7   :  {}
+  0x8   :  {}
+  0x9   :  {}
+  0xa   :  {}
+  0xb   : > { %v3 = vmatpush.bf16.msra.mxu0 %v0 }
+  0xc   : > { %8 = sbr.rel (%p2_p2) target = $region10 }
+  0xd   :  {}
+  0xe   :  {}
+  0xf   :  {}
+  0x10  :  {}
+  0x11  :  { %9 = shalt.err (!%p3_p3) }
+"""
+
+
+def test_a_loop_extends_to_its_back_branch_and_the_general_path_around_it():
+    bundles = tb.parse_bundles(SPLIT_LOOP)
+    assert bundles[1].regions == (20, 21) and bundles[0].regions == (10,) and bundles[2].regions == ()
+    outer, inner = tb.loops(bundles)
+    # without the back branch's target the inner loop would end at 0x3 (0x4 is printed at depth 1)
+    assert (inner.first, inner.last, inner.bundles, inner.dma_starts, inner.branches) == (0x2, 0xA, 9, 1, 1)
+    assert (outer.first, outer.last, outer.bundles) == (0x1, 0x10, 16) and outer.nested == (inner,)
+    assert tb.block_loop(bundles) == inner
+    assert tb.general_path(bundles, inner) == 16 - 9
+    # the small dump's grid loop has no MXU op outside its block loop: no general path
+    small_bundles = tb.parse_bundles(SMALL.read_text())
+    assert tb.general_path(small_bundles, tb.block_loop(small_bundles)) is None
+
+
 def test_no_loop_with_mxu_ops():
     text = "  0x1 LB: > { %1 = sadd.s32 1, %0 }\n  0x2   : > { %2 = sbr.rel (!%p1) target = $region3 }\n"
     assert tb.block_loop(tb.parse_bundles(text)) is None

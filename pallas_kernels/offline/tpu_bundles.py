@@ -17,7 +17,10 @@ loop body once, both arms of every branch inside it, so a predicated region take
 last block (the output's write) counts as if it ran every iteration. `per_iteration` runs the
 loops nested in it with a constant trip count that many times and leaves register-bound ones
 out of the steady-state iteration (`cold`: ours run only in a row's first and last blocks or
-a block with a hole).
+a block with a hole). A loop runs to its back branch (a branch to a region its first bundle
+starts: `Bundle.regions`), past bundles libtpu prints at a lower depth inside it. Our decode
+kernel's per-block loop is its branch-free steady state; `general_path` gives the static
+bundles of the general step around it (the loop that encloses it and has MXU ops of its own).
 
 `capture(target)` compiles the decode cases (`CASES`, Llama-3-8B shape: 32 q heads, 8 KV
 heads, batch 8, 4096 keys per row) for `target` without a TPU, in ONE child process started
@@ -59,7 +62,7 @@ import threading
 import time
 
 __all__ = ["CHIPS", "CASES", "Chip", "BundleCase", "Bundle", "LoopFacts", "parse_bundles", "loops", "block_loop",
-           "block_loops", "per_iteration", "capture", "figures"]
+           "block_loops", "general_path", "per_iteration", "capture", "figures"]
 
 BLOCK_KEYS = 512  # the normalization: per (KV head x 512 keys)
 
@@ -107,14 +110,24 @@ class Bundle:
     marker: str  # "", "LH", "LB", "LE", "PB", "PF" or "CT"
     depth: int  # loops around it ('>' count; an empty bundle inherits the previous bundle's)
     ops: str  # the bundle's instructions, comments removed ("" for an empty bundle)
+    regions: tuple = ()  # the regions its comment starts ("Start region N"): a loop's back branch targets its LB's
 
 
 _COMMENT = re.compile(r"/\*.*?\*/", re.S)  # a comment may span lines (a bounds check's names its HLO op)
 _BUNDLE = re.compile(r"^\s*(0x[0-9a-f]+|\d+)\s+(LH|LB|LE|PB|PF|CT)?\s*:\s*(>*)\s*\{(.*)\}\s*$")
 
 
+_REGION_START = re.compile(r"\bStart region (\d+)")
+_ADDRESS = re.compile(r"^\s*(0x[0-9a-f]+|\d+)\s+(?:LH|LB|LE|PB|PF|CT)?\s*:")
+
+
 def parse_bundles(text: str) -> list[Bundle]:
     """Every bundle of a `*-final_bundles.txt` dump, in address order."""
+    starts: dict[int, tuple] = {}  # address -> regions its line's comments start
+    for line in text.splitlines():
+        m = _ADDRESS.match(line)
+        if m and "Start region" in line:
+            starts[int(m.group(1), 0)] = tuple(int(r) for r in _REGION_START.findall(line))
     out = []
     for line in _COMMENT.sub("", text).splitlines():
         m = _BUNDLE.match(line)
@@ -122,7 +135,9 @@ def parse_bundles(text: str) -> list[Bundle]:
             continue
         ops = m.group(4).strip()
         depth = len(m.group(3)) if ops or not out else out[-1].depth
-        out.append(Bundle(address=int(m.group(1), 0), marker=m.group(2) or "", depth=depth, ops=ops))
+        address = int(m.group(1), 0)
+        out.append(Bundle(address=address, marker=m.group(2) or "", depth=depth, ops=ops,
+                          regions=starts.get(address, ())))
     return out
 
 
@@ -155,15 +170,43 @@ _BRANCH = re.compile(r"\bsbr\.rel\s*\((!?)%(p\w+)\)")
 def _extent(bundles: list[Bundle], i: int) -> int:
     """Index of the last bundle of the loop whose LB bundle is bundles[i]: the contiguous bundles
     at depth >= d; then, for a rotated loop, its back branch printed right after at depth d - 1
-    (`sbr.rel`) and the delay slots behind it (empty, or again at depth >= d)."""
+    (`sbr.rel`) and the delay slots behind it (empty, or again at depth >= d). A loop whose
+    back branch (an `sbr.rel` to a region its LB bundle starts) lies past that run, after a few
+    bundles the compiler printed at a lower depth (phi copies placed inside the loop), extends
+    to it: every bundle up to the back branch runs each iteration."""
     d, j = bundles[i].depth, i
     while j + 1 < len(bundles) and bundles[j + 1].depth >= d:
         j += 1
+    back = _back_branch(bundles, i)
+    if back is not None and back > j:
+        j = back
+        while j + 1 < len(bundles) and (not bundles[j + 1].ops or bundles[j + 1].depth >= d):
+            j += 1
+        return j
     if j + 1 < len(bundles) and bundles[j + 1].depth == d - 1 and _BRANCH.search(bundles[j + 1].ops):
         j += 1
         while j + 1 < len(bundles) and (not bundles[j + 1].ops or bundles[j + 1].depth >= d):
             j += 1
     return j
+
+
+_TARGET = re.compile(r"\bsbr\.rel\b[^;]*?target = \$region(\d+)")
+
+
+def _back_branch(bundles: list[Bundle], i: int) -> int | None:
+    """Index of the last branch to a region that bundles[i] (a loop's LB bundle) starts, before
+    the next bundle at a lower depth than the loop's that is not followed by the loop again."""
+    regions = set(bundles[i].regions)
+    if not regions:
+        return None
+    d, found = bundles[i].depth, None
+    for k in range(i, len(bundles)):
+        b = bundles[k]
+        if k > i and b.marker in ("LB", "LH") and b.depth <= d:
+            break  # another loop at this level: ours ended before it
+        if any(int(r) in regions for r in _TARGET.findall(b.ops)):
+            found = k
+    return found
 
 
 def _trip(ops: list[str]) -> int | None:
@@ -212,6 +255,22 @@ def block_loop(bundles: list[Bundle]) -> LoopFacts | None:
     """The per-block loop: the innermost loop with MXU ops; the largest when there are several.
     None when no loop has MXU ops."""
     return max(block_loops(bundles), key=lambda lp: lp.bundles, default=None)
+
+
+def general_path(bundles: list[Bundle], loop: LoopFacts) -> int | None:
+    """Static bundles of the loop around `loop` when that loop has MXU ops of its own: a
+    kernel whose steady state is a branch-free inner loop (ours in decode) runs its other
+    blocks (a row's first and last, a block with a hole, the block before a partial one) in
+    the enclosing loop's body. Counted as `LoopFacts.bundles` are: every bundle once, both arms
+    of each branch, its register-bound loops once; `loop` excluded. None when the enclosing
+    loop (a grid loop) has no MXU op outside `loop`, or there is none."""
+    parents = [lp for lp in loops(bundles) if loop in lp.nested]
+    if not parents:
+        return None
+    parent = parents[0]
+    if parent.mxu_pushes + parent.matmuls - sum(c.mxu_pushes + c.matmuls for c in parent.nested) <= 0:
+        return None
+    return parent.bundles - loop.bundles
 
 
 def per_iteration(loop: LoopFacts) -> dict:
@@ -373,9 +432,11 @@ def _bytes_per_key_head(case: BundleCase) -> int:
 _NAME = re.compile(r"^\d+-(.+)-\d+-final_bundles\.txt$")
 
 
-def _loop_figures(case: BundleCase, target: str, loop: LoopFacts, keys: int, heads: int, tokens: int) -> dict:
+def _loop_figures(case: BundleCase, target: str, loop: LoopFacts, keys: int, heads: int, tokens: int,
+                  general: int | None = None) -> dict:
     """One per-block loop's figures: per iteration, and per (KV head x 512 keys); `tokens`: the
-    query tokens an iteration serves (a chunk loop's work grows with them, a decode loop's is one)."""
+    query tokens an iteration serves (a chunk loop's work grows with them, a decode loop's is one);
+    `general`: the enclosing loop's general path (`general_path`), static bundles."""
     pages = keys // case.page_size  # pages of the block (one page holds every head of ragged's head block)
     it = per_iteration(loop)
     chip = CHIPS[target]
@@ -385,7 +446,8 @@ def _loop_figures(case: BundleCase, target: str, loop: LoopFacts, keys: int, hea
     static = {k: v for k, v in dataclasses.asdict(loop).items() if k != "nested"}
     nested = [dict(first=c.first, bundles=c.bundles, trip=c.trip, dma_starts=c.dma_starts, dma_waits=c.dma_waits)
               for c in loop.nested]
-    return dict(loop=static, nested=nested, per_iter=it, keys_per_iter=keys, heads_per_iter=heads, pages_per_iter=pages,
+    return dict(loop=static, nested=nested, per_iter=it, general_path_bundles=general, keys_per_iter=keys,
+                heads_per_iter=heads, pages_per_iter=pages,
                 query_tokens_per_iter=tokens,
                 bytes_per_iter=nbytes, bundles_per_512=it["bundles"] / per, dmas_per_page=it["dma_starts"] / pages,
                 pushes_per_512=it["mxu_pushes"] / per, issue_ns=issue_ns / per, hbm_ns=hbm_ns / per,
@@ -411,12 +473,14 @@ def _row(case: BundleCase, target: str, new_files: list[str], dump_dir: str, sec
     done = dict(row, status="ok", hlo_name=hlo_name, file_bundles=len(bundles))
     if case.kernel != "mixed":
         loop = max(found, key=lambda lp: lp.bundles)
-        return [dict(done, **_loop_figures(case, target, loop, keys, heads, _query_tokens(case, hlo_name, None)))]
+        return [dict(done, **_loop_figures(case, target, loop, keys, heads, _query_tokens(case, hlo_name, None),
+                                           general_path(bundles, loop)))]
     if len(found) != 2:
         return [dict(row, status=f"failed: {len(found)} loops with MXU ops in {hlo_name}, not 2 (decode, chunk)",
                      hlo_name=hlo_name)]  # fmt: skip
     return [dict(done, label=f"{case.label} {part}", part=part,
-                 **_loop_figures(case, target, lp, keys, heads, _query_tokens(case, hlo_name, part)))
+                 **_loop_figures(case, target, lp, keys, heads, _query_tokens(case, hlo_name, part),
+                                 general_path(bundles, lp)))
             for part, lp in zip(("decode", "chunk"), found)]  # fmt: skip
 
 

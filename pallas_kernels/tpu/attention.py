@@ -18,6 +18,14 @@ row's page table, lengths and the layer live in SMEM (scalar prefetch); K/V stay
 - One flat loop runs over (head, block) pairs, so the DMAs of the next pair (the next block,
   or the next head's first block) are in flight while this one computes: double buffering in
   VMEM across heads, not only within one head. The pair is carried, not divided out.
+- Decode's steady state runs in its own loop with no branch: while this block and the next are
+  whole (every key inside `[lo, hi)`) and the block's pages hold no hole, a pair waits for its
+  block, attends, writes the head's output so far, and only then starts the next block's DMAs,
+  unrolled. With no branch between them, libtpu's VLIW scheduler issues the next block's
+  scalar address work and DMA starts in the same bundles as this block's vector and MXU work
+  (a branch ends a scheduling region). The other pairs (a row's first and last blocks, the
+  block before a partial one, a block with a hole, the last pair) take the general step
+  around it. Prefill programs take the general step only.
 - A page outside `[lo, hi)` is not read. A hole (an unmapped entry, -1, inside it) reads some
   arena page all the same, without a branch; a block that has one (rare) then masks the
   hole's keys and overwrites its V rows with a zero page. V rows outside `[lo, hi)` (stale
@@ -68,6 +76,7 @@ __all__ = ["tpu_paged_attention", "TpuAttentionTiles"]
 MAX_ROWS = 512  # query rows (tokens x group) per program in prefill (each row block re-reads the KV)
 DEFAULT_BLOCK_K = 512  # keys per block: 128 KiB of bf16 K at head_dim 128
 QO_VMEM_BYTES = 4 << 20  # q + output blocks of a prefill program (Mosaic's default scoped VMEM: 16 MiB on v5e)
+FAST_DECODE = True  # decode's steady state in its own branch-free loop (tests turn it off to compare the two paths)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,8 +139,8 @@ def _attention_kernel(
     page_map_ref,  # i32[B * M] (row-major page table)
     # inputs
     q_ref,  # [Hkv, rows, D] VMEM block: row b, row block rb, every KV head
-    k_hbm,  # [L, Hkv, P, S, D] HBM
-    v_hbm,  # [L, Hkv, P, S, D] HBM
+    k_hbm,  # [L * Hkv * P, S, D] HBM (`flat_pages`: page (layer, h, page) at (layer * Hkv + h) * P + page)
+    v_hbm,  # [L * Hkv * P, S, D] HBM
     zero_page_hbm,  # [S, D] zeros in the arena dtype, HBM
     *refs,  # 8-bit: ks_hbm, vs_hbm f32[L, Hkv, P, S]; then o_ref [Hkv, rows, D]; then scratch
     quantized: bool,
@@ -143,8 +152,11 @@ def _attention_kernel(
     tokens: int,
     max_pages: int,
     compute,
+    num_kv_heads: int,
+    num_pages: int,
     row=None,
     row_block=None,
+    fast_decode: bool | None = None,
 ):
     """The kernel body (module docstring). `row`, `row_block`: the batch row (of the tables) and
     the block of query tokens this body serves; default the program's ids (a mixed call,
@@ -156,7 +168,7 @@ def _attention_kernel(
         ks_hbm = vs_hbm = ksbuf = vsbuf = None
     b = pl.program_id(0) if row is None else row
     rb = pl.program_id(1) if row_block is None else row_block
-    _, num_kv_heads, num_pages, page_size, head_dim = k_hbm.shape
+    _, page_size, head_dim = k_hbm.shape
     _, block_k, _ = kbuf.shape
     ppb = block_k // page_size
     rows = q_ref.shape[1]
@@ -199,8 +211,9 @@ def _attention_kernel(
         # One unsigned min clips both ways: a negative entry is a huge unsigned number.
         page = jnp.minimum(entry.astype(jnp.uint32), jnp.uint32(num_pages - 1)).astype(i32)
         dst = pl.ds(pl.multiple_of(p * page_size, page_size), page_size)
-        pltpu.make_async_copy(k_hbm.at[layer, h, page], kbuf.at[slot, dst], sem.at[slot]).start()
-        pltpu.make_async_copy(v_hbm.at[layer, h, page], vbuf.at[slot, dst], sem.at[slot]).start()
+        flat = (layer * num_kv_heads + h) * num_pages + page  # one add a page: the rest is the pair's
+        pltpu.make_async_copy(k_hbm.at[flat], kbuf.at[slot, dst], sem.at[slot]).start()
+        pltpu.make_async_copy(v_hbm.at[flat], vbuf.at[slot, dst], sem.at[slot]).start()
         if quantized:
             row = pl.ds(p, 1)
             pltpu.make_async_copy(ks_hbm.at[layer, h, pl.ds(page, 1)], ksbuf.at[slot, row], sem.at[slot]).start()
@@ -263,8 +276,14 @@ def _attention_kernel(
 
     n_read0, holes0 = start_block(0, blk_lo, 0, total > 0)
 
-    def body(i, carry):
-        m_prev, l_prev, acc_prev, bad_prev, h, j, n_read, holes = carry  # [rows, 1] x2, [rows, D], [rows, 1]; scalars
+    def step(carry, fast: bool):
+        """One (head, block) pair: start the next pair's DMAs, wait for this one's, attend.
+        `fast`: the steady state, straight-line code with no branch (so that the VLIW scheduler
+        overlaps the next pair's DMA issue with this pair's vector work): this block and the next
+        are whole and hole-free (`fast_next`); the output is written every iteration (the head's
+        last write is its final value). Otherwise the general case: any block, the next issued
+        page by page when partial, holes fixed, stale V rows zeroed, the output written once."""
+        m_prev, l_prev, acc_prev, bad_prev, h, j, n_read, holes, i = carry  # [rows, 1] x2, [rows, D], [rows, 1]; scalars
         slot = lax.rem(i, 2)
         first = j == blk_lo
         m_prev = jnp.where(first, -jnp.inf, m_prev)
@@ -273,9 +292,12 @@ def _attention_kernel(
         bad_prev = jnp.where(first, 0.0, bad_prev)
         last = j + 1 == blk_end  # the head's last block
         h_next, j_next = jnp.where(last, h + 1, h), jnp.where(last, blk_lo, j + 1)
-        n_read_next, holes_next = start_block(h_next, j_next, 1 - slot, i + 1 < total)
-
-        wait_block(slot, n_read)
+        if fast:
+            for buf in (kbuf, vbuf) + ((ksbuf, vsbuf) if quantized else ()):
+                pltpu.make_async_copy(buf.at[slot], buf.at[slot], sem.at[slot]).wait()
+        else:
+            n_read_next, holes_next = start_block(h_next, j_next, 1 - slot, i + 1 < total)
+            wait_block(slot, n_read)
         kpos = j * block_k + kk  # [1, block_k]
         kpos_col = j * block_k + kk_col  # [block_k, 1]
         in_range = (kpos >= lo) & (kpos < hi)  # keys this program's queries may attend
@@ -293,9 +315,10 @@ def _attention_kernel(
 
             return jnp.where(hole & (kk >= p * page_size) & (kk < (p + 1) * page_size), 1, dead)
 
-        p0, p1 = page_range(j)
-        dead = lax.fori_loop(p0, jnp.where(holes > 0, p1, p0), fix_hole, jnp.zeros((1, block_k), i32))
-        in_range &= dead == 0
+        if not fast:
+            p0, p1 = page_range(j)
+            dead = lax.fori_loop(p0, jnp.where(holes > 0, p1, p0), fix_hole, jnp.zeros((1, block_k), i32))
+            in_range &= dead == 0
         in_range_col = (kpos_col >= lo) & (kpos_col < hi)  # (holes' V rows are zeros)
 
         q = q_ref[h].astype(compute)  # [rows, D]
@@ -320,7 +343,7 @@ def _attention_kernel(
         fold_v = quantized and compute != jnp.dtype(jnp.float16)
         if not quantized:
             # Rows outside [lo, hi) hold stale data (or nothing): zero them, in place, in the
-            # blocks that have any (a window's first block, a row's last).
+            # blocks that have any (a window's first block, a row's last); a whole block has none.
             def zero_chunk(c, carry):
                 r0 = pl.multiple_of(c * chunk, chunk)
                 pos = j * block_k + r0 + lax.broadcasted_iota(i32, (chunk, 1), 0)
@@ -328,16 +351,17 @@ def _attention_kernel(
                 vbuf[slot, pl.ds(r0, chunk)] = jnp.where((pos >= lo) & (pos < hi), rows_v, jnp.zeros((), vbuf.dtype))
                 return carry
 
-            # The chunks holding a row at or past hi (a row's last block), then those holding
-            # a row before lo (a window's first block); none in an interior block.
-            tail = lax.div(jnp.clip(hi - j * block_k, 0, block_k), chunk)  # the first chunk past hi
-            lax.fori_loop(0, block_k // chunk - tail, lambda c, carry: zero_chunk(tail + c, carry), 0)
-            lax.fori_loop(0, lax.div(jnp.clip(lo - j * block_k, 0, block_k) + chunk - 1, chunk), zero_chunk, 0)
+            if not fast:
+                # The chunks holding a row at or past hi (a row's last block), then those holding
+                # a row before lo (a window's first block); none in an interior block.
+                tail = lax.div(jnp.clip(hi - j * block_k, 0, block_k), chunk)  # the first chunk past hi
+                lax.fori_loop(0, block_k // chunk - tail, lambda c, carry: zero_chunk(tail + c, carry), 0)
+                lax.fori_loop(0, lax.div(jnp.clip(lo - j * block_k, 0, block_k) + chunk - 1, chunk), zero_chunk, 0)
 
             v = vbuf[slot].astype(compute)  # [block_k, D]
         elif fold_v:  # int8 rows are finite and meet a zero weight; stale 8-bit floats may not be
             v = vbuf[slot].astype(compute)
-            if jnp.issubdtype(vbuf.dtype, jnp.floating):
+            if jnp.issubdtype(vbuf.dtype, jnp.floating) and not fast:
                 v = jnp.where(in_range_col, v, jnp.zeros((), compute))
         else:  # fp16 q: dequantize the V tile (vq * scale may overflow fp16)
             vs_row = jnp.where(in_range, vsbuf[slot].reshape(1, block_k), 0.0)
@@ -369,8 +393,7 @@ def _attention_kernel(
         acc = acc_prev * alpha + _dot(p.astype(compute), v)
         bad = jnp.maximum(bad_prev, bad_blk)
 
-        @pl.when(last)
-        def _():
+        def write_out():
             seen = l_next != 0  # a seen key adds exp(0) = 1 to its row's sum
             out = jnp.where(seen, acc / jnp.where(seen, l_next, 1.0), 0.0)
             poisoned = bad > 0.5
@@ -379,11 +402,50 @@ def _attention_kernel(
             out = jnp.where(poisoned, jnp.nan, out)
             o_ref[h] = jnp.where(row_ok, out, 0.0).astype(o_ref.dtype)
 
-        return m_next, l_next, acc, bad, h_next, j_next, n_read_next, holes_next
+        if fast:
+            write_out()  # every block: no branch (the head's last block writes its final value)
+            # The next pair (whole: fast_next said so), issued after this pair's reads of its slot.
+            entries = functools.reduce(jnp.bitwise_or, [start_page(h_next, j_next, p, 1 - slot) for p in range(ppb)])
+            n_read_next, holes_next = jnp.int32(ppb), (entries < 0).astype(i32)
+        else:
+            pl.when(last)(write_out)
+
+        return m_next, l_next, acc, bad, h_next, j_next, n_read_next, holes_next, i + 1
+
+    # The blocks a fast step may serve: block j is whole (every key inside [lo, hi)) for j in
+    # [j_whole, j_whole_end); the
+    # block after j must be whole too: j + 1 inside that range, or, when every block of a head is
+    # whole, the next head's first block. So j in [j_whole, j_whole + fast_blocks).
+    j_whole = lax.div(lo + block_k - 1, block_k)
+    j_whole_end = jnp.maximum(lax.div(hi, block_k), j_whole)
+    every_block_whole = (j_whole == blk_lo) & (j_whole_end == blk_end)
+    fast_blocks = jnp.maximum(j_whole_end - j_whole - 1 + every_block_whole.astype(i32), 0)
+
+    def fast_next(carry):
+        """The next pair may take the fast step: it is not the last pair, its block and the one
+        after it are whole, and its pages hold no hole. Few scalar ops: an unsigned compare for
+        the block, and one sign test for "a pair after it and no hole"."""
+        *_, j, _, holes, i = carry
+        more_and_no_hole = ((total - 2 - i) | -holes) >= 0  # i + 1 < total, holes == 0 (holes is 0 or 1)
+        return ((j - j_whole).astype(jnp.uint32) < fast_blocks.astype(jnp.uint32)) & more_and_no_hole
+
+    def general_then_fast(carry):
+        carry = step(carry, fast=False)
+        if one_token and (FAST_DECODE if fast_decode is None else fast_decode):  # decode: the steady state in its own branch-free loop
+            carry = lax.while_loop(fast_next, functools.partial(step, fast=True), carry)
+        return carry
 
     init = (jnp.full((rows, 1), -jnp.inf, f32), jnp.zeros((rows, 1), f32), jnp.zeros((rows, head_dim), f32),
-            jnp.zeros((rows, 1), f32), jnp.int32(0), blk_lo, n_read0, holes0)
-    lax.fori_loop(0, total, body, init)
+            jnp.zeros((rows, 1), f32), jnp.int32(0), blk_lo, n_read0, holes0, jnp.int32(0))
+    lax.while_loop(lambda carry: carry[-1] < total, general_then_fast, init)
+
+
+def flat_pages(arena):
+    """[L, Hkv, P, S, D] -> [L * Hkv * P, S, D]: the kernels' view of an arena (merging major dims
+    keeps the TPU's tiled layout of the (S, D) minor dims: a bitcast, no copy). One flat index
+    per page costs the DMA issue fewer scalar ops than three."""
+    num_layers, num_kv_heads, num_pages, page_size, head_dim = arena.shape
+    return arena.reshape(num_layers * num_kv_heads * num_pages, page_size, head_dim)
 
 
 def grouped(q, row_blocks: int, block_tokens: int, num_kv_heads: int):
@@ -436,9 +498,10 @@ def _window_value(sliding_window, max_keys: int):
     return jnp.clip(jnp.asarray(sliding_window), 0, max_keys).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "has_window", "window_bound", "soft_cap", "tiles", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "has_window", "window_bound", "soft_cap", "tiles", "interpret",
+                                             "fast_decode"))
 def _tpu_attention_call(q, k_arena, v_arena, meta, page_map, lengths, num_tokens, k_scale, v_scale, *, sm_scale,
-                        has_window, window_bound, soft_cap, tiles, interpret):
+                        has_window, window_bound, soft_cap, tiles, interpret, fast_decode=True):
     batch, tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, _, page_size, _ = k_arena.shape
     group = num_q_heads // num_kv_heads
@@ -452,7 +515,8 @@ def _tpu_attention_call(q, k_arena, v_arena, meta, page_map, lengths, num_tokens
     compute = jnp.dtype(q.dtype)
     kernel = functools.partial(
         _attention_kernel, quantized=quantized, sm_scale=sm_scale, has_window=has_window, soft_cap=soft_cap,
-        block_tokens=block_tokens, group=group, tokens=tokens, max_pages=max_pages, compute=compute)
+        block_tokens=block_tokens, group=group, tokens=tokens, max_pages=max_pages, compute=compute,
+        num_kv_heads=num_kv_heads, num_pages=k_arena.shape[2], fast_decode=fast_decode)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     q_spec = pl.BlockSpec((None, num_kv_heads, rows, head_dim), lambda b, rb, *_: (b, 0, rb, 0))
     ppb = block_k // page_size
@@ -498,7 +562,7 @@ def _tpu_attention_call(q, k_arena, v_arena, meta, page_map, lengths, num_tokens
         interpret=interpret,
         name=name,
         cost_estimate=cost,
-    )(meta, lengths, num_tokens, page_map.reshape(-1), qg, k_arena, v_arena, zero_page, *extra)
+    )(meta, lengths, num_tokens, page_map.reshape(-1), qg, flat_pages(k_arena), flat_pages(v_arena), zero_page, *extra)
     return ungrouped(out, tokens, num_q_heads)
 
 
@@ -545,5 +609,5 @@ def tpu_paged_attention(
         sm_scale=float(head_dim**-0.5 if sm_scale is None else sm_scale), has_window=sliding_window is not None,
         window_bound=sliding_window if isinstance(sliding_window, int) else None,
         soft_cap=None if logits_soft_cap is None else float(logits_soft_cap), tiles=tiles,
-        interpret=resolve_tpu_interpret(interpret),
+        interpret=resolve_tpu_interpret(interpret), fast_decode=FAST_DECODE,
     )

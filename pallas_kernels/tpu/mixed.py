@@ -29,7 +29,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._common import BlockSizes, check_arena, check_layer, check_rows, check_tokens
-from pallas_kernels.tpu.attention import TpuAttentionTiles, _attention_kernel, _meta, check_geometry, grouped, ungrouped
+from pallas_kernels.tpu.attention import (TpuAttentionTiles, _attention_kernel, _meta, check_geometry, flat_pages, grouped,
+                                          ungrouped)
 from pallas_kernels.tpu.common import check_smem_tables, resolve_tpu_interpret
 
 __all__ = ["tpu_paged_attention_mixed"]
@@ -67,7 +68,8 @@ def _mixed_call(q_dec, q_pre, k_arena, v_arena, meta, page_map, lengths, num_tok
     qd = grouped(q_dec, 1, 1, num_kv_heads)  # [B, Hkv, G, D]
     qp = grouped(q_pre, row_blocks, block_tokens, num_kv_heads)  # [P, Hkv, RB * bt * G, D]
     static = dict(sm_scale=sm_scale, has_window=has_window, soft_cap=soft_cap, group=group,
-                  max_pages=page_map.shape[1], compute=jnp.dtype(q_dec.dtype))
+                  max_pages=page_map.shape[1], compute=jnp.dtype(q_dec.dtype), num_kv_heads=num_kv_heads,
+                  num_pages=k_arena.shape[2])
     kernel = functools.partial(_mixed_kernel, quantized=quantized, num_decode=num_decode,
                                decode=dict(static, block_tokens=1, tokens=1),
                                prefill=dict(static, block_tokens=block_tokens, tokens=tokens))
@@ -112,7 +114,8 @@ def _mixed_call(q_dec, q_pre, k_arena, v_arena, meta, page_map, lengths, num_tok
         interpret=interpret,
         name=name,
         cost_estimate=cost,
-    )(meta, lengths, num_tokens, page_map.reshape(-1), qd, qp, k_arena, v_arena, zero_page, *extra)
+    )(meta, lengths, num_tokens, page_map.reshape(-1), qd, qp, flat_pages(k_arena), flat_pages(v_arena), zero_page,
+      *extra)
     return ungrouped(o_dec, 1, num_q_heads), ungrouped(o_pre, tokens, num_q_heads)
 
 
