@@ -107,7 +107,11 @@ MUTANTS = {
         "pallas_kernels/tpu/attention.py", "start_page(h_next, j_next, p, 1 - slot) for p in range(ppb)",
         "start_page(h, j_next, p, 1 - slot) for p in range(ppb)"),
     "tpu attention: the fast loop takes a block with a hole": ("pallas_kernels/tpu/attention.py",
-        " & whole(j_after) & (holes == 0)", " & whole(j_after)"),
+        "more_and_no_hole = ((total - 2 - i) | -holes) >= 0", "more_and_no_hole = (total - 2 - i) >= 0"),
+    "tpu attention: a fast prefill block misses a non-finite V row": ("pallas_kernels/tpu/attention.py",
+        "bad_blk = jnp.maximum(bad_s, jnp.max(jnp.where(v_ok_col, 0.0, 1.0)))", "bad_blk = bad_s"),
+    "tpu attention: the fast loop takes a block the first query cannot see whole": ("pallas_kernels/tpu/attention.py",
+        "lax.div(jnp.maximum(start + t_first + 1, 0), block_k)", "lax.div(jnp.maximum(start + t_first + 1 + block_k, 0), block_k)"),
 }
 TESTS = {
     "arena_jax/prefix/ops.py": ["tests/test_allocator_model.py", "tests/test_prefix.py"],

@@ -254,40 +254,48 @@ def test_decode_poison_rules_and_a_hole_over_a_nan_page():
     COUNTS["attention (soft-cap, traced windows, poison rules)"] += len(scenarios)
 
 
+@pytest.mark.parametrize("tokens", [1, 6], ids=["decode", "prefill"])
 @pytest.mark.parametrize("quantized", [False, True], ids=["bf16", "int8"])
-def test_decode_fast_loop_equals_the_general_path(quantized, monkeypatch):
-    """Decode's steady state (whole, hole-free blocks: a branch-free loop that starts the next
-    block's DMAs after this block's reads and writes the output every block) == the general
-    path alone, bit for bit, and == the reference, NaN rules included. Blocks of 2 pages over
-    rows of whole blocks (the fast loop crossing heads), a partial last block, a window (a
-    partial first block), a hole inside a row, a NaN V row in an interior block, NaN stale data."""
+def test_fast_loop_equals_the_general_path(quantized, tokens, monkeypatch):
+    """The steady state (blocks every query row sees whole, hole-free, in a loop of their own that
+    starts the next block's DMAs after this block's reads; decode: branch-free, the output written
+    every block; prefill: no mask built) == the general step alone, bit for bit, and == the
+    reference, NaN rules included. Blocks of 2 pages over rows of whole blocks (decode: the fast
+    loop crossing heads), a partial last block, a window, a hole inside a row, a poisoned V row
+    (bf16: NaN in a lane; int8: a NaN scale) in an interior block, NaN stale data, and prefill row
+    blocks of 4 tokens with a row of fewer tokens."""
     from pallas_kernels.tpu import attention as tpu_attention
 
     page = 128 if quantized else 8
-    lengths, window = (8 * page, 5 * page + 3, 6 * page, 2 * page), 3 * page + 5
-    common = dict(seed=5, lengths=lengths, num_tokens=(1, 1, 1, 1), tokens=1, q_heads=8, kv_heads=2,
+    lengths, window = (16 * page, 11 * page + 3), 9 * page + 3  # (16 pages a row: NUM_PAGES holds two)
+    num_tokens = (1, 1) if tokens == 1 else (6, 3)
+    common = dict(seed=5, lengths=lengths, num_tokens=num_tokens, tokens=tokens, q_heads=8, kv_heads=2,
                   page_size=page, head_dim=128)
     if quantized:
         case = quantized_case(**common, dtype=jnp.dtype(jnp.int8), q_dtype=jnp.bfloat16)
     else:
-        case = float_case(**common, dtype=jnp.dtype(jnp.bfloat16), max_pages=8)
+        case = float_case(**common, dtype=jnp.dtype(jnp.bfloat16), max_pages=16)
     pm, layer = np.asarray(case["page_map"]), case["layer"]
-    scenarios = {"whole rows": case, "a hole in row 2": {**case, "page_map": case["page_map"].at[2, 3].set(-1)}}
-    if not quantized:
-        v = case["v_arena"].at[layer, 1, pm[0, 5], 2, 7].set(jnp.nan)  # row 0, position 42: an interior block
-        scenarios["a nan v row in an interior block"] = {**case, "v_arena": v}
-    bs = BlockSizes(block_k=2 * page)
+    scenarios = {"whole rows": case, "a hole in row 1": {**case, "page_map": case["page_map"].at[1, 3].set(-1)}}
+    if quantized:  # row 0, position 2 * page + 4: block 1 of 8, seen whole by every query row
+        scenarios["a nan v scale"] = {**case, "v_scale": case["v_scale"].at[layer, 1, pm[0, 2], 4].set(jnp.nan)}
+    else:
+        scenarios["a nan v lane"] = {**case, "v_arena": case["v_arena"].at[layer, 1, pm[0, 2], 4, 7].set(jnp.nan)}
+    bs = BlockSizes(block_k=2 * page, block_tokens=4 if tokens > 1 else None)
     for label, c in scenarios.items():
         for w in (None, window):
-            monkeypatch.setattr(tpu_attention, "FAST_DECODE", True)
+            monkeypatch.setattr(tpu_attention, "FAST_LOOP", True)
             fast = tpu_paged_attention(**c, sliding_window=w, interpret=True, block_sizes=bs)
-            monkeypatch.setattr(tpu_attention, "FAST_DECODE", False)
+            monkeypatch.setattr(tpu_attention, "FAST_LOOP", False)
             general = tpu_paged_attention(**c, sliding_window=w, interpret=True, block_sizes=bs)
             np.testing.assert_array_equal(np.asarray(fast, np.float32), np.asarray(general, np.float32),
                                           err_msg=f"{label}, window {w}")
             want = reference_traced(**c, sliding_window=None if w is None else jnp.int32(w))
             assert_same_nans_and_close(fast, want, jnp.bfloat16, f"{label}, window {w}")
-    COUNTS["attention (decode's fast loop)"] += 2 * len(scenarios)
+            assert padded_rows_are_zero(fast, c["num_tokens"])
+            if w is None:  # (the window starts past the poisoned row)
+                assert np.isnan(np.asarray(want, np.float32)).any() == label.startswith("a nan"), label
+    COUNTS["attention (the fast loop)"] += 2 * len(scenarios)
 
 
 @pytest.mark.parametrize("q_dtype,arena", [("float32", "bfloat16"), ("bfloat16", "float32")])

@@ -18,14 +18,15 @@ row's page table, lengths and the layer live in SMEM (scalar prefetch); K/V stay
 - One flat loop runs over (head, block) pairs, so the DMAs of the next pair (the next block,
   or the next head's first block) are in flight while this one computes: double buffering in
   VMEM across heads, not only within one head. The pair is carried, not divided out.
-- Decode's steady state runs in its own loop with no branch: while this block and the next are
-  whole (every key inside `[lo, hi)`) and the block's pages hold no hole, a pair waits for its
-  block, attends, writes the head's output so far, and only then starts the next block's DMAs,
-  unrolled. With no branch between them, libtpu's VLIW scheduler issues the next block's
-  scalar address work and DMA starts in the same bundles as this block's vector and MXU work
-  (a branch ends a scheduling region). The other pairs (a row's first and last blocks, the
-  block before a partial one, a block with a hole, the last pair) take the general step
-  around it. Prefill programs take the general step only.
+- The steady state runs in a loop of its own: while this block is whole and seen whole by
+  every query row (no key past the first query's position, none before the last query's
+  window), its pages hold no hole and the next block is whole, a pair waits for its block,
+  attends with no mask, and only then starts the next block's DMAs, unrolled. In decode the
+  loop has no branch (it writes the head's output so far every block), so libtpu's VLIW
+  scheduler issues the next block's scalar address work and DMA starts in the same bundles as
+  this block's vector and MXU work (a branch ends a scheduling region). The other pairs (a
+  row's first and last blocks, the block before a partial one, a chunk's diagonal blocks, a
+  block with a hole, the last pair) take the general step around it.
 - A page outside `[lo, hi)` is not read. A hole (an unmapped entry, -1, inside it) reads some
   arena page all the same, without a branch; a block that has one (rare) then masks the
   hole's keys and overwrites its V rows with a zero page. V rows outside `[lo, hi)` (stale
@@ -76,7 +77,7 @@ __all__ = ["tpu_paged_attention", "TpuAttentionTiles"]
 MAX_ROWS = 512  # query rows (tokens x group) per program in prefill (each row block re-reads the KV)
 DEFAULT_BLOCK_K = 512  # keys per block: 128 KiB of bf16 K at head_dim 128
 QO_VMEM_BYTES = 4 << 20  # q + output blocks of a prefill program (Mosaic's default scoped VMEM: 16 MiB on v5e)
-FAST_DECODE = True  # decode's steady state in its own branch-free loop (tests turn it off to compare the two paths)
+FAST_LOOP = True  # the steady state (blocks every row sees whole) in a loop of its own (tests turn it off to compare)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +132,11 @@ def _dot(a, b):
     return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
 
 
+def masked(mask, x):
+    """`mask & x`; None is the mask of a block every row sees whole (no mask)."""
+    return x if mask is None else mask & x
+
+
 def _attention_kernel(
     # scalar prefetch (SMEM)
     meta_ref,  # i32[2]: layer (clipped into range), sliding window (clipped into [0, M*S]; unused without one)
@@ -156,7 +162,7 @@ def _attention_kernel(
     num_pages: int,
     row=None,
     row_block=None,
-    fast_decode: bool | None = None,
+    fast_loop: bool | None = None,
 ):
     """The kernel body (module docstring). `row`, `row_block`: the batch row (of the tables) and
     the block of query tokens this body serves; default the program's ids (a mixed call,
@@ -278,11 +284,12 @@ def _attention_kernel(
 
     def step(carry, fast: bool):
         """One (head, block) pair: start the next pair's DMAs, wait for this one's, attend.
-        `fast`: the steady state, straight-line code with no branch (so that the VLIW scheduler
-        overlaps the next pair's DMA issue with this pair's vector work): this block and the next
-        are whole and hole-free (`fast_next`); the output is written every iteration (the head's
-        last write is its final value). Otherwise the general case: any block, the next issued
-        page by page when partial, holes fixed, stale V rows zeroed, the output written once."""
+        `fast`: the steady state (`fast_next`): this block seen whole by every query row and
+        hole-free, the next one whole; no mask, the next block issued unrolled after this one's
+        reads, so that the VLIW scheduler overlaps that issue with this pair's vector work; in
+        decode no branch at all (the output written every iteration: the head's last write is
+        its final value). Otherwise the general case: any block, the next issued page by page
+        when partial, holes fixed, stale V rows zeroed, masks, the output written once."""
         m_prev, l_prev, acc_prev, bad_prev, h, j, n_read, holes, i = carry  # [rows, 1] x2, [rows, D], [rows, 1]; scalars
         slot = lax.rem(i, 2)
         first = j == blk_lo
@@ -300,7 +307,9 @@ def _attention_kernel(
             wait_block(slot, n_read)
         kpos = j * block_k + kk  # [1, block_k]
         kpos_col = j * block_k + kk_col  # [block_k, 1]
-        in_range = (kpos >= lo) & (kpos < hi)  # keys this program's queries may attend
+        # Keys this program's queries may attend; None: all of the block's (a fast step's block is
+        # whole, and every valid query row sees every key of it: no mask to build or apply).
+        in_range = None if fast else (kpos >= lo) & (kpos < hi)
 
         def fix_hole(p, dead):
             """A hole's keys are masked and its V rows zeroed (its slot holds another page's)."""
@@ -319,7 +328,7 @@ def _attention_kernel(
             p0, p1 = page_range(j)
             dead = lax.fori_loop(p0, jnp.where(holes > 0, p1, p0), fix_hole, jnp.zeros((1, block_k), i32))
             in_range &= dead == 0
-        in_range_col = (kpos_col >= lo) & (kpos_col < hi)  # (holes' V rows are zeros)
+        in_range_col = None if fast else (kpos_col >= lo) & (kpos_col < hi)  # (holes' V rows are zeros)
 
         q = q_ref[h].astype(compute)  # [rows, D]
         k = kbuf[slot].astype(compute)  # [block_k, D]
@@ -332,13 +341,15 @@ def _attention_kernel(
         s_ok = jnp.isfinite(s)
         if soft_cap is not None:
             s = jnp.tanh(s / soft_cap) * soft_cap
-        if one_token:
+        if fast:
+            mask = None  # (rows past the row's tokens see every key too: their output is zeroed)
+        elif one_token:
             mask = jnp.broadcast_to(in_range, (rows, block_k))
         else:
             mask = in_range & (kpos <= q_pos) & row_ok  # [rows, block_k]
             if window is not None:
                 mask &= kpos > q_pos - window
-        bad_s = jnp.max(jnp.where(mask & ~s_ok, 1.0, 0.0), axis=1, keepdims=True)  # [rows, 1]
+        bad_s = jnp.max(jnp.where(masked(mask, ~s_ok), 1.0, 0.0), axis=1, keepdims=True)  # [rows, 1]
 
         fold_v = quantized and compute != jnp.dtype(jnp.float16)
         if not quantized:
@@ -361,28 +372,35 @@ def _attention_kernel(
             v = vbuf[slot].astype(compute)  # [block_k, D]
         elif fold_v:  # int8 rows are finite and meet a zero weight; stale 8-bit floats may not be
             v = vbuf[slot].astype(compute)
-            if jnp.issubdtype(vbuf.dtype, jnp.floating) and not fast:
+            if jnp.issubdtype(vbuf.dtype, jnp.floating) and in_range_col is not None:
                 v = jnp.where(in_range_col, v, jnp.zeros((), compute))
         else:  # fp16 q: dequantize the V tile (vq * scale may overflow fp16)
-            vs_row = jnp.where(in_range, vsbuf[slot].reshape(1, block_k), 0.0)
+            vs_row = vsbuf[slot].reshape(1, block_k)
+            if in_range is not None:
+                vs_row = jnp.where(in_range, vs_row, 0.0)
             eye = lax.broadcasted_iota(i32, (block_k, block_k), 0) == lax.broadcasted_iota(i32, (block_k, block_k), 1)
             vs_col = jnp.sum(jnp.where(eye, vs_row, 0.0), axis=1, keepdims=True)  # [block_k, 1], exact
-            v = jnp.where(in_range_col, (vbuf[slot].astype(f32) * vs_col).astype(compute), jnp.zeros((), compute))
+            v = (vbuf[slot].astype(f32) * vs_col).astype(compute)
+            if in_range_col is not None:
+                v = jnp.where(in_range_col, v, jnp.zeros((), compute))
         if fold_v:  # 8-bit values are finite by construction: a row's poison is its scale
             vs = vsbuf[slot].reshape(1, block_k)
             v_ok = jnp.isfinite(vs)
-            vs = jnp.where(in_range & v_ok, vs, 0.0)
-            bad_blk = jnp.maximum(bad_s, jnp.max(jnp.where(mask & ~v_ok, 1.0, 0.0), axis=1, keepdims=True))
+            vs = jnp.where(masked(in_range, v_ok), vs, 0.0)
+            bad_blk = jnp.maximum(bad_s, jnp.max(jnp.where(masked(mask, ~v_ok), 1.0, 0.0), axis=1, keepdims=True))
         elif one_token:  # every row attends exactly the V rows in range: P @ V itself finds a
             bad_blk = bad_s  # non-finite one (x * NaN = NaN, 0 * inf = NaN), checked once a head
         else:  # a V row may be attended by some rows only: zero non-finite rows, poison those rows
             v_ok_col = jnp.min(jnp.where(jnp.isfinite(v.astype(f32)), 1.0, 0.0), axis=1, keepdims=True) > 0.5
             v = jnp.where(v_ok_col, v, jnp.zeros((), compute))
-            bad_v = jnp.where(in_range_col & ~v_ok_col, 1.0, 0.0).astype(jnp.bfloat16)  # [block_k, 1]
-            hit = lax.dot_general(jnp.where(mask, 1.0, 0.0).astype(jnp.bfloat16), bad_v, (((1,), (0,)), ((), ())),
-                                  preferred_element_type=f32)  # [rows, 1], exact: sums of 0 / 1 products
-            bad_blk = jnp.maximum(bad_s, jnp.where(hit > 0.5, 1.0, 0.0))
-        s = jnp.where(mask & s_ok, s, -jnp.inf)
+            if mask is None:  # every row attends every V row: a non-finite one poisons them all
+                bad_blk = jnp.maximum(bad_s, jnp.max(jnp.where(v_ok_col, 0.0, 1.0)))
+            else:
+                bad_v = jnp.where(in_range_col & ~v_ok_col, 1.0, 0.0).astype(jnp.bfloat16)  # [block_k, 1]
+                hit = lax.dot_general(jnp.where(mask, 1.0, 0.0).astype(jnp.bfloat16), bad_v, (((1,), (0,)), ((), ())),
+                                      preferred_element_type=f32)  # [rows, 1], exact: sums of 0 / 1 products
+                bad_blk = jnp.maximum(bad_s, jnp.where(hit > 0.5, 1.0, 0.0))
+        s = jnp.where(masked(mask, s_ok), s, -jnp.inf)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # rows that saw no key yet
         alpha = jnp.exp(m_prev - m_safe)
@@ -402,36 +420,42 @@ def _attention_kernel(
             out = jnp.where(poisoned, jnp.nan, out)
             o_ref[h] = jnp.where(row_ok, out, 0.0).astype(o_ref.dtype)
 
-        if fast:
+        if fast and one_token:
             write_out()  # every block: no branch (the head's last block writes its final value)
+        else:  # (a prefill block's output is rows x head_dim: written once, at the head's last block)
+            pl.when(last)(write_out)
+        if fast:
             # The next pair (whole: fast_next said so), issued after this pair's reads of its slot.
             entries = functools.reduce(jnp.bitwise_or, [start_page(h_next, j_next, p, 1 - slot) for p in range(ppb)])
             n_read_next, holes_next = jnp.int32(ppb), (entries < 0).astype(i32)
-        else:
-            pl.when(last)(write_out)
 
         return m_next, l_next, acc, bad, h_next, j_next, n_read_next, holes_next, i + 1
 
-    # The blocks a fast step may serve: block j is whole (every key inside [lo, hi)) for j in
-    # [j_whole, j_whole_end); the
-    # block after j must be whole too: j + 1 inside that range, or, when every block of a head is
-    # whole, the next head's first block. So j in [j_whole, j_whole + fast_blocks).
+    # The blocks a fast step may serve: block j whole (every key inside [lo, hi)), j in
+    # [j_whole, j_whole_end), and seen whole by every query row: no key past the first query's
+    # position, none before the last query's window (decode: the same blocks); the block after j
+    # whole too (its DMAs are issued unrolled): j + 1 whole, or, for a head's last block, the
+    # next head's first. So j in [fast_lo, fast_lo + fast_count).
     j_whole = lax.div(lo + block_k - 1, block_k)
     j_whole_end = jnp.maximum(lax.div(hi, block_k), j_whole)
-    every_block_whole = (j_whole == blk_lo) & (j_whole_end == blk_end)
-    fast_blocks = jnp.maximum(j_whole_end - j_whole - 1 + every_block_whole.astype(i32), 0)
+    fast_lo = j_whole
+    fast_end = jnp.minimum(j_whole_end, lax.div(jnp.maximum(start + t_first + 1, 0), block_k))
+    if window is not None:
+        fast_lo = jnp.maximum(fast_lo, lax.div(jnp.maximum(start + t_last - window + 1, 0) + block_k - 1, block_k))
+    last_has_next = (fast_end < j_whole_end) | ((fast_end == blk_end) & (j_whole == blk_lo))
+    fast_count = jnp.maximum(fast_end - fast_lo - 1 + last_has_next.astype(i32), 0)
 
     def fast_next(carry):
-        """The next pair may take the fast step: it is not the last pair, its block and the one
-        after it are whole, and its pages hold no hole. Few scalar ops: an unsigned compare for
-        the block, and one sign test for "a pair after it and no hole"."""
+        """The next pair may take the fast step: it is not the last pair, its block is seen whole
+        by every row, the block after it is whole, and its pages hold no hole. Few scalar ops: an
+        unsigned compare for the block, and one sign test for "a pair after it and no hole"."""
         *_, j, _, holes, i = carry
         more_and_no_hole = ((total - 2 - i) | -holes) >= 0  # i + 1 < total, holes == 0 (holes is 0 or 1)
-        return ((j - j_whole).astype(jnp.uint32) < fast_blocks.astype(jnp.uint32)) & more_and_no_hole
+        return ((j - fast_lo).astype(jnp.uint32) < fast_count.astype(jnp.uint32)) & more_and_no_hole
 
     def general_then_fast(carry):
         carry = step(carry, fast=False)
-        if one_token and (FAST_DECODE if fast_decode is None else fast_decode):  # decode: the steady state in its own branch-free loop
+        if FAST_LOOP if fast_loop is None else fast_loop:  # the steady state in a loop of its own
             carry = lax.while_loop(fast_next, functools.partial(step, fast=True), carry)
         return carry
 
@@ -499,9 +523,9 @@ def _window_value(sliding_window, max_keys: int):
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "has_window", "window_bound", "soft_cap", "tiles", "interpret",
-                                             "fast_decode"))
+                                             "fast_loop"))
 def _tpu_attention_call(q, k_arena, v_arena, meta, page_map, lengths, num_tokens, k_scale, v_scale, *, sm_scale,
-                        has_window, window_bound, soft_cap, tiles, interpret, fast_decode=True):
+                        has_window, window_bound, soft_cap, tiles, interpret, fast_loop=True):
     batch, tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, _, page_size, _ = k_arena.shape
     group = num_q_heads // num_kv_heads
@@ -516,7 +540,7 @@ def _tpu_attention_call(q, k_arena, v_arena, meta, page_map, lengths, num_tokens
     kernel = functools.partial(
         _attention_kernel, quantized=quantized, sm_scale=sm_scale, has_window=has_window, soft_cap=soft_cap,
         block_tokens=block_tokens, group=group, tokens=tokens, max_pages=max_pages, compute=compute,
-        num_kv_heads=num_kv_heads, num_pages=k_arena.shape[2], fast_decode=fast_decode)
+        num_kv_heads=num_kv_heads, num_pages=k_arena.shape[2], fast_loop=fast_loop)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     q_spec = pl.BlockSpec((None, num_kv_heads, rows, head_dim), lambda b, rb, *_: (b, 0, rb, 0))
     ppb = block_k // page_size
@@ -609,5 +633,5 @@ def tpu_paged_attention(
         sm_scale=float(head_dim**-0.5 if sm_scale is None else sm_scale), has_window=sliding_window is not None,
         window_bound=sliding_window if isinstance(sliding_window, int) else None,
         soft_cap=None if logits_soft_cap is None else float(logits_soft_cap), tiles=tiles,
-        interpret=resolve_tpu_interpret(interpret), fast_decode=FAST_DECODE,
+        interpret=resolve_tpu_interpret(interpret), fast_loop=FAST_LOOP,
     )
