@@ -490,9 +490,9 @@ def _cmd_tpu_compile_report(args, console, progress) -> dict:
                       "block). Static count: every bundle once, both arms of each branch; a nested loop with a constant "
                       "trip count x that count; a register-bound nested loop (reg) not in the iteration but under "
                       "'cold bundles' (ours: a row's first / last block or a block with a hole; an interior block runs "
-                      "none). 'general-path bundles': a loop around it with MXU ops of its own (ours in decode: the "
-                      "blocks the branch-free loop does not take: a row's first and last, the block before a partial "
-                      "one, a block with a hole), static, both arms of each branch. issue = bundles / clock, HBM = K + V ""(+ scales) of the iteration's keys / bandwidth; both per 512 keys of one head.")
+                      "none). 'general-path bundles': a loop around it with MXU ops of its own (ours: the blocks the "
+                      "steady-state loop does not take: a row's first and last, the block before a partial one, a "
+                      "chunk's diagonal, a block with a hole), static, both arms of each branch. issue = bundles / clock, HBM = K + V ""(+ scales) of the iteration's keys / bandwidth; both per 512 keys of one head.")
     if result["steps"]:
         print(format_steps_table(result["steps"]))
     return result

@@ -5,7 +5,7 @@
 
 Each bug is a one-line edit of the prefix cache (device ops, index, scheduler), the host tier
 (its ops, its binding to its cache), the smoothed keys' factors (fixed at create) or a step's
-plan (`arena_jax.plan`: its epoch, its watermarks), or the TPU decode kernel's fast loop. The tests that should catch it run in a copy of the
+plan (`arena_jax.plan`: its epoch, its watermarks), or the TPU attention kernel's steady-state loop. The tests that should catch it run in a copy of the
 tracked files (this checkout is never modified), with the hypothesis profile "find" (the CI's
 examples, no shrinking: only "caught or not" matters).
 Prints one line per bug and test file; exits 1 if a bug got through.
@@ -102,7 +102,7 @@ MUTANTS = {
         "    after = written + jnp.take(append.accepted, first, axis=1)\n", "    after = written\n"),
     "release: the epoch kept (a stale plan writes the freed pages)": ("arena_jax/allocator.py",
         "    return cache.replace(table=cache.table.advanced(changed),", "    return cache.replace(table=cache.table,"),
-    # the TPU decode kernel's branch-free steady state (issue 42)
+    # the TPU attention kernel's steady-state loop (issue 42)
     "tpu attention: the fast loop starts this head's next block, not the next pair's": (
         "pallas_kernels/tpu/attention.py", "start_page(h_next, j_next, p, 1 - slot) for p in range(ppb)",
         "start_page(h, j_next, p, 1 - slot) for p in range(ppb)"),

@@ -69,8 +69,8 @@ def test_per_iteration_runs_nested_loops_their_trips(small):
 
 
 # A loop whose body the compiler printed with a few lower-depth bundles inside (phi copies), its
-# back branch past them; around it a loop with an MXU op of its own (ours in decode: the general
-# path around the branch-free steady-state loop).
+# back branch past them; around it a loop with an MXU op of its own (ours: the general step
+# around the steady-state loop).
 SPLIT_LOOP = """\
   0x1 LB: > { %s1 = sadd.s32 1, %s0 } /* Start region 10 */
   0x2 LB: >> { %v1 = vmatpush.bf16.msra.mxu0 %v0  ;;  %s2 = sadd.s32 1, %s3 } /* Start region 20 :: Start region 21 */

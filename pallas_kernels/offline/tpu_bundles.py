@@ -18,9 +18,10 @@ last block (the output's write) counts as if it ran every iteration. `per_iterat
 loops nested in it with a constant trip count that many times and leaves register-bound ones
 out of the steady-state iteration (`cold`: ours run only in a row's first and last blocks or
 a block with a hole). A loop runs to its back branch (a branch to a region its first bundle
-starts: `Bundle.regions`), past bundles libtpu prints at a lower depth inside it. Our decode
-kernel's per-block loop is its branch-free steady state; `general_path` gives the static
-bundles of the general step around it (the loop that encloses it and has MXU ops of its own).
+starts: `Bundle.regions`), past bundles libtpu prints at a lower depth inside it. Our
+kernel's per-block loop is its steady-state loop (blocks every query row sees whole);
+`general_path` gives the static bundles of the general step around it (the loop that encloses
+it and has MXU ops of its own).
 
 `capture(target)` compiles the decode cases (`CASES`, Llama-3-8B shape: 32 q heads, 8 KV
 heads, batch 8, 4096 keys per row) for `target` without a TPU, in ONE child process started
@@ -180,13 +181,12 @@ def _extent(bundles: list[Bundle], i: int) -> int:
     back = _back_branch(bundles, i)
     if back is not None and back > j:
         j = back
-        while j + 1 < len(bundles) and (not bundles[j + 1].ops or bundles[j + 1].depth >= d):
-            j += 1
-        return j
-    if j + 1 < len(bundles) and bundles[j + 1].depth == d - 1 and _BRANCH.search(bundles[j + 1].ops):
+    elif j + 1 < len(bundles) and bundles[j + 1].depth == d - 1 and _BRANCH.search(bundles[j + 1].ops):
         j += 1
-        while j + 1 < len(bundles) and (not bundles[j + 1].ops or bundles[j + 1].depth >= d):
-            j += 1
+    else:
+        return j
+    while j + 1 < len(bundles) and (not bundles[j + 1].ops or bundles[j + 1].depth >= d):  # the delay slots
+        j += 1
     return j
 
 
@@ -194,8 +194,8 @@ _TARGET = re.compile(r"\bsbr\.rel\b[^;]*?target = \$region(\d+)")
 
 
 def _back_branch(bundles: list[Bundle], i: int) -> int | None:
-    """Index of the last branch to a region that bundles[i] (a loop's LB bundle) starts, before
-    the next bundle at a lower depth than the loop's that is not followed by the loop again."""
+    """Index of the last branch to a region that bundles[i] (a loop's LB bundle) starts, looking
+    no further than the next loop at the same depth or an outer one (None: no such branch)."""
     regions = set(bundles[i].regions)
     if not regions:
         return None
@@ -259,9 +259,9 @@ def block_loop(bundles: list[Bundle]) -> LoopFacts | None:
 
 def general_path(bundles: list[Bundle], loop: LoopFacts) -> int | None:
     """Static bundles of the loop around `loop` when that loop has MXU ops of its own: a
-    kernel whose steady state is a branch-free inner loop (ours in decode) runs its other
-    blocks (a row's first and last, a block with a hole, the block before a partial one) in
-    the enclosing loop's body. Counted as `LoopFacts.bundles` are: every bundle once, both arms
+    kernel whose steady state is an inner loop of its own (ours) runs its other blocks (a row's
+    first and last, the block before a partial one, a prefill chunk's diagonal, a block with a
+    hole) in the enclosing loop's body. Counted as `LoopFacts.bundles` are: every bundle once, both arms
     of each branch, its register-bound loops once; `loop` excluded. None when the enclosing
     loop (a grid loop) has no MXU op outside `loop`, or there is none."""
     parents = [lp for lp in loops(bundles) if loop in lp.nested]
