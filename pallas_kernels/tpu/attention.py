@@ -51,9 +51,9 @@ non-finite V rows are found per block and zeroed, and the rows attending them po
 
 8-bit arenas: K/V values are converted to q's dtype (exact), the key scale multiplies the f32
 score, the value scale the f32 weights (`(p * v_scale) @ vq`), or, with float16 q, the V tile
-is dequantized (`vq * v_scale` rounded to fp16), as on the GPU. Scales `[L, Hkv, P, S]` come
-by DMA one page row `[1, S]` at a time into `[block_k / S, S]` and are flattened to a
-`[1, block_k]` lane row in VMEM.
+is dequantized (`vq * v_scale` rounded to fp16), as on the GPU. Scales `[L, Hkv, P, S]` (seen
+as `[L * Hkv, P, S]`, `flat_scales`) come by DMA one page row `[1, S]` at a time straight into
+its lanes of a `[1, block_k]` row in VMEM (`scale_buffer`; S of 128 or 256: whole lane tiles).
 Contract: `pallas_kernels.reference.paged_attention_reference`.
 """
 from __future__ import annotations
@@ -148,7 +148,7 @@ def _attention_kernel(
     k_hbm,  # [L * Hkv * P, S, D] HBM (`flat_pages`: page (layer, h, page) at (layer * Hkv + h) * P + page)
     v_hbm,  # [L * Hkv * P, S, D] HBM
     zero_page_hbm,  # [S, D] zeros in the arena dtype, HBM
-    *refs,  # 8-bit: ks_hbm, vs_hbm f32[L, Hkv, P, S]; then o_ref [Hkv, rows, D]; then scratch
+    *refs,  # 8-bit: ks_hbm, vs_hbm f32[L * Hkv, P, S] (`flat_scales`); then o_ref [Hkv, rows, D]; then scratch
     quantized: bool,
     sm_scale: float,
     has_window: bool,
@@ -221,9 +221,9 @@ def _attention_kernel(
         pltpu.make_async_copy(k_hbm.at[flat], kbuf.at[slot, dst], sem.at[slot]).start()
         pltpu.make_async_copy(v_hbm.at[flat], vbuf.at[slot, dst], sem.at[slot]).start()
         if quantized:
-            row = pl.ds(p, 1)
-            pltpu.make_async_copy(ks_hbm.at[layer, h, pl.ds(page, 1)], ksbuf.at[slot, row], sem.at[slot]).start()
-            pltpu.make_async_copy(vs_hbm.at[layer, h, pl.ds(page, 1)], vsbuf.at[slot, row], sem.at[slot]).start()
+            src = (layer * num_kv_heads + h, pl.ds(page, 1))
+            pltpu.make_async_copy(ks_hbm.at[src], scale_dst(ksbuf, slot, p, page_size), sem.at[slot]).start()
+            pltpu.make_async_copy(vs_hbm.at[src], scale_dst(vsbuf, slot, p, page_size), sem.at[slot]).start()
         return entry
 
     def start_block(h, j, slot, go):
@@ -261,7 +261,8 @@ def _attention_kernel(
                 pltpu.make_async_copy(vbuf.at[slot, pl.ds(0, page_size)], vbuf.at[slot, pl.ds(0, page_size)], sem_).wait()
                 if quantized:
                     for buf in (ksbuf, vsbuf):
-                        pltpu.make_async_copy(buf.at[slot, pl.ds(0, 1)], buf.at[slot, pl.ds(0, 1)], sem_).wait()
+                        one_page = scale_dst(buf, slot, 0, page_size)
+                        pltpu.make_async_copy(one_page, one_page, sem_).wait()
                 return c
 
             lax.fori_loop(0, n_read, one, 0)
@@ -472,6 +473,28 @@ def flat_pages(arena):
     return arena.reshape(num_layers * num_kv_heads * num_pages, page_size, head_dim)
 
 
+def flat_scales(scales):
+    """[L, Hkv, P, S] -> [L * Hkv, P, S]: an 8-bit arena's scales as the kernels index them (the
+    minor two dims, which the TPU tiles, unchanged: a bitcast). None stays None."""
+    return None if scales is None else scales.reshape(-1, *scales.shape[2:])
+
+
+def scale_buffer(block_k: int, page_size: int):
+    """VMEM scratch of one 8-bit scale (K or V), two slots: a `[1, block_k]` lane row a slot when
+    a page's scales are whole lane tiles (page_size % 128 == 0, what the kernels take), each
+    page's row DMA'd straight into its lanes; else a row a page, `[pages, S]`, relaid into one
+    lane row when read (compiled only by the test of the layouts the kernels refuse)."""
+    shape = (2, 1, block_k) if page_size % 128 == 0 else (2, block_k // page_size, page_size)
+    return pltpu.VMEM(shape, jnp.float32)
+
+
+def scale_dst(buf, slot, p, page_size: int):
+    """Where page p of a block lands in a `scale_buffer` slot: its lanes of the lane row, or its row."""
+    if page_size % 128 == 0:
+        return buf.at[slot, :, pl.ds(pl.multiple_of(p * page_size, page_size), page_size)]
+    return buf.at[slot, pl.ds(p, 1)]
+
+
 def grouped(q, row_blocks: int, block_tokens: int, num_kv_heads: int):
     """[R, T, Hq, D] -> [R, Hkv, T_pad * G, D] (T_pad = row_blocks * block_tokens): row r of a
     head's block is token r // G, head r % G (GQA packing)."""
@@ -543,14 +566,13 @@ def _tpu_attention_call(q, k_arena, v_arena, meta, page_map, lengths, num_tokens
         num_kv_heads=num_kv_heads, num_pages=k_arena.shape[2], fast_loop=fast_loop)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     q_spec = pl.BlockSpec((None, num_kv_heads, rows, head_dim), lambda b, rb, *_: (b, 0, rb, 0))
-    ppb = block_k // page_size
     scratch = [pltpu.VMEM((2, block_k, head_dim), k_arena.dtype), pltpu.VMEM((2, block_k, head_dim), k_arena.dtype)]
     in_specs = [q_spec, hbm, hbm, hbm]
     extra = ()
     if quantized:
-        scratch += [pltpu.VMEM((2, ppb, page_size), jnp.float32), pltpu.VMEM((2, ppb, page_size), jnp.float32)]
+        scratch += [scale_buffer(block_k, page_size), scale_buffer(block_k, page_size)]
         in_specs += [hbm, hbm]
-        extra = (k_scale, v_scale)
+        extra = (flat_scales(k_scale), flat_scales(v_scale))
     scratch.append(pltpu.SemaphoreType.DMA((2,)))
     zero_page = jnp.zeros((page_size, head_dim), k_arena.dtype)
     name = f"tpu_paged_attention_bt{block_tokens}_g{group}_bk{block_k}_d{head_dim}"

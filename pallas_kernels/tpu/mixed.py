@@ -29,8 +29,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._common import BlockSizes, check_arena, check_layer, check_rows, check_tokens
-from pallas_kernels.tpu.attention import (TpuAttentionTiles, _attention_kernel, _meta, check_geometry, flat_pages, grouped,
-                                          ungrouped)
+from pallas_kernels.tpu.attention import (TpuAttentionTiles, _attention_kernel, _meta, check_geometry, flat_pages,
+                                          flat_scales, grouped, scale_buffer, ungrouped)
 from pallas_kernels.tpu.common import check_smem_tables, resolve_tpu_interpret
 
 __all__ = ["tpu_paged_attention_mixed"]
@@ -78,12 +78,11 @@ def _mixed_call(q_dec, q_pre, k_arena, v_arena, meta, page_map, lengths, num_tok
     pre_spec = pl.BlockSpec((None, num_kv_heads, block_tokens * group, head_dim),
                             lambda b, rb, *_: (jnp.maximum(b - num_decode, 0), 0, jnp.where(b < num_decode, 0, rb), 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
-    ppb = block_k // page_size
     scratch = [pltpu.VMEM((2, block_k, head_dim), k_arena.dtype), pltpu.VMEM((2, block_k, head_dim), k_arena.dtype)]
     extra = ()
     if quantized:
-        scratch += [pltpu.VMEM((2, ppb, page_size), jnp.float32), pltpu.VMEM((2, ppb, page_size), jnp.float32)]
-        extra = (k_scale, v_scale)
+        scratch += [scale_buffer(block_k, page_size), scale_buffer(block_k, page_size)]
+        extra = (flat_scales(k_scale), flat_scales(v_scale))
     scratch.append(pltpu.SemaphoreType.DMA((2,)))
     zero_page = jnp.zeros((page_size, head_dim), k_arena.dtype)
     rows = num_decode + num_chunks
