@@ -104,8 +104,7 @@ MUTANTS = {
         "    return cache.replace(table=cache.table.advanced(changed),", "    return cache.replace(table=cache.table,"),
     # the TPU attention kernel's steady-state loop (issue 42)
     "tpu attention: the fast loop starts this head's next block, not the next pair's": (
-        "pallas_kernels/tpu/attention.py", "start_page(h_next, j_next, p, 1 - slot) for p in range(ppb)",
-        "start_page(h, j_next, p, 1 - slot) for p in range(ppb)"),
+        "pallas_kernels/tpu/attention.py", "start_whole(h_next, j_next, 1 - slot)", "start_whole(h, j_next, 1 - slot)"),
     "tpu attention: the fast loop takes a block with a hole": ("pallas_kernels/tpu/attention.py",
         "more_and_no_hole = ((total - 2 - i) | -holes) >= 0", "more_and_no_hole = (total - 2 - i) >= 0"),
     "tpu attention: a fast prefill block misses a non-finite V row": ("pallas_kernels/tpu/attention.py",

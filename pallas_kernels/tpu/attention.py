@@ -226,6 +226,11 @@ def _attention_kernel(
             pltpu.make_async_copy(vs_hbm.at[src], scale_dst(vsbuf, slot, p, page_size), sem.at[slot]).start()
         return entry
 
+    def start_whole(h, j, slot):
+        """Start every page of (head h, block j), unrolled, with no branch. Returns the entries'
+        OR: negative when any is a hole (one op a page)."""
+        return functools.reduce(jnp.bitwise_or, [start_page(h, j, p, slot) for p in range(ppb)])
+
     def start_block(h, j, slot, go):
         """Start the DMAs of (head h, block j)'s pages in range into `slot` (when `go`): a block
         wholly in range unrolled, with no branch; the first and last blocks of a row in a loop.
@@ -233,26 +238,22 @@ def _attention_kernel(
         p0, p1 = page_range(j)
         n_read = jnp.where(go, p1 - p0, 0)
 
-        # Any hole: the entries' OR is negative (one op a page).
-        def whole():
-            return functools.reduce(jnp.bitwise_or, [start_page(h, j, p, slot) for p in range(ppb)])
-
         def part():
             return lax.fori_loop(p0, p0 + n_read, lambda p, any_: any_ | start_page(h, j, p, slot), jnp.int32(0))
 
-        entries = lax.cond(go & (n_read == ppb), whole, part)
+        entries = lax.cond(go & (n_read == ppb), lambda: start_whole(h, j, slot), part)
         return n_read, (entries < 0).astype(i32)
+
+    def wait_whole(slot):
+        """Wait for a whole block started into `slot`: one wait per buffer (the semaphore counts bytes)."""
+        for buf in (kbuf, vbuf) + ((ksbuf, vsbuf) if quantized else ()):
+            pltpu.make_async_copy(buf.at[slot], buf.at[slot], sem.at[slot]).wait()
 
     def wait_block(slot, n_read):
         """Wait for the `n_read` pages started into `slot`: the semaphore counts bytes, so a whole
         block is one wait per buffer, a partial one a wait per page."""
         sem_ = sem.at[slot]
-        bufs = (kbuf, vbuf) + ((ksbuf, vsbuf) if quantized else ())
-
-        @pl.when(n_read == ppb)
-        def _():
-            for buf in bufs:
-                pltpu.make_async_copy(buf.at[slot], buf.at[slot], sem_).wait()
+        pl.when(n_read == ppb)(lambda: wait_whole(slot))
 
         @pl.when(n_read < ppb)
         def _():
@@ -301,8 +302,7 @@ def _attention_kernel(
         last = j + 1 == blk_end  # the head's last block
         h_next, j_next = jnp.where(last, h + 1, h), jnp.where(last, blk_lo, j + 1)
         if fast:
-            for buf in (kbuf, vbuf) + ((ksbuf, vsbuf) if quantized else ()):
-                pltpu.make_async_copy(buf.at[slot], buf.at[slot], sem.at[slot]).wait()
+            wait_whole(slot)
         else:
             n_read_next, holes_next = start_block(h_next, j_next, 1 - slot, i + 1 < total)
             wait_block(slot, n_read)
@@ -427,8 +427,7 @@ def _attention_kernel(
             pl.when(last)(write_out)
         if fast:
             # The next pair (whole: fast_next said so), issued after this pair's reads of its slot.
-            entries = functools.reduce(jnp.bitwise_or, [start_page(h_next, j_next, p, 1 - slot) for p in range(ppb)])
-            n_read_next, holes_next = jnp.int32(ppb), (entries < 0).astype(i32)
+            n_read_next, holes_next = jnp.int32(ppb), (start_whole(h_next, j_next, 1 - slot) < 0).astype(i32)
 
         return m_next, l_next, acc, bad, h_next, j_next, n_read_next, holes_next, i + 1
 
