@@ -5,9 +5,10 @@
 
 Each bug is a one-line edit of the prefix cache (device ops, index, scheduler), the host tier
 (its ops, its binding to its cache), the smoothed keys' factors (fixed at create) or a step's
-plan (`arena_jax.plan`: its epoch, its watermarks), or the TPU attention kernel's steady-state loop. The tests that should catch it run in a copy of the
-tracked files (this checkout is never modified), with the hypothesis profile "find" (the CI's
-examples, no shrinking: only "caught or not" matters).
+plan (`arena_jax.plan`: its epoch, its watermarks), or the TPU attention kernel's steady-state
+loop. The tests that should catch it run in a copy of the tracked files (this checkout is
+never modified), with the hypothesis profile "find" (the CI's examples, no shrinking: only
+"caught or not" matters).
 Prints one line per bug and test file; exits 1 if a bug got through.
 """
 from __future__ import annotations
@@ -106,7 +107,15 @@ MUTANTS = {
     "tpu attention: the fast loop starts this head's next block, not the next pair's": (
         "pallas_kernels/tpu/attention.py", "start_whole(h_next, j_next, 1 - slot)", "start_whole(h, j_next, 1 - slot)"),
     "tpu attention: the fast loop takes a block with a hole": ("pallas_kernels/tpu/attention.py",
-        "more_and_no_hole = ((total - 2 - i) | -holes) >= 0", "more_and_no_hole = (total - 2 - i) >= 0"),
+        "fast_lo = jnp.maximum(fast_lo, lax.div(hole_end + block_k - 1, block_k))", "fast_lo = fast_lo"),
+    "tpu attention: the general step misses a hole in the block that ends at the row's last hole": (
+        "pallas_kernels/tpu/attention.py", "jnp.where(j * block_k < hole_end, p1, p0)",
+        "jnp.where(j * block_k + block_k < hole_end, p1, p0)"),
+    "tpu attention: the fast loop's second pair is not checked": ("pallas_kernels/tpu/attention.py",
+        "return in_fast(j) & in_fast(jnp.where(j + 1 == blk_end, blk_lo, j + 1)) & (i + 2 < total)",
+        "return in_fast(j) & (i + 2 < total)"),
+    "tpu attention: a lone pair takes the fast step past its run": ("pallas_kernels/tpu/attention.py",
+        "fast = in_fast(carry[-3]) & (carry[-1] + 1 < total)", "fast = carry[-1] + 1 < total"),
     "tpu attention: a fast prefill block misses a non-finite V row": ("pallas_kernels/tpu/attention.py",
         "bad_blk = jnp.maximum(bad_s, jnp.max(jnp.where(v_ok_col, 0.0, 1.0)))", "bad_blk = bad_s"),
     "tpu attention: the fast loop takes a block the first query cannot see whole": ("pallas_kernels/tpu/attention.py",

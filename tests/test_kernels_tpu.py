@@ -276,7 +276,8 @@ def test_fast_loop_equals_the_general_path(quantized, tokens, monkeypatch):
     else:
         case = float_case(**common, dtype=jnp.dtype(jnp.bfloat16), max_pages=16)
     pm, layer = np.asarray(case["page_map"]), case["layer"]
-    scenarios = {"whole rows": case, "a hole in row 1": {**case, "page_map": case["page_map"].at[1, 3].set(-1)}}
+    scenarios = {"whole rows": case, "a hole in row 1": {**case, "page_map": case["page_map"].at[1, 3].set(-1)},
+                 "a late hole in row 0": {**case, "page_map": case["page_map"].at[0, 13].set(-1)}}
     if quantized:  # row 0, position 2 * page + 4: block 1 of 8, seen whole by every query row
         scenarios["a nan v scale"] = {**case, "v_scale": case["v_scale"].at[layer, 1, pm[0, 2], 4].set(jnp.nan)}
     else:
@@ -602,7 +603,7 @@ def test_page_tables_over_the_smem_budget_are_named():
     sds = jax.ShapeDtypeStruct
     arena = sds((1, 1, 4, 16, 128), jnp.bfloat16)
     ints = lambda *shape: sds(shape, jnp.int32)  # noqa: E731
-    with pytest.raises(ValueError, match=r"page_map \[30, 8192\]: 983,288 bytes of int32 tables .* SMEM"):
+    with pytest.raises(ValueError, match=r"page_map \[30, 8192\]: 983,408 bytes of int32 tables .* SMEM"):
         jax.eval_shape(lambda q, *rows: tpu_paged_attention(q, arena, arena, 0, *rows, interpret=True),
                        sds((30, 1, 2, 128), jnp.bfloat16), ints(30, 8192), ints(30), ints(30))
     x = sds((4096, 300, 1, 128), jnp.bfloat16)  # 4096 rows x 20 chunks of 16 tokens

@@ -142,16 +142,22 @@ def test_capture_ours_and_jax_for_v5e(tooling):
     ours, jax_row, decode, chunk = tb.capture("tpu-v5e", cases=cases)
     assert [decode.get("part"), chunk.get("part")] == ["decode", "chunk"], (decode, chunk)
     assert decode["status"] == chunk["status"] == "ok" and decode["hlo_name"].startswith("tpu_paged_attention_mixed")
-    assert decode["per_iter"] == ours["per_iter"] and decode["query_tokens_per_iter"] == 1
+    # the same body and tiles: the same ops an iteration (the scheduler may pack them a few bundles apart)
+    same = lambda it: {k: v for k, v in it.items() if k not in ("bundles", "empty", "spills")}  # noqa: E731
+    assert same(decode["per_iter"]) == same(ours["per_iter"]) and decode["query_tokens_per_iter"] == 1
+    assert decode["per_iter"]["bundles"] == pytest.approx(ours["per_iter"]["bundles"], rel=0.05)
+    assert decode["keys_per_iter"] == 1024 and chunk["keys_per_iter"] == 512  # decode's loop: two blocks an iteration
     # a chunk's iteration streams its 128 x 4 query rows through the MXU: more matmul pushes than decode's 4 rows
     assert chunk["query_tokens_per_iter"] == 128 and chunk["per_iter"]["matmuls"] > decode["per_iter"]["matmuls"]
-    for row in (ours, jax_row):
+    # ours: two 512-key blocks an iteration of its steady-state loop (`_bk512x2_`); JAX's: one
+    for row, keys in ((ours, 1024), (jax_row, 512)):
         assert row["status"] == "ok", row
         assert row["loop"]["mxu_pushes"] > 0 and row["loop"]["matmuls"] > 0
-        assert row["per_iter"]["dma_starts"] > 0 and row["keys_per_iter"] == 512 and row["heads_per_iter"] == 1
-        assert row["bytes_per_iter"] == 512 * 2 * 128 * 2  # K and V, bf16, one head
+        assert row["per_iter"]["dma_starts"] > 0 and row["keys_per_iter"] == keys and row["heads_per_iter"] == 1
+        assert row["bytes_per_iter"] == keys * 2 * 128 * 2  # K and V, bf16, one head
         assert row["issue_ns"] > 0 and row["hbm_ns"] == pytest.approx(512 * 2 * 128 * 2 / 819e9 * 1e9)
-    assert ours["hlo_name"].startswith("tpu_paged_attention_") and "_bk512_" in ours["hlo_name"]
+    assert ours["per_iter"]["dma_starts"] == 2 * 2 * 512 // 128  # K and V of each page of both blocks
+    assert ours["hlo_name"].startswith("tpu_paged_attention_") and "_bk512x2_" in ours["hlo_name"]
     assert jax_row["hlo_name"].startswith("paged_attention")
 
 

@@ -19,9 +19,10 @@ loops nested in it with a constant trip count that many times and leaves registe
 out of the steady-state iteration (`cold`: ours run only in a row's first and last blocks or
 a block with a hole). A loop runs to its back branch (a branch to a region its first bundle
 starts: `Bundle.regions`), past bundles libtpu prints at a lower depth inside it. Our
-kernel's per-block loop is its steady-state loop (blocks every query row sees whole);
-`general_path` gives the static bundles of the general step around it (the loop that encloses
-it and has MXU ops of its own).
+kernel's per-block loop is its steady-state loop (blocks every query row sees whole, two an
+iteration); `general_path` gives the static bundles around it in the loop that encloses it
+and has MXU ops of its own (ours: the two pairs served alone, each the general step or the
+fast one).
 
 `capture(target)` compiles the decode cases (`CASES`, Llama-3-8B shape: 32 q heads, 8 KV
 heads, batch 8, 4096 keys per row) for `target` without a TPU, in ONE child process started
@@ -29,8 +30,9 @@ with the dump flags (`python -m pallas_kernels.offline.tpu_bundles --target tpu-
 runs the same), maps each compile's new `*-final_bundles.txt` files to its case, parses the
 kernel's, and returns one plain dict per case, normalized per (KV head x 512 keys):
 
-- ours, `pallas_kernels.tpu.attention.tpu_paged_attention`: one loop iteration is one block of
-  `block_k` keys (`..._bk512_...` in the kernel's name) of one KV head;
+- ours, `pallas_kernels.tpu.attention.tpu_paged_attention`: one loop iteration is two blocks
+  of `block_k` keys of one KV head (`..._bk512x2_...` in the kernel's name: keys a block,
+  blocks an iteration);
 - JAX's `jax.experimental.pallas.ops.tpu.paged_attention` (grid (cores, batch, KV heads), a
   fori_loop over blocks inside, `inline_seq_dim=True`): `pages_per_compute_block * page_size`
   keys of one KV head, `pages_per_compute_block = 512 // page_size`;
@@ -261,7 +263,7 @@ def general_path(bundles: list[Bundle], loop: LoopFacts) -> int | None:
     """Static bundles of the loop around `loop` when that loop has MXU ops of its own: a
     kernel whose steady state is an inner loop of its own (ours) runs its other blocks (a row's
     first and last, the block before a partial one, a prefill chunk's diagonal, a block with a
-    hole) in the enclosing loop's body. Counted as `LoopFacts.bundles` are: every bundle once, both arms
+    hole; ours also a run's first pairs, by the fast step) in the enclosing loop's body. Counted as `LoopFacts.bundles` are: every bundle once, both arms
     of each branch, its register-bound loops once; `loop` excluded. None when the enclosing
     loop (a grid loop) has no MXU op outside `loop`, or there is none."""
     parents = [lp for lp in loops(bundles) if loop in lp.nested]
@@ -391,13 +393,14 @@ def _case_call(case: BundleCase):
     raise ValueError(f"kernel={case.kernel!r}")
 
 
-def _keys_heads(case: BundleCase, hlo_name: str) -> tuple[int, int]:
-    """(keys, KV heads) one iteration of the case's per-block loop processes."""
+def _keys_heads(case: BundleCase, hlo_name: str, part: str | None = None) -> tuple[int, int]:
+    """(keys, KV heads) one iteration of the case's per-block loop processes (`part`: a mixed
+    call's loop, "decode" or "chunk")."""
     if case.kernel in ("ours", "mixed"):
-        m = re.search(r"_bk(\d+)_", hlo_name)
+        m = re.search(r"_bk(\d+)(?:x(\d+))?_", hlo_name)  # keys a block, blocks an iteration of decode's loop
         if not m:
             raise ValueError(f"kernel name {hlo_name!r} has no _bk<keys>_")
-        return int(m.group(1)), 1
+        return int(m.group(1)) * (1 if part == "chunk" else int(m.group(2) or 1)), 1
     if case.kernel == "jax":
         return BLOCK_KEYS // case.page_size * case.page_size, 1
     import jax.numpy as jnp
@@ -479,8 +482,8 @@ def _row(case: BundleCase, target: str, new_files: list[str], dump_dir: str, sec
         return [dict(row, status=f"failed: {len(found)} loops with MXU ops in {hlo_name}, not 2 (decode, chunk)",
                      hlo_name=hlo_name)]  # fmt: skip
     return [dict(done, label=f"{case.label} {part}", part=part,
-                 **_loop_figures(case, target, lp, keys, heads, _query_tokens(case, hlo_name, part),
-                                 general_path(bundles, lp)))
+                 **_loop_figures(case, target, lp, *_keys_heads(case, hlo_name, part),
+                                 _query_tokens(case, hlo_name, part), general_path(bundles, lp)))
             for part, lp in zip(("decode", "chunk"), found)]  # fmt: skip
 
 

@@ -9,29 +9,35 @@ row's page table, lengths and the layer live in SMEM (scalar prefetch); K/V stay
 - The keys any of its queries may see are `[lo, hi)`: `hi` = the last query's position + 1,
   `lo` = the first query's window start (0 without a window). They are read in blocks of
   `block_k` keys (`block_k / page_size` whole pages, block-aligned from position 0); block j
-  of head h is one async DMA per page and buffer, `k_arena[layer, h, page] -> kbuf[slot,
-  i*S:(i+1)*S]` (page_size x head_dim elements each), and the same for V: two DMAs a page
+  of head h is one async DMA per page and buffer, `k_arena[layer, h, page] -> kbuf[slot][i*S:
+  (i+1)*S]` (page_size x head_dim elements each), and the same for V: two DMAs a page
   (four with 8-bit scales), nothing else. A block wholly inside `[lo, hi)` issues them
   unrolled with no branch and is waited for with one wait per buffer (the DMA semaphore counts
   bytes); the first and last blocks of a row issue only their pages inside `[lo, hi)`, in a
   loop, and wait page by page.
 - One flat loop runs over (head, block) pairs, so the DMAs of the next pair (the next block,
   or the next head's first block) are in flight while this one computes: double buffering in
-  VMEM across heads, not only within one head. The pair is carried, not divided out.
+  VMEM across heads, not only within one head. The pair is carried, not divided out. Pair i
+  uses slot i % 2: in decode each slot of each buffer is an allocation of its own, named by a
+  static number, so a DMA into one slot waits for no read of the other; in prefill both are
+  one allocation (the slot traced: half the code). `Slots`.
 - The steady state runs in a loop of its own: while this block is whole and seen whole by
   every query row (no key past the first query's position, none before the last query's
-  window), its pages hold no hole and the next block is whole, a pair waits for its block,
-  attends with no mask, and only then starts the next block's DMAs, unrolled. In decode the
-  loop has no branch (it writes the head's output so far every block), so libtpu's VLIW
-  scheduler issues the next block's scalar address work and DMA starts in the same bundles as
-  this block's vector and MXU work (a branch ends a scheduling region). The other pairs (a
-  row's first and last blocks, the block before a partial one, a chunk's diagonal blocks, a
-  block with a hole, the last pair) take the general step around it.
+  window), lies past the row's last hole (`hole_ends`) and the next block is whole, a pair
+  waits for its block, attends with no mask, and only then starts the next block's DMAs,
+  unrolled. In decode two pairs an iteration (an even pair in slot 0), and the loop has no
+  branch (it writes the head's output so far every block), so libtpu's VLIW scheduler issues
+  the next block's scalar address work and DMA starts in the same bundles as this block's
+  vector and MXU work (a branch ends a scheduling region); around it, the loop over pairs serves two pairs alone (even, then odd), each by the
+  fast step when it may take it. In prefill a pair an iteration, after a general step. The
+  others (a row's first and last blocks, the block before a partial one, a chunk's diagonal
+  blocks, a block before a hole, the last pair) take the general step.
 - A page outside `[lo, hi)` is not read. A hole (an unmapped entry, -1, inside it) reads some
-  arena page all the same, without a branch; a block that has one (rare) then masks the
-  hole's keys and overwrites its V rows with a zero page. V rows outside `[lo, hi)` (stale
-  data, or a slot never written) are zeroed in place, 8-row-tile chunks, only in the blocks
-  that have any; so no stale value (NaN in interpret mode) reaches the output.
+  arena page all the same, without a branch; a block before the row's last hole checks its
+  pages, and one that has a hole (rare) masks the hole's keys and overwrites its V rows with a
+  zero page. V rows outside `[lo, hi)` (stale data, or a slot never written) are zeroed in
+  place, 8-row-tile chunks, only in the blocks that have any; so no stale value (NaN in
+  interpret mode) reaches the output.
 - Online softmax in float32, state carried through the loop, reset at each head's first block.
 - Every index the kernel forms is clipped into range, so Mosaic's runtime bounds checks (two
   per DMA) are turned off.
@@ -78,6 +84,7 @@ MAX_ROWS = 512  # query rows (tokens x group) per program in prefill (each row b
 DEFAULT_BLOCK_K = 512  # keys per block: 128 KiB of bf16 K at head_dim 128
 QO_VMEM_BYTES = 4 << 20  # q + output blocks of a prefill program (Mosaic's default scoped VMEM: 16 MiB on v5e)
 FAST_LOOP = True  # the steady state (blocks every row sees whole) in a loop of its own (tests turn it off to compare)
+FAST_BLOCKS = 2  # pairs an iteration of decode's steady-state loop serves (its kernel names say `_bk<keys>x2_`; prefill 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +150,7 @@ def _attention_kernel(
     lengths_ref,  # i32[B]
     num_tokens_ref,  # i32[B]
     page_map_ref,  # i32[B * M] (row-major page table)
+    hole_end_ref,  # i32[B]: where each row's last unmapped page below its length ends, in keys (0: none; `hole_ends`)
     # inputs
     q_ref,  # [Hkv, rows, D] VMEM block: row b, row block rb, every KV head
     k_hbm,  # [L * Hkv * P, S, D] HBM (`flat_pages`: page (layer, h, page) at (layer * Hkv + h) * P + page)
@@ -168,20 +176,22 @@ def _attention_kernel(
     the block of query tokens this body serves; default the program's ids (a mixed call,
     `pallas_kernels.tpu.mixed`, runs two bodies in one kernel and names them)."""
     if quantized:
-        ks_hbm, vs_hbm, o_ref, kbuf, vbuf, ksbuf, vsbuf, sem = refs
+        ks_hbm, vs_hbm, o_ref, *scratch, sem = refs
     else:
-        o_ref, kbuf, vbuf, sem = refs
-        ks_hbm = vs_hbm = ksbuf = vsbuf = None
+        (o_ref, *scratch, sem), ks_hbm, vs_hbm = refs, None, None
+    one_token = block_tokens == 1  # decode: one query token per program
+    kbuf, vbuf, ksbuf, vsbuf = Slots.of(scratch, static=one_token) + ([None, None] if not quantized else [])
     b = pl.program_id(0) if row is None else row
     rb = pl.program_id(1) if row_block is None else row_block
     _, page_size, head_dim = k_hbm.shape
-    _, block_k, _ = kbuf.shape
+    block_k = kbuf[0].shape[0]
     ppb = block_k // page_size
     rows = q_ref.shape[1]
     f32, i32 = jnp.float32, jnp.int32
 
     layer = meta_ref[0]
     length = lengths_ref[b]
+    hole_end = hole_end_ref[b]
     n_new = num_tokens_ref[b]
     n_valid = jnp.clip(n_new, 0, tokens)
     start = length - n_new  # position of new token 0
@@ -208,46 +218,45 @@ def _attention_kernel(
         p1 = jnp.clip(lax.div(jnp.maximum(hi - first + page_size - 1, 0), page_size), 0, ppb)
         return p0, jnp.maximum(p0, p1)
 
-    def start_page(h, j, p, slot):
+    def start_page(h, j, p, slot: int):
         """Start the DMAs of page p of (head h, block j) into `slot`: K and V (and their scale
-        rows), one DMA each. Returns the page table's entry: a hole (-1, unmapped) reads an
-        arena page all the same (any: its keys are masked and V rows zeroed in the block's body).
-        The caller keeps p inside [lo, hi), which lies inside the page table."""
+        rows), one DMA each. A hole (-1, unmapped) reads an arena page all the same (any: its
+        keys are masked and V rows zeroed in the block's body). The caller keeps p inside
+        [lo, hi), which lies inside the page table."""
         entry = page_map_ref[b * max_pages + j * ppb + p]
         # One unsigned min clips both ways: a negative entry is a huge unsigned number.
         page = jnp.minimum(entry.astype(jnp.uint32), jnp.uint32(num_pages - 1)).astype(i32)
         dst = pl.ds(pl.multiple_of(p * page_size, page_size), page_size)
         flat = (layer * num_kv_heads + h) * num_pages + page  # one add a page: the rest is the pair's
-        pltpu.make_async_copy(k_hbm.at[flat], kbuf.at[slot, dst], sem.at[slot]).start()
-        pltpu.make_async_copy(v_hbm.at[flat], vbuf.at[slot, dst], sem.at[slot]).start()
+        pltpu.make_async_copy(k_hbm.at[flat], kbuf[slot].at[dst], sem.at[slot]).start()
+        pltpu.make_async_copy(v_hbm.at[flat], vbuf[slot].at[dst], sem.at[slot]).start()
         if quantized:
             src = (layer * num_kv_heads + h, pl.ds(page, 1))
-            pltpu.make_async_copy(ks_hbm.at[src], scale_dst(ksbuf, slot, p, page_size), sem.at[slot]).start()
-            pltpu.make_async_copy(vs_hbm.at[src], scale_dst(vsbuf, slot, p, page_size), sem.at[slot]).start()
-        return entry
+            pltpu.make_async_copy(ks_hbm.at[src], scale_dst(ksbuf[slot], p, page_size), sem.at[slot]).start()
+            pltpu.make_async_copy(vs_hbm.at[src], scale_dst(vsbuf[slot], p, page_size), sem.at[slot]).start()
 
-    def start_whole(h, j, slot):
-        """Start every page of (head h, block j), unrolled, with no branch. Returns the entries'
-        OR: negative when any is a hole (one op a page)."""
-        return functools.reduce(jnp.bitwise_or, [start_page(h, j, p, slot) for p in range(ppb)])
+    def start_whole(h, j, slot: int):
+        """Start every page of (head h, block j), unrolled, with no branch."""
+        for p in range(ppb):
+            start_page(h, j, p, slot)
 
-    def start_block(h, j, slot, go):
+    def start_block(h, j, slot: int, go):
         """Start the DMAs of (head h, block j)'s pages in range into `slot` (when `go`): a block
         wholly in range unrolled, with no branch; the first and last blocks of a row in a loop.
-        Returns (pages read, whether any is a hole), int32."""
+        Returns the pages read, int32."""
         p0, p1 = page_range(j)
         n_read = jnp.where(go, p1 - p0, 0)
 
         def part():
-            return lax.fori_loop(p0, p0 + n_read, lambda p, any_: any_ | start_page(h, j, p, slot), jnp.int32(0))
+            lax.fori_loop(p0, p0 + n_read, lambda p, c: (start_page(h, j, p, slot), c)[1], 0)
 
-        entries = lax.cond(go & (n_read == ppb), lambda: start_whole(h, j, slot), part)
-        return n_read, (entries < 0).astype(i32)
+        lax.cond(go & (n_read == ppb), lambda: start_whole(h, j, slot), part)
+        return n_read
 
     def wait_whole(slot):
         """Wait for a whole block started into `slot`: one wait per buffer (the semaphore counts bytes)."""
         for buf in (kbuf, vbuf) + ((ksbuf, vsbuf) if quantized else ()):
-            pltpu.make_async_copy(buf.at[slot], buf.at[slot], sem.at[slot]).wait()
+            pltpu.make_async_copy(buf[slot], buf[slot], sem.at[slot]).wait()
 
     def wait_block(slot, n_read):
         """Wait for the `n_read` pages started into `slot`: the semaphore counts bytes, so a whole
@@ -258,11 +267,12 @@ def _attention_kernel(
         @pl.when(n_read < ppb)
         def _():
             def one(_, c):
-                pltpu.make_async_copy(kbuf.at[slot, pl.ds(0, page_size)], kbuf.at[slot, pl.ds(0, page_size)], sem_).wait()
-                pltpu.make_async_copy(vbuf.at[slot, pl.ds(0, page_size)], vbuf.at[slot, pl.ds(0, page_size)], sem_).wait()
+                for buf in (kbuf, vbuf):
+                    one_page = buf[slot].at[pl.ds(0, page_size)]
+                    pltpu.make_async_copy(one_page, one_page, sem_).wait()
                 if quantized:
                     for buf in (ksbuf, vsbuf):
-                        one_page = scale_dst(buf, slot, 0, page_size)
+                        one_page = scale_dst(buf[slot], 0, page_size)
                         pltpu.make_async_copy(one_page, one_page, sem_).wait()
                 return c
 
@@ -278,22 +288,21 @@ def _attention_kernel(
     kk = lax.broadcasted_iota(i32, (1, block_k), 1)  # key offset in the block, lanes
     kk_col = lax.broadcasted_iota(i32, (block_k, 1), 0)  # the same, sublanes
     # One query token per program (decode): every row sees the keys [lo, hi), no more, no fewer.
-    one_token = block_tokens == 1
     # V rows zeroed in chunks of whole (8, 128) tiles: 8 rows of 4 bytes, 16 of 2, 32 of 1.
-    chunk = math.gcd(block_k, 8 * 4 // jnp.dtype(vbuf.dtype).itemsize)
+    chunk = math.gcd(block_k, 8 * 4 // jnp.dtype(vbuf[0].dtype).itemsize)
 
-    n_read0, holes0 = start_block(0, blk_lo, 0, total > 0)
+    n_read0 = start_block(0, blk_lo, 0, total > 0)
 
-    def step(carry, fast: bool):
-        """One (head, block) pair: start the next pair's DMAs, wait for this one's, attend.
+    def step(carry, fast: bool, slot):
+        """One (head, block) pair, its buffers in `slot` (i % 2 for pair i: a static int in
+        decode, traced in prefill, `Slots`): start the next pair's DMAs, wait for this one's, attend.
         `fast`: the steady state (`fast_next`): this block seen whole by every query row and
         hole-free, the next one whole; no mask, the next block issued unrolled after this one's
         reads, so that the VLIW scheduler overlaps that issue with this pair's vector work; in
         decode no branch at all (the output written every iteration: the head's last write is
         its final value). Otherwise the general case: any block, the next issued page by page
         when partial, holes fixed, stale V rows zeroed, masks, the output written once."""
-        m_prev, l_prev, acc_prev, bad_prev, h, j, n_read, holes, i = carry  # [rows, 1] x2, [rows, D], [rows, 1]; scalars
-        slot = lax.rem(i, 2)
+        m_prev, l_prev, acc_prev, bad_prev, h, j, n_read, i = carry  # [rows, 1] x2, [rows, D], [rows, 1]; scalars
         first = j == blk_lo
         m_prev = jnp.where(first, -jnp.inf, m_prev)
         l_prev = jnp.where(first, 0.0, l_prev)
@@ -304,7 +313,7 @@ def _attention_kernel(
         if fast:
             wait_whole(slot)
         else:
-            n_read_next, holes_next = start_block(h_next, j_next, 1 - slot, i + 1 < total)
+            n_read_next = start_block(h_next, j_next, 1 - slot, i + 1 < total)
             wait_block(slot, n_read)
         kpos = j * block_k + kk  # [1, block_k]
         kpos_col = j * block_k + kk_col  # [block_k, 1]
@@ -318,7 +327,7 @@ def _attention_kernel(
 
             @pl.when(hole)
             def _():
-                dst = vbuf.at[slot, pl.ds(pl.multiple_of(p * page_size, page_size), page_size)]
+                dst = vbuf[slot].at[pl.ds(pl.multiple_of(p * page_size, page_size), page_size)]
                 copy = pltpu.make_async_copy(zero_page_hbm, dst, sem.at[slot])
                 copy.start()
                 copy.wait()
@@ -327,15 +336,16 @@ def _attention_kernel(
 
         if not fast:
             p0, p1 = page_range(j)
-            dead = lax.fori_loop(p0, jnp.where(holes > 0, p1, p0), fix_hole, jnp.zeros((1, block_k), i32))
+            # Only a block before the row's last hole may hold one (`hole_end`).
+            dead = lax.fori_loop(p0, jnp.where(j * block_k < hole_end, p1, p0), fix_hole, jnp.zeros((1, block_k), i32))
             in_range &= dead == 0
         in_range_col = None if fast else (kpos_col >= lo) & (kpos_col < hi)  # (holes' V rows are zeros)
 
         q = q_ref[h].astype(compute)  # [rows, D]
-        k = kbuf[slot].astype(compute)  # [block_k, D]
+        k = kbuf[slot][...].astype(compute)  # [block_k, D]
         dots = _dot_t(q, k)  # [rows, block_k] f32
         if quantized:
-            ks = ksbuf[slot].reshape(1, block_k)
+            ks = scale_row(ksbuf[slot])
             s = dots * (ks * sm_scale)
         else:
             s = dots * sm_scale
@@ -359,8 +369,8 @@ def _attention_kernel(
             def zero_chunk(c, carry):
                 r0 = pl.multiple_of(c * chunk, chunk)
                 pos = j * block_k + r0 + lax.broadcasted_iota(i32, (chunk, 1), 0)
-                rows_v = vbuf[slot, pl.ds(r0, chunk)]
-                vbuf[slot, pl.ds(r0, chunk)] = jnp.where((pos >= lo) & (pos < hi), rows_v, jnp.zeros((), vbuf.dtype))
+                rows_v = vbuf[slot][pl.ds(r0, chunk)]
+                vbuf[slot][pl.ds(r0, chunk)] = jnp.where((pos >= lo) & (pos < hi), rows_v, jnp.zeros((), rows_v.dtype))
                 return carry
 
             if not fast:
@@ -370,22 +380,22 @@ def _attention_kernel(
                 lax.fori_loop(0, block_k // chunk - tail, lambda c, carry: zero_chunk(tail + c, carry), 0)
                 lax.fori_loop(0, lax.div(jnp.clip(lo - j * block_k, 0, block_k) + chunk - 1, chunk), zero_chunk, 0)
 
-            v = vbuf[slot].astype(compute)  # [block_k, D]
+            v = vbuf[slot][...].astype(compute)  # [block_k, D]
         elif fold_v:  # int8 rows are finite and meet a zero weight; stale 8-bit floats may not be
-            v = vbuf[slot].astype(compute)
-            if jnp.issubdtype(vbuf.dtype, jnp.floating) and in_range_col is not None:
+            v = vbuf[slot][...].astype(compute)
+            if jnp.issubdtype(vbuf[slot].dtype, jnp.floating) and in_range_col is not None:
                 v = jnp.where(in_range_col, v, jnp.zeros((), compute))
         else:  # fp16 q: dequantize the V tile (vq * scale may overflow fp16)
-            vs_row = vsbuf[slot].reshape(1, block_k)
+            vs_row = scale_row(vsbuf[slot])
             if in_range is not None:
                 vs_row = jnp.where(in_range, vs_row, 0.0)
             eye = lax.broadcasted_iota(i32, (block_k, block_k), 0) == lax.broadcasted_iota(i32, (block_k, block_k), 1)
             vs_col = jnp.sum(jnp.where(eye, vs_row, 0.0), axis=1, keepdims=True)  # [block_k, 1], exact
-            v = (vbuf[slot].astype(f32) * vs_col).astype(compute)
+            v = (vbuf[slot][...].astype(f32) * vs_col).astype(compute)
             if in_range_col is not None:
                 v = jnp.where(in_range_col, v, jnp.zeros((), compute))
         if fold_v:  # 8-bit values are finite by construction: a row's poison is its scale
-            vs = vsbuf[slot].reshape(1, block_k)
+            vs = scale_row(vsbuf[slot])
             v_ok = jnp.isfinite(vs)
             vs = jnp.where(masked(in_range, v_ok), vs, 0.0)
             bad_blk = jnp.maximum(bad_s, jnp.max(jnp.where(masked(mask, ~v_ok), 1.0, 0.0), axis=1, keepdims=True))
@@ -427,9 +437,10 @@ def _attention_kernel(
             pl.when(last)(write_out)
         if fast:
             # The next pair (whole: fast_next said so), issued after this pair's reads of its slot.
-            n_read_next, holes_next = jnp.int32(ppb), (start_whole(h_next, j_next, 1 - slot) < 0).astype(i32)
+            start_whole(h_next, j_next, 1 - slot)
+            n_read_next = jnp.int32(ppb)
 
-        return m_next, l_next, acc, bad, h_next, j_next, n_read_next, holes_next, i + 1
+        return m_next, l_next, acc, bad, h_next, j_next, n_read_next, i + 1
 
     # The blocks a fast step may serve: block j whole (every key inside [lo, hi)), j in
     # [j_whole, j_whole_end), and seen whole by every query row: no key past the first query's
@@ -443,25 +454,52 @@ def _attention_kernel(
     if window is not None:
         fast_lo = jnp.maximum(fast_lo, lax.div(jnp.maximum(start + t_last - window + 1, 0) + block_k - 1, block_k))
     last_has_next = (fast_end < j_whole_end) | ((fast_end == blk_end) & (j_whole == blk_lo))
-    fast_count = jnp.maximum(fast_end - fast_lo - 1 + last_has_next.astype(i32), 0)
+    # A block holding a hole is not fast: none at or past the row's last hole (`hole_end`).
+    fast_lo = jnp.maximum(fast_lo, lax.div(hole_end + block_k - 1, block_k))
+    fast_count = jnp.maximum(fast_end - fast_lo - 1 + last_has_next.astype(i32), 0).astype(jnp.uint32)
 
-    def fast_next(carry):
-        """The next pair may take the fast step: it is not the last pair, its block is seen whole
-        by every row, the block after it is whole, and its pages hold no hole. Few scalar ops: an
-        unsigned compare for the block, and one sign test for "a pair after it and no hole"."""
-        *_, j, _, holes, i = carry
-        more_and_no_hole = ((total - 2 - i) | -holes) >= 0  # i + 1 < total, holes == 0 (holes is 0 or 1)
-        return ((j - fast_lo).astype(jnp.uint32) < fast_count.astype(jnp.uint32)) & more_and_no_hole
+    use_fast_loop = FAST_LOOP if fast_loop is None else fast_loop
 
-    def general_then_fast(carry):
-        carry = step(carry, fast=False)
-        if FAST_LOOP if fast_loop is None else fast_loop:  # the steady state in a loop of its own
-            carry = lax.while_loop(fast_next, functools.partial(step, fast=True), carry)
+    def in_fast(j):
+        """Block j may take the fast step (an unsigned compare)."""
+        return (j - fast_lo).astype(jnp.uint32) < fast_count
+
+    def fast_two(carry):
+        """The next two pairs may take the fast step: the pair after them exists, and each one's
+        block is in [fast_lo, fast_lo + fast_count)."""
+        *_, j, _, i = carry
+        return in_fast(j) & in_fast(jnp.where(j + 1 == blk_end, blk_lo, j + 1)) & (i + 2 < total)
+
+    def lone_pair(slot: int, carry):
+        """Pair i (i % 2 == slot) alone: the fast step when it may take it, else the general one."""
+        if not use_fast_loop:
+            return step(carry, False, slot)
+        fast = in_fast(carry[-3]) & (carry[-1] + 1 < total)
+        return lax.cond(fast, lambda c: step(c, True, slot), lambda c: step(c, False, slot), carry)
+
+    def static_slots(carry):
+        """Decode (slots of their own, static numbers), from an even pair i: pairs i and i + 1
+        alone (slots 0 and 1), then the steady state, two pairs an iteration (slots 0 then 1)."""
+        carry = lone_pair(0, carry)
+        carry = lax.cond(carry[-1] < total, functools.partial(lone_pair, 1), lambda c: c, carry)
+        if use_fast_loop:
+            carry = lax.while_loop(fast_two, lambda c: step(step(c, True, 0), True, 1), carry)
+        return carry
+
+    def traced_slots(carry):
+        """Prefill (both slots one allocation: a pair's slot is i % 2, traced): the general step,
+        then the steady state, a pair an iteration. Its code is half the static slots' (one
+        general step, not one per slot), and a chunk's blocks are MXU-bound rather than
+        issue-bound."""
+        carry = step(carry, False, carry[-1] % 2)
+        if use_fast_loop:
+            fast_one = lambda c: in_fast(c[-3]) & (c[-1] + 1 < total)  # noqa: E731
+            carry = lax.while_loop(fast_one, lambda c: step(c, True, c[-1] % 2), carry)
         return carry
 
     init = (jnp.full((rows, 1), -jnp.inf, f32), jnp.zeros((rows, 1), f32), jnp.zeros((rows, head_dim), f32),
-            jnp.zeros((rows, 1), f32), jnp.int32(0), blk_lo, n_read0, holes0, jnp.int32(0))
-    lax.while_loop(lambda carry: carry[-1] < total, general_then_fast, init)
+            jnp.zeros((rows, 1), f32), jnp.int32(0), blk_lo, n_read0, jnp.int32(0))
+    lax.while_loop(lambda carry: carry[-1] < total, static_slots if one_token else traced_slots, init)
 
 
 def flat_pages(arena):
@@ -478,20 +516,65 @@ def flat_scales(scales):
     return None if scales is None else scales.reshape(-1, *scales.shape[2:])
 
 
-def scale_buffer(block_k: int, page_size: int):
-    """VMEM scratch of one 8-bit scale (K or V), two slots: a `[1, block_k]` lane row a slot when
-    a page's scales are whole lane tiles (page_size % 128 == 0, what the kernels take), each
-    page's row DMA'd straight into its lanes; else a row a page, `[pages, S]`, relaid into one
-    lane row when read (compiled only by the test of the layouts the kernels refuse)."""
-    shape = (2, 1, block_k) if page_size % 128 == 0 else (2, block_k // page_size, page_size)
-    return pltpu.VMEM(shape, jnp.float32)
+def scale_shape(block_k: int, page_size: int) -> tuple:
+    """One slot of an 8-bit scale (K or V) in VMEM: a `[1, block_k]` lane row when a page's
+    scales are whole lane tiles (page_size % 128 == 0, what the kernels take), each page's row
+    DMA'd straight into its lanes; else a row a page, `[1, pages, S]`, relaid into one lane row
+    when read (compiled only by the test of the layouts the kernels refuse)."""
+    return (1, block_k) if page_size % 128 == 0 else (1, block_k // page_size, page_size)
 
 
-def scale_dst(buf, slot, p, page_size: int):
+def scale_dst(buf, p, page_size: int):
     """Where page p of a block lands in a `scale_buffer` slot: its lanes of the lane row, or its row."""
     if page_size % 128 == 0:
-        return buf.at[slot, :, pl.ds(pl.multiple_of(p * page_size, page_size), page_size)]
-    return buf.at[slot, pl.ds(p, 1)]
+        return buf.at[:, pl.ds(pl.multiple_of(p * page_size, page_size), page_size)]
+    return buf.at[0, pl.ds(p, 1)]
+
+
+def scale_row(buf):
+    """A `scale_buffer` slot's scales as one `[1, block_k]` lane row (a row a page: relaid)."""
+    if len(buf.shape) == 2:
+        return buf[...]
+    return buf[0].reshape(1, buf.shape[1] * buf.shape[2])
+
+
+class Slots:
+    """A buffer's two VMEM slots: `slots[s]` is slot s's ref. Either each slot an allocation of
+    its own (s a static int: a DMA into one slot then waits for no read of the other; libtpu's
+    scheduler orders the accesses of one allocation) or both one `[2, ...]` allocation (s may
+    be traced)."""
+
+    def __init__(self, refs):
+        self.refs = refs  # a (slot 0, slot 1) tuple, or one ref [2, ...]
+
+    def __getitem__(self, slot):
+        return self.refs[slot] if isinstance(self.refs, tuple) else self.refs.at[slot]
+
+    @staticmethod
+    def of(scratch, static: bool) -> list:
+        """`slot_scratch`'s buffers (K, V, then 8-bit scales) as Slots."""
+        if static:
+            return [Slots((scratch[i], scratch[i + 1])) for i in range(0, len(scratch), 2)]
+        return [Slots(ref) for ref in scratch]
+
+
+def slot_scratch(block_k: int, head_dim: int, dtype, page_size: int, quantized: bool, static: bool) -> list:
+    """A kernel body's VMEM buffers (`Slots.of` reads them back): two slots of K and of V
+    `[block_k, D]` (8-bit: and of their scales, `scale_shape`); `static`: each slot an allocation
+    of its own (decode: the slots are static numbers), else both slots one allocation."""
+    shapes = [(block_k, head_dim)] * 2 + ([scale_shape(block_k, page_size)] * 2 if quantized else [])
+    dtypes = [dtype] * 2 + [jnp.float32] * 2
+    if static:
+        return [pltpu.VMEM(shape, dt) for shape, dt in zip(shapes, dtypes) for _ in range(2)]
+    return [pltpu.VMEM((2, *shape), dt) for shape, dt in zip(shapes, dtypes)]
+
+
+def hole_ends(page_map, lengths, page_size: int):
+    """i32[B]: where each row's last unmapped page (-1) below its length ends, in keys; 0 when
+    the row has none. The kernels' steady-state loop takes no block before it."""
+    lp = jnp.arange(page_map.shape[1], dtype=jnp.int32)
+    hole = (page_map < 0) & (lp * page_size < lengths[:, None])
+    return jnp.max(jnp.where(hole, (lp + 1) * page_size, 0), axis=1).astype(jnp.int32)
 
 
 def grouped(q, row_blocks: int, block_tokens: int, num_kv_heads: int):
@@ -565,16 +648,15 @@ def _tpu_attention_call(q, k_arena, v_arena, meta, page_map, lengths, num_tokens
         num_kv_heads=num_kv_heads, num_pages=k_arena.shape[2], fast_loop=fast_loop)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     q_spec = pl.BlockSpec((None, num_kv_heads, rows, head_dim), lambda b, rb, *_: (b, 0, rb, 0))
-    scratch = [pltpu.VMEM((2, block_k, head_dim), k_arena.dtype), pltpu.VMEM((2, block_k, head_dim), k_arena.dtype)]
+    scratch = slot_scratch(block_k, head_dim, k_arena.dtype, page_size, quantized, static=block_tokens == 1)
+    scratch.append(pltpu.SemaphoreType.DMA((2,)))
     in_specs = [q_spec, hbm, hbm, hbm]
     extra = ()
     if quantized:
-        scratch += [scale_buffer(block_k, page_size), scale_buffer(block_k, page_size)]
         in_specs += [hbm, hbm]
         extra = (flat_scales(k_scale), flat_scales(v_scale))
-    scratch.append(pltpu.SemaphoreType.DMA((2,)))
     zero_page = jnp.zeros((page_size, head_dim), k_arena.dtype)
-    name = f"tpu_paged_attention_bt{block_tokens}_g{group}_bk{block_k}_d{head_dim}"
+    name = f"tpu_paged_attention_bt{block_tokens}_g{group}_bk{block_k}x{FAST_BLOCKS if block_tokens == 1 else 1}_d{head_dim}"
     if quantized:
         name += f"_{jnp.dtype(k_arena.dtype).name}"
     # The DMA plan at its workload bound (every row at the page table's full length; with a
@@ -594,7 +676,7 @@ def _tpu_attention_call(q, k_arena, v_arena, meta, page_map, lengths, num_tokens
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
+            num_scalar_prefetch=5,
             grid=(batch, row_blocks),
             in_specs=in_specs,
             out_specs=q_spec,
@@ -607,7 +689,8 @@ def _tpu_attention_call(q, k_arena, v_arena, meta, page_map, lengths, num_tokens
         interpret=interpret,
         name=name,
         cost_estimate=cost,
-    )(meta, lengths, num_tokens, page_map.reshape(-1), qg, flat_pages(k_arena), flat_pages(v_arena), zero_page, *extra)
+    )(meta, lengths, num_tokens, page_map.reshape(-1), hole_ends(page_map, lengths, page_size), qg, flat_pages(k_arena),
+      flat_pages(v_arena), zero_page, *extra)
     return ungrouped(out, tokens, num_q_heads)
 
 
@@ -644,7 +727,7 @@ def tpu_paged_attention(
     check_geometry(num_q_heads, k_arena, k_scale, q.dtype)
     layer = check_layer(layer, num_layers)
     page_map, lengths, num_tokens = check_rows(page_map, lengths, num_tokens, batch)
-    check_smem_tables(f"page_map [{batch}, {page_map.shape[1]}]", page_map.size + 2 * batch + 2)
+    check_smem_tables(f"page_map [{batch}, {page_map.shape[1]}]", page_map.size + 3 * batch + 2)
     meta = _meta(layer, num_layers, sliding_window, logits_soft_cap, page_map.shape[1] * page_size)
     tiles = TpuAttentionTiles.choose(tokens=tokens, group=num_q_heads // num_kv_heads, page_size=page_size,
                                      max_pages=page_map.shape[1], block_sizes=block_sizes, num_kv_heads=num_kv_heads,

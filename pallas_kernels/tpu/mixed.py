@@ -30,28 +30,30 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._common import BlockSizes, check_arena, check_layer, check_rows, check_tokens
 from pallas_kernels.tpu.attention import (TpuAttentionTiles, _attention_kernel, _meta, check_geometry, flat_pages,
-                                          flat_scales, grouped, scale_buffer, ungrouped)
+                                          flat_scales, grouped, hole_ends, slot_scratch, ungrouped, FAST_BLOCKS)
 from pallas_kernels.tpu.common import check_smem_tables, resolve_tpu_interpret
 
 __all__ = ["tpu_paged_attention_mixed"]
 
 
-def _mixed_kernel(meta_ref, lengths_ref, num_tokens_ref, page_map_ref, q_dec_ref, q_pre_ref, k_hbm, v_hbm,
+def _mixed_kernel(meta_ref, lengths_ref, num_tokens_ref, page_map_ref, hole_end_ref, q_dec_ref, q_pre_ref, k_hbm, v_hbm,
                   zero_page_hbm, *refs, quantized: bool, num_decode: int, decode: dict, prefill: dict):
     scales = refs[:2] if quantized else ()
     o_dec_ref, o_pre_ref = refs[len(scales): len(scales) + 2]
-    scratch = refs[len(scales) + 2:]
+    *scratch, sem = refs[len(scales) + 2:]
+    n = len(scratch) // 3  # the decode part's buffers (2 slots each, static) and the chunk's (one allocation)
+    dec_scratch, pre_scratch = (*scratch[: 2 * n], sem), (*scratch[2 * n:], sem)
     b, rb = pl.program_id(0), pl.program_id(1)
-    common = (meta_ref, lengths_ref, num_tokens_ref, page_map_ref)
+    common = (meta_ref, lengths_ref, num_tokens_ref, page_map_ref, hole_end_ref)
 
     @pl.when((b < num_decode) & (rb == 0))
     def _():
-        _attention_kernel(*common, q_dec_ref, k_hbm, v_hbm, zero_page_hbm, *scales, o_dec_ref, *scratch, row=b,
+        _attention_kernel(*common, q_dec_ref, k_hbm, v_hbm, zero_page_hbm, *scales, o_dec_ref, *dec_scratch, row=b,
                           row_block=0, quantized=quantized, **decode)
 
     @pl.when(b >= num_decode)
     def _():
-        _attention_kernel(*common, q_pre_ref, k_hbm, v_hbm, zero_page_hbm, *scales, o_pre_ref, *scratch, row=b,
+        _attention_kernel(*common, q_pre_ref, k_hbm, v_hbm, zero_page_hbm, *scales, o_pre_ref, *pre_scratch, row=b,
                           row_block=rb, quantized=quantized, **prefill)
 
 
@@ -78,12 +80,12 @@ def _mixed_call(q_dec, q_pre, k_arena, v_arena, meta, page_map, lengths, num_tok
     pre_spec = pl.BlockSpec((None, num_kv_heads, block_tokens * group, head_dim),
                             lambda b, rb, *_: (jnp.maximum(b - num_decode, 0), 0, jnp.where(b < num_decode, 0, rb), 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
-    scratch = [pltpu.VMEM((2, block_k, head_dim), k_arena.dtype), pltpu.VMEM((2, block_k, head_dim), k_arena.dtype)]
-    extra = ()
-    if quantized:
-        scratch += [scale_buffer(block_k, page_size), scale_buffer(block_k, page_size)]
-        extra = (flat_scales(k_scale), flat_scales(v_scale))
+    # Each part its own buffers: decode's slots allocations of their own (static slot numbers),
+    # the chunk's one allocation (`attention.Slots`); one pair of DMA semaphores.
+    scratch = [ref for static in (True, False)
+               for ref in slot_scratch(block_k, head_dim, k_arena.dtype, page_size, quantized, static=static)]
     scratch.append(pltpu.SemaphoreType.DMA((2,)))
+    extra = (flat_scales(k_scale), flat_scales(v_scale)) if quantized else ()
     zero_page = jnp.zeros((page_size, head_dim), k_arena.dtype)
     rows = num_decode + num_chunks
     keys = page_map.shape[1] * page_size
@@ -95,13 +97,13 @@ def _mixed_call(q_dec, q_pre, k_arena, v_arena, meta, page_map, lengths, num_tok
         bytes_accessed=int(programs * page_map.shape[1] * page_bytes
                            + 2 * (qd.size + qp.size) * qd.dtype.itemsize),
     )
-    name = f"tpu_paged_attention_mixed_bt{block_tokens}_g{group}_bk{block_k}_d{head_dim}"
+    name = f"tpu_paged_attention_mixed_bt{block_tokens}_g{group}_bk{block_k}x{FAST_BLOCKS}_d{head_dim}"
     if quantized:
         name += f"_{jnp.dtype(k_arena.dtype).name}"
     o_dec, o_pre = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
+            num_scalar_prefetch=5,
             grid=(rows, row_blocks),
             in_specs=[dec_spec, pre_spec, hbm, hbm, hbm] + [hbm] * len(extra),
             out_specs=[dec_spec, pre_spec],
@@ -113,8 +115,8 @@ def _mixed_call(q_dec, q_pre, k_arena, v_arena, meta, page_map, lengths, num_tok
         interpret=interpret,
         name=name,
         cost_estimate=cost,
-    )(meta, lengths, num_tokens, page_map.reshape(-1), qd, qp, flat_pages(k_arena), flat_pages(v_arena), zero_page,
-      *extra)
+    )(meta, lengths, num_tokens, page_map.reshape(-1), hole_ends(page_map, lengths, page_size), qd, qp,
+      flat_pages(k_arena), flat_pages(v_arena), zero_page, *extra)
     return ungrouped(o_dec, 1, num_q_heads), ungrouped(o_pre, tokens, num_q_heads)
 
 
@@ -163,7 +165,7 @@ def tpu_paged_attention_mixed(
                          f"{pre[0].shape[1]}")
     page_map, lengths, num_tokens = (jnp.concatenate([d, p]) for d, p in zip(dec, pre))
     rows = num_decode + num_chunks
-    check_smem_tables(f"page_map [{rows}, {page_map.shape[1]}]", page_map.size + 2 * rows + 2)
+    check_smem_tables(f"page_map [{rows}, {page_map.shape[1]}]", page_map.size + 3 * rows + 2)
     meta = _meta(layer, num_layers, sliding_window, logits_soft_cap, page_map.shape[1] * page_size)
     tiles = TpuAttentionTiles.choose(tokens=tokens, group=num_q_heads // num_kv_heads, page_size=page_size,
                                      max_pages=page_map.shape[1], block_sizes=block_sizes, num_kv_heads=num_kv_heads,
