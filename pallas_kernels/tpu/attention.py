@@ -28,10 +28,11 @@ row's page table, lengths and the layer live in SMEM (scalar prefetch); K/V stay
   unrolled. In decode two pairs an iteration (an even pair in slot 0), and the loop has no
   branch (it writes the head's output so far every block), so libtpu's VLIW scheduler issues
   the next block's scalar address work and DMA starts in the same bundles as this block's
-  vector and MXU work (a branch ends a scheduling region); around it, the loop over pairs serves two pairs alone (even, then odd), each by the
-  fast step when it may take it. In prefill a pair an iteration, after a general step. The
-  others (a row's first and last blocks, the block before a partial one, a chunk's diagonal
-  blocks, a block before a hole, the last pair) take the general step.
+  vector and MXU work (a branch ends a scheduling region); around it, the loop over pairs
+  serves two pairs alone (even, then odd), each by the fast step when it may take it. In
+  prefill a pair an iteration, after a general step. The others (a row's first and last
+  blocks, the block before a partial one, a chunk's diagonal blocks, a block before a hole,
+  the last pair) take the general step.
 - A page outside `[lo, hi)` is not read. A hole (an unmapped entry, -1, inside it) reads some
   arena page all the same, without a branch; a block before the row's last hole checks its
   pages, and one that has a hole (rare) masks the hole's keys and overwrites its V rows with a
@@ -59,7 +60,7 @@ non-finite V rows are found per block and zeroed, and the rows attending them po
 score, the value scale the f32 weights (`(p * v_scale) @ vq`), or, with float16 q, the V tile
 is dequantized (`vq * v_scale` rounded to fp16), as on the GPU. Scales `[L, Hkv, P, S]` (seen
 as `[L * Hkv, P, S]`, `flat_scales`) come by DMA one page row `[1, S]` at a time straight into
-its lanes of a `[1, block_k]` row in VMEM (`scale_buffer`; S of 128 or 256: whole lane tiles).
+its lanes of a `[1, block_k]` row in VMEM (`scale_shape`; S of 128 or 256: whole lane tiles).
 Contract: `pallas_kernels.reference.paged_attention_reference`.
 """
 from __future__ import annotations
@@ -84,7 +85,7 @@ MAX_ROWS = 512  # query rows (tokens x group) per program in prefill (each row b
 DEFAULT_BLOCK_K = 512  # keys per block: 128 KiB of bf16 K at head_dim 128
 QO_VMEM_BYTES = 4 << 20  # q + output blocks of a prefill program (Mosaic's default scoped VMEM: 16 MiB on v5e)
 FAST_LOOP = True  # the steady state (blocks every row sees whole) in a loop of its own (tests turn it off to compare)
-FAST_BLOCKS = 2  # pairs an iteration of decode's steady-state loop serves (its kernel names say `_bk<keys>x2_`; prefill 1)
+FAST_BLOCKS = 2  # pairs an iteration of decode's steady-state loop (its kernels' names: `_bk<keys>x2_`; prefill 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +219,7 @@ def _attention_kernel(
         p1 = jnp.clip(lax.div(jnp.maximum(hi - first + page_size - 1, 0), page_size), 0, ppb)
         return p0, jnp.maximum(p0, p1)
 
-    def start_page(h, j, p, slot: int):
+    def start_page(h, j, p, slot):
         """Start the DMAs of page p of (head h, block j) into `slot`: K and V (and their scale
         rows), one DMA each. A hole (-1, unmapped) reads an arena page all the same (any: its
         keys are masked and V rows zeroed in the block's body). The caller keeps p inside
@@ -235,12 +236,12 @@ def _attention_kernel(
             pltpu.make_async_copy(ks_hbm.at[src], scale_dst(ksbuf[slot], p, page_size), sem.at[slot]).start()
             pltpu.make_async_copy(vs_hbm.at[src], scale_dst(vsbuf[slot], p, page_size), sem.at[slot]).start()
 
-    def start_whole(h, j, slot: int):
+    def start_whole(h, j, slot):
         """Start every page of (head h, block j), unrolled, with no branch."""
         for p in range(ppb):
             start_page(h, j, p, slot)
 
-    def start_block(h, j, slot: int, go):
+    def start_block(h, j, slot, go):
         """Start the DMAs of (head h, block j)'s pages in range into `slot` (when `go`): a block
         wholly in range unrolled, with no branch; the first and last blocks of a row in a loop.
         Returns the pages read, int32."""
@@ -525,14 +526,14 @@ def scale_shape(block_k: int, page_size: int) -> tuple:
 
 
 def scale_dst(buf, p, page_size: int):
-    """Where page p of a block lands in a `scale_buffer` slot: its lanes of the lane row, or its row."""
+    """Where page p of a block lands in a scale slot (`scale_shape`): its lanes of the lane row, or its row."""
     if page_size % 128 == 0:
         return buf.at[:, pl.ds(pl.multiple_of(p * page_size, page_size), page_size)]
     return buf.at[0, pl.ds(p, 1)]
 
 
 def scale_row(buf):
-    """A `scale_buffer` slot's scales as one `[1, block_k]` lane row (a row a page: relaid)."""
+    """A scale slot's scales (`scale_shape`) as one `[1, block_k]` lane row (a row a page: relaid)."""
     if len(buf.shape) == 2:
         return buf[...]
     return buf[0].reshape(1, buf.shape[1] * buf.shape[2])
@@ -656,7 +657,8 @@ def _tpu_attention_call(q, k_arena, v_arena, meta, page_map, lengths, num_tokens
         in_specs += [hbm, hbm]
         extra = (flat_scales(k_scale), flat_scales(v_scale))
     zero_page = jnp.zeros((page_size, head_dim), k_arena.dtype)
-    name = f"tpu_paged_attention_bt{block_tokens}_g{group}_bk{block_k}x{FAST_BLOCKS if block_tokens == 1 else 1}_d{head_dim}"
+    blocks = FAST_BLOCKS if block_tokens == 1 else 1  # an iteration of the steady-state loop
+    name = f"tpu_paged_attention_bt{block_tokens}_g{group}_bk{block_k}x{blocks}_d{head_dim}"
     if quantized:
         name += f"_{jnp.dtype(k_arena.dtype).name}"
     # The DMA plan at its workload bound (every row at the page table's full length; with a
