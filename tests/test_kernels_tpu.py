@@ -254,6 +254,22 @@ def test_decode_poison_rules_and_a_hole_over_a_nan_page():
     COUNTS["attention (soft-cap, traced windows, poison rules)"] += len(scenarios)
 
 
+def test_hole_ends_is_where_each_rows_last_hole_below_its_length_ends():
+    """`hole_ends` (the kernels' steady-state loop starts past it) against a plain loop, on random
+    page tables with holes and lengths anywhere: negative, inside, past the table."""
+    from pallas_kernels.tpu.attention import hole_ends
+
+    rng = np.random.default_rng(7)
+    page_size, rows, max_pages = 8, 64, 12
+    page_map = np.where(rng.random((rows, max_pages)) < 0.2, -1, rng.integers(0, 50, (rows, max_pages)))
+    lengths = rng.integers(-10, max_pages * page_size + 20, rows)
+    want = [max([(p + 1) * page_size for p in range(max_pages) if page_map[r, p] < 0 and p * page_size < lengths[r]],
+                default=0) for r in range(rows)]
+    got = hole_ends(jnp.asarray(page_map, jnp.int32), jnp.asarray(lengths, jnp.int32), page_size)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert 0 < sum(w > 0 for w in want) < rows  # rows with and without a hole below their length
+
+
 @pytest.mark.parametrize("tokens", [1, 6], ids=["decode", "prefill"])
 @pytest.mark.parametrize("quantized", [False, True], ids=["bf16", "int8"])
 def test_fast_loop_equals_the_general_path(quantized, tokens, monkeypatch):
