@@ -293,7 +293,11 @@ def test_fast_loop_equals_the_general_path(quantized, tokens, monkeypatch):
         case = float_case(**common, dtype=jnp.dtype(jnp.bfloat16), max_pages=16)
     pm, layer = np.asarray(case["page_map"]), case["layer"]
     scenarios = {"whole rows": case, "a hole in row 1": {**case, "page_map": case["page_map"].at[1, 3].set(-1)},
-                 "a late hole in row 0": {**case, "page_map": case["page_map"].at[0, 13].set(-1)}}
+                 "a late hole in row 0": {**case, "page_map": case["page_map"].at[0, 13].set(-1)},
+                 # 7 whole blocks a head: a head's last block (past the hole) pairs with the next
+                 # head's first (the hole's) in the decode loop's two-pair test
+                 "a hole in the first of 7 blocks": {**case, "page_map": case["page_map"].at[0, 1].set(-1),
+                                                     "lengths": case["lengths"].at[0].set(14 * page)}}
     if quantized:  # row 0, position 2 * page + 4: block 1 of 8, seen whole by every query row
         scenarios["a nan v scale"] = {**case, "v_scale": case["v_scale"].at[layer, 1, pm[0, 2], 4].set(jnp.nan)}
     else:
