@@ -114,8 +114,6 @@ MUTANTS = {
     "tpu attention: the fast loop's second pair is not checked": ("pallas_kernels/tpu/attention.py",
         "return in_fast(j) & in_fast(jnp.where(j + 1 == blk_end, blk_lo, j + 1)) & (i + 2 < total)",
         "return in_fast(j) & (i + 2 < total)"),
-    "tpu attention: a lone pair takes the fast step past its run": ("pallas_kernels/tpu/attention.py",
-        "fast = in_fast(carry[-3]) & (carry[-1] + 1 < total)", "fast = carry[-1] + 1 < total"),
     "tpu attention: a fast prefill block misses a non-finite V row": ("pallas_kernels/tpu/attention.py",
         "bad_blk = jnp.maximum(bad_s, jnp.max(jnp.where(v_ok_col, 0.0, 1.0)))", "bad_blk = bad_s"),
     "tpu attention: the fast loop takes a block the first query cannot see whole": ("pallas_kernels/tpu/attention.py",
