@@ -263,8 +263,9 @@ def general_path(bundles: list[Bundle], loop: LoopFacts) -> int | None:
     """Static bundles of the loop around `loop` when that loop has MXU ops of its own: a
     kernel whose steady state is an inner loop of its own (ours) runs its other blocks (a row's
     first and last, the block before a partial one, a prefill chunk's diagonal, a block with a
-    hole; ours also a run's first pairs, by the fast step) in the enclosing loop's body. Counted as `LoopFacts.bundles` are: every bundle once, both arms
-    of each branch, its register-bound loops once; `loop` excluded. None when the enclosing
+    hole; in our decode also a run's first pairs, by the fast step) in the enclosing loop's
+    body. Counted as `LoopFacts.bundles` are: every bundle once, both arms of each branch, its
+    register-bound loops once; `loop` excluded. None when the enclosing
     loop (a grid loop) has no MXU op outside `loop`, or there is none."""
     parents = [lp for lp in loops(bundles) if loop in lp.nested]
     if not parents:

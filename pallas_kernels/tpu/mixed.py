@@ -6,8 +6,9 @@ is (B + P rows, row blocks of a chunk), its first B rows the decode rows (their 
 the work, the others nothing), the rest the chunks. Each program runs the attention kernel's
 body (`attention._attention_kernel`) for its part, with that part's static tiling: a decode
 row's G query rows a head, a chunk's `block_tokens x G`. So a decode row costs what it costs
-in a decode call, with no padding to the chunk width, and the two parts share one launch,
-one pair of VMEM slots and the DMA pipeline's warm-up.
+in a decode call, with no padding to the chunk width, and the two parts share one launch and
+the DMA pipeline's warm-up. Each part has its buffers as its own call has them
+(`attention.slot_scratch`: decode's slots allocations of their own, the chunk's one).
 
 How the parts' blocks stay out of each other's way: the decode part's q and output blocks
 are indexed by min(row, B - 1) and the chunks' by max(row - B, 0), so while one part runs the
@@ -36,8 +37,8 @@ from pallas_kernels.tpu.common import check_smem_tables, resolve_tpu_interpret
 __all__ = ["tpu_paged_attention_mixed"]
 
 
-def _mixed_kernel(meta_ref, lengths_ref, num_tokens_ref, page_map_ref, hole_end_ref, q_dec_ref, q_pre_ref, k_hbm, v_hbm,
-                  zero_page_hbm, *refs, quantized: bool, num_decode: int, decode: dict, prefill: dict):
+def _mixed_kernel(meta_ref, lengths_ref, num_tokens_ref, page_map_ref, hole_end_ref, q_dec_ref, q_pre_ref, k_hbm,
+                  v_hbm, zero_page_hbm, *refs, quantized: bool, num_decode: int, decode: dict, prefill: dict):
     scales = refs[:2] if quantized else ()
     o_dec_ref, o_pre_ref = refs[len(scales): len(scales) + 2]
     *scratch, sem = refs[len(scales) + 2:]
