@@ -465,6 +465,12 @@ def _attention_kernel(
         """Block j may take the fast step (an unsigned compare)."""
         return (j - fast_lo).astype(jnp.uint32) < fast_count
 
+    def fast_one(carry):
+        """The next pair may take the fast step: the pair after it exists, and its block is in
+        [fast_lo, fast_lo + fast_count)."""
+        *_, j, _, i = carry
+        return in_fast(j) & (i + 1 < total)
+
     def fast_two(carry):
         """The next two pairs may take the fast step: the pair after them exists, and each one's
         block is in [fast_lo, fast_lo + fast_count)."""
@@ -475,8 +481,7 @@ def _attention_kernel(
         """Pair i (i % 2 == slot) alone: the fast step when it may take it, else the general one."""
         if not use_fast_loop:
             return step(carry, False, slot)
-        fast = in_fast(carry[-3]) & (carry[-1] + 1 < total)
-        return lax.cond(fast, lambda c: step(c, True, slot), lambda c: step(c, False, slot), carry)
+        return lax.cond(fast_one(carry), lambda c: step(c, True, slot), lambda c: step(c, False, slot), carry)
 
     def static_slots(carry):
         """Decode (slots of their own, static numbers), from an even pair i: pairs i and i + 1
@@ -494,7 +499,6 @@ def _attention_kernel(
         issue-bound."""
         carry = step(carry, False, carry[-1] % 2)
         if use_fast_loop:
-            fast_one = lambda c: in_fast(c[-3]) & (c[-1] + 1 < total)  # noqa: E731
             carry = lax.while_loop(fast_one, lambda c: step(c, True, c[-1] % 2), carry)
         return carry
 
