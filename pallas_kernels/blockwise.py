@@ -112,6 +112,19 @@ def _gather_block(arena, layer, pages):
     return x.reshape(x.shape[0], x.shape[1], x.shape[2] * x.shape[3], *x.shape[4:])
 
 
+def _scores(qg, k):
+    """q . k: qg f32 [B, Hkv, G, T, D], k f32 [B, Hkv, N, D] -> f32 [B, Hkv, G, T, N].
+
+    K is the dot's left operand, so the dot reads its rows as gathered (D minor). Written as
+    `einsum("BKGTD,BKND->BKGTN", qg, k)`, XLA's CPU backend fused the K gather with a transpose
+    to [B, Hkv, D, N]: a strided gather that took longer than the dot (benchmarks/RESULTS.md,
+    "One block of attention"). The transposed result is small: G * T scores a key."""
+    b, kh, g, t, d = qg.shape
+    s = lax.dot_general(k, qg.reshape(b, kh, g * t, d), (((3,), (3,)), ((0, 1), (0, 1))),
+                        precision=_HIGHEST)  # [B, Hkv, N, G*T]
+    return jnp.swapaxes(s, 2, 3).reshape(b, kh, g, t, k.shape[2])
+
+
 def _block_operands(k_arena, v_arena, k_scale, v_scale, layer, pages, live, compute, sm_scale):
     """One block's stored rows -> (scores, v_ok, values): `scores(qg)` maps the queries
     f32 [B, Hkv, G, T, D] (compute-dtype values) to the f32 scores [B, Hkv, G, T, N] before
@@ -127,7 +140,7 @@ def _block_operands(k_arena, v_arena, k_scale, v_scale, layer, pages, live, comp
     zero = jnp.zeros((), compute)
 
     def dot_scores(k_c, scale):
-        return lambda qg: jnp.einsum("BKGTD,BKND->BKGTN", qg, k_c, precision=_HIGHEST) * scale
+        return lambda qg: _scores(qg, k_c) * scale
 
     def dot_values(v_c, weight_scale=None):
         def values(p):
@@ -308,7 +321,9 @@ def paged_attention_blockwise(
         # half the graph of the two loop bodies below, no while-loop overhead; the keys no
         # query sees are masked, contributing exactly nothing), and a plain softmax: `step`
         # from the empty state without its rescaling (alpha = 0) of a zero sum and accumulator.
-        s, poisoned, values = block(0, width)
+        # The row's own `max_pages`, not the page map padded to whole tail blocks (at 10 pages
+        # of 16 that padding gathered and scored 12).
+        s, poisoned, values = block(0, max_pages)
         p, _ = weights(s, poisoned, jnp.max(s, axis=-1))
         l, acc = jnp.sum(p, axis=-1), values(p)
     else:
