@@ -24,6 +24,9 @@ When a row's whole capacity fits one big block (`max_pages_per_seq * page_size <
 there is no loop: one straight-line block over every page (the keys no query sees masked). That
 costs at most `block_keys` keys per row, and compiles one block's graph instead of the two loop
 bodies (big blocks, tail blocks): the tiny model's decode step lost about a third of its HLO.
+Over a float arena that block checks its V rows for poison (below) only when its output is not
+all finite (a conditional): a V row that is not finite always reaches the output (a zero weight
+times inf or NaN is NaN), so a finite output means the check would flag nothing.
 
 Design, and why:
 
@@ -125,14 +128,17 @@ def _scores(qg, k):
     return jnp.swapaxes(s, 2, 3).reshape(b, kh, g, t, k.shape[2])
 
 
-def _block_operands(k_arena, v_arena, k_scale, v_scale, layer, pages, live, compute, sm_scale):
+def _block_operands(k_arena, v_arena, k_scale, v_scale, layer, pages, live, compute, sm_scale, defer_v_check=False):
     """One block's stored rows -> (scores, v_ok, values): `scores(qg)` maps the queries
     f32 [B, Hkv, G, T, D] (compute-dtype values) to the f32 scores [B, Hkv, G, T, N] before
     soft-cap and mask; v_ok bool[B, Hkv, N] is False where a V row is poisoned; `values(p)` maps
     the f32 weights [B, Hkv, G, T, N] (zero where masked) to P @ V f32 [B, Hkv, G, T, D].
 
     `live` bool[B, 1, N]: the key exists (below the row's length, page mapped). The
-    reference's conversions, key for key (`paged_attention_reference`: "Dtypes")."""
+    reference's conversions, key for key (`paged_attention_reference`: "Dtypes").
+
+    `defer_v_check` (float arenas; others ignore it): v_ok is instead a function giving
+    (v_ok, values) as without it, and `values` zeroes only the rows not live (`_one_block`)."""
     f32 = jnp.float32
     dtype = jnp.dtype(k_arena.dtype)
     k_raw = _gather_block(k_arena, layer, pages)  # [B, Hkv, N, D] (int4: D / 2 bytes)
@@ -152,9 +158,15 @@ def _block_operands(k_arena, v_arena, k_scale, v_scale, layer, pages, live, comp
 
     if dtype in _FLOAT_ARENAS:
         v_c = v_raw.astype(compute)
-        v_ok = jnp.all(jnp.isfinite(v_c), axis=-1)  # [B, Hkv, N]
-        v_c = jnp.where((live & v_ok)[..., None], v_c, zero)
-        return dot_scores(k_raw.astype(compute).astype(f32), sm_scale), v_ok, dot_values(v_c)
+        scores = dot_scores(k_raw.astype(compute).astype(f32), sm_scale)
+
+        def checked():  # each V row's poison flag [B, Hkv, N], and P @ V over the live, finite rows
+            v_ok = jnp.all(jnp.isfinite(v_c), axis=-1)
+            return v_ok, dot_values(jnp.where((live & v_ok)[..., None], v_c, zero))
+
+        if defer_v_check:
+            return scores, checked, dot_values(jnp.where(live[..., None], v_c, zero))
+        return scores, *checked()
     if arena_format(dtype) == "int4":
         return _int4_operands(k_raw, v_raw, k_scale, v_scale, layer, pages, live, compute, sm_scale)
     if not is_quantized(dtype):
@@ -282,15 +294,17 @@ def paged_attention_blockwise(
     qg = qg.transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
     q_ok = q_valid[:, :, None]  # [B, T, 1]: the mask's key-independent part
 
-    def block(first_key, num_pages):
+    def block(first_key, num_pages, defer_v_check=False):
         """The block's masked scores s f32[B, Hkv, G, T, N] (-inf where masked or not finite),
-        which pairs are poisoned (bool, same shape) and its P @ V (`values`)."""
+        which pairs are poisoned (bool, same shape), its P @ V (`values`), and None; with
+        `defer_v_check` over a float arena, the pairs poisoned by their scores only, and for the
+        last `with_v_check(poisoned) -> (poisoned, values)` as without it."""
         cols = lax.dynamic_slice_in_dim(page_map, first_key // page_size, num_pages, axis=1)  # [B, P]
         key_pos = first_key + jnp.arange(num_pages * page_size, dtype=jnp.int32)  # [N]
         key_live = (key_pos[None, :] < lengths[:, None]) & jnp.repeat(cols >= 0, page_size, axis=1)  # [B, N]
         live = key_live[:, None, :]  # [B, 1, N]: per key, for every KV head
         scores, v_ok, values = _block_operands(
-            k_arena, v_arena, k_scale, v_scale, layer, jnp.maximum(cols, 0), live, compute, sm_scale)
+            k_arena, v_arena, k_scale, v_scale, layer, jnp.maximum(cols, 0), live, compute, sm_scale, defer_v_check)
         s = scores(qg)  # [B, Hkv, G, T, N] f32
         s_ok = jnp.isfinite(s)
         if logits_soft_cap is not None:
@@ -300,7 +314,14 @@ def paged_attention_blockwise(
             mask &= key_pos[None, None, :] > (q_pos[:, :, None] - window)
         mask = mask[:, None, None]  # [B, 1, 1, T, N]
 
-        return jnp.where(mask & s_ok, s, -jnp.inf), mask & ~(s_ok & v_ok[:, :, None, None, :]), values
+        s = jnp.where(mask & s_ok, s, -jnp.inf)
+        if callable(v_ok):  # deferred: the V rows' flags only when asked (`_one_block`)
+            def with_v_check(poisoned):
+                ok, checked_values = v_ok()
+                return poisoned | (mask & ~ok[:, :, None, None, :]), checked_values
+
+            return s, mask & ~s_ok, values, with_v_check
+        return s, mask & ~(s_ok & v_ok[:, :, None, None, :]), values, None
 
     def weights(s, poisoned, m):
         """exp(s - m) (0 where masked, NaN where poisoned) and the max actually subtracted."""
@@ -309,7 +330,7 @@ def paged_attention_blockwise(
 
     def step(first_key, num_pages, state):
         m, l, acc = state  # [B, Hkv, G, T], same, [B, Hkv, G, T, D]
-        s, poisoned, values = block(first_key, num_pages)
+        s, poisoned, values, _ = block(first_key, num_pages)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p, m_use = weights(s, poisoned, m_new)
         alpha = jnp.exp(m - m_use)  # 0 while nothing was seen (m = -inf); NaN * alpha stays NaN
@@ -323,9 +344,23 @@ def paged_attention_blockwise(
         # from the empty state without its rescaling (alpha = 0) of a zero sum and accumulator.
         # The row's own `max_pages`, not the page map padded to whole tail blocks (at 10 pages
         # of 16 that padding gathered and scored 12).
-        s, poisoned, values = block(0, max_pages)
-        p, _ = weights(s, poisoned, jnp.max(s, axis=-1))
+        s, poisoned, values, with_v_check = block(0, max_pages, defer_v_check=True)
+        m = jnp.max(s, axis=-1)
+        p, _ = weights(s, poisoned, m)
         l, acc = jnp.sum(p, axis=-1), values(p)
+        if with_v_check is not None:
+            # A float arena's V rows are checked only when the output may hold their poison.
+            # Every live key's V row enters P @ V for every query (a masked pair with weight 0:
+            # 0 * inf and 0 * NaN are NaN), so a live row that is not finite leaves a
+            # non-finite output; an all-finite output means the check would flag nothing. The
+            # check costs a pass over the block's V rows: at batch 8, 160 keys, a fifth of the
+            # attention's time on a CPU (benchmarks/RESULTS.md, "One block of attention").
+            def checked():
+                poisoned_v, values_v = with_v_check(poisoned)
+                p_v, _ = weights(s, poisoned_v, m)
+                return jnp.sum(p_v, axis=-1), values_v(p_v)
+
+            l, acc = lax.cond(jnp.all(jnp.isfinite(acc)), lambda: (l, acc), checked)
     else:
         shape = (batch, num_kv_heads, group, tokens)
         state = (jnp.full(shape, -jnp.inf, f32), jnp.zeros(shape, f32), jnp.zeros((*shape, head_dim), f32))

@@ -90,6 +90,19 @@ class TestMaskedMeansMasked(_OptionsTest):
     test_options_equal_reference_and_float64 = None  # run above, on the blockwise path
 
 
+class TestMaskedMeansMaskedInOneBlock(TestMaskedMeansMasked):
+    """The same fixture with the default blocks: the rows' 24 keys fit one block, whose float
+    arenas check their V rows only when the output is not finite (`paged_attention_blockwise`'s
+    one-block path); the poisoned lanes, and every other lane bit for bit, as above."""
+
+    @pytest.fixture(autouse=True)
+    def _blockwise_for_pallas(self, monkeypatch):
+        import test_kernels_options
+
+        monkeypatch.setattr(test_kernels_options, "paged_attention",
+                            lambda **c: blockwise(**{k: v for k, v in c.items() if k not in ("block_sizes", "interpret")}))
+
+
 def ragged_case(rng, *, page, max_pages, lengths, num_new, q_heads, kv_heads):
     """A float32 arena (half its unwritten lanes NaN) holding `lengths` tokens per row (layer 1)
     on scrambled pages. Built in numpy: no compile per row."""
