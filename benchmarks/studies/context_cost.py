@@ -110,20 +110,25 @@ class _Runner:
             self.cache = cache
             self.q = jnp.asarray(np.random.default_rng(1).standard_normal((s.batch, 1, s.q_heads, cache.layout.head_dim)),
                                  s.dtype)  # fmt: skip (the model's compute dtype)
-        self.part, self.backend = part, backend
+        self.part, self.backend, self.traced = part, backend, False
 
     def call(self):
         if self.part == "attend":
             return self.fn(self.q, self.cache)
-        previous = os.environ.get(aj.BACKEND_ENV)
-        os.environ[aj.BACKEND_ENV] = self.backend  # read when the step is traced (the first call)
-        try:
-            out = self.fn(self.state, self.cache, self.tokens, self.slots, self.slots, 0)
-        finally:
-            if previous is None:
-                os.environ.pop(aj.BACKEND_ENV)
-            else:
-                os.environ[aj.BACKEND_ENV] = previous
+        args = (self.state, self.cache, self.tokens, self.slots, self.slots, 0)
+        if self.traced:  # the backend is fixed in the trace: later calls time the step alone
+            out = self.fn(*args)
+        else:  # the first call traces: the backend is read from the environment then
+            previous = os.environ.get(aj.BACKEND_ENV)
+            os.environ[aj.BACKEND_ENV] = self.backend
+            try:
+                out = self.fn(*args)
+            finally:
+                if previous is None:
+                    os.environ.pop(aj.BACKEND_ENV)
+                else:
+                    os.environ[aj.BACKEND_ENV] = previous
+            self.traced = True
         self.cache, self.tokens = out.cache, out.tokens
         return out.tokens
 

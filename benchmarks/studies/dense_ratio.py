@@ -13,7 +13,9 @@ row holds), two decode steps alternate call by call in one process:
 Both are jits of our own over the model's state, its graphdef closed over: neither hashes the
 graphdef per call as the module-level jits (static `graphdef`) do. Until 2026-11-28 (session 21)
 only the arena's was; the dense step paid that hash, ~40-50 us a call on this CPU, which
-inflated the tiny model's ratio from about 0.6x to 0.8x (benchmarks/RESULTS.md).
+inflated the tiny model's ratio from about 0.6x to 0.8x (benchmarks/RESULTS.md). Until
+2026-11-29 (session 26) the arena's runner also set the backend's environment variable around
+every call, ~2.5 us a call charged to the arena only; it now does so for the first (tracing) call.
 
 Each figure is the median of `--repeats` timed calls after one untimed warm-up (compile),
 `block_until_ready` before the clock is read; "arena / dense" is the median of the per-pair
