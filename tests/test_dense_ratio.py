@@ -31,3 +31,12 @@ def test_cases_name_a_known_model():
     assert dense_ratio._case("mid:8:4096") == ("mid", 8, 4096)
     with pytest.raises(Exception, match="'tiny' or 'mid'"):
         dense_ratio._case("huge:1:1")
+
+
+def test_the_attention_study_compares_equal_attentions():
+    """benchmarks/studies/attention_block.py: the paged and the dense attention it times agree
+    on its random rows (checked inside `measure`), and both are timed."""
+    from arena_jax.benchmarks.studies import attention_block
+
+    row = attention_block.measure(batch=2, pages=3, repeats=2)
+    assert (row["batch"], row["keys"]) == (2, 48) and row["paged_us"] > 0 and row["dense_us"] > 0
