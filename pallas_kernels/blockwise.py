@@ -298,7 +298,8 @@ def paged_attention_blockwise(
         """The block's masked scores s f32[B, Hkv, G, T, N] (-inf where masked or not finite),
         which pairs are poisoned (bool, same shape), its P @ V (`values`), and None; with
         `defer_v_check` over a float arena, the pairs poisoned by their scores only, and for the
-        last `with_v_check(poisoned) -> (poisoned, values)` as without it."""
+        last `v_check() -> (bool[B, Hkv, G, T]: the query heads a poisoned V row reaches, the
+        P @ V over the finite rows)`."""
         cols = lax.dynamic_slice_in_dim(page_map, first_key // page_size, num_pages, axis=1)  # [B, P]
         key_pos = first_key + jnp.arange(num_pages * page_size, dtype=jnp.int32)  # [N]
         key_live = (key_pos[None, :] < lengths[:, None]) & jnp.repeat(cols >= 0, page_size, axis=1)  # [B, N]
@@ -315,12 +316,12 @@ def paged_attention_blockwise(
         mask = mask[:, None, None]  # [B, 1, 1, T, N]
 
         s = jnp.where(mask & s_ok, s, -jnp.inf)
-        if callable(v_ok):  # deferred: the V rows' flags only when asked (`_one_block`)
-            def with_v_check(poisoned):
+        if callable(v_ok):  # deferred: the V rows' flags only when asked (the one-block path)
+            def v_check():
                 ok, checked_values = v_ok()
-                return poisoned | (mask & ~ok[:, :, None, None, :]), checked_values
+                return jnp.any(mask & ~ok[:, :, None, None, :], axis=-1), checked_values
 
-            return s, mask & ~s_ok, values, with_v_check
+            return s, mask & ~s_ok, values, v_check
         return s, mask & ~(s_ok & v_ok[:, :, None, None, :]), values, None
 
     def weights(s, poisoned, m):
@@ -344,21 +345,21 @@ def paged_attention_blockwise(
         # from the empty state without its rescaling (alpha = 0) of a zero sum and accumulator.
         # The row's own `max_pages`, not the page map padded to whole tail blocks (at 10 pages
         # of 16 that padding gathered and scored 12).
-        s, poisoned, values, with_v_check = block(0, max_pages, defer_v_check=True)
-        m = jnp.max(s, axis=-1)
-        p, _ = weights(s, poisoned, m)
+        s, poisoned, values, v_check = block(0, max_pages, defer_v_check=True)
+        p, _ = weights(s, poisoned, jnp.max(s, axis=-1))
         l, acc = jnp.sum(p, axis=-1), values(p)
-        if with_v_check is not None:
+        if v_check is not None:
             # A float arena's V rows are checked only when the output may hold their poison.
             # Every live key's V row enters P @ V for every query (a masked pair with weight 0:
             # 0 * inf and 0 * NaN are NaN), so a live row that is not finite leaves a
             # non-finite output; an all-finite output means the check would flag nothing. The
             # check costs a pass over the block's V rows: at batch 8, 160 keys, a fifth of the
             # attention's time on a CPU (benchmarks/RESULTS.md, "One block of attention").
+            # A query head a poisoned row reaches is NaN (its weight, hence l and acc, would
+            # be); the others take P @ V over the finite rows (their weights are as computed).
             def checked():
-                poisoned_v, values_v = with_v_check(poisoned)
-                p_v, _ = weights(s, poisoned_v, m)
-                return jnp.sum(p_v, axis=-1), values_v(p_v)
+                bad, values_v = v_check()
+                return jnp.where(bad, jnp.nan, l), jnp.where(bad[..., None], jnp.nan, values_v(p))
 
             l, acc = lax.cond(jnp.all(jnp.isfinite(acc)), lambda: (l, acc), checked)
     else:

@@ -5,8 +5,8 @@
 
 Each bug is a one-line edit of the prefix cache (device ops, index, scheduler), the host tier
 (its ops, its binding to its cache), the smoothed keys' factors (fixed at create) or a step's
-plan (`arena_jax.plan`: its epoch, its watermarks), or the TPU attention kernel's steady-state
-loop. The tests that should catch it run in a copy of the tracked files (this checkout is
+plan (`arena_jax.plan`: its epoch, its watermarks), the TPU attention kernel's steady-state
+loop, or the "xla" backend's one-block attention (its V rows' deferred check). The tests that should catch it run in a copy of the tracked files (this checkout is
 never modified), with the hypothesis profile "find" (the CI's examples, no shrinking: only
 "caught or not" matters).
 Prints one line per bug and test file; exits 1 if a bug got through.
@@ -118,6 +118,11 @@ MUTANTS = {
         "bad_blk = jnp.maximum(bad_s, jnp.max(jnp.where(v_ok_col, 0.0, 1.0)))", "bad_blk = bad_s"),
     "tpu attention: the fast loop takes a block the first query cannot see whole": ("pallas_kernels/tpu/attention.py",
         "lax.div(jnp.maximum(start + t_first + 1, 0), block_k)", "lax.div(jnp.maximum(start + t_first + 1 + block_k, 0), block_k)"),
+    # the "xla" backend's one-block attention (pallas_kernels/blockwise.py)
+    "blockwise: one block keeps a poisoned V row's output without the check": ("pallas_kernels/blockwise.py",
+        "return jnp.where(bad, jnp.nan, l), jnp.where(bad[..., None], jnp.nan, values_v(p))", "return l, values_v(p)"),
+    "blockwise: one block never checks its V rows": ("pallas_kernels/blockwise.py",
+        "l, acc = lax.cond(jnp.all(jnp.isfinite(acc)), lambda: (l, acc), checked)", "pass"),
 }
 TESTS = {
     "arena_jax/prefix/ops.py": ["tests/test_allocator_model.py", "tests/test_prefix.py"],
@@ -134,6 +139,7 @@ TESTS = {
     "arena_jax/plan.py": ["tests/test_plan.py"],
     "arena_jax/allocator.py": ["tests/test_plan.py", "tests/test_allocator_model.py"],
     "pallas_kernels/tpu/attention.py": ["tests/test_kernels_tpu.py"],
+    "pallas_kernels/blockwise.py": ["tests/test_blockwise.py"],
 }
 
 
