@@ -138,7 +138,8 @@ def _block_operands(k_arena, v_arena, k_scale, v_scale, layer, pages, live, comp
     reference's conversions, key for key (`paged_attention_reference`: "Dtypes").
 
     `defer_v_check` (float arenas; others ignore it): v_ok is instead a function giving
-    (v_ok, values) as without it, and `values` zeroes only the rows not live (`_one_block`)."""
+    (v_ok, values) as without it, and `values` zeroes only the rows not live (the one-block
+    path of `paged_attention_blockwise` checks the V rows only when its output is not finite)."""
     f32 = jnp.float32
     dtype = jnp.dtype(k_arena.dtype)
     k_raw = _gather_block(k_arena, layer, pages)  # [B, Hkv, N, D] (int4: D / 2 bytes)
