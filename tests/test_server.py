@@ -227,8 +227,20 @@ def test_full_queue_is_a_429_and_api_key(setup, monkeypatch):
         keyed.close()
 
 
-def test_a_client_gone_mid_stream_frees_its_pages(setup):
+def test_a_client_gone_mid_stream_frees_its_pages(setup, monkeypatch):
     engine, _, _, served = setup
+    step = engine._sched.step
+
+    def slow_step(*args, **kwargs):
+        # 50 ms a step (a decode call runs up to 4 tokens): the server sees the client gone long
+        # before the 80 tokens are done. Unslowed, a fast machine finished them first about
+        # two runs in three (finish "length", no abort): the test raced the tiny model.
+        out = step(*args, **kwargs)
+        time.sleep(0.05)
+        return out
+
+    monkeypatch.setattr(engine._sched, "step", slow_step)  # looked up on each call by the engine's loop
+
     def aborts():
         return engine.registry.get_sample_value("arena_requests_total", {"finish_reason": "abort"}) or 0
 
