@@ -6,9 +6,9 @@
 Each bug is a one-line edit of the prefix cache (device ops, index, scheduler), the host tier
 (its ops, its binding to its cache), the smoothed keys' factors (fixed at create) or a step's
 plan (`arena_jax.plan`: its epoch, its watermarks), the TPU attention kernel's steady-state
-loop, or the "xla" backend's one-block attention (its V rows' deferred check). The tests that should catch it run in a copy of the tracked files (this checkout is
-never modified), with the hypothesis profile "find" (the CI's examples, no shrinking: only
-"caught or not" matters).
+loop, or the "xla" backend's one-block attention (its V rows' deferred check). The tests that
+should catch it run in a copy of the tracked files (this checkout is never modified), with the
+hypothesis profile "find" (the CI's examples, no shrinking: only "caught or not" matters).
 Prints one line per bug and test file; exits 1 if a bug got through.
 """
 from __future__ import annotations

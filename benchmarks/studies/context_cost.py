@@ -29,6 +29,7 @@ import dataclasses
 import json
 import os
 import time
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -119,15 +120,8 @@ class _Runner:
         if self.traced:  # the backend is fixed in the trace: later calls time the step alone
             out = self.fn(*args)
         else:  # the first call traces: the backend is read from the environment then
-            previous = os.environ.get(aj.BACKEND_ENV)
-            os.environ[aj.BACKEND_ENV] = self.backend
-            try:
+            with mock.patch.dict(os.environ, {aj.BACKEND_ENV: self.backend}):
                 out = self.fn(*args)
-            finally:
-                if previous is None:
-                    os.environ.pop(aj.BACKEND_ENV)
-                else:
-                    os.environ[aj.BACKEND_ENV] = previous
             self.traced = True
         self.cache, self.tokens = out.cache, out.tokens
         return out.tokens
