@@ -165,8 +165,7 @@ def _grow_in_place(page_size: int, table: PageTable, counts, slots, idx, live, n
     del page_size, idx
     num_pages = table.refcount.shape[0]
     target = jnp.where(live, slots, table.page_map.shape[0])  # only live rows change
-    table = table.replace(lengths=table.lengths.at[target].set(length + n, mode="drop"),
-                          active=table.active.at[target].set(True, mode="drop"))  # fmt: skip
+    table = table.set_slots(target, lengths=length + n, active=1)
     stats = CacheStats(counts=counts).bump(metadata_ops=live & (n > 0), rejected_rows=(slots != PAD_SLOT) & ~live)
     return table, stats.counts, live, _like_rows(n, 0, n.shape), _like_rows(n, num_pages, n.shape)
 
@@ -180,12 +179,10 @@ def _allocate_and_map(page_size: int, table: PageTable, counts, slots, idx, live
     # One scatter: +1 for each popped page (new pages and COW copies: free, so refcount 0 -> 1),
     # -1 for the shared page a COW row leaves (its other holders keep it).
     target = jnp.where(ok, slots, table.page_map.shape[0])  # only served rows change
-    table = table.replace(
+    table = table.set_slots(target, lengths=rows.new_length, active=1).replace(
         page_map=table.page_map.at[target].set(new_row, mode="drop"),
-        lengths=table.lengths.at[target].set(rows.new_length, mode="drop"),
-        active=table.active.at[target].set(True, mode="drop"),
-        num_free=table.num_free - total,
-        refcount=table.refcount.at[ref_pages].add(ref_delta, mode="drop"),
+        page_words=table.page_words.at[1, ref_pages].add(ref_delta, mode="drop"),  # refcount
+        words=table.words.at[0].add(-total),  # num_free
     )
     stats = CacheStats(counts=counts).bump(
         pages_allocated=total,

@@ -164,7 +164,7 @@ def append_impl(cache: KVCache, layer, slots, k, v, num_tokens, backend: str, pl
         scales = dict(k_scale=arenas[2], v_scale=arenas[3])
     # set, not add: a row's slot is unique among the writing rows (`slot_rows`), and a planned
     # layer appended twice leaves the watermark where one append does (`arena_jax.plan`).
-    table = cache.table.replace(written=cache.table.written.at[layer_c, r.target].set(r.end, mode="drop"))
+    table = cache.table.set_slots(r.target, written_at=(layer_c, r.end))
     return cache.replace(k=k_arena, v=v_arena, table=table, stats=cache.stats.replace(counts=cache.stats.counts + r.counts),
                          **scales)  # fmt: skip
 

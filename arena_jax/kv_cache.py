@@ -6,6 +6,7 @@ Near the bottom of `arena_jax` (it imports only `arena_jax.layout`): every op im
 class)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -16,7 +17,7 @@ from flax import struct
 
 from arena_jax.layout import KVLayout
 
-__all__ = ["PageTable", "CacheStats", "STAT_NAMES", "KVCache", "PAD_SLOT", "PAD_PAGE", "new_arena_id"]
+__all__ = ["PageTable", "PAGE_TABLE_FIELDS", "CacheStats", "STAT_NAMES", "KVCache", "PAD_SLOT", "PAD_PAGE", "new_arena_id"]
 
 # A batch row whose slot is PAD_SLOT asks for nothing, writes nothing and attends to nothing.
 # It is an explicit sentinel: it is never used as an index (no -1 wrap-around into the last slot).
@@ -39,27 +40,90 @@ class PageTable:
     `refcount == (page_map entries naming it) + (held > 0)`. A held page is never written (a
     mapping slot shares it, and `append` writes only private pages), so its first `held[p]`
     tokens stay as they were when the hold was taken, at every layer.
+
+    Stored as four arrays, read through the ten fields' names (properties) and updated with
+    `.replace(<field>=...)` as before. Why: every jitted op takes and returns the cache, and
+    each array costs a call a buffer to pass, donate and alias (~1 us each on a CPU; 13
+    arrays made the tiny model's decode step dispatch 17 us slower than the dense cache's 5).
+    The fields are grouped by the axis they are indexed (and sharded) by:
+
+    - `page_map`  i32[max_seqs, max_pages_per_seq], physical page per logical page, -1 unmapped
+    - `slot_words` i32[max_seqs, 2 + num_layers]: per slot, `lengths` (tokens reserved),
+      `active` (0 / 1: slot in use), then `written[l]` for each layer l (tokens whose K/V are
+      stored there, <= lengths)
+    - `page_words` i32[3, num_pages]: per page, `free_stack` (entries [0, num_free) are free;
+      top = num_free - 1, LIFO), `refcount` (0 free, 1 owned, >1 shared; = mappings + (held >
+      0)), `held` (tokens of the page the cache itself holds for the prefix cache, 0 = no hold)
+    - `words` i32[3] (a cache with data shards: [dp, 3], a row per shard's allocator):
+      `num_free`; `epoch`, advanced by every call that unmaps a slot's page or shares a private
+      one (release, truncate, fork, fork_pages, hold_pages; a call that changes nothing leaves
+      it): a `StepPlan` is made at one epoch and void at any other, so a plan kept past such a
+      call writes and reads nothing (the ops that only map more pages or make shared pages
+      private, reserve, swap_in, drop_pages, offload_pages, leave it: a plan made before them
+      never writes a page it may no longer write); `arena_id`, a random id drawn when the arena
+      is created and never changed by any op: page ids mean something only in their own arena,
+      so a prefix index bound to one arena can tell another apart (`PrefixCache.check`). Data,
+      not a static field: a new arena must not recompile.
     """
 
-    page_map: jax.Array  # i32[max_seqs, max_pages_per_seq], physical page per logical page, -1 unmapped
-    lengths: jax.Array  # i32[max_seqs], tokens reserved per slot
-    active: jax.Array  # bool[max_seqs], slot in use
-    free_stack: jax.Array  # i32[num_pages], entries [0, num_free) are free; top = num_free - 1 (LIFO)
-    num_free: jax.Array  # i32[]
-    refcount: jax.Array  # i32[num_pages], 0 free, 1 owned, >1 shared; = mappings + (held > 0)
-    written: jax.Array  # i32[num_layers, max_seqs], tokens whose K/V are stored at each layer (<= lengths)
-    held: jax.Array  # i32[num_pages], tokens of the page the cache itself holds (prefix cache), 0 = no hold
-    # i32[], a random id drawn when the arena is created and never changed by any op: page ids
-    # mean something only in their own arena, so a prefix index bound to one arena can tell
-    # another apart (`PrefixCache.check`). Data, not a static field: a new arena must not recompile.
-    arena_id: jax.Array
-    # i32[], advanced by every call that unmaps a slot's page or shares a private one (release,
-    # truncate, fork, fork_pages, hold_pages; a call that changes nothing leaves it): a
-    # `StepPlan` is made at one epoch and void at any other, so a plan kept past such a call
-    # writes and reads nothing. The ops that only map more pages or make shared pages private
-    # (reserve, swap_in, drop_pages, offload_pages) leave it: a plan made before them never
-    # writes a page it may no longer write (it refuses, at worst, rows they have since served).
-    epoch: jax.Array
+    page_map: jax.Array  # i32[max_seqs, max_pages_per_seq]
+    slot_words: jax.Array  # i32[max_seqs, 2 + num_layers]: lengths, active, written[0], ..., written[L - 1]
+    page_words: jax.Array  # i32[3, num_pages]: free_stack, refcount, held
+    words: jax.Array  # i32[3] ([dp, 3] with data shards): num_free, epoch, arena_id
+
+    # ---- the fields, read from the packed arrays (works on tracers and on concrete arrays) ----
+
+    @property
+    def lengths(self) -> jax.Array:
+        """i32[max_seqs], tokens reserved per slot."""
+        return self.slot_words[:, 0]
+
+    @property
+    def active(self) -> jax.Array:
+        """bool[max_seqs], slot in use."""
+        return self.slot_words[:, 1] != 0
+
+    @property
+    def written(self) -> jax.Array:
+        """i32[num_layers, max_seqs], tokens whose K/V are stored at each layer (<= lengths)."""
+        return self.slot_words[:, 2:].T
+
+    @property
+    def free_stack(self) -> jax.Array:
+        """i32[num_pages], entries [0, num_free) are free; top = num_free - 1 (LIFO)."""
+        return self.page_words[0]
+
+    @property
+    def refcount(self) -> jax.Array:
+        """i32[num_pages], 0 free, 1 owned, >1 shared; = mappings + (held > 0)."""
+        return self.page_words[1]
+
+    @property
+    def held(self) -> jax.Array:
+        """i32[num_pages], tokens of the page the cache itself holds (prefix cache), 0 = no hold."""
+        return self.page_words[2]
+
+    @property
+    def num_free(self) -> jax.Array:
+        """i32[] (with data shards: i32[dp]), pages on the free stack."""
+        return self.words[..., 0]
+
+    @property
+    def epoch(self) -> jax.Array:
+        """i32[] (with data shards: i32[dp]), see the class docstring."""
+        return self.words[..., 1]
+
+    @property
+    def arena_id(self) -> jax.Array:
+        """i32[], the arena's random id (the same in every data shard's row)."""
+        return self.words[2] if self.words.ndim == 1 else self.words[0, 2]
+
+    @classmethod
+    def pack(cls, *, page_map, lengths, active, free_stack, num_free, refcount, written, held, arena_id,
+             epoch) -> "PageTable":  # fmt: skip
+        """A table from its ten fields (shapes as the properties return them)."""
+        return cls(page_map=jnp.asarray(page_map, jnp.int32), slot_words=_slot_words(lengths, active, written),
+                   page_words=_page_words(free_stack, refcount, held), words=_words(num_free, epoch, arena_id))  # fmt: skip
 
     def advanced(self, changed) -> "PageTable":
         """This table at the next epoch if any of `changed` (bool[...]: the rows the call
@@ -69,7 +133,7 @@ class PageTable:
     @classmethod
     def empty(cls, layout: KVLayout, arena_id: int | None = None) -> "PageTable":
         # The stack's top is reused first; page 0 on top gives a fresh arena pages 0, 1, 2, ...
-        return cls(
+        return cls.pack(
             page_map=jnp.full((layout.max_seqs, layout.max_pages_per_seq), -1, jnp.int32),
             lengths=jnp.zeros((layout.max_seqs,), jnp.int32),
             active=jnp.zeros((layout.max_seqs,), bool),
@@ -81,6 +145,70 @@ class PageTable:
             arena_id=jnp.asarray(new_arena_id() if arena_id is None else arena_id, jnp.int32),
             epoch=jnp.zeros((), jnp.int32),
         )
+
+    def set_slots(self, target, **columns) -> "PageTable":
+        """`lengths` / `active` / `written_at=(layer, values)` set at slots `target` i32[B] (out of
+        range: dropped), each column a value or per-row values [B]: one scatter into
+        `slot_words` (`.replace(lengths=self.lengths.at[target].set(...))` rebuilds the array).
+        `layer` must be in range (callers clip it)."""
+        cols, values = [], []
+        for name, col in (("lengths", 0), ("active", 1)):
+            if name in columns:
+                cols.append(col)
+                values.append(jnp.broadcast_to(jnp.asarray(columns.pop(name), jnp.int32), target.shape))
+        if "written_at" in columns:
+            layer, value = columns.pop("written_at")
+            cols.append(2 + layer)
+            values.append(jnp.broadcast_to(jnp.asarray(value, jnp.int32), target.shape))
+        if columns:
+            raise TypeError(f"PageTable.set_slots: unknown columns {sorted(columns)}")
+        if not cols:
+            return self
+        rows = jnp.broadcast_to(target[:, None], (target.shape[0], len(cols)))
+        col_idx = jnp.broadcast_to(jnp.stack([jnp.asarray(c, jnp.int32) for c in cols])[None, :], rows.shape)
+        words = self.slot_words.at[rows, col_idx].set(jnp.stack(values, axis=1), mode="drop")
+        return dataclasses.replace(self, slot_words=words)
+
+
+_SLOT_FIELDS = ("lengths", "active", "written")
+_PAGE_FIELDS = ("free_stack", "refcount", "held")
+_WORD_FIELDS = ("num_free", "epoch", "arena_id")
+PAGE_TABLE_FIELDS = ("page_map", "lengths", "active", "free_stack", "num_free", "refcount", "written", "held",
+                     "arena_id", "epoch")  # fmt: skip
+
+
+def _slot_words(lengths, active, written):
+    lengths, written = jnp.asarray(lengths, jnp.int32), jnp.asarray(written, jnp.int32)
+    return jnp.concatenate([lengths[:, None], jnp.asarray(active).astype(jnp.int32)[:, None], written.T], axis=1)
+
+
+def _page_words(free_stack, refcount, held):
+    return jnp.stack([jnp.asarray(x, jnp.int32) for x in (free_stack, refcount, held)])
+
+
+def _words(num_free, epoch, arena_id):
+    num_free, epoch = jnp.asarray(num_free, jnp.int32), jnp.asarray(epoch, jnp.int32)
+    arena_id = jnp.broadcast_to(jnp.asarray(arena_id, jnp.int32), num_free.shape)
+    return jnp.stack([num_free, epoch, arena_id], axis=-1)
+
+
+def _replace_table(table: PageTable, **changes) -> PageTable:
+    """`PageTable.replace`: the stored arrays by their names, or any of the ten fields by
+    theirs (its packed array rebuilt from the new value and the others' current ones)."""
+    stored = {f.name for f in dataclasses.fields(table)}
+    unknown = sorted(set(changes) - stored - set(PAGE_TABLE_FIELDS))
+    if unknown:
+        raise TypeError(f"PageTable.replace: unknown fields {unknown}")
+    out = dataclasses.replace(table, **{k: changes.pop(k) for k in list(changes) if k in stored})
+    for group, name, pack in ((_SLOT_FIELDS, "slot_words", _slot_words), (_PAGE_FIELDS, "page_words", _page_words),
+                              (_WORD_FIELDS, "words", _words)):  # fmt: skip
+        if any(f in changes for f in group):
+            values = [changes[f] if f in changes else getattr(out, f) for f in group]
+            out = dataclasses.replace(out, **{name: pack(*values)})
+    return out
+
+
+PageTable.replace = _replace_table
 
 
 def new_arena_id() -> int:

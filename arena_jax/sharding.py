@@ -197,9 +197,8 @@ class CacheSharding:
         return _spec(self.data_axis, None, self.tensor_axis if split else None, None)
 
     def table_specs(self) -> PageTable:
-        d = _spec(self.data_axis)
-        return PageTable(page_map=d, lengths=d, active=d, free_stack=d, num_free=d, refcount=d,
-                         written=_spec(None, self.data_axis), held=d, arena_id=P(), epoch=d)  # fmt: skip
+        d = _spec(self.data_axis)  # slots, and each shard's row of words, split over the data axis
+        return PageTable(page_map=d, slot_words=d, page_words=_spec(None, self.data_axis), words=d)
 
     def stats_specs(self) -> CacheStats:
         """Counters: a row per data shard ([dp, N]), else one replicated vector [N]."""
@@ -336,8 +335,8 @@ def _cache_specs(cache: KVCache) -> KVCache:
 def _local(cache: KVCache) -> KVCache:
     """This shard's blocks -> the cache as the single-device code knows it (no sharding)."""
     table, stats = cache.table, cache.stats
-    if cache.sharding.data_axis is not None:  # per-allocator values: [1] here
-        table = table.replace(num_free=table.num_free[0], epoch=table.epoch[0])
+    if cache.sharding.data_axis is not None:  # per-allocator values (num_free, epoch, arena_id): [1, 3] here
+        table = table.replace(words=table.words[0])
         stats = jax.tree.map(lambda x: x[0], stats)
     return cache.replace(table=table, stats=stats, sharding=None)
 
@@ -346,7 +345,7 @@ def _blocks(local: KVCache, sh: CacheSharding) -> KVCache:
     """A shard's local cache -> its blocks of the global cache (the inverse of `_local`)."""
     table, stats = local.table, local.stats
     if sh.data_axis is not None:
-        table = table.replace(num_free=table.num_free[None], epoch=table.epoch[None])
+        table = table.replace(words=table.words[None])
         stats = jax.tree.map(lambda x: x[None], stats)
     return local.replace(table=table, stats=stats, sharding=sh)
 

@@ -3,7 +3,7 @@
     JAX_PLATFORMS=cpu python scripts/inject_bugs.py            # every bug (a few minutes on 2 cores)
     JAX_PLATFORMS=cpu python scripts/inject_bugs.py "twice"    # those whose name contains a word
 
-Each bug is a one-line edit of the prefix cache (device ops, index, scheduler), the host tier
+Each bug is a one-line edit of the page table's packed arrays, the prefix cache (device ops, index, scheduler), the host tier
 (its ops, its binding to its cache), the smoothed keys' factors (fixed at create) or a step's
 plan (`arena_jax.plan`: its epoch, its watermarks), the TPU attention kernel's steady-state
 loop, or the "xla" backend's one-block attention (its V rows' deferred check). The tests that
@@ -103,6 +103,14 @@ MUTANTS = {
         "    after = written + jnp.take(append.accepted, first, axis=1)\n", "    after = written\n"),
     "release: the epoch kept (a stale plan writes the freed pages)": ("arena_jax/allocator.py",
         "    return cache.replace(table=cache.table.advanced(changed),", "    return cache.replace(table=cache.table,"),
+    # the page table packed in four arrays (arena_jax/kv_cache.py; issue 39)
+    "page table: a layer's watermark written into the previous layer's column": ("arena_jax/kv_cache.py",
+        "            cols.append(2 + layer)\n", "            cols.append(1 + layer)\n"),
+    "page table: replace keeps the old value of a field it is given": ("arena_jax/kv_cache.py",
+        "values = [changes[f] if f in changes else getattr(out, f) for f in group]",
+        "values = [getattr(out, f) for f in group]"),
+    "reserve: the allocator's refcounts land in the held row": ("arena_jax/allocator.py",
+        "page_words=table.page_words.at[1, ref_pages]", "page_words=table.page_words.at[2, ref_pages]"),
     # the TPU attention kernel's steady-state loop (issue 42)
     "tpu attention: the fast loop starts this head's next block, not the next pair's": (
         "pallas_kernels/tpu/attention.py", "start_whole(h_next, j_next, 1 - slot)", "start_whole(h, j_next, 1 - slot)"),
@@ -137,6 +145,7 @@ TESTS = {
     "arena_jax/state.py": ["tests/test_key_factors.py"],
     "arena_jax/arena_ops.py": ["tests/test_key_factors.py", "tests/test_allocator_model.py"],
     "arena_jax/plan.py": ["tests/test_plan.py"],
+    "arena_jax/kv_cache.py": ["tests/test_allocator_model.py"],
     "arena_jax/allocator.py": ["tests/test_plan.py", "tests/test_allocator_model.py"],
     "pallas_kernels/tpu/attention.py": ["tests/test_kernels_tpu.py"],
     "pallas_kernels/blockwise.py": ["tests/test_blockwise.py"],

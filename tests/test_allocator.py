@@ -296,3 +296,55 @@ def test_stats_are_one_vector_read_by_name():
     assert np.asarray(sharded.accepted_tokens).tolist() == [1, 2]
     with pytest.raises(ValueError, match="counters of 2 data shards take per-row counts"):
         sharded.bump(proposed_tokens=1)
+
+
+def _random_fields(rng, layout):
+    s, m, p, n_layers = layout.max_seqs, layout.max_pages_per_seq, layout.num_pages, layout.num_layers
+    return dict(page_map=rng.integers(-1, p, (s, m)), lengths=rng.integers(0, 99, s), active=rng.random(s) < 0.5,
+                free_stack=rng.permutation(p), num_free=rng.integers(0, p + 1), refcount=rng.integers(0, 3, p),
+                written=rng.integers(0, 99, (n_layers, s)), held=rng.integers(0, 5, p), arena_id=rng.integers(1, 2**31 - 1),
+                epoch=rng.integers(0, 9))  # fmt: skip
+
+
+def _fields(table):
+    from arena_jax.kv_cache import PAGE_TABLE_FIELDS
+
+    return {name: np.asarray(getattr(table, name)) for name in PAGE_TABLE_FIELDS}
+
+
+def test_page_table_is_four_arrays_read_and_replaced_by_field():
+    """The ten fields live in four arrays (`page_map`, `slot_words`, `page_words`, `words`):
+    each reads back what it was given, `replace(<field>=...)` changes that field alone (in and out
+    of jit), and `set_slots` (the hot paths' one scatter) equals the `.at[...].set` it stands for,
+    rows out of range dropped."""
+    from arena_jax.kv_cache import PAGE_TABLE_FIELDS, PageTable
+
+    rng = np.random.default_rng(0)
+    fields = _random_fields(rng, LAYOUT)
+    table = PageTable.pack(**fields)
+    assert len(jax.tree_util.tree_leaves(table)) == 4
+    assert {k: v.tolist() for k, v in _fields(table).items()} == {k: np.asarray(v).tolist() for k, v in fields.items()}
+    assert table.active.dtype == jnp.bool_ and table.written.shape == (LAYOUT.num_layers, LAYOUT.max_seqs)
+    for name in PAGE_TABLE_FIELDS:
+        new = _random_fields(rng, LAYOUT)[name]
+        for got in (table.replace(**{name: new}), jax.jit(lambda t, x, name=name: t.replace(**{name: x}))(table, new)):
+            want = _fields(table) | {name: np.asarray(new)}
+            assert {k: v.tolist() for k, v in _fields(got).items()} == {k: v.tolist() for k, v in want.items()}, name
+    with pytest.raises(TypeError, match=r"unknown fields \['lenghts'\]"):
+        table.replace(lenghts=fields["lengths"])
+    target = jnp.array([2, LAYOUT.max_seqs, 0, -5], jnp.int32)  # two rows out of range: dropped
+    lengths, ends = jnp.array([7, 8, 9, 10], jnp.int32), jnp.array([3, 4, 5, 6], jnp.int32)
+    got = table.set_slots(target, lengths=lengths, active=1, written_at=(1, ends))
+    t = table.lengths.at[target].set(lengths, mode="drop")
+    want = table.replace(lengths=t, active=table.active.at[target].set(True, mode="drop"),
+                         written=table.written.at[1, target].set(ends, mode="drop"))  # fmt: skip
+    assert_same(got, want)
+    assert_same(table.set_slots(target), table)
+
+
+def test_a_cache_is_seven_arrays():
+    """What a jitted op passes, donates and aliases per call: k, v, the table's four arrays and
+    the counters (8-bit arenas add their two scale arrays). Each array costs a call ~1 us on a
+    CPU (benchmarks/RESULTS.md, "The page table in four arrays")."""
+    cache = aj.create(LAYOUT)
+    assert len(jax.tree_util.tree_leaves(cache)) == 7
