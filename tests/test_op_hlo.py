@@ -60,12 +60,17 @@ def test_one_block_compiles_no_loop_and_a_longer_capacity_the_loops():
 def test_the_study_reports_every_program():
     rows = {r["program"]: r for r in measure(batch=2, capacity=16, page_size=8)}
     assert set(rows) == {"paged decode step", "paged prefill, sampled", "dense decode step", "aj.reserve",
-                         "aj.append (xla)", "aj.attend (xla)", "aj.release"}  # fmt: skip
+                         "aj.append (xla)", "aj.attend (xla)", "aj.release", "example paged decode",
+                         "example dense decode"}  # fmt: skip (the checkout has examples/)
     assert all(r["kernels"] > 0 and r["instructions"] >= r["kernels"] and r["compile_cpu_s"] > 0 for r in rows.values())
     assert rows["aj.attend (xla)"]["while_loops"] == 0  # 16 keys: one block
     assert rows["paged decode step"]["kernels"] > rows["aj.reserve"]["kernels"]
-    for name in ("paged decode step", "paged prefill, sampled", "dense decode step"):  # every kernel has a part
+    for name in ("paged decode step", "paged prefill, sampled", "dense decode step", "example paged decode",
+                 "example dense decode"):  # every kernel has a part
         assert sum(rows[name]["parts"].values()) == rows[name]["kernels"], name
+    example, example_dense = rows["example paged decode"]["parts"], rows["example dense decode"]["parts"]
+    # the example's layers are a Python loop: an attention call per layer (4), reserve once
+    assert example["attend"] >= 4 and example["reserve"] > 0 and example_dense["attend"] == example_dense["reserve"] == 0
     decode, prefill, dense = (rows[n]["parts"] for n in ("paged decode step", "paged prefill, sampled", "dense decode step"))
     assert min(decode["reserve"], decode["append"], decode["attend"]) > 0 and decode["sampling: threefry"] == 0  # greedy
     assert prefill["sampling: threefry"] > 0 and dense["reserve"] == dense["append"] == dense["attend"] == 0

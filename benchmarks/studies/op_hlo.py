@@ -5,8 +5,10 @@
 Compiles for this machine's CPU, at XLA's default optimization level unless XLA_FLAGS names one:
 the tiny model's paged decode step, the dense baseline's decode step on the same weights, and
 each cache op of the paged step alone (`aj.reserve`, `aj.append` and `aj.attend` with the
-"xla" backend, `aj.release`), and `generate`'s prefill program with per-row sampling (a 16-token
-chunk). Per program: HLO instructions, kernels (fusions and unfused
+"xla" backend, `aj.release`), `generate`'s prefill program with per-row sampling (a 16-token
+chunk), and, from a checkout, a model outside `models/`: `examples/tiny_decoder.py`'s decode
+step on its own dense cache and on the arena (`aj.begin_step`; its four layers a Python loop, so
+the cache ops are compiled once per layer). Per program: HLO instructions, kernels (fusions and unfused
 ops: what XLA's CPU backend emits and compiles one by one, and calls one by one at run time),
 while loops, and the compile's CPU seconds; for the steps, their kernels by part (the cache
 ops, the sampler, the layers' weight slices, the rest of the model). Compile time follows the kernel count more than
@@ -16,7 +18,10 @@ the changes they chose.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import pathlib
 import re
+import sys
 import time
 
 import jax
@@ -110,6 +115,40 @@ def _compiled(name: str, lowered) -> dict:
                 parts=kernels_by_part(text))  # fmt: skip
 
 
+EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "tiny_decoder.py"
+
+
+def example_steps(batch: int, capacity: int, page_size: int) -> list[tuple[str, object]]:
+    """(name, lowered) for `examples/tiny_decoder.py`'s decode step (one token a row) on its dense
+    cache and on the arena, as the example jits them (the weights a traced argument, the cache
+    donated); [] where the example is not there (an installed package ships no examples)."""
+    if not EXAMPLE.is_file():
+        return []
+    spec = importlib.util.spec_from_file_location("tiny_decoder_example", EXAMPLE)
+    ex = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # (dataclasses look their module up)
+    spec.loader.exec_module(ex)
+    cfg = ex.Config()
+    graphdef, state = nnx.split(ex.TinyDecoder(cfg, nnx.Rngs(0)))
+    shape = (cfg.layers, batch, capacity, cfg.kv_heads, cfg.head_dim)
+    dense = ex.DenseKV(jnp.zeros(shape), jnp.zeros(shape), jnp.int32(1), jnp.ones((batch, 1), jnp.int32))
+    layout = aj.KVLayout(num_layers=cfg.layers, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, page_size=page_size,
+                         num_pages=batch * capacity // page_size, max_seqs=batch,
+                         max_pages_per_seq=capacity // page_size, dtype="float32")  # fmt: skip
+    tokens, slots = jnp.zeros((batch, 1), jnp.int32), jnp.arange(batch, dtype=jnp.int32)
+
+    def dense_step(state, tokens, kv):  # ex.dense_step's body
+        logits, kv = nnx.merge(graphdef, state)(tokens, kv)
+        return jnp.argmax(logits[:, -1], axis=-1), kv
+
+    def paged_step(state, tokens, cache, slots):  # ex.paged_step's body
+        step, ok = aj.begin_step(cache, slots, jnp.ones(slots.shape, jnp.int32), width=1)
+        logits, step = nnx.merge(graphdef, state)(tokens, step)
+        return jnp.argmax(logits[:, -1], axis=-1), step.cache, ok
+
+    return [("example paged decode", jax.jit(paged_step, donate_argnums=2).lower(state, tokens, aj.create(layout), slots)),
+            ("example dense decode", jax.jit(dense_step, donate_argnums=2).lower(state, tokens, dense))]  # fmt: skip
+
+
 def measure(batch: int = 4, capacity: int = 64, page_size: int = 8) -> list[dict]:
     """One row per program (`hlo_counts` plus its compile CPU seconds), the tiny model's steps
     first. `capacity`: tokens per sequence the arena (and the dense cache) hold."""
@@ -134,6 +173,7 @@ def measure(batch: int = 4, capacity: int = 64, page_size: int = 8) -> list[dict
         _compiled("aj.append (xla)", api._append.lower(cache, jnp.int32(0), slots, kv, kv, ones, "xla")),
         _compiled("aj.attend (xla)", api._attend.lower(q, cache, jnp.int32(0), slots, ones, None, "xla", None, None, None)),
         _compiled("aj.release", api._release.lower(cache, slots)),
+        *(_compiled(name, lowered) for name, lowered in example_steps(batch, capacity, page_size)),
     ]
 
 
@@ -149,7 +189,7 @@ def main(argv=None) -> None:
     print(f"{'program':<22} {'instructions':>12} {'kernels':>8} {'while':>6} {'compile CPU s':>14}")
     for r in rows:
         print(f"{r['program']:<22} {r['instructions']:>12,} {r['kernels']:>8} {r['while_loops']:>6} {r['compile_cpu_s']:>14.2f}")
-    steps_ = [r for r in rows if r["program"].startswith(("paged", "dense"))]
+    steps_ = [r for r in rows if r["program"].startswith(("paged", "dense", "example"))]
     print("\nkernels by part of the step (op_name):")
     print(f"{'part':<22}" + "".join(f" {r['program']:>22}" for r in steps_))
     for part in steps_[0]["parts"]:
