@@ -43,8 +43,9 @@ class PageTable:
 
     Stored as four arrays, read through the ten fields' names (properties) and updated with
     `.replace(<field>=...)` as before. Why: every jitted op takes and returns the cache, and
-    each array costs a call a buffer to pass, donate and alias (~1 us each on a CPU; 13
-    arrays made the tiny model's decode step dispatch 17 us slower than the dense cache's 5).
+    each array costs a call a buffer to pass, donate and alias (0.8-1.2 us each on a CPU: a jit
+    no-op over 13 cache arrays took 33.5 us against 22.4 us over 4; benchmarks/RESULTS.md,
+    "The page table in four arrays").
     The fields are grouped by the axis they are indexed (and sharded) by:
 
     - `page_map`  i32[max_seqs, max_pages_per_seq], physical page per logical page, -1 unmapped
