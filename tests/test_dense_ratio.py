@@ -23,6 +23,7 @@ def test_the_dense_runner_holds_the_context():
 def test_a_case_reports_both_steps_and_their_ratio():
     row = dense_ratio.measure("tiny", batch=2, context=16, repeats=2)
     assert (row["model"], row["batch"], row["context"]) == ("tiny", 2, 16)
+    assert row["capacity"] >= 16 + 2 + 2  # the context and the steps timed fit
     assert row["arena_ms"] > 0 and row["dense_ms"] > 0
     assert row["tokens_per_s_ratio"] == pytest.approx(1 / row["arena_over_dense_time"])
 

@@ -17,6 +17,9 @@ inflated the tiny model's ratio from about 0.6x to 0.8x (benchmarks/RESULTS.md).
 2026-11-29 (session 26) the arena's runner also set the backend's environment variable around
 every call, ~2.5 us a call charged to the arena only; it now does so for the first (tracing) call.
 
+Both caches hold context + `--repeats` + 2 tokens a row, rounded up to whole pages (the steps
+timed fit), printed as "tokens a row": `--repeats` changes what attention reads, and past 256 tokens a row the arena's attention
+takes its loop path instead of one block (benchmarks/RESULTS.md, "The page table in four arrays").
 Each figure is the median of `--repeats` timed calls after one untimed warm-up (compile),
 `block_until_ready` before the clock is read; "arena / dense" is the median of the per-pair
 ratios of step times, and its inverse the tokens/s ratio `arena-bench decode` prints. Run it
@@ -92,7 +95,8 @@ def measure(model_name: str, batch: int, context: int, repeats: int = 15, seed: 
             times[name].append(_timed(r.call))
     arena, dense = np.asarray(times["arena"]), np.asarray(times["dense"])
     ratio = float(np.median(arena / dense))
-    return {"model": model_name, "batch": batch, "context": context, "arena_ms": float(np.median(arena) * 1e3),
+    return {"model": model_name, "batch": batch, "context": context, "capacity": int(arena_cache.layout.max_seq_len),
+            "arena_ms": float(np.median(arena) * 1e3),
             "dense_ms": float(np.median(dense) * 1e3), "arena_over_dense_time": ratio,
             "tokens_per_s_ratio": 1.0 / ratio}  # fmt: skip
 
@@ -109,7 +113,7 @@ def run(cases=CASES, repeats: int = 15, log=print) -> list[dict]:
     for model_name, batch, context in cases:
         row = measure(model_name, batch, context, repeats)
         rows.append(row)
-        log(f"| {model_name} | {batch} | {context} | {row['arena_ms']:.3f} | {row['dense_ms']:.3f} "
+        log(f"| {model_name} | {batch} | {context} | {row['capacity']} | {row['arena_ms']:.3f} | {row['dense_ms']:.3f} "
             f"| {row['arena_over_dense_time']:.2f} | {row['tokens_per_s_ratio']:.2f}x |")  # fmt: skip
     return rows
 
@@ -122,8 +126,9 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="write the rows here")
     a = p.parse_args(argv)
     print(f"# {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}, {os.cpu_count()} cores")
-    print("| model | batch | context | arena step ms | dense step ms | arena / dense (time) | tokens/s ratio |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| model | batch | context | tokens a row (both caches) | arena step ms | dense step ms | arena / dense (time) "
+          "| tokens/s ratio |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     rows = run(a.cases, a.repeats)
     if a.json:
         with open(a.json, "w") as f:
