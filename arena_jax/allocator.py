@@ -179,11 +179,11 @@ def _allocate_and_map(page_size: int, table: PageTable, counts, slots, idx, live
     # One scatter: +1 for each popped page (new pages and COW copies: free, so refcount 0 -> 1),
     # -1 for the shared page a COW row leaves (its other holders keep it).
     target = jnp.where(ok, slots, table.page_map.shape[0])  # only served rows change
-    table = table.set_slots(target, lengths=rows.new_length, active=1).replace(
+    table = table.replace(
         page_map=table.page_map.at[target].set(new_row, mode="drop"),
         page_words=table.page_words.at[1, ref_pages].add(ref_delta, mode="drop"),  # refcount
         words=table.words.at[0].add(-total),  # num_free
-    )
+    ).set_slots(target, lengths=rows.new_length, active=1)
     stats = CacheStats(counts=counts).bump(
         pages_allocated=total,
         cow_copies=cow_page < num_pages,

@@ -335,8 +335,8 @@ def test_page_table_is_four_arrays_read_and_replaced_by_field():
     target = jnp.array([2, LAYOUT.max_seqs, 0, -5], jnp.int32)  # two rows out of range: dropped
     lengths, ends = jnp.array([7, 8, 9, 10], jnp.int32), jnp.array([3, 4, 5, 6], jnp.int32)
     got = table.set_slots(target, lengths=lengths, active=1, written_at=(1, ends))
-    t = table.lengths.at[target].set(lengths, mode="drop")
-    want = table.replace(lengths=t, active=table.active.at[target].set(True, mode="drop"),
+    want = table.replace(lengths=table.lengths.at[target].set(lengths, mode="drop"),
+                         active=table.active.at[target].set(True, mode="drop"),
                          written=table.written.at[1, target].set(ends, mode="drop"))  # fmt: skip
     assert_same(got, want)
     assert_same(table.set_slots(target), table)

@@ -18,8 +18,9 @@ inflated the tiny model's ratio from about 0.6x to 0.8x (benchmarks/RESULTS.md).
 every call, ~2.5 us a call charged to the arena only; it now does so for the first (tracing) call.
 
 Both caches hold context + `--repeats` + 2 tokens a row, rounded up to whole pages (the steps
-timed fit), printed as "tokens a row": `--repeats` changes what attention reads, and past 256 tokens a row the arena's attention
-takes its loop path instead of one block (benchmarks/RESULTS.md, "The page table in four arrays").
+timed fit), printed as "tokens a row": `--repeats` changes what attention reads, and past 256
+tokens a row the arena's attention takes its loop path instead of one block
+(benchmarks/RESULTS.md, "The page table in four arrays").
 Each figure is the median of `--repeats` timed calls after one untimed warm-up (compile),
 `block_until_ready` before the clock is read; "arena / dense" is the median of the per-pair
 ratios of step times, and its inverse the tokens/s ratio `arena-bench decode` prints. Run it
