@@ -138,7 +138,7 @@ def append_impl(cache: KVCache, layer, slots, k, v, num_tokens, backend: str, pl
         rows = page_rows(cache.table, slots)
         r = append_rows(cache.table, cache.k.shape[3], layer, slots, num_tokens, k.shape[1], rows)
     else:
-        rows, r = plan.rows, plan.append_at(layer, cache.table)
+        rows, r = plan.rows, plan.append_at(layer, cache.table, after=k)
     kernel_rows = (jnp.where(r.writable[:, None], rows, -1), r.end, r.accepted)
     if cache.key_factors is not None:  # smoothed keys: divided by the cache's fixed factors
         k = factors_lib.smooth_keys(k, cache.key_factors[layer_c])
@@ -183,11 +183,11 @@ def attend_rows(table, layer, slots, num_tokens, tokens: int, written=None) -> A
 
 def _attend_rows(cache: KVCache, layer, slots, num_tokens, tokens: int, plan=None):
     """(layer clipped, page_map [B, M], lengths [B], num_tokens [B]) as the kernels take them
-    (`attend_rows`, or the plan's)."""
+    (`attend_rows`, or the plan's, read once the arena is written: after the layer's append)."""
     if plan is None:
         rows, r = page_rows(cache.table, slots), attend_rows(cache.table, layer, slots, num_tokens, tokens)
     else:
-        rows, r = plan.rows, plan.attend_at(layer, cache.table)
+        rows, r = plan.rows, plan.attend_at(layer, cache.table, after=cache.k)
     return _layer(cache.table, layer)[1], jnp.where(r.good[:, None], rows, -1), r.lengths, r.num_tokens
 
 

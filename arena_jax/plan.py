@@ -65,15 +65,18 @@ class StepPlan:
     width: int = struct.field(pytree_node=False)
     page_size: int = struct.field(pytree_node=False)
 
-    def _index(self, layer, table):
-        """Entry `layer`; entry L for a layer out of range or a table at another epoch."""
+    def _index(self, layer, table, after):
+        """Entry `layer`; entry L for a layer out of range or a table at another epoch. Read
+        once `after` (the keys appended, or the arena they were written to) is computed
+        (`_waits_for`)."""
         num_layers = self.counts.shape[0] - 1
         usable = (layer >= 0) & (layer < num_layers) & (table.epoch == self.epoch)
-        return jnp.where(usable, layer, num_layers)
+        return _waits_for(jnp.where(usable, layer, num_layers), after)
 
-    def append_at(self, layer, table) -> AppendRows:
-        """Layer `layer`'s append rows over `table` (the cache's table now)."""
-        i = self._index(layer, table)
+    def append_at(self, layer, table, after=None) -> AppendRows:
+        """Layer `layer`'s append rows over `table` (the cache's table now); `after`: the keys
+        appended (see `_index`)."""
+        i = self._index(layer, table, after)
         flat, (end, accepted, _, _) = self.tokens[i], jnp.moveaxis(self.rows4[i], -1, 0)
         num_pages, max_seqs, size = table.refcount.shape[0], table.page_map.shape[0], self.page_size
         writable = accepted >= 0
@@ -81,10 +84,33 @@ class StepPlan:
                           accepted=jnp.maximum(accepted, 0), end=end, target=jnp.where(writable, self.slots, max_seqs),
                           counts=self.counts[i])  # fmt: skip
 
-    def attend_at(self, layer, table) -> AttendRows:
-        """Layer `layer`'s attention rows, as they stand after its append."""
-        _, _, lengths, n = jnp.moveaxis(self.rows4[self._index(layer, table)], -1, 0)
+    def attend_at(self, layer, table, after=None) -> AttendRows:
+        """Layer `layer`'s attention rows, as they stand after its append; `after`: the arena
+        after that append."""
+        _, _, lengths, n = jnp.moveaxis(self.rows4[self._index(layer, table, after)], -1, 0)
         return AttendRows(good=n >= 0, lengths=lengths, num_tokens=jnp.maximum(n, 0))
+
+
+def _waits_for(index, x):
+    """`index` (i32[]) unchanged, but computed from `x`'s first element on XLA's CPU backend, so
+    that what a layer reads from its plan waits for the layer's own keys (append) or for the
+    arena they were written to (attention).
+
+    Why: inside the model's layer loop, everything that depends only on the loop counter is
+    ready when an iteration starts: the layer's weight slices, and, without this, each of the
+    half dozen small kernels XLA fuses from a plan entry (scatter and gather indices, masks,
+    counters). XLA's CPU executor hands half of its ready queue to its thread pool when more
+    than 8 kernels are ready at once: measured, that cost 0.70x -> 0.81-0.84x of the dense
+    step's tokens/s at the tiny model (benchmarks/RESULTS.md, "The layer loop on one thread").
+    The dependency is a clamp of `x`'s bits to [0, 0], which XLA does not fold: always 0 (NaN
+    and inf included). Other platforms' programs are left as they were."""
+    from pallas_kernels.tpu.common import target_platform
+
+    if x is None or x.size == 0 or target_platform() != "cpu":
+        return index
+    first = jnp.ravel(x)[0]
+    bits = jax.lax.bitcast_convert_type(first, {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[first.dtype.itemsize])
+    return index + jnp.clip(bits, 0, 0).astype(index.dtype)
 
 
 def plan_step(cache: KVCache, slots, num_tokens, width: int) -> StepPlan | None:

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 import arena_jax as aj
 from arena_jax import api
-from arena_jax.benchmarks.studies.op_hlo import hlo_counts, kernels_by_part, measure
+from arena_jax.benchmarks.studies.op_hlo import hlo_counts, kernels_by_part, measure, widest_loop_start
 
 SMALL_MODULE = """HloModule m
 
@@ -64,6 +64,10 @@ def test_the_study_reports_every_program():
                          "example dense decode"}  # fmt: skip (the checkout has examples/)
     assert all(r["kernels"] > 0 and r["instructions"] >= r["kernels"] and r["compile_cpu_s"] > 0 for r in rows.values())
     assert rows["aj.attend (xla)"]["while_loops"] == 0  # 16 keys: one block
+    # XLA's CPU executor hands work to its thread pool past 8 kernels waiting: the paged step's
+    # layer loop stays under it, as the dense step's does (`arena_jax.plan._waits_for`).
+    assert 1 <= rows["paged decode step"]["loop_start"] <= 8 and rows["paged prefill, sampled"]["loop_start"] <= 8
+    assert rows["dense decode step"]["loop_start"] >= 1
     assert rows["paged decode step"]["kernels"] > rows["aj.reserve"]["kernels"]
     for name in ("paged decode step", "paged prefill, sampled", "dense decode step", "example paged decode",
                  "example dense decode"):  # every kernel has a part
@@ -74,6 +78,42 @@ def test_the_study_reports_every_program():
     decode, prefill, dense = (rows[n]["parts"] for n in ("paged decode step", "paged prefill, sampled", "dense decode step"))
     assert min(decode["reserve"], decode["append"], decode["attend"]) > 0 and decode["sampling: threefry"] == 0  # greedy
     assert prefill["sampling: threefry"] > 0 and dense["reserve"] == dense["append"] == dense["attend"] == 0
+
+
+def test_the_widest_loop_start_reads_a_stored_module():
+    """Four kernels read the loop's input alone; the fifth waits for two of them: at most three
+    wait once the first is taken (the executor counts after taking one). Tuples, bitcasts and
+    the fusion's own body are no kernels."""
+    text = """HloModule m
+
+%fused (p0: s32[4]) -> s32[4] {
+  %p0 = s32[4]{0} parameter(0)
+  ROOT %n = s32[4]{0} negate(%p0)
+}
+
+%body (p: (s32[], s32[4])) -> (s32[], s32[4]) {
+  %p = (s32[], s32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = s32[4]{0} get-tuple-element(%p), index=1
+  %a = s32[4]{0} fusion(%x), kind=kLoop, calls=%fused
+  %b = s32[4]{0} negate(%x)
+  %c = s32[4]{0} abs(%x)
+  %d = s32[] add(%i, %i)
+  %bc = s32[4]{0} bitcast(%a)
+  %e = s32[4]{0} add(%bc, %b)
+  ROOT %t = (s32[], s32[4]{0}) tuple(%d, %e)
+}
+
+ENTRY %main (x: s32[4]) -> s32[4] {
+  %x = s32[4]{0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], s32[4]{0}) tuple(%zero, %x)
+  %while = (s32[], s32[4]{0}) while(%init), condition=%cond, body=%body
+  ROOT %out = s32[4]{0} get-tuple-element(%while), index=1
+}
+"""
+    assert widest_loop_start(text) == 3
+    assert widest_loop_start(text.replace("body=%body", "body=%none")) == 0  # no loop body: nothing counted
 
 
 def test_kernels_by_part_reads_op_names():

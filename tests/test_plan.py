@@ -228,3 +228,26 @@ def test_the_layer_loop_of_a_model_step_looks_up_no_page():
     assert any(e.primitive.name == "gather" and any(tuple(getattr(v.aval, "shape", ())) == tuple(cache.table.page_map.shape)
                                                     for v in e.invars)
                for eqn in outside for e in _equations_of(eqn))  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int8"])
+def test_a_plan_entry_waits_for_data_without_changing_its_index(dtype):
+    """`plan._waits_for` gives the index it is given for any data (NaN, infinities, -0, the
+    extremes; fresh random bits) and, on XLA's CPU backend, keeps the data as an operand of the
+    compiled index: XLA does not fold the dependency away (`benchmarks/studies/op_hlo.py`,
+    "loop: most waiting", shows what it is for)."""
+    from arena_jax.plan import _waits_for
+
+    rng = np.random.default_rng()
+    width = jnp.dtype(dtype).itemsize * 8
+    bits = rng.integers(-(2 ** (width - 1)), 2 ** (width - 1), size=(64,))
+    xs = jax.lax.bitcast_convert_type(jnp.asarray(bits, f"int{width}"), dtype)
+    if dtype != "int8":
+        xs = jnp.concatenate([jnp.asarray([jnp.nan, jnp.inf, -jnp.inf, -0.0], dtype), xs])
+    index = jnp.int32(rng.integers(0, 1000))
+    got = jax.jit(jax.vmap(lambda x: _waits_for(index, x)))(xs)
+    np.testing.assert_array_equal(np.asarray(got), np.full(xs.shape, int(index)))
+    assert _waits_for(index, None) is index and _waits_for(index, jnp.zeros((0,), dtype)) is index
+    text = jax.jit(lambda i, x: _waits_for(i, jnp.tanh(x.astype(jnp.float32)).astype(dtype))).lower(
+        jnp.int32(3), jnp.ones((4,), dtype)).compile().as_text()  # fmt: skip
+    assert "tanh" in text  # the index still reads the data it waits for

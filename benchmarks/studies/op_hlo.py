@@ -32,7 +32,7 @@ import arena_jax as aj
 from arena_jax import api, models
 from arena_jax.models import dense_baseline, steps
 
-__all__ = ["hlo_counts", "kernels_by_part", "measure"]
+__all__ = ["hlo_counts", "kernels_by_part", "measure", "widest_loop_start"]
 
 _NOT_KERNELS = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast"}
 
@@ -85,6 +85,48 @@ def hlo_counts(hlo_text: str) -> dict:
     return dict(instructions=instructions, kernels=kernels, while_loops=loops)
 
 
+def _operands(line: str) -> list[str]:
+    """The instruction names an instruction line reads (its operand list, not `calls=` etc.)."""
+    _, _, rest = line.partition(" = ")
+    op = _opcode(line)
+    start = rest.find(f" {op}(") + len(op) + 2  # past "TYPE opcode("
+    depth, end = 1, start
+    while depth and end < len(rest):
+        depth += {"(": 1, ")": -1}.get(rest[end], 0)
+        end += 1
+    return re.findall(r"%([\w.\-]+)", rest[start:end])
+
+
+def widest_loop_start(hlo_text: str) -> int:
+    """The most kernels waiting at once in a while loop body run in data order (XLA's CPU
+    executor: kernels start as their operands are done; with more than 8 waiting it hands half
+    of them to its thread pool, `arena_jax.plan._waits_for`). A queue in program order, each
+    kernel taken off it before the count; 0 without loops."""
+    bodies = set(re.findall(r"body=%([\w.\-]+)", hlo_text))
+    graphs: dict[str, dict[str, tuple[bool, list[str]]]] = {}
+    for computation, _, line, kernel in _instructions(hlo_text):
+        if computation in bodies:
+            name = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = ", line).group(1)
+            graphs.setdefault(computation, {})[name] = (kernel, _operands(line))
+    widest = 0
+    for graph in graphs.values():
+        def kernel_deps(name, seen=()):  # the kernels `name` waits for (through tuples, bitcasts, ...)
+            out = set()
+            for o in graph.get(name, (False, []))[1]:
+                if o in graph and o not in seen:
+                    out |= {o} if graph[o][0] else kernel_deps(o, seen + (o,))
+            return out
+        deps = {n: kernel_deps(n) for n, (kernel, _) in graph.items() if kernel}
+        done: set[str] = set()
+        queue = [n for n in deps if not deps[n]]
+        while queue:
+            n = queue.pop(0)
+            widest = max(widest, len(queue))
+            done.add(n)
+            queue += [m for m in deps if m not in done and m not in queue and deps[m] and deps[m] <= done]
+    return widest
+
+
 # A kernel's part of the step, from the first of these names in its op_name (JAX's name stack):
 # the cache ops are jitted functions of their own, the sampler's draws are threefry hashes, the
 # rest of the sampler is a conditional's branch (greedy rows skip it).
@@ -112,7 +154,7 @@ def _compiled(name: str, lowered) -> dict:
     start = time.process_time()  # this process's CPU time (all its threads)
     text = lowered.compile().as_text()
     return dict(program=name, compile_cpu_s=round(time.process_time() - start, 3), **hlo_counts(text),
-                parts=kernels_by_part(text))  # fmt: skip
+                loop_start=widest_loop_start(text), parts=kernels_by_part(text))  # fmt: skip
 
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "tiny_decoder.py"
@@ -186,9 +228,10 @@ def main(argv=None) -> None:
     rows = measure(args.batch, args.capacity, args.page_size)
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}; tiny model, batch {args.batch}, capacity "
           f"{args.capacity}, page {args.page_size}")
-    print(f"{'program':<22} {'instructions':>12} {'kernels':>8} {'while':>6} {'compile CPU s':>14}")
+    print(f"{'program':<22} {'instructions':>12} {'kernels':>8} {'while':>6} {'loop: most waiting':>19} {'compile CPU s':>14}")
     for r in rows:
-        print(f"{r['program']:<22} {r['instructions']:>12,} {r['kernels']:>8} {r['while_loops']:>6} {r['compile_cpu_s']:>14.2f}")
+        print(f"{r['program']:<22} {r['instructions']:>12,} {r['kernels']:>8} {r['while_loops']:>6} {r['loop_start']:>19} "
+              f"{r['compile_cpu_s']:>14.2f}")
     steps_ = [r for r in rows if r["program"].startswith(("paged", "dense", "example"))]
     print("\nkernels by part of the step (op_name):")
     print(f"{'part':<22}" + "".join(f" {r['program']:>22}" for r in steps_))
