@@ -419,6 +419,22 @@ def _check_reserved(cache, slots, n, layer) -> None:
             )
 
 
+def _opaque_layer(cache: KVCache, given, layer):
+    """`layer` as the ops take it; a constant layer inside a caller's jit goes behind an
+    optimization barrier, so XLA does not fold it into the op's kernels.
+
+    A model whose layers are a Python loop passes each layer's index as a constant. Folded in,
+    it made every layer's append and attention kernels differ, and XLA's CPU backend compiles
+    each distinct kernel once (identical ones are compiled once for all): behind the barrier
+    every layer's cache kernels are the same, compiled once (benchmarks/RESULTS.md, "One compile
+    for every layer's cache ops"). A traced layer (a layer scan's) and a call outside jit (the
+    op's own jit takes the layer as an argument) are left as they are. `given`: the layer as the
+    caller passed it; `layer`: as `check_layer` returned it."""
+    if not isinstance(given, jax.core.Tracer) and isinstance(cache.k, jax.core.Tracer):
+        return jax.lax.optimization_barrier(layer)
+    return layer
+
+
 @functools.partial(jax.jit, static_argnames=("backend",), donate_argnames=("cache",))
 def _append(cache, layer, slots, k, v, num_tokens, backend, plan=None):
     if cache.sharding is not None:
@@ -464,7 +480,7 @@ def append(cache: KVCache, layer, slots, k, v, *, num_tokens=None, backend: str 
     """
     layout = _check_cache(cache)
     slots = check_slots(layout, slots)
-    layer = check_layer(layout, layer)
+    given_layer, layer = layer, check_layer(layout, layer)
     check_kv(layout, k, v, slots.shape[0])
     _check_shards(cache, slots=slots)
     tokens = k.shape[1]
@@ -474,7 +490,7 @@ def append(cache: KVCache, layer, slots, k, v, *, num_tokens=None, backend: str 
         raise ValueError(f"num_tokens={int(n.max())} exceeds the {tokens} tokens given in k and v")
     _check_reserved(cache, slots, n, layer)
     _check_plan(cache, plan, slots, num_tokens, tokens)
-    return _append(cache, layer, slots, jnp.asarray(k), jnp.asarray(v), num_tokens, _resolve_backend(backend, layout), plan)
+    return _append(cache, _opaque_layer(cache, given_layer, layer), slots, jnp.asarray(k), jnp.asarray(v), num_tokens, _resolve_backend(backend, layout), plan)
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "sliding_window", "sm_scale", "logits_soft_cap"))
@@ -533,7 +549,7 @@ def _attend_args(q, cache, layer, slots, num_tokens, sliding_window, sm_scale, l
     """`attend`'s checks; returns `_attend`'s arguments."""
     layout = _check_cache(cache)
     slots = check_slots(layout, slots)
-    layer = check_layer(layout, layer)
+    given_layer, layer = layer, check_layer(layout, layer)
     check_q(layout, q, slots.shape[0])
     _check_shards(cache, slots=slots, num_q_heads=q.shape[2])
     tokens = q.shape[1]
@@ -559,8 +575,8 @@ def _attend_args(q, cache, layer, slots, num_tokens, sliding_window, sm_scale, l
                 )
     window = sliding_window if isinstance(sliding_window, jax.core.Tracer) else None
     static_window = None if window is not None else sliding_window
-    return (jnp.asarray(q), cache, layer, slots, num_tokens, window, backend, static_window, sm_scale,
-            logits_soft_cap)
+    return (jnp.asarray(q), cache, _opaque_layer(cache, given_layer, layer), slots, num_tokens, window, backend, static_window,
+            sm_scale, logits_soft_cap)
 
 
 def attend_mixed(parts, cache: KVCache, layer, *, sliding_window=None, sm_scale: float | None = None,

@@ -3,11 +3,14 @@ holds: blockwise attention compiles no loop when a row's capacity fits one block
 when it does not; reserve's copy-on-write sits under a conditional (issue 39, item 4)."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 import arena_jax as aj
 from arena_jax import api
-from arena_jax.benchmarks.studies.op_hlo import hlo_counts, kernels_by_part, measure, widest_loop_start
+from arena_jax.benchmarks.studies.op_hlo import hlo_counts, kernel_signatures, kernels_by_part, measure, widest_loop_start
 
 SMALL_MODULE = """HloModule m
 
@@ -39,7 +42,14 @@ ENTRY %main (x: s32[4]) -> s32[4] {
 
 
 def test_the_counter_reads_a_stored_module():
-    assert hlo_counts(SMALL_MODULE) == dict(instructions=16, kernels=4, while_loops=1)  # tuples counted, fused bodies no kernels
+    # tuples counted, fused bodies no kernels; the four kernels differ
+    assert hlo_counts(SMALL_MODULE) == dict(instructions=16, kernels=4, distinct_kernels=4, while_loops=1)
+    # two kernels of one body (names and metadata aside) are one distinct kernel
+    twice = SMALL_MODULE.replace("  ROOT %negate = s32[4]{0} negate(%out)",
+                                 '  %neg = s32[4]{0} negate(%out), metadata={op_name="a"}\n'
+                                 '  ROOT %negate = s32[4]{0} negate(%neg), metadata={op_name="b"}')  # fmt: skip
+    assert hlo_counts(twice)["kernels"] == 5 and hlo_counts(twice)["distinct_kernels"] == 4
+    assert kernel_signatures(twice, op_name="a") == ["s32[4]{0} negate(%)"]
 
 
 def _attend_loops(max_pages: int, page_size: int = 8) -> int:
@@ -136,6 +146,49 @@ ENTRY %main (x: s32[4]) -> s32[4] {
     parts = kernels_by_part(text)
     assert (parts["reserve"], parts["append"], parts["sampling: threefry"], parts["model"], parts["no op_name"]) == (1, 1, 1, 1, 1)
     assert sum(parts.values()) == hlo_counts(text)["kernels"] == 5
+
+
+@pytest.mark.parametrize("layer_kind", ["int", "numpy", "array"])
+def test_a_python_loop_of_layers_compiles_its_cache_kernels_once(layer_kind):
+    """A model whose layers are a Python loop passes constant layer indices (an int, a numpy
+    int, a concrete array made outside the jit): every layer's append and attention kernels are the same program,
+    so XLA's CPU backend compiles them once (`api._opaque_layer`). Four layers add at most two
+    distinct cache kernels to two layers' (before: 37 -> 57); the outputs equal the same calls
+    outside jit, on fresh random data."""
+    layout = aj.KVLayout(num_layers=4, num_kv_heads=2, head_dim=16, page_size=8, num_pages=16, max_seqs=2,
+                         max_pages_per_seq=4, dtype=jnp.float32)  # fmt: skip
+    slots, ones = jnp.arange(2, dtype=jnp.int32), jnp.ones((2,), jnp.int32)
+    rng = np.random.default_rng()
+    data = [[jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(4)]
+            for shape in ((2, 1, 4, 16), (2, 1, 2, 16), (2, 1, 2, 16))]  # q, k, v a layer (arguments, not constants)
+    # (an array made outside the jit: one made inside is a tracer, which the ops cannot tell
+    # from a layer scan's counter)
+    layers = {"int": list(range(4)), "numpy": list(np.arange(4, dtype=np.int32)),
+              "array": [jnp.int32(i) for i in range(4)]}[layer_kind]  # fmt: skip
+
+    def step(cache, qs, ks, vs):
+        step, _ = aj.begin_step(cache, slots, ones, width=1)
+        outs = []
+        for layer, (q, k, v) in enumerate(zip(qs, ks, vs)):
+            step, out = step.attend(layers[layer], q, k, v)
+            outs.append(out)
+        return step.cache, outs
+
+    def cache_kernels(layers):
+        args = [d[:layers] for d in data]
+        text = jax.jit(step).lower(aj.create(layout), *args).compile().as_text()
+        return {sig for name in ("jit(_append)", "jit(_attend)") for sig in kernel_signatures(text, op_name=name)}
+
+    two, four = cache_kernels(2), cache_kernels(4)
+    # (XLA fuses the layers' chain of counter adds in one kernel, whose body grows with the
+    # layers: a kernel or two, not a layer's worth of them.)
+    assert two and len(four - two) <= 2
+    cache, outs = jax.jit(step)(aj.create(layout), *data)
+    eager_cache, eager_outs = step(aj.create(layout), *data)
+    for got, want in zip(outs, eager_outs):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(cache.k), np.asarray(eager_cache.k))
+    assert all(float(jnp.abs(o).sum()) > 0 for o in outs)  # every layer read what it wrote
 
 
 def test_reserve_copies_pages_only_under_a_conditional():

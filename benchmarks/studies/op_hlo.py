@@ -9,10 +9,11 @@ each cache op of the paged step alone (`aj.reserve`, `aj.append` and `aj.attend`
 chunk), and, from a checkout, a model outside `models/`: `examples/tiny_decoder.py`'s decode
 step on its own dense cache and on the arena (`aj.begin_step`; its four layers a Python loop, so
 the cache ops are compiled once per layer). Per program: HLO instructions, kernels (fusions and unfused
-ops: what XLA's CPU backend emits and compiles one by one, and calls one by one at run time),
-while loops, and the compile's CPU seconds; for the steps, their kernels by part (the cache
+ops: what XLA's CPU backend emits and calls one by one at run time), distinct kernels (what it
+compiles: one compile serves every kernel of the same body), while loops, the most kernels
+waiting at once in a loop body, and the compile's CPU seconds; for the steps, their kernels by part (the cache
 ops, the sampler, the layers' weight slices, the rest of the model). Compile time follows the kernel count more than
-anything else; RESULTS.md ("Compile time of the cache ops") has the figures before and after
+anything else (the distinct ones); RESULTS.md ("Compile time of the cache ops") has the figures before and after
 the changes they chose.
 """
 from __future__ import annotations
@@ -32,7 +33,7 @@ import arena_jax as aj
 from arena_jax import api, models
 from arena_jax.models import dense_baseline, steps
 
-__all__ = ["hlo_counts", "kernels_by_part", "measure", "widest_loop_start"]
+__all__ = ["hlo_counts", "kernel_signatures", "kernels_by_part", "measure", "widest_loop_start"]
 
 _NOT_KERNELS = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast"}
 
@@ -76,13 +77,49 @@ def _instructions(hlo_text: str):
 def hlo_counts(hlo_text: str) -> dict:
     """Counts in an optimized HLO module's text: instructions (every computation), kernels (the
     instructions that run as kernels, `_instructions`: fusions and unfused ops, less parameters,
-    tuples, constants and bitcasts) and while loops."""
+    tuples, constants and bitcasts), distinct kernels (`kernel_signatures`) and while loops."""
     instructions = kernels = loops = 0
     for _, op, _, kernel in _instructions(hlo_text):
         instructions += 1
         loops += op == "while"
         kernels += kernel
-    return dict(instructions=instructions, kernels=kernels, while_loops=loops)
+    distinct = len(set(kernel_signatures(hlo_text)))
+    return dict(instructions=instructions, kernels=kernels, distinct_kernels=distinct, while_loops=loops)
+
+
+def _bodies(hlo_text: str) -> dict[str, list[str]]:
+    """Each computation's instruction lines, by name."""
+    out: dict[str, list[str]] = {}
+    lines = None
+    for line in hlo_text.splitlines():
+        head = re.match(r"^(?:ENTRY )?%(\S+) ", line)
+        if head:
+            lines = out.setdefault(head.group(1), [])
+        elif lines is not None and " = " in line:
+            lines.append(line)
+    return out
+
+
+def _unnamed(line: str) -> str:
+    """An instruction line without its names and metadata: what it computes."""
+    return re.sub(r"%[\w.\-]+", "%", re.sub(r", metadata=\{[^}]*\}", "", line)).strip()
+
+
+def kernel_signatures(hlo_text: str, op_name: str | None = None) -> list[str]:
+    """What each kernel (`hlo_counts`) computes, names left out: its type, opcode and operands'
+    count, and a fusion's whole body. XLA's CPU backend compiles a kernel once for all kernels
+    of one signature, so a step's compile time follows the distinct signatures, not the kernels
+    (RESULTS.md, "One compile for every layer's cache ops"). `op_name`: only the kernels whose
+    op_name contains it."""
+    bodies = _bodies(hlo_text)
+    out = []
+    for _, _, line, kernel in _instructions(hlo_text):
+        if not kernel or (op_name is not None and op_name not in (re.findall(r'op_name="([^"]+)"', line) or [""])[0]):
+            continue
+        called = re.search(r"calls=%([\w.\-]+)", line)
+        body = [_unnamed(x) for x in bodies.get(called.group(1), [])] if called else []
+        out.append("\n".join([_unnamed(line.split(", calls=")[0]).partition(" = ")[2], *body]))
+    return out
 
 
 def _operands(line: str) -> list[str]:
@@ -228,10 +265,11 @@ def main(argv=None) -> None:
     rows = measure(args.batch, args.capacity, args.page_size)
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}; tiny model, batch {args.batch}, capacity "
           f"{args.capacity}, page {args.page_size}")
-    print(f"{'program':<22} {'instructions':>12} {'kernels':>8} {'while':>6} {'loop: most waiting':>19} {'compile CPU s':>14}")
+    print(f"{'program':<22} {'instructions':>12} {'kernels':>8} {'distinct':>9} {'while':>6} {'loop: most waiting':>19} "
+          f"{'compile CPU s':>14}")
     for r in rows:
-        print(f"{r['program']:<22} {r['instructions']:>12,} {r['kernels']:>8} {r['while_loops']:>6} {r['loop_start']:>19} "
-              f"{r['compile_cpu_s']:>14.2f}")
+        print(f"{r['program']:<22} {r['instructions']:>12,} {r['kernels']:>8} {r['distinct_kernels']:>9} {r['while_loops']:>6} "
+              f"{r['loop_start']:>19} {r['compile_cpu_s']:>14.2f}")
     steps_ = [r for r in rows if r["program"].startswith(("paged", "dense", "example"))]
     print("\nkernels by part of the step (op_name):")
     print(f"{'part':<22}" + "".join(f" {r['program']:>22}" for r in steps_))
