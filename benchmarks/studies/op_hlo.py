@@ -1,24 +1,28 @@
 """Where a paged step's compile time goes: the HLO of each cache op (issue 39, item 4).
 
     python -m arena_jax.benchmarks.studies.op_hlo [--batch 4] [--capacity 64] [--page-size 8]
+                                                  [--example-layers N]
 
 Compiles for this machine's CPU, at XLA's default optimization level unless XLA_FLAGS names one:
 the tiny model's paged decode step, the dense baseline's decode step on the same weights, and
 each cache op of the paged step alone (`aj.reserve`, `aj.append` and `aj.attend` with the
 "xla" backend, `aj.release`), `generate`'s prefill program with per-row sampling (a 16-token
 chunk), and, from a checkout, a model outside `models/`: `examples/tiny_decoder.py`'s decode
-step on its own dense cache and on the arena (`aj.begin_step`; its four layers a Python loop, so
-the cache ops are compiled once per layer). Per program: HLO instructions, kernels (fusions and unfused
-ops: what XLA's CPU backend emits and calls one by one at run time), distinct kernels (what it
-compiles: one compile serves every kernel of the same body), while loops, the most kernels
-waiting at once in a loop body, and the compile's CPU seconds; for the steps, their kernels by part (the cache
-ops, the sampler, the layers' weight slices, the rest of the model). Compile time follows the kernel count more than
-anything else (the distinct ones); RESULTS.md ("Compile time of the cache ops") has the figures before and after
-the changes they chose.
+step on its own dense cache and on the arena (`aj.begin_step`; its layers, 4 unless
+`--example-layers` says, a Python loop, so the cache ops are traced once per layer).
+
+Per program: HLO instructions, kernels (fusions and unfused ops: what XLA's CPU backend emits
+and calls one by one at run time), distinct kernels (what it compiles: one compile serves every
+kernel of the same body), while loops, the most kernels waiting at once in a loop body, and the
+compile's CPU seconds; for the steps, their kernels by part (the cache ops, the sampler, the
+layers' weight slices, the rest of the model). Compile time follows the distinct kernels more
+than anything else; RESULTS.md ("Compile time of the cache ops", "One compile for every layer's
+cache ops") has the figures before and after the changes they chose.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import pathlib
 import re
@@ -197,7 +201,7 @@ def _compiled(name: str, lowered) -> dict:
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "tiny_decoder.py"
 
 
-def example_steps(batch: int, capacity: int, page_size: int) -> list[tuple[str, object]]:
+def example_steps(batch: int, capacity: int, page_size: int, layers: int | None = None) -> list[tuple[str, object]]:
     """(name, lowered) for `examples/tiny_decoder.py`'s decode step (one token a row) on its dense
     cache and on the arena, as the example jits them (the weights a traced argument, the cache
     donated); [] where the example is not there (an installed package ships no examples)."""
@@ -206,7 +210,7 @@ def example_steps(batch: int, capacity: int, page_size: int) -> list[tuple[str, 
     spec = importlib.util.spec_from_file_location("tiny_decoder_example", EXAMPLE)
     ex = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # (dataclasses look their module up)
     spec.loader.exec_module(ex)
-    cfg = ex.Config()
+    cfg = ex.Config() if layers is None else dataclasses.replace(ex.Config(), layers=layers)
     graphdef, state = nnx.split(ex.TinyDecoder(cfg, nnx.Rngs(0)))
     shape = (cfg.layers, batch, capacity, cfg.kv_heads, cfg.head_dim)
     dense = ex.DenseKV(jnp.zeros(shape), jnp.zeros(shape), jnp.int32(1), jnp.ones((batch, 1), jnp.int32))
@@ -228,7 +232,7 @@ def example_steps(batch: int, capacity: int, page_size: int) -> list[tuple[str, 
             ("example dense decode", jax.jit(dense_step, donate_argnums=2).lower(state, tokens, dense))]  # fmt: skip
 
 
-def measure(batch: int = 4, capacity: int = 64, page_size: int = 8) -> list[dict]:
+def measure(batch: int = 4, capacity: int = 64, page_size: int = 8, example_layers: int | None = None) -> list[dict]:
     """One row per program (`hlo_counts` plus its compile CPU seconds), the tiny model's steps
     first. `capacity`: tokens per sequence the arena (and the dense cache) hold."""
     model = models.init_random(models.LlamaConfig.tiny(), seed=0)
@@ -252,7 +256,7 @@ def measure(batch: int = 4, capacity: int = 64, page_size: int = 8) -> list[dict
         _compiled("aj.append (xla)", api._append.lower(cache, jnp.int32(0), slots, kv, kv, ones, "xla")),
         _compiled("aj.attend (xla)", api._attend.lower(q, cache, jnp.int32(0), slots, ones, None, "xla", None, None, None)),
         _compiled("aj.release", api._release.lower(cache, slots)),
-        *(_compiled(name, lowered) for name, lowered in example_steps(batch, capacity, page_size)),
+        *(_compiled(name, lowered) for name, lowered in example_steps(batch, capacity, page_size, example_layers)),
     ]
 
 
@@ -261,8 +265,9 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--capacity", type=int, default=64, help="tokens per sequence (default: 64)")
     p.add_argument("--page-size", type=int, default=8)
+    p.add_argument("--example-layers", type=int, default=None, help="the example decoder's depth (default: its own, 4)")
     args = p.parse_args(argv)
-    rows = measure(args.batch, args.capacity, args.page_size)
+    rows = measure(args.batch, args.capacity, args.page_size, args.example_layers)
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}; tiny model, batch {args.batch}, capacity "
           f"{args.capacity}, page {args.page_size}")
     print(f"{'program':<22} {'instructions':>12} {'kernels':>8} {'distinct':>9} {'while':>6} {'loop: most waiting':>19} "
