@@ -127,6 +127,26 @@ def append_rows(table, page_size: int, layer, slots, num_tokens, tokens: int, ro
                       target=jnp.where(writable, slots, max_seqs), counts=counts)  # fmt: skip
 
 
+def waits_for(index, x):
+    """`index` (i32[]) unchanged, but computed from `x`'s first element on XLA's CPU backend, so
+    that what a layer reads by its index (its plan entry, its key factors) waits for the layer's
+    own keys or queries, or for the arena its keys were written to.
+
+    Why: inside the model's layer loop, everything that depends only on the loop counter is
+    ready when an iteration starts: the layer's weight slices, and, without this, each of the
+    half dozen small kernels XLA fuses from a plan entry (scatter and gather indices, masks,
+    counters) or from the layer's key factors. XLA's CPU executor hands half of its ready queue to its thread pool when more
+    than 8 kernels are ready at once: measured, that cost 0.70x -> 0.81-0.84x of the dense
+    step's tokens/s at the tiny model (benchmarks/RESULTS.md, "The layer loop on one thread").
+    The dependency is a clamp of `x`'s bits to [0, 0], which XLA does not fold: always 0 (NaN
+    and inf included). Other platforms' programs are left as they were."""
+    if x is None or x.size == 0 or target_platform() != "cpu":
+        return index
+    first = jnp.ravel(x)[0]
+    bits = jax.lax.bitcast_convert_type(first, {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[first.dtype.itemsize])
+    return index + jnp.clip(bits, 0, 0).astype(index.dtype)
+
+
 def append_impl(cache: KVCache, layer, slots, k, v, num_tokens, backend: str, plan=None) -> KVCache:
     """Write row b's first num_tokens[b] tokens of k, v [B, T, Hkv, D] at its slot's written
     watermark for `layer` and advance it. A row whose tokens would pass the slot's reservation
@@ -141,7 +161,7 @@ def append_impl(cache: KVCache, layer, slots, k, v, num_tokens, backend: str, pl
         rows, r = plan.rows, plan.append_at(layer, cache.table, after=k)
     kernel_rows = (jnp.where(r.writable[:, None], rows, -1), r.end, r.accepted)
     if cache.key_factors is not None:  # smoothed keys: divided by the cache's fixed factors
-        k = factors_lib.smooth_keys(k, cache.key_factors[layer_c])
+        k = factors_lib.smooth_keys(k, cache.key_factors[waits_for(layer_c, k)])
     scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)  # None for float arenas
     if backend == "pallas_tpu":
         from pallas_kernels.tpu.append import tpu_paged_append
@@ -195,7 +215,7 @@ def _kernel_q(q, cache: KVCache, layer_c, backend: str):
     """q as the backend's kernel takes it: smoothed keys' factors applied; rotated for the
     TPU kernels and the blockwise path (the GPU kernels and the reference rotate it themselves)."""
     if cache.key_factors is not None:  # smoothed keys: q times the factors keeps q . k as it was
-        q = factors_lib.smooth_queries(q, cache.key_factors[layer_c])
+        q = factors_lib.smooth_queries(q, cache.key_factors[waits_for(layer_c, q)])
     if backend in ("pallas_tpu", "xla") and cache.rotate_keys:
         q = rotate_rows(q, q.dtype)
     return q

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from arena_jax.allocator import first_rows
-from arena_jax.arena_ops import AppendRows, AttendRows, append_rows, attend_rows, page_rows
+from arena_jax.arena_ops import AppendRows, AttendRows, append_rows, attend_rows, page_rows, waits_for
 from arena_jax.kv_cache import KVCache
 from arena_jax.validate import check_cache_arrays, check_counts, check_slots
 from pallas_kernels.index_math import div_nonneg, rem_nonneg
@@ -68,10 +68,10 @@ class StepPlan:
     def _index(self, layer, table, after):
         """Entry `layer`; entry L for a layer out of range or a table at another epoch. Read
         once `after` (the keys appended, or the arena they were written to) is computed
-        (`_waits_for`)."""
+        (`arena_ops.waits_for`)."""
         num_layers = self.counts.shape[0] - 1
         usable = (layer >= 0) & (layer < num_layers) & (table.epoch == self.epoch)
-        return _waits_for(jnp.where(usable, layer, num_layers), after)
+        return waits_for(jnp.where(usable, layer, num_layers), after)
 
     def append_at(self, layer, table, after=None) -> AppendRows:
         """Layer `layer`'s append rows over `table` (the cache's table now); `after`: the keys
@@ -89,28 +89,6 @@ class StepPlan:
         after that append."""
         _, _, lengths, n = jnp.moveaxis(self.rows4[self._index(layer, table, after)], -1, 0)
         return AttendRows(good=n >= 0, lengths=lengths, num_tokens=jnp.maximum(n, 0))
-
-
-def _waits_for(index, x):
-    """`index` (i32[]) unchanged, but computed from `x`'s first element on XLA's CPU backend, so
-    that what a layer reads from its plan waits for the layer's own keys (append) or for the
-    arena they were written to (attention).
-
-    Why: inside the model's layer loop, everything that depends only on the loop counter is
-    ready when an iteration starts: the layer's weight slices, and, without this, each of the
-    half dozen small kernels XLA fuses from a plan entry (scatter and gather indices, masks,
-    counters). XLA's CPU executor hands half of its ready queue to its thread pool when more
-    than 8 kernels are ready at once: measured, that cost 0.70x -> 0.81-0.84x of the dense
-    step's tokens/s at the tiny model (benchmarks/RESULTS.md, "The layer loop on one thread").
-    The dependency is a clamp of `x`'s bits to [0, 0], which XLA does not fold: always 0 (NaN
-    and inf included). Other platforms' programs are left as they were."""
-    from pallas_kernels.tpu.common import target_platform
-
-    if x is None or x.size == 0 or target_platform() != "cpu":
-        return index
-    first = jnp.ravel(x)[0]
-    bits = jax.lax.bitcast_convert_type(first, {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[first.dtype.itemsize])
-    return index + jnp.clip(bits, 0, 0).astype(index.dtype)
 
 
 def plan_step(cache: KVCache, slots, num_tokens, width: int) -> StepPlan | None:

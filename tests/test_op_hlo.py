@@ -75,7 +75,7 @@ def test_the_study_reports_every_program():
     assert all(r["kernels"] > 0 and r["instructions"] >= r["kernels"] and r["compile_cpu_s"] > 0 for r in rows.values())
     assert rows["aj.attend (xla)"]["while_loops"] == 0  # 16 keys: one block
     # XLA's CPU executor hands work to its thread pool past 8 kernels waiting: the paged step's
-    # layer loop stays under it, as the dense step's does (`arena_jax.plan._waits_for`).
+    # layer loop stays under it, as the dense step's does (`arena_jax.arena_ops.waits_for`).
     assert 1 <= rows["paged decode step"]["loop_start"] <= 8 and rows["paged prefill, sampled"]["loop_start"] <= 8
     assert rows["dense decode step"]["loop_start"] >= 1
     assert rows["paged decode step"]["kernels"] > rows["aj.reserve"]["kernels"]
@@ -88,6 +88,25 @@ def test_the_study_reports_every_program():
     decode, prefill, dense = (rows[n]["parts"] for n in ("paged decode step", "paged prefill, sampled", "dense decode step"))
     assert min(decode["reserve"], decode["append"], decode["attend"]) > 0 and decode["sampling: threefry"] == 0  # greedy
     assert prefill["sampling: threefry"] > 0 and dense["reserve"] == dense["append"] == dense["attend"] == 0
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float32"])
+def test_a_model_steps_layer_loop_keeps_at_most_8_kernels_waiting(dtype):
+    """The tiny model's decode step (layers scanned), on a float arena and on an int8 one (its
+    keys smoothed by per-layer factors): what a layer reads by its index waits for its data
+    (`arena_ops.waits_for`), so XLA's CPU executor never has more than 8 kernels waiting."""
+    from flax import nnx
+
+    from arena_jax import models
+    from arena_jax.models import steps
+
+    model = models.init_random(models.LlamaConfig.tiny(), seed=0)
+    graphdef, state = nnx.split(model)
+    cache = aj.create(models.default_layout(model, 3, 48, page_size=8, dtype=dtype))
+    assert (cache.key_factors is not None) == (dtype == "int8")
+    slots = jnp.arange(3, dtype=jnp.int32)
+    text = steps.decode_step.lower(graphdef, state, cache, jnp.zeros((3,), jnp.int32), slots).compile().as_text()
+    assert 1 <= widest_loop_start(text) <= 8
 
 
 def test_the_widest_loop_start_reads_a_stored_module():

@@ -232,11 +232,11 @@ def test_the_layer_loop_of_a_model_step_looks_up_no_page():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int8"])
 def test_a_plan_entry_waits_for_data_without_changing_its_index(dtype):
-    """`plan._waits_for` gives the index it is given for any data (NaN, infinities, -0, the
+    """`arena_ops.waits_for` gives the index it is given for any data (NaN, infinities, -0, the
     extremes; fresh random bits) and, on XLA's CPU backend, keeps the data as an operand of the
     compiled index: XLA does not fold the dependency away (`benchmarks/studies/op_hlo.py`,
     "loop: most waiting", shows what it is for)."""
-    from arena_jax.plan import _waits_for
+    from arena_jax.arena_ops import waits_for as _waits_for
 
     rng = np.random.default_rng()
     width = jnp.dtype(dtype).itemsize * 8

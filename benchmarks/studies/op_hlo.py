@@ -141,7 +141,7 @@ def _operands(line: str) -> list[str]:
 def widest_loop_start(hlo_text: str) -> int:
     """The most kernels waiting at once in a while loop body run in data order (XLA's CPU
     executor: kernels start as their operands are done; with more than 8 waiting it hands half
-    of them to its thread pool, `arena_jax.plan._waits_for`). A queue in program order, each
+    of them to its thread pool, `arena_jax.arena_ops.waits_for`). A queue in program order, each
     kernel taken off it before the count; 0 without loops."""
     bodies = set(re.findall(r"body=%([\w.\-]+)", hlo_text))
     graphs: dict[str, dict[str, tuple[bool, list[str]]]] = {}
