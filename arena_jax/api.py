@@ -428,8 +428,9 @@ def _opaque_layer(cache: KVCache, given, layer):
     each distinct kernel once (identical ones are compiled once for all): behind the barrier
     every layer's cache kernels are the same, compiled once (benchmarks/RESULTS.md, "One compile
     for every layer's cache ops"). A traced layer (a layer scan's) and a call outside jit (the
-    op's own jit takes the layer as an argument) are left as they are. `given`: the layer as the
-    caller passed it; `layer`: as `check_layer` returned it."""
+    op's own jit takes the layer as an argument) are left as they are. XLA CPU of JAX 0.10
+    expands the barrier before it folds constants, so there it changes nothing. `given`: the
+    layer as the caller passed it; `layer`: as `check_layer` returned it."""
     if not isinstance(given, jax.core.Tracer) and isinstance(cache.k, jax.core.Tracer):
         return jax.lax.optimization_barrier(layer)
     return layer
@@ -490,7 +491,8 @@ def append(cache: KVCache, layer, slots, k, v, *, num_tokens=None, backend: str 
         raise ValueError(f"num_tokens={int(n.max())} exceeds the {tokens} tokens given in k and v")
     _check_reserved(cache, slots, n, layer)
     _check_plan(cache, plan, slots, num_tokens, tokens)
-    return _append(cache, _opaque_layer(cache, given_layer, layer), slots, jnp.asarray(k), jnp.asarray(v), num_tokens, _resolve_backend(backend, layout), plan)
+    layer = _opaque_layer(cache, given_layer, layer)
+    return _append(cache, layer, slots, jnp.asarray(k), jnp.asarray(v), num_tokens, _resolve_backend(backend, layout), plan)
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "sliding_window", "sm_scale", "logits_soft_cap"))
@@ -575,8 +577,9 @@ def _attend_args(q, cache, layer, slots, num_tokens, sliding_window, sm_scale, l
                 )
     window = sliding_window if isinstance(sliding_window, jax.core.Tracer) else None
     static_window = None if window is not None else sliding_window
-    return (jnp.asarray(q), cache, _opaque_layer(cache, given_layer, layer), slots, num_tokens, window, backend, static_window,
-            sm_scale, logits_soft_cap)
+    layer = _opaque_layer(cache, given_layer, layer)
+    return (jnp.asarray(q), cache, layer, slots, num_tokens, window, backend, static_window, sm_scale,
+            logits_soft_cap)
 
 
 def attend_mixed(parts, cache: KVCache, layer, *, sliding_window=None, sm_scale: float | None = None,

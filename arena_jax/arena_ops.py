@@ -135,16 +135,17 @@ def waits_for(index, x):
     Why: inside the model's layer loop, everything that depends only on the loop counter is
     ready when an iteration starts: the layer's weight slices, and, without this, each of the
     half dozen small kernels XLA fuses from a plan entry (scatter and gather indices, masks,
-    counters) or from the layer's key factors. XLA's CPU executor hands half of its ready queue to its thread pool when more
-    than 8 kernels are ready at once: measured, that cost 0.70x -> 0.81-0.84x of the dense
-    step's tokens/s at the tiny model (benchmarks/RESULTS.md, "The layer loop on one thread").
-    The dependency is a clamp of `x`'s bits to [0, 0], which XLA does not fold: always 0 (NaN
-    and inf included). Other platforms' programs are left as they were."""
+    counters) or from the layer's key factors. XLA's CPU executor hands half of its ready
+    queue to its thread pool when more than 8 kernels are ready at once: measured, that took
+    the tiny model's step from 0.81-0.84x to 0.70-0.73x of the dense step's tokens/s
+    (benchmarks/RESULTS.md, "The layer loop on one thread"). The dependency is a clamp of
+    `x`'s bits to [0, 0], which XLA does not fold: always 0 (NaN and inf included). Other
+    platforms' programs are left as they were."""
     if x is None or x.size == 0 or target_platform() != "cpu":
         return index
     first = jnp.ravel(x)[0]
-    bits = jax.lax.bitcast_convert_type(first, {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[first.dtype.itemsize])
-    return index + jnp.clip(bits, 0, 0).astype(index.dtype)
+    as_int = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[first.dtype.itemsize]
+    return index + jnp.clip(jax.lax.bitcast_convert_type(first, as_int), 0, 0).astype(index.dtype)
 
 
 def append_impl(cache: KVCache, layer, slots, k, v, num_tokens, backend: str, plan=None) -> KVCache:

@@ -10,7 +10,8 @@ import pytest
 
 import arena_jax as aj
 from arena_jax import api
-from arena_jax.benchmarks.studies.op_hlo import hlo_counts, kernel_signatures, kernels_by_part, measure, widest_loop_start
+from arena_jax.benchmarks.studies.op_hlo import (hlo_counts, kernel_signatures, kernels_by_part, measure,
+                                                 widest_loop_start)
 
 SMALL_MODULE = """HloModule m
 
@@ -167,13 +168,17 @@ ENTRY %main (x: s32[4]) -> s32[4] {
     assert sum(parts.values()) == hlo_counts(text)["kernels"] == 5
 
 
+@pytest.mark.xfail(tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 11), strict=True,
+                   reason="XLA CPU of JAX 0.10 expands optimization barriers before it folds constants: the "
+                          "layer constant still reaches each layer's kernels (benchmarks/RESULTS.md, 'One compile "
+                          "for every layer's cache ops')")
 @pytest.mark.parametrize("layer_kind", ["int", "numpy", "array"])
 def test_a_python_loop_of_layers_compiles_its_cache_kernels_once(layer_kind):
     """A model whose layers are a Python loop passes constant layer indices (an int, a numpy
     int, a concrete array made outside the jit): every layer's append and attention kernels are the same program,
     so XLA's CPU backend compiles them once (`api._opaque_layer`). Four layers add at most two
     distinct cache kernels to two layers' (before: 37 -> 57); the outputs equal the same calls
-    outside jit, on fresh random data."""
+    outside jit, on fresh random data (checked first: on JAX 0.10 too)."""
     layout = aj.KVLayout(num_layers=4, num_kv_heads=2, head_dim=16, page_size=8, num_pages=16, max_seqs=2,
                          max_pages_per_seq=4, dtype=jnp.float32)  # fmt: skip
     slots, ones = jnp.arange(2, dtype=jnp.int32), jnp.ones((2,), jnp.int32)
@@ -198,16 +203,16 @@ def test_a_python_loop_of_layers_compiles_its_cache_kernels_once(layer_kind):
         text = jax.jit(step).lower(aj.create(layout), *args).compile().as_text()
         return {sig for name in ("jit(_append)", "jit(_attend)") for sig in kernel_signatures(text, op_name=name)}
 
-    two, four = cache_kernels(2), cache_kernels(4)
-    # (XLA fuses the layers' chain of counter adds in one kernel, whose body grows with the
-    # layers: a kernel or two, not a layer's worth of them.)
-    assert two and len(four - two) <= 2
     cache, outs = jax.jit(step)(aj.create(layout), *data)
     eager_cache, eager_outs = step(aj.create(layout), *data)
     for got, want in zip(outs, eager_outs):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     np.testing.assert_array_equal(np.asarray(cache.k), np.asarray(eager_cache.k))
     assert all(float(jnp.abs(o).sum()) > 0 for o in outs)  # every layer read what it wrote
+    two, four = cache_kernels(2), cache_kernels(4)
+    # (XLA fuses the layers' chain of counter adds in one kernel, whose body grows with the
+    # layers: a kernel or two, not a layer's worth of them.)
+    assert two and len(four - two) <= 2
 
 
 def test_reserve_copies_pages_only_under_a_conditional():

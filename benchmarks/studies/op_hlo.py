@@ -270,11 +270,11 @@ def main(argv=None) -> None:
     rows = measure(args.batch, args.capacity, args.page_size, args.example_layers)
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}; tiny model, batch {args.batch}, capacity "
           f"{args.capacity}, page {args.page_size}")
-    print(f"{'program':<22} {'instructions':>12} {'kernels':>8} {'distinct':>9} {'while':>6} {'loop: most waiting':>19} "
-          f"{'compile CPU s':>14}")
+    print(f"{'program':<22} {'instructions':>12} {'kernels':>8} {'distinct':>9} {'while':>6} "
+          f"{'loop: most waiting':>19} {'compile CPU s':>14}")
     for r in rows:
-        print(f"{r['program']:<22} {r['instructions']:>12,} {r['kernels']:>8} {r['distinct_kernels']:>9} {r['while_loops']:>6} "
-              f"{r['loop_start']:>19} {r['compile_cpu_s']:>14.2f}")
+        print(f"{r['program']:<22} {r['instructions']:>12,} {r['kernels']:>8} {r['distinct_kernels']:>9} "
+              f"{r['while_loops']:>6} {r['loop_start']:>19} {r['compile_cpu_s']:>14.2f}")
     steps_ = [r for r in rows if r["program"].startswith(("paged", "dense", "example"))]
     print("\nkernels by part of the step (op_name):")
     print(f"{'part':<22}" + "".join(f" {r['program']:>22}" for r in steps_))
