@@ -91,19 +91,6 @@ def hlo_counts(hlo_text: str) -> dict:
     return dict(instructions=instructions, kernels=kernels, distinct_kernels=distinct, while_loops=loops)
 
 
-def _bodies(hlo_text: str) -> dict[str, list[str]]:
-    """Each computation's instruction lines, by name."""
-    out: dict[str, list[str]] = {}
-    lines = None
-    for line in hlo_text.splitlines():
-        head = re.match(r"^(?:ENTRY )?%(\S+) ", line)
-        if head:
-            lines = out.setdefault(head.group(1), [])
-        elif lines is not None and " = " in line:
-            lines.append(line)
-    return out
-
-
 def _unnamed(line: str) -> str:
     """An instruction line without its names and metadata: what it computes."""
     return re.sub(r"%[\w.\-]+", "%", re.sub(r", metadata=\{[^}]*\}", "", line)).strip()
@@ -115,10 +102,14 @@ def kernel_signatures(hlo_text: str, op_name: str | None = None) -> list[str]:
     of one signature, so a step's compile time follows the distinct signatures, not the kernels
     (RESULTS.md, "One compile for every layer's cache ops"). `op_name`: only the kernels whose
     op_name contains it."""
-    bodies = _bodies(hlo_text)
+    instructions = list(_instructions(hlo_text))
+    bodies: dict[str, list[str]] = {}
+    for computation, _, line, _ in instructions:
+        bodies.setdefault(computation, []).append(line)
     out = []
-    for _, _, line, kernel in _instructions(hlo_text):
-        if not kernel or (op_name is not None and op_name not in (re.findall(r'op_name="([^"]+)"', line) or [""])[0]):
+    for _, _, line, kernel in instructions:
+        name = re.search(r'op_name="([^"]+)"', line)
+        if not kernel or (op_name is not None and (name is None or op_name not in name.group(1))):
             continue
         called = re.search(r"calls=%([\w.\-]+)", line)
         body = [_unnamed(x) for x in bodies.get(called.group(1), [])] if called else []
