@@ -64,16 +64,16 @@ def float_case(*, seed, lengths, num_tokens, tokens, q_heads, kv_heads, page_siz
 
 
 def quantized_case(*, seed, dtype, lengths, num_tokens, tokens, q_heads, kv_heads, page_size, head_dim, q_dtype,
-                   stale_scale=np.nan, layer=1):
+                   stale_scale=np.nan, layer=1, num_pages=NUM_PAGES):
     """An 8-bit arena filled by the reference append over random-byte garbage (fp8 NaN bit
     patterns included) with stale scales `stale_scale`, plus queries."""
     rng = np.random.default_rng(seed)
     lengths = np.asarray(lengths)
     batch = len(lengths)
     max_pages = int(-(-lengths.max() // page_size))
-    page_map = kernel_cases.scrambled_page_map(seed, lengths, page_size, max_pages, NUM_PAGES)
-    values = kernel_cases.random_bits(rng, (2, kv_heads, NUM_PAGES, page_size, head_dim), dtype)
-    scales = kernel_cases.full((2, kv_heads, NUM_PAGES, page_size), stale_scale, jnp.float32)
+    page_map = kernel_cases.scrambled_page_map(seed, lengths, page_size, max_pages, num_pages)
+    values = kernel_cases.random_bits(rng, (2, kv_heads, num_pages, page_size, head_dim), dtype)
+    scales = kernel_cases.full((2, kv_heads, num_pages, page_size), stale_scale, jnp.float32)
     n = int(lengths.max())
     k = rng.standard_normal((batch, n, kv_heads, head_dim)) * np.where(np.arange(head_dim) % 7 == 3, 20.0, 1.0)
     v = rng.standard_normal((batch, n, kv_heads, head_dim))
@@ -419,6 +419,49 @@ def test_quantized_attention_with_nan_poisoned_stale_scales(dtype, q_heads, kv_h
     assert_close(got, attention_ref(**dirty), q_dtype)
     assert padded_rows_are_zero(got, num_tokens)
     COUNTS["attention (8-bit arenas)"] += 1
+
+
+# 8-bit pages of 16 / 32 / 64: scales as rows of 128 lanes (`scale_rows`), 128 / S pages a row.
+# (dtype, page_size, tokens, pages_per_block: None = the default block, else blocks of that many
+# pages: several blocks a row, the steady-state loop, and blocks of fewer pages than a row holds)
+SCALE_ROWS_CI = [("int8", 16, 1, None), ("int8", 32, 5, 3), ("float8_e4m3fn", 64, 1, 2), ("int8", 16, 1, 4)]
+SCALE_ROWS_FULL = [(jnp.dtype(d).name, s, t, b) for d, s, t, b in itertools.product(
+    QUANTIZED_DTYPES, (16, 32, 64), (1, 5), (None, 2, 3, 8))]
+
+
+@pytest.mark.parametrize("dtype,page_size,tokens,pages_per_block", SCALE_ROWS_FULL if FULL else SCALE_ROWS_CI, ids=str)
+def test_quantized_attention_over_scale_rows(dtype, page_size, tokens, pages_per_block):
+    """Scale rows: stale values random bytes, stale scales NaN (the other pages of a row the
+    block reads are someone else's: NaN here), on fresh random data. Output finite, bit-equal to
+    the same arena with stale scales 0, close to the reference; scales as [L, H, P, S] refused
+    with the reason; a NaN key scale a query attends to NaNs its row, and only it."""
+    from pallas_kernels.tpu.attention import scale_rows
+
+    lengths, num_tokens = (1, 127, 129, 300, 7), (1, 1, tokens, tokens, 0)
+    kwargs = dict(seed=page_size + tokens + (pages_per_block or 0), dtype=dtype, lengths=lengths, num_tokens=num_tokens,
+                  tokens=tokens, q_heads=8, kv_heads=2, page_size=page_size, head_dim=128, q_dtype=jnp.bfloat16,
+                  num_pages=128)
+    dirty, clean = quantized_case(**kwargs, stale_scale=np.nan), quantized_case(**kwargs, stale_scale=0.0)
+    blocks = None if pages_per_block is None else BlockSizes(pages_per_block=pages_per_block)
+
+    def run(case, rows=True):
+        scales = {k: scale_rows(case[k]) if rows else case[k] for k in ("k_scale", "v_scale")}
+        return tpu_paged_attention(**{**case, **scales}, interpret=True, block_sizes=blocks)
+
+    got = run(dirty)
+    assert np.isfinite(np.asarray(got, np.float32)).all()
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(run(clean)))
+    with pytest.raises(ValueError, match=rf"page_size={page_size}: .*scale_rows"):
+        run(dirty, rows=False)  # [L, H, P, S]: on a TPU, a relayout of every scale at every call
+    assert_close(got, attention_ref(**dirty), jnp.bfloat16)
+    assert padded_rows_are_zero(got, num_tokens)
+    # A NaN key scale at row 3's key 200, which its queries attend: row 3 NaN, the others as before.
+    page = int(dirty["page_map"][3, 200 // page_size])
+    poisoned = {**dirty, "k_scale": dirty["k_scale"].at[dirty["layer"], 1, page, 200 % page_size].set(jnp.nan)}
+    out = np.asarray(run(poisoned), np.float32)
+    assert np.isnan(out[3, :tokens, 4:]).all() and not np.isnan(out[3, :, :4]).any()
+    np.testing.assert_array_equal(np.delete(out, 3, axis=0), np.delete(np.asarray(got, np.float32), 3, axis=0))
+    COUNTS["attention (8-bit arenas, scale rows)"] += 1
 
 
 @pytest.mark.parametrize("dtype", QUANTIZED_DTYPES if FULL else [jnp.dtype("float8_e4m3fn")], ids=str)

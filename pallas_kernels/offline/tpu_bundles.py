@@ -345,12 +345,13 @@ def _case_call(case: BundleCase):
         from pallas_kernels.tpu.attention import tpu_paged_attention
         from pallas_kernels.tpu.common import tpu_unsupported_reason
 
+        rows = quantized and page < 128  # scales as rows of 128 lanes (`attention.scale_rows`)
         why = tpu_unsupported_reason(head_dim=D, page_size=page, dtype=dt, q_dtype=jnp.bfloat16,
-                                     scale_dtype=jnp.float32 if quantized else None)
+                                     scale_dtype=jnp.float32 if quantized else None, scale_rows=rows)
         if why:
             return why
         q, kv = S((B, 1, Hq, D), jnp.bfloat16), S((1, Hkv, P, page, D), dt)  # q [B, T, Hq, D], arena [L, Hkv, P, S, D]
-        scale = S((1, Hkv, P, page), jnp.float32)  # [L, Hkv, P, S]
+        scale = S((1, Hkv, P * page // 128, 128) if rows else (1, Hkv, P, page), jnp.float32)  # [L, Hkv, P, S]
         if quantized:
             def fn(q, k, v, ks, vs, pm, n, t):
                 return tpu_paged_attention(q, k, v, 0, pm, n, t, k_scale=ks, v_scale=vs, interpret=False)
@@ -429,7 +430,9 @@ def _bytes_per_key_head(case: BundleCase) -> int:
     item = jnp.dtype(case.dtype).itemsize
     row = case.head_dim * item
     if case.dtype == "int8":
-        row += 4 if case.kernel == "ours" else case.head_dim * 2  # ours: f32 per row; JAX: bf16 scales broadcast to D
+        # ours: f32 per row (pages under 128: the 512-byte scale row a page's DMA moves, 512 / S a
+        # row); JAX: bf16 scales broadcast to D
+        row += (4 if case.page_size >= 128 else 512 // case.page_size) if case.kernel == "ours" else case.head_dim * 2
     return 2 * row
 
 

@@ -189,6 +189,19 @@ def _attention_kernel(
     ppb = block_k // page_size
     rows = q_ref.shape[1]
     f32, i32 = jnp.float32, jnp.int32
+    rows_per_page = page_size % 128 == 0  # 8-bit scales: a page's own row(s); else rows of 128 / S pages
+    row_shift = (128 // page_size).bit_length() - 1 if not rows_per_page else 0
+
+    def page_groups(j):
+        """i32[1, ppb]: where each page of block j sits in its scale row (page % (128 / S); a
+        page past the table or a hole: whatever its clipped entry gives, its keys are masked)."""
+        lane = lax.broadcasted_iota(i32, (1, ppb), 1)
+        out = jnp.zeros((1, ppb), i32)
+        for p in range(ppb):
+            entry = page_map_ref[b * max_pages + jnp.minimum(j * ppb + p, max_pages - 1)]
+            page = jnp.minimum(entry.astype(jnp.uint32), jnp.uint32(num_pages - 1)).astype(i32)
+            out = jnp.where(lane == p, page & ((128 // page_size) - 1), out)
+        return out
 
     layer = meta_ref[0]
     length = lengths_ref[b]
@@ -232,7 +245,8 @@ def _attention_kernel(
         pltpu.make_async_copy(k_hbm.at[flat], kbuf[slot].at[dst], sem.at[slot]).start()
         pltpu.make_async_copy(v_hbm.at[flat], vbuf[slot].at[dst], sem.at[slot]).start()
         if quantized:
-            src = (layer * num_kv_heads + h, pl.ds(page, 1))
+            # Pages under 128 keys: the scale row holding the page (`scale_rows`), 128 / S pages a row.
+            src = (layer * num_kv_heads + h, pl.ds(page if rows_per_page else lax.shift_right_logical(page, row_shift), 1))
             pltpu.make_async_copy(ks_hbm.at[src], scale_dst(ksbuf[slot], p, page_size), sem.at[slot]).start()
             pltpu.make_async_copy(vs_hbm.at[src], scale_dst(vsbuf[slot], p, page_size), sem.at[slot]).start()
 
@@ -345,8 +359,9 @@ def _attention_kernel(
         q = q_ref[h].astype(compute)  # [rows, D]
         k = kbuf[slot][...].astype(compute)  # [block_k, D]
         dots = _dot_t(q, k)  # [rows, block_k] f32
+        groups = page_groups(j) if quantized and not rows_per_page else None
         if quantized:
-            ks = scale_row(ksbuf[slot])
+            ks = scale_row(ksbuf[slot], groups, page_size)
             s = dots * (ks * sm_scale)
         else:
             s = dots * sm_scale
@@ -387,7 +402,7 @@ def _attention_kernel(
             if jnp.issubdtype(vbuf[slot].dtype, jnp.floating) and in_range_col is not None:
                 v = jnp.where(in_range_col, v, jnp.zeros((), compute))
         else:  # fp16 q: dequantize the V tile (vq * scale may overflow fp16)
-            vs_row = scale_row(vsbuf[slot])
+            vs_row = scale_row(vsbuf[slot], groups, page_size)
             if in_range is not None:
                 vs_row = jnp.where(in_range, vs_row, 0.0)
             eye = lax.broadcasted_iota(i32, (block_k, block_k), 0) == lax.broadcasted_iota(i32, (block_k, block_k), 1)
@@ -396,7 +411,7 @@ def _attention_kernel(
             if in_range_col is not None:
                 v = jnp.where(in_range_col, v, jnp.zeros((), compute))
         if fold_v:  # 8-bit values are finite by construction: a row's poison is its scale
-            vs = scale_row(vsbuf[slot])
+            vs = scale_row(vsbuf[slot], groups, page_size)
             v_ok = jnp.isfinite(vs)
             vs = jnp.where(masked(in_range, v_ok), vs, 0.0)
             bad_blk = jnp.maximum(bad_s, jnp.max(jnp.where(masked(mask, ~v_ok), 1.0, 0.0), axis=1, keepdims=True))
@@ -515,32 +530,80 @@ def flat_pages(arena):
     return arena.reshape(num_layers * num_kv_heads * num_pages, page_size, head_dim)
 
 
-def flat_scales(scales):
-    """[L, Hkv, P, S] -> [L * Hkv, P, S]: an 8-bit arena's scales as the kernels index them (the
-    minor two dims, which the TPU tiles, unchanged: a bitcast). None stays None."""
-    return None if scales is None else scales.reshape(-1, *scales.shape[2:])
+def flat_scales(scales, page_size: int | None = None):
+    """An 8-bit arena's scales as the kernels index them. Pages of 128 or more: [L, Hkv, P, S] ->
+    [L * Hkv, P, S] (the minor two dims, which the TPU tiles, unchanged: a bitcast). Smaller
+    pages: scale rows [L * Hkv, P * S / 128, 128] (`scale_rows`), from the rows themselves
+    ([L, Hkv, P * S / 128, 128]: a bitcast) or from [L, Hkv, P, S] (a reshape: on a TPU a
+    relayout of the whole array). None stays None."""
+    if scales is None:
+        return None
+    if page_size is None or page_size % 128 == 0:
+        return scales.reshape(-1, *scales.shape[2:])
+    return scales.reshape(scales.shape[0] * scales.shape[1], -1, 128)
+
+
+def scale_rows(scales):
+    """[L, Hkv, P, S] -> [L, Hkv, P * S / 128, 128] (S < 128 dividing 128, P * S a multiple of 128):
+    an 8-bit arena's scales as rows of 128 lanes, 128 / S pages a row (page p: row p // (128 / S),
+    lanes (p % (128 / S)) * S onward). A TPU DMA moves whole 512-byte rows (its contiguous inner
+    slice must be a multiple of 512 bytes), and this is the format whose rows it can move: the
+    TPU's default layout of [..., P, S] puts the pages in the lanes instead."""
+    num_layers, num_kv_heads, num_pages, page_size = scales.shape
+    if 128 % page_size or (num_pages * page_size) % 128:
+        raise ValueError(f"scale rows need a page_size dividing 128 and pages x page_size a multiple of 128, got "
+                         f"{num_pages} pages of {page_size}")
+    return scales.reshape(num_layers, num_kv_heads, num_pages * page_size // 128, 128)
+
+
+def scale_bytes(page_size: int) -> int:
+    """Bytes of K and V scales a page's DMAs move: its rows, or the two 512-byte scale rows holding it."""
+    return 2 * 4 * (page_size if page_size % 128 == 0 else 128)
 
 
 def scale_shape(block_k: int, page_size: int) -> tuple:
     """One slot of an 8-bit scale (K or V) in VMEM: a `[1, block_k]` lane row when a page's
-    scales are whole lane tiles (page_size % 128 == 0, what the kernels take), each page's row
-    DMA'd straight into its lanes; else a row a page, `[1, pages, S]`, relaid into one lane row
-    when read (compiled only by the test of the layouts the kernels refuse)."""
-    return (1, block_k) if page_size % 128 == 0 else (1, block_k // page_size, page_size)
+    scales are whole lane tiles (page_size % 128 == 0), each page's row DMA'd straight into its
+    lanes; else a scale row a page, `[pages, 128]` (`scale_rows`: each page's row holds it and
+    128 / S - 1 other pages' scales), its lanes taken out when read (`scale_lanes`)."""
+    return (1, block_k) if page_size % 128 == 0 else (block_k // page_size, 128)
 
 
 def scale_dst(buf, p, page_size: int):
     """Where page p of a block lands in a scale slot (`scale_shape`): its lanes of the lane row, or its row."""
     if page_size % 128 == 0:
         return buf.at[:, pl.ds(pl.multiple_of(p * page_size, page_size), page_size)]
-    return buf.at[0, pl.ds(p, 1)]
+    return buf.at[pl.ds(p, 1)]
 
 
-def scale_row(buf):
-    """A scale slot's scales (`scale_shape`) as one `[1, block_k]` lane row (a row a page: relaid)."""
-    if len(buf.shape) == 2:
+def scale_row(buf, groups, page_size: int):
+    """A scale slot's scales (`scale_shape`) as one `[1, block_k]` lane row; scale rows
+    (`scale_lanes`) need the block's pages' `groups`."""
+    if page_size % 128 == 0:
         return buf[...]
-    return buf[0].reshape(1, buf.shape[1] * buf.shape[2])
+    return scale_lanes(buf[...], groups, page_size)
+
+
+def scale_lanes(rows, groups, page_size: int):
+    """rows f32[n, 128], row i the scale row of a block's page i, whose scales are its lanes
+    [g_i * S, (g_i + 1) * S) (groups i32[1, n]: g_i = page % (128 / S)) -> f32[1, n * S], page
+    i's scales at lanes [i * S, (i + 1) * S). Each row is rotated so that its page's lanes land
+    at (i % G) * S (G = 128 / S: one of G static rotations, chosen per row), the other lanes
+    zeroed, and each G rows summed into one row of 128 lanes (pages i, ..., i + G - 1)."""
+    n = rows.shape[0]
+    per_row = 128 // page_size
+    i32 = jnp.int32
+    row = lax.broadcasted_iota(i32, (n, 1), 0)
+    shift = jnp.transpose(groups)  # [n, 1]
+    shift = (row - shift) & (per_row - 1)  # lanes to rotate by, in pages: (i % G - g_i) mod G
+    out = rows
+    for k in range(1, per_row):
+        out = jnp.where(shift == k, pltpu.roll(rows, k * page_size, 1), out)
+    lane = lax.broadcasted_iota(i32, (n, 128), 1)
+    out = jnp.where(lax.div(lane, page_size) == (row & (per_row - 1)), out, 0.0)
+    sums = [jnp.sum(out[r:r + per_row], axis=0, keepdims=True) for r in range(0, n, per_row)]
+    lanes = sums[0] if len(sums) == 1 else jnp.concatenate(sums, axis=1)
+    return lanes if n % per_row == 0 else lanes[:, :n * page_size]
 
 
 class Slots:
@@ -600,13 +663,28 @@ def ungrouped(out, tokens: int, num_q_heads: int):
     return out.transpose(0, 2, 1, 3, 4).reshape(rows, tokens, num_q_heads, head_dim)
 
 
-def check_geometry(num_q_heads: int, k_arena, k_scale, q_dtype) -> None:
-    """A ValueError unless the TPU kernels take this q head count, arena and q dtype."""
+def logical_scales(k_arena, scales):
+    """(scales as `check_arena` sees them: [L, Hkv, P, S], whether they came as `scale_rows`).
+    Scale rows are taken as given when their shape is exactly [L, Hkv, P * S / 128, 128]."""
+    if scales is None or k_arena.ndim != 5 or getattr(scales, "ndim", None) != 4:
+        return scales, False
+    num_layers, num_kv_heads, num_pages, page_size = k_arena.shape[:4]
+    if page_size >= 128 or scales.shape[-1] != 128 or (num_pages * page_size) % 128:
+        return scales, False
+    if tuple(scales.shape) != (num_layers, num_kv_heads, num_pages * page_size // 128, 128):
+        return scales, False  # (check_arena names the shape it wants)
+    return jax.ShapeDtypeStruct(k_arena.shape[:4], scales.dtype), True
+
+
+def check_geometry(num_q_heads: int, k_arena, k_scale, q_dtype, scale_rows: bool = False) -> None:
+    """A ValueError unless the TPU kernels take this q head count, arena and q dtype
+    (`scale_rows`: the 8-bit scales come as rows of 128 lanes)."""
     _, num_kv_heads, _, page_size, head_dim = k_arena.shape
     if num_q_heads % num_kv_heads:
         raise ValueError(f"q has {num_q_heads} heads, not a multiple of the arena's {num_kv_heads} KV heads")
     reason = tpu_unsupported_reason(head_dim=head_dim, page_size=page_size, dtype=k_arena.dtype,
-                                    scale_dtype=None if k_scale is None else k_scale.dtype, q_dtype=q_dtype)
+                                    scale_dtype=None if k_scale is None else k_scale.dtype, q_dtype=q_dtype,
+                                    scale_rows=scale_rows)
     if reason:
         raise ValueError(reason)
 
@@ -659,7 +737,7 @@ def _tpu_attention_call(q, k_arena, v_arena, meta, page_map, lengths, num_tokens
     extra = ()
     if quantized:
         in_specs += [hbm, hbm]
-        extra = (flat_scales(k_scale), flat_scales(v_scale))
+        extra = (flat_scales(k_scale, page_size), flat_scales(v_scale, page_size))
     zero_page = jnp.zeros((page_size, head_dim), k_arena.dtype)
     blocks = FAST_BLOCKS if block_tokens == 1 else 1  # an iteration of the steady-state loop
     name = f"tpu_paged_attention_bt{block_tokens}_g{group}_bk{block_k}x{blocks}_d{head_dim}"
@@ -672,7 +750,7 @@ def _tpu_attention_call(q, k_arena, v_arena, meta, page_map, lengths, num_tokens
         max_pages * page_size, window_bound + block_tokens - 1)
     pages_read = min(max_pages, -(-keys // page_size) + (1 if has_window else 0))
     n_blocks = -(-(pages_read * page_size) // block_k) + (1 if has_window else 0)
-    page_bytes = 2 * page_size * head_dim * jnp.dtype(k_arena.dtype).itemsize + (2 * page_size * 4 if quantized else 0)
+    page_bytes = 2 * page_size * head_dim * jnp.dtype(k_arena.dtype).itemsize + (scale_bytes(page_size) if quantized else 0)
     programs = batch * row_blocks * num_kv_heads
     cost = pl.CostEstimate(
         flops=int(4 * programs * rows * n_blocks * block_k * head_dim),
@@ -723,14 +801,17 @@ def tpu_paged_attention(
     page_map: i32[B, M] (-1 unmapped); lengths, num_tokens: i32[B]. `sliding_window`: None,
     an int >= 1, or a traced integer scalar (clipped into [0, M*S]: <= 0 admits no key).
     `logits_soft_cap`: None or a float > 0. 8-bit arenas take float32 `k_scale, v_scale`
-    [L, Hkv, P, S]. `interpret`: None (compile on a TPU, TPU interpret mode elsewhere), True,
+    [L, Hkv, P, S] at pages of 128 or 256; at pages of 16, 32 or 64 as scale rows
+    [L, Hkv, P * S / 128, 128] (`scale_rows`), the only form a TPU DMA can read a page's
+    scales from. `interpret`: None (compile on a TPU, TPU interpret mode elsewhere), True,
     or a `pltpu.InterpretParams`. `block_sizes`: `block_k` (or `pages_per_block`) and
     `block_tokens` are used; the GPU-only fields are ignored. Returns [B, T, Hq, D] in q's dtype.
     """
-    num_layers, num_kv_heads, _, page_size, head_dim = check_arena(k_arena, v_arena, k_scale, v_scale)
+    (ks, rows_k), (vs, rows_v) = logical_scales(k_arena, k_scale), logical_scales(k_arena, v_scale)
+    num_layers, num_kv_heads, _, page_size, head_dim = check_arena(k_arena, v_arena, ks, vs)
     check_tokens("q", q, batch=None, heads=None, head_dim=head_dim)
     batch, tokens, num_q_heads, _ = q.shape
-    check_geometry(num_q_heads, k_arena, k_scale, q.dtype)
+    check_geometry(num_q_heads, k_arena, k_scale, q.dtype, scale_rows=rows_k and rows_v)
     layer = check_layer(layer, num_layers)
     page_map, lengths, num_tokens = check_rows(page_map, lengths, num_tokens, batch)
     check_smem_tables(f"page_map [{batch}, {page_map.shape[1]}]", page_map.size + 3 * batch + 2)

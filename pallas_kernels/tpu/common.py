@@ -38,6 +38,7 @@ TPU_COMPUTE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 TPU_DTYPES = TPU_COMPUTE_DTYPES + QUANTIZED_DTYPES
 TPU_PAGE_MULTIPLE = 8  # one sublane tile of 32-bit rows
 TPU_QUANTIZED_PAGE_MULTIPLE = 128  # 8-bit scales [L, H, P, S]: row-major by default only when S % 128 == 0
+TPU_SCALE_ROW_PAGES = (16, 32, 64)  # 8-bit pages whose scales come as rows of 128 lanes (`attention.scale_rows`)
 TPU_MAX_PAGE_SIZE = 256
 TPU_HEAD_DIM_MULTIPLE = 128  # the arena is row-major by default only when head_dim % 128 == 0
 TPU_MAX_HEAD_DIM = 256
@@ -65,14 +66,15 @@ def _as_int(x) -> int | None:
 
 
 def tpu_unsupported_reason(*, head_dim, page_size=None, group=None, dtype=None, scale_dtype=None,
-                           q_dtype=None) -> str | None:
+                           q_dtype=None, scale_rows: bool = False) -> str | None:
     """Why the Mosaic TPU kernels cannot take this geometry, or None when they can.
 
     head_dim: 128 or 256; page_size: a multiple of 8 up to 256 (one page is one DMA of
     page_size x head_dim), for 8-bit arenas 128 or 256; group: any >= 1; dtype (the arena's):
     bfloat16, float32, int8, float8_e4m3fn, float8_e5m2; scale_dtype (8-bit arenas): float32.
-    q_dtype (attention's q, its compute dtype): bfloat16 or float32. The module docstring
-    says why each limit is there.
+    q_dtype (attention's q, its compute dtype): bfloat16 or float32. `scale_rows`: an 8-bit
+    arena's scales come as rows of 128 lanes (`attention.scale_rows`), which the attention
+    kernel also takes at pages of 16, 32 or 64. The module docstring says why each limit is there.
     """
     if dtype is not None and jnp.dtype(dtype) not in TPU_DTYPES:
         return (f"dtype={jnp.dtype(dtype).name}: the TPU kernels take bfloat16, float32, int8, float8_e4m3fn or "
@@ -86,10 +88,14 @@ def tpu_unsupported_reason(*, head_dim, page_size=None, group=None, dtype=None, 
     if page_size is not None:
         s = _as_int(page_size)
         multiple = TPU_QUANTIZED_PAGE_MULTIPLE if quantized else TPU_PAGE_MULTIPLE
-        if s is None or not 0 < s <= TPU_MAX_PAGE_SIZE or s % multiple:
+        rows_ok = quantized and scale_rows and s in TPU_SCALE_ROW_PAGES
+        if not rows_ok and (s is None or not 0 < s <= TPU_MAX_PAGE_SIZE or s % multiple):
             why = ("8-bit scales [L, H, P, page_size] are row-major in the TPU's default layout only when "
                    "page_size is a multiple of 128" if quantized else "one page is one DMA of whole (8, 128) tiles of rows")
-            return f"page_size={page_size}: the TPU kernels take multiples of {multiple} up to {TPU_MAX_PAGE_SIZE} ({why})"
+            rows = (f"; the attention kernel takes pages of {', '.join(map(str, TPU_SCALE_ROW_PAGES))} with scales as "
+                    "rows of 128 lanes, pallas_kernels.tpu.attention.scale_rows" if quantized and not scale_rows else "")
+            return (f"page_size={page_size}: the TPU kernels take multiples of {multiple} up to {TPU_MAX_PAGE_SIZE} "
+                    f"({why}){rows}")
     if group is not None and not (_as_int(group) or 0) >= 1:
         return f"group={group}: must be a positive int"
     if q_dtype is not None and jnp.dtype(q_dtype) not in TPU_COMPUTE_DTYPES:

@@ -31,7 +31,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._common import BlockSizes, check_arena, check_layer, check_rows, check_tokens
 from pallas_kernels.tpu.attention import (TpuAttentionTiles, _attention_kernel, _meta, check_geometry, flat_pages,
-                                          flat_scales, grouped, hole_ends, slot_scratch, ungrouped, FAST_BLOCKS)
+                                          flat_scales, grouped, hole_ends, logical_scales, scale_bytes, slot_scratch, ungrouped,
+                                          FAST_BLOCKS)
 from pallas_kernels.tpu.common import check_smem_tables, resolve_tpu_interpret
 
 __all__ = ["tpu_paged_attention_mixed"]
@@ -86,11 +87,11 @@ def _mixed_call(q_dec, q_pre, k_arena, v_arena, meta, page_map, lengths, num_tok
     scratch = [ref for static in (True, False)
                for ref in slot_scratch(block_k, head_dim, k_arena.dtype, page_size, quantized, static=static)]
     scratch.append(pltpu.SemaphoreType.DMA((2,)))
-    extra = (flat_scales(k_scale), flat_scales(v_scale)) if quantized else ()
+    extra = (flat_scales(k_scale, page_size), flat_scales(v_scale, page_size)) if quantized else ()
     zero_page = jnp.zeros((page_size, head_dim), k_arena.dtype)
     rows = num_decode + num_chunks
     keys = page_map.shape[1] * page_size
-    page_bytes = 2 * page_size * head_dim * jnp.dtype(k_arena.dtype).itemsize + (2 * page_size * 4 if quantized else 0)
+    page_bytes = 2 * page_size * head_dim * jnp.dtype(k_arena.dtype).itemsize + (scale_bytes(page_size) if quantized else 0)
     programs = (num_decode + num_chunks * row_blocks) * num_kv_heads
     cost = pl.CostEstimate(  # at the workload bound: every row at the page table's full length
         flops=int(4 * keys * head_dim * num_kv_heads * group * (num_decode + num_chunks * row_blocks * block_tokens)),
@@ -147,7 +148,8 @@ def tpu_paged_attention_mixed(
     lengths and num_tokens per row of each part. The options are `tpu_paged_attention`'s, for
     both parts. Returns (out_dec [B, 1, Hq, D], out_pre [P, T, Hq, D]) in q's dtype, each equal
     to `tpu_paged_attention` on its part."""
-    num_layers, num_kv_heads, _, page_size, head_dim = check_arena(k_arena, v_arena, k_scale, v_scale)
+    (ks, rows_k), (vs, rows_v) = logical_scales(k_arena, k_scale), logical_scales(k_arena, v_scale)
+    num_layers, num_kv_heads, _, page_size, head_dim = check_arena(k_arena, v_arena, ks, vs)
     check_tokens("q_dec", q_dec, batch=None, heads=None, head_dim=head_dim)
     check_tokens("q_pre", q_pre, batch=None, heads=q_dec.shape[2], head_dim=head_dim)
     num_decode, one, num_q_heads, _ = q_dec.shape
@@ -157,7 +159,7 @@ def tpu_paged_attention_mixed(
                          f"{q_pre.shape} (one part alone: tpu_paged_attention)")
     if q_pre.dtype != q_dec.dtype:
         raise ValueError(f"q_dec and q_pre must share a dtype, got {q_dec.dtype} and {q_pre.dtype}")
-    check_geometry(num_q_heads, k_arena, k_scale, q_dec.dtype)
+    check_geometry(num_q_heads, k_arena, k_scale, q_dec.dtype, scale_rows=rows_k and rows_v)
     layer = check_layer(layer, num_layers)
     dec = check_rows(page_map_dec, lengths_dec, num_tokens_dec, num_decode)
     pre = check_rows(page_map_pre, lengths_pre, num_tokens_pre, num_chunks)
