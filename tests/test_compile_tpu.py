@@ -123,6 +123,32 @@ def test_layouts_the_tpu_kernels_refuse_would_copy_the_arena(tooling, dtype, hea
     assert copies, "expected XLA to relayout the arena / scales (the reason the TPU kernels refuse this layout)"
 
 
+@pytest.mark.parametrize("page_size", [16, 32, 64])
+def test_scale_rows_reach_the_kernel_without_a_copy(tooling, page_size):
+    """8-bit pages under 128 with scales as rows of 128 lanes (`scale_rows`): the decode call
+    compiles for v5e and XLA copies neither the arena nor the scales around it (the [L, H, P, S]
+    form above is relayouted), and 8-bit pages under 128 still need the rows: the cache does not
+    store them yet, so `tpu_unsupported_reason` refuses those pages without `scale_rows`."""
+    from pallas_kernels.tpu.attention import tpu_paged_attention
+    from pallas_kernels.tpu.common import tpu_unsupported_reason
+
+    sds = jax.ShapeDtypeStruct
+    arena = sds((2, 8, 2048, page_size, 128), jnp.int8)
+    scale = sds((2, 8, 2048 * page_size // 128, 128), jnp.float32)
+    q, rows = sds((8, 1, 32, 128), jnp.bfloat16), (sds((8, 64), jnp.int32), sds((8,), jnp.int32), sds((8,), jnp.int32))
+
+    def fn(q, ka, va, pm, lengths, n, ks, vs):
+        return tpu_paged_attention(q, ka, va, 1, pm, lengths, n, k_scale=ks, v_scale=vs, interpret=False)
+
+    compiled = tpu_compile.compile_for_tpu(fn, (q, arena, arena, *rows, scale, scale), target="tpu-v5e")
+    facts = tpu_compile.module_facts(compiled, big=scale.size * 4 // 4)
+    assert facts.big_copies == (), facts.big_copies
+    assert [k.name.split(".")[0] for k in facts.kernels] == ["tpu_paged_attention_bt1_g4_bk512x2_d128_int8"]
+    common = dict(head_dim=128, page_size=page_size, dtype=jnp.int8, scale_dtype=jnp.float32)
+    assert tpu_unsupported_reason(**common, scale_rows=True) is None
+    assert "scale_rows" in tpu_unsupported_reason(**common)
+
+
 @pytest.mark.parametrize("rows,fits", [(16, True), (32, False)])
 def test_smem_budget_is_what_mosaic_allows(tooling, rows, fits):
     """A 512 KiB page table compiles; a 1 MiB one does not ("Ran out of memory in memory

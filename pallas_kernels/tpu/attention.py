@@ -61,6 +61,9 @@ score, the value scale the f32 weights (`(p * v_scale) @ vq`), or, with float16 
 is dequantized (`vq * v_scale` rounded to fp16), as on the GPU. Scales `[L, Hkv, P, S]` (seen
 as `[L * Hkv, P, S]`, `flat_scales`) come by DMA one page row `[1, S]` at a time straight into
 its lanes of a `[1, block_k]` row in VMEM (`scale_shape`; S of 128 or 256: whole lane tiles).
+Pages of 16, 32 or 64 take scale rows `[L, Hkv, P * S / 128, 128]` (`scale_rows`): a page's DMA
+moves the 512-byte row holding its scales into a row of a `[pages, 128]` slot, and `scale_lanes`
+makes the block's lane row of them (shifts precomputed by XLA, `scale_shifts`).
 Contract: `pallas_kernels.reference.paged_attention_reference`.
 """
 from __future__ import annotations
@@ -157,7 +160,8 @@ def _attention_kernel(
     k_hbm,  # [L * Hkv * P, S, D] HBM (`flat_pages`: page (layer, h, page) at (layer * Hkv + h) * P + page)
     v_hbm,  # [L * Hkv * P, S, D] HBM
     zero_page_hbm,  # [S, D] zeros in the arena dtype, HBM
-    *refs,  # 8-bit: ks_hbm, vs_hbm f32[L * Hkv, P, S] (`flat_scales`); then o_ref [Hkv, rows, D]; then scratch
+    *refs,  # 8-bit: ks_hbm, vs_hbm (`flat_scales`), pages under 128: then the row's scale shifts i32[blocks, ppb]
+    # (`scale_shifts`, VMEM); then o_ref [Hkv, rows, D]; then scratch
     quantized: bool,
     sm_scale: float,
     has_window: bool,
@@ -176,7 +180,12 @@ def _attention_kernel(
     """The kernel body (module docstring). `row`, `row_block`: the batch row (of the tables) and
     the block of query tokens this body serves; default the program's ids (a mixed call,
     `pallas_kernels.tpu.mixed`, runs two bodies in one kernel and names them)."""
-    if quantized:
+    _, page_size, head_dim = k_hbm.shape
+    rows_per_page = page_size % 128 == 0  # 8-bit scales: a page's own row(s); else rows of 128 / S pages
+    shifts_ref = None
+    if quantized and not rows_per_page:
+        ks_hbm, vs_hbm, shifts_ref, o_ref, *scratch, sem = refs
+    elif quantized:
         ks_hbm, vs_hbm, o_ref, *scratch, sem = refs
     else:
         (o_ref, *scratch, sem), ks_hbm, vs_hbm = refs, None, None
@@ -184,24 +193,11 @@ def _attention_kernel(
     kbuf, vbuf, ksbuf, vsbuf = Slots.of(scratch, static=one_token) + ([None, None] if not quantized else [])
     b = pl.program_id(0) if row is None else row
     rb = pl.program_id(1) if row_block is None else row_block
-    _, page_size, head_dim = k_hbm.shape
     block_k = kbuf[0].shape[0]
     ppb = block_k // page_size
     rows = q_ref.shape[1]
     f32, i32 = jnp.float32, jnp.int32
-    rows_per_page = page_size % 128 == 0  # 8-bit scales: a page's own row(s); else rows of 128 / S pages
     row_shift = (128 // page_size).bit_length() - 1 if not rows_per_page else 0
-
-    def page_groups(j):
-        """i32[1, ppb]: where each page of block j sits in its scale row (page % (128 / S); a
-        page past the table or a hole: whatever its clipped entry gives, its keys are masked)."""
-        lane = lax.broadcasted_iota(i32, (1, ppb), 1)
-        out = jnp.zeros((1, ppb), i32)
-        for p in range(ppb):
-            entry = page_map_ref[b * max_pages + jnp.minimum(j * ppb + p, max_pages - 1)]
-            page = jnp.minimum(entry.astype(jnp.uint32), jnp.uint32(num_pages - 1)).astype(i32)
-            out = jnp.where(lane == p, page & ((128 // page_size) - 1), out)
-        return out
 
     layer = meta_ref[0]
     length = lengths_ref[b]
@@ -359,9 +355,9 @@ def _attention_kernel(
         q = q_ref[h].astype(compute)  # [rows, D]
         k = kbuf[slot][...].astype(compute)  # [block_k, D]
         dots = _dot_t(q, k)  # [rows, block_k] f32
-        groups = page_groups(j) if quantized and not rows_per_page else None
+        shifts = None if shifts_ref is None else shifts_ref[pl.ds(j, 1), :]  # [1, ppb] (`scale_shifts`)
         if quantized:
-            ks = scale_row(ksbuf[slot], groups, page_size)
+            ks = scale_row(ksbuf[slot], shifts, page_size)
             s = dots * (ks * sm_scale)
         else:
             s = dots * sm_scale
@@ -402,7 +398,7 @@ def _attention_kernel(
             if jnp.issubdtype(vbuf[slot].dtype, jnp.floating) and in_range_col is not None:
                 v = jnp.where(in_range_col, v, jnp.zeros((), compute))
         else:  # fp16 q: dequantize the V tile (vq * scale may overflow fp16)
-            vs_row = scale_row(vsbuf[slot], groups, page_size)
+            vs_row = scale_row(vsbuf[slot], shifts, page_size)
             if in_range is not None:
                 vs_row = jnp.where(in_range, vs_row, 0.0)
             eye = lax.broadcasted_iota(i32, (block_k, block_k), 0) == lax.broadcasted_iota(i32, (block_k, block_k), 1)
@@ -411,7 +407,7 @@ def _attention_kernel(
             if in_range_col is not None:
                 v = jnp.where(in_range_col, v, jnp.zeros((), compute))
         if fold_v:  # 8-bit values are finite by construction: a row's poison is its scale
-            vs = scale_row(vsbuf[slot], groups, page_size)
+            vs = scale_row(vsbuf[slot], shifts, page_size)
             v_ok = jnp.isfinite(vs)
             vs = jnp.where(masked(in_range, v_ok), vs, 0.0)
             bad_blk = jnp.maximum(bad_s, jnp.max(jnp.where(masked(mask, ~v_ok), 1.0, 0.0), axis=1, keepdims=True))
@@ -576,29 +572,42 @@ def scale_dst(buf, p, page_size: int):
     return buf.at[pl.ds(p, 1)]
 
 
-def scale_row(buf, groups, page_size: int):
+def scale_row(buf, shifts, page_size: int):
     """A scale slot's scales (`scale_shape`) as one `[1, block_k]` lane row; scale rows
-    (`scale_lanes`) need the block's pages' `groups`."""
+    (`scale_lanes`) need the block's `shifts`."""
     if page_size % 128 == 0:
         return buf[...]
-    return scale_lanes(buf[...], groups, page_size)
+    return scale_lanes(buf[...], shifts, page_size)
 
 
-def scale_lanes(rows, groups, page_size: int):
-    """rows f32[n, 128], row i the scale row of a block's page i, whose scales are its lanes
-    [g_i * S, (g_i + 1) * S) (groups i32[1, n]: g_i = page % (128 / S)) -> f32[1, n * S], page
-    i's scales at lanes [i * S, (i + 1) * S). Each row is rotated so that its page's lanes land
-    at (i % G) * S (G = 128 / S: one of G static rotations, chosen per row), the other lanes
-    zeroed, and each G rows summed into one row of 128 lanes (pages i, ..., i + G - 1)."""
+def scale_shifts(page_map, page_size: int, num_pages: int, pages_per_block: int):
+    """i32[B, blocks, pages_per_block]: for scale rows (`scale_rows`), how far (in pages, mod
+    128 / S) each page's scales must rotate within its row to sit at its place in a 128-lane row
+    of the block's scales: (i % G - page % G) mod G for the block's page i (G = 128 / S; unmapped
+    or padded entries read a clipped page, their keys are masked)."""
+    per_row = 128 // page_size
+    rows, width = page_map.shape
+    blocks = -(-width // pages_per_block)
+    pm = jnp.pad(page_map.astype(jnp.int32), ((0, 0), (0, blocks * pages_per_block - width)))
+    page = jnp.minimum(pm.astype(jnp.uint32), jnp.uint32(num_pages - 1)).astype(jnp.int32)
+    i = jnp.arange(blocks * pages_per_block, dtype=jnp.int32) % pages_per_block  # the page's place in its block
+    return ((i - page) & (per_row - 1)).reshape(rows, blocks, pages_per_block)
+
+
+def scale_lanes(rows, shifts, page_size: int):
+    """rows f32[n, 128], row i the scale row of a block's page i (page p's scales at lanes
+    (p % G) * S onward, G = 128 / S), shifts i32[1, n] (`scale_shifts`) -> f32[1, n * S], page
+    i's scales at lanes [i * S, (i + 1) * S). Each row is rotated by its shift (a rotation by
+    S, 2S, 4S, ... per bit of it), so that its page's lanes land at (i % G) * S; the other lanes
+    are zeroed and each G rows summed into one row of 128 lanes (pages i to i + G - 1)."""
     n = rows.shape[0]
     per_row = 128 // page_size
     i32 = jnp.int32
-    row = lax.broadcasted_iota(i32, (n, 1), 0)
-    shift = jnp.transpose(groups)  # [n, 1]
-    shift = (row - shift) & (per_row - 1)  # lanes to rotate by, in pages: (i % G - g_i) mod G
+    shift = jnp.transpose(shifts)  # [n, 1]
     out = rows
-    for k in range(1, per_row):
-        out = jnp.where(shift == k, pltpu.roll(rows, k * page_size, 1), out)
+    for bit in range((per_row - 1).bit_length()):
+        out = jnp.where((shift & (1 << bit)) != 0, pltpu.roll(out, (1 << bit) * page_size, 1), out)
+    row = lax.broadcasted_iota(i32, (n, 128), 0)
     lane = lax.broadcasted_iota(i32, (n, 128), 1)
     out = jnp.where(lax.div(lane, page_size) == (row & (per_row - 1)), out, 0.0)
     sums = [jnp.sum(out[r:r + per_row], axis=0, keepdims=True) for r in range(0, n, per_row)]
@@ -738,6 +747,10 @@ def _tpu_attention_call(q, k_arena, v_arena, meta, page_map, lengths, num_tokens
     if quantized:
         in_specs += [hbm, hbm]
         extra = (flat_scales(k_scale, page_size), flat_scales(v_scale, page_size))
+        if page_size % 128:
+            shifts = scale_shifts(page_map, page_size, k_arena.shape[2], block_k // page_size)
+            in_specs.append(pl.BlockSpec((None, *shifts.shape[1:]), lambda b, rb, *_: (b, 0, 0)))
+            extra += (shifts,)
     zero_page = jnp.zeros((page_size, head_dim), k_arena.dtype)
     blocks = FAST_BLOCKS if block_tokens == 1 else 1  # an iteration of the steady-state loop
     name = f"tpu_paged_attention_bt{block_tokens}_g{group}_bk{block_k}x{blocks}_d{head_dim}"

@@ -15,9 +15,12 @@ whole rows of that layout, and Mosaic checks offsets along tiled dims against it
   (`{2,4,3,1,0}` for `[L, H, P, 16, 64]`), where no page-granular DMA can read a page, and XLA
   would relayout the whole arena on every call. Measured by compiling for v5e and v6e
   (`tests/test_compile_tpu.py`): hence head_dim 128 or 256, and for 8-bit arenas, whose
-  scales `[L, Hkv, P, S]` have S as their minor dim, page sizes 128 or 256.
-- 8-bit scales are DMA'd one page row `[1, S]` at a time, at a dynamic row (`page`): fine
-  for float32 scales; bfloat16 scales pack 2 pages per sublane word and such a row is not
+  scales `[L, Hkv, P, S]` have S as their minor dim, page sizes 128 or 256. Attention also
+  takes 8-bit pages of 16, 32 or 64 with the scales as rows of 128 lanes
+  (`attention.scale_rows`, `scale_rows=True` below); the cache does not store them so yet.
+- 8-bit scales are DMA'd one page row `[1, S]` at a time (scale rows: the 512-byte row holding
+  the page; a DMA's contiguous inner slice must be a multiple of 512 bytes), at a dynamic row:
+  fine for float32 scales; bfloat16 scales pack 2 pages per sublane word and such a row is not
   addressable by one DMA, so the TPU kernels take float32 scales only.
 - float16 has no Mosaic vector type on v5e / v6e (f16 vector loads and stores do not
   compile): the kernels take bfloat16 / float32 arenas and q, and the 8-bit dtypes.

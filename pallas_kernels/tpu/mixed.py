@@ -31,7 +31,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._common import BlockSizes, check_arena, check_layer, check_rows, check_tokens
 from pallas_kernels.tpu.attention import (TpuAttentionTiles, _attention_kernel, _meta, check_geometry, flat_pages,
-                                          flat_scales, grouped, hole_ends, logical_scales, scale_bytes, slot_scratch, ungrouped,
+                                          flat_scales, grouped, hole_ends, logical_scales, scale_bytes, scale_shifts, slot_scratch,
+                                          ungrouped,
                                           FAST_BLOCKS)
 from pallas_kernels.tpu.common import check_smem_tables, resolve_tpu_interpret
 
@@ -40,7 +41,7 @@ __all__ = ["tpu_paged_attention_mixed"]
 
 def _mixed_kernel(meta_ref, lengths_ref, num_tokens_ref, page_map_ref, hole_end_ref, q_dec_ref, q_pre_ref, k_hbm,
                   v_hbm, zero_page_hbm, *refs, quantized: bool, num_decode: int, decode: dict, prefill: dict):
-    scales = refs[:2] if quantized else ()
+    scales = refs[:(2 if k_hbm.shape[1] % 128 == 0 else 3)] if quantized else ()  # (+ scale shifts: scale rows)
     o_dec_ref, o_pre_ref = refs[len(scales): len(scales) + 2]
     *scratch, sem = refs[len(scales) + 2:]
     n = len(scratch) // 3  # the decode part's buffers (2 slots each, static) and the chunk's (one allocation)
@@ -88,6 +89,11 @@ def _mixed_call(q_dec, q_pre, k_arena, v_arena, meta, page_map, lengths, num_tok
                for ref in slot_scratch(block_k, head_dim, k_arena.dtype, page_size, quantized, static=static)]
     scratch.append(pltpu.SemaphoreType.DMA((2,)))
     extra = (flat_scales(k_scale, page_size), flat_scales(v_scale, page_size)) if quantized else ()
+    extra_specs = [hbm] * len(extra)
+    if quantized and page_size % 128:
+        shifts = scale_shifts(page_map, page_size, k_arena.shape[2], block_k // page_size)
+        extra += (shifts,)
+        extra_specs.append(pl.BlockSpec((None, *shifts.shape[1:]), lambda b, rb, *_: (b, 0, 0)))
     zero_page = jnp.zeros((page_size, head_dim), k_arena.dtype)
     rows = num_decode + num_chunks
     keys = page_map.shape[1] * page_size
@@ -107,7 +113,7 @@ def _mixed_call(q_dec, q_pre, k_arena, v_arena, meta, page_map, lengths, num_tok
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=(rows, row_blocks),
-            in_specs=[dec_spec, pre_spec, hbm, hbm, hbm] + [hbm] * len(extra),
+            in_specs=[dec_spec, pre_spec, hbm, hbm, hbm] + extra_specs,
             out_specs=[dec_spec, pre_spec],
             scratch_shapes=scratch,
         ),
