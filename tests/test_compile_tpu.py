@@ -149,6 +149,31 @@ def test_scale_rows_reach_the_kernel_without_a_copy(tooling, page_size):
     assert "scale_rows" in tpu_unsupported_reason(**common)
 
 
+@pytest.mark.parametrize("page_size,tokens", [(16, 1), (32, 256)], ids=str)
+def test_append_over_scale_rows_compiles_in_place(tooling, page_size, tokens):
+    """The append kernel over scale rows (`scale_rows`: rows shared by 128 / S pages, merged in
+    XLA, each read and written once by DMA) compiles for v5e with the arena and its scale rows
+    aliased, and XLA copies none of them."""
+    from pallas_kernels.tpu.append import tpu_paged_append
+
+    sds = jax.ShapeDtypeStruct
+    arena = sds((2, 8, 2048, page_size, 128), jnp.int8)
+    scale = sds((2, 8, 2048 * page_size // 128, 128), jnp.float32)
+    batch = 32 if tokens == 1 else 4
+    kv = sds((batch, tokens, 8, 128), jnp.bfloat16)
+    rows = (sds((batch, 64), jnp.int32), sds((batch,), jnp.int32), sds((batch,), jnp.int32))
+
+    def fn(ka, va, ks, vs, k, v, pm, lengths, n):
+        return tpu_paged_append(ka, va, 1, k, v, pm, lengths, n, k_scale=ks, v_scale=vs, interpret=False)
+
+    compiled = tpu_compile.compile_for_tpu(fn, (arena, arena, scale, scale, kv, kv, *rows), target="tpu-v5e",
+                                           donate_argnums=(0, 1, 2, 3))
+    assert tpu_compile.module_facts(compiled, big=arena.size // 4).big_copies == ()  # (as every append variant)
+    facts = tpu_compile.module_facts(compiled, big=scale.size * 4 // 4)
+    assert [c for c in facts.big_copies if c[1].startswith("f32")] == []  # no copy of a quarter of the scales
+    assert {0, 1, 2, 3} <= set(facts.aliased_params), facts.aliased_params
+
+
 @pytest.mark.parametrize("rows,fits", [(16, True), (32, False)])
 def test_smem_budget_is_what_mosaic_allows(tooling, rows, fits):
     """A 512 KiB page table compiles; a 1 MiB one does not ("Ran out of memory in memory

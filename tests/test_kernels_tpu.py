@@ -486,6 +486,42 @@ def test_quantized_append_matches_reference(dtype):
     COUNTS["append (8-bit arenas)"] += 1
 
 
+@pytest.mark.parametrize("page_size,tokens", [(16, 1), (16, 40), (32, 9), (64, 3)], ids=str)
+def test_quantized_append_over_scale_rows(page_size, tokens):
+    """Scale rows (`scale_rows`): values and scales bit-equal to the reference's on [L, H, P, S],
+    on fresh random data, when several rows of one call write pages that share a scale row (each
+    row read and written once, every entry's new scales merged into it), the stale scales of the
+    row's other pages kept, and the rule rows (zero, NaN, inf) as in the test above."""
+    from pallas_kernels.tpu.common import scale_rows
+
+    head_dim, num_pages, rows = 128, 64, 8
+    rng = np.random.default_rng(page_size + tokens)
+    lengths = rng.integers(tokens, 3 * page_size + tokens, rows)
+    num_tokens = np.minimum(rng.integers(0, tokens + 1, rows), lengths)
+    num_tokens[0] = tokens
+    bits = rng.integers(0, 256, (2, 2, num_pages, page_size, head_dim), dtype=np.uint8)
+    values = jnp.asarray(bits.view(jnp.int8))
+    scales = jnp.asarray(rng.standard_normal((2, 2, num_pages, page_size)), jnp.float32)
+    k = rng.standard_normal((rows, tokens, 2, head_dim)) * 3
+    k[0, 0] = 0.0
+    k[0, -1, 1, 3] = np.nan
+    k, v = (kernel_cases.on_device(x, jnp.bfloat16) for x in (k, rng.standard_normal((rows, tokens, 2, head_dim))))
+    # Logical page i of row b is page i * rows + b: the rows' i-th pages share scale rows (all 8 at
+    # page 16, 4 at 32, 2 at 64), so rows ending in the same logical page write one scale row.
+    max_pages = int(-(-lengths.max() // page_size))
+    i, b = np.meshgrid(np.arange(max_pages), np.arange(rows))
+    page_map = jnp.asarray(np.where(i < -(-lengths[:, None] // page_size), i * rows + b, -1), jnp.int32)
+    last_pages = (((lengths - 1) // page_size) * rows + np.arange(rows))[num_tokens > 0]
+    shared = collections.Counter(last_pages // (128 // page_size))  # the scale rows written
+    assert max(shared.values()) > 1  # (the case this test is for)
+    args = (values, values, 1, k, v, page_map, jnp.asarray(lengths, jnp.int32), jnp.asarray(num_tokens, jnp.int32))
+    want = fill_ref(*args, k_scale=scales, v_scale=scales)
+    got = tpu_paged_append(*args, k_scale=scale_rows(scales), v_scale=scale_rows(scales), interpret=True)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32).reshape(w.shape), np.asarray(w, np.float32))
+    COUNTS["append (8-bit arenas, scale rows)"] += 1
+
+
 # ---- through the API: backend="pallas_tpu" == backend="reference" --------------------------------------
 
 

@@ -39,7 +39,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._common import check_arena, check_layer, check_rows, check_tokens
 from pallas_kernels.quant import quantize_rows
-from pallas_kernels.tpu.common import append_chunk, check_smem_tables, resolve_tpu_interpret, tpu_unsupported_reason
+from pallas_kernels.tpu.common import (append_chunk, check_smem_tables, logical_scales, resolve_tpu_interpret,
+                                      tpu_unsupported_reason)
 
 __all__ = ["tpu_paged_append"]
 
@@ -190,12 +191,25 @@ def _tpu_append_call(k_arena, v_arena, layer, k, v, page_map, lengths, num_token
     edge_live = flat(edge_live)
     n_edges, e_page, e_off, e_idx = _compact(edge_live, *(flat(x) for x in edge_tables))
     s_tables, s_shapes, n_srows = (jnp.zeros((1,), jnp.int32),) * 2, (), jnp.int32(0)
+    rows_format = quantized and page_size % 128 != 0  # scales as rows of 128 / S pages (`scale_rows`)
     if quantized:
         num_spages = -(-(tokens + page_size - 1) // page_size)  # pages one row's new tokens may touch
         st, snew, spage, _, slive = units(page_size, num_spages)
-        n_srows, sp, s_idx = _compact(flat(slive), flat(spage), arange(batch * num_spages))
+        sentries = batch * num_spages
+        if rows_format:
+            # Each touched page's scales live in a 128-lane row shared with 128 / S - 1 other pages,
+            # which other rows of this call may write: each row is read and written once, by the
+            # first entry naming it (`owner`); every entry's new scales are merged into that copy.
+            srow = flat(spage) // (128 // page_size)
+            same = flat(slive)[None, :] & (srow[None, :] == srow[:, None])  # [E, E]
+            owner = jnp.argmax(same, axis=1).astype(jnp.int32)  # the first live entry of the row
+            moved_rows = flat(slive) & (owner == arange(sentries))
+            n_srows, sp, s_idx = _compact(moved_rows, srow, arange(sentries))
+        else:
+            n_srows, sp, s_idx = _compact(flat(slive), flat(spage), arange(sentries))
         s_tables = (sp, s_idx)
-        s_shapes = (jax.ShapeDtypeStruct((batch * num_spages, num_kv_heads, 1, page_size), k_scale.dtype),) * 2
+        s_shapes = (jax.ShapeDtypeStruct((sentries, num_kv_heads, 1, 128 if rows_format else page_size),
+                                         k_scale.dtype),) * 2
     meta = jnp.stack([layer_c, jnp.where(layer_ok, n_edges, 0), jnp.where(layer_ok, n_srows, 0)]).astype(jnp.int32)
     c_shape = jax.ShapeDtypeStruct((2 * batch, num_kv_heads, chunk, head_dim), k_arena.dtype)
     dtype_tag = f"_{jnp.dtype(k_arena.dtype).name}" if quantized else ""
@@ -223,9 +237,17 @@ def _tpu_append_call(k_arena, v_arena, layer, k, v, page_map, lengths, num_token
         staged.append(rows.reshape(batch * num_chunks, num_kv_heads, chunk, head_dim))
     if quantized:
         st_flat = st.reshape(batch, 1, num_spages * page_size)
-        for scale, old_rows in zip(new_scales, old[2:]):  # [B, T, Hkv], [B * Kp, Hkv, 1, S]
+        for scale, old_rows in zip(new_scales, old[2:]):  # [B, T, Hkv], [B * Kp, Hkv, 1, S or 128]
             taken = jnp.take_along_axis(scale.transpose(0, 2, 1), st_flat, axis=2)  # [B, Hkv, Kp*S]
             taken = taken.reshape(batch, num_kv_heads, num_spages, page_size).transpose(0, 2, 1, 3)
+            if rows_format:  # each new scale into its row's owner's copy, at its page's lanes
+                lane = (flat(spage) % (128 // page_size))[:, None] * page_size + arange(page_size)[None, :]  # [E, S]
+                written = snew.reshape(sentries, page_size) & flat(slive)[:, None]
+                target = jnp.where(written, owner[:, None], sentries)  # [E, S]: out of range = not written
+                rows = old_rows[:, :, 0].transpose(0, 2, 1).at[target, lane].set(
+                    taken.reshape(sentries, num_kv_heads, page_size).transpose(0, 2, 1), mode="drop")  # [E, 128, Hkv]
+                staged.append(rows.transpose(0, 2, 1)[:, :, None])
+                continue
             old_rows = old_rows.reshape(batch, num_spages, num_kv_heads, page_size)
             rows = jnp.where(snew[:, :, None, :], taken, old_rows)  # [B, Kp, Hkv, S]
             staged.append(rows.reshape(batch * num_spages, num_kv_heads, 1, page_size))
@@ -242,17 +264,19 @@ def tpu_paged_append(k_arena, v_arena, layer, k, v, page_map, lengths, num_token
 
     k_arena, v_arena: [L, Hkv, P, S, D]; k, v: [B, T, Hkv, D]; layer: int or traced i32
     scalar; page_map: i32[B, M] (-1 unmapped); lengths, num_tokens: i32[B]. Returns the
-    updated (k_arena, v_arena), and for an 8-bit arena (float32 `k_scale, v_scale` [L, Hkv, P, S])
+    updated (k_arena, v_arena), and for an 8-bit arena (float32 `k_scale, v_scale` [L, Hkv, P, S];
+    pages of 16, 32 or 64: scale rows [L, Hkv, P * S / 128, 128], `tpu.common.scale_rows`)
     (k_arena, v_arena, k_scale, v_scale). Donate the arena in your jit to update it in place.
     `interpret`: None (compile on a TPU, TPU interpret mode elsewhere), True, or `InterpretParams`.
     """
-    num_layers, num_kv_heads, _, page_size, head_dim = check_arena(k_arena, v_arena, k_scale, v_scale)
+    (ks, rows_k), (vs, rows_v) = logical_scales(k_arena, k_scale), logical_scales(k_arena, v_scale)
+    num_layers, num_kv_heads, _, page_size, head_dim = check_arena(k_arena, v_arena, ks, vs)
     check_tokens("k", k, batch=None, heads=num_kv_heads, head_dim=head_dim)
     check_tokens("v", v, batch=k.shape[0], heads=num_kv_heads, head_dim=head_dim)
     if k.shape != v.shape:
         raise ValueError(f"k {k.shape} and v {v.shape} must have the same shape")
     reason = tpu_unsupported_reason(head_dim=head_dim, page_size=page_size, dtype=k_arena.dtype,
-                                    scale_dtype=None if k_scale is None else k_scale.dtype)
+                                    scale_dtype=None if k_scale is None else k_scale.dtype, scale_rows=rows_k and rows_v)
     if reason:
         raise ValueError(reason)
     layer = check_layer(layer, num_layers)[0]

@@ -80,7 +80,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._common import BlockSizes, check_arena, check_layer, check_rows, check_tokens
 from pallas_kernels.quant import is_quantized
-from pallas_kernels.tpu.common import check_smem_tables, resolve_tpu_interpret, tpu_unsupported_reason
+from pallas_kernels.tpu.common import (check_smem_tables, logical_scales, resolve_tpu_interpret, scale_rows,  # noqa: F401
+                                      tpu_unsupported_reason)
 
 __all__ = ["tpu_paged_attention", "TpuAttentionTiles"]
 
@@ -539,19 +540,6 @@ def flat_scales(scales, page_size: int | None = None):
     return scales.reshape(scales.shape[0] * scales.shape[1], -1, 128)
 
 
-def scale_rows(scales):
-    """[L, Hkv, P, S] -> [L, Hkv, P * S / 128, 128] (S < 128 dividing 128, P * S a multiple of 128):
-    an 8-bit arena's scales as rows of 128 lanes, 128 / S pages a row (page p: row p // (128 / S),
-    lanes (p % (128 / S)) * S onward). A TPU DMA moves whole 512-byte rows (its contiguous inner
-    slice must be a multiple of 512 bytes), and this is the format whose rows it can move: the
-    TPU's default layout of [..., P, S] puts the pages in the lanes instead."""
-    num_layers, num_kv_heads, num_pages, page_size = scales.shape
-    if 128 % page_size or (num_pages * page_size) % 128:
-        raise ValueError(f"scale rows need a page_size dividing 128 and pages x page_size a multiple of 128, got "
-                         f"{num_pages} pages of {page_size}")
-    return scales.reshape(num_layers, num_kv_heads, num_pages * page_size // 128, 128)
-
-
 def scale_bytes(page_size: int) -> int:
     """Bytes of K and V scales a page's DMAs move: its rows, or the two 512-byte scale rows holding it."""
     return 2 * 4 * (page_size if page_size % 128 == 0 else 128)
@@ -670,19 +658,6 @@ def ungrouped(out, tokens: int, num_q_heads: int):
     group = num_q_heads // num_kv_heads
     out = out.reshape(rows, num_kv_heads, padded // group, group, head_dim)[:, :, :tokens]
     return out.transpose(0, 2, 1, 3, 4).reshape(rows, tokens, num_q_heads, head_dim)
-
-
-def logical_scales(k_arena, scales):
-    """(scales as `check_arena` sees them: [L, Hkv, P, S], whether they came as `scale_rows`).
-    Scale rows are taken as given when their shape is exactly [L, Hkv, P * S / 128, 128]."""
-    if scales is None or k_arena.ndim != 5 or getattr(scales, "ndim", None) != 4:
-        return scales, False
-    num_layers, num_kv_heads, num_pages, page_size = k_arena.shape[:4]
-    if page_size >= 128 or scales.shape[-1] != 128 or (num_pages * page_size) % 128:
-        return scales, False
-    if tuple(scales.shape) != (num_layers, num_kv_heads, num_pages * page_size // 128, 128):
-        return scales, False  # (check_arena names the shape it wants)
-    return jax.ShapeDtypeStruct(k_arena.shape[:4], scales.dtype), True
 
 
 def check_geometry(num_q_heads: int, k_arena, k_scale, q_dtype, scale_rows: bool = False) -> None:

@@ -34,7 +34,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.quant import QUANTIZED_DTYPES
 
-__all__ = ["tpu_unsupported_reason", "resolve_tpu_interpret", "target_platform", "check_smem_tables", "append_chunk", "row_packing", "TPU_PAGE_MULTIPLE"]
+__all__ = ["tpu_unsupported_reason", "resolve_tpu_interpret", "target_platform", "check_smem_tables", "append_chunk",
+           "row_packing", "scale_rows", "logical_scales", "TPU_PAGE_MULTIPLE"]
 
 # float16 has no Mosaic vector type on TPU v5e / v6e (its loads and stores do not compile).
 TPU_COMPUTE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -139,3 +140,29 @@ def resolve_tpu_interpret(interpret):
     if interpret is True:
         return pltpu.InterpretParams(dma_execution_mode="on_wait", uninitialized_memory="nan")
     return interpret or False
+
+
+def scale_rows(scales):
+    """[L, Hkv, P, S] -> [L, Hkv, P * S / 128, 128] (S < 128 dividing 128, P * S a multiple of 128):
+    an 8-bit arena's scales as rows of 128 lanes, 128 / S pages a row (page p: row p // (128 / S),
+    lanes (p % (128 / S)) * S onward). A TPU DMA moves whole 512-byte rows (its contiguous inner
+    slice must be a multiple of 512 bytes), and this is the format whose rows it can move: the
+    TPU's default layout of [..., P, S] puts the pages in the lanes instead."""
+    num_layers, num_kv_heads, num_pages, page_size = scales.shape
+    if 128 % page_size or (num_pages * page_size) % 128:
+        raise ValueError(f"scale rows need a page_size dividing 128 and pages x page_size a multiple of 128, got "
+                         f"{num_pages} pages of {page_size}")
+    return scales.reshape(num_layers, num_kv_heads, num_pages * page_size // 128, 128)
+
+
+def logical_scales(k_arena, scales):
+    """(scales as `check_arena` sees them: [L, Hkv, P, S], whether they came as `scale_rows`).
+    Scale rows are taken as given when their shape is exactly [L, Hkv, P * S / 128, 128]."""
+    if scales is None or k_arena.ndim != 5 or getattr(scales, "ndim", None) != 4:
+        return scales, False
+    num_layers, num_kv_heads, num_pages, page_size = k_arena.shape[:4]
+    if page_size >= 128 or scales.shape[-1] != 128 or (num_pages * page_size) % 128:
+        return scales, False
+    if tuple(scales.shape) != (num_layers, num_kv_heads, num_pages * page_size // 128, 128):
+        return scales, False  # (check_arena names the shape it wants)
+    return jax.ShapeDtypeStruct(k_arena.shape[:4], scales.dtype), True
