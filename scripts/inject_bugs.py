@@ -6,7 +6,7 @@
 Each bug is a one-line edit of the page table's packed arrays, the prefix cache (device ops, index, scheduler), the host tier
 (its ops, its binding to its cache), the smoothed keys' factors (fixed at create) or a step's
 plan (`arena_jax.plan`: its epoch, its watermarks), the TPU attention kernel's steady-state
-loop, or the "xla" backend's one-block attention (its V rows' deferred check). The tests that
+loop and its 8-bit scale rows, the TPU append's merge of shared scale rows, or the "xla" backend's one-block attention (its V rows' deferred check). The tests that
 should catch it run in a copy of the tracked files (this checkout is never modified), with the
 hypothesis profile "find" (the CI's examples, no shrinking: only "caught or not" matters).
 Prints one line per bug and test file; exits 1 if a bug got through.
@@ -135,6 +135,13 @@ MUTANTS = {
         "bad_blk = jnp.maximum(bad_s, jnp.max(jnp.where(v_ok_col, 0.0, 1.0)))", "bad_blk = bad_s"),
     "tpu attention: the fast loop takes a block the first query cannot see whole": ("pallas_kernels/tpu/attention.py",
         "lax.div(jnp.maximum(start + t_first + 1, 0), block_k)", "lax.div(jnp.maximum(start + t_first + 1 + block_k, 0), block_k)"),
+    "tpu attention: scale rows rotated the wrong way": ("pallas_kernels/tpu/attention.py",
+        "pltpu.roll(out, (1 << bit) * page_size, 1)", "pltpu.roll(out, 128 - (1 << bit) * page_size, 1)"),
+    "tpu attention: scale rows' shifts without the page's place in its block": ("pallas_kernels/tpu/attention.py",
+        "% pages_per_block  # the page's place in its block", "  # the page's place in its block"),
+    "tpu append: each entry moves its own copy of a shared scale row": ("pallas_kernels/tpu/append.py",
+        "moved_rows = flat(slive) & (owner == arange(sentries))",
+        "moved_rows = flat(slive); owner = arange(sentries)"),
     # the "xla" backend's one-block attention (pallas_kernels/blockwise.py)
     "blockwise: one block keeps a poisoned V row's output without the check": ("pallas_kernels/blockwise.py",
         "return jnp.where(bad, jnp.nan, l), jnp.where(bad[..., None], jnp.nan, values_v(p))", "return l, values_v(p)"),
@@ -159,6 +166,7 @@ TESTS = {
     "arena_jax/kv_cache.py": ["tests/test_allocator_model.py"],
     "arena_jax/allocator.py": ["tests/test_plan.py", "tests/test_allocator_model.py"],
     "pallas_kernels/tpu/attention.py": ["tests/test_kernels_tpu.py"],
+    "pallas_kernels/tpu/append.py": ["tests/test_kernels_tpu.py"],
     "pallas_kernels/blockwise.py": ["tests/test_blockwise.py"],
 }
 
