@@ -354,7 +354,7 @@ def copies_pages_by_dma(cache) -> bool:
 
     return target_platform() == "tpu" and tpu_unsupported_reason(
         head_dim=cache.k.shape[-1], page_size=cache.k.shape[3], dtype=cache.k.dtype,
-        scale_dtype=None if cache.k_scale is None else cache.k_scale.dtype) is None
+        scale_dtype=None if cache.k_scale is None else cache.k_scale.dtype, scale_rows=cache.scale_rows) is None
 
 
 def _copy_pages(cache, src, dst):
@@ -363,7 +363,9 @@ def _copy_pages(cache, src, dst):
     the layout, by DMA (`pallas_kernels.tpu.copy_pages`: XLA's TPU layout assignment may
     relayout the arena for a gather + scatter); elsewhere a loop over the rows that copy, one
     page of every layer and head per trip (a slice and an in-place update)."""
-    arrays = [cache.k, cache.v] + ([] if cache.k_scale is None else [cache.k_scale, cache.v_scale])
+    # Scale rows (`KVCache.scale_rows`) hold 128 / S pages a row: a page's scales are lanes of a
+    # row, copied on their own below.
+    arrays = [cache.k, cache.v] + ([] if cache.k_scale is None or cache.scale_rows else [cache.k_scale, cache.v_scale])
     if copies_pages_by_dma(cache):
         from pallas_kernels.tpu.copy_pages import tpu_copy_pages
 
@@ -384,5 +386,26 @@ def _copy_pages(cache, src, dst):
                     for x in arrays]  # fmt: skip
 
         arrays = lax.fori_loop(0, jnp.sum(copies), copy_one, arrays)
+    if cache.scale_rows:
+        return arrays[0], arrays[1], _copy_scale_lanes(cache, src, dst)
     scales = {} if cache.k_scale is None else {"k_scale": arrays[2], "v_scale": arrays[3]}
     return arrays[0], arrays[1], scales
+
+
+def _copy_scale_lanes(cache, src, dst) -> dict:
+    """`_copy_pages` for scale rows: page dst[b]'s S lanes of its row := page src[b]'s, every layer
+    and head (XLA dynamic slices of the rows, which are row-major on a TPU too: no relayout), one
+    row that copies a trip. Returns {"k_scale": ..., "v_scale": ...}."""
+    num_layers, num_heads, num_pages, page_size = cache.k.shape[:4]
+    per_row = 128 // page_size
+    copies = dst < num_pages
+
+    def copy_one(i, scales):
+        row = jnp.argmax(jnp.cumsum(copies) > i)  # the i-th row that copies
+        s, d = src[row], dst[row]
+        size = (num_layers, num_heads, 1, page_size)
+        return [lax.dynamic_update_slice(x, lax.dynamic_slice(x, (0, 0, s // per_row, s % per_row * page_size), size),
+                                         (0, 0, d // per_row, d % per_row * page_size)) for x in scales]  # fmt: skip
+
+    k_scale, v_scale = lax.fori_loop(0, jnp.sum(copies), copy_one, [cache.k_scale, cache.v_scale])
+    return {"k_scale": k_scale, "v_scale": v_scale}

@@ -74,7 +74,7 @@ def default_backend() -> str:
 _FALLBACK_WARNED: set[str] = set()
 
 
-def _resolve_backend(backend: str | None, layout, group: int | None = None, **attend) -> str:
+def _resolve_backend(backend: str | None, layout, group: int | None = None, scale_rows: bool = False, **attend) -> str:
     """The backend for one call, decided on the host before jit.
 
     "pallas" is the platform's kernels: on a TPU (the default device's platform) the Mosaic TPU
@@ -103,7 +103,7 @@ def _resolve_backend(backend: str | None, layout, group: int | None = None, **at
     if chosen == "pallas_tpu":
         reason = tpu_unsupported_reason(head_dim=layout.head_dim, page_size=layout.page_size, group=group,
                                         dtype=layout.dtype, scale_dtype=layout.scale_dtype,
-                                        q_dtype=attend.get("q_dtype"))  # fmt: skip
+                                        q_dtype=attend.get("q_dtype"), scale_rows=scale_rows)  # fmt: skip
     else:
         reason = (triton_lowering_problem()
                   or unsupported_reason(head_dim=layout.head_dim, page_size=layout.page_size, group=group, dtype=layout.dtype))
@@ -492,7 +492,8 @@ def append(cache: KVCache, layer, slots, k, v, *, num_tokens=None, backend: str 
     _check_reserved(cache, slots, n, layer)
     _check_plan(cache, plan, slots, num_tokens, tokens)
     layer = _opaque_layer(cache, given_layer, layer)
-    return _append(cache, layer, slots, jnp.asarray(k), jnp.asarray(v), num_tokens, _resolve_backend(backend, layout), plan)
+    backend = _resolve_backend(backend, layout, scale_rows=cache.scale_rows)
+    return _append(cache, layer, slots, jnp.asarray(k), jnp.asarray(v), num_tokens, backend, plan)
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "sliding_window", "sm_scale", "logits_soft_cap"))
@@ -559,7 +560,8 @@ def _attend_args(q, cache, layer, slots, num_tokens, sliding_window, sm_scale, l
     sliding_window = check_sliding_window(layout, sliding_window)
     sm_scale = check_sm_scale(sm_scale)
     logits_soft_cap = check_logits_soft_cap(logits_soft_cap)
-    backend = _resolve_backend(backend, layout, group=q.shape[2] // layout.num_kv_heads, tokens=tokens, q_dtype=q.dtype,
+    backend = _resolve_backend(backend, layout, group=q.shape[2] // layout.num_kv_heads, scale_rows=cache.scale_rows,
+                               tokens=tokens, q_dtype=q.dtype,
                                sharded=cache.sharding is not None, sliding_window=sliding_window,
                                logits_soft_cap=logits_soft_cap)
     s, n, lay = concrete(slots), concrete(num_tokens), concrete(layer)

@@ -164,6 +164,8 @@ def append_impl(cache: KVCache, layer, slots, k, v, num_tokens, backend: str, pl
     if cache.key_factors is not None:  # smoothed keys: divided by the cache's fixed factors
         k = factors_lib.smooth_keys(k, cache.key_factors[waits_for(layer_c, k)])
     scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)  # None for float arenas
+    if backend != "pallas_tpu":  # scale rows (a TPU's): the other backends write them as [L, H, P, S]
+        scales = dict(zip(("k_scale", "v_scale"), cache.page_scales()))
     if backend == "pallas_tpu":
         from pallas_kernels.tpu.append import tpu_paged_append
 
@@ -182,7 +184,7 @@ def append_impl(cache: KVCache, layer, slots, k, v, num_tokens, backend: str, pl
                               **scales)  # fmt: skip
     k_arena, v_arena = arenas[:2]
     if cache.k_scale is not None:  # a quantized arena: values and scales written together
-        scales = dict(k_scale=arenas[2], v_scale=arenas[3])
+        scales = dict(k_scale=arenas[2].reshape(cache.k_scale.shape), v_scale=arenas[3].reshape(cache.v_scale.shape))
     # set, not add: a row's slot is unique among the writing rows (`slot_rows`), and a planned
     # layer appended twice leaves the watermark where one append does (`arena_jax.plan`).
     table = cache.table.set_slots(r.target, written_at=(layer_c, r.end))
@@ -229,8 +231,9 @@ def attend_impl(q, cache: KVCache, layer, slots, num_tokens, backend: str, slidi
     ask for more query tokens than T or than the slot has written, give zeros. `sliding_window`:
     None, a static int, or a traced integer scalar (a value <= 0 admits no key: zeros)."""
     layer_c, page_map, lengths, n = _attend_rows(cache, layer, slots, num_tokens, q.shape[1], plan)
+    k_scale, v_scale = (cache.k_scale, cache.v_scale) if backend == "pallas_tpu" else cache.page_scales()
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                  k_scale=cache.k_scale, v_scale=cache.v_scale)
+                  k_scale=k_scale, v_scale=v_scale)
     q = _kernel_q(q, cache, layer_c, backend)
     if backend == "pallas_tpu":
         from pallas_kernels.tpu.attention import tpu_paged_attention

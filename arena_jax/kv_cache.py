@@ -314,6 +314,12 @@ class KVCache:
     - None is an empty pytree node: a float arena's cache has exactly the leaves it had before
       (same jit signatures, same donation, same `tree_map`s); an 8-bit arena's scales are
       ordinary leaves, donated and updated in place with the values.
+    - On a TPU, 8-bit pages of 16, 32 or 64 tokens store their scales as **scale rows**,
+      `[num_layers, num_kv_heads, num_pages * page_size / 128, 128]` (`scale_rows`): the same
+      values in row-major order, 128 / page_size pages a row, because a TPU DMA moves whole
+      512-byte rows and the TPU's layout of `[..., pages, page_size]` puts the pages in the lanes
+      (`pallas_kernels.tpu.common.scale_rows`). `page_scales()` reads either form as
+      `[L, H, P, S]`; `with_page_scales` stores them back in the cache's own form.
     - `layout` stays derivable from shapes and dtypes alone (the scale dtype from `k_scale`; a
       uint8 arena is int4, head_dim twice its last axis), plus one static field:
     - `rotate_keys` (static, like `sharding`): the keys were rotated before quantization
@@ -330,7 +336,7 @@ class KVCache:
     v: jax.Array  # [num_layers, num_kv_heads, num_pages, page_size, head_dim]
     table: PageTable
     stats: CacheStats
-    k_scale: jax.Array | None = None  # [num_layers, num_kv_heads, num_pages, page_size(, head_dim / 32 for int4)]
+    k_scale: jax.Array | None = None  # [num_layers, num_kv_heads, num_pages, page_size(, head_dim / 32 for int4)] or scale rows
     v_scale: jax.Array | None = None  # the same; None for float arenas
     # None: one device. A sharded cache (`create(layout, mesh=...)`) carries its static
     # `arena_jax.sharding.CacheSharding` here; the ops then run per shard (see that module).
@@ -364,3 +370,23 @@ class KVCache:
     def quantized(self) -> bool:
         """8-bit or int4 (values plus scales)."""
         return self.k_scale is not None
+
+    @property
+    def scale_rows(self) -> bool:
+        """Whether the scales are stored as rows of 128 lanes (see the class docstring)."""
+        return (self.k_scale is not None and self.k.dtype != jnp.uint8 and self.k.shape[3] < 128
+                and tuple(self.k_scale.shape[2:]) != tuple(self.k.shape[2:4]))
+
+    def page_scales(self):
+        """(k_scale, v_scale) as [L, H, P, S] (scale rows reshaped: a bitcast off a TPU, a
+        relayout on one); None for a float arena."""
+        if not self.scale_rows:
+            return self.k_scale, self.v_scale
+        shape = tuple(self.k.shape[:4])
+        return self.k_scale.reshape(shape), self.v_scale.reshape(shape)
+
+    def with_page_scales(self, k_scale, v_scale) -> "KVCache":
+        """This cache with scales given as [L, H, P, S], stored in its own form."""
+        if self.scale_rows:
+            k_scale, v_scale = k_scale.reshape(self.k_scale.shape), v_scale.reshape(self.v_scale.shape)
+        return self.replace(k_scale=k_scale, v_scale=v_scale)

@@ -251,9 +251,28 @@ class KVLayout:
     @property
     def scale_shape(self) -> tuple[int, ...]:
         """Shape of `k_scale` / `v_scale`: one scale per token of each page and head (8-bit), or
-        per group of 32 lanes of each token (int4: a trailing head_dim / 32 axis)."""
+        per group of 32 lanes of each token (int4: a trailing head_dim / 32 axis). On a TPU, an
+        8-bit arena at pages of 16, 32 or 64 stores the same scales as rows of 128 lanes
+        (`stores_scale_rows`, `scale_rows_shape`)."""
         shape = (self.num_layers, self.num_kv_heads, self.num_pages, self.page_size)
         return shape + (self.scale_groups,) if self.int4 else shape
+
+    def stores_scale_rows(self, platform: str, pages: int | None = None) -> bool:
+        """Whether an arena of this layout on `platform` stores its 8-bit scales as rows of 128
+        lanes (`KVCache.scale_rows`): on a TPU, float32 scales at pages of 16, 32 or 64 whose
+        kernels take them, with `pages` (a data shard's; default all) x page_size a multiple of 128."""
+        from pallas_kernels.tpu.common import TPU_SCALE_ROW_PAGES, tpu_unsupported_reason
+
+        pages = self.num_pages if pages is None else pages
+        return (platform == "tpu" and self.quantized and not self.int4 and self.page_size in TPU_SCALE_ROW_PAGES
+                and (pages * self.page_size) % 128 == 0
+                and tpu_unsupported_reason(head_dim=self.head_dim, page_size=self.page_size, dtype=self.storage_dtype,
+                                           scale_dtype=self.scale_dtype, scale_rows=True) is None)
+
+    def scale_rows_shape(self, pages: int | None = None) -> tuple[int, int, int, int]:
+        """The shape of scale rows (`stores_scale_rows`) over `pages` (default all)."""
+        pages = self.num_pages if pages is None else pages
+        return (self.num_layers, self.num_kv_heads, pages * self.page_size // 128, 128)
 
     @property
     def key_factors_shape(self) -> tuple[int, int, int]:

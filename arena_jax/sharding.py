@@ -232,6 +232,8 @@ def create_sharded(layout: KVLayout, mesh, *, tensor_axis: str | None = "tensor"
         extras = {}
         if layout.quantized:  # [layers, heads, pages, page_size(, groups)]: split like the arena
             scale_shape = shape[:4] + layout.scale_shape[4:]
+            if layout.stores_scale_rows(mesh.devices.flat[0].platform, pages=pages_per_shard):  # KVCache.scale_rows
+                scale_shape = shape[:2] + layout.scale_rows_shape()[2:]
             extras = {name: jnp.zeros(scale_shape, layout.scale_dtype) for name in ("k_scale", "v_scale")}
         if layout.smooth_keys:  # [layers, heads, head_dim]: heads split (and replicated) like the arena's
             factors = jnp.zeros(layout.key_factors_shape, jnp.float32) if key_factors is None else key_factors

@@ -89,8 +89,11 @@ def create(layout: KVLayout, *, mesh=None, tensor_axis: str | None = "tensor", d
     refuse_int4_on_tpu(layout)
     scales = {}
     if layout.quantized:
-        scales = dict(k_scale=jnp.zeros(layout.scale_shape, layout.scale_dtype),
-                      v_scale=jnp.zeros(layout.scale_shape, layout.scale_dtype))
+        from pallas_kernels.tpu.common import target_platform
+
+        # On a TPU, 8-bit pages under 128 keep their scales as rows of 128 lanes (`KVCache.scale_rows`).
+        shape = layout.scale_rows_shape() if layout.stores_scale_rows(target_platform()) else layout.scale_shape
+        scales = dict(k_scale=jnp.zeros(shape, layout.scale_dtype), v_scale=jnp.zeros(shape, layout.scale_dtype))
     return KVCache(
         k=jnp.zeros(layout.arena_shape, layout.storage_dtype),
         v=jnp.zeros(layout.arena_shape, layout.storage_dtype),

@@ -264,6 +264,8 @@ def check_cache_arrays(cache) -> KVLayout:
         )
     if quantized:
         want = tuple(k.shape[:4]) + ((2 * k.shape[4] // 32,) if k.dtype == jnp.uint8 else ())
+        if cache.scale_rows:  # rows of 128 lanes (a TPU's 8-bit pages under 128: KVCache.scale_rows)
+            want = tuple(k.shape[:2]) + (k.shape[2] * k.shape[3] // 128, 128)
         for name, x in (("k_scale", ks), ("v_scale", vs)):
             if tuple(x.shape) != want or x.dtype != ks.dtype:
                 raise ValueError(f"cache.{name} must be {want} {ks.dtype}, got {x.shape} {x.dtype}")

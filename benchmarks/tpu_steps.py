@@ -54,6 +54,8 @@ STEP_CASES = (
     StepCase("prefill", "tpu-v6e", "2x4", batch=8, tokens=512, num_pages=16384),
     # an int8 arena (keys rotated: its default), the same tokens in 128-token pages (8-bit pages on a TPU)
     StepCase("decode", "tpu-v5e", "2x2", batch=32, tokens=1, num_pages=1024, page_size=128, dtype="int8"),
+    # ... and in 16-token pages, whose scales a TPU arena stores as rows of 128 lanes (KVCache.scale_rows)
+    StepCase("decode", "tpu-v5e", "2x2", batch=32, tokens=1, num_pages=8192, page_size=16, dtype="int8"),
     # an int4 arena (the TPU kernels take none: the blockwise jnp path); XLA copies it (RESULTS, "int4 arenas on a
     # TPU"), so aj.create refuses it on a TPU: built here with $ARENA_JAX_ALLOW_INT4_ON_TPU=1 to show why
     StepCase("decode", "tpu-v6e", "2x4", batch=64, tokens=1, num_pages=16384, dtype="int4"),

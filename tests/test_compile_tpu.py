@@ -198,7 +198,7 @@ def test_smem_budget_is_what_mosaic_allows(tooling, rows, fits):
 def _step_cases():
     """CI: one layer of the 32 (all identical), decode on v6e 2x4, a 64-token prefill on v5e 2x2,
     decode on an int8 arena with rotated keys (its default: the rotation runs in XLA around
-    the kernels) on v6e, and a mixed step (decode rows and prompt chunks, each part through its
+    the kernels) on v6e, in pages of 128 and of 16 (scale rows), and a mixed step (decode rows and prompt chunks, each part through its
     own attention kernel call) on v5e 2x2. (A decode block, `STEP_CASES`' "decode_block", compiles in ~23 s, four
     times a step: checked by the compile report, RESULTS "Decode blocks".)"""
     from arena_jax.benchmarks.tpu_steps import STEP_CASES
@@ -208,6 +208,7 @@ def _step_cases():
     return [dataclasses.replace(decode_v6e, num_layers=1),
             dataclasses.replace(by_name[("prefill", "tpu-v5e", "bfloat16")], num_layers=1, tokens=64),
             dataclasses.replace(decode_v6e, num_layers=1, page_size=128, num_pages=2048, dtype="int8"),
+            dataclasses.replace(decode_v6e, num_layers=1, page_size=16, num_pages=16384, dtype="int8"),  # scale rows
             dataclasses.replace(by_name[("mixed", "tpu-v5e", "bfloat16")], num_layers=1, tokens=64)]
 
 
@@ -237,6 +238,10 @@ def test_model_step_compiles_for_tpu_with_the_arena_donated(tooling, case):
     # device, the size of one head of this arena); the cache never.
     cache_copies = facts.cache_copies(arena_params)
     assert cache_copies == (), f"XLA copies arena-sized arrays: {cache_copies}"
+    if cache.k_scale is not None:  # and not a quarter of the scales (scale rows: KVCache.scale_rows)
+        assert cache.scale_rows == (case.page_size < 128)
+        scale_facts = tpu_compile.module_facts(compiled, big=cache.k_scale.size * 4 // cache.k_scale.sharding.num_devices // 4)
+        assert [c for c in scale_facts.big_copies if c[1].startswith("f32")] == [], scale_facts.big_copies
     # The CPU host's scatter workaround (`scatter.upcasts`: XLA CPU in jaxlib 0.10 converts whole
     # bf16 arrays, so writes go through uint16 bitcasts) stays out of a program lowered for a
     # TPU: no arena-shaped bitcast-convert (with it, a whole arena of temp per device).

@@ -564,6 +564,65 @@ def test_api_backend_matches_reference():
     COUNTS["API (aj.append / aj.attend)"] += len(tpu_outs)
 
 
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_api_over_a_cache_with_scale_rows(page_size, monkeypatch):
+    """An 8-bit cache created for a TPU (the platform patched; the kernels in interpret mode)
+    stores its scales as rows of 128 lanes (`KVCache.scale_rows`) and runs every op on them:
+    prompts and decode tokens appended and attended through the TPU kernels, a fork whose shared
+    partial last page is copied on write (k, v by the page-copy kernel, the scales' lanes of their
+    rows by XLA), a release. Against the same ops on the [L, H, P, S] cache of the reference
+    backend, on fresh random data: the page tables equal, every written K / V row and scale
+    bit-equal, the outputs close. A host tier for it is refused with the reason."""
+    import arena_jax as aj
+    import pallas_kernels.tpu.common as tpu_common
+
+    layout = aj.KVLayout(num_layers=2, num_kv_heads=2, head_dim=128, page_size=page_size, num_pages=16, max_seqs=4,
+                         max_pages_per_seq=4, dtype="int8")
+    rng = np.random.default_rng(page_size)
+    steps = [([0, 2], [2 * page_size + 3, page_size - 1], None)]  # (slots, counts, fork (src, dst) before them)
+    steps += [([0, 2], [1, 1], None), ([0, 1, 2], [1, 2, 1], (0, 1)), ([1, 2], [1, 1], None)]
+    data = [[(rng.standard_normal((len(sl), max(c), 2, 128)), rng.standard_normal((len(sl), max(c), 2, 128)),
+              rng.standard_normal((len(sl), max(c), 4, 128))) for _ in range(layout.num_layers)] for sl, c, _ in steps]
+    results = {}
+    for backend, platform in (("reference", "cpu"), ("pallas_tpu", "tpu")):
+        with monkeypatch.context() as patch:
+            patch.setattr(tpu_common, "target_platform", lambda platform=platform: platform)
+            cache = aj.create(layout)
+            assert cache.scale_rows == (platform == "tpu")
+            if platform == "tpu":
+                assert cache.k_scale.shape == (2, 2, 16 * page_size // 128, 128)
+                with pytest.raises(ValueError, match="scale_rows"):
+                    aj.host.create_host(cache, 4)
+            outs = []
+            for (slots, counts, fork), layers in zip(steps, data):
+                if fork is not None:
+                    cache = aj.fork(cache, jnp.array([fork[0]]), jnp.array([fork[1]]))
+                slots, counts = jnp.array(slots, jnp.int32), jnp.array(counts, jnp.int32)
+                cache, ok = aj.reserve(cache, slots, counts)
+                assert np.asarray(ok).all()
+                for layer, (k, v, q) in enumerate(layers):
+                    k, v, q = (jnp.asarray(x, jnp.bfloat16) for x in (k, v, q))
+                    cache = aj.append(cache, layer, slots, k, v, num_tokens=counts, backend=backend)
+                    outs.append(aj.attend(q, cache, layer, slots, num_tokens=counts, backend=backend))
+            assert int(cache.stats.cow_copies.sum()) == 1  # the fork's shared last page, copied once
+            cache = aj.release(cache, jnp.array([0], jnp.int32))
+            results[backend] = (cache, outs)
+    (ref, ref_outs), (tpu, tpu_outs) = results["reference"], results["pallas_tpu"]
+    np.testing.assert_array_equal(np.asarray(ref.table.page_map), np.asarray(tpu.table.page_map))
+    ref_scales, tpu_scales = ref.page_scales(), tpu.page_scales()
+    for slot in (1, 2):
+        pos = np.arange(int(ref.table.lengths[slot]))
+        pages = np.asarray(ref.table.page_map[slot])[pos // page_size]
+        pairs = [(ref.k, tpu.k), (ref.v, tpu.v)] + list(zip(ref_scales, tpu_scales))
+        for a, b in pairs:
+            np.testing.assert_array_equal(np.asarray(a)[:, :, pages, pos % page_size],
+                                          np.asarray(b)[:, :, pages, pos % page_size])
+    for got, want in zip(tpu_outs, ref_outs):
+        assert np.isfinite(np.asarray(got, np.float32)).all()
+        assert_close(got, want, jnp.bfloat16)
+    COUNTS["API, scale rows"] += len(tpu_outs)
+
+
 @pytest.mark.parametrize("dtype,window,soft_cap", [("float32", None, None), ("bfloat16", 10, 30.0)], ids=str)
 def test_mixed_call_equals_its_two_calls(dtype, window, soft_cap):
     """`tpu_paged_attention_mixed`: decode rows (one of them padded: 0 tokens) and prompt chunks

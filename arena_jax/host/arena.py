@@ -237,6 +237,11 @@ def create_host(cache: KVCache, num_pages: int) -> HostArena:
     if isinstance(num_pages, (bool, np.bool_)) or not isinstance(num_pages, (int, np.integer)) or not 1 <= num_pages < 2**31:
         raise ValueError(f"num_pages must be an integer in [1, 2**31), got {num_pages!r}")
     num_pages = int(num_pages)
+    if cache.scale_rows:
+        raise ValueError(
+            "a host tier for an 8-bit arena whose scales are rows of 128 lanes (a TPU's pages of 16, 32 or 64 tokens: "
+            "KVCache.scale_rows) is not supported yet: on a TPU, give an 8-bit arena with a host tier pages of 128 or 256"
+        )
     sh = cache.sharding
     if sh is not None and sh.dp > 1:
         raise ValueError(

@@ -16,8 +16,8 @@ whole rows of that layout, and Mosaic checks offsets along tiled dims against it
   would relayout the whole arena on every call. Measured by compiling for v5e and v6e
   (`tests/test_compile_tpu.py`): hence head_dim 128 or 256, and for 8-bit arenas, whose
   scales `[L, Hkv, P, S]` have S as their minor dim, page sizes 128 or 256. Attention also
-  takes 8-bit pages of 16, 32 or 64 with the scales as rows of 128 lanes
-  (`attention.scale_rows`, `scale_rows=True` below); the cache does not store them so yet.
+  takes 8-bit pages of 16, 32 or 64 with the scales as rows of 128 lanes (`scale_rows`,
+  `scale_rows=True` below), which is how a TPU arena stores them (`KVCache.scale_rows`).
 - 8-bit scales are DMA'd one page row `[1, S]` at a time (scale rows: the 512-byte row holding
   the page; a DMA's contiguous inner slice must be a multiple of 512 bytes), at a dynamic row:
   fine for float32 scales; bfloat16 scales pack 2 pages per sublane word and such a row is not
@@ -111,13 +111,19 @@ def tpu_unsupported_reason(*, head_dim, page_size=None, group=None, dtype=None, 
     return None
 
 
-def target_platform() -> str:
-    """The platform kernels are lowered for: the default device's (`jax.default_device`, which
-    the deviceless TPU compile sets to a TPU device on a CPU host), else the default backend."""
+def _default_device_platform() -> str:
     device = jax.config.jax_default_device
     if device is not None:
         return device if isinstance(device, str) else device.platform
     return jax.default_backend()
+
+
+def target_platform() -> str:
+    """The platform kernels are lowered for: the default device's (`jax.default_device`, which
+    the deviceless TPU compile sets to a TPU device on a CPU host), else the default backend.
+    What the cache's formats and dispatch follow (a test may stand a TPU in for it; whether a
+    kernel runs compiled or interpreted follows the device itself, `resolve_tpu_interpret`)."""
+    return _default_device_platform()
 
 
 def check_smem_tables(what: str, num_ints: int) -> None:
@@ -136,7 +142,7 @@ def resolve_tpu_interpret(interpret):
     from jax.experimental.pallas import tpu as pltpu
 
     if interpret is None:
-        interpret = target_platform() != "tpu"
+        interpret = _default_device_platform() != "tpu"
     if interpret is True:
         return pltpu.InterpretParams(dma_execution_mode="on_wait", uninitialized_memory="nan")
     return interpret or False
