@@ -383,7 +383,8 @@ class KVCache:
         if not self.scale_rows:
             return self.k_scale, self.v_scale
         shape = tuple(self.k.shape[:4])
-        return self.k_scale.reshape(shape), self.v_scale.reshape(shape)
+        view = lambda x: x.reshape(shape) if hasattr(x, "reshape") else jax.ShapeDtypeStruct(shape, x.dtype)  # noqa: E731
+        return view(self.k_scale), view(self.v_scale)
 
     def with_page_scales(self, k_scale, v_scale) -> "KVCache":
         """This cache with scales given as [L, H, P, S], stored in its own form."""

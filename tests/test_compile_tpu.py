@@ -295,6 +295,28 @@ def test_host_tier_ops_compile_for_tpu_without_copying_the_host_tier(tooling, op
     assert facts.temp_bytes < tier // 8, f"temp {facts.temp_bytes} bytes (the host tier's k: {tier})"
 
 
+@pytest.mark.parametrize("op", ["swap_out_rows", "swap_in_rows", "offload_page_rows"])
+def test_host_tier_ops_over_scale_rows_compile_for_tpu(tooling, op):
+    """An int8 arena in 16-token pages (scale rows, `KVCache.scale_rows`): the host tier keeps a
+    128-lane row a host page for its scales and moves a page's lanes on the device side
+    (`host.ops._move_scale_lanes`; as 16-lane host slices it did not compile: "Slicing lane
+    dimension is only supported when the lane slice size is a multiple of LaneCount"). Compiled
+    for v5e: the scale rows and the host scales aliased, none of them copied, temp under an eighth
+    of the host tier's k (as the host-tier tests below: ~1 MiB, as at 128-token pages)."""
+    from arena_jax.benchmarks.studies.tpu_host_tier import compile_host_op
+
+    compiled, cache, host = compile_host_op(op, "int8", num_layers=2, page_size=16)
+    assert cache.scale_rows and host.pages["k_scale"].shape == (2, 8, host.held.shape[0], 128)
+    scales = cache.k_scale.size * 4
+    facts = tpu_compile.module_facts(compiled, big=scales // 4)
+    assert [c for c in facts.big_copies if c[1].startswith("f32")] == [], facts.big_copies
+    for x in (cache.k_scale, host.pages["k_scale"]):
+        params = facts.params_of_shape(tpu_compile.hlo_shape("float32", x.shape))
+        assert len(params) == 2 and set(params) <= set(facts.aliased_params), (params, facts.aliased_params)
+    host_k = host.pages["k"]
+    assert facts.temp_bytes < host_k.size * host_k.dtype.itemsize // 8, facts.temp_bytes  # (as the tests below)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("int8", marks=INT8_ARENA_RELAYOUT)])
 @pytest.mark.parametrize("op", ["swap_out_rows", "swap_in_rows", "offload_page_rows"])
 def test_host_tier_ops_compile_for_tpu_without_copying_the_arena(tooling, op, dtype):

@@ -591,8 +591,6 @@ def test_api_over_a_cache_with_scale_rows(page_size, monkeypatch):
             assert cache.scale_rows == (platform == "tpu")
             if platform == "tpu":
                 assert cache.k_scale.shape == (2, 2, 16 * page_size // 128, 128)
-                with pytest.raises(ValueError, match="scale_rows"):
-                    aj.host.create_host(cache, 4)
             outs = []
             for (slots, counts, fork), layers in zip(steps, data):
                 if fork is not None:
@@ -606,11 +604,24 @@ def test_api_over_a_cache_with_scale_rows(page_size, monkeypatch):
                     outs.append(aj.attend(q, cache, layer, slots, num_tokens=counts, backend=backend))
             assert int(cache.stats.cow_copies.sum()) == 1  # the fork's shared last page, copied once
             cache = aj.release(cache, jnp.array([0], jnp.int32))
-            results[backend] = (cache, outs)
-    (ref, ref_outs), (tpu, tpu_outs) = results["reference"], results["pallas_tpu"]
+            # Slot 2 (page_size + 2 tokens: 2 pages) out to a host tier and back in as slot 3.
+            host = aj.host.create_host(cache, 4)
+            cache, host, ok = aj.host.swap_out(cache, host, jnp.array([2], jnp.int32), jnp.array([[1, 3]], jnp.int32))
+            assert np.asarray(ok).all()
+            host_pages = aj.host.host_pages_view(host, cache)
+            cache, host, ok = aj.host.swap_in(cache, host, jnp.array([[1, 3]], jnp.int32),
+                                              jnp.array([page_size + 2], jnp.int32), jnp.array([3], jnp.int32))
+            assert np.asarray(ok).all()
+            for layer, (_, _, q) in enumerate(data[-1]):
+                outs.append(aj.attend(jnp.asarray(q[:1, :1], jnp.bfloat16), cache, layer, jnp.array([3], jnp.int32),
+                                      num_tokens=jnp.array([1], jnp.int32), backend=backend))
+            results[backend] = (cache, outs, host_pages)
+    (ref, ref_outs, ref_host), (tpu, tpu_outs, tpu_host) = results["reference"], results["pallas_tpu"]
+    for name in ref_host:  # the host pages slot 2 went to, as [L, H, pages, S(, D)]
+        np.testing.assert_array_equal(ref_host[name][:, :, [1, 3]], tpu_host[name][:, :, [1, 3]])
     np.testing.assert_array_equal(np.asarray(ref.table.page_map), np.asarray(tpu.table.page_map))
     ref_scales, tpu_scales = ref.page_scales(), tpu.page_scales()
-    for slot in (1, 2):
+    for slot in (1, 3):
         pos = np.arange(int(ref.table.lengths[slot]))
         pages = np.asarray(ref.table.page_map[slot])[pos // page_size]
         pairs = [(ref.k, tpu.k), (ref.v, tpu.v)] + list(zip(ref_scales, tpu_scales))

@@ -143,7 +143,9 @@ def host_page_format(x, num_pages: int, words: bool) -> tuple[tuple, Any]:
     """(shape, dtype) of the host array for the cache's per-page array `x` ([L, H, P, ...]):
     `[L, H, num_pages, ...]` in x's dtype, or with `words`, `[num_pages * L, H, S * D / 512, 128]`
     uint32: page p of layer l is row p * L + l, its [H, S, D] bytes as words (page-major, so one
-    layer's page is a slice in one dimension, the only slices XLA's host offloading takes)."""
+    layer's page is a slice in one dimension, the only slices XLA's host offloading takes). Scale
+    rows (`KVCache.scale_rows`, x `[L, H, P * S / 128, 128]`) give `[L, H, num_pages, 128]`: a
+    whole row a host page, its first S lanes used (`host.ops._move_scale_lanes`)."""
     if not words:
         return x.shape[:2] + (num_pages,) + x.shape[3:], jnp.dtype(x.dtype)
     layers, heads, _, size, dim = x.shape
@@ -171,6 +173,8 @@ def host_pages_view(host: "HostArena", cache: KVCache) -> dict[str, np.ndarray]:
     for name, x in page_arrays(cache).items():
         h = np.asarray(host.pages[name])
         out[name] = words_as_pages(h, x) if is_words(h, x) else h
+        if cache.scale_rows and name in ("k_scale", "v_scale"):  # a row a host page, its first S lanes used
+            out[name] = h[..., :cache.k.shape[3]]
     return out
 
 
@@ -237,11 +241,6 @@ def create_host(cache: KVCache, num_pages: int) -> HostArena:
     if isinstance(num_pages, (bool, np.bool_)) or not isinstance(num_pages, (int, np.integer)) or not 1 <= num_pages < 2**31:
         raise ValueError(f"num_pages must be an integer in [1, 2**31), got {num_pages!r}")
     num_pages = int(num_pages)
-    if cache.scale_rows:
-        raise ValueError(
-            "a host tier for an 8-bit arena whose scales are rows of 128 lanes (a TPU's pages of 16, 32 or 64 tokens: "
-            "KVCache.scale_rows) is not supported yet: on a TPU, give an 8-bit arena with a host tier pages of 128 or 256"
-        )
     sh = cache.sharding
     if sh is not None and sh.dp > 1:
         raise ValueError(

@@ -51,16 +51,19 @@ __all__ = ["swap_out_impl", "swap_in_impl", "offload_pages_impl", "drop_host_pag
            "move_pages_reference"]
 
 
-def move_pages(src: dict, dst: dict, src_pages, dst_pages, moves, transfer) -> dict:
+def move_pages(src: dict, dst: dict, src_pages, dst_pages, moves, transfer, scale_rows: int | None = None) -> dict:
     """Copy page src_pages[k] of every array in `src` to page dst_pages[k] of the same array in
     `dst`, for the k where `moves` (bool[K]) is set; `transfer` moves a page between memory kinds.
     One page at a time (dynamic_slice -> transfer -> dynamic_update_slice, module docstring of
-    `arena_jax.host.arena`), the moves compacted to the front so the loop runs exactly their count."""
+    `arena_jax.host.arena`), the moves compacted to the front so the loop runs exactly their count.
+    `scale_rows`: the cache's page size when its scales are scale rows (`KVCache.scale_rows`),
+    moved by `_move_scale_lanes`."""
     order = jnp.argsort(~moves, stable=True)  # moves first
     src_pages, dst_pages = src_pages[order], dst_pages[order]
     count = jnp.sum(moves.astype(jnp.int32))
+    lanes = ("k_scale", "v_scale") if scale_rows else ()
     words = sorted(name for name in dst if src[name].dtype != dst[name].dtype)  # host pages as words (`host_page_format`)
-    plain = {name: x for name, x in dst.items() if name not in words}
+    plain = {name: x for name, x in dst.items() if name not in words and name not in lanes}
 
     def body(i, out):
         return {
@@ -73,7 +76,31 @@ def move_pages(src: dict, dst: dict, src_pages, dst_pages, moves, transfer) -> d
     out = {**dst, **(lax.fori_loop(0, count, body, plain) if plain else {})}
     for name in words:
         out[name] = _move_words(src[name], dst[name], src_pages, dst_pages, count, transfer)
+    for name in lanes:
+        out[name] = _move_scale_lanes(src[name], dst[name], src_pages, dst_pages, count, transfer, scale_rows)
     return out
+
+
+def _move_scale_lanes(src, dst, src_pages, dst_pages, count, transfer, page_size: int):
+    """`move_pages` for scale rows (`KVCache.scale_rows`: device page p is the S lanes of row
+    p // (128 / S) at (p % (128 / S)) * S). The host tier keeps a whole 128-lane row a host page,
+    its first S lanes used (`host_page_format`), because a TPU's host-memory slices must be whole
+    lane tiles ("Slicing lane dimension is only supported when the lane slice size is a multiple
+    of LaneCount", compiled for v5e); the device side moves the page's lanes of its row (device
+    slices of rows compile there). `transfer` is `to_host` (device -> host) or `to_device`."""
+    per_row = 128 // page_size
+    layers, heads = src.shape[:2]
+
+    def body(i, out):
+        s, d = src_pages[i], dst_pages[i]
+        if transfer is to_host:
+            page = lax.dynamic_slice(src, (0, 0, s // per_row, s % per_row * page_size), (layers, heads, 1, page_size))
+            row = jnp.pad(page, ((0, 0), (0, 0), (0, 0), (0, 128 - page_size)))
+            return lax.dynamic_update_slice(out, transfer(row), (0, 0, d, 0))
+        row = transfer(lax.dynamic_slice(src, (0, 0, s, 0), (layers, heads, 1, 128)))
+        return lax.dynamic_update_slice(out, row[..., :page_size], (0, 0, d // per_row, d % per_row * page_size))
+
+    return lax.fori_loop(0, count, body, dst)
 
 
 def _move_words(src, dst, src_pages, dst_pages, count, transfer):
@@ -108,6 +135,11 @@ def move_pages_reference(src: dict, dst: dict, src_pages, dst_pages, moves) -> d
     target = jnp.where(moves, dst_pages, dst[next(iter(dst))].shape[2])
     return {name: x.at[:, :, target].set(src[name][:, :, jnp.where(moves, src_pages, 0)], mode="drop")
             for name, x in dst.items()}  # fmt: skip
+
+
+def _scale_rows(cache: KVCache) -> int | None:
+    """The page size when the cache's scales are scale rows (`move_pages`), else None."""
+    return cache.k.shape[3] if cache.scale_rows else None
 
 
 def _first_uses(pages, use, num_pages: int):
@@ -147,7 +179,8 @@ def swap_out_impl(cache: KVCache, host: HostArena, slots, host_pages):
     moves = ok[:, None] & use  # [B, M]
     src = jnp.where(moves, table.page_map[idx], 0)
     dst = jnp.where(moves, host_pages, 0)
-    pages = move_pages(page_arrays(cache), host.pages, src.reshape(-1), dst.reshape(-1), moves.reshape(-1), to_host)
+    pages = move_pages(page_arrays(cache), host.pages, src.reshape(-1), dst.reshape(-1), moves.reshape(-1), to_host,
+                       _scale_rows(cache))
     tokens = jnp.clip(length[:, None] - lp * page_size, 0, page_size)
     held = host.held.at[jnp.where(moves, host_pages, n_host)].set(tokens, mode="drop")
     cache, freed = _release_rows(cache, slots, ok)
@@ -204,7 +237,7 @@ def swap_in_impl(cache: KVCache, host: HostArena, host_pages, num_tokens, dst):
     )
     src = jnp.where(moves, host_pages, 0).reshape(-1)
     fresh = jnp.where(moves, new_page, 0).reshape(-1)
-    arrays = move_pages(host.pages, page_arrays(cache), src, fresh, moves.reshape(-1), to_device)
+    arrays = move_pages(host.pages, page_arrays(cache), src, fresh, moves.reshape(-1), to_device, _scale_rows(cache))
     stats = cache.stats.bump(
         pages_allocated=total, pages_to_device=total, swap_ins=ok,
         failed_swaps=valid & ~ok, rejected_rows=~pad & ~valid,
@@ -229,7 +262,7 @@ def offload_pages_impl(cache: KVCache, host: HostArena, pages, host_pages):
     held = table.held[idx]
     free = (host_pages >= 0) & (host_pages < n_host) & (host.held[jnp.clip(host_pages, 0, n_host - 1)] == 0)
     ok = first & (held > 0) & free & _first_uses(host_pages, ~pad, n_host) & _same_arena(cache, host)
-    arrays = move_pages(page_arrays(cache), host.pages, idx, jnp.where(ok, host_pages, 0), ok, to_host)
+    arrays = move_pages(page_arrays(cache), host.pages, idx, jnp.where(ok, host_pages, 0), ok, to_host, _scale_rows(cache))
     host_held = host.held.at[jnp.where(ok, host_pages, n_host)].set(held, mode="drop")
     target = jnp.where(ok, pages, num_pages)
     table, freed = _drop_refs(table.replace(held=table.held.at[target].set(0, mode="drop")), target)

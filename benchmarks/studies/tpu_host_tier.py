@@ -32,10 +32,12 @@ ROWS = 8
 TOKENS = 4096 * 16  # arena tokens; the host tier holds a quarter
 
 
-def compile_host_op(op: str, dtype: str = "bfloat16", num_layers: int = 2, target: str = "tpu-v5e", tensor: int = 1):
+def compile_host_op(op: str, dtype: str = "bfloat16", num_layers: int = 2, target: str = "tpu-v5e", tensor: int = 1,
+                    page_size: int | None = None):
     """Compile `models.steps.<op>` for `target`; returns (compiled, cache, host) (the latter two
     as the placed ShapeDtypeStructs it was compiled for). `tensor` > 1: the cache and the host
-    tier split over the KV heads of that many devices (a `tensor` mesh axis)."""
+    tier split over the KV heads of that many devices (a `tensor` mesh axis). `page_size`:
+    default 16 tokens, 128 for an 8-bit arena."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     import arena_jax as aj
@@ -48,7 +50,7 @@ def compile_host_op(op: str, dtype: str = "bfloat16", num_layers: int = 2, targe
     if op not in HOST_OPS:
         raise ValueError(f"op={op!r}; expected one of {HOST_OPS}")
     config = dataclasses.replace(LlamaConfig.llama3_8b(), num_layers=num_layers)
-    page = 16 if jnp.dtype(dtype).itemsize > 1 else 128  # the TPU kernels' 8-bit pages are 128 tokens
+    page = page_size or (16 if jnp.dtype(dtype).itemsize > 1 else 128)
     layout = config.kv_layout(page_size=page, num_pages=TOKENS // page, max_seqs=32, max_seq_len=4096, dtype=dtype)
     mesh = Mesh(np.array(tpu_compile.tpu_devices(target, "2x2")[:tensor]), ("tensor",))
     with tpu_compile.tpu_lowering(target):  # (aj.create then judges the TPU's writes, not this host's)
