@@ -435,7 +435,7 @@ def test_quantized_attention_over_scale_rows(dtype, page_size, tokens, pages_per
     block reads are someone else's: NaN here), on fresh random data. Output finite, bit-equal to
     the same arena with stale scales 0, close to the reference; scales as [L, H, P, S] refused
     with the reason; a NaN key scale a query attends to NaNs its row, and only it."""
-    from pallas_kernels.tpu.attention import scale_rows
+    from pallas_kernels.tpu.common import scale_rows
 
     lengths, num_tokens = (1, 127, 129, 300, 7), (1, 1, tokens, tokens, 0)
     kwargs = dict(seed=page_size + tokens + (pages_per_block or 0), dtype=dtype, lengths=lengths, num_tokens=num_tokens,

@@ -113,7 +113,7 @@ def test_no_loop_with_mxu_ops():
 
 def test_every_case_has_a_call():
     """Every listed case compiles a call: ours takes int8 pages under 128 with scale rows
-    [L, Hkv, P * S / 128, 128] (`attention.scale_rows`)."""
+    [L, Hkv, P * S / 128, 128] (`tpu.common.scale_rows`)."""
     labels = [c.label for c in tb.CASES]
     assert len(set(labels)) == len(labels)
     for c in tb.CASES:

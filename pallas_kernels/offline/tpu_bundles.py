@@ -345,7 +345,7 @@ def _case_call(case: BundleCase):
         from pallas_kernels.tpu.attention import tpu_paged_attention
         from pallas_kernels.tpu.common import tpu_unsupported_reason
 
-        rows = quantized and page < 128  # scales as rows of 128 lanes (`attention.scale_rows`)
+        rows = quantized and page < 128  # scales as rows of 128 lanes (`tpu.common.scale_rows`)
         why = tpu_unsupported_reason(head_dim=D, page_size=page, dtype=dt, q_dtype=jnp.bfloat16,
                                      scale_dtype=jnp.float32 if quantized else None, scale_rows=rows)
         if why:

@@ -80,8 +80,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._common import BlockSizes, check_arena, check_layer, check_rows, check_tokens
 from pallas_kernels.quant import is_quantized
-from pallas_kernels.tpu.common import (check_smem_tables, logical_scales, resolve_tpu_interpret, scale_rows,  # noqa: F401
-                                      tpu_unsupported_reason)
+from pallas_kernels.tpu.common import check_smem_tables, logical_scales, resolve_tpu_interpret, tpu_unsupported_reason
 
 __all__ = ["tpu_paged_attention", "TpuAttentionTiles"]
 
@@ -243,7 +242,8 @@ def _attention_kernel(
         pltpu.make_async_copy(v_hbm.at[flat], vbuf[slot].at[dst], sem.at[slot]).start()
         if quantized:
             # Pages under 128 keys: the scale row holding the page (`scale_rows`), 128 / S pages a row.
-            src = (layer * num_kv_heads + h, pl.ds(page if rows_per_page else lax.shift_right_logical(page, row_shift), 1))
+            srow = page if rows_per_page else lax.shift_right_logical(page, row_shift)
+            src = (layer * num_kv_heads + h, pl.ds(srow, 1))
             pltpu.make_async_copy(ks_hbm.at[src], scale_dst(ksbuf[slot], p, page_size), sem.at[slot]).start()
             pltpu.make_async_copy(vs_hbm.at[src], scale_dst(vsbuf[slot], p, page_size), sem.at[slot]).start()
 

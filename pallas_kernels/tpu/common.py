@@ -42,7 +42,7 @@ TPU_COMPUTE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 TPU_DTYPES = TPU_COMPUTE_DTYPES + QUANTIZED_DTYPES
 TPU_PAGE_MULTIPLE = 8  # one sublane tile of 32-bit rows
 TPU_QUANTIZED_PAGE_MULTIPLE = 128  # 8-bit scales [L, H, P, S]: row-major by default only when S % 128 == 0
-TPU_SCALE_ROW_PAGES = (16, 32, 64)  # 8-bit pages whose scales come as rows of 128 lanes (`attention.scale_rows`)
+TPU_SCALE_ROW_PAGES = (16, 32, 64)  # 8-bit pages whose scales come as rows of 128 lanes (`scale_rows`)
 TPU_MAX_PAGE_SIZE = 256
 TPU_HEAD_DIM_MULTIPLE = 128  # the arena is row-major by default only when head_dim % 128 == 0
 TPU_MAX_HEAD_DIM = 256
@@ -77,8 +77,9 @@ def tpu_unsupported_reason(*, head_dim, page_size=None, group=None, dtype=None, 
     page_size x head_dim), for 8-bit arenas 128 or 256; group: any >= 1; dtype (the arena's):
     bfloat16, float32, int8, float8_e4m3fn, float8_e5m2; scale_dtype (8-bit arenas): float32.
     q_dtype (attention's q, its compute dtype): bfloat16 or float32. `scale_rows`: an 8-bit
-    arena's scales come as rows of 128 lanes (`attention.scale_rows`), which the attention
-    kernel also takes at pages of 16, 32 or 64. The module docstring says why each limit is there.
+    arena's scales come as rows of 128 lanes (`scale_rows`, how a TPU arena stores them at those
+    pages: `KVCache.scale_rows`), which the kernels (attention, append, the page copy) also take
+    at pages of 16, 32 or 64. The module docstring says why each limit is there.
     """
     if dtype is not None and jnp.dtype(dtype) not in TPU_DTYPES:
         return (f"dtype={jnp.dtype(dtype).name}: the TPU kernels take bfloat16, float32, int8, float8_e4m3fn or "
@@ -97,7 +98,7 @@ def tpu_unsupported_reason(*, head_dim, page_size=None, group=None, dtype=None, 
             why = ("8-bit scales [L, H, P, page_size] are row-major in the TPU's default layout only when "
                    "page_size is a multiple of 128" if quantized else "one page is one DMA of whole (8, 128) tiles of rows")
             rows = (f"; the attention kernel takes pages of {', '.join(map(str, TPU_SCALE_ROW_PAGES))} with scales as "
-                    "rows of 128 lanes, pallas_kernels.tpu.attention.scale_rows" if quantized and not scale_rows else "")
+                    "rows of 128 lanes, pallas_kernels.tpu.common.scale_rows" if quantized and not scale_rows else "")
             return (f"page_size={page_size}: the TPU kernels take multiples of {multiple} up to {TPU_MAX_PAGE_SIZE} "
                     f"({why}){rows}")
     if group is not None and not (_as_int(group) or 0) >= 1:

@@ -31,10 +31,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._common import BlockSizes, check_arena, check_layer, check_rows, check_tokens
 from pallas_kernels.tpu.attention import (TpuAttentionTiles, _attention_kernel, _meta, check_geometry, flat_pages,
-                                          flat_scales, grouped, hole_ends, logical_scales, scale_bytes, scale_shifts, slot_scratch,
-                                          ungrouped,
-                                          FAST_BLOCKS)
-from pallas_kernels.tpu.common import check_smem_tables, resolve_tpu_interpret
+                                          flat_scales, grouped, hole_ends, scale_bytes, scale_shifts, slot_scratch,
+                                          ungrouped, FAST_BLOCKS)
+from pallas_kernels.tpu.common import check_smem_tables, logical_scales, resolve_tpu_interpret
 
 __all__ = ["tpu_paged_attention_mixed"]
 
@@ -97,7 +96,8 @@ def _mixed_call(q_dec, q_pre, k_arena, v_arena, meta, page_map, lengths, num_tok
     zero_page = jnp.zeros((page_size, head_dim), k_arena.dtype)
     rows = num_decode + num_chunks
     keys = page_map.shape[1] * page_size
-    page_bytes = 2 * page_size * head_dim * jnp.dtype(k_arena.dtype).itemsize + (scale_bytes(page_size) if quantized else 0)
+    scale_page_bytes = scale_bytes(page_size) if quantized else 0
+    page_bytes = 2 * page_size * head_dim * jnp.dtype(k_arena.dtype).itemsize + scale_page_bytes
     programs = (num_decode + num_chunks * row_blocks) * num_kv_heads
     cost = pl.CostEstimate(  # at the workload bound: every row at the page table's full length
         flops=int(4 * keys * head_dim * num_kv_heads * group * (num_decode + num_chunks * row_blocks * block_tokens)),
