@@ -380,7 +380,7 @@ def _copy_pages(cache, src, dst):
         copies = dst < cache.k.shape[2]
 
         def copy_one(i, arrays):
-            row = jnp.argmax(jnp.cumsum(copies) > i)  # the i-th row that copies (no sort before the loop)
+            row = _copying_row(copies, i)
             s, d = src[row], dst[row]
             return [lax.dynamic_update_slice_in_dim(x, lax.dynamic_slice_in_dim(x, s, 1, axis=2), d, axis=2)
                     for x in arrays]  # fmt: skip
@@ -392,6 +392,11 @@ def _copy_pages(cache, src, dst):
     return arrays[0], arrays[1], scales
 
 
+def _copying_row(copies, i):
+    """The i-th row whose `copies` (bool[B]) is set: a copy loop's trip i (no sort before the loop)."""
+    return jnp.argmax(jnp.cumsum(copies) > i)
+
+
 def _copy_scale_lanes(cache, src, dst) -> dict:
     """`_copy_pages` for scale rows: page dst[b]'s S lanes of its row := page src[b]'s, every layer
     and head (XLA dynamic slices of the rows, which are row-major on a TPU too: no relayout), one
@@ -401,7 +406,7 @@ def _copy_scale_lanes(cache, src, dst) -> dict:
     copies = dst < num_pages
 
     def copy_one(i, scales):
-        row = jnp.argmax(jnp.cumsum(copies) > i)  # the i-th row that copies
+        row = _copying_row(copies, i)
         s, d = src[row], dst[row]
         size = (num_layers, num_heads, 1, page_size)
         return [lax.dynamic_update_slice(x, lax.dynamic_slice(x, (0, 0, s // per_row, s % per_row * page_size), size),

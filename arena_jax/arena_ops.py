@@ -183,7 +183,7 @@ def append_impl(cache: KVCache, layer, slots, k, v, num_tokens, backend: str, pl
         arenas = write_tokens(cache.k, cache.v, layer_c, k, v, r.page, r.pos, r.ok, rotate_keys=cache.rotate_keys,
                               **scales)  # fmt: skip
     k_arena, v_arena = arenas[:2]
-    if cache.k_scale is not None:  # a quantized arena: values and scales written together
+    if cache.k_scale is not None:  # a quantized arena: values and scales written together (in the cache's form)
         scales = dict(k_scale=arenas[2].reshape(cache.k_scale.shape), v_scale=arenas[3].reshape(cache.v_scale.shape))
     # set, not add: a row's slot is unique among the writing rows (`slot_rows`), and a planned
     # layer appended twice leaves the watermark where one append does (`arena_jax.plan`).

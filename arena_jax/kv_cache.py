@@ -319,7 +319,7 @@ class KVCache:
       values in row-major order, 128 / page_size pages a row, because a TPU DMA moves whole
       512-byte rows and the TPU's layout of `[..., pages, page_size]` puts the pages in the lanes
       (`pallas_kernels.tpu.common.scale_rows`). `page_scales()` reads either form as
-      `[L, H, P, S]`; `with_page_scales` stores them back in the cache's own form.
+      `[L, H, P, S]`.
     - `layout` stays derivable from shapes and dtypes alone (the scale dtype from `k_scale`; a
       uint8 arena is int4, head_dim twice its last axis), plus one static field:
     - `rotate_keys` (static, like `sharding`): the keys were rotated before quantization
@@ -383,11 +383,4 @@ class KVCache:
         if not self.scale_rows:
             return self.k_scale, self.v_scale
         shape = tuple(self.k.shape[:4])
-        view = lambda x: x.reshape(shape) if hasattr(x, "reshape") else jax.ShapeDtypeStruct(shape, x.dtype)  # noqa: E731
-        return view(self.k_scale), view(self.v_scale)
-
-    def with_page_scales(self, k_scale, v_scale) -> "KVCache":
-        """This cache with scales given as [L, H, P, S], stored in its own form."""
-        if self.scale_rows:
-            k_scale, v_scale = k_scale.reshape(self.k_scale.shape), v_scale.reshape(self.v_scale.shape)
-        return self.replace(k_scale=k_scale, v_scale=v_scale)
+        return self.k_scale.reshape(shape), self.v_scale.reshape(shape)
