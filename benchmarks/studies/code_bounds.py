@@ -119,12 +119,17 @@ def _groups(x):
 
 def group_absmax(x: np.ndarray, bits: int) -> np.ndarray:
     """The arena's layout with `bits`-bit codes: symmetric levels times the group's absmax /
-    (2^(bits-1) - 1), the scale rounded to bf16."""
+    (2^(bits-1) - 1), the scale rounded to bf16, in the arena's float32 arithmetic
+    (`pallas_kernels.quant4.quantize_halves`: scale absmax * fl32(1 / top), codes
+    round_half_even(x * fl32(1 / stored scale))), so that at 4 bits it is the arena's code (in
+    float64 a value halfway between two codes could round the other way)."""
     top = 2 ** (bits - 1) - 1
-    g = _groups(x)
-    scale = np.asarray(jnp.asarray(np.abs(g).max(-1, keepdims=True) / top, jnp.bfloat16), np.float64)
-    safe = np.where(scale == 0, 1, scale)
-    return (np.clip(np.round(g / safe), -top, top) * scale).reshape(x.shape)
+    g = _groups(x).astype(np.float32)
+    scale = np.abs(g).max(-1, keepdims=True) * np.float32(1.0 / top)
+    scale = np.asarray(jnp.asarray(scale, jnp.bfloat16), np.float32)
+    inv = np.where(scale == 0, np.float32(0), np.float32(1) / np.where(scale == 0, np.float32(1), scale))
+    codes = np.round(np.clip(g * inv, -top, top))  # numpy rounds half to even
+    return (codes * scale).astype(np.float64).reshape(x.shape)
 
 
 def group_codebook(x: np.ndarray, levels: np.ndarray) -> np.ndarray:
