@@ -296,7 +296,7 @@ for _name, _doc in STAT_NAMES.items():
     setattr(CacheStats, _name, property(lambda self, _i=_STAT_INDEX[_name]: self.counts[..., _i], doc=_doc))
 
 
-@struct.dataclass
+@dataclasses.dataclass(frozen=True)
 class KVCache:
     """The arena (K/V values, and the scales of a quantized arena), its page table and counters.
 
@@ -340,9 +340,13 @@ class KVCache:
     v_scale: jax.Array | None = None  # the same; None for float arenas
     # None: one device. A sharded cache (`create(layout, mesh=...)`) carries its static
     # `arena_jax.sharding.CacheSharding` here; the ops then run per shard (see that module).
-    sharding: Any = struct.field(pytree_node=False, default=None)
-    rotate_keys: bool = struct.field(pytree_node=False, default=False)  # keys stored rotated (quantized arenas)
+    sharding: Any = dataclasses.field(default=None, metadata={"pytree_node": False})
+    rotate_keys: bool = dataclasses.field(default=False, metadata={"pytree_node": False})  # keys stored rotated (quantized arenas)
     key_factors: jax.Array | None = None  # f32[num_layers, num_kv_heads, head_dim] (smooth_keys), else None
+
+    def replace(self, **updates) -> "KVCache":
+        """A copy with `updates` (field names) replaced, as a `flax.struct` dataclass's."""
+        return dataclasses.replace(self, **updates)
 
     @property
     def layout(self) -> KVLayout:
@@ -384,3 +388,51 @@ class KVCache:
             return self.k_scale, self.v_scale
         shape = tuple(self.k.shape[:4])
         return self.k_scale.reshape(shape), self.v_scale.reshape(shape)
+
+
+# KVCache is one pytree node whose children are its arrays, the table's and the counters' among
+# them (k, v, page_map, slot_words, page_words, words, counts, k_scale, v_scale, key_factors:
+# the leaves, in the order three nested dataclass nodes gave them). Why: every jitted op takes
+# and returns the cache, and JAX rebuilds the returned one on the host at every call. Three
+# `flax.struct` nodes (the cache, its table, its counters) took 2.9 us a call to rebuild, the
+# one node 1.3 us: 1.5 us of a tiny model's decode step (benchmarks/RESULTS.md, "The cache as
+# one pytree node"). A table or counters that are not a PageTable / CacheStats (a prefix of
+# specs, say) stay one child each.
+_TABLE_ARRAYS = ("page_map", "slot_words", "page_words", "words")
+
+
+def _cache_children(cache: KVCache):
+    table, stats = cache.table, cache.stats
+    if type(table) is PageTable and type(stats) is CacheStats:  # the common case, written out: it runs every call
+        return (cache.k, cache.v, table.page_map, table.slot_words, table.page_words, table.words, stats.counts,
+                cache.k_scale, cache.v_scale, cache.key_factors), (cache.sharding, cache.rotate_keys, True)
+    return (cache.k, cache.v, table, stats, cache.k_scale, cache.v_scale, cache.key_factors), (
+        cache.sharding, cache.rotate_keys, False)
+
+
+def _cache_keys(cache: KVCache):
+    children, aux = _cache_children(cache)
+    inner = tuple("table." + f for f in _TABLE_ARRAYS) + ("stats.counts",) if aux[2] else ("table", "stats")
+    names = ("k", "v", *inner, "k_scale", "v_scale", "key_factors")
+    return tuple(zip(map(jax.tree_util.GetAttrKey, names), children)), aux
+
+
+def _cache_from_children(aux, children) -> KVCache:
+    cache = object.__new__(KVCache)  # a frozen dataclass, its fields set without __init__ (as `dataclasses` does)
+    fields = cache.__dict__
+    fields["k"], fields["v"] = children[0], children[1]
+    if aux[2]:
+        table = object.__new__(PageTable)
+        table.__dict__.update(page_map=children[2], slot_words=children[3], page_words=children[4], words=children[5])
+        stats = object.__new__(CacheStats)
+        stats.__dict__["counts"] = children[6]
+        fields["table"], fields["stats"] = table, stats
+        fields["k_scale"], fields["v_scale"], fields["key_factors"] = children[7], children[8], children[9]
+    else:
+        fields["table"], fields["stats"] = children[2], children[3]
+        fields["k_scale"], fields["v_scale"], fields["key_factors"] = children[4], children[5], children[6]
+    fields["sharding"], fields["rotate_keys"] = aux[0], aux[1]
+    return cache
+
+
+jax.tree_util.register_pytree_with_keys(KVCache, _cache_keys, _cache_from_children, flatten_func=_cache_children)

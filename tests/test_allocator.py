@@ -1,6 +1,8 @@
 """Targeted allocator tests: copy-on-write, LIFO reuse, admission order, bad input, health."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -348,3 +350,34 @@ def test_a_cache_is_seven_arrays():
     CPU (benchmarks/RESULTS.md, "The page table in four arrays")."""
     cache = aj.create(LAYOUT)
     assert len(jax.tree_util.tree_leaves(cache)) == 7
+
+
+def test_a_cache_is_one_pytree_node_with_its_arrays_as_leaves():
+    """`KVCache` flattens to its arrays in field order (the table's and the counters' inline)
+    and back to equal objects of the same types, static fields kept; tree paths name the fields;
+    a table or counters that are not a PageTable / CacheStats (a prefix) stay one leaf each."""
+    from arena_jax.kv_cache import CacheStats, KVCache, PageTable
+
+    cache = aj.create(dataclasses.replace(LAYOUT, dtype="int8"))
+    cache = cache.replace(rotate_keys=True)
+    leaves, treedef = jax.tree_util.tree_flatten(cache)
+    t = cache.table
+    expected = [cache.k, cache.v, t.page_map, t.slot_words, t.page_words, t.words, cache.stats.counts, cache.k_scale,
+                cache.v_scale]
+    assert len(leaves) == len(expected) and all(a is b for a, b in zip(leaves, expected))
+    back = jax.tree_util.tree_unflatten(treedef, [np.asarray(x) + 1 for x in leaves])
+    assert type(back) is KVCache and type(back.table) is PageTable and type(back.stats) is CacheStats
+    assert back.rotate_keys and back.sharding is None and back.key_factors is None
+    np.testing.assert_array_equal(back.table.slot_words, np.asarray(t.slot_words) + 1)
+    np.testing.assert_array_equal(back.stats.counts, np.asarray(cache.stats.counts) + 1)
+    np.testing.assert_array_equal(back.v_scale, np.asarray(cache.v_scale) + 1)
+    assert back.replace(k=0).k == 0 and back.replace(k=0).table is back.table
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(cache)[0]]
+    assert paths == [".k", ".v", ".table.page_map", ".table.slot_words", ".table.page_words", ".table.words",
+                     ".stats.counts", ".k_scale", ".v_scale"]
+    prefix = KVCache(k=1, v=2, table="table", stats="stats")
+    assert jax.tree_util.tree_leaves(prefix) == [1, 2, "table", "stats"]
+    doubled = jax.tree_util.tree_map(lambda spec, x: (spec, x.shape), prefix, KVCache(
+        k=cache.k, v=cache.v, table=cache.table.page_map, stats=cache.stats.counts))
+    assert doubled.table == ("table", cache.table.page_map.shape) and doubled.k == (1, cache.k.shape)
+    assert jax.tree_util.tree_structure(cache) != jax.tree_util.tree_structure(cache.replace(rotate_keys=False))
