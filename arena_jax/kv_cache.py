@@ -1,7 +1,8 @@
 """The cache's state: immutable pytrees (`KVCache`, its `PageTable` and `CacheStats`), all arrays,
 updated with `.replace` inside jit, and the padding sentinels `PAD_SLOT` / `PAD_PAGE`.
 
-Near the bottom of `arena_jax` (it imports only `arena_jax.layout`): every op imports these;
+Near the bottom of `arena_jax` (it imports only `arena_jax.layout`, and the TPU kernels' test of
+scale rows' shapes, `pallas_kernels.tpu.common.logical_scales`): every op imports these;
 `arena_jax.state.create` allocates them (and re-exports them: `arena_jax.state.KVCache` is this
 class)."""
 from __future__ import annotations
@@ -377,9 +378,11 @@ class KVCache:
 
     @property
     def scale_rows(self) -> bool:
-        """Whether the scales are stored as rows of 128 lanes (see the class docstring)."""
-        return (self.k_scale is not None and self.k.dtype != jnp.uint8 and self.k.shape[3] < 128
-                and tuple(self.k_scale.shape[2:]) != tuple(self.k.shape[2:4]))
+        """Whether the scales are stored as rows of 128 lanes (see the class docstring): the
+        kernels' own test of the shapes (`pallas_kernels.tpu.common.logical_scales`)."""
+        from pallas_kernels.tpu.common import logical_scales
+
+        return logical_scales(self.k, self.k_scale)[1]
 
     def page_scales(self):
         """(k_scale, v_scale) as [L, H, P, S] (scale rows reshaped: a bitcast off a TPU, a
