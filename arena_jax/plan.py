@@ -26,6 +26,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from arena_jax.allocator import first_rows
@@ -114,7 +115,7 @@ def _plan(cache: KVCache, slots, num_tokens, width: int) -> StepPlan:
     num_layers = table.written.shape[0]
     num_pages, page_size = cache.k.shape[2], cache.k.shape[3]
     rows = page_rows(table, slots)
-    layers = jnp.arange(num_layers + 1, dtype=jnp.int32)  # the last: out of range
+    layers = np.arange(num_layers + 1, dtype=np.int32)  # the last: out of range (numpy: a constant XLA folds into its users)
     append = jax.vmap(lambda layer: append_rows(table, page_size, layer, slots, num_tokens, width, rows))(layers)
     # What each row's attention reads after its layer's append: the slot's watermark plus what
     # the batch's row that writes that slot (its first) appended (`append_impl` advances it so).
