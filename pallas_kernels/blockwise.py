@@ -110,8 +110,17 @@ def block_keys_or_default(block_keys: int | None) -> int:
 def _gather_block(arena, layer, pages):
     """arena [L, Hkv, P_total, S, ...], pages i32[B, P] -> [B, Hkv, P*S, ...] (arena dtype):
     one gather with (layer, page) indices (no copy of the layer)."""
-    heads = jnp.arange(arena.shape[1], dtype=jnp.int32)
-    x = arena[layer, heads[None, :, None], pages[:, None, :]]  # [B, Hkv, P, S, ...]: contiguous pages
+    num_layers, num_heads, num_pages = arena.shape[:3]
+    heads = jnp.arange(num_heads, dtype=jnp.int32)
+    if num_layers * num_heads * num_pages < 2**31:
+        # One index into the arena viewed as [L * Hkv * P_total, S, ...] (a bitcast), each part
+        # clipped as the gather below clips it: XLA's CPU backend fuses this index arithmetic into
+        # the gathers, where the (layer, head, page) triples took a kernel of their own a layer.
+        page = jnp.clip(pages, 0, num_pages - 1)[:, None, :]
+        flat = arena.reshape(num_layers * num_heads * num_pages, *arena.shape[3:])
+        x = flat[(jnp.clip(layer, 0, num_layers - 1) * num_heads + heads[None, :, None]) * num_pages + page]
+    else:
+        x = arena[layer, heads[None, :, None], pages[:, None, :]]  # [B, Hkv, P, S, ...]: contiguous pages
     return x.reshape(x.shape[0], x.shape[1], x.shape[2] * x.shape[3], *x.shape[4:])
 
 

@@ -239,7 +239,8 @@ def test_the_compiled_step_holds_nothing_the_size_of_the_capacity():
                 lengths=jax.ShapeDtypeStruct((4,), jnp.int32), num_tokens=jax.ShapeDtypeStruct((4,), jnp.int32))
     dims = lambda hlo: {int(d) for shape in re.findall(r"\[([\d,]+)\]", hlo) for d in shape.split(",") if d}  # noqa: E731
     ours = jax.jit(paged_attention_blockwise).lower(**args).compile().as_text()
-    assert max(dims(ours) - {2049}) < 8192, sorted(dims(ours))[-5:]
+    arena_dims = {2049, 2 * 2 * 2049}  # the arena's pages, and its [L * Hkv * P, S, D] view (a bitcast) the gathers index
+    assert max(dims(ours) - arena_dims) < 8192, sorted(dims(ours))[-5:]
     dense = jax.jit(paged_attention_reference).lower(**args).compile().as_text()
     assert 8192 in dims(dense)  # the check can fail
 
