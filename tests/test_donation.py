@@ -138,14 +138,13 @@ def test_layer_scan_keeps_the_arena_in_place(which):
         assert np.asarray(out.cache.table.lengths).tolist() == [3, 3, 3, 0]
 
 
-@pytest.mark.xfail(tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 11), strict=True,
-                   reason="XLA CPU of JAX 0.10 fuses the append into attention's gather past the barrier and "
-                          "copies the arena twice a layer (benchmarks/RESULTS.md, 'an append fused into a gather')")
 def test_a_one_row_step_over_a_short_table_keeps_the_arena_in_place():
     """One row, a 9-page table (the "xla" attention as one block): XLA CPU could fuse the
     append's update into the attention's gather of V, which then read the arena as it was before
     the append, and copy the whole arena twice per layer to allow it. `attend_impl` reads the
-    arena through an optimization barrier so that the gather reads it as the append left it."""
+    arena through an optimization barrier so that the gather reads it as the append left it
+    (JAX 0.11), and the gathers read a flat view of it (`blockwise._gather_block`), which JAX
+    0.10's XLA, fusing past the barrier, does not fuse the update into either."""
     from flax import nnx
 
     from arena_jax import models
