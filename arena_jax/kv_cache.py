@@ -398,9 +398,9 @@ class KVCache:
 # the leaves, in the order three nested dataclass nodes gave them). Why: every jitted op takes
 # and returns the cache, and JAX rebuilds the returned one on the host at every call. Three
 # `flax.struct` nodes (the cache, its table, its counters) took 2.9 us a call to rebuild, the
-# one node 1.3 us: 1.5 us of a tiny model's decode step (benchmarks/RESULTS.md, "The cache as
-# one pytree node"). A table or counters that are not a PageTable / CacheStats (a prefix of
-# specs, say) stay one child each.
+# one node 1.2 us; a jitted no-op with the tiny decode step's signature went from 25.7 to 23.2 us
+# (benchmarks/RESULTS.md, "The cache as one pytree node"). A table or counters that are not a
+# PageTable / CacheStats (a prefix of specs, say) stay one child each.
 _TABLE_ARRAYS = ("page_map", "slot_words", "page_words", "words")
 
 
