@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
+from flax import serialization, struct
 
 from arena_jax.layout import KVLayout
 
@@ -439,3 +439,23 @@ def _cache_from_children(aux, children) -> KVCache:
 
 
 jax.tree_util.register_pytree_with_keys(KVCache, _cache_keys, _cache_from_children, flatten_func=_cache_children)
+
+# `flax.serialization` as for a `flax.struct` dataclass: a dict of the pytree fields (the table and
+# counters as theirs), restored field by field.
+_DATA_FIELDS = tuple(f.name for f in dataclasses.fields(KVCache) if f.metadata.get("pytree_node", True))
+
+
+def _cache_state_dict(cache: KVCache) -> dict:
+    return {name: serialization.to_state_dict(getattr(cache, name)) for name in _DATA_FIELDS}
+
+
+def _cache_from_state_dict(cache: KVCache, state: dict) -> KVCache:
+    unknown = set(state) - set(_DATA_FIELDS)
+    missing = set(_DATA_FIELDS) - set(state)
+    if unknown or missing:
+        raise ValueError(f"KVCache state dict: unknown fields {sorted(unknown)}, missing fields {sorted(missing)}")
+    return cache.replace(**{name: serialization.from_state_dict(getattr(cache, name), state[name], name=name)
+                            for name in _DATA_FIELDS})  # fmt: skip
+
+
+serialization.register_serialization_state(KVCache, _cache_state_dict, _cache_from_state_dict)

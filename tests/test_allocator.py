@@ -381,3 +381,14 @@ def test_a_cache_is_one_pytree_node_with_its_arrays_as_leaves():
         k=cache.k, v=cache.v, table=cache.table.page_map, stats=cache.stats.counts))
     assert doubled.table == ("table", cache.table.page_map.shape) and doubled.k == (1, cache.k.shape)
     assert jax.tree_util.tree_structure(cache) != jax.tree_util.tree_structure(cache.replace(rotate_keys=False))
+    # flax.serialization, as for the flax.struct dataclass it was: a dict of its fields, restored
+    from flax import serialization
+
+    state = serialization.to_state_dict(back)
+    assert sorted(state) == ["k", "k_scale", "key_factors", "stats", "table", "v", "v_scale"]
+    assert sorted(state["table"]) == ["page_map", "page_words", "slot_words", "words"]
+    restored = serialization.from_state_dict(cache, serialization.msgpack_restore(serialization.msgpack_serialize(state)))
+    assert type(restored.table) is PageTable and restored.rotate_keys
+    jax.tree_util.tree_map(np.testing.assert_array_equal, restored, back)
+    with pytest.raises(ValueError, match="missing fields"):
+        serialization.from_state_dict(cache, {k: v for k, v in state.items() if k != "stats"})
