@@ -109,7 +109,7 @@ def block_keys_or_default(block_keys: int | None) -> int:
 
 def _gather_block(arena, layer, pages):
     """arena [L, Hkv, P_total, S, ...], pages i32[B, P] -> [B, Hkv, P*S, ...] (arena dtype):
-    one gather with (layer, page) indices (no copy of the layer)."""
+    one gather of whole pages (no copy of the layer)."""
     num_layers, num_heads, num_pages = arena.shape[:3]
     heads = jnp.arange(num_heads, dtype=jnp.int32)
     if num_layers * num_heads * num_pages < 2**31:
