@@ -185,6 +185,8 @@ def append_impl(cache: KVCache, layer, slots, k, v, num_tokens, backend: str, pl
     k_arena, v_arena = arenas[:2]
     if cache.k_scale is not None:  # a quantized arena: values and scales written together (in the cache's form)
         scales = dict(k_scale=arenas[2].reshape(cache.k_scale.shape), v_scale=arenas[3].reshape(cache.v_scale.shape))
+    if plan is not None and plan.deferred:  # the watermark and counters: `StepPlan.commit`, once for every layer
+        return cache.replace(k=k_arena, v=v_arena, **scales)
     # set, not add: a row's slot is unique among the writing rows (`slot_rows`), and a planned
     # layer appended twice leaves the watermark where one append does (`arena_jax.plan`).
     table = cache.table.set_slots(r.target, written_at=(layer_c, r.end))

@@ -8,6 +8,7 @@ class)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Any
 
@@ -27,6 +28,19 @@ PAD_SLOT = -1
 PAD_PAGE = -1
 
 
+def _view(read):
+    """A PageTable property read from `packed`; on a table of ShapeDtypeStructs (`jax.eval_shape`
+    of a cache) it gives the ShapeDtypeStruct of what it reads."""
+
+    @functools.wraps(read)
+    def get(self):
+        if isinstance(self.packed, jax.ShapeDtypeStruct):
+            return jax.eval_shape(lambda packed: read(dataclasses.replace(self, packed=packed)), self.packed)
+        return read(self)
+
+    return property(get)
+
+
 @struct.dataclass
 class PageTable:
     """Which pages belong to which slot, and how far each slot is reserved and written.
@@ -42,12 +56,13 @@ class PageTable:
     mapping slot shares it, and `append` writes only private pages), so its first `held[p]`
     tokens stay as they were when the hold was taken, at every layer.
 
-    Stored as four arrays, read through the ten fields' names (properties) and updated with
-    `.replace(<field>=...)` as before. Why: every jitted op takes and returns the cache, and
-    each array costs a call a buffer to pass, donate and alias (0.8-1.2 us each on a CPU: a jit
-    no-op over 13 cache arrays took 33.5 us against 22.4 us over 4; benchmarks/RESULTS.md,
-    "The page table in four arrays").
-    The fields are grouped by the axis they are indexed (and sharded) by:
+    **Stored as one int32 array**, `packed`, read through the ten fields' names and four
+    regions (properties) and updated with `.replace(<field or region>=...)` (a slice of
+    `packed` rewritten in place) or `set_slots` (one scatter). Why one: every jitted op takes
+    and returns the cache, and each array costs a call a buffer to pass, donate and alias
+    (~0.9 us each on a CPU: a jitted no-op with the tiny decode step's signature took 23.2 us
+    over the cache's 7 arrays, 19.6 us over 3; benchmarks/RESULTS.md, "The page table in one
+    array"). `packed` holds four regions, one after the other, each row-major:
 
     - `page_map`  i32[max_seqs, max_pages_per_seq], physical page per logical page, -1 unmapped
     - `slot_words` i32[max_seqs, 2 + num_layers]: per slot, `lengths` (tokens reserved),
@@ -56,76 +71,154 @@ class PageTable:
     - `page_words` i32[3, num_pages]: per page, `free_stack` (entries [0, num_free) are free;
       top = num_free - 1, LIFO), `refcount` (0 free, 1 owned, >1 shared; = mappings + (held >
       0)), `held` (tokens of the page the cache itself holds for the prefix cache, 0 = no hold)
-    - `words` i32[3] (a cache with data shards: [dp, 3], a row per shard's allocator):
-      `num_free`; `epoch`, advanced by every call that unmaps a slot's page or shares a private
-      one (release, truncate, fork, fork_pages, hold_pages; a call that changes nothing leaves
-      it): a `StepPlan` is made at one epoch and void at any other, so a plan kept past such a
-      call writes and reads nothing (the ops that only map more pages or make shared pages
-      private, reserve, swap_in, drop_pages, offload_pages, leave it: a plan made before them
-      never writes a page it may no longer write); `arena_id`, a random id drawn when the arena
-      is created and never changed by any op: page ids mean something only in their own arena,
-      so a prefix index bound to one arena can tell another apart (`PrefixCache.check`). Data,
-      not a static field: a new arena must not recompile.
+    - `words` i32[3]: `num_free`; `epoch`, advanced by every call that unmaps a slot's page or
+      shares a private one (release, truncate, fork, fork_pages, hold_pages; a call that
+      changes nothing leaves it): a `StepPlan` is made at one epoch and void at any other, so a
+      plan kept past such a call writes and reads nothing (the ops that only map more pages or
+      make shared pages private, reserve, swap_in, drop_pages, offload_pages, leave it: a plan
+      made before them never writes a page it may no longer write); `arena_id`, a random id
+      drawn when the arena is created and never changed by any op: page ids mean something
+      only in their own arena, so a prefix index bound to one arena can tell another apart
+      (`PrefixCache.check`). Data, not a static field: a new arena must not recompile.
+
+    `geometry` (static): (max_seqs, max_pages_per_seq, num_layers, num_pages) of the table a
+    row of `packed` holds. A cache with data shards (`create(mesh=...)`) stores `packed` as
+    [dp, W], a row per shard: that shard's slots, pages (local page ids) and allocator words.
+    The regions then read as the whole cache's, slots and pages in shard order (`page_map`
+    [dp * max_seqs, M], `page_words` [3, dp * num_pages], `words` [dp, 3]); inside the
+    sharded ops each shard works on its own row (`arena_jax.sharding`).
     """
 
-    page_map: jax.Array  # i32[max_seqs, max_pages_per_seq]
-    slot_words: jax.Array  # i32[max_seqs, 2 + num_layers]: lengths, active, written[0], ..., written[L - 1]
-    page_words: jax.Array  # i32[3, num_pages]: free_stack, refcount, held
-    words: jax.Array  # i32[3] ([dp, 3] with data shards): num_free, epoch, arena_id
+    packed: jax.Array  # i32[W] ([dp, W] with data shards): page_map, slot_words, page_words, words
+    geometry: tuple = struct.field(pytree_node=False)  # (max_seqs, max_pages_per_seq, num_layers, num_pages) of a row
 
-    # ---- the fields, read from the packed arrays (works on tracers and on concrete arrays) ----
+    # ---- the four regions and the ten fields (works on tracers and on concrete arrays) ----
+
+    @_view
+    def page_map(self) -> jax.Array:
+        """i32[max_seqs, max_pages_per_seq], physical page per logical page, -1 unmapped."""
+        return self._region("page_map")
+
+    @_view
+    def slot_words(self) -> jax.Array:
+        """i32[max_seqs, 2 + num_layers]: lengths, active, written[0], ..., written[L - 1]."""
+        return self._region("slot_words")
+
+    @_view
+    def page_words(self) -> jax.Array:
+        """i32[3, num_pages]: free_stack, refcount, held."""
+        return self._region("page_words")
+
+    @_view
+    def words(self) -> jax.Array:
+        """i32[3] ([dp, 3] with data shards): num_free, epoch, arena_id."""
+        return self._region("words")
 
     @property
+    def slots_shape(self) -> tuple[int, int]:
+        """(max_seqs, max_pages_per_seq) of the whole table: `page_map.shape`, read from the
+        static geometry and `packed`'s shape (works on ShapeDtypeStructs)."""
+        shards = self.packed.shape[0] if self.packed.ndim == 2 else 1
+        return shards * self.geometry[0], self.geometry[1]
+
+    @_view
     def lengths(self) -> jax.Array:
         """i32[max_seqs], tokens reserved per slot."""
         return self.slot_words[:, 0]
 
-    @property
+    @_view
     def active(self) -> jax.Array:
         """bool[max_seqs], slot in use."""
         return self.slot_words[:, 1] != 0
 
-    @property
+    @_view
     def written(self) -> jax.Array:
         """i32[num_layers, max_seqs], tokens whose K/V are stored at each layer (<= lengths)."""
         return self.slot_words[:, 2:].T
 
-    @property
+    @_view
     def free_stack(self) -> jax.Array:
         """i32[num_pages], entries [0, num_free) are free; top = num_free - 1 (LIFO)."""
         return self.page_words[0]
 
-    @property
+    @_view
     def refcount(self) -> jax.Array:
         """i32[num_pages], 0 free, 1 owned, >1 shared; = mappings + (held > 0)."""
         return self.page_words[1]
 
-    @property
+    @_view
     def held(self) -> jax.Array:
         """i32[num_pages], tokens of the page the cache itself holds (prefix cache), 0 = no hold."""
         return self.page_words[2]
 
-    @property
+    @_view
     def num_free(self) -> jax.Array:
         """i32[] (with data shards: i32[dp]), pages on the free stack."""
         return self.words[..., 0]
 
-    @property
+    @_view
     def epoch(self) -> jax.Array:
         """i32[] (with data shards: i32[dp]), see the class docstring."""
         return self.words[..., 1]
 
-    @property
+    @_view
     def arena_id(self) -> jax.Array:
         """i32[], the arena's random id (the same in every data shard's row)."""
         return self.words[2] if self.words.ndim == 1 else self.words[0, 2]
 
+    def _region(self, name: str) -> jax.Array:
+        start, shape = _regions(self.geometry)[name]
+        size = int(np.prod(shape))
+        if self.packed.ndim == 1:
+            return self.packed[start : start + size].reshape(shape)
+        shards = self.packed.shape[0]
+        rows = self.packed[:, start : start + size].reshape(shards, *shape)  # each shard's region
+        if name == "words":
+            return rows  # [dp, 3]
+        if name == "page_words":  # pages in shard order along axis 1
+            return jnp.moveaxis(rows, 0, 1).reshape(3, shards * shape[1])
+        return rows.reshape(shards * shape[0], shape[1])  # slots in shard order along axis 0
+
+    def _with_region(self, name: str, value) -> "PageTable":
+        """This table with region `name` := value (its shape as the property returns it): an
+        in-place update of `packed`'s slice (an indexed update, not `lax.dynamic_update_slice`,
+        which under an explicit mesh wants the value sharded as `packed`)."""
+        start, shape = _regions(self.geometry)[name]
+        size = int(np.prod(shape))
+        xp = np if isinstance(self.packed, np.ndarray) else jnp  # a table of numpy arrays (read back) stays one
+        value = xp.asarray(value, np.int32)
+        if self.packed.ndim == 1:
+            value = value.reshape(size)
+        else:
+            shards = self.packed.shape[0]
+            if name == "page_words":
+                value = xp.moveaxis(value.reshape(3, shards, shape[1]), 1, 0)
+            value = value.reshape(shards, size)
+        if xp is np:
+            packed = self.packed.copy()
+            packed[..., start : start + size] = value
+        else:
+            packed = self.packed.at[..., start : start + size].set(value)
+        return dataclasses.replace(self, packed=packed)
+
     @classmethod
     def pack(cls, *, page_map, lengths, active, free_stack, num_free, refcount, written, held, arena_id,
              epoch) -> "PageTable":  # fmt: skip
-        """A table from its ten fields (shapes as the properties return them)."""
-        return cls(page_map=jnp.asarray(page_map, jnp.int32), slot_words=_slot_words(lengths, active, written),
-                   page_words=_page_words(free_stack, refcount, held), words=_words(num_free, epoch, arena_id))  # fmt: skip
+        """A table (one row: no data shards) from its ten fields (shapes as the properties return them)."""
+        page_map = jnp.asarray(page_map, jnp.int32)
+        slot_words = _slot_words(lengths, active, written)
+        page_words = _page_words(free_stack, refcount, held)
+        words = _words(num_free, epoch, arena_id)
+        if words.ndim != 1:
+            raise ValueError(f"PageTable.pack builds one table: num_free and epoch are scalars, got words {words.shape}")
+        geometry = (*page_map.shape, slot_words.shape[1] - 2, page_words.shape[1])
+        return cls(packed=jnp.concatenate([page_map.ravel(), slot_words.ravel(), page_words.ravel(), words]),
+                   geometry=geometry)  # fmt: skip
+
+    def stacked(self, shards: int) -> "PageTable":
+        """`shards` copies of this one-row table, a row each ([dp, W]): the tables of a cache
+        with data shards, every shard starting alike."""
+        return dataclasses.replace(self, packed=jnp.tile(self.packed[None], (shards, 1)))
 
     def advanced(self, changed) -> "PageTable":
         """This table at the next epoch if any of `changed` (bool[...]: the rows the call
@@ -133,25 +226,29 @@ class PageTable:
         return self.replace(epoch=self.epoch + jnp.any(changed).astype(jnp.int32))
 
     @classmethod
-    def empty(cls, layout: KVLayout, arena_id: int | None = None) -> "PageTable":
+    def empty(cls, layout: KVLayout, arena_id: int | None = None, *, max_seqs: int | None = None,
+              num_pages: int | None = None) -> "PageTable":  # fmt: skip
+        """The table of a new arena (`max_seqs` / `num_pages`: a data shard's, default the layout's)."""
+        max_seqs = layout.max_seqs if max_seqs is None else max_seqs
+        num_pages = layout.num_pages if num_pages is None else num_pages
         # The stack's top is reused first; page 0 on top gives a fresh arena pages 0, 1, 2, ...
         return cls.pack(
-            page_map=jnp.full((layout.max_seqs, layout.max_pages_per_seq), -1, jnp.int32),
-            lengths=jnp.zeros((layout.max_seqs,), jnp.int32),
-            active=jnp.zeros((layout.max_seqs,), bool),
-            free_stack=jnp.arange(layout.num_pages - 1, -1, -1, dtype=jnp.int32),
-            num_free=jnp.asarray(layout.num_pages, jnp.int32),
-            refcount=jnp.zeros((layout.num_pages,), jnp.int32),
-            written=jnp.zeros((layout.num_layers, layout.max_seqs), jnp.int32),
-            held=jnp.zeros((layout.num_pages,), jnp.int32),
+            page_map=jnp.full((max_seqs, layout.max_pages_per_seq), -1, jnp.int32),
+            lengths=jnp.zeros((max_seqs,), jnp.int32),
+            active=jnp.zeros((max_seqs,), bool),
+            free_stack=jnp.arange(num_pages - 1, -1, -1, dtype=jnp.int32),
+            num_free=jnp.asarray(num_pages, jnp.int32),
+            refcount=jnp.zeros((num_pages,), jnp.int32),
+            written=jnp.zeros((layout.num_layers, max_seqs), jnp.int32),
+            held=jnp.zeros((num_pages,), jnp.int32),
             arena_id=jnp.asarray(new_arena_id() if arena_id is None else arena_id, jnp.int32),
             epoch=jnp.zeros((), jnp.int32),
         )
 
     def set_slots(self, target, **columns) -> "PageTable":
         """`lengths` / `active` / `written_at=(layer, values)` set at slots `target` i32[B] (out of
-        range: dropped), each column a value or per-row values [B]: one scatter into
-        `slot_words` (`.replace(lengths=self.lengths.at[target].set(...))` rebuilds the array).
+        range: dropped), each column a value or per-row values [B]: one scatter into `packed`
+        (`.replace(lengths=self.lengths.at[target].set(...))` rebuilds the region).
         `layer` must be in range (callers clip it)."""
         cols, values = [], []
         for name, col in (("lengths", 0), ("active", 1)):
@@ -166,12 +263,41 @@ class PageTable:
             raise TypeError(f"PageTable.set_slots: unknown columns {sorted(columns)}")
         if not cols:
             return self
-        rows = jnp.broadcast_to(target[:, None], (target.shape[0], len(cols)))
-        col_idx = jnp.broadcast_to(jnp.stack([jnp.asarray(c, jnp.int32) for c in cols])[None, :], rows.shape)
-        words = self.slot_words.at[rows, col_idx].set(jnp.stack(values, axis=1), mode="drop")
-        return dataclasses.replace(self, slot_words=words)
+        col_idx = jnp.broadcast_to(jnp.stack([jnp.asarray(c, jnp.int32) for c in cols])[None, :], (target.shape[0], len(cols)))
+        return self.set_slot_words(jnp.broadcast_to(target[:, None], col_idx.shape), col_idx, jnp.stack(values, axis=1))
+
+    def set_slot_words(self, rows, cols, values) -> "PageTable":
+        """`slot_words[rows, cols] = values` (i32, one shape), a cell whose row is out of range
+        dropped: one scatter into `packed` (no copy of the region)."""
+        if self.packed.ndim != 1:  # data shards (outside the sharded ops): through the region
+            return self.replace(slot_words=self.slot_words.at[rows, cols].set(values, mode="drop"))
+        max_seqs, _, num_layers, _ = self.geometry
+        start = _regions(self.geometry)["slot_words"][0]
+        in_range = (rows >= 0) & (rows < max_seqs)
+        flat = jnp.where(in_range, start + rows * (2 + num_layers) + cols, self.packed.shape[0])  # past the end: dropped
+        return dataclasses.replace(self, packed=self.packed.at[flat].set(values, mode="drop"))
 
 
+def packed_width(geometry: tuple) -> int:
+    """W: the int32 words of a table row of `geometry` (its four regions)."""
+    start, shape = _regions(tuple(geometry))["words"]
+    return start + int(np.prod(shape))
+
+
+@functools.lru_cache(maxsize=64)
+def _regions(geometry: tuple) -> dict:
+    """{region: (start in `packed`'s row, shape)} of a table row of `geometry`."""
+    max_seqs, max_pages, num_layers, num_pages = geometry
+    shapes = {"page_map": (max_seqs, max_pages), "slot_words": (max_seqs, 2 + num_layers),
+              "page_words": (3, num_pages), "words": (3,)}  # fmt: skip
+    out, start = {}, 0
+    for name, shape in shapes.items():
+        out[name] = (start, shape)
+        start += int(np.prod(shape))
+    return out
+
+
+_REGION_NAMES = ("page_map", "slot_words", "page_words", "words")
 _SLOT_FIELDS = ("lengths", "active", "written")
 _PAGE_FIELDS = ("free_stack", "refcount", "held")
 _WORD_FIELDS = ("num_free", "epoch", "arena_id")
@@ -195,18 +321,20 @@ def _words(num_free, epoch, arena_id):
 
 
 def _replace_table(table: PageTable, **changes) -> PageTable:
-    """`PageTable.replace`: the stored arrays by their names, or any of the ten fields by
-    theirs (its packed array rebuilt from the new value and the others' current ones)."""
-    stored = {f.name for f in dataclasses.fields(table)}
-    unknown = sorted(set(changes) - stored - set(PAGE_TABLE_FIELDS))
+    """`PageTable.replace`: `packed`, a region by its name, or any of the ten fields by theirs
+    (its region rebuilt from the new value and the others' current ones)."""
+    unknown = sorted(set(changes) - {"packed", "geometry"} - set(_REGION_NAMES) - set(PAGE_TABLE_FIELDS))
     if unknown:
         raise TypeError(f"PageTable.replace: unknown fields {unknown}")
-    out = dataclasses.replace(table, **{k: changes.pop(k) for k in list(changes) if k in stored})
+    out = dataclasses.replace(table, **{k: changes.pop(k) for k in ("packed", "geometry") if k in changes})
+    for name in _REGION_NAMES:
+        if name in changes:
+            out = out._with_region(name, changes.pop(name))
     for group, name, pack in ((_SLOT_FIELDS, "slot_words", _slot_words), (_PAGE_FIELDS, "page_words", _page_words),
                               (_WORD_FIELDS, "words", _words)):  # fmt: skip
         if any(f in changes for f in group):
             values = [changes[f] if f in changes else getattr(out, f) for f in group]
-            out = dataclasses.replace(out, **{name: pack(*values)})
+            out = out._with_region(name, pack(*values))
     return out
 
 
@@ -356,7 +484,7 @@ class KVCache:
         int4 = self.k.dtype == jnp.uint8  # two codes a byte
         if self.sharding is not None:  # heads replicated over the tensor axis are stored kv_replicas times
             num_kv_heads //= self.sharding.kv_replicas
-        max_seqs, max_pages_per_seq = self.table.page_map.shape
+        max_seqs, max_pages_per_seq = self.table.slots_shape
         return KVLayout(
             num_layers=num_layers,
             num_kv_heads=num_kv_heads,
@@ -394,28 +522,27 @@ class KVCache:
 
 
 # KVCache is one pytree node whose children are its arrays, the table's and the counters' among
-# them (k, v, page_map, slot_words, page_words, words, counts, k_scale, v_scale, key_factors:
-# the leaves, in the order three nested dataclass nodes gave them). Why: every jitted op takes
-# and returns the cache, and JAX rebuilds the returned one on the host at every call. Three
-# `flax.struct` nodes (the cache, its table, its counters) took 2.9 us a call to rebuild, the
-# one node 1.2 us; a jitted no-op with the tiny decode step's signature went from 25.7 to 23.2 us
-# (benchmarks/RESULTS.md, "The cache as one pytree node"). A table or counters that are not a
-# PageTable / CacheStats (a prefix of specs, say) stay one child each.
-_TABLE_ARRAYS = ("page_map", "slot_words", "page_words", "words")
+# them (k, v, table.packed, stats.counts, k_scale, v_scale, key_factors: the leaves, in the order
+# nested dataclass nodes would give them). Why: every jitted op takes and returns the cache, and
+# JAX rebuilds the returned one on the host at every call. Three `flax.struct` nodes (the cache,
+# its table, its counters) took 2.9 us a call to rebuild, the one node 1.2 us; a jitted no-op
+# with the tiny decode step's signature went from 25.7 to 23.2 us (benchmarks/RESULTS.md, "The
+# cache as one pytree node"). A table or counters that are not a PageTable / CacheStats (a
+# prefix of specs, say) stay one child each. The table's static geometry travels in the aux data.
 
 
 def _cache_children(cache: KVCache):
     table, stats = cache.table, cache.stats
     if type(table) is PageTable and type(stats) is CacheStats:  # the common case, written out: it runs every call
-        return (cache.k, cache.v, table.page_map, table.slot_words, table.page_words, table.words, stats.counts,
-                cache.k_scale, cache.v_scale, cache.key_factors), (cache.sharding, cache.rotate_keys, True)
+        return (cache.k, cache.v, table.packed, stats.counts, cache.k_scale, cache.v_scale, cache.key_factors), (
+            cache.sharding, cache.rotate_keys, table.geometry)
     return (cache.k, cache.v, table, stats, cache.k_scale, cache.v_scale, cache.key_factors), (
-        cache.sharding, cache.rotate_keys, False)
+        cache.sharding, cache.rotate_keys, None)
 
 
 def _cache_keys(cache: KVCache):
     children, aux = _cache_children(cache)
-    inner = tuple("table." + f for f in _TABLE_ARRAYS) + ("stats.counts",) if aux[2] else ("table", "stats")
+    inner = ("table.packed", "stats.counts") if aux[2] is not None else ("table", "stats")
     names = ("k", "v", *inner, "k_scale", "v_scale", "key_factors")
     return tuple(zip(map(jax.tree_util.GetAttrKey, names), children)), aux
 
@@ -424,16 +551,15 @@ def _cache_from_children(aux, children) -> KVCache:
     cache = object.__new__(KVCache)  # a frozen dataclass, its fields set without __init__ (as `dataclasses` does)
     fields = cache.__dict__
     fields["k"], fields["v"] = children[0], children[1]
-    if aux[2]:
+    if aux[2] is not None:
         table = object.__new__(PageTable)
-        table.__dict__.update(page_map=children[2], slot_words=children[3], page_words=children[4], words=children[5])
+        table.__dict__.update(packed=children[2], geometry=aux[2])
         stats = object.__new__(CacheStats)
-        stats.__dict__["counts"] = children[6]
+        stats.__dict__["counts"] = children[3]
         fields["table"], fields["stats"] = table, stats
-        fields["k_scale"], fields["v_scale"], fields["key_factors"] = children[7], children[8], children[9]
     else:
         fields["table"], fields["stats"] = children[2], children[3]
-        fields["k_scale"], fields["v_scale"], fields["key_factors"] = children[4], children[5], children[6]
+    fields["k_scale"], fields["v_scale"], fields["key_factors"] = children[4], children[5], children[6]
     fields["sharding"], fields["rotate_keys"] = aux[0], aux[1]
     return cache
 

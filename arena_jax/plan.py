@@ -12,7 +12,9 @@ answers them for every layer at once (the same functions as the ops, vmapped ove
 their layer's entry (`aj.append(..., plan=)`, `aj.attend(..., plan=)`; `CacheStep` and the
 models pass it): the per-layer work is the writes, the reads, one watermark scatter and one
 counter add. Results equal the unplanned calls' exactly, layers in any order
-(tests/test_plan.py).
+(tests/test_plan.py). A forward pass that appends every layer once can defer the watermarks
+and counters too (`deferred=True`, `StepPlan.commit`: one scatter and one add a step, as our
+models do).
 
 A plan answers for the slots and counts it was made for, one append per layer. Inside jit,
 misuse stays total: a layer appended twice writes the same positions again and leaves the
@@ -22,6 +24,7 @@ holds alone. What it buys and costs, measured: benchmarks/RESULTS.md, "A step's 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -65,6 +68,7 @@ class StepPlan:
     epoch: jax.Array
     width: int = struct.field(pytree_node=False)
     page_size: int = struct.field(pytree_node=False)
+    deferred: bool = struct.field(pytree_node=False, default=False)
 
     def _index(self, layer, table, after):
         """Entry `layer`; entry L for a layer out of range or a table at another epoch. Read
@@ -85,6 +89,25 @@ class StepPlan:
                           accepted=jnp.maximum(accepted, 0), end=end, target=jnp.where(writable, self.slots, max_seqs),
                           counts=self.counts[i])  # fmt: skip
 
+    def commit(self, cache: KVCache) -> KVCache:
+        """A deferred plan's bookkeeping for every layer (`plan_step(..., deferred=True)`: once
+        per forward pass, whose layers each append once under this plan): each layer's written
+        watermark set where its append leaves it, and the appends' counters added, as the
+        layers' own appends would do one by one. A plan that is not deferred: the cache
+        unchanged (its appends do it). A table at another epoch than the plan's: its appends
+        write nothing, so no watermark moves and only their rejections are counted."""
+        if not self.deferred:
+            return cache
+        table = cache.table
+        num_layers = self.counts.shape[0] - 1
+        usable = table.epoch == self.epoch
+        end, accepted = self.rows4[:num_layers, :, 0], self.rows4[:num_layers, :, 1]  # [L, B]
+        layers = np.broadcast_to(np.arange(2, 2 + num_layers, dtype=np.int32)[:, None], end.shape)  # written[l]'s column
+        target = jnp.where(usable & (accepted >= 0), self.slots[None, :], table.slots_shape[0])  # [L, B]; out of range: none
+        counts = jnp.where(usable, jnp.sum(self.counts[:num_layers], axis=0), num_layers * self.counts[num_layers])
+        return cache.replace(table=table.set_slot_words(target, layers, end),
+                             stats=cache.stats.replace(counts=cache.stats.counts + counts))
+
     def attend_at(self, layer, table, after=None) -> AttendRows:
         """Layer `layer`'s attention rows, as they stand after its append; `after`: the arena
         after that append."""
@@ -92,13 +115,24 @@ class StepPlan:
         return AttendRows(good=n >= 0, lengths=lengths, num_tokens=jnp.maximum(n, 0))
 
 
-def plan_step(cache: KVCache, slots, num_tokens, width: int) -> StepPlan | None:
+def plan_step(cache: KVCache, slots, num_tokens, width: int, *, deferred: bool = False) -> StepPlan | None:
     """The plan of a forward pass of `width` tokens a row (slots, num_tokens i32[B]) over `cache`
     as it is after the step's `reserve`: pass it to every layer's `aj.append` / `aj.attend`
     (`plan=`) with the same slots and counts. None for a sharded cache (each shard classifies
     its own rows inside every call). On the host, slots and counts are checked as `aj.append`
     checks them (a ValueError naming the argument); inside jit, any values give a plan that keeps
-    the cache's rules (rows the ops would refuse are refused by the plan)."""
+    the cache's rules (rows the ops would refuse are refused by the plan).
+
+    `deferred=True`, for a forward pass that appends every layer exactly once under the plan,
+    in the same jit (a model's layer loop: `models.Llama.hidden`): those appends write K/V
+    only, and `plan.commit(cache)`, called once in that forward pass, before or after its
+    layers, sets every layer's watermark and adds the appends' counters in one scatter and one
+    add, where each append would do it for its layer (XLA kernels a layer on the step's
+    critical path: benchmarks/RESULTS.md, "The page table in one array"). Attention under the
+    plan reads the plan's lengths, so the order does not matter; the cache after the forward
+    pass equals the per-layer appends' (tests/test_plan.py). Outside that contract it is not:
+    a layer left out would be marked written over bytes it never wrote, and a deferred append
+    at a layer out of range counts nothing."""
     layout = check_cache_arrays(cache)
     if isinstance(width, bool) or not isinstance(width, int) or width < 1:
         raise ValueError(f"width must be a positive Python int (the tokens axis of the step), got {width!r}")
@@ -106,11 +140,13 @@ def plan_step(cache: KVCache, slots, num_tokens, width: int) -> StepPlan | None:
     num_tokens = check_counts(layout, num_tokens, slots.shape[0], "num_tokens")
     if cache.sharding is not None:
         return None
-    return _plan(cache, slots, num_tokens, width)
+    if not isinstance(deferred, bool):
+        raise ValueError(f"deferred must be a bool, got {deferred!r}")
+    return _plan(cache, slots, num_tokens, width, deferred)
 
 
-@functools.partial(jax.jit, static_argnames=("width",))
-def _plan(cache: KVCache, slots, num_tokens, width: int) -> StepPlan:
+@functools.partial(jax.jit, static_argnames=("width", "deferred"))
+def _plan(cache: KVCache, slots, num_tokens, width: int, deferred: bool = False) -> StepPlan:
     table = cache.table
     num_layers = table.written.shape[0]
     num_pages, page_size = cache.k.shape[2], cache.k.shape[3]
@@ -128,4 +164,4 @@ def _plan(cache: KVCache, slots, num_tokens, width: int) -> StepPlan:
     rows4 = jnp.stack([append.end, jnp.where(append.writable, append.accepted, -1), attend.lengths,
                        jnp.where(attend.good, attend.num_tokens, -1)], axis=-1)  # fmt: skip
     return StepPlan(slots=slots, num_tokens=num_tokens, rows=rows, tokens=tokens, rows4=rows4, counts=append.counts,
-                    epoch=table.epoch, width=width, page_size=page_size)
+                    epoch=table.epoch, width=width, page_size=page_size, deferred=deferred)

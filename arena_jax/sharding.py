@@ -196,9 +196,10 @@ class CacheSharding:
         """[B, T, heads, D] activations: rows over data, heads over tensor (if `split`)."""
         return _spec(self.data_axis, None, self.tensor_axis if split else None, None)
 
-    def table_specs(self) -> PageTable:
-        d = _spec(self.data_axis)  # slots, and each shard's row of words, split over the data axis
-        return PageTable(page_map=d, slot_words=d, page_words=_spec(None, self.data_axis), words=d)
+    def table_specs(self, geometry: tuple) -> PageTable:
+        """The table (`geometry`: its static field): one row of `packed` a data shard, split over
+        the data axis (no data axis: one replicated row)."""
+        return PageTable(packed=_spec(self.data_axis), geometry=geometry)
 
     def stats_specs(self) -> CacheStats:
         """Counters: a row per data shard ([dp, N]), else one replicated vector [N]."""
@@ -223,10 +224,10 @@ def create_sharded(layout: KVLayout, mesh, *, tensor_axis: str | None = "tensor"
         table = PageTable.empty(layout)
         stats = CacheStats.zeros()
         if sh.data_axis is not None:
-            # One free stack per data shard, of local page ids (top: page 0 of each shard).
-            local = jnp.arange(pages_per_shard - 1, -1, -1, dtype=jnp.int32)
-            table = table.replace(free_stack=jnp.tile(local, sh.dp), num_free=jnp.full((sh.dp,), pages_per_shard, jnp.int32),
-                                  epoch=jnp.zeros((sh.dp,), jnp.int32))  # fmt: skip
+            # A table row per data shard: its slots, its pages (local ids: its free stack's top is
+            # its page 0) and its allocator's words, the arena's id in every row.
+            table = PageTable.empty(layout, arena_id=table.arena_id, max_seqs=layout.max_seqs // sh.dp,
+                                    num_pages=pages_per_shard).stacked(sh.dp)  # fmt: skip
             stats = jax.tree.map(lambda x: jnp.zeros((sh.dp, *x.shape), x.dtype), stats)  # a row of counters a shard
         shape = sh.arena_shape(layout)
         extras = {}
@@ -329,7 +330,7 @@ def _cache_specs(cache: KVCache) -> KVCache:
     for f in dataclasses.fields(cache):
         if not f.metadata.get("pytree_node", True) or getattr(cache, f.name) is None:
             continue
-        specs[f.name] = {"table": sh.table_specs(), "stats": sh.stats_specs(),
+        specs[f.name] = {"table": sh.table_specs(cache.table.geometry), "stats": sh.stats_specs(),
                          "key_factors": _spec(None, sh.tensor_axis)}.get(f.name, sh.arena_spec)
     return cache.replace(**specs)
 
@@ -337,8 +338,8 @@ def _cache_specs(cache: KVCache) -> KVCache:
 def _local(cache: KVCache) -> KVCache:
     """This shard's blocks -> the cache as the single-device code knows it (no sharding)."""
     table, stats = cache.table, cache.stats
-    if cache.sharding.data_axis is not None:  # per-allocator values (num_free, epoch, arena_id): [1, 3] here
-        table = table.replace(words=table.words[0])
+    if cache.sharding.data_axis is not None:  # the shard's row of the table ([1, W] here) and of the counters
+        table = table.replace(packed=table.packed[0])
         stats = jax.tree.map(lambda x: x[0], stats)
     return cache.replace(table=table, stats=stats, sharding=None)
 
@@ -347,7 +348,7 @@ def _blocks(local: KVCache, sh: CacheSharding) -> KVCache:
     """A shard's local cache -> its blocks of the global cache (the inverse of `_local`)."""
     table, stats = local.table, local.stats
     if sh.data_axis is not None:
-        table = table.replace(words=table.words[None])
+        table = table.replace(packed=table.packed[None])
         stats = jax.tree.map(lambda x: x[None], stats)
     return local.replace(table=table, stats=stats, sharding=sh)
 

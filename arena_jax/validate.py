@@ -269,6 +269,7 @@ def check_cache_arrays(cache) -> KVLayout:
         for name, x in (("k_scale", ks), ("v_scale", vs)):
             if tuple(x.shape) != want or x.dtype != ks.dtype:
                 raise ValueError(f"cache.{name} must be {want} {ks.dtype}, got {x.shape} {x.dtype}")
+    _check_table(cache)
     factors = cache.key_factors
     if factors is not None:
         want = tuple(k.shape[:2]) + (cache.layout.head_dim,)  # [layers, stored heads, head_dim]
@@ -279,6 +280,25 @@ def check_cache_arrays(cache) -> KVLayout:
         raise ValueError(f"cache.rotate_keys={cache.rotate_keys!r}: True or False, and True only for quantized arenas "
                          "(build caches with arena_jax.create)")
     return cache.layout
+
+
+def _check_table(cache) -> None:
+    """The page table's one array: int32, a row ([W]; [dp, W] with data shards) of the width its
+    static geometry gives, for as many layers as the arena and its pages in total."""
+    from arena_jax.kv_cache import PageTable, packed_width
+
+    table = cache.table
+    if not isinstance(table, PageTable):
+        raise ValueError(f"cache.table must be a PageTable (build caches with arena_jax.create), got {type(table).__name__}")
+    packed, geometry = table.packed, table.geometry
+    shards = packed.shape[0] if packed.ndim == 2 else 1
+    if (packed.dtype != jnp.int32 or packed.ndim not in (1, 2) or packed.shape[-1] != packed_width(geometry)
+            or geometry[2] != cache.k.shape[0] or geometry[3] * shards != cache.k.shape[2]):  # fmt: skip
+        raise ValueError(
+            f"cache.table.packed {tuple(packed.shape)} {packed.dtype} does not hold the table of its geometry "
+            f"(max_seqs, max_pages_per_seq, num_layers, num_pages) = {geometry} for an arena {tuple(cache.k.shape)}: "
+            f"want int32 [{packed_width(geometry)}] (or [dp, {packed_width(geometry)}] with data shards), the layers and "
+            "pages of the arena (build caches with arena_jax.create)")
 
 
 def check_q(layout: KVLayout, q, batch: int):

@@ -172,7 +172,12 @@ class Llama(nnx.Module):
     def hidden(self, tokens, positions, cache: aj.KVCache, slots, num_tokens):
         """tokens i32[B, T] -> final-normed hidden states [B, T, E] and the updated cache."""
         x = shard_rows(self.embed(tokens), cache)  # a sharded cache: rows over data, replicated over tensor
-        plan = aj.plan_step(cache, slots, num_tokens, tokens.shape[1])  # every layer's page bookkeeping, once
+        # Every layer's page bookkeeping, once, before the layers: the rows classified, the
+        # watermarks and counters set where the layers' appends leave them (every layer appends
+        # once, in this same jit: `deferred`).
+        plan = aj.plan_step(cache, slots, num_tokens, tokens.shape[1], deferred=True)
+        if plan is not None:
+            cache = plan.commit(cache)
 
         def body(block, x, cache, layer, window, inv_freq):
             x, cache = block(x, positions, cache, layer, slots, num_tokens, window=window, inv_freq=inv_freq, plan=plan)

@@ -3,7 +3,7 @@
     JAX_PLATFORMS=cpu python scripts/inject_bugs.py            # every bug (a few minutes on 2 cores)
     JAX_PLATFORMS=cpu python scripts/inject_bugs.py "twice"    # those whose name contains a word
 
-Each bug is a one-line edit of the page table's packed arrays, the prefix cache (device ops, index, scheduler), the host tier
+Each bug is a one-line edit of the page table's packed array, the prefix cache (device ops, index, scheduler), the host tier
 (its ops, its binding to its cache), the smoothed keys' factors (fixed at create) or a step's
 plan (`arena_jax.plan`: its epoch, its watermarks), the TPU attention kernel's steady-state
 loop and its 8-bit scale rows, the TPU append's merge of shared scale rows, or the "xla" backend's one-block attention (its V rows' deferred check). The tests that
@@ -112,7 +112,12 @@ MUTANTS = {
         "    if isinstance(cache.k, jax.core.Tracer):\n"),
     "release: the epoch kept (a stale plan writes the freed pages)": ("arena_jax/allocator.py",
         "    return cache.replace(table=cache.table.advanced(changed),", "    return cache.replace(table=cache.table,"),
-    # the page table packed in four arrays (arena_jax/kv_cache.py; issue 39)
+    # the page table packed in one array (arena_jax/kv_cache.py; issue 39)
+    "page table: a row out of range written into the next region": ("arena_jax/kv_cache.py",
+        "flat = jnp.where(in_range, start + rows * (2 + num_layers) + cols, self.packed.shape[0])",
+        "flat = start + rows * (2 + num_layers) + cols"),
+    "plan: a deferred plan of another epoch commits its watermarks": ("arena_jax/plan.py",
+        "target = jnp.where(usable & (accepted >= 0), self.slots[None, :]", "target = jnp.where(accepted >= 0, self.slots[None, :]"),
     "page table: a layer's watermark written into the previous layer's column": ("arena_jax/kv_cache.py",
         "            cols.append(2 + layer)\n", "            cols.append(1 + layer)\n"),
     "page table: replace keeps the old value of a field it is given": ("arena_jax/kv_cache.py",
@@ -163,7 +168,7 @@ TESTS = {
                                "tests/test_op_hlo.py"],
     "arena_jax/plan.py": ["tests/test_plan.py", "tests/test_op_hlo.py"],
     "arena_jax/api.py": ["tests/test_op_hlo.py"],
-    "arena_jax/kv_cache.py": ["tests/test_allocator_model.py"],
+    "arena_jax/kv_cache.py": ["tests/test_allocator.py", "tests/test_allocator_model.py"],
     "arena_jax/allocator.py": ["tests/test_plan.py", "tests/test_allocator_model.py"],
     "pallas_kernels/tpu/attention.py": ["tests/test_kernels_tpu.py"],
     "pallas_kernels/tpu/append.py": ["tests/test_kernels_tpu.py"],

@@ -314,17 +314,19 @@ def _fields(table):
     return {name: np.asarray(getattr(table, name)) for name in PAGE_TABLE_FIELDS}
 
 
-def test_page_table_is_four_arrays_read_and_replaced_by_field():
-    """The ten fields live in four arrays (`page_map`, `slot_words`, `page_words`, `words`):
-    each reads back what it was given, `replace(<field>=...)` changes that field alone (in and out
-    of jit), and `set_slots` (the hot paths' one scatter) equals the `.at[...].set` it stands for,
-    rows out of range dropped."""
+def test_page_table_is_one_array_read_and_replaced_by_field():
+    """The ten fields live in one array (`packed`: the regions `page_map`, `slot_words`,
+    `page_words`, `words`): each reads back what it was given, `replace(<field>=...)` and
+    `replace(<region>=...)` change that field or region alone (in and out of jit), and
+    `set_slots` (the hot paths' one scatter) equals the `.at[...].set` it stands for, rows out of
+    range dropped (a row past the slots must not land in the next region)."""
     from arena_jax.kv_cache import PAGE_TABLE_FIELDS, PageTable
 
     rng = np.random.default_rng(0)
     fields = _random_fields(rng, LAYOUT)
     table = PageTable.pack(**fields)
-    assert len(jax.tree_util.tree_leaves(table)) == 4
+    assert len(jax.tree_util.tree_leaves(table)) == 1
+    assert table.geometry == (LAYOUT.max_seqs, LAYOUT.max_pages_per_seq, LAYOUT.num_layers, LAYOUT.num_pages)
     assert {k: v.tolist() for k, v in _fields(table).items()} == {k: np.asarray(v).tolist() for k, v in fields.items()}
     assert table.active.dtype == jnp.bool_ and table.written.shape == (LAYOUT.num_layers, LAYOUT.max_seqs)
     for name in PAGE_TABLE_FIELDS:
@@ -332,6 +334,11 @@ def test_page_table_is_four_arrays_read_and_replaced_by_field():
         for got in (table.replace(**{name: new}), jax.jit(lambda t, x, name=name: t.replace(**{name: x}))(table, new)):
             want = _fields(table) | {name: np.asarray(new)}
             assert {k: v.tolist() for k, v in _fields(got).items()} == {k: v.tolist() for k, v in want.items()}, name
+    other = PageTable.pack(**_random_fields(rng, LAYOUT))
+    for region in ("page_map", "slot_words", "page_words", "words"):
+        got = jax.jit(lambda t, x, region=region: t.replace(**{region: x}))(table, getattr(other, region))
+        for r in ("page_map", "slot_words", "page_words", "words"):
+            np.testing.assert_array_equal(getattr(got, r), getattr(other if r == region else table, r), err_msg=region)
     with pytest.raises(TypeError, match=r"unknown fields \['lenghts'\]"):
         table.replace(lenghts=fields["lengths"])
     target = jnp.array([2, LAYOUT.max_seqs, 0, -5], jnp.int32)  # two rows out of range: dropped
@@ -344,12 +351,25 @@ def test_page_table_is_four_arrays_read_and_replaced_by_field():
     assert_same(table.set_slots(target), table)
 
 
-def test_a_cache_is_seven_arrays():
-    """What a jitted op passes, donates and aliases per call: k, v, the table's four arrays and
-    the counters (8-bit arenas add their two scale arrays). Each array costs a call ~1 us on a
-    CPU (benchmarks/RESULTS.md, "The page table in four arrays")."""
+def test_a_cache_is_four_arrays():
+    """What a jitted op passes, donates and aliases per call: k, v, the table's one array and
+    the counters (8-bit arenas add their two scale arrays). Each array costs a call ~0.9 us on a
+    CPU (benchmarks/RESULTS.md, "The page table in one array")."""
     cache = aj.create(LAYOUT)
-    assert len(jax.tree_util.tree_leaves(cache)) == 7
+    assert len(jax.tree_util.tree_leaves(cache)) == 4
+
+
+def test_a_table_of_another_geometry_is_refused_naming_it():
+    """A cache whose table is not its arena's (another layer count, pages, or a bare array) is a
+    ValueError naming `cache.table`, before any op runs."""
+    cache = aj.create(LAYOUT)
+    for other in (dataclasses.replace(LAYOUT, num_layers=LAYOUT.num_layers + 1),
+                  dataclasses.replace(LAYOUT, num_pages=LAYOUT.num_pages * 2)):
+        bad = cache.replace(table=aj.create(other).table)
+        with pytest.raises(ValueError, match=r"cache.table.packed .* does not hold the table of its geometry"):
+            aj.reserve(bad, [0], [1])
+    with pytest.raises(ValueError, match="cache.table must be a PageTable"):
+        aj.reserve(cache.replace(table=cache.table.packed), [0], [1])
 
 
 def test_a_cache_is_one_pytree_node_with_its_arrays_as_leaves():
@@ -362,8 +382,7 @@ def test_a_cache_is_one_pytree_node_with_its_arrays_as_leaves():
     cache = cache.replace(rotate_keys=True)
     leaves, treedef = jax.tree_util.tree_flatten(cache)
     t = cache.table
-    expected = [cache.k, cache.v, t.page_map, t.slot_words, t.page_words, t.words, cache.stats.counts, cache.k_scale,
-                cache.v_scale]
+    expected = [cache.k, cache.v, t.packed, cache.stats.counts, cache.k_scale, cache.v_scale]
     assert len(leaves) == len(expected) and all(a is b for a, b in zip(leaves, expected))
     back = jax.tree_util.tree_unflatten(treedef, [np.asarray(x) + 1 for x in leaves])
     assert type(back) is KVCache and type(back.table) is PageTable and type(back.stats) is CacheStats
@@ -373,8 +392,8 @@ def test_a_cache_is_one_pytree_node_with_its_arrays_as_leaves():
     np.testing.assert_array_equal(back.v_scale, np.asarray(cache.v_scale) + 1)
     assert back.replace(k=0).k == 0 and back.replace(k=0).table is back.table
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(cache)[0]]
-    assert paths == [".k", ".v", ".table.page_map", ".table.slot_words", ".table.page_words", ".table.words",
-                     ".stats.counts", ".k_scale", ".v_scale"]
+    assert paths == [".k", ".v", ".table.packed", ".stats.counts", ".k_scale", ".v_scale"]
+    assert back.table.geometry == t.geometry
     prefix = KVCache(k=1, v=2, table="table", stats="stats")
     assert jax.tree_util.tree_leaves(prefix) == [1, 2, "table", "stats"]
     doubled = jax.tree_util.tree_map(lambda spec, x: (spec, x.shape), prefix, KVCache(
@@ -386,7 +405,7 @@ def test_a_cache_is_one_pytree_node_with_its_arrays_as_leaves():
 
     state = serialization.to_state_dict(back)
     assert sorted(state) == ["k", "k_scale", "key_factors", "stats", "table", "v", "v_scale"]
-    assert sorted(state["table"]) == ["page_map", "page_words", "slot_words", "words"]
+    assert sorted(state["table"]) == ["packed"]
     restored = serialization.from_state_dict(cache, serialization.msgpack_restore(serialization.msgpack_serialize(state)))
     assert type(restored.table) is PageTable and restored.rotate_keys
     jax.tree_util.tree_map(np.testing.assert_array_equal, restored, back)

@@ -85,6 +85,74 @@ def test_a_planned_step_equals_the_unplanned_calls_inside_jit(seed, backend):
     assert int(got.stats.rejected_rows) > 0  # the bad rows and layers were refused, not dropped silently
 
 
+@pytest.mark.parametrize("commit_first", [True, False])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_deferred_plan_committed_once_equals_the_unplanned_calls(seed, commit_first):
+    """`plan_step(..., deferred=True)`: every layer appended once (in a random order) writes
+    K/V only, and one `commit`, before or after the layers, leaves the cache (arena, watermarks,
+    counters) and the outputs exactly as the per-layer calls without a plan do; inside jit, with
+    padded, duplicate, idle, out-of-range and over-long rows."""
+    cache, rng = _state(seed)
+    slots, n = _rows(rng)
+    q = jnp.asarray(rng.normal(size=(6, WIDTH, 4, 16)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(6, WIDTH, 2, 16)), jnp.float32) for _ in range(2))
+    layers = [int(x) for x in rng.permutation(LAYOUT.num_layers)]
+    copy = jax.tree.map(jnp.copy, cache)
+
+    @jax.jit
+    def deferred(cache, slots, n):
+        cache, _ = aj.reserve(cache, slots, jnp.clip(n, 0, WIDTH))
+        plan = aj.plan_step(cache, slots, n, WIDTH, deferred=True)
+        assert plan.deferred
+        reserved = (cache.table.packed, cache.stats.counts)
+        cache = plan.commit(cache) if commit_first else cache
+        outs = []
+        for layer in layers:
+            cache = aj.append(cache, layer, slots, k, v, num_tokens=n, plan=plan)
+            outs.append(aj.attend(q, cache, layer, slots, num_tokens=n, plan=plan, sliding_window=5))
+        appended = (cache.table.packed, cache.stats.counts)
+        return (cache if commit_first else plan.commit(cache)), outs, reserved, appended
+
+    got, got_out, reserved, appended = deferred(cache, slots, n)
+    if not commit_first:  # the appends wrote K/V only: the table and counters waited for the commit
+        for a, b in zip(reserved, appended):
+            np.testing.assert_array_equal(a, b)
+    want, want_out = jax.jit(lambda c, s, m: _step(c, s, m, q, k, v, layers, False, "xla"))(copy, slots, n)
+    _assert_caches_equal(got, want)
+    for a, b in zip(got_out, want_out):
+        np.testing.assert_array_equal(a, b)
+    assert int(got.stats.rejected_rows) > 0 and int(got.stats.tokens_written) > 0
+
+
+def test_a_deferred_plan_of_another_epoch_commits_no_watermark():
+    """A deferred plan kept past a call that moved the epoch: its appends write nothing, its
+    commit moves no watermark and counts each layer's rejected rows, as per-layer appends of a
+    stale plan do; a plan that is not deferred commits nothing."""
+    cache, rng = _state(5)
+    slots, n = jnp.asarray([1, 2], jnp.int32), jnp.asarray([1, 1], jnp.int32)
+    k, v = (jnp.asarray(rng.normal(size=(2, WIDTH, 2, 16)), jnp.float32) for _ in range(2))
+    cache, _ = aj.reserve(cache, slots, n)
+    plan = aj.plan_step(cache, slots, n, WIDTH, deferred=True)
+    assert aj.plan_step(cache, slots, n, WIDTH).commit(cache) is cache
+    cache = aj.release(cache, [2])
+    cache, ok = aj.reserve(cache, [5], 16)
+    assert bool(ok.all()) and int(cache.table.epoch) != int(plan.epoch)
+    before = jax.tree.map(np.asarray, cache)
+
+    @jax.jit
+    def stale(cache):
+        for layer in range(LAYOUT.num_layers):
+            cache = aj.append(cache, layer, slots, k, v, num_tokens=n, plan=plan)
+        return plan.commit(cache)
+
+    after = stale(cache)
+    np.testing.assert_array_equal(after.k, before.k)
+    np.testing.assert_array_equal(after.table.packed, before.table.packed)
+    assert int(after.stats.rejected_rows) == int(before.stats.rejected_rows) + 2 * LAYOUT.num_layers
+    with pytest.raises(ValueError, match="deferred must be a bool"):
+        aj.plan_step(cache, slots, n, WIDTH, deferred=1)
+
+
 def test_a_planned_step_equals_the_unplanned_calls_on_the_host():
     cache, rng = _state(3)
     slots, n = jnp.asarray([2, 0, 3], jnp.int32), jnp.asarray([3, 1, 2], jnp.int32)
