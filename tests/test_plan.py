@@ -85,6 +85,20 @@ def test_a_planned_step_equals_the_unplanned_calls_inside_jit(seed, backend):
     assert int(got.stats.rejected_rows) > 0  # the bad rows and layers were refused, not dropped silently
 
 
+def _stale_plan(deferred: bool):
+    """A plan of slots 1 and 2 (a token each), then slot 2 released and its pages reserved by slot
+    5: the table's epoch moved on, and the stale plan would write those pages. Returns (cache,
+    plan, slots, num_tokens, rng)."""
+    cache, rng = _state(5)
+    slots, n = jnp.asarray([1, 2], jnp.int32), jnp.asarray([1, 1], jnp.int32)
+    cache, _ = aj.reserve(cache, slots, n)
+    plan = aj.plan_step(cache, slots, n, WIDTH, deferred=deferred)
+    cache = aj.release(cache, [2])
+    cache, ok = aj.reserve(cache, [5], 16)
+    assert bool(ok.all()) and int(cache.table.epoch) != int(plan.epoch)
+    return cache, plan, slots, n, rng
+
+
 @pytest.mark.parametrize("commit_first", [True, False])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_deferred_plan_committed_once_equals_the_unplanned_calls(seed, commit_first):
@@ -128,15 +142,8 @@ def test_a_deferred_plan_of_another_epoch_commits_no_watermark():
     """A deferred plan kept past a call that moved the epoch: its appends write nothing, its
     commit moves no watermark and counts each layer's rejected rows, as per-layer appends of a
     stale plan do; a plan that is not deferred commits nothing."""
-    cache, rng = _state(5)
-    slots, n = jnp.asarray([1, 2], jnp.int32), jnp.asarray([1, 1], jnp.int32)
+    cache, plan, slots, n, rng = _stale_plan(deferred=True)
     k, v = (jnp.asarray(rng.normal(size=(2, WIDTH, 2, 16)), jnp.float32) for _ in range(2))
-    cache, _ = aj.reserve(cache, slots, n)
-    plan = aj.plan_step(cache, slots, n, WIDTH, deferred=True)
-    assert aj.plan_step(cache, slots, n, WIDTH).commit(cache) is cache
-    cache = aj.release(cache, [2])
-    cache, ok = aj.reserve(cache, [5], 16)
-    assert bool(ok.all()) and int(cache.table.epoch) != int(plan.epoch)
     before = jax.tree.map(np.asarray, cache)
 
     @jax.jit
@@ -149,6 +156,7 @@ def test_a_deferred_plan_of_another_epoch_commits_no_watermark():
     np.testing.assert_array_equal(after.k, before.k)
     np.testing.assert_array_equal(after.table.packed, before.table.packed)
     assert int(after.stats.rejected_rows) == int(before.stats.rejected_rows) + 2 * LAYOUT.num_layers
+    assert aj.plan_step(cache, slots, n, WIDTH).commit(cache) is cache
     with pytest.raises(ValueError, match="deferred must be a bool"):
         aj.plan_step(cache, slots, n, WIDTH, deferred=1)
 
@@ -182,16 +190,9 @@ def test_a_layer_appended_twice_with_one_plan_keeps_its_watermark():
 
 
 def test_a_plan_of_another_epoch_writes_and_reads_nothing():
-    cache, rng = _state(5)
-    slots, n = jnp.asarray([1, 2], jnp.int32), jnp.asarray([1, 1], jnp.int32)
+    cache, plan, slots, n, rng = _stale_plan(deferred=False)
     q = jnp.asarray(rng.normal(size=(2, WIDTH, 4, 16)), jnp.float32)
     k, v = (jnp.asarray(rng.normal(size=(2, WIDTH, 2, 16)), jnp.float32) for _ in range(2))
-    cache, _ = aj.reserve(cache, slots, n)
-    plan = aj.plan_step(cache, slots, n, WIDTH)
-    # Slot 2 is released and its pages go to slot 5: the stale plan would write them.
-    cache = aj.release(cache, [2])
-    cache, ok = aj.reserve(cache, [5], 16)
-    assert bool(ok.all()) and int(cache.table.epoch) != int(plan.epoch)
     before = jax.tree.map(np.asarray, cache)
 
     @jax.jit
