@@ -60,9 +60,9 @@ class PageTable:
     regions (properties) and updated with `.replace(<field or region>=...)` (a slice of
     `packed` rewritten in place) or `set_slots` (one scatter). Why one: every jitted op takes
     and returns the cache, and each array costs a call a buffer to pass, donate and alias
-    (~0.9 us each on a CPU: a jitted no-op with the tiny decode step's signature took 23.2 us
-    over the cache's 7 arrays, 19.6 us over 3; benchmarks/RESULTS.md, "The page table in one
-    array"). `packed` holds four regions, one after the other, each row-major:
+    (~0.95 us each on a CPU: a jitted no-op with the tiny decode step's signature took 24.0 us
+    over the cache's 7 arrays, 21.0 us over its 4; benchmarks/RESULTS.md, "The page table in
+    one array"). `packed` holds four regions, one after the other, each row-major:
 
     - `page_map`  i32[max_seqs, max_pages_per_seq], physical page per logical page, -1 unmapped
     - `slot_words` i32[max_seqs, 2 + num_layers]: per slot, `lengths` (tokens reserved),
