@@ -226,8 +226,7 @@ def create_sharded(layout: KVLayout, mesh, *, tensor_axis: str | None = "tensor"
         if sh.data_axis is not None:
             # A table row per data shard: its slots, its pages (local ids: its free stack's top is
             # its page 0) and its allocator's words, the arena's id in every row.
-            table = PageTable.empty(layout, arena_id=table.arena_id, max_seqs=layout.max_seqs // sh.dp,
-                                    num_pages=pages_per_shard).stacked(sh.dp)  # fmt: skip
+            table = PageTable.empty(layout, max_seqs=layout.max_seqs // sh.dp, num_pages=pages_per_shard).stacked(sh.dp)
             stats = jax.tree.map(lambda x: jnp.zeros((sh.dp, *x.shape), x.dtype), stats)  # a row of counters a shard
         shape = sh.arena_shape(layout)
         extras = {}
