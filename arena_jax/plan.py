@@ -24,7 +24,6 @@ holds alone. What it buys and costs, measured: benchmarks/RESULTS.md, "A step's 
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
