@@ -269,13 +269,31 @@ class PageTable:
     def set_slot_words(self, rows, cols, values) -> "PageTable":
         """`slot_words[rows, cols] = values` (i32, one shape), a cell whose row is out of range
         dropped: one scatter into `packed` (no copy of the region)."""
+        return self.scatter_region("slot_words", rows, cols, values)
+
+    def scatter_region(self, name: str, rows, cols, values, *, add: bool = False) -> "PageTable":
+        """Region `name` (page_map, slot_words, page_words; words as one row, a row a shard with
+        data shards) with [rows, cols] set to (`add`: incremented by) values, i32 of one shape; a
+        cell whose row is out of range is dropped (`cols` must be in range). One scatter into
+        `packed`: no copy of the region (`.replace(region=...)` rebuilds it)."""
         if self.packed.ndim != 1:  # data shards (outside the sharded ops): through the region
-            return self.replace(slot_words=self.slot_words.at[rows, cols].set(values, mode="drop"))
-        max_seqs, _, num_layers, _ = self.geometry
-        start = _regions(self.geometry)["slot_words"][0]
-        in_range = (rows >= 0) & (rows < max_seqs)
-        flat = jnp.where(in_range, start + rows * (2 + num_layers) + cols, self.packed.shape[0])  # past the end: dropped
-        return dataclasses.replace(self, packed=self.packed.at[flat].set(values, mode="drop"))
+            at = getattr(self, name).at[rows, cols]
+            return self.replace(**{name: at.add(values, mode="drop") if add else at.set(values, mode="drop")})
+        return self.scatter_flat(self.flat_index(name, rows, cols), values, add=add)
+
+    def flat_index(self, name: str, rows, cols):
+        """The index into a one-row `packed` of region `name`'s cells [rows, cols] (`scatter_region`);
+        len(packed), which scatters drop, where the row is out of range."""
+        start, shape = _regions(self.geometry)[name]
+        num_rows, width = shape if len(shape) == 2 else (1, shape[0])
+        rows, cols = jnp.asarray(rows, jnp.int32), jnp.asarray(cols, jnp.int32)
+        return jnp.where((rows >= 0) & (rows < num_rows), start + rows * width + cols, self.packed.shape[0])
+
+    def scatter_flat(self, flat, values, *, add: bool = False) -> "PageTable":
+        """`packed[flat] = values` (`add`: +=), an index out of range dropped; one-row tables
+        (`flat_index`)."""
+        at = self.packed.at[flat]
+        return dataclasses.replace(self, packed=at.add(values, mode="drop") if add else at.set(values, mode="drop"))
 
 
 def packed_width(geometry: tuple) -> int:

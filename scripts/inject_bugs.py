@@ -114,8 +114,8 @@ MUTANTS = {
         "    return cache.replace(table=cache.table.advanced(changed),", "    return cache.replace(table=cache.table,"),
     # the page table packed in one array (arena_jax/kv_cache.py; issue 39)
     "page table: a row out of range written into the next region": ("arena_jax/kv_cache.py",
-        "flat = jnp.where(in_range, start + rows * (2 + num_layers) + cols, self.packed.shape[0])",
-        "flat = start + rows * (2 + num_layers) + cols"),
+        "return jnp.where((rows >= 0) & (rows < num_rows), start + rows * width + cols, self.packed.shape[0])",
+        "return start + rows * width + cols"),
     "plan: a deferred plan of another epoch commits its watermarks": ("arena_jax/plan.py",
         "target = jnp.where(usable & (accepted >= 0), self.slots[None, :]", "target = jnp.where(accepted >= 0, self.slots[None, :]"),
     "page table: a layer's watermark written into the previous layer's column": ("arena_jax/kv_cache.py",
@@ -124,7 +124,9 @@ MUTANTS = {
         "values = [changes[f] if f in changes else getattr(out, f) for f in group]",
         "values = [getattr(out, f) for f in group]"),
     "reserve: the allocator's refcounts land in the held row": ("arena_jax/allocator.py",
-        "page_words=table.page_words.at[1, ref_pages]", "page_words=table.page_words.at[2, ref_pages]"),
+        "jnp.where(ref_pages < num_pages, 1, 3)", "jnp.where(ref_pages < num_pages, 2, 3)"),
+    "reserve: the allocator pops pages without taking them off the free count": ("arena_jax/allocator.py",
+        'table.scatter_region("words", 0, 0, -total, add=True)', 'table.scatter_region("words", 0, 0, 0 * total, add=True)'),
     # the TPU attention kernel's steady-state loop (issue 42)
     "tpu attention: the fast loop starts this head's next block, not the next pair's": (
         "pallas_kernels/tpu/attention.py", "start_whole(h_next, j_next, 1 - slot)", "start_whole(h, j_next, 1 - slot)"),
