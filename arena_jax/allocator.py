@@ -90,11 +90,17 @@ def _drop_refs(table: PageTable, pages):
     freed = (refcount == 0) & (table.refcount > 0)  # bool[P]: each freed page exactly once
     freed_i = freed.astype(jnp.int32)
     slot_in_stack = table.num_free + jnp.cumsum(freed_i) - freed_i
-    free_stack = table.free_stack.at[jnp.where(freed, slot_in_stack, num_pages)].set(
-        jnp.arange(num_pages, dtype=jnp.int32), mode="drop"
-    )
     count = jnp.sum(freed_i)
-    return table.replace(refcount=refcount, free_stack=free_stack, num_free=table.num_free + count), count
+    if table.packed.ndim != 1:  # data shards (outside the sharded ops): through the regions
+        free_stack = table.free_stack.at[jnp.where(freed, slot_in_stack, num_pages)].set(
+            jnp.arange(num_pages, dtype=jnp.int32), mode="drop")
+        return table.replace(refcount=refcount, free_stack=free_stack, num_free=table.num_free + count), count
+    # Scatters into the table's one array: the refcounts, the freed pages pushed on the stack, num_free.
+    table = table.scatter_region("page_words", jnp.where((flat >= 0) & (flat < num_pages), 1, 3), jnp.clip(flat, 0, num_pages - 1),
+                                 jnp.full(flat.shape, -1, jnp.int32), add=True)  # fmt: skip
+    table = table.scatter_region("page_words", jnp.where(freed, 0, 3), jnp.where(freed, slot_in_stack, 0),
+                                 jnp.arange(num_pages, dtype=jnp.int32))  # fmt: skip
+    return table.scatter_region("words", 0, 0, count, add=True), count
 
 
 def reserve_impl(cache: KVCache, slots, num_tokens):
@@ -259,8 +265,8 @@ def _unmap_tail(cache: KVCache, slots, rows, keep_tokens):
     lp = jnp.arange(max_pages, dtype=jnp.int32)[None, :]
     drop = rows[:, None] & (lp >= keep_pages[:, None]) & (row >= 0)  # [B, M]
     table, freed = _drop_refs(table, jnp.where(drop, row, num_pages))
-    target = jnp.where(rows, slots, max_seqs)
-    table = table.replace(page_map=table.page_map.at[target].set(jnp.where(drop, -1, row), mode="drop"))
+    target = jnp.broadcast_to(jnp.where(rows, slots, max_seqs)[:, None], row.shape)
+    table = table.scatter_region("page_map", target, jnp.broadcast_to(lp, row.shape), jnp.where(drop, -1, row))
     return cache.replace(table=table), freed
 
 
@@ -268,13 +274,10 @@ def _release_rows(cache: KVCache, slots, rows):
     """Release the slots of `rows` (bool[B]; distinct, in range). Returns (cache, pages freed)."""
     cache, freed = _unmap_tail(cache, slots, rows, jnp.zeros_like(slots))
     table = cache.table
-    target = jnp.where(rows, slots, table.page_map.shape[0])
-    table = table.replace(
-        lengths=table.lengths.at[target].set(0, mode="drop"),
-        active=table.active.at[target].set(False, mode="drop"),
-        written=table.written.at[:, target].set(0, mode="drop"),
-    )
-    return cache.replace(table=table), freed
+    width = table.slot_words.shape[1]  # lengths, active, written at every layer: all 0
+    target = jnp.broadcast_to(jnp.where(rows, slots, table.page_map.shape[0])[:, None], (slots.shape[0], width))
+    cols = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), target.shape)
+    return cache.replace(table=table.set_slot_words(target, cols, jnp.zeros(target.shape, jnp.int32))), freed
 
 
 def release_impl(cache: KVCache, slots):
@@ -299,11 +302,13 @@ def truncate_impl(cache: KVCache, slots, lengths):
     new_length = jnp.where(ok, lengths, 0)
     cache, freed = _unmap_tail(cache, slots, ok, new_length)
     table = cache.table
-    target = jnp.where(ok, slots, table.page_map.shape[0])
-    table = table.replace(
-        lengths=table.lengths.at[target].set(new_length, mode="drop"),
-        written=table.written.at[:, target].set(jnp.minimum(table.written[:, idx], new_length[None, :]), mode="drop"),
-    )
+    # One scatter into the slots' words: the length, and every layer's watermark cut to it.
+    width = table.slot_words.shape[1]
+    target = jnp.broadcast_to(jnp.where(ok, slots, table.page_map.shape[0])[:, None], (slots.shape[0], width))
+    cols = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), target.shape)
+    words = table.slot_words[idx]  # [B, 2 + L]: lengths, active, written per layer
+    values = jnp.concatenate([new_length[:, None], words[:, 1:2], jnp.minimum(words[:, 2:], new_length[:, None])], axis=1)
+    table = table.set_slot_words(target, cols, values)
     rejected = (slots != PAD_SLOT) & ~ok
     # A truncate that shortens nothing (an idle slot, or the slot's own length) is no operation.
     changed = ok & (new_length < held)
@@ -334,15 +339,16 @@ def fork_impl(cache: KVCache, src, dst):
     table = cache.table  # no source was released: sources are never destinations
     row = table.page_map[src_idx]  # [B, M]
     shared = ok[:, None] & (row >= 0)
-    refcount = table.refcount.at[jnp.where(shared, row, num_pages)].add(1, mode="drop")
+    # Scatters into the table's one array: the source's page-table row, its pages' refcounts + 1,
+    # and its words (length, written per layer; active) copied to the destination.
     target = jnp.where(ok, dst, max_seqs)
-    table = table.replace(
-        page_map=table.page_map.at[target].set(row, mode="drop"),
-        lengths=table.lengths.at[target].set(table.lengths[src_idx], mode="drop"),
-        active=table.active.at[target].set(True, mode="drop"),
-        written=table.written.at[:, target].set(table.written[:, src_idx], mode="drop"),
-        refcount=refcount,
-    )
+    cols = jnp.broadcast_to(jnp.arange(row.shape[1], dtype=jnp.int32), row.shape)
+    table = table.scatter_region("page_map", jnp.broadcast_to(target[:, None], row.shape), cols, row)
+    table = table.scatter_region("page_words", jnp.where(shared, 1, 3), jnp.clip(row, 0, num_pages - 1),
+                                 jnp.ones(row.shape, jnp.int32), add=True)  # fmt: skip
+    words = table.slot_words[src_idx].at[:, 1].set(1)  # [B, 2 + L]
+    word_cols = jnp.broadcast_to(jnp.arange(words.shape[1], dtype=jnp.int32), words.shape)
+    table = table.set_slot_words(jnp.broadcast_to(target[:, None], words.shape), word_cols, words)
     stats = cache.stats.bump(
         metadata_ops=ok, pages_recycled=freed, rejected_rows=~dst_pad & ~ok
     )

@@ -104,7 +104,8 @@ MUTANTS = {
     "plan: a layer's plan entry no longer waits for its data (the loop widens past XLA's 8)": ("arena_jax/arena_ops.py",
         "    if x is None or x.size == 0 or target_platform() != \"cpu\":\n", "    if True:\n"),
     "plan: the entry a layer waits for is off by its data's sign bit": ("arena_jax/arena_ops.py",
-        "jnp.clip(bits, 0, 0)", "jnp.clip(bits, -1, 0)"),
+        "jnp.clip(jax.lax.bitcast_convert_type(first, as_int), 0, 0)",
+        "jnp.clip(jax.lax.bitcast_convert_type(first, as_int), -1, 0)"),
     "api: a constant layer folded into every layer's kernels again (each compiled apart)": ("arena_jax/api.py",
         "    if not isinstance(given, jax.core.Tracer) and isinstance(cache.k, jax.core.Tracer):\n", "    if False:\n"),
     "api: the barrier put on the layer scan's counter too (the loop widens)": ("arena_jax/api.py",
@@ -127,6 +128,12 @@ MUTANTS = {
         "jnp.where(ref_pages < num_pages, 1, 3)", "jnp.where(ref_pages < num_pages, 2, 3)"),
     "reserve: the allocator pops pages without taking them off the free count": ("arena_jax/allocator.py",
         'table.scatter_region("words", 0, 0, -total, add=True)', 'table.scatter_region("words", 0, 0, 0 * total, add=True)'),
+    "release: freed pages not pushed on the free stack": ("arena_jax/allocator.py",
+        "jnp.where(freed, 0, 3), jnp.where(freed, slot_in_stack, 0)", "jnp.where(freed, 3, 3), jnp.where(freed, slot_in_stack, 0)"),
+    "fork: the shared pages' refcounts left as they were": ("arena_jax/allocator.py",
+        "jnp.where(shared, 1, 3)", "jnp.where(shared, 3, 3)"),
+    "truncate: the layers' watermarks not cut to the new length": ("arena_jax/allocator.py",
+        "jnp.minimum(words[:, 2:], new_length[:, None])", "words[:, 2:]"),
     # the TPU attention kernel's steady-state loop (issue 42)
     "tpu attention: the fast loop starts this head's next block, not the next pair's": (
         "pallas_kernels/tpu/attention.py", "start_whole(h_next, j_next, 1 - slot)", "start_whole(h, j_next, 1 - slot)"),
