@@ -351,6 +351,42 @@ def test_page_table_is_one_array_read_and_replaced_by_field():
     assert_same(table.set_slots(target), table)
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_scatter_region_equals_the_region_scatter_it_stands_for(seed):
+    """`PageTable.scatter_region` (the allocator's, release's, truncate's and fork's one scatter
+    into `packed`) equals `.at[rows, cols].set / .add(mode="drop")` on the region it names, rows
+    out of range (negative, past the region) dropped and never landing in the next region, in and
+    out of jit; and a table with data shards (a row a shard) takes the same call through its
+    regions."""
+    from arena_jax.kv_cache import PageTable
+
+    rng = np.random.default_rng(seed)
+    table = PageTable.pack(**_random_fields(rng, LAYOUT))
+    for region in ("page_map", "slot_words", "page_words", "words"):
+        view = getattr(table, region)
+        num_rows, width = view.shape if view.ndim == 2 else (1, view.shape[0])
+        # Distinct cells (a set to one cell twice has no order), rows from -2 to num_rows + 1.
+        cells = rng.choice((num_rows + 4) * width, size=min(15, (num_rows + 4) * width), replace=False)
+        rows = jnp.asarray(cells // width - 2, jnp.int32).reshape(-1, 1)
+        cols = jnp.asarray(cells % width, jnp.int32).reshape(-1, 1)
+        values = jnp.asarray(rng.integers(-50, 50, size=rows.shape), jnp.int32)
+        dropped = jnp.where(rows < 0, num_rows, rows)  # `.at` wraps a negative index; these must be dropped
+        for add in (False, True):
+            at = (view if view.ndim == 2 else view[None]).at[dropped, cols]
+            want = at.add(values, mode="drop") if add else at.set(values, mode="drop")
+            want = table.replace(**{region: want if view.ndim == 2 else want[0]})
+            for got in (table.scatter_region(region, rows, cols, values, add=add),
+                        jax.jit(lambda t, r, c, x, region=region, add=add: t.scatter_region(region, r, c, x, add=add))(
+                            table, rows, cols, values)):  # fmt: skip
+                assert_same(got, want)
+    shards = PageTable.pack(**_random_fields(rng, LAYOUT)).stacked(2)  # slots, pages in shard order; words a row a shard
+    for region, rows, cols in (("slot_words", [0, LAYOUT.max_seqs + 1, 2 * LAYOUT.max_seqs], [1, 0, 0]),
+                               ("words", [1, 0, 2], [0, 0, 0])):  # fmt: skip
+        rows, cols, values = jnp.array(rows), jnp.array(cols), jnp.array([5, 6, 7], jnp.int32)
+        got = shards.scatter_region(region, rows, cols, values, add=True)
+        np.testing.assert_array_equal(getattr(got, region), getattr(shards, region).at[rows, cols].add(values, mode="drop"))
+
+
 def test_a_cache_is_four_arrays():
     """What a jitted op passes, donates and aliases per call: k, v, the table's one array and
     the counters (8-bit arenas add their two scale arrays). Each array costs a call ~0.9 us on a
