@@ -277,7 +277,8 @@ class PageTable:
         cell whose row is out of range is dropped (`cols` must be in range). One scatter into
         `packed`: no copy of the region (`.replace(region=...)` rebuilds it)."""
         if self.packed.ndim != 1:  # data shards (outside the sharded ops): through the region
-            at = getattr(self, name).at[rows, cols]
+            region = getattr(self, name)
+            at = region.at[jnp.where(rows < 0, region.shape[0], rows), cols]  # a negative row dropped, not wrapped
             return self.replace(**{name: at.add(values, mode="drop") if add else at.set(values, mode="drop")})
         return self.scatter_flat(self.flat_index(name, rows, cols), values, add=add)
 
