@@ -183,16 +183,18 @@ def _allocate_and_map(page_size: int, table: PageTable, counts, slots, idx, live
     rows = _reserve_rows(table, page_size, idx, live, n, length)
     row = table.page_map[idx]  # [B, M]
     ok, new_row, cow_page, total, no_page, ref_pages, ref_delta = _allocate(table.free_stack, table.num_free, rows, row)
-    # Scatters into the table's one array, no region rebuilt: the served rows' page-table rows;
-    # one refcount scatter: +1 for each popped page (new pages and COW copies: free, so
-    # refcount 0 -> 1), -1 for the shared page a COW row leaves (its other holders keep it).
+    # One scatter: +1 for each popped page (new pages and COW copies: free, so refcount 0 -> 1),
+    # -1 for the shared page a COW row leaves (its other holders keep it). The regions are
+    # rebuilt (`replace`), not scattered into in place as release's are: scattered into in place
+    # here, in a branch of the conditional, the table was copied before the conditional every
+    # step, and that kernel at the step's start handed the tiny batch-4 step to XLA's thread
+    # pool (0.93x -> 0.81-0.83x the dense step's tokens/s; benchmarks/RESULTS.md, session 32).
     target = jnp.where(ok, slots, table.page_map.shape[0])  # only served rows change
-    cols = jnp.broadcast_to(jnp.arange(row.shape[1], dtype=jnp.int32), row.shape)
-    table = table.scatter_region("page_map", jnp.broadcast_to(target[:, None], row.shape), cols, new_row)
-    table = table.scatter_region("page_words", jnp.where(ref_pages < num_pages, 1, 3), jnp.minimum(ref_pages, num_pages - 1),
-                                 ref_delta, add=True)  # fmt: skip
-    table = table.scatter_region("words", 0, 0, -total, add=True)  # num_free
-    table = table.set_slots(target, lengths=rows.new_length, active=1)
+    table = table.replace(
+        page_map=table.page_map.at[target].set(new_row, mode="drop"),
+        page_words=table.page_words.at[1, ref_pages].add(ref_delta, mode="drop"),  # refcount
+        words=table.words.at[0].add(-total),  # num_free
+    ).set_slots(target, lengths=rows.new_length, active=1)
     stats = CacheStats(counts=counts).bump(
         pages_allocated=total,
         cow_copies=cow_page < num_pages,
