@@ -87,18 +87,23 @@ def _drop_refs(table: PageTable, pages):
     num_pages = table.refcount.shape[0]
     flat = pages.reshape(-1)
     valid = (flat >= 0) & (flat < num_pages)  # a negative entry is no page too (`.at` would wrap it)
-    refcount = table.refcount.at[jnp.where(valid, flat, num_pages)].add(-1, mode="drop")
-    freed = (refcount == 0) & (table.refcount > 0)  # bool[P]: each freed page exactly once
+    if table.packed.ndim != 1:  # data shards (outside the sharded ops): through the regions
+        refcount = table.refcount.at[jnp.where(valid, flat, num_pages)].add(-1, mode="drop")
+        freed = (refcount == 0) & (table.refcount > 0)
+        freed_i = freed.astype(jnp.int32)
+        slot_in_stack = table.num_free + jnp.cumsum(freed_i) - freed_i
+        free_stack = table.free_stack.at[jnp.where(freed, slot_in_stack, num_pages)].set(
+            jnp.arange(num_pages, dtype=jnp.int32), mode="drop")
+        count = jnp.sum(freed_i)
+        return table.replace(refcount=refcount, free_stack=free_stack, num_free=table.num_free + count), count
+    # Scatters into the table's one array: the refcounts, the freed pages pushed on the stack, num_free.
+    before = table.refcount
+    table = table.scatter_region("page_words", jnp.where(valid, 1, 3), jnp.clip(flat, 0, num_pages - 1),
+                                 jnp.full(flat.shape, -1, jnp.int32), add=True)  # fmt: skip
+    freed = (table.refcount == 0) & (before > 0)  # bool[P]: each freed page exactly once
     freed_i = freed.astype(jnp.int32)
     slot_in_stack = table.num_free + jnp.cumsum(freed_i) - freed_i
     count = jnp.sum(freed_i)
-    if table.packed.ndim != 1:  # data shards (outside the sharded ops): through the regions
-        free_stack = table.free_stack.at[jnp.where(freed, slot_in_stack, num_pages)].set(
-            jnp.arange(num_pages, dtype=jnp.int32), mode="drop")
-        return table.replace(refcount=refcount, free_stack=free_stack, num_free=table.num_free + count), count
-    # Scatters into the table's one array: the refcounts, the freed pages pushed on the stack, num_free.
-    table = table.scatter_region("page_words", jnp.where(valid, 1, 3), jnp.clip(flat, 0, num_pages - 1),
-                                 jnp.full(flat.shape, -1, jnp.int32), add=True)  # fmt: skip
     table = table.scatter_region("page_words", jnp.where(freed, 0, 3), jnp.where(freed, slot_in_stack, 0),
                                  jnp.arange(num_pages, dtype=jnp.int32))  # fmt: skip
     return table.scatter_region("words", 0, 0, count, add=True), count
