@@ -273,8 +273,7 @@ def _unmap_tail(cache: KVCache, slots, rows, keep_tokens):
     lp = jnp.arange(max_pages, dtype=jnp.int32)[None, :]
     drop = rows[:, None] & (lp >= keep_pages[:, None]) & (row >= 0)  # [B, M]
     table, freed = _drop_refs(table, jnp.where(drop, row, num_pages))
-    target = jnp.broadcast_to(jnp.where(rows, slots, max_seqs)[:, None], row.shape)
-    table = table.scatter_region("page_map", target, jnp.broadcast_to(lp, row.shape), jnp.where(drop, -1, row))
+    table = table.scatter_rows("page_map", jnp.where(rows, slots, max_seqs), jnp.where(drop, -1, row))
     return cache.replace(table=table), freed
 
 
@@ -282,10 +281,8 @@ def _release_rows(cache: KVCache, slots, rows):
     """Release the slots of `rows` (bool[B]; distinct, in range). Returns (cache, pages freed)."""
     cache, freed = _unmap_tail(cache, slots, rows, jnp.zeros_like(slots))
     table = cache.table
-    width = table.slot_words.shape[1]  # lengths, active, written at every layer: all 0
-    target = jnp.broadcast_to(jnp.where(rows, slots, table.page_map.shape[0])[:, None], (slots.shape[0], width))
-    cols = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), target.shape)
-    return cache.replace(table=table.set_slot_words(target, cols, jnp.zeros(target.shape, jnp.int32))), freed
+    words = jnp.zeros((slots.shape[0], table.slot_words.shape[1]), jnp.int32)  # lengths, active, written: all 0
+    return cache.replace(table=table.scatter_rows("slot_words", jnp.where(rows, slots, table.page_map.shape[0]), words)), freed
 
 
 def release_impl(cache: KVCache, slots):
@@ -311,12 +308,9 @@ def truncate_impl(cache: KVCache, slots, lengths):
     cache, freed = _unmap_tail(cache, slots, ok, new_length)
     table = cache.table
     # One scatter into the slots' words: the length, and every layer's watermark cut to it.
-    width = table.slot_words.shape[1]
-    target = jnp.broadcast_to(jnp.where(ok, slots, table.page_map.shape[0])[:, None], (slots.shape[0], width))
-    cols = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), target.shape)
     words = table.slot_words[idx]  # [B, 2 + L]: lengths, active, written per layer
     values = jnp.concatenate([new_length[:, None], words[:, 1:2], jnp.minimum(words[:, 2:], new_length[:, None])], axis=1)
-    table = table.set_slot_words(target, cols, values)
+    table = table.scatter_rows("slot_words", jnp.where(ok, slots, table.page_map.shape[0]), values)
     rejected = (slots != PAD_SLOT) & ~ok
     # A truncate that shortens nothing (an idle slot, or the slot's own length) is no operation.
     changed = ok & (new_length < held)
@@ -350,13 +344,10 @@ def fork_impl(cache: KVCache, src, dst):
     # Scatters into the table's one array: the source's page-table row, its pages' refcounts + 1,
     # and its words (length, written per layer; active) copied to the destination.
     target = jnp.where(ok, dst, max_seqs)
-    cols = jnp.broadcast_to(jnp.arange(row.shape[1], dtype=jnp.int32), row.shape)
-    table = table.scatter_region("page_map", jnp.broadcast_to(target[:, None], row.shape), cols, row)
+    table = table.scatter_rows("page_map", target, row)
     table = table.scatter_region("page_words", jnp.where(shared, 1, 3), jnp.clip(row, 0, num_pages - 1),
                                  jnp.ones(row.shape, jnp.int32), add=True)  # fmt: skip
-    words = table.slot_words[src_idx].at[:, 1].set(1)  # [B, 2 + L]
-    word_cols = jnp.broadcast_to(jnp.arange(words.shape[1], dtype=jnp.int32), words.shape)
-    table = table.set_slot_words(jnp.broadcast_to(target[:, None], words.shape), word_cols, words)
+    table = table.scatter_rows("slot_words", target, table.slot_words[src_idx].at[:, 1].set(1))  # [B, 2 + L]
     stats = cache.stats.bump(
         metadata_ops=ok, pages_recycled=freed, rejected_rows=~dst_pad & ~ok
     )

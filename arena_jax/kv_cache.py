@@ -282,6 +282,12 @@ class PageTable:
             return self.replace(**{name: at.add(values, mode="drop") if add else at.set(values, mode="drop")})
         return self.scatter_flat(self.flat_index(name, rows, cols), values, add=add)
 
+    def scatter_rows(self, name: str, target, values) -> "PageTable":
+        """Whole rows of a 2-D region: row target[b] := values[b] (i32[B], [B, width]), a row out of
+        range dropped (`scatter_region`)."""
+        cols = jnp.broadcast_to(jnp.arange(values.shape[1], dtype=jnp.int32), values.shape)
+        return self.scatter_region(name, jnp.broadcast_to(target[:, None], values.shape), cols, values)
+
     def flat_index(self, name: str, rows, cols):
         """The index into a one-row `packed` of region `name`'s cells [rows, cols] (`scatter_region`);
         len(packed), which scatters drop, where the row is out of range."""

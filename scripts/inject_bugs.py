@@ -178,7 +178,7 @@ TESTS = {
     "arena_jax/plan.py": ["tests/test_plan.py", "tests/test_op_hlo.py"],
     "arena_jax/api.py": ["tests/test_op_hlo.py"],
     "arena_jax/kv_cache.py": ["tests/test_allocator.py", "tests/test_allocator_model.py"],
-    "arena_jax/allocator.py": ["tests/test_plan.py", "tests/test_allocator_model.py"],
+    "arena_jax/allocator.py": ["tests/test_plan.py", "tests/test_allocator_model.py", "tests/test_allocator.py"],
     "pallas_kernels/tpu/attention.py": ["tests/test_kernels_tpu.py"],
     "pallas_kernels/tpu/append.py": ["tests/test_kernels_tpu.py"],
     "pallas_kernels/blockwise.py": ["tests/test_blockwise.py"],

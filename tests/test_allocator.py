@@ -155,6 +155,8 @@ def test_truncate_releases_whole_pages_and_regrows():
     cache, k, _ = fill(cache, 0, 11, seed=3)  # 3 pages
     cache = aj.truncate(cache, [0], [5])  # keeps 2 pages
     assert pages_in_use(cache) == 2 and int(cache.table.lengths[0]) == 5
+    assert np.asarray(cache.table.written[:, 0]).tolist() == [5] * LAYOUT.num_layers  # every layer's watermark cut
+    assert bool(cache.table.active[0])
     np.testing.assert_array_equal(slot_data(cache, 0), np.asarray(k[:, 0, :5]).transpose(0, 2, 1, 3))
     cache, ok = aj.reserve(cache, [0], 4)
     assert bool(ok[0]) and pages_in_use(cache) == 3
@@ -353,7 +355,7 @@ def test_page_table_is_one_array_read_and_replaced_by_field():
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_scatter_region_equals_the_region_scatter_it_stands_for(seed):
-    """`PageTable.scatter_region` (the allocator's, release's, truncate's and fork's one scatter
+    """`PageTable.scatter_region` (release's, truncate's and fork's one scatter
     into `packed`) equals `.at[rows, cols].set / .add(mode="drop")` on the region it names, rows
     out of range (negative, past the region) dropped and never landing in the next region, in and
     out of jit; and a table with data shards (a row a shard) takes the same call through its
