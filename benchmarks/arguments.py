@@ -250,7 +250,7 @@ def _add_swap_args(p: argparse.ArgumentParser) -> None:
 CAPACITY_DEFAULTS = {"budget_gib": 1.0, "requests": 100}
 TOUR_CAPACITY = {"budget_gib": 1.0, "requests": 100, "max_seq_len": 2048, "max_seqs": 128}
 DECODE_DEFAULTS = {"batch": 4, "prompt_len": 32, "new_tokens": 32, "repeats": 5}
-TOUR_DECODE = {"batch": 4, "prompt_len": 32, "new_tokens": 32, "repeats": 3, "num_layers": None}
+TOUR_DECODE = {"batch": 4, "prompt_len": 32, "new_tokens": 32, "repeats": 15, "num_layers": None}
 # `arena-bench kernels`' defaults: run_kernel_benchmark's own (its flags default to None, so the benchmark's
 # signature decides; tests/test_bench.py checks these are the same)
 KERNEL_DEFAULTS = {"batches": (1, 8, 64), "contexts": (512, 4096, 32768), "page_size": 16, "repeats": 50,

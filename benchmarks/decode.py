@@ -238,9 +238,13 @@ def _summary(prefills, step_lists, batch, first_prefill, first_steps) -> dict:
     med_prefill = float(np.median(prefills))
     med_step = float(np.median(steps_ms)) / 1e3
     compile_s = max(0.0, first_prefill - med_prefill) + max(0.0, (first_steps[0] if first_steps else 0.0) - med_step)
+    tokens_per_s = float(np.median(per_repeat_tps))
     return {
-        "tokens_per_s": float(np.median(per_repeat_tps)),
+        "tokens_per_s": tokens_per_s,
         "tokens_per_s_repeats": per_repeat_tps,
+        # The mean step of the median repeat: batch / tokens_per_s, so that two runs' step means
+        # say exactly what their tokens/s ratio says (a p50 step can disagree with it).
+        "step_ms_mean": 1e3 * batch / tokens_per_s,
         "step_ms_p50": float(np.percentile(steps_ms, 50)),
         "step_ms_p99": float(np.percentile(steps_ms, 99)),
         "step_ms": steps_ms.tolist(),

@@ -311,30 +311,35 @@ def test_tour(tmp_path, monkeypatch, capsys):
     # Issue 40, item 6: the decode ratio came with no word of what it means. Now the run's own step
     # times say it, and where the figures at a real model's size are.
     text, d = " ".join(out.split()), res["decode"]
-    said = (f"What {d['speedup_tokens_per_s']:.2f}x means: a decode step took {d['arena']['step_ms_p50']:.3f} ms on "
-            f"the arena and {d['dense']['step_ms_p50']:.3f} ms on the dense cache (p50)")
-    ratio, arena, dense = d["speedup_tokens_per_s"], d["arena"]["step_ms_p50"], d["dense"]["step_ms_p50"]
-    if ratio < 1 and arena > dense:  # slower, and the step times say so: the report says why
+    said = (f"What {d['speedup_tokens_per_s']:.2f}x means: a decode step took {d['arena']['step_ms_mean']:.3f} ms on "
+            f"the arena and {d['dense']['step_ms_mean']:.3f} ms on the dense cache (mean)")
+    ratio, arena, dense = d["speedup_tokens_per_s"], d["arena"]["step_ms_mean"], d["dense"]["step_ms_mean"]
+    # The step times it quotes are the ratio's own (batch / tokens/s): they say what it says.
+    assert ratio == pytest.approx(dense / arena, rel=1e-9)
+    if ratio < 1:  # slower: the report says why
         assert said in text and "does not amortize" in text and "benchmarks/RESULTS.md, 'Layer weights read in place: the step time on an H200'" in text, text
-    else:  # faster, or tokens/s and the p50 step times disagree (too close to say why): report.decode_ratio_lines
-        assert f"What {ratio:.2f}x means: the arena decoded" in text, text
-        assert ratio >= 1 or "benchmarks/RESULTS.md, 'Layer weights read in place: the step time on an H200'" in text, text
+    else:
+        assert f"What {ratio:.2f}x means: the arena decoded" in text and "does not amortize" not in text, text
     results_md = os.path.join(os.path.dirname(cli.__file__), "RESULTS.md")  # the section it points at is there
     assert "\n### Layer weights read in place: the step time on an H200 (issue 39, item 1)\n" in open(results_md, encoding="utf-8").read()
 
 
-@pytest.mark.parametrize("ratio, arena, dense, why", [(0.8, 0.5, 0.4, True), (0.97, 0.29, 0.33, False), (1.2, 0.3, 0.36, False)])
-def test_decode_ratio_lines_follow_the_step_times(ratio, arena, dense, why):
-    """The tour's word on its ratio: "does not amortize" only when the arena is slower by tokens/s
-    AND by its p50 step (the two can disagree near 1x: then it says only what the ratio means)."""
+@pytest.mark.parametrize("arena, dense", [(0.5, 0.4), (0.33, 0.33), (0.3, 0.36)])
+def test_decode_ratio_lines_follow_the_step_times(arena, dense):
+    """The tour's word on its ratio quotes the ratio's own step times (the runs' mean steps, batch
+    / tokens/s): "does not amortize" exactly when the arena is slower. (It quoted p50 steps, which
+    can disagree with a tokens/s ratio: a 0.90x explained by 0.004 ms.)"""
     from arena_jax.benchmarks import report
 
+    ratio = dense / arena
     result = {"speedup_tokens_per_s": ratio, "settings": {"prompt_len": 8, "new_tokens": 5}, "device": "cpu",
-              "arena": {"step_ms_p50": arena}, "dense": {"step_ms_p50": dense}}  # fmt: skip
+              "arena": {"step_ms_mean": arena}, "dense": {"step_ms_mean": dense}}  # fmt: skip
     text = " ".join(report.decode_ratio_lines(result))
     assert text.startswith(f"What {ratio:.2f}x means:")
-    assert ("does not amortize" in text) == why
-    assert ("benchmarks/RESULTS.md" in text) == (ratio < 1)
+    assert f"{arena:.3f} ms" in text and f"{dense:.3f} ms" in text
+    assert ("does not amortize" in text) == (ratio < 1) == ("benchmarks/RESULTS.md" in text)
+    if ratio < 1:
+        assert f"The {arena - dense:.3f} ms more" in text
 
 
 def test_help_says_what_each_subcommand_does(capsys):
