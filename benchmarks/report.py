@@ -382,7 +382,7 @@ def decode_ratio_lines(result: dict) -> list[str]:
         f"What {ratio:.2f}x means: a decode step took {arena:.3f} ms on the arena and {dense:.3f} ms on the dense "
         f"cache (mean). The {arena - dense:.3f} ms more is the paged cache's own work in every step (passing its page "
         f"table and counters into and out of the call, reserving pages, reading the page table, gathering each row's pages "
-        f"for attention), which a tiny model's short step on "
+        f"for attention and checking their values for NaN poison), which a tiny model's short step on "
         f"{'a CPU' if result['device'] == 'cpu' else result['device']}, at {context} tokens of context, does not amortize.",
         elsewhere,
     ]
