@@ -300,6 +300,7 @@ def paged_attention_blockwise(
     keys = jnp.maximum(0, (hi + small - 1) // small * small - start)  # whole tail blocks from start
     num_big = keys // big
 
+    every_live_key_seen = tokens == 1 and window is None  # (static) a valid query sees every live key up to it
     qg = q.reshape(batch, tokens, num_kv_heads, group, head_dim).astype(compute).astype(f32)
     qg = qg.transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
     q_ok = q_valid[:, :, None]  # [B, T, 1]: the mask's key-independent part
@@ -313,6 +314,8 @@ def paged_attention_blockwise(
         cols = lax.dynamic_slice_in_dim(page_map, first_key // page_size, num_pages, axis=1)  # [B, P]
         key_pos = first_key + jnp.arange(num_pages * page_size, dtype=jnp.int32)  # [N]
         key_live = (key_pos[None, :] < lengths[:, None]) & jnp.repeat(cols >= 0, page_size, axis=1)  # [B, N]
+        if every_live_key_seen:  # the keys past the query too (only where num_tokens > 1 asks for them)
+            key_live &= key_pos[None, :] <= q_pos[:, :1]
         live = key_live[:, None, :]  # [B, 1, N]: per key, for every KV head
         scores, v_ok, values = _block_operands(
             k_arena, v_arena, k_scale, v_scale, layer, jnp.maximum(cols, 0), live, compute, sm_scale, defer_v_check)
@@ -371,7 +374,18 @@ def paged_attention_blockwise(
                 bad, values_v = v_check()
                 return jnp.where(bad, jnp.nan, l), jnp.where(bad[..., None], jnp.nan, values_v(p))
 
-            l, acc = lax.cond(jnp.all(jnp.isfinite(acc)), lambda: (l, acc), checked)
+            if every_live_key_seen:
+                # One query a row and no window: every live key up to the query's position is in
+                # its mask (a row whose query is not valid is zeroed at the end), so a poisoned V
+                # row (zeroed where not live) reaches exactly the query heads of its KV head,
+                # and leaves their P @ V non-finite. Those heads
+                # are the non-finite ones: NaN them whole, as the check would, with no
+                # conditional (its branch and copies cost a tiny decode step ~3%: RESULTS.md,
+                # session 33). A head whose finite rows overflow f32 is NaN here, inf there.
+                bad = ~jnp.all(jnp.isfinite(acc), axis=-1)
+                l, acc = jnp.where(bad, jnp.nan, l), jnp.where(bad[..., None], jnp.nan, acc)
+            else:
+                l, acc = lax.cond(jnp.all(jnp.isfinite(acc)), lambda: (l, acc), checked)
     else:
         shape = (batch, num_kv_heads, group, tokens)
         state = (jnp.full(shape, -jnp.inf, f32), jnp.zeros(shape, f32), jnp.zeros((*shape, head_dim), f32))
