@@ -6,7 +6,7 @@
 Each bug is a one-line edit of the page table's packed array, the prefix cache (device ops, index, scheduler), the host tier
 (its ops, its binding to its cache), the smoothed keys' factors (fixed at create) or a step's
 plan (`arena_jax.plan`: its epoch, its watermarks), the TPU attention kernel's steady-state
-loop and its 8-bit scale rows, the TPU append's merge of shared scale rows, or the "xla" backend's one-block attention (its V rows' deferred check). The tests that
+loop and its 8-bit scale rows, the TPU append's merge of shared scale rows, or the "xla" backend's one-block attention (its V rows' deferred check, decode's select). The tests that
 should catch it run in a copy of the tracked files (this checkout is never modified), with the
 hypothesis profile "find" (the CI's examples, no shrinking: only "caught or not" matters).
 Prints one line per bug and test file; exits 1 if a bug got through.
@@ -161,6 +161,10 @@ MUTANTS = {
         "return jnp.where(bad, jnp.nan, l), jnp.where(bad[..., None], jnp.nan, values_v(p))", "return l, values_v(p)"),
     "blockwise: one block never checks its V rows": ("pallas_kernels/blockwise.py",
         "l, acc = lax.cond(jnp.all(jnp.isfinite(acc)), lambda: (l, acc), checked)", "pass"),
+    "blockwise: decode leaves a poisoned head's finite lanes": ("pallas_kernels/blockwise.py",
+        "l, acc = jnp.where(bad, jnp.nan, l), jnp.where(bad[..., None], jnp.nan, acc)", "pass"),
+    "blockwise: decode reads the keys past its query": ("pallas_kernels/blockwise.py",
+        "key_live &= key_pos[None, :] <= q_pos[:, :1]", "pass"),
 }
 TESTS = {
     "arena_jax/prefix/ops.py": ["tests/test_allocator_model.py", "tests/test_prefix.py"],
