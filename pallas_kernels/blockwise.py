@@ -377,11 +377,11 @@ def paged_attention_blockwise(
             if every_live_key_seen:
                 # One query a row and no window: every live key up to the query's position is in
                 # its mask (a row whose query is not valid is zeroed at the end), so a poisoned V
-                # row (zeroed where not live) reaches exactly the query heads of its KV head,
-                # and leaves their P @ V non-finite. Those heads
-                # are the non-finite ones: NaN them whole, as the check would, with no
-                # conditional (its branch and copies cost a tiny decode step ~3%: RESULTS.md,
-                # session 33). A head whose finite rows overflow f32 is NaN here, inf there.
+                # row (zeroed where not live) reaches exactly the query heads of its KV head and
+                # leaves their P @ V non-finite. Those heads are the non-finite ones: NaN them
+                # whole, as the check would, with no conditional (its branch and copies cost a
+                # tiny decode step ~3%: RESULTS.md, session 33). A head whose finite rows
+                # overflow f32 is NaN here, inf there.
                 bad = ~jnp.all(jnp.isfinite(acc), axis=-1)
                 l, acc = jnp.where(bad, jnp.nan, l), jnp.where(bad[..., None], jnp.nan, acc)
             else:
