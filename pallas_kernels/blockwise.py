@@ -361,7 +361,17 @@ def paged_attention_blockwise(
         s, poisoned, values, v_check = block(0, max_pages, defer_v_check=True)
         p, _ = weights(s, poisoned, jnp.max(s, axis=-1))
         l, acc = jnp.sum(p, axis=-1), values(p)
-        if v_check is not None:
+        if v_check is not None and every_live_key_seen:
+            # A float arena, one query a row and no window: every live key up to the query's
+            # position is in its mask (a row whose query is not valid is zeroed at the end), so
+            # a poisoned V row (zeroed where not live) reaches exactly the query heads of its KV
+            # head and leaves their P @ V non-finite. Those heads are the non-finite ones: NaN
+            # them whole, as the check below would, with no conditional (its branch and copies
+            # cost a tiny decode step ~3%: RESULTS.md, session 33). A head whose finite rows
+            # overflow f32 is NaN here, inf there.
+            bad = ~jnp.all(jnp.isfinite(acc), axis=-1)
+            l, acc = jnp.where(bad, jnp.nan, l), jnp.where(bad[..., None], jnp.nan, acc)
+        elif v_check is not None:
             # A float arena's V rows are checked only when the output may hold their poison.
             # Every live key's V row enters P @ V for every query (a masked pair with weight 0:
             # 0 * inf and 0 * NaN are NaN), so a live row that is not finite leaves a
@@ -374,18 +384,7 @@ def paged_attention_blockwise(
                 bad, values_v = v_check()
                 return jnp.where(bad, jnp.nan, l), jnp.where(bad[..., None], jnp.nan, values_v(p))
 
-            if every_live_key_seen:
-                # One query a row and no window: every live key up to the query's position is in
-                # its mask (a row whose query is not valid is zeroed at the end), so a poisoned V
-                # row (zeroed where not live) reaches exactly the query heads of its KV head and
-                # leaves their P @ V non-finite. Those heads are the non-finite ones: NaN them
-                # whole, as the check would, with no conditional (its branch and copies cost a
-                # tiny decode step ~3%: RESULTS.md, session 33). A head whose finite rows
-                # overflow f32 is NaN here, inf there.
-                bad = ~jnp.all(jnp.isfinite(acc), axis=-1)
-                l, acc = jnp.where(bad, jnp.nan, l), jnp.where(bad[..., None], jnp.nan, acc)
-            else:
-                l, acc = lax.cond(jnp.all(jnp.isfinite(acc)), lambda: (l, acc), checked)
+            l, acc = lax.cond(jnp.all(jnp.isfinite(acc)), lambda: (l, acc), checked)
     else:
         shape = (batch, num_kv_heads, group, tokens)
         state = (jnp.full(shape, -jnp.inf, f32), jnp.zeros(shape, f32), jnp.zeros((*shape, head_dim), f32))
