@@ -121,9 +121,22 @@ def test_every_case_has_a_call():
         assert not isinstance(call, str), (c.label, call)
         if c.kernel == "ours" and c.dtype == "int8":
             scale = call[1][3]
-            pages = tb.BATCH * (tb.CONTEXT // c.page_size)
+            pages = tb.BATCH * (tb.CONTEXT // c.page_size) * tb.ARENA_SPARE
             want = (1, tb.KV_HEADS, pages * c.page_size // 128, 128) if c.page_size < 128 else (1, tb.KV_HEADS, pages, c.page_size)
             assert tuple(scale.shape) == want, (c.label, scale.shape)
+
+
+def test_every_case_arena_is_past_vmem():
+    """Each case's K arena is larger than a v5e / v6e VMEM (128 MiB), as a real arena is: one that
+    fits may become a VMEM operand of the call, its page DMAs VMEM-local copies (JAX's int8
+    paged_attention did, until session 34: RESULTS.md, "The compile report's arenas in HBM")."""
+    import jax
+    import numpy as np
+
+    for c in tb.CASES:
+        fn, args = tb._case_call(c)
+        biggest = max(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(args))
+        assert biggest > 128 << 20, (c.label, biggest)
 
 
 def test_the_table_says_why_a_row_has_no_numbers():

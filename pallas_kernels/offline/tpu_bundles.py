@@ -298,6 +298,12 @@ def per_iteration(loop: LoopFacts) -> dict:
 
 # --- the cases ---------------------------------------------------------------------------------------------------
 BATCH, Q_HEADS, KV_HEADS, CONTEXT = 8, 32, 8, 4096
+# The arena holds this many times the pages the batch maps (16: 512 MiB of int8 K at pages of 64,
+# past a v5e / v6e VMEM of 128 MiB), as a real arena (many GiB) does. With one page a mapped
+# entry (32-64 MiB an array) XLA placed some of a call's operands in VMEM, whose DMAs then
+# compile to VMEM-local copies: JAX's int8 call read its K pages and broadcast K scales from
+# VMEM (session 34; RESULTS.md, "The compile report's arenas in HBM").
+ARENA_SPARE = 16
 KERNEL_NAMES = {"ours": "ours", "jax": "jax paged", "ragged": "jax ragged", "mixed": "ours mixed"}
 # HLO name (in the dump file's name) of each kernel's Mosaic call
 _HLO_PREFIX = {"ours": "tpu_paged_attention_", "jax": "paged_attention", "ragged": "ragged_paged_attention",
@@ -338,7 +344,7 @@ def _case_call(case: BundleCase):
     S = jax.ShapeDtypeStruct
     B, Hq, Hkv, D, page = BATCH, Q_HEADS, KV_HEADS, case.head_dim, case.page_size
     M = CONTEXT // page  # pages per row
-    P = B * M  # pages in the arena
+    P = B * M * ARENA_SPARE  # pages in the arena (`ARENA_SPARE`)
     dt, i32 = jnp.dtype(case.dtype), jnp.int32
     quantized = dt == jnp.int8
     if case.kernel == "ours":
