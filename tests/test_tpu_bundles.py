@@ -196,23 +196,31 @@ def test_compile_report_prints_and_saves_the_bundle_rows(tooling, tmp_path, caps
     assert res["bundle_rows"][0]["status"] == "ok" and res["bundle_figures"]["hbm_gb_per_s"] == 819.0
 
 
-@pytest.mark.parametrize("dmas", [4, 3, 2, 1])
+@pytest.mark.parametrize("dmas", [4, 3, 2, 1, "run"])
 def test_dma_bound_variants_follow_the_kernel(dmas):
     """`benchmarks.studies.tpu_dma_bounds` (RESULTS.md, "How far fewer DMAs a page can take int8 at
-    pages 32 and 64") patches the TPU attention kernel's source: each variant's anchors still match
-    it, each drops the DMA starts it says (a page's K, V and two scale rows: 4, 3, 2, 1 kept), and
-    the copy still parses. No libtpu needed: the compile is the study's to run."""
+    pages 32 and 64", "A block's pages as one run") patches the TPU attention kernel's source:
+    each variant's anchors still match it, each drops the DMA starts it says (a page's K, V and
+    two scale rows: 4, 3, 2, 1 kept; "run": a whole block's K and V one DMA each, its scale rows
+    one each, its lanes side by side), and the copy still parses. No libtpu needed: the compile
+    is the study's to run."""
     import ast
 
     from arena_jax.benchmarks.studies import tpu_dma_bounds as bounds
 
     source = (bounds.CHECKOUT / bounds.KERNEL).read_text()
-    start_page = source[source.index("    def start_page("):source.index("    def start_whole(")]
+    section = lambda text: text[text.index("    def start_page("):text.index("    def start_block(")]  # noqa: E731
     copy = bounds.patched(source, dmas)
     ast.parse(copy)
-    kept = copy[copy.index("    def start_page("):copy.index("    def start_whole(")]
-    assert start_page.count(").start()") == 4
-    assert kept.count(").start()") == dmas
-    if dmas < 4:  # its anchors are gone from the copy: applied again, the variant fails loudly
+    assert section(source).count(").start()") == 4  # start_page's four, start_whole's none of its own
+    if dmas == "run":
+        whole = section(copy)[section(copy).index("    def start_whole("):]
+        assert "for p in range(ppb):\n            start_page(" not in whole
+        assert whole.count("block_k)], kbuf[slot]") == whole.count("block_k)], vbuf[slot]") == 1
+        assert "scale_lanes(" not in copy[copy.index("def scale_row("):copy.index("def scale_shifts(")]
+    else:
+        kept = copy[copy.index("    def start_page("):copy.index("    def start_whole(")]
+        assert kept.count(").start()") == dmas
+    if dmas != 4:  # its anchors are gone from the copy: applied again, the variant fails loudly
         with pytest.raises(ValueError, match="matches 0 times"):
             bounds.patched(copy, dmas)
