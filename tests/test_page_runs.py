@@ -1,0 +1,21 @@
+"""`benchmarks.studies.page_runs`: how many attention blocks of a workload are runs of consecutive
+pages (issue 42's contiguous-page DMAs; benchmarks/RESULTS.md, "A block's pages as one run")."""
+from __future__ import annotations
+
+import numpy as np
+
+from arena_jax.benchmarks.studies import page_runs
+
+
+def test_block_runs_counts_runs_and_their_alignment():
+    # pages of 32 keys, blocks of 4 pages (128 keys); a scale row holds 4 pages
+    row = np.array([8, 9, 10, 11,  5, 6, 7, 8,  3, 2, 1, 0,  20, 21, 23, 24,  40, 41, 42, 43,  -1, -1])
+    assert page_runs.block_runs(row, 5 * 128 + 7, 32, 128) == (5, 3, 2)  # runs: 8.., 5.., 40..; aligned: 8, 40
+    assert page_runs.block_runs(row, 127, 32, 128) == (0, 0, 0)  # no whole block yet
+    assert page_runs.block_runs(row, 128, 128, 128) == (1, 1, 1)  # a block of one page is a run, aligned
+
+
+def test_a_lone_sequence_in_a_fresh_arena_is_all_runs():
+    """One request: its prompt's pages are popped 0, 1, 2, ... and its decode pages follow them."""
+    got = page_runs.simulate(32, steps=41, block=512, w=page_runs.Workload(requests=1, prompt=3000.0))
+    assert got["blocks"] > 0 and got["runs"] == got["aligned"] == got["blocks"], got
