@@ -25,7 +25,8 @@ and has MXU ops of its own (ours: the two pairs served alone, each the general s
 fast one).
 
 `capture(target)` compiles the decode cases (`CASES`, Llama-3-8B shape: 32 q heads, 8 KV
-heads, batch 8, 4096 keys per row) for `target` without a TPU, in ONE child process started
+heads, batch 8, 4096 keys per row, an arena of 16x the pages those rows map: `ARENA_SPARE`)
+for `target` without a TPU, in ONE child process started
 with the dump flags (`python -m pallas_kernels.offline.tpu_bundles --target tpu-v5e --json`
 runs the same), maps each compile's new `*-final_bundles.txt` files to its case, parses the
 kernel's, and returns one plain dict per case, normalized per (KV head x 512 keys):
