@@ -19,3 +19,15 @@ def test_a_lone_sequence_in_a_fresh_arena_is_all_runs():
     """One request: its prompt's pages are popped 0, 1, 2, ... and its decode pages follow them."""
     got = page_runs.simulate(32, steps=41, block=512, w=page_runs.Workload(requests=1, prompt=3000.0))
     assert got["blocks"] > 0 and got["runs"] == got["aligned"] == got["blocks"], got
+
+
+def test_the_numpy_model_of_our_allocator_gives_its_counts():
+    """`--policy stack` (numpy) is ours (`--policy arena`, `aj.reserve` / `aj.release`) block for
+    block, at two page sizes, admissions and releases included; the run-keeping policy turns
+    more of the same blocks into runs."""
+    w = page_runs.Workload(requests=40, mean_gap=1.0, max_seqs=8, tokens_a_slot=700)
+    for size in (32, 64):
+        arena, stack = (page_runs.simulate(size, steps=300, w=w, every=5, policy=p) for p in ("arena", "stack"))
+        assert stack == arena and arena["blocks"] > 50 and arena["runs"] < arena["blocks"], (stack, arena)
+        runs = page_runs.simulate(size, steps=300, w=w, every=5, policy="runs")
+        assert runs["runs"] > arena["runs"], (runs, arena)

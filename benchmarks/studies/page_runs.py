@@ -13,6 +13,15 @@ reserved at once), every running sequence growing by one token a step. Every 20 
 at each running sequence's whole blocks of `--block` keys: the share whose pages ascend one by
 one ("runs"), and of those the share whose first page starts a scale row (128 / S pages a
 row: "aligned"; the scale rows of `pallas_kernels.tpu.common.scale_rows`).
+
+`--policy` picks the allocator: `arena` (default) is ours, run on the device; `stack` a numpy
+model of it (a LIFO stack of free pages, a fresh one popping 0, 1, 2, ..., freed pages pushed in
+ascending order: it gives `arena`'s counts exactly, `tests/test_page_runs.py`); `runs` a numpy
+model of an allocator that keeps a sequence's pages consecutive: a decode row takes the page after
+its last when that page is free, else a page from the smallest free run; a prefill takes the
+smallest free run that holds it (from a scale-row boundary when the run leaves room), else the
+longest runs in turn. Both numpy models serve rows in the same order as `aj.reserve` (first come,
+first served) and refuse what it refuses (not enough free pages).
 """
 from __future__ import annotations
 
@@ -26,7 +35,7 @@ import numpy as np
 import arena_jax as aj
 from arena_jax.kv_cache import PAD_SLOT
 
-__all__ = ["Workload", "block_runs", "simulate", "main"]
+__all__ = ["Workload", "ArenaPages", "NumpyPages", "POLICIES", "block_runs", "simulate", "main"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,28 +62,122 @@ def block_runs(page_map_row, length: int, page_size: int, block: int) -> tuple[i
     return blocks, runs, aligned
 
 
+class ArenaPages:
+    """Ours: `aj.reserve` / `aj.release`, jitted, on a one-layer arena."""
+
+    def __init__(self, page_size: int, num_pages: int, w: Workload):
+        layout = aj.KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, page_size=page_size, num_pages=num_pages,
+                             max_seqs=w.max_seqs, max_pages_per_seq=w.max_len // page_size, dtype="float32")  # fmt: skip
+        self.cache, self.max_seqs = aj.create(layout), w.max_seqs
+        self._reserve, self._release = jax.jit(aj.reserve), jax.jit(aj.release)
+
+    def _rows(self, pairs):  # [(slot, tokens)] -> the padded i32[max_seqs] slots and counts
+        slots, n = np.full(self.max_seqs, PAD_SLOT, np.int32), np.zeros(self.max_seqs, np.int32)
+        for i, (s, k) in enumerate(pairs):
+            slots[i], n[i] = s, k
+        return jnp.asarray(slots), jnp.asarray(n)
+
+    def reserve(self, pairs) -> list[bool]:
+        self.cache, ok = self._reserve(self.cache, *self._rows(pairs))
+        return [bool(x) for x in np.asarray(ok)[: len(pairs)]]
+
+    def release(self, slots) -> None:
+        self.cache = self._release(self.cache, self._rows([(s, 0) for s in slots])[0])
+
+    def rows(self):
+        """(page map i32[max_seqs, M], lengths i32[max_seqs]) as numpy."""
+        return np.asarray(self.cache.table.page_map), np.asarray(self.cache.table.lengths)
+
+
+class NumpyPages:
+    """A numpy allocator with `ArenaPages`' interface: policy "stack" (ours, modelled) or "runs"
+    (keeps a sequence's pages consecutive; module docstring)."""
+
+    def __init__(self, page_size: int, num_pages: int, w: Workload, policy: str):
+        self.page_size, self.policy, self.per_row = page_size, policy, max(1, 128 // page_size)
+        self.free = np.ones(num_pages, bool)
+        self.stack = list(range(num_pages - 1, -1, -1))  # the top (the end) pops page 0 first
+        self.pages = [[] for _ in range(w.max_seqs)]
+        self.lengths = np.zeros(w.max_seqs, np.int64)
+        self.max_pages = w.max_len // page_size
+
+    def _free_runs(self):
+        edges = np.diff(np.concatenate([[0], self.free.astype(np.int8), [0]]))
+        starts = np.flatnonzero(edges == 1)
+        return starts, np.flatnonzero(edges == -1) - starts
+
+    def _take(self, n: int, last: int | None) -> list[int]:
+        if self.policy == "stack":
+            got = [self.stack.pop() for _ in range(n)]
+        elif last is not None and n == 1 and last + 1 < self.free.size and self.free[last + 1]:
+            got = [last + 1]
+        else:
+            got = []
+            while len(got) < n:
+                need = n - len(got)
+                starts, lengths = self._free_runs()
+                fits = np.flatnonzero(lengths >= need)
+                if fits.size:  # the smallest run that holds the rest, from a scale-row boundary if it can
+                    i = fits[np.argmin(lengths[fits])]
+                    first = starts[i]
+                    aligned = -(-first // self.per_row) * self.per_row
+                    first = aligned if need > 1 and aligned + need <= starts[i] + lengths[i] else first
+                    got += range(first, first + need)
+                else:  # the longest run, then the next
+                    i = int(np.argmax(lengths))
+                    got += range(starts[i], starts[i] + lengths[i])
+                self.free[got] = False
+        self.free[got] = False
+        return got
+
+    def reserve(self, pairs) -> list[bool]:
+        """As `aj.reserve`: first come, first served, a row served when its demand plus every
+        earlier row's fits the pages free at the call (so after a refused row, every later row
+        that needs a page is refused too); a refused row takes nothing."""
+        ok, asked, free = [], 0, int(self.free.sum())
+        for slot, n in pairs:
+            length = self.lengths[slot]
+            need = -(-(length + n) // self.page_size) - len(self.pages[slot])
+            asked += need
+            if n < 0 or length + n > self.max_pages * self.page_size or (need and asked > free):
+                ok.append(False)
+                continue
+            self.pages[slot] += self._take(need, self.pages[slot][-1] if self.pages[slot] else None) if need else []
+            self.lengths[slot] += n
+            ok.append(True)
+        return ok
+
+    def release(self, slots) -> None:
+        for slot in slots:
+            for page in sorted(self.pages[slot]):  # pushed ascending: the largest ends on top
+                self.stack.append(page)
+                self.free[page] = True
+            self.pages[slot], self.lengths[slot] = [], 0
+
+    def rows(self):
+        page_map = np.full((len(self.pages), self.max_pages), -1, np.int64)
+        for slot, pages in enumerate(self.pages):
+            page_map[slot, : len(pages)] = pages
+        return page_map, self.lengths.copy()
+
+
+POLICIES = ("arena", "stack", "runs")
+
+
 def simulate(page_size: int = 32, steps: int = 4000, seed: int = 0, block: int = 512, w: Workload = Workload(),
-             every: int = 20) -> dict:  # fmt: skip
-    """Drive the allocator with `w`; returns {blocks, runs, aligned, steps}: counts summed over
-    the looks (every `every` steps)."""
-    layout = aj.KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, page_size=page_size,
-                         num_pages=w.max_seqs * w.tokens_a_slot // page_size, max_seqs=w.max_seqs,
-                         max_pages_per_seq=w.max_len // page_size, dtype="float32")  # fmt: skip
-    cache = aj.create(layout)
-    reserve, release = jax.jit(aj.reserve), jax.jit(aj.release)
+             every: int = 20, policy: str = "arena") -> dict:  # fmt: skip
+    """Drive the allocator (`policy`: `POLICIES`) with `w`; returns {blocks, runs, aligned,
+    steps}: counts summed over the looks (every `every` steps)."""
+    num_pages = w.max_seqs * w.tokens_a_slot // page_size
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    pages = ArenaPages(page_size, num_pages, w) if policy == "arena" else NumpyPages(page_size, num_pages, w, policy)
     rng = np.random.default_rng(seed)
     arrive = np.cumsum(rng.exponential(w.mean_gap, w.requests)).astype(int)
     prompt = np.clip(rng.lognormal(np.log(w.prompt), 0.6, w.requests), 64, 6000).astype(int)
     output = np.clip(rng.lognormal(np.log(w.output), 0.5, w.requests), 16, 1500).astype(int)
     slot_of, left, free_slots, queue, arrived = {}, {}, list(range(w.max_seqs)), [], 0
     totals = dict(blocks=0, runs=0, aligned=0, steps=0)
-
-    def rows(pairs):  # [(slot, tokens)] -> the padded i32[max_seqs] slots and counts
-        slots, n = np.full(w.max_seqs, PAD_SLOT, np.int32), np.zeros(w.max_seqs, np.int32)
-        for i, (s, k) in enumerate(pairs):
-            slots[i], n[i] = s, k
-        return jnp.asarray(slots), jnp.asarray(n)
-
     for t in range(steps):
         totals["steps"] = t + 1
         while arrived < w.requests and arrive[arrived] <= t:
@@ -82,24 +185,22 @@ def simulate(page_size: int = 32, steps: int = 4000, seed: int = 0, block: int =
             arrived += 1
         running = list(slot_of.items())
         if running:  # a decode step: every running sequence one token
-            cache, ok = reserve(cache, *rows([(s, 1) for _, s in running]))
-            for (r, _), grown in zip(running, np.asarray(ok)):
+            for (r, _), grown in zip(running, pages.reserve([(s, 1) for _, s in running])):
                 left[r] -= int(grown)
         done = [r for r in slot_of if left[r] <= 0]
         if done:
-            cache = release(cache, rows([(slot_of[r], 0) for r in done])[0])
+            pages.release([slot_of[r] for r in done])
             for r in done:
                 free_slots.append(slot_of.pop(r))
                 del left[r]
         if queue and free_slots:  # one admission a step: the prompt's prefill, reserved whole
             r, s = queue[0], free_slots[-1]
-            cache, ok = reserve(cache, *rows([(s, int(prompt[r]))]))
-            if bool(np.asarray(ok)[0]):
+            if pages.reserve([(s, int(prompt[r]))])[0]:
                 queue.pop(0)
                 free_slots.pop()
                 slot_of[r], left[r] = s, int(output[r])
         if t % every == 0 and slot_of:
-            page_map, lengths = np.asarray(cache.table.page_map), np.asarray(cache.table.lengths)
+            page_map, lengths = pages.rows()
             for s in slot_of.values():
                 b, runs, aligned = block_runs(page_map[s], int(lengths[s]), page_size, block)
                 totals["blocks"] += b
@@ -116,14 +217,15 @@ def main(argv=None) -> int:
     p.add_argument("--block", type=int, default=512, help="keys a block (the TPU kernel's default)")
     p.add_argument("--steps", type=int, default=4000)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--policy", choices=POLICIES, default="arena", help="the allocator (module docstring; default: arena)")
     a = p.parse_args(argv)
     if a.page_size < 1 or a.block % a.page_size:
         p.error(f"--block ({a.block}) must be a positive multiple of --page-size ({a.page_size})")
-    got = simulate(a.page_size, a.steps, a.seed, a.block)
+    got = simulate(a.page_size, a.steps, a.seed, a.block, policy=a.policy)
     share = lambda k: got[k] / max(got["blocks"], 1)  # noqa: E731
-    print("| page size | steps | whole blocks seen | runs | aligned runs |")
-    print("|---:|---:|---:|---:|---:|")
-    print(f"| {a.page_size} | {got['steps']} | {got['blocks']} | {share('runs'):.1%} | {share('aligned'):.1%} |")
+    print("| allocator | page size | steps | whole blocks seen | runs | aligned runs |")
+    print("|---|---:|---:|---:|---:|---:|")
+    print(f"| {a.policy} | {a.page_size} | {got['steps']} | {got['blocks']} | {share('runs'):.1%} | {share('aligned'):.1%} |")
     return 0
 
 
