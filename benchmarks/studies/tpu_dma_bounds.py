@@ -17,8 +17,9 @@ instead, and `arena-bench kernels --compile-report --only "int8 d128"` runs on i
     run  a whole block's pages read as one run of consecutive pages: K and V one DMA a block
          each, the run's scale rows one each, the block's scales those rows side by side
 
-None of the copies computes correct attention (run: only for blocks that are such a run). Their HBM column is the unmodified kernel's bytes
-(K, V and scale rows), so "issue / HBM" compares like with like. Needs a checkout (the kernel's
+None of the copies computes correct attention (run: only for blocks that are such a run). Their
+HBM column is the unmodified kernel's bytes (K, V and scale rows), so "issue / HBM" compares like
+with like. Needs a checkout (the kernel's
 source beside `benchmarks/`) and libtpu (`scripts/install_tpu_tools.sh`); ~2 minutes a variant
 per target on a 2-core CPU. Results: benchmarks/RESULTS.md, "How far fewer DMAs a page can take
 int8 at pages 32 and 64" and "A block's pages as one run".
@@ -63,7 +64,7 @@ _NO_V = [
 # the run's scale rows one DMA a block each (128 / S pages a row, the run's first page taken as
 # aligned to its row). What an arena could reach for blocks whose pages are consecutive (issue
 # 42's "several pages per DMA where pages are contiguous"); the general step's partial blocks
-# keep a DMA a page. Pages of 16 do not compile (an int8 page is half a (32, 128) tile).
+# keep a DMA a page. At pages of 128 or more the scales stay a DMA a page ([L, H, P, S] rows).
 _RUN = [
     ("    return arena.reshape(num_layers * num_kv_heads * num_pages, page_size, head_dim)\n",
      "    return arena.reshape(num_layers * num_kv_heads * num_pages * page_size, head_dim)\n"),
