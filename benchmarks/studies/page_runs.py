@@ -96,7 +96,7 @@ class NumpyPages:
     def __init__(self, page_size: int, num_pages: int, w: Workload, policy: str):
         self.page_size, self.policy, self.per_row = page_size, policy, max(1, 128 // page_size)
         self.free = np.ones(num_pages, bool)
-        self.stack = list(range(num_pages - 1, -1, -1))  # the top (the end) pops page 0 first
+        self.stack = list(range(num_pages - 1, -1, -1))  # "stack": the top (the end) pops page 0 first
         self.pages = [[] for _ in range(w.max_seqs)]
         self.lengths = np.zeros(w.max_seqs, np.int64)
         self.max_pages = w.max_len // page_size
@@ -149,9 +149,9 @@ class NumpyPages:
 
     def release(self, slots) -> None:
         for slot in slots:
-            for page in sorted(self.pages[slot]):  # pushed ascending: the largest ends on top
-                self.stack.append(page)
-                self.free[page] = True
+            if self.policy == "stack":  # pushed ascending: the largest ends on top
+                self.stack += sorted(self.pages[slot])
+            self.free[self.pages[slot]] = True
             self.pages[slot], self.lengths[slot] = [], 0
 
     def rows(self):
