@@ -126,10 +126,11 @@ def test_layouts_the_tpu_kernels_refuse_would_copy_the_arena(tooling, dtype, hea
 @pytest.mark.parametrize("page_size", [16, 32, 64])
 def test_scale_rows_reach_the_kernel_without_a_copy(tooling, page_size):
     """8-bit pages under 128 with scales as rows of 128 lanes (`scale_rows`): the decode call
-    compiles for v5e and XLA copies neither the arena nor the scales around it (the [L, H, P, S]
+    compiles for v5e and XLA copies neither the arena (at pages of 32 and 64 also passed as rows for
+    the aligned runs of pages, `attention.row_pages`) nor the scales around it (the [L, H, P, S]
     form above is relayouted), and 8-bit pages under 128 still need the rows: the cache does not
     store them yet, so `tpu_unsupported_reason` refuses those pages without `scale_rows`."""
-    from pallas_kernels.tpu.attention import tpu_paged_attention
+    from pallas_kernels.tpu.attention import RUN_PAGE_SIZES, tpu_paged_attention
     from pallas_kernels.tpu.common import tpu_unsupported_reason
 
     sds = jax.ShapeDtypeStruct
@@ -143,7 +144,8 @@ def test_scale_rows_reach_the_kernel_without_a_copy(tooling, page_size):
     compiled = tpu_compile.compile_for_tpu(fn, (q, arena, arena, *rows, scale, scale), target="tpu-v5e")
     facts = tpu_compile.module_facts(compiled, big=scale.size * 4 // 4)
     assert facts.big_copies == (), facts.big_copies
-    assert [k.name.split(".")[0] for k in facts.kernels] == ["tpu_paged_attention_bt1_g4_bk512x2_d128_int8"]
+    runs = "_runs" if page_size in RUN_PAGE_SIZES else ""  # (blocks of aligned runs read from the arena as rows)
+    assert [k.name.split(".")[0] for k in facts.kernels] == [f"tpu_paged_attention_bt1_g4_bk512x2_d128_int8{runs}"]
     common = dict(head_dim=128, page_size=page_size, dtype=jnp.int8, scale_dtype=jnp.float32)
     assert tpu_unsupported_reason(**common, scale_rows=True) is None
     assert "scale_rows" in tpu_unsupported_reason(**common)

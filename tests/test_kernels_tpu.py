@@ -64,14 +64,16 @@ def float_case(*, seed, lengths, num_tokens, tokens, q_heads, kv_heads, page_siz
 
 
 def quantized_case(*, seed, dtype, lengths, num_tokens, tokens, q_heads, kv_heads, page_size, head_dim, q_dtype,
-                   stale_scale=np.nan, layer=1, num_pages=NUM_PAGES):
+                   stale_scale=np.nan, layer=1, num_pages=NUM_PAGES, page_map=None):
     """An 8-bit arena filled by the reference append over random-byte garbage (fp8 NaN bit
-    patterns included) with stale scales `stale_scale`, plus queries."""
+    patterns included) with stale scales `stale_scale`, plus queries; `page_map` default scrambled."""
     rng = np.random.default_rng(seed)
     lengths = np.asarray(lengths)
     batch = len(lengths)
     max_pages = int(-(-lengths.max() // page_size))
-    page_map = kernel_cases.scrambled_page_map(seed, lengths, page_size, max_pages, num_pages)
+    if page_map is None:
+        page_map = kernel_cases.scrambled_page_map(seed, lengths, page_size, max_pages, num_pages)
+    page_map = jnp.asarray(page_map, jnp.int32)
     values = kernel_cases.random_bits(rng, (2, kv_heads, num_pages, page_size, head_dim), dtype)
     scales = kernel_cases.full((2, kv_heads, num_pages, page_size), stale_scale, jnp.float32)
     n = int(lengths.max())
@@ -462,6 +464,87 @@ def test_quantized_attention_over_scale_rows(dtype, page_size, tokens, pages_per
     assert np.isnan(out[3, :tokens, 4:]).all() and not np.isnan(out[3, :, :4]).any()
     np.testing.assert_array_equal(np.delete(out, 3, axis=0), np.delete(np.asarray(got, np.float32), 3, axis=0))
     COUNTS["attention (8-bit arenas, scale rows)"] += 1
+
+
+# Decode over 8-bit scale rows (pages of 16 / 32 / 64) reads a block whose pages are a run
+# (`run_blocks`) in one DMA a buffer (`attention.start_run`). (dtype, page_size, pages_per_block)
+RUNS_CI = [("int8", 32, 4), ("float8_e4m3fn", 64, 4)]
+RUNS_FULL = [(jnp.dtype(d).name, s, b) for d, s, b in itertools.product(QUANTIZED_DTYPES, (16, 32, 64), (8, 16))]
+
+
+def run_table(page_size: int, pages_per_block: int, num_pages: int):
+    """Lengths and a page table (no page in two rows) whose blocks are of every kind: row 0 runs
+    only, from page 0 (the runs' steady state, across heads), row 1 runs and scattered blocks in
+    turn (the fast loops' hand-overs), row 2 a run from a page inside a scale row and one whose
+    scale rows would pass the arena's (not a run), row 3 a run holding a hole, row 4 a run in a
+    partial last block; -1 past each length."""
+    ppb = pages_per_block
+    blocks = 6
+    m = blocks * ppb
+    lengths = (m * page_size, m * page_size - 5, (4 * ppb) * page_size, 3 * ppb * page_size, ppb * page_size + 9)
+    pm = np.full((5, m), -1, np.int64)
+    scattered = iter(np.random.default_rng(page_size).permutation(np.arange(5 * m, num_pages - ppb)))
+    take = lambda n: [next(scattered) for _ in range(n)]  # noqa: E731
+    pm[0] = np.arange(m)
+    for j in range(blocks):
+        pm[1, j * ppb:(j + 1) * ppb] = (m + j * ppb + np.arange(ppb)) if j % 2 == 0 else take(ppb)
+    pm[2, :ppb] = 2 * m + 1 + np.arange(ppb)  # from a scale row's second page
+    pm[2, ppb:2 * ppb] = num_pages - ppb + np.arange(ppb)  # the arena's last pages
+    pm[2, 2 * ppb:4 * ppb] = take(2 * ppb)
+    pm[3, :3 * ppb] = take(3 * ppb)
+    pm[3, ppb:2 * ppb] = 3 * m + np.arange(ppb)  # a run ...
+    pm[3, ppb + 1] = -1  # ... with a hole
+    pm[4, :2 * ppb] = 4 * m + np.arange(2 * ppb)  # a run, then a partial block of a run
+    needed = -(-np.asarray(lengths) // page_size)
+    pm = np.where(np.arange(m)[None, :] < needed[:, None], pm, -1)
+    live = pm[pm >= 0]
+    assert len(set(live.tolist())) == live.size and live.max() < num_pages
+    return lengths, pm
+
+
+@pytest.mark.parametrize("dtype,page_size,pages_per_block", RUNS_FULL if FULL else RUNS_CI, ids=str)
+def test_decode_reads_runs_of_pages(dtype, page_size, pages_per_block, monkeypatch):
+    """Decode over scale rows with runs read one DMA a buffer == the same call a DMA a page, bit for
+    bit, with the fast loops on and off, and close to the reference; stale scales NaN, stale values
+    random bytes; a NaN value scale inside a run poisons its row alone. `run_blocks` marks exactly
+    the runs whose scale rows lie inside the arena's."""
+    from pallas_kernels.tpu import attention as tpu_attention
+    from pallas_kernels.tpu.common import scale_rows
+
+    num_pages = max(256, 40 * pages_per_block)
+    lengths, pm = run_table(page_size, pages_per_block, num_pages)
+    case = quantized_case(seed=page_size + pages_per_block, dtype=dtype, lengths=lengths, num_tokens=(1,) * 5, tokens=1,
+                          q_heads=8, kv_heads=2, page_size=page_size, head_dim=128, q_dtype=jnp.bfloat16,
+                          num_pages=num_pages, page_map=pm)
+    flags = np.asarray(tpu_attention.run_blocks(case["page_map"], page_size, num_pages, pages_per_block)).reshape(5, -1)
+    want_flags = np.zeros_like(flags)
+    want_flags[0] = 1
+    want_flags[1, ::2] = 1
+    want_flags[2, 0] = 1
+    want_flags[4, 0] = 1
+    np.testing.assert_array_equal(flags, want_flags)
+    blocks = BlockSizes(pages_per_block=pages_per_block)
+    rows = {k: scale_rows(case[k]) for k in ("k_scale", "v_scale")}
+
+    def run(c, runs, fast_loop=True):
+        monkeypatch.setattr(tpu_attention, "RUNS", runs)
+        monkeypatch.setattr(tpu_attention, "FAST_LOOP", fast_loop)
+        return np.asarray(tpu_paged_attention(**{**c, **rows}, interpret=True, block_sizes=blocks), np.float32)
+
+    got = run(case, True)
+    np.testing.assert_array_equal(got, run(case, False))
+    np.testing.assert_array_equal(got, run(case, True, fast_loop=False))
+    assert np.isfinite(got).all()
+    assert_close(got, attention_ref(**case), jnp.bfloat16)
+    # A NaN value scale at row 0's key in block 3 (a run): row 0 NaN, the others as before.
+    key = 3 * pages_per_block * page_size + 7
+    page = int(pm[0, key // page_size])
+    poisoned = {**case, "v_scale": case["v_scale"].at[case["layer"], 1, page, key % page_size].set(jnp.nan)}
+    rows = {k: scale_rows(poisoned[k]) for k in ("k_scale", "v_scale")}
+    out = run(poisoned, True)
+    assert np.isnan(out[0, :, 4:]).all() and not np.isnan(out[0, :, :4]).any()
+    np.testing.assert_array_equal(out[1:], got[1:])
+    COUNTS["attention (8-bit arenas, runs of pages)"] += 1
 
 
 @pytest.mark.parametrize("dtype", QUANTIZED_DTYPES if FULL else [jnp.dtype("float8_e4m3fn")], ids=str)

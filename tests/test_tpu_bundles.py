@@ -178,6 +178,20 @@ def test_capture_ours_and_jax_for_v5e(tooling):
     assert jax_row["hlo_name"].startswith("paged_attention")
 
 
+def test_capture_ours_over_8_bit_scale_rows_has_a_steady_state_for_runs(tooling):
+    """int8 pages of 32 (scale rows): two steady-state loops, two rows. Blocks a DMA a page: K, V
+    and both scale rows of each of a block's 16 pages; blocks of aligned runs of pages
+    (`attention.start_run`): K, V and the run's scale rows one DMA each, and fewer bytes (the
+    run's scale rows hold its pages alone: 4 bytes a key, not a 512-byte row a page)."""
+    pages, runs = tb.capture("tpu-v5e", cases=[tb.BundleCase("ours", "int8", 32)])
+    assert [pages.get("part"), runs.get("part")] == ["pages", "runs"], (pages, runs)
+    assert pages["label"] == "ours int8 d128 p32" and runs["label"] == "ours int8 d128 p32 runs"
+    assert pages["hlo_name"] == runs["hlo_name"] and "_runs" in pages["hlo_name"]
+    assert pages["per_iter"]["dma_starts"] == 2 * 16 * 4 and runs["per_iter"]["dma_starts"] == 2 * 4
+    assert pages["bytes_per_iter"] == 1024 * 2 * (128 + 512 // 32) and runs["bytes_per_iter"] == 1024 * 2 * (128 + 4)
+    assert runs["per_iter"]["bundles"] < pages["per_iter"]["bundles"]
+
+
 def test_compile_report_prints_and_saves_the_bundle_rows(tooling, tmp_path, capsys):
     """`arena-bench kernels --compile-report --target tpu-v5e --only <label>`: --only picks bundle rows
     by label too (here no kernel variant matches); the table and the --json file carry them."""
@@ -196,31 +210,24 @@ def test_compile_report_prints_and_saves_the_bundle_rows(tooling, tmp_path, caps
     assert res["bundle_rows"][0]["status"] == "ok" and res["bundle_figures"]["hbm_gb_per_s"] == 819.0
 
 
-@pytest.mark.parametrize("dmas", [4, 3, 2, 1, "run"])
+@pytest.mark.parametrize("dmas", [4, 3, 2, 1])
 def test_dma_bound_variants_follow_the_kernel(dmas):
     """`benchmarks.studies.tpu_dma_bounds` (RESULTS.md, "How far fewer DMAs a page can take int8 at
-    pages 32 and 64", "A block's pages as one run") patches the TPU attention kernel's source:
-    each variant's anchors still match it, each drops the DMA starts it says (a page's K, V and
-    two scale rows: 4, 3, 2, 1 kept; "run": a whole block's K and V one DMA each, its scale rows
-    one each, its lanes side by side), and the copy still parses. No libtpu needed: the compile
-    is the study's to run."""
+    pages 32 and 64") patches the TPU attention kernel's source: each variant's anchors still
+    match it, each turns the runs of pages off (`RUNS`) and drops the DMA starts it says (a page's
+    K, V and two scale rows: 4, 3, 2, 1 kept), and the copy still parses. No libtpu needed: the
+    compile is the study's to run."""
     import ast
 
     from arena_jax.benchmarks.studies import tpu_dma_bounds as bounds
 
     source = (bounds.CHECKOUT / bounds.KERNEL).read_text()
-    section = lambda text: text[text.index("    def start_page("):text.index("    def start_block(")]  # noqa: E731
     copy = bounds.patched(source, dmas)
     ast.parse(copy)
-    assert section(source).count(").start()") == 4  # start_page's four, start_whole's none of its own
-    if dmas == "run":
-        whole = section(copy)[section(copy).index("    def start_whole("):]
-        assert "for p in range(ppb):\n            start_page(" not in whole
-        assert whole.count("block_k)], kbuf[slot]") == whole.count("block_k)], vbuf[slot]") == 1
-        assert "scale_lanes(" not in copy[copy.index("def scale_row("):copy.index("def scale_shifts(")]
-    else:
-        kept = copy[copy.index("    def start_page("):copy.index("    def start_whole(")]
-        assert kept.count(").start()") == dmas
+    assert "\nRUNS = False  #" in copy and "\nRUNS = True  #" in source
+    page = lambda text: text[text.index("    def start_page("):text.index("    def is_run(")]  # noqa: E731
+    assert page(source).count(").start()") == 4  # K, V, K scale row, V scale row
+    assert page(copy).count(").start()") == dmas
     if dmas != 4:  # its anchors are gone from the copy: applied again, the variant fails loudly
         with pytest.raises(ValueError, match="matches 0 times"):
             bounds.patched(copy, dmas)

@@ -1,6 +1,6 @@
 """How far fewer DMAs a page could take 8-bit decode attention on a TPU (issue 42, item 2).
 
-    python -m arena_jax.benchmarks.studies.tpu_dma_bounds [--target tpu-v5e] [--variants 4,3,2,1,run]
+    python -m arena_jax.benchmarks.studies.tpu_dma_bounds [--target tpu-v5e] [--variants 4,3,2,1]
 
 Ours issues four DMAs a page at 8-bit pages under 128 keys: K, V and the two scale rows
 (pallas_kernels/tpu/attention.py, `start_page`). Whether an arena format with fewer could meet
@@ -8,16 +8,18 @@ the issue's bar (issue time <= 1.2x the HBM time of the bytes read, pages >= 32)
 about the compiled bundles, answered here without building the format: for each variant, a copy
 of this checkout's `pallas_kernels/tpu/attention.py` (in a temporary folder, nothing here
 changes) drops DMAs from `start_page` and their waits, reading the dropped buffers' stale VMEM
-instead, and `arena-bench kernels --compile-report --only "int8 d128"` runs on it:
+instead, and `arena-bench kernels --compile-report --only "int8 d128"` runs on it. Every copy
+reads a DMA a page in every block (`attention.RUNS` off: the blocks of aligned runs the kernel
+now reads one DMA a buffer are the report's "runs" rows):
 
     4  as built: K, V, K scale row, V scale row
     3  K, V and one scale DMA (as K and V scales in one 1 KiB row would take)
     2  K and V, no scale DMA (the bound for scales gathered ahead of the kernel, or never read)
     1  one DMA a page and nothing else (K, V and scales in one stream: a lower bound)
-    run  a whole block's pages read as one run of consecutive pages: K and V one DMA a block
-         each, the run's scale rows one each, the block's scales those rows side by side
 
-None of the copies computes correct attention (run: only for blocks that are such a run). Their
+(A fifth variant, "run", a block's pages as one run, measured in session 34, is now the kernel's
+own steady state for such blocks, `attention.start_run`.) None of the copies but 4 computes
+correct attention. Their
 HBM column is the unmodified kernel's bytes (K, V and scale rows), so "issue / HBM" compares like
 with like. Needs a checkout (the kernel's
 source beside `benchmarks/`) and libtpu (`scripts/install_tpu_tools.sh`); ~2 minutes a variant
@@ -45,8 +47,8 @@ _NO_V_SCALE = [
     ("            pltpu.make_async_copy(vs_hbm.at[src], scale_dst(vsbuf[slot], p, page_size), sem.at[slot]).start()\n", ""),
     ("for buf in (kbuf, vbuf) + ((ksbuf, vsbuf) if quantized else ()):", "for buf in (kbuf, vbuf) + ((ksbuf,) if quantized else ()):"),
     ("for buf in (ksbuf, vsbuf):", "for buf in (ksbuf,):"),
-    ("vs_row = scale_row(vsbuf[slot], shifts, page_size)", "vs_row = scale_row(ksbuf[slot], shifts, page_size)"),
-    ("vs = scale_row(vsbuf[slot], shifts, page_size)", "vs = scale_row(ksbuf[slot], shifts, page_size)"),
+    ("vs_row = scale_row(vsbuf[slot], shifts, page_size, run)", "vs_row = scale_row(ksbuf[slot], shifts, page_size, run)"),
+    ("vs = scale_row(vsbuf[slot], shifts, page_size, run)", "vs = scale_row(ksbuf[slot], shifts, page_size, run)"),
 ]
 _NO_K_SCALE = [
     ("            pltpu.make_async_copy(ks_hbm.at[src], scale_dst(ksbuf[slot], p, page_size), sem.at[slot]).start()\n", ""),
@@ -55,55 +57,12 @@ _NO_K_SCALE = [
 ]
 _NO_V = [
     ("        pltpu.make_async_copy(v_hbm.at[flat], vbuf[slot].at[dst], sem.at[slot]).start()\n", ""),
-    ("        for buf in (kbuf, vbuf):\n            pltpu.make_async_copy(buf[slot], buf[slot], sem.at[slot]).wait()",
-     "        for buf in (kbuf,):\n            pltpu.make_async_copy(buf[slot], buf[slot], sem.at[slot]).wait()"),
+    ("        for buf in (kbuf, vbuf):\n            whole = buf[slot]", "        for buf in (kbuf,):\n            whole = buf[slot]"),
     ("                for buf in (kbuf, vbuf):\n                    one_page", "                for buf in (kbuf,):\n                    one_page"),
 ]
-# "run": a whole block's pages read as one run of consecutive pages from its first: K and V one
-# DMA a block each (from the arena seen as rows, [L * Hkv * P * S, D]), and, under 128-key pages,
-# the run's scale rows one DMA a block each (128 / S pages a row, the run's first page taken as
-# aligned to its row). What an arena could reach for blocks whose pages are consecutive (issue
-# 42's "several pages per DMA where pages are contiguous"); the general step's partial blocks
-# keep a DMA a page. At pages of 128 or more the scales stay a DMA a page ([L, H, P, S] rows).
-_RUN = [
-    ("    return arena.reshape(num_layers * num_kv_heads * num_pages, page_size, head_dim)\n",
-     "    return arena.reshape(num_layers * num_kv_heads * num_pages * page_size, head_dim)\n"),
-    ("    _, page_size, head_dim = k_hbm.shape\n", "    page_size, head_dim = zero_page_hbm.shape\n"),
-    ("        pltpu.make_async_copy(k_hbm.at[flat], kbuf[slot].at[dst], sem.at[slot]).start()\n",
-     "        pltpu.make_async_copy(k_hbm.at[pl.ds(flat * page_size, page_size)], kbuf[slot].at[dst], sem.at[slot]).start()\n"),
-    ("        pltpu.make_async_copy(v_hbm.at[flat], vbuf[slot].at[dst], sem.at[slot]).start()\n",
-     "        pltpu.make_async_copy(v_hbm.at[pl.ds(flat * page_size, page_size)], vbuf[slot].at[dst], sem.at[slot]).start()\n"),
-    ("""        for p in range(ppb):
-            start_page(h, j, p, slot)
-""", """        entry = page_map_ref[b * max_pages + j * ppb]
-        page = jnp.minimum(entry.astype(jnp.uint32), jnp.uint32(num_pages - ppb)).astype(i32)
-        flat = (layer * num_kv_heads + h) * num_pages + page
-        pltpu.make_async_copy(k_hbm.at[pl.ds(flat * page_size, block_k)], kbuf[slot], sem.at[slot]).start()
-        pltpu.make_async_copy(v_hbm.at[pl.ds(flat * page_size, block_k)], vbuf[slot], sem.at[slot]).start()
-        if quantized and not rows_per_page:
-            src = (layer * num_kv_heads + h, pl.ds(lax.shift_right_logical(page, row_shift), max(1, block_k // 128)))
-            for hbm_, buf in ((ks_hbm, ksbuf), (vs_hbm, vsbuf)):
-                pltpu.make_async_copy(hbm_.at[src], buf[slot].at[pl.ds(0, max(1, block_k // 128))], sem.at[slot]).start()
-        elif quantized:
-            for p in range(ppb):
-                src = (layer * num_kv_heads + h, pl.ds(page + p, 1))
-                for hbm_, buf in ((ks_hbm, ksbuf), (vs_hbm, vsbuf)):
-                    pltpu.make_async_copy(hbm_.at[src], scale_dst(buf[slot], p, page_size), sem.at[slot]).start()
-"""),
-    ("""        for buf in (kbuf, vbuf) + ((ksbuf, vsbuf) if quantized else ()):
-            pltpu.make_async_copy(buf[slot], buf[slot], sem.at[slot]).wait()
-""", """        for buf in (kbuf, vbuf):
-            pltpu.make_async_copy(buf[slot], buf[slot], sem.at[slot]).wait()
-        for buf in ((ksbuf, vsbuf) if quantized else ()):
-            run = buf[slot] if rows_per_page else buf[slot].at[pl.ds(0, max(1, block_k // 128))]
-            pltpu.make_async_copy(run, run, sem.at[slot]).wait()
-"""),
-]
-_RUN.append(  # a run's scale rows hold its pages in order: the block's lane row is them side by side
-    ("    return scale_lanes(buf[...], shifts, page_size)\n",
-     "    n = max(1, buf.shape[0] * page_size // 128)\n"
-     "    return jnp.concatenate([buf[pl.ds(r, 1), :] for r in range(n)], axis=1)[:, :buf.shape[0] * page_size]\n"))
-PATCHES = {4: [], 3: _NO_V_SCALE, 2: _NO_V_SCALE + _NO_K_SCALE, 1: _NO_V_SCALE + _NO_K_SCALE + _NO_V, "run": _RUN}
+_PAGES_ONLY = [("RUNS = True  #", "RUNS = False  #")]
+PATCHES = {4: _PAGES_ONLY, 3: _PAGES_ONLY + _NO_V_SCALE, 2: _PAGES_ONLY + _NO_V_SCALE + _NO_K_SCALE,
+           1: _PAGES_ONLY + _NO_V_SCALE + _NO_K_SCALE + _NO_V}
 
 
 def patched(source: str, dmas: int) -> str:
@@ -151,9 +110,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m arena_jax.benchmarks.studies.tpu_dma_bounds",
                                 description=__doc__.split("\n\n")[0])  # fmt: skip
     p.add_argument("--target", default="tpu-v5e", help="tpu-v5e or tpu-v6e (default: tpu-v5e)")
-    p.add_argument("--variants", default="4,3,2,1", help="DMAs a page to keep (4, 3, 2, 1) or run (a block's pages as one run), comma-separated (default: 4,3,2,1)")
+    p.add_argument("--variants", default="4,3,2,1", help="DMAs a page to keep (4, 3, 2, 1), comma-separated (default: 4,3,2,1)")
     a = p.parse_args(argv)
-    variants = tuple(int(v) if v.isdigit() else v for v in a.variants.split(",") if v)
+    variants = tuple(int(v) if v.isdigit() else v for v in a.variants.split(",") if v)  # (a non-digit is refused below)
     if not variants or any(v not in PATCHES for v in variants):
         p.error(f"--variants: each of {', '.join(map(str, PATCHES))}, got {a.variants!r}")
     print("| target | DMAs a page kept | case | bundles an iteration | DMAs a page (report) | issue / HBM |")

@@ -430,16 +430,18 @@ def _query_tokens(case: BundleCase, hlo_name: str, part: str | None) -> int:
     return 1
 
 
-def _bytes_per_key_head(case: BundleCase) -> int:
-    """HBM bytes of one key of one KV head the kernel reads: K and V rows, and their scales."""
+def _bytes_per_key_head(case: BundleCase, part: str | None = None) -> int:
+    """HBM bytes of one key of one KV head the kernel reads: K and V rows, and their scales
+    (`part` "runs": our blocks of aligned runs of pages, their scale rows whole)."""
     import jax.numpy as jnp
 
     item = jnp.dtype(case.dtype).itemsize
     row = case.head_dim * item
     if case.dtype == "int8":
         # ours: f32 per row (pages under 128: the 512-byte scale row a page's DMA moves, 512 / S a
-        # row); JAX: bf16 scales broadcast to D
-        row += (4 if case.page_size >= 128 else 512 // case.page_size) if case.kernel == "ours" else case.head_dim * 2
+        # row; a run's scale rows hold its pages alone); JAX: bf16 scales broadcast to D
+        whole_rows = case.page_size >= 128 or part == "runs"
+        row += (4 if whole_rows else 512 // case.page_size) if case.kernel == "ours" else case.head_dim * 2
     return 2 * row
 
 
@@ -447,7 +449,7 @@ _NAME = re.compile(r"^\d+-(.+)-\d+-final_bundles\.txt$")
 
 
 def _loop_figures(case: BundleCase, target: str, loop: LoopFacts, keys: int, heads: int, tokens: int,
-                  general: int | None = None) -> dict:
+                  general: int | None = None, part: str | None = None) -> dict:
     """One per-block loop's figures: per iteration, and per (KV head x 512 keys); `tokens`: the
     query tokens an iteration serves (a chunk loop's work grows with them, a decode loop's is one);
     `general`: the enclosing loop's general path (`general_path`), static bundles."""
@@ -455,7 +457,7 @@ def _loop_figures(case: BundleCase, target: str, loop: LoopFacts, keys: int, hea
     it = per_iteration(loop)
     chip = CHIPS[target]
     per = keys * heads / BLOCK_KEYS  # (KV head x 512 keys) units per iteration
-    nbytes = keys * heads * _bytes_per_key_head(case)
+    nbytes = keys * heads * _bytes_per_key_head(case, part)
     issue_ns, hbm_ns = it["bundles"] / chip.clock_hz * 1e9, nbytes / chip.hbm_bytes_per_s * 1e9
     static = {k: v for k, v in dataclasses.asdict(loop).items() if k != "nested"}
     nested = [dict(first=c.first, bundles=c.bundles, trip=c.trip, dma_starts=c.dma_starts, dma_waits=c.dma_waits)
@@ -470,7 +472,9 @@ def _loop_figures(case: BundleCase, target: str, loop: LoopFacts, keys: int, hea
 
 def _row(case: BundleCase, target: str, new_files: list[str], dump_dir: str, seconds: float) -> list[dict]:
     """The case's rows: one, or for our mixed call one per part (its per-block loops in program
-    order: `_mixed_kernel` runs the decode part's body first, then the chunk's)."""
+    order: `_mixed_kernel` runs the decode part's body first, then the chunk's), or for our decode
+    over 8-bit scale rows that reads runs (`_runs` in its name) one per steady state: blocks a DMA
+    a page, then blocks of aligned runs of pages (`attention.start_run`)."""
     row = dict(label=case.label, kernel=KERNEL_NAMES[case.kernel], dtype=case.dtype, page_size=case.page_size,
                head_dim=case.head_dim, chunk=case.chunk, compile_s=round(seconds, 1))
     names = {f: _NAME.match(f).group(1) for f in new_files if _NAME.match(f)}
@@ -485,17 +489,18 @@ def _row(case: BundleCase, target: str, new_files: list[str], dump_dir: str, sec
         return [dict(row, status=f"failed: no loop with MXU ops in {hlo_name} ({len(bundles)} bundles)", hlo_name=hlo_name)]
     keys, heads = _keys_heads(case, hlo_name)
     done = dict(row, status="ok", hlo_name=hlo_name, file_bundles=len(bundles))
-    if case.kernel != "mixed":
+    parts = ("decode", "chunk") if case.kernel == "mixed" else ("pages", "runs") if re.search(r"_runs(\.\d+)?$", hlo_name) else None
+    if parts is None:
         loop = max(found, key=lambda lp: lp.bundles)
         return [dict(done, **_loop_figures(case, target, loop, keys, heads, _query_tokens(case, hlo_name, None),
                                            general_path(bundles, loop)))]
     if len(found) != 2:
-        return [dict(row, status=f"failed: {len(found)} loops with MXU ops in {hlo_name}, not 2 (decode, chunk)",
+        return [dict(row, status=f"failed: {len(found)} loops with MXU ops in {hlo_name}, not 2 {parts}",
                      hlo_name=hlo_name)]  # fmt: skip
-    return [dict(done, label=f"{case.label} {part}", part=part,
+    return [dict(done, label=f"{case.label} {part}" if part != "pages" else case.label, part=part,
                  **_loop_figures(case, target, lp, *_keys_heads(case, hlo_name, part),
-                                 _query_tokens(case, hlo_name, part), general_path(bundles, lp)))
-            for part, lp in zip(("decode", "chunk"), found)]  # fmt: skip
+                                 _query_tokens(case, hlo_name, part), general_path(bundles, lp), part))
+            for part, lp in zip(parts, found)]  # fmt: skip
 
 
 def _one_line(exc: BaseException) -> str:

@@ -63,7 +63,11 @@ as `[L * Hkv, P, S]`, `flat_scales`) come by DMA one page row `[1, S]` at a time
 its lanes of a `[1, block_k]` row in VMEM (`scale_shape`; S of 128 or 256: whole lane tiles).
 Pages of 16, 32 or 64 take scale rows `[L, Hkv, P * S / 128, 128]` (`scale_rows`): a page's DMA
 moves the 512-byte row holding its scales into a row of a `[pages, 128]` slot, and `scale_lanes`
-makes the block's lane row of them (shifts precomputed by XLA, `scale_shifts`).
+makes the block's lane row of them (shifts precomputed by XLA, `scale_shifts`). In decode over
+scale rows, a block whose pages are one run of consecutive pages (`run_blocks`, a flag a block in
+SMEM) is read in one DMA a buffer (`start_run`: K and V from the arena seen as rows, `row_pages`;
+the run's scale rows, laid side by side by `run_lanes`), with a steady-state loop of its own
+beside the one for blocks read a DMA a page (`RUNS`; the mixed call reads every block by pages).
 Contract: `pallas_kernels.reference.paged_attention_reference`.
 """
 from __future__ import annotations
@@ -89,6 +93,11 @@ DEFAULT_BLOCK_K = 512  # keys per block: 128 KiB of bf16 K at head_dim 128
 QO_VMEM_BYTES = 4 << 20  # q + output blocks of a prefill program (Mosaic's default scoped VMEM: 16 MiB on v5e)
 FAST_LOOP = True  # the steady state (blocks every row sees whole) in a loop of its own (tests turn it off to compare)
 FAST_BLOCKS = 2  # pairs an iteration of decode's steady-state loop (its kernels' names: `_bk<keys>x2_`; prefill 1)
+RUNS = True  # decode over 8-bit scale rows reads a block of consecutive pages in one DMA a buffer (tests turn it off)
+# 8-bit pages read as runs: every size that takes scale rows. Their arena seen as rows
+# (`row_pages`) compiles to a bitcast, in a decode call and in a model step
+# (`tests/test_compile_tpu.py`: no arena copy).
+RUN_PAGE_SIZES = (16, 32, 64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,10 +185,15 @@ def _attention_kernel(
     row=None,
     row_block=None,
     fast_loop: bool | None = None,
+    run_ref=None,
+    row_views=None,
 ):
     """The kernel body (module docstring). `row`, `row_block`: the batch row (of the tables) and
     the block of query tokens this body serves; default the program's ids (a mixed call,
-    `pallas_kernels.tpu.mixed`, runs two bodies in one kernel and names them)."""
+    `pallas_kernels.tpu.mixed`, runs two bodies in one kernel and names them). `run_ref`
+    i32[B * blocks] (SMEM, `run_blocks`) and `row_views` (the K and V arenas as rows, `row_pages`):
+    decode over 8-bit scale rows reads a block whose pages are a run in one DMA a buffer
+    (`start_run`); None: every block a DMA a page."""
     _, page_size, head_dim = k_hbm.shape
     rows_per_page = page_size % 128 == 0  # 8-bit scales: a page's own row(s); else rows of 128 / S pages
     shifts_ref = None
@@ -198,6 +212,12 @@ def _attention_kernel(
     rows = q_ref.shape[1]
     f32, i32 = jnp.float32, jnp.int32
     row_shift = (128 // page_size).bit_length() - 1 if not rows_per_page else 0
+    runs = run_ref is not None  # (decode over scale rows only: `run_blocks`)
+    if runs:
+        k_rows, v_rows = row_views  # [L * Hkv * P * S, D] HBM: the arena as rows (`row_pages`)
+        run_scale_rows = block_k // 128 + 1  # the scale rows a run's pages may touch (128 / S pages a row)
+        per_row = 128 // page_size
+        blocks_per_row = -(-max_pages // ppb)
 
     layer = meta_ref[0]
     length = lengths_ref[b]
@@ -247,8 +267,38 @@ def _attention_kernel(
             pltpu.make_async_copy(ks_hbm.at[src], scale_dst(ksbuf[slot], p, page_size), sem.at[slot]).start()
             pltpu.make_async_copy(vs_hbm.at[src], scale_dst(vsbuf[slot], p, page_size), sem.at[slot]).start()
 
-    def start_whole(h, j, slot):
-        """Start every page of (head h, block j), unrolled, with no branch."""
+    def is_run(j):
+        """Block j's pages are a run (`run_blocks`): a whole block of it is read by `start_run`
+        and its scales laid out by `run_lanes`. False (static) without runs."""
+        return run_ref[b * blocks_per_row + j] != 0 if runs else False
+
+    def run_offset(j):
+        """Where block j's run starts in its first scale row, in lanes (`run_lanes`)."""
+        return (page_map_ref[b * max_pages + j * ppb] & (per_row - 1)) * page_size
+
+    def start_run(h, j, slot):
+        """Start (head h, block j), a run of pages (`is_run`): K and V one DMA each from the
+        arena's rows, and the `run_scale_rows` scale rows from its first page's one DMA each into
+        the first rows of the scale slots (they hold its pages in order, from `run_offset`).
+        Indices clipped into range."""
+        entry = page_map_ref[b * max_pages + j * ppb]
+        page = jnp.minimum(entry.astype(jnp.uint32), jnp.uint32(num_pages - ppb)).astype(i32)
+        flat = (layer * num_kv_heads + h) * num_pages + page
+        src = pl.ds(pl.multiple_of(flat * page_size, page_size), block_k)
+        pltpu.make_async_copy(k_rows.at[src], kbuf[slot], sem.at[slot]).start()
+        pltpu.make_async_copy(v_rows.at[src], vbuf[slot], sem.at[slot]).start()
+        srow = jnp.minimum(lax.shift_right_logical(page, row_shift), ks_hbm.shape[1] - run_scale_rows)
+        for hbm_, buf in ((ks_hbm, ksbuf), (vs_hbm, vsbuf)):
+            pltpu.make_async_copy(hbm_.at[layer * num_kv_heads + h, pl.ds(srow, run_scale_rows)],
+                                  buf[slot].at[pl.ds(0, run_scale_rows)], sem.at[slot]).start()
+
+    def start_whole(h, j, slot, run=False):
+        """Start every page of (head h, block j): a DMA a page, unrolled, with no branch; or,
+        `run` (static, or traced: a branch), `start_run`."""
+        if run is True:
+            return start_run(h, j, slot)
+        if run is not False:
+            return lax.cond(run, lambda: start_run(h, j, slot), lambda: start_whole(h, j, slot))
         for p in range(ppb):
             start_page(h, j, p, slot)
 
@@ -262,19 +312,29 @@ def _attention_kernel(
         def part():
             lax.fori_loop(p0, p0 + n_read, lambda p, c: (start_page(h, j, p, slot), c)[1], 0)
 
-        lax.cond(go & (n_read == ppb), lambda: start_whole(h, j, slot), part)
+        lax.cond(go & (n_read == ppb), lambda: start_whole(h, j, slot, is_run(j)), part)
         return n_read
 
-    def wait_whole(slot):
-        """Wait for a whole block started into `slot`: one wait per buffer (the semaphore counts bytes)."""
+    def wait_whole(slot, run=False):
+        """Wait for a whole block started into `slot`: one wait per buffer (the semaphore counts
+        bytes); `run` (static or traced): started by `start_run`, its scale rows fewer."""
         for buf in (kbuf, vbuf) + ((ksbuf, vsbuf) if quantized else ()):
-            pltpu.make_async_copy(buf[slot], buf[slot], sem.at[slot]).wait()
+            whole = buf[slot]
+            if run is not False and buf in (ksbuf, vsbuf):
+                part = buf[slot].at[pl.ds(0, run_scale_rows)]
+                if run is True:
+                    whole = part
+                else:
+                    pl.when(run)(lambda: pltpu.make_async_copy(part, part, sem.at[slot]).wait())
+                    pl.when(~run)(lambda: pltpu.make_async_copy(whole, whole, sem.at[slot]).wait())
+                    continue
+            pltpu.make_async_copy(whole, whole, sem.at[slot]).wait()
 
-    def wait_block(slot, n_read):
+    def wait_block(slot, n_read, run=False):
         """Wait for the `n_read` pages started into `slot`: the semaphore counts bytes, so a whole
-        block is one wait per buffer, a partial one a wait per page."""
+        block is one wait per buffer (`run`: its scale rows a run's), a partial one a wait per page."""
         sem_ = sem.at[slot]
-        pl.when(n_read == ppb)(lambda: wait_whole(slot))
+        pl.when(n_read == ppb)(lambda: wait_whole(slot, run))
 
         @pl.when(n_read < ppb)
         def _():
@@ -305,7 +365,7 @@ def _attention_kernel(
 
     n_read0 = start_block(0, blk_lo, 0, total > 0)
 
-    def step(carry, fast: bool, slot):
+    def step(carry, fast: bool, slot, mode=None):
         """One (head, block) pair, its buffers in `slot` (i % 2 for pair i: a static int in
         decode, traced in prefill, `Slots`): start the next pair's DMAs, wait for this one's, attend.
         `fast`: the steady state (`fast_next`): this block seen whole by every query row and
@@ -313,7 +373,9 @@ def _attention_kernel(
         reads, so that the VLIW scheduler overlaps that issue with this pair's vector work; in
         decode no branch at all (the output written every iteration: the head's last write is
         its final value). Otherwise the general case: any block, the next issued page by page
-        when partial, holes fixed, stale V rows zeroed, masks, the output written once."""
+        when partial, holes fixed, stale V rows zeroed, masks, the output written once.
+        `mode` (fast steps): "pages" or "runs", this block and the next both read so (`is_run`);
+        None: each block as `is_run` says (a whole block only), a branch."""
         m_prev, l_prev, acc_prev, bad_prev, h, j, n_read, i = carry  # [rows, 1] x2, [rows, D], [rows, 1]; scalars
         first = j == blk_lo
         m_prev = jnp.where(first, -jnp.inf, m_prev)
@@ -322,11 +384,17 @@ def _attention_kernel(
         bad_prev = jnp.where(first, 0.0, bad_prev)
         last = j + 1 == blk_end  # the head's last block
         h_next, j_next = jnp.where(last, h + 1, h), jnp.where(last, blk_lo, j + 1)
+        if not runs:
+            run, run_next = False, False
+        elif mode is not None:
+            run = run_next = mode == "runs"
+        else:
+            run, run_next = is_run(j) & (n_read == ppb), is_run(j_next)
         if fast:
-            wait_whole(slot)
+            wait_whole(slot, run)
         else:
             n_read_next = start_block(h_next, j_next, 1 - slot, i + 1 < total)
-            wait_block(slot, n_read)
+            wait_block(slot, n_read, run)
         kpos = j * block_k + kk  # [1, block_k]
         kpos_col = j * block_k + kk_col  # [block_k, 1]
         # Keys this program's queries may attend; None: all of the block's (a fast step's block is
@@ -357,8 +425,9 @@ def _attention_kernel(
         k = kbuf[slot][...].astype(compute)  # [block_k, D]
         dots = _dot_t(q, k)  # [rows, block_k] f32
         shifts = None if shifts_ref is None else shifts_ref[pl.ds(j, 1), :]  # [1, ppb] (`scale_shifts`)
+        offset = run_offset(j) if runs and run is not False else None  # (a run's scales: `run_lanes`)
         if quantized:
-            ks = scale_row(ksbuf[slot], shifts, page_size)
+            ks = scale_row(ksbuf[slot], shifts, page_size, run, offset)
             s = dots * (ks * sm_scale)
         else:
             s = dots * sm_scale
@@ -399,7 +468,7 @@ def _attention_kernel(
             if jnp.issubdtype(vbuf[slot].dtype, jnp.floating) and in_range_col is not None:
                 v = jnp.where(in_range_col, v, jnp.zeros((), compute))
         else:  # fp16 q: dequantize the V tile (vq * scale may overflow fp16)
-            vs_row = scale_row(vsbuf[slot], shifts, page_size)
+            vs_row = scale_row(vsbuf[slot], shifts, page_size, run, offset)
             if in_range is not None:
                 vs_row = jnp.where(in_range, vs_row, 0.0)
             eye = lax.broadcasted_iota(i32, (block_k, block_k), 0) == lax.broadcasted_iota(i32, (block_k, block_k), 1)
@@ -408,7 +477,7 @@ def _attention_kernel(
             if in_range_col is not None:
                 v = jnp.where(in_range_col, v, jnp.zeros((), compute))
         if fold_v:  # 8-bit values are finite by construction: a row's poison is its scale
-            vs = scale_row(vsbuf[slot], shifts, page_size)
+            vs = scale_row(vsbuf[slot], shifts, page_size, run, offset)
             v_ok = jnp.isfinite(vs)
             vs = jnp.where(masked(in_range, v_ok), vs, 0.0)
             bad_blk = jnp.maximum(bad_s, jnp.max(jnp.where(masked(mask, ~v_ok), 1.0, 0.0), axis=1, keepdims=True))
@@ -450,7 +519,7 @@ def _attention_kernel(
             pl.when(last)(write_out)
         if fast:
             # The next pair (whole: fast_next said so), issued after this pair's reads of its slot.
-            start_whole(h_next, j_next, 1 - slot)
+            start_whole(h_next, j_next, 1 - slot, run_next)
             n_read_next = jnp.int32(ppb)
 
         return m_next, l_next, acc, bad, h_next, j_next, n_read_next, i + 1
@@ -487,7 +556,20 @@ def _attention_kernel(
         """The next two pairs may take the fast step: the pair after them exists, and each one's
         block is in [fast_lo, fast_lo + fast_count)."""
         *_, j, _, i = carry
-        return in_fast(j) & in_fast(jnp.where(j + 1 == blk_end, blk_lo, j + 1)) & (i + 2 < total)
+        return in_fast(j) & in_fast(next_block(j)) & (i + 2 < total)
+
+    def next_block(j):
+        """The block of the pair after one at block j (the next head's first after a head's last)."""
+        return jnp.where(j + 1 == blk_end, blk_lo, j + 1)
+
+    def three_runs(carry, want: bool):
+        """The next three pairs' blocks (an iteration of two pairs reads two and starts the third)
+        all are (`want`) or all are not runs (`is_run`)."""
+        j0 = carry[5]
+        j1 = next_block(j0)
+        j2 = next_block(j1)
+        flags = [is_run(j) for j in (j0, j1, j2)]
+        return (flags[0] & flags[1] & flags[2]) if want else ~(flags[0] | flags[1] | flags[2])
 
     def lone_pair(slot: int, carry):
         """Pair i (i % 2 == slot) alone: the fast step when it may take it, else the general one."""
@@ -500,7 +582,11 @@ def _attention_kernel(
         alone (slots 0 and 1), then the steady state, two pairs an iteration (slots 0 then 1)."""
         carry = lone_pair(0, carry)
         carry = lax.cond(carry[-1] < total, functools.partial(lone_pair, 1), lambda c: c, carry)
-        if use_fast_loop:
+        if use_fast_loop and runs:  # blocks read a DMA a page, then blocks of runs
+            for mode in ("pages", "runs"):
+                carry = lax.while_loop(lambda c, m=mode: fast_two(c) & three_runs(c, m == "runs"),
+                                       lambda c, m=mode: step(step(c, True, 0, m), True, 1, m), carry)
+        elif use_fast_loop:
             carry = lax.while_loop(fast_two, lambda c: step(step(c, True, 0), True, 1), carry)
         return carry
 
@@ -560,12 +646,51 @@ def scale_dst(buf, p, page_size: int):
     return buf.at[pl.ds(p, 1)]
 
 
-def scale_row(buf, shifts, page_size: int):
+def scale_row(buf, shifts, page_size: int, run=False, offset=None):
     """A scale slot's scales (`scale_shape`) as one `[1, block_k]` lane row; scale rows
-    (`scale_lanes`) need the block's `shifts`."""
+    (`scale_lanes`) need the block's `shifts`; `run` (static, or traced: both computed, one
+    selected): the slot holds a run's scale rows from lane `offset` on (`run_lanes`)."""
     if page_size % 128 == 0:
         return buf[...]
-    return scale_lanes(buf[...], shifts, page_size)
+    if run is True:
+        return run_lanes(buf, page_size, offset)
+    lanes = scale_lanes(buf[...], shifts, page_size)
+    return lanes if run is False else jnp.where(run, run_lanes(buf, page_size, offset), lanes)
+
+
+def run_lanes(buf, page_size: int, offset):
+    """A scale slot `[pages, 128]` holding a run's scale rows in its first `n + 1` rows (`n =
+    pages * S / 128`, `start_run`): side by side they hold the run's pages in order from lane
+    `offset` (its first page's place in its row: (page % (128 / S)) * S, traced). The block's lane
+    row `[1, pages * S]`: the rows rotated left by `offset` lanes (one rotation of n + 1 <= 8
+    sublanes), lane row i taking row i's first 128 - offset lanes and row i + 1's last offset."""
+    n = buf.shape[0] * page_size // 128
+    rows = pltpu.roll(buf[pl.ds(0, n + 1), :], (128 - offset) % 128, 1)  # [n + 1, 128]
+    own = lax.broadcasted_iota(jnp.int32, (1, 128), 1) < 128 - offset
+    return jnp.concatenate([jnp.where(own, rows[r:r + 1], rows[r + 1:r + 2]) for r in range(n)], axis=1)
+
+
+def run_blocks(page_map, page_size: int, num_pages: int, pages_per_block: int):
+    """i32[B * blocks] (blocks = ceil(M / pages_per_block)): 1 where a row's block of
+    `pages_per_block` table entries is a run: pages p0, p0 + 1, ..., p0 + ppb - 1, and the
+    ppb * S / 128 + 1 scale rows from p0's inside the arena's (128 / S pages a row). The attention
+    kernel reads such a block in one DMA a buffer (`start_run`); a trailing partial block is never
+    a run."""
+    rows, width = page_map.shape
+    ppb, per_row = pages_per_block, 128 // page_size
+    whole = width // ppb
+    pm = page_map[:, :whole * ppb].astype(jnp.int32).reshape(rows, whole, ppb)
+    first = pm[..., 0]
+    run = jnp.all(pm == first[..., None] + jnp.arange(ppb, dtype=jnp.int32), axis=-1)
+    run &= (first >= 0) & (first // per_row + ppb // per_row + 1 <= num_pages // per_row)
+    run = jnp.pad(run, ((0, 0), (0, -(-width // ppb) - whole)))
+    return run.astype(jnp.int32).reshape(-1)
+
+
+def row_pages(arena):
+    """[L, Hkv, P, S, D] -> [L * Hkv * P * S, D]: an arena as rows, where a run of pages is one
+    slice (`start_run`). A bitcast on a TPU at `RUN_PAGE_SIZES`."""
+    return arena.reshape(-1, arena.shape[-1])
 
 
 def scale_shifts(page_map, page_size: int, num_pages: int, pages_per_block: int):
@@ -694,10 +819,18 @@ def _window_value(sliding_window, max_keys: int):
     return jnp.clip(jnp.asarray(sliding_window), 0, max_keys).astype(jnp.int32)
 
 
+def reads_runs(*, quantized: bool, page_size: int, block_k: int, block_tokens: int, num_pages: int) -> bool:
+    """Whether a call reads runs of pages one DMA a buffer (`run_blocks`): decode over
+    8-bit scale rows at `RUN_PAGE_SIZES`, blocks of whole scale rows, an arena of a block's pages
+    or more."""
+    return (RUNS and quantized and block_tokens == 1 and page_size in RUN_PAGE_SIZES and block_k % 128 == 0
+            and num_pages >= block_k // page_size)
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "has_window", "window_bound", "soft_cap", "tiles", "interpret",
-                                             "fast_loop"))
+                                             "fast_loop", "runs"))
 def _tpu_attention_call(q, k_arena, v_arena, meta, page_map, lengths, num_tokens, k_scale, v_scale, *, sm_scale,
-                        has_window, window_bound, soft_cap, tiles, interpret, fast_loop=True):
+                        has_window, window_bound, soft_cap, tiles, interpret, fast_loop=True, runs=False):
     batch, tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, _, page_size, _ = k_arena.shape
     group = num_q_heads // num_kv_heads
@@ -713,6 +846,11 @@ def _tpu_attention_call(q, k_arena, v_arena, meta, page_map, lengths, num_tokens
         _attention_kernel, quantized=quantized, sm_scale=sm_scale, has_window=has_window, soft_cap=soft_cap,
         block_tokens=block_tokens, group=group, tokens=tokens, max_pages=max_pages, compute=compute,
         num_kv_heads=num_kv_heads, num_pages=k_arena.shape[2], fast_loop=fast_loop)
+    if runs:  # one more scalar table (`run_blocks`) and the arenas as rows (`row_pages`) after the scale shifts
+        def kernel(meta_ref, lengths_ref, num_tokens_ref, page_map_ref, hole_end_ref, run_ref, *refs, body=kernel):
+            # refs: q, K, V, zero page, K / V scale rows, scale shifts, K / V rows, then the output and scratch
+            body(meta_ref, lengths_ref, num_tokens_ref, page_map_ref, hole_end_ref, *refs[:7], *refs[9:],
+                 run_ref=run_ref, row_views=refs[7:9])
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     q_spec = pl.BlockSpec((None, num_kv_heads, rows, head_dim), lambda b, rb, *_: (b, 0, rb, 0))
     scratch = slot_scratch(block_k, head_dim, k_arena.dtype, page_size, quantized, static=block_tokens == 1)
@@ -727,10 +865,17 @@ def _tpu_attention_call(q, k_arena, v_arena, meta, page_map, lengths, num_tokens
             in_specs.append(pl.BlockSpec((None, *shifts.shape[1:]), lambda b, rb, *_: (b, 0, 0)))
             extra += (shifts,)
     zero_page = jnp.zeros((page_size, head_dim), k_arena.dtype)
+    prefetch = [meta, lengths, num_tokens, page_map.reshape(-1), hole_ends(page_map, lengths, page_size)]
+    if runs:
+        prefetch.append(run_blocks(page_map, page_size, k_arena.shape[2], block_k // page_size))
+        in_specs += [hbm, hbm]
+        extra += (row_pages(k_arena), row_pages(v_arena))
     blocks = FAST_BLOCKS if block_tokens == 1 else 1  # an iteration of the steady-state loop
     name = f"tpu_paged_attention_bt{block_tokens}_g{group}_bk{block_k}x{blocks}_d{head_dim}"
     if quantized:
         name += f"_{jnp.dtype(k_arena.dtype).name}"
+    if runs:
+        name += "_runs"
     # The DMA plan at its workload bound (every row at the page table's full length; with a
     # static window, the window's pages plus one for alignment), for XLA's scheduler and cost
     # analysis: pages read per (program, head), each K and V (and scale rows).
@@ -748,7 +893,7 @@ def _tpu_attention_call(q, k_arena, v_arena, meta, page_map, lengths, num_tokens
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5,
+            num_scalar_prefetch=len(prefetch),
             grid=(batch, row_blocks),
             in_specs=in_specs,
             out_specs=q_spec,
@@ -761,8 +906,7 @@ def _tpu_attention_call(q, k_arena, v_arena, meta, page_map, lengths, num_tokens
         interpret=interpret,
         name=name,
         cost_estimate=cost,
-    )(meta, lengths, num_tokens, page_map.reshape(-1), hole_ends(page_map, lengths, page_size), qg, flat_pages(k_arena),
-      flat_pages(v_arena), zero_page, *extra)
+    )(*prefetch, qg, flat_pages(k_arena), flat_pages(v_arena), zero_page, *extra)
     return ungrouped(out, tokens, num_q_heads)
 
 
@@ -802,15 +946,18 @@ def tpu_paged_attention(
     check_geometry(num_q_heads, k_arena, k_scale, q.dtype, scale_rows=rows_k and rows_v)
     layer = check_layer(layer, num_layers)
     page_map, lengths, num_tokens = check_rows(page_map, lengths, num_tokens, batch)
-    check_smem_tables(f"page_map [{batch}, {page_map.shape[1]}]", page_map.size + 3 * batch + 2)
     meta = _meta(layer, num_layers, sliding_window, logits_soft_cap, page_map.shape[1] * page_size)
     tiles = TpuAttentionTiles.choose(tokens=tokens, group=num_q_heads // num_kv_heads, page_size=page_size,
                                      max_pages=page_map.shape[1], block_sizes=block_sizes, num_kv_heads=num_kv_heads,
                                      head_dim=head_dim, itemsize=jnp.dtype(q.dtype).itemsize)
+    runs = reads_runs(quantized=k_scale is not None, page_size=page_size, block_k=tiles.block_k,
+                      block_tokens=tiles.block_tokens, num_pages=k_arena.shape[2])
+    run_flags = batch * -(-page_map.shape[1] // (tiles.block_k // page_size)) if runs else 0  # (`run_blocks`)
+    check_smem_tables(f"page_map [{batch}, {page_map.shape[1]}]", page_map.size + 3 * batch + 2 + run_flags)
     return _tpu_attention_call(
         q, k_arena, v_arena, meta, page_map, lengths, num_tokens, k_scale, v_scale,
         sm_scale=float(head_dim**-0.5 if sm_scale is None else sm_scale), has_window=sliding_window is not None,
         window_bound=sliding_window if isinstance(sliding_window, int) else None,
         soft_cap=None if logits_soft_cap is None else float(logits_soft_cap), tiles=tiles,
-        interpret=resolve_tpu_interpret(interpret), fast_loop=FAST_LOOP,
+        interpret=resolve_tpu_interpret(interpret), fast_loop=FAST_LOOP, runs=runs,
     )
