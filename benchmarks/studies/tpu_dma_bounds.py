@@ -47,8 +47,8 @@ _NO_V_SCALE = [
     ("            pltpu.make_async_copy(vs_hbm.at[src], scale_dst(vsbuf[slot], p, page_size), sem.at[slot]).start()\n", ""),
     ("for buf in (kbuf, vbuf) + ((ksbuf, vsbuf) if quantized else ()):", "for buf in (kbuf, vbuf) + ((ksbuf,) if quantized else ()):"),
     ("for buf in (ksbuf, vsbuf):", "for buf in (ksbuf,):"),
-    ("vs_row = scale_row(vsbuf[slot], shifts, page_size, run)", "vs_row = scale_row(ksbuf[slot], shifts, page_size, run)"),
-    ("vs = scale_row(vsbuf[slot], shifts, page_size, run)", "vs = scale_row(ksbuf[slot], shifts, page_size, run)"),
+    ("vs_row = scale_row(vsbuf[slot], shifts, page_size, run, offset)", "vs_row = scale_row(ksbuf[slot], shifts, page_size, run, offset)"),
+    ("vs = scale_row(vsbuf[slot], shifts, page_size, run, offset)", "vs = scale_row(ksbuf[slot], shifts, page_size, run, offset)"),
 ]
 _NO_K_SCALE = [
     ("            pltpu.make_async_copy(ks_hbm.at[src], scale_dst(ksbuf[slot], p, page_size), sem.at[slot]).start()\n", ""),
