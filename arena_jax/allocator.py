@@ -36,6 +36,12 @@ from arena_jax.kv_cache import PAD_SLOT, CacheStats, KVCache, PageTable
 
 __all__ = ["reserve_impl", "release_impl", "fork_impl", "truncate_impl", "slot_rows", "in_range_rows", "first_rows"]
 
+# Which arenas' reservations keep each slot's pages consecutive (`_run_pages`): None, those
+# whose 8-bit scales are rows (`KVCache.scale_rows`, a TPU's 8-bit pages under 128, whose decode
+# kernel reads a run of pages one DMA a buffer); True / False: every arena / none (tests and
+# studies; read when `reserve` is traced: clear JAX's caches after changing it).
+RUN_PAGES: bool | None = None
+
 
 def in_range_rows(table: PageTable, slots):
     """(in range bool[B], gather index i32[B]): the index is 0 where the slot is out of range."""
@@ -133,7 +139,9 @@ def reserve_impl(cache: KVCache, slots, num_tokens):
     rows = _reserve_rows(table, page_size, idx, live, n, length)
     in_place = jnp.all(~live | ((rows.need == rows.have) & ~rows.wants_cow))
     # The table and the counters go through the conditional, the arena does not (`_copy_pages`).
-    grow, allocate = (functools.partial(branch, page_size) for branch in (_grow_in_place, _allocate_and_map))
+    grow = functools.partial(_grow_in_place, page_size)
+    allocate = functools.partial(_allocate_and_map, page_size,
+                                 runs=cache.scale_rows if RUN_PAGES is None else RUN_PAGES)  # (`_run_pages`)
     table, counts, ok, cow_src, cow_dst = lax.cond(in_place, grow, allocate, table, cache.stats.counts, slots, idx, live,
                                                    n, length)  # fmt: skip
     # The private copy of a shared page, all layers and heads: [L, H, B, S, D] (and an 8-bit
@@ -182,12 +190,17 @@ def _grow_in_place(page_size: int, table: PageTable, counts, slots, idx, live, n
     return table, stats.counts, live, _like_rows(n, 0, n.shape), _like_rows(n, num_pages, n.shape)
 
 
-def _allocate_and_map(page_size: int, table: PageTable, counts, slots, idx, live, n, length):
-    """`reserve`'s allocator branch: `_allocate`, then the page table's scatters and the counters."""
+def _allocate_and_map(page_size: int, table: PageTable, counts, slots, idx, live, n, length, *, runs: bool = False):
+    """`reserve`'s allocator branch: `_allocate`, then the page table's scatters and the counters.
+    `runs` (static): pages chosen to keep each slot's pages consecutive (`_run_pages`)."""
     num_pages = table.refcount.shape[0]
     rows = _reserve_rows(table, page_size, idx, live, n, length)
     row = table.page_map[idx]  # [B, M]
-    ok, new_row, cow_page, total, no_page, ref_pages, ref_delta = _allocate(table.free_stack, table.num_free, rows, row)
+    free = table.refcount == 0 if runs else None
+    ok, new_row, cow_page, total, no_page, ref_pages, ref_delta, stack = _allocate(table.free_stack, table.num_free, rows,
+                                                                                   row, free)
+    if stack is not None:  # the pages left free, the lowest on top
+        table = table.replace(page_words=table.page_words.at[0].set(stack))
     # One scatter: +1 for each popped page (new pages and COW copies: free, so refcount 0 -> 1),
     # -1 for the shared page a COW row leaves (its other holders keep it). The regions are
     # rebuilt (`replace`), not scattered into in place as release's are: scattered into in place
@@ -217,9 +230,11 @@ def _like_rows(rows_value, value, shape):
     return jnp.broadcast_to(jnp.where(jnp.any(rows_value == rows_value), value, value), shape)
 
 
-def _allocate(free_stack, num_free, rows: _ReserveRows, row):
+def _allocate(free_stack, num_free, rows: _ReserveRows, row, free=None):
     """The allocator: pages popped first come first served, copy-on-write of shared last pages.
-    row i32[B, M]: the slots' page-table rows."""
+    row i32[B, M]: the slots' page-table rows. `free` bool[P] (the pages of refcount 0): which
+    rows are served is the same, their pages are chosen by `_run_pages`, and the free stack
+    comes back rebuilt (else None: pages popped from the stack's top)."""
     num_pages, max_pages = free_stack.shape[0], row.shape[1]
     live, have, need = rows.live, rows.have, rows.need
     last_lp, last_page, last_refs, wants_cow = rows.last_lp, rows.last_page, rows.last_refs, rows.wants_cow
@@ -248,17 +263,93 @@ def _allocate(free_stack, num_free, rows: _ReserveRows, row):
         return free_stack[jnp.clip(num_free - 1 - i, 0, num_pages - 1)]
 
     do_cow = ok & cow
-    cow_page = jnp.where(do_cow, popped(first), num_pages)  # [B]
     lp = jnp.arange(max_pages, dtype=jnp.int32)[None, :]
     is_new = ok[:, None] & (lp >= have[:, None]) & (lp < need[:, None])  # [B, M]
-    new_page = popped(first[:, None] + cow[:, None] + lp - have[:, None])
+    stack = None
+    if free is None:
+        cow_page = jnp.where(do_cow, popped(first), num_pages)  # [B]
+        new_page = popped(first[:, None] + cow[:, None] + lp - have[:, None])
+    else:
+        cow_page, new_page, stack = _run_pages(free, num_free - total, granted, do_cow, have, row)
+        cow_page = jnp.where(do_cow, cow_page, num_pages)
     new_row = jnp.where(is_new, new_page, row)
     new_row = jnp.where(do_cow[:, None] & (lp == last_lp[:, None]), cow_page[:, None], new_row)
 
     ref_pages = jnp.concatenate([jnp.where(is_new, new_page, num_pages).reshape(-1), cow_page,
                                  jnp.where(do_cow, last_page, num_pages)])  # fmt: skip
     ref_delta = jnp.concatenate([jnp.ones(is_new.size + cow_page.size, jnp.int32), jnp.full(cow_page.shape, -1, jnp.int32)])
-    return ok, new_row, cow_page, total, demand == 0, ref_pages, ref_delta
+    return ok, new_row, cow_page, total, demand == 0, ref_pages, ref_delta, stack
+
+
+def _run_pages(free, num_left, granted, do_cow, have, row):
+    """Pages for served rows that keep each slot's pages consecutive where they can (the TPU
+    decode kernel reads a block of consecutive pages in one DMA a buffer: scale-row arenas,
+    `KVCache.scale_rows`). free bool[P]: the free pages; granted i32[B]: pages row b takes (its
+    copy-on-write page first, `do_cow`); have i32[B]: pages it maps; row i32[B, M]: its page-table
+    row; num_left: the pages free after the call. In batch order:
+
+    - a row taking one page (a decode step's) takes the page after its last mapped one when that
+      page is free and no earlier row takes it;
+    - a row taking more, without copy-on-write (a prefill), takes the first run of free pages
+      that holds them all (rows in turn, a loop over those rows only);
+    - every other row takes the lowest free pages left, in batch order.
+
+    Returns (copy-on-write page [B], page for each logical page [B, M] from `have` on (the
+    caller keeps those of its new pages), the free stack i32[P]: the pages left free, the lowest
+    on top)."""
+    num_pages, batch = free.shape[0], granted.shape[0]
+    page_ids = jnp.arange(num_pages, dtype=jnp.int32)
+    b_ids = jnp.arange(batch, dtype=jnp.int32)
+    # A decode row: the page after its last, when free and claimed by no earlier row.
+    last = row[b_ids, jnp.clip(have - 1, 0, row.shape[1] - 1)]
+    after = last + 1
+    wants = (granted == 1) & ~do_cow & (have >= 1) & (last >= 0) & (after < num_pages)
+    wants &= free[jnp.clip(after, 0, num_pages - 1)]
+    claim = jnp.full((num_pages,), batch, jnp.int32).at[jnp.where(wants, after, num_pages)].min(b_ids, mode="drop")
+    takes_after = wants & (claim[jnp.clip(after, 0, num_pages - 1)] == b_ids)
+    free = free.at[jnp.where(takes_after, after, num_pages)].set(False, mode="drop")
+
+    # A prefill row: the first run of free pages that holds it, rows in turn (the loop runs only
+    # over them: none in a decode step).
+    prefill = (granted >= 2) & ~do_cow
+    order = jnp.argsort(~prefill, stable=True).astype(jnp.int32)  # the prefill rows first, in batch order
+
+    def first_fit(carry):
+        i, free, start = carry
+        b = order[i]
+        n = granted[b]
+        next_used = lax.cummin(jnp.where(free, num_pages, page_ids), reverse=True)  # [P]
+        fits = (next_used - page_ids) >= n  # a run of n free pages starts here
+        at = jnp.argmax(fits).astype(jnp.int32)
+        found = fits[at]
+        free &= ~(found & (page_ids >= at) & (page_ids < at + n))
+        return i + 1, free, start.at[b].set(jnp.where(found, at, -1))
+
+    _, free, start = lax.while_loop(lambda c: c[0] < jnp.sum(prefill), first_fit,
+                                    (jnp.int32(0), free, jnp.full((batch,), -1, jnp.int32)))
+    # Every other row: the lowest free pages left, in batch order.
+    rest = jnp.where(takes_after | (start >= 0), 0, granted)
+    first = jnp.cumsum(rest) - rest
+    rank = jnp.cumsum(free.astype(jnp.int32)) - 1
+    lowest = jnp.zeros((num_pages,), jnp.int32).at[jnp.where(free, rank, num_pages)].set(page_ids, mode="drop")
+
+    def lowest_at(i):
+        return lowest[jnp.clip(i, 0, num_pages - 1)]
+
+    lp = jnp.arange(row.shape[1], dtype=jnp.int32)[None, :]
+    k = lp - have[:, None]  # [B, M]: the row's k-th new page
+    cow_page = lowest_at(first)
+    new_page = jnp.where(takes_after[:, None], after[:, None],
+                         jnp.where((start >= 0)[:, None], start[:, None] + k,
+                                   lowest_at(first[:, None] + do_cow[:, None] + k)))
+    # The free stack, every page once: the pages still free (those past the rest's) below
+    # num_left, the lowest on top, then the others.
+    left = free & (rank >= jnp.sum(rest))
+    left_rank = jnp.cumsum(left.astype(jnp.int32)) - 1
+    used_rank = page_ids - 1 - left_rank
+    stack = jnp.zeros((num_pages,), jnp.int32).at[jnp.where(left, num_left - 1 - left_rank, num_left + used_rank)].set(
+        page_ids, mode="drop")
+    return cow_page, new_page, stack
 
 
 def _unmap_tail(cache: KVCache, slots, rows, keep_tokens):

@@ -86,6 +86,22 @@ def _clear_jax_caches_after_each_module(request):
     jax.clear_caches()
 
 
+@pytest.fixture
+def run_pages():
+    """Every arena's reservations keep its slots' pages consecutive (`allocator.RUN_PAGES`, as a
+    TPU's 8-bit scale-row arenas get them), JAX's traces cleared before and after (the flag is
+    read when `reserve` is traced)."""
+    import jax
+
+    from arena_jax import allocator
+
+    jax.clear_caches()
+    allocator.RUN_PAGES = True
+    yield
+    allocator.RUN_PAGES = None
+    jax.clear_caches()
+
+
 def pytest_terminal_summary(terminalreporter):
     import sys
 

@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import example, given
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import arena_jax as aj
@@ -795,5 +795,33 @@ def test_random_operation_sequences_match_model(ops, setup, backend):
     device page, no host page)."""
     dtype, mode, window = setup
     table, host_held = run_ops(ops, mode, backend, window, dtype)
+    assert_everything_free(table)
+    assert not np.asarray(host_held).any(), "a host page is still held after clearing"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("ops,setup", [(COW_STARVED, ("float32", "jit", None)), (PREFIX_PARTIAL, ("int8", "jit", None)),
+                                       (HOST_ROUND_TRIP, ("float32", "host", None)), (REVIEW_HOLES, ("float32", "jit", 3)),
+                                       (PREFIX_REFUSALS, ("float32", "host-numpy", None))],
+                         ids=["cow-starved", "prefix-partial-int8", "host-round-trip", "review-holes", "prefix-refusals"])
+def test_run_keeping_reservations_match_model(ops, setup, run_pages):
+    """The run-keeping choice of pages (`allocator._run_pages`: the page after a slot's last, the
+    first free run for a prefill, the lowest free pages) keeps every rule the model checks:
+    copy-on-write, forks, the prefix cache's holds, the host tier, refusals, the free stack."""
+    dtype, mode, window = setup
+    table, host_held = run_ops(ops, mode, "pallas", window, dtype)
+    assert_everything_free(table)
+    assert not np.asarray(host_held).any(), "a host page is still held after clearing"
+
+
+@pytest.mark.timeout(600)
+@settings(max_examples=max(6, settings().max_examples // 10),
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(ops=st.lists(op_st, min_size=8, max_size=30), setup=setup_st)
+def test_random_sequences_with_run_keeping_reservations_match_model(ops, setup, run_pages):
+    """As `test_random_operation_sequences_match_model`, a tenth of its examples, with the
+    run-keeping choice of pages (the flag stays set for every example)."""
+    dtype, mode, window = setup
+    table, host_held = run_ops(ops, mode, "pallas", window, dtype)
     assert_everything_free(table)
     assert not np.asarray(host_held).any(), "a host page is still held after clearing"

@@ -648,9 +648,11 @@ def test_api_backend_matches_reference():
 
 
 @pytest.mark.parametrize("page_size", [16, 64] if FULL else [16])
-def test_api_over_a_cache_with_scale_rows(page_size, monkeypatch):
+def test_api_over_a_cache_with_scale_rows(page_size, monkeypatch, run_pages):
     """An 8-bit cache created for a TPU (the platform patched; the kernels in interpret mode)
-    stores its scales as rows of 128 lanes (`KVCache.scale_rows`) and runs every op on them:
+    stores its scales as rows of 128 lanes (`KVCache.scale_rows`) and runs every op on them
+    (its reservations keep a slot's pages consecutive, `allocator._run_pages`: the reference
+    cache's here too, `run_pages`, so that the page tables compare):
     prompts and decode tokens appended and attended through the TPU kernels, a fork whose shared
     partial last page is copied on write (k, v by the page-copy kernel, the scales' lanes of their
     rows by XLA), a release. Against the same ops on the [L, H, P, S] cache of the reference

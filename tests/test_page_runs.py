@@ -31,3 +31,16 @@ def test_the_numpy_model_of_our_allocator_gives_its_counts():
         assert stack == arena and arena["blocks"] > 50 and arena["runs"] < arena["blocks"], (stack, arena)
         runs = page_runs.simulate(size, steps=300, w=w, every=5, policy="runs")
         assert runs["runs"] > arena["runs"], (runs, arena)
+
+
+def test_the_numpy_model_of_our_run_keeping_allocator_gives_its_counts():
+    """`--policy first-fit` (numpy) is ours over scale-row arenas (`--policy arena-runs`:
+    `allocator.RUN_PAGES`, `_run_pages`) block for block, in one process after ours as most arenas
+    get it (each keeps its own traces); it admits what ours admits (the same blocks seen) and
+    makes more of them runs."""
+    w = page_runs.Workload(requests=40, mean_gap=1.0, max_seqs=8, tokens_a_slot=700)
+    for size in (32, 64):
+        stack = page_runs.simulate(size, steps=300, w=w, every=5, policy="arena")
+        runs, model = (page_runs.simulate(size, steps=300, w=w, every=5, policy=p) for p in ("arena-runs", "first-fit"))
+        assert runs == model and runs["blocks"] == stack["blocks"] > 50, (runs, model, stack)
+        assert runs["runs"] > stack["runs"], (runs, stack)

@@ -2,10 +2,10 @@
 
     python -m arena_jax.benchmarks.studies.page_runs [--page-size 32] [--steps 4000] [--seed 0]
 
-The TPU decode kernel would meet issue 42's bar at 8-bit pages of 32 and 64 for blocks whose
-pages are one run of consecutive pages (a DMA a block for K, V and each scale array:
-`tpu_dma_bounds --variants run`, benchmarks/RESULTS.md "A block's pages as one run"). How often
-is a block such a run? This drives the real allocator (`aj.reserve` / `aj.release`, jitted, one
+The TPU decode kernel meets issue 42's bar at 8-bit pages under 128 for blocks whose pages are
+one run of consecutive pages: it reads them a DMA a buffer (`pallas_kernels.tpu.attention.start_run`;
+benchmarks/RESULTS.md "A block's pages as one run", "Runs of pages read one DMA a buffer"). How
+often is a block such a run? This drives the real allocator (`aj.reserve` / `aj.release`, jitted, one
 layer of a tiny head) with a serving workload: Poisson arrivals (one every 2 steps), prompts
 lognormal around 1,000 tokens (64-6,000), outputs around 256 (16-1,500), 32 slots, an arena of
 1,600 tokens a slot (admission waits for pages), one prompt admitted a step (its whole prefill
@@ -14,9 +14,13 @@ at each running sequence's whole blocks of `--block` keys: the share whose pages
 one ("runs"), and of those the share whose first page starts a scale row (128 / S pages a
 row: "aligned"; the scale rows of `pallas_kernels.tpu.common.scale_rows`).
 
-`--policy` picks the allocator: `arena` (default) is ours, run on the device; `stack` a numpy
-model of it (a LIFO stack of free pages, a fresh one popping 0, 1, 2, ..., freed pages pushed in
-ascending order: it gives `arena`'s counts exactly, `tests/test_page_runs.py`); `runs` a numpy
+`--policy` picks the allocator: `arena` (default) is ours, run on the device, as it serves most
+arenas; `stack` a numpy model of it (a LIFO stack of free pages, a fresh one popping 0, 1, 2, ...,
+freed pages pushed in ascending order: it gives `arena`'s counts exactly, `tests/test_page_runs.py`);
+`arena-runs` ours as it serves arenas of 8-bit scale rows (`arena_jax.allocator.RUN_PAGES`,
+`_run_pages`: a decode row takes the page after its last when free, a prefill the first run of
+free pages that holds it, the rest the lowest free pages) and `first-fit` a numpy model of that
+(the same counts, `tests/test_page_runs.py`); `runs` a numpy
 model of an allocator that keeps a sequence's pages consecutive: a decode row takes the page after
 its last when that page is free, else a page from the smallest free run; a prefill takes the
 smallest free run that holds it (from a scale-row boundary when the run leaves room), else the
@@ -33,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import arena_jax as aj
+from arena_jax import allocator
 from arena_jax.kv_cache import PAD_SLOT
 
 __all__ = ["Workload", "ArenaPages", "NumpyPages", "POLICIES", "block_runs", "simulate", "main"]
@@ -65,11 +70,23 @@ def block_runs(page_map_row, length: int, page_size: int, block: int) -> tuple[i
 class ArenaPages:
     """Ours: `aj.reserve` / `aj.release`, jitted, on a one-layer arena."""
 
-    def __init__(self, page_size: int, num_pages: int, w: Workload):
+    def __init__(self, page_size: int, num_pages: int, w: Workload, run_pages: bool = False):
+        self.run_pages = run_pages  # `arena_jax.allocator.RUN_PAGES` while tracing (each instance jits its own calls)
         layout = aj.KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, page_size=page_size, num_pages=num_pages,
                              max_seqs=w.max_seqs, max_pages_per_seq=w.max_len // page_size, dtype="float32")  # fmt: skip
         self.cache, self.max_seqs = aj.create(layout), w.max_seqs
-        self._reserve, self._release = jax.jit(aj.reserve), jax.jit(aj.release)
+        # `reserve_impl` (what `aj.reserve` jits, after its host checks) under a jit of this
+        # instance's own, so that its trace reads `RUN_PAGES` as this instance sets it.
+        # (a function of its own: JAX shares traces between jits of one function)
+        self._jit_reserve = jax.jit(lambda cache, slots, n: allocator.reserve_impl(cache, slots, n))
+        self._release = jax.jit(aj.release)
+
+    def _reserve(self, *args):
+        before, allocator.RUN_PAGES = allocator.RUN_PAGES, self.run_pages
+        try:
+            return self._jit_reserve(*args)
+        finally:
+            allocator.RUN_PAGES = before
 
     def _rows(self, pairs):  # [(slot, tokens)] -> the padded i32[max_seqs] slots and counts
         slots, n = np.full(self.max_seqs, PAD_SLOT, np.int32), np.zeros(self.max_seqs, np.int32)
@@ -90,8 +107,9 @@ class ArenaPages:
 
 
 class NumpyPages:
-    """A numpy allocator with `ArenaPages`' interface: policy "stack" (ours, modelled) or "runs"
-    (keeps a sequence's pages consecutive; module docstring)."""
+    """A numpy allocator with `ArenaPages`' interface: policy "stack" (ours, modelled),
+    "first-fit" (ours over scale rows, modelled) or "runs" (keeps a sequence's pages consecutive;
+    module docstring)."""
 
     def __init__(self, page_size: int, num_pages: int, w: Workload, policy: str):
         self.page_size, self.policy, self.per_row = page_size, policy, max(1, 128 // page_size)
@@ -130,10 +148,36 @@ class NumpyPages:
         self.free[got] = False
         return got
 
+    def _first_fit(self, served) -> None:
+        """`allocator._run_pages` for the served rows [(slot, pages)]: rows taking one page take
+        the page after their last when free (the first such row wins), then rows taking more
+        the first free run that holds them, in turn; then the rest the lowest free pages, in order."""
+        got = {}
+        for slot, need in served:
+            last = self.pages[slot][-1] if self.pages[slot] else None
+            if need == 1 and last is not None and last + 1 < self.free.size and self.free[last + 1]:
+                got[slot] = [last + 1]
+                self.free[last + 1] = False
+        for slot, need in served:
+            if need >= 2:
+                starts, lengths = self._free_runs()
+                fits = np.flatnonzero(lengths >= need)
+                if fits.size:
+                    got[slot] = list(range(starts[fits[0]], starts[fits[0]] + need))
+                    self.free[got[slot]] = False
+        for slot, need in served:
+            if need and slot not in got:
+                got[slot] = list(np.flatnonzero(self.free)[:need])
+                self.free[got[slot]] = False
+        for slot, pages in got.items():
+            self.pages[slot] += [int(p) for p in pages]
+
     def reserve(self, pairs) -> list[bool]:
         """As `aj.reserve`: first come, first served, a row served when its demand plus every
         earlier row's fits the pages free at the call (so after a refused row, every later row
         that needs a page is refused too); a refused row takes nothing."""
+        if self.policy == "first-fit":
+            return self._reserve_first_fit(pairs)
         ok, asked, free = [], 0, int(self.free.sum())
         for slot, n in pairs:
             length = self.lengths[slot]
@@ -145,6 +189,21 @@ class NumpyPages:
             self.pages[slot] += self._take(need, self.pages[slot][-1] if self.pages[slot] else None) if need else []
             self.lengths[slot] += n
             ok.append(True)
+        return ok
+
+    def _reserve_first_fit(self, pairs) -> list[bool]:
+        ok, asked, free, served = [], 0, int(self.free.sum()), []
+        for slot, n in pairs:
+            length = self.lengths[slot]
+            need = -(-(length + n) // self.page_size) - len(self.pages[slot])
+            asked += need
+            if n < 0 or length + n > self.max_pages * self.page_size or (need and asked > free):
+                ok.append(False)
+                continue
+            served.append((slot, need))
+            self.lengths[slot] += n
+            ok.append(True)
+        self._first_fit(served)
         return ok
 
     def release(self, slots) -> None:
@@ -161,7 +220,7 @@ class NumpyPages:
         return page_map, self.lengths.copy()
 
 
-POLICIES = ("arena", "stack", "runs")
+POLICIES = ("arena", "stack", "arena-runs", "first-fit", "runs")
 
 
 def simulate(page_size: int = 32, steps: int = 4000, seed: int = 0, block: int = 512, w: Workload = Workload(),
@@ -171,7 +230,10 @@ def simulate(page_size: int = 32, steps: int = 4000, seed: int = 0, block: int =
     num_pages = w.max_seqs * w.tokens_a_slot // page_size
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-    pages = ArenaPages(page_size, num_pages, w) if policy == "arena" else NumpyPages(page_size, num_pages, w, policy)
+    if policy.startswith("arena"):
+        pages = ArenaPages(page_size, num_pages, w, run_pages=policy == "arena-runs")
+    else:
+        pages = NumpyPages(page_size, num_pages, w, policy)
     rng = np.random.default_rng(seed)
     arrive = np.cumsum(rng.exponential(w.mean_gap, w.requests)).astype(int)
     prompt = np.clip(rng.lognormal(np.log(w.prompt), 0.6, w.requests), 64, 6000).astype(int)
