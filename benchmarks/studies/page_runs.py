@@ -175,23 +175,8 @@ class NumpyPages:
     def reserve(self, pairs) -> list[bool]:
         """As `aj.reserve`: first come, first served, a row served when its demand plus every
         earlier row's fits the pages free at the call (so after a refused row, every later row
-        that needs a page is refused too); a refused row takes nothing."""
-        if self.policy == "first-fit":
-            return self._reserve_first_fit(pairs)
-        ok, asked, free = [], 0, int(self.free.sum())
-        for slot, n in pairs:
-            length = self.lengths[slot]
-            need = -(-(length + n) // self.page_size) - len(self.pages[slot])
-            asked += need
-            if n < 0 or length + n > self.max_pages * self.page_size or (need and asked > free):
-                ok.append(False)
-                continue
-            self.pages[slot] += self._take(need, self.pages[slot][-1] if self.pages[slot] else None) if need else []
-            self.lengths[slot] += n
-            ok.append(True)
-        return ok
-
-    def _reserve_first_fit(self, pairs) -> list[bool]:
+        that needs a page is refused too); a refused row takes nothing. Then the served rows
+        take their pages, in order (`first-fit`: `_first_fit`)."""
         ok, asked, free, served = [], 0, int(self.free.sum()), []
         for slot, n in pairs:
             length = self.lengths[slot]
@@ -203,7 +188,10 @@ class NumpyPages:
             served.append((slot, need))
             self.lengths[slot] += n
             ok.append(True)
-        self._first_fit(served)
+        if self.policy == "first-fit":
+            self._first_fit(served)
+        for slot, need in served if self.policy != "first-fit" else ():
+            self.pages[slot] += self._take(need, self.pages[slot][-1] if self.pages[slot] else None) if need else []
         return ok
 
     def release(self, slots) -> None:
