@@ -821,10 +821,11 @@ def _window_value(sliding_window, max_keys: int):
 
 def reads_runs(*, quantized: bool, page_size: int, block_k: int, block_tokens: int, num_pages: int) -> bool:
     """Whether a call reads runs of pages one DMA a buffer (`run_blocks`): decode over
-    8-bit scale rows at `RUN_PAGE_SIZES`, blocks of whole scale rows, an arena of a block's pages
-    or more."""
+    8-bit scale rows at `RUN_PAGE_SIZES`, blocks of whole scale rows, an arena holding a run's
+    pages and scale rows (a block's pages and a scale row's more: `start_run`'s clipped indices
+    then stay in range)."""
     return (RUNS and quantized and block_tokens == 1 and page_size in RUN_PAGE_SIZES and block_k % 128 == 0
-            and num_pages >= block_k // page_size)
+            and num_pages >= block_k // page_size + 128 // page_size)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "has_window", "window_bound", "soft_cap", "tiles", "interpret",
