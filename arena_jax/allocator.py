@@ -115,8 +115,9 @@ def _drop_refs(table: PageTable, pages):
     return table.scatter_region("words", 0, 0, count, add=True), count
 
 
-def reserve_impl(cache: KVCache, slots, num_tokens):
+def reserve_impl(cache: KVCache, slots, num_tokens, *, run_pages: bool | None = None):
     """Grow each slot by num_tokens[b]; see `arena_jax.reserve`. Returns (cache, ok bool[B]).
+    `run_pages`: keep each slot's pages consecutive (`_run_pages`); None: as `RUN_PAGES` says.
 
     Most calls pop no page: a decode step's rows cross a page boundary once every page_size
     tokens. When every served row grows inside the last page it holds alone, a conditional
@@ -140,8 +141,9 @@ def reserve_impl(cache: KVCache, slots, num_tokens):
     in_place = jnp.all(~live | ((rows.need == rows.have) & ~rows.wants_cow))
     # The table and the counters go through the conditional, the arena does not (`_copy_pages`).
     grow = functools.partial(_grow_in_place, page_size)
-    allocate = functools.partial(_allocate_and_map, page_size,
-                                 runs=cache.scale_rows if RUN_PAGES is None else RUN_PAGES)  # (`_run_pages`)
+    if run_pages is None:
+        run_pages = cache.scale_rows if RUN_PAGES is None else RUN_PAGES
+    allocate = functools.partial(_allocate_and_map, page_size, runs=run_pages)  # (`_run_pages`)
     table, counts, ok, cow_src, cow_dst = lax.cond(in_place, grow, allocate, table, cache.stats.counts, slots, idx, live,
                                                    n, length)  # fmt: skip
     # The private copy of a shared page, all layers and heads: [L, H, B, S, D] (and an 8-bit

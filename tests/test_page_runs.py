@@ -35,7 +35,7 @@ def test_the_numpy_model_of_our_allocator_gives_its_counts():
 
 def test_the_numpy_model_of_our_run_keeping_allocator_gives_its_counts():
     """`--policy first-fit` (numpy) is ours over scale-row arenas (`--policy arena-runs`:
-    `allocator.RUN_PAGES`, `_run_pages`) block for block, in one process after ours as most arenas
+    `reserve_impl(..., run_pages=True)`, `_run_pages`) block for block, in one process after ours as most arenas
     get it (each keeps its own traces); it admits what ours admits (the same blocks seen) and
     makes more of them runs."""
     w = page_runs.Workload(requests=40, mean_gap=1.0, max_seqs=8, tokens_a_slot=700)

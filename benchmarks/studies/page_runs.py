@@ -17,7 +17,7 @@ row: "aligned"; the scale rows of `pallas_kernels.tpu.common.scale_rows`).
 `--policy` picks the allocator: `arena` (default) is ours, run on the device, as it serves most
 arenas; `stack` a numpy model of it (a LIFO stack of free pages, a fresh one popping 0, 1, 2, ...,
 freed pages pushed in ascending order: it gives `arena`'s counts exactly, `tests/test_page_runs.py`);
-`arena-runs` ours as it serves arenas of 8-bit scale rows (`arena_jax.allocator.RUN_PAGES`,
+`arena-runs` ours as it serves arenas of 8-bit scale rows (`reserve_impl(..., run_pages=True)`,
 `_run_pages`: a decode row takes the page after its last when free, a prefill the first run of
 free pages that holds it, the rest the lowest free pages) and `first-fit` a numpy model of that
 (the same counts, `tests/test_page_runs.py`); `runs` a numpy
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -71,22 +72,12 @@ class ArenaPages:
     """Ours: `aj.reserve` / `aj.release`, jitted, on a one-layer arena."""
 
     def __init__(self, page_size: int, num_pages: int, w: Workload, run_pages: bool = False):
-        self.run_pages = run_pages  # `arena_jax.allocator.RUN_PAGES` while tracing (each instance jits its own calls)
         layout = aj.KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, page_size=page_size, num_pages=num_pages,
                              max_seqs=w.max_seqs, max_pages_per_seq=w.max_len // page_size, dtype="float32")  # fmt: skip
         self.cache, self.max_seqs = aj.create(layout), w.max_seqs
-        # `reserve_impl` (what `aj.reserve` jits, after its host checks) under a jit of this
-        # instance's own, so that its trace reads `RUN_PAGES` as this instance sets it.
-        # (a function of its own: JAX shares traces between jits of one function)
-        self._jit_reserve = jax.jit(lambda cache, slots, n: allocator.reserve_impl(cache, slots, n))
+        # `reserve_impl`: what `aj.reserve` jits after its host checks, here with the choice of pages
+        self._reserve = jax.jit(functools.partial(allocator.reserve_impl, run_pages=run_pages))
         self._release = jax.jit(aj.release)
-
-    def _reserve(self, *args):
-        before, allocator.RUN_PAGES = allocator.RUN_PAGES, self.run_pages
-        try:
-            return self._jit_reserve(*args)
-        finally:
-            allocator.RUN_PAGES = before
 
     def _rows(self, pairs):  # [(slot, tokens)] -> the padded i32[max_seqs] slots and counts
         slots, n = np.full(self.max_seqs, PAD_SLOT, np.int32), np.zeros(self.max_seqs, np.int32)
@@ -190,8 +181,9 @@ class NumpyPages:
             ok.append(True)
         if self.policy == "first-fit":
             self._first_fit(served)
-        for slot, need in served if self.policy != "first-fit" else ():
-            self.pages[slot] += self._take(need, self.pages[slot][-1] if self.pages[slot] else None) if need else []
+        else:
+            for slot, need in served:
+                self.pages[slot] += self._take(need, self.pages[slot][-1] if self.pages[slot] else None) if need else []
         return ok
 
     def release(self, slots) -> None:
