@@ -41,6 +41,9 @@ __all__ = ["reserve_impl", "release_impl", "fork_impl", "truncate_impl", "slot_r
 # kernel reads a run of pages one DMA a buffer); True / False: every arena / none (tests and
 # studies; read when `reserve` is traced: clear JAX's caches after changing it).
 RUN_PAGES: bool | None = None
+# The keys of a block whose pages `_run_pages` makes a run: the TPU decode kernel's block
+# (`pallas_kernels.tpu.attention.DEFAULT_BLOCK_K`; a test keeps them equal).
+RUN_BLOCK_KEYS = 512
 
 
 def in_range_rows(table: PageTable, slots):
@@ -200,7 +203,7 @@ def _allocate_and_map(page_size: int, table: PageTable, counts, slots, idx, live
     row = table.page_map[idx]  # [B, M]
     free = table.refcount == 0 if runs else None
     ok, new_row, cow_page, total, no_page, ref_pages, ref_delta, stack = _allocate(table.free_stack, table.num_free, rows,
-                                                                                   row, free)
+                                                                                   row, free, page_size)
     if stack is not None:  # the pages left free, the lowest on top
         table = table.replace(page_words=table.page_words.at[0].set(stack))
     # One scatter: +1 for each popped page (new pages and COW copies: free, so refcount 0 -> 1),
@@ -232,11 +235,12 @@ def _like_rows(rows_value, value, shape):
     return jnp.broadcast_to(jnp.where(jnp.any(rows_value == rows_value), value, value), shape)
 
 
-def _allocate(free_stack, num_free, rows: _ReserveRows, row, free=None):
+def _allocate(free_stack, num_free, rows: _ReserveRows, row, free=None, page_size: int = 1):
     """The allocator: pages popped first come first served, copy-on-write of shared last pages.
     row i32[B, M]: the slots' page-table rows. `free` bool[P] (the pages of refcount 0): which
-    rows are served is the same, their pages are chosen by `_run_pages`, and the free stack
-    comes back rebuilt (else None: pages popped from the stack's top)."""
+    rows are served is the same, their pages are chosen by `_run_pages` (its blocks counted in
+    pages of `page_size`), and the free stack comes back rebuilt (else None: pages popped from
+    the stack's top)."""
     num_pages, max_pages = free_stack.shape[0], row.shape[1]
     live, have, need = rows.live, rows.have, rows.need
     last_lp, last_page, last_refs, wants_cow = rows.last_lp, rows.last_page, rows.last_refs, rows.wants_cow
@@ -272,7 +276,7 @@ def _allocate(free_stack, num_free, rows: _ReserveRows, row, free=None):
         cow_page = jnp.where(do_cow, popped(first), num_pages)  # [B]
         new_page = popped(first[:, None] + cow[:, None] + lp - have[:, None])
     else:
-        cow_page, new_page, stack = _run_pages(free, num_free - total, granted, do_cow, have, row)
+        cow_page, new_page, stack = _run_pages(free, num_free - total, granted, do_cow, have, row, page_size)
         cow_page = jnp.where(do_cow, cow_page, num_pages)
     new_row = jnp.where(is_new, new_page, row)
     new_row = jnp.where(do_cow[:, None] & (lp == last_lp[:, None]), cow_page[:, None], new_row)
@@ -283,54 +287,81 @@ def _allocate(free_stack, num_free, rows: _ReserveRows, row, free=None):
     return ok, new_row, cow_page, total, demand == 0, ref_pages, ref_delta, stack
 
 
-def _run_pages(free, num_left, granted, do_cow, have, row):
-    """Pages for served rows that keep each slot's pages consecutive where they can (the TPU
-    decode kernel reads a block of consecutive pages in one DMA a buffer: scale-row arenas,
-    `KVCache.scale_rows`). free bool[P]: the free pages; granted i32[B]: pages row b takes (its
-    copy-on-write page first, `do_cow`); have i32[B]: pages it maps; row i32[B, M]: its page-table
-    row; num_left: the pages free after the call. In batch order:
+def _run_pages(free, num_left, granted, do_cow, have, row, page_size: int):
+    """Pages for served rows that make each block of a slot's pages a run where they can (the
+    TPU decode kernel reads a block of `RUN_BLOCK_KEYS` keys whose pages are consecutive in one
+    DMA a buffer: scale-row arenas, `KVCache.scale_rows`). free bool[P]: the free pages; granted
+    i32[B]: pages row b takes (its copy-on-write page first, `do_cow`); have i32[B]: pages it
+    maps; row i32[B, M]: its page-table row; num_left: the pages free after the call. A block is
+    ppb = RUN_BLOCK_KEYS / page_size logical pages. In batch order:
 
-    - a row taking one page (a decode step's) takes the page after its last mapped one when that
-      page is free and no earlier row takes it;
-    - a row taking more, without copy-on-write (a prefill), takes the first run of free pages
-      that holds them all (rows in turn, a loop over those rows only);
+    - a row taking one page inside a block (a decode step's) takes the page after its last mapped
+      one when that page is free and no earlier row takes it;
+    - a row taking more, without copy-on-write (a prefill), takes its pages block by block (a
+      loop over those rows' blocks only): the part of a block it continues, the pages after its
+      last when free; a whole block, the first free run that holds it, at that run's end (so
+      that the pages after a partly filled block stay free for its row's decode; not where the
+      run ends the arena: the kernel's run needs a scale row past it); a block's first part
+      that does not fill it (a prompt's last), a block from the end of the first free run of two
+      blocks or more (the block's rest stays free after it for the row's decode), else the first
+      free run that holds it; where no run holds a part, the lowest free pages;
     - every other row takes the lowest free pages left, in batch order.
 
     Returns (copy-on-write page [B], page for each logical page [B, M] from `have` on (the
     caller keeps those of its new pages), the free stack i32[P]: the pages left free, the lowest
     on top)."""
     num_pages, batch = free.shape[0], granted.shape[0]
+    max_pages = row.shape[1]
+    ppb = max(1, RUN_BLOCK_KEYS // page_size)
     page_ids = jnp.arange(num_pages, dtype=jnp.int32)
     b_ids = jnp.arange(batch, dtype=jnp.int32)
-    # A decode row: the page after its last, when free and claimed by no earlier row.
-    last = row[b_ids, jnp.clip(have - 1, 0, row.shape[1] - 1)]
+    # A decode row inside a block: the page after its last, when free and claimed by no earlier row.
+    last = row[b_ids, jnp.clip(have - 1, 0, max_pages - 1)]
     after = last + 1
-    wants = (granted == 1) & ~do_cow & (have >= 1) & (last >= 0) & (after < num_pages)
+    wants = (granted == 1) & ~do_cow & (rem_nonneg(have, ppb) != 0) & (last >= 0) & (after < num_pages)
     wants &= free[jnp.clip(after, 0, num_pages - 1)]
     claim = jnp.full((num_pages,), batch, jnp.int32).at[jnp.where(wants, after, num_pages)].min(b_ids, mode="drop")
     takes_after = wants & (claim[jnp.clip(after, 0, num_pages - 1)] == b_ids)
     free = free.at[jnp.where(takes_after, after, num_pages)].set(False, mode="drop")
 
-    # A prefill row: the first run of free pages that holds it, rows in turn (the loop runs only
-    # over them: none in a decode step).
+    # A prefill row: block by block, rows in turn (the loop runs only over their blocks: none in
+    # a decode step). Carry: (i: the i-th prefill row, a: its next logical page, free, placed
+    # i32[B, M]: the prefill rows' new pages).
     prefill = (granted >= 2) & ~do_cow
     order = jnp.argsort(~prefill, stable=True).astype(jnp.int32)  # the prefill rows first, in batch order
+    end = have + granted  # [B]: logical pages mapped once grown
+    j = jnp.arange(ppb, dtype=jnp.int32)
 
-    def first_fit(carry):
-        i, free, start = carry
+    def one_block(carry):
+        i, a, free, placed = carry
         b = order[i]
-        n = granted[b]
+        k = jnp.minimum(end[b], (div_nonneg(a, ppb) + 1) * ppb) - a  # this block's new pages, >= 1
         next_used = lax.cummin(jnp.where(free, num_pages, page_ids), reverse=True)  # [P]
-        fits = (next_used - page_ids) >= n  # a run of n free pages starts here
-        at = jnp.argmax(fits).astype(jnp.int32)
-        found = fits[at]
-        free &= ~(found & (page_ids >= at) & (page_ids < at + n))
-        return i + 1, free, start.at[b].set(jnp.where(found, at, -1))
+        room = next_used - page_ids  # [P]: free pages from here on (0 at a used page)
+        cont = (rem_nonneg(a, ppb) != 0) & (last[b] >= 0) & (last[b] + 1 < num_pages)  # (only a row's first block)
+        cont &= room[jnp.clip(last[b] + 1, 0, num_pages - 1)] >= k
+        fits = room >= k
+        first = jnp.argmax(fits).astype(jnp.int32)  # the first free run that holds the part
+        at = jnp.where((k == ppb) & (next_used[first] < num_pages), next_used[first] - k, first)
+        roomy = room >= 2 * ppb
+        wide = jnp.argmax(roomy).astype(jnp.int32)  # the first free run of two blocks or more
+        tail = (rem_nonneg(a, ppb) == 0) & (k < ppb) & roomy[wide]  # a block's first part, the block's room after it
+        at = jnp.where(tail, next_used[wide] - ppb, at)
+        at = jnp.where(cont, last[b] + 1, at)
+        lowest = jnp.searchsorted(jnp.cumsum(free.astype(jnp.int32)), j + 1).astype(jnp.int32)  # [ppb]
+        pages = jnp.where(cont | fits[first], at + j, lowest)
+        take = j < k
+        free = free.at[jnp.where(take, pages, num_pages)].set(False, mode="drop")
+        placed = placed.at[b, jnp.where(take, a + j, max_pages)].set(pages, mode="drop")
+        row_done = a + k >= end[b]
+        i = jnp.where(row_done, i + 1, i)
+        a = jnp.where(row_done, have[order[jnp.minimum(i, batch - 1)]], a + k)
+        return i, a, free, placed
 
-    _, free, start = lax.while_loop(lambda c: c[0] < jnp.sum(prefill), first_fit,
-                                    (jnp.int32(0), free, jnp.full((batch,), -1, jnp.int32)))
+    _, _, free, placed = lax.while_loop(lambda c: c[0] < jnp.sum(prefill), one_block,
+                                        (jnp.int32(0), have[order[0]], free, jnp.full(row.shape, -1, jnp.int32)))
     # Every other row: the lowest free pages left, in batch order.
-    rest = jnp.where(takes_after | (start >= 0), 0, granted)
+    rest = jnp.where(takes_after | prefill, 0, granted)
     first = jnp.cumsum(rest) - rest
     rank = jnp.cumsum(free.astype(jnp.int32)) - 1
     lowest = jnp.zeros((num_pages,), jnp.int32).at[jnp.where(free, rank, num_pages)].set(page_ids, mode="drop")
@@ -338,12 +369,11 @@ def _run_pages(free, num_left, granted, do_cow, have, row):
     def lowest_at(i):
         return lowest[jnp.clip(i, 0, num_pages - 1)]
 
-    lp = jnp.arange(row.shape[1], dtype=jnp.int32)[None, :]
+    lp = jnp.arange(max_pages, dtype=jnp.int32)[None, :]
     k = lp - have[:, None]  # [B, M]: the row's k-th new page
     cow_page = lowest_at(first)
     new_page = jnp.where(takes_after[:, None], after[:, None],
-                         jnp.where((start >= 0)[:, None], start[:, None] + k,
-                                   lowest_at(first[:, None] + do_cow[:, None] + k)))
+                         jnp.where(prefill[:, None], placed, lowest_at(first[:, None] + do_cow[:, None] + k)))
     # The free stack, every page once: the pages still free (those past the rest's) below
     # num_left, the lowest on top, then the others.
     left = free & (rank >= jnp.sum(rest))

@@ -89,16 +89,17 @@ def _clear_jax_caches_after_each_module(request):
 @pytest.fixture
 def run_pages():
     """Every arena's reservations keep its slots' pages consecutive (`allocator.RUN_PAGES`, as a
-    TPU's 8-bit scale-row arenas get them), JAX's traces cleared before and after (the flag is
-    read when `reserve` is traced)."""
+    TPU's 8-bit scale-row arenas get them), in blocks of 8 keys (`RUN_BLOCK_KEYS`: two pages of
+    the model tests' 4 keys, so that a prefill spans blocks and a whole one goes to its run's
+    end), JAX's traces cleared before and after (both are read when `reserve` is traced)."""
     import jax
 
     from arena_jax import allocator
 
     jax.clear_caches()
-    allocator.RUN_PAGES = True
+    keys, allocator.RUN_PAGES, allocator.RUN_BLOCK_KEYS = allocator.RUN_BLOCK_KEYS, True, 8
     yield
-    allocator.RUN_PAGES = None
+    allocator.RUN_PAGES, allocator.RUN_BLOCK_KEYS = None, keys
     jax.clear_caches()
 
 

@@ -120,6 +120,75 @@ def test_fresh_arena_hands_out_pages_in_order():
     np.testing.assert_array_equal(cache.table.page_map[0, :3], [0, 1, 2])
 
 
+def test_run_keeping_pages_fill_blocks_and_put_a_whole_block_at_its_runs_end(monkeypatch):
+    """`allocator._run_pages` (scale-row arenas' choice of pages; here asked for, in blocks of
+    two 4-key pages), page by page: a whole block first-fit, at its run's end unless that run ends
+    the arena; a prompt's part of a block short of it, a block from the end of the first run of
+    two blocks or more; a page inside a block after the row's last when free; a block's start, or
+    a page whose next is taken, the lowest free; a prefill continuing a block from its last page;
+    no run that holds a block: the lowest free pages. The free stack: the free pages, lowest on
+    top."""
+    from arena_jax import allocator
+
+    monkeypatch.setattr(allocator, "RUN_BLOCK_KEYS", 8)  # read per call: reserve_impl runs eagerly here
+
+    def reserve(cache, slots, tokens):
+        cache, ok = allocator.reserve_impl(cache, jnp.array(slots), jnp.array(tokens), run_pages=True)
+        assert np.asarray(ok).all()
+        return cache
+
+    def pages(cache, slot):
+        row = np.asarray(cache.table.page_map[slot])
+        return row[row >= 0].tolist()
+
+    def free(cache):
+        n = int(cache.table.num_free)
+        return np.asarray(cache.table.free_stack[:n])[::-1].tolist()  # top first
+
+    cache = aj.create(dataclasses.replace(LAYOUT, num_pages=12, max_pages_per_seq=8))
+    cache = reserve(cache, [0], [16])  # two whole blocks; the run ends the arena: from its start
+    cache = reserve(cache, [1], [24])
+    assert pages(cache, 0) == [0, 1, 2, 3] and pages(cache, 1) == [4, 5, 6, 7, 8, 9]
+    cache = aj.release(cache, [0])  # free: 0-3, 10, 11
+    cache = reserve(cache, [2], [8])  # a whole block: the run 0-3's end
+    assert pages(cache, 2) == [2, 3] and free(cache) == [0, 1, 10, 11]
+    cache = reserve(cache, [3], [4])  # a page at a block's start: the lowest free
+    cache = reserve(cache, [3], [4])  # inside the block: the page after its last
+    assert pages(cache, 3) == [0, 1]
+    cache = reserve(cache, [2], [4])  # a block's start: the lowest free
+    assert pages(cache, 2) == [2, 3, 10]
+    cache = aj.release(cache, [1])  # free: 4-9, 11
+    cache = reserve(cache, [2], [6])  # its block's rest after its last (11), then a block's first part
+    assert pages(cache, 2) == [2, 3, 10, 11, 8]  # from the end of the first run of two blocks (4-9) less a block
+    assert free(cache) == [4, 5, 6, 7, 9]
+
+    cache = aj.create(dataclasses.replace(LAYOUT, num_pages=12))
+    cache = reserve(cache, [0], [4])
+    cache = reserve(cache, [1], [8])
+    cache = aj.release(cache, [0])  # free: 0, 3-11
+    cache = reserve(cache, [1], [4])  # a block's start: the lowest free, not the (free) page after its last
+    assert pages(cache, 1) == [1, 2, 0]
+
+    cache = aj.create(dataclasses.replace(LAYOUT, num_pages=8))
+    cache = reserve(cache, [0, 1, 2], [4, 4, 4])
+    cache = reserve(cache, [0], [8])  # the page after its last is taken: the lowest free (3), then a
+    assert pages(cache, 0) == [0, 3, 6]  # block's first part from the end of the run 4-7 less a block
+
+    cache = aj.create(dataclasses.replace(LAYOUT, num_pages=11, max_pages_per_seq=8))
+    cache = reserve(cache, [2], [8])
+    cache = reserve(cache, [2], [16])
+    cache = reserve(cache, [3], [12])  # a block, then a block's first part with no run of two blocks free:
+    assert pages(cache, 2) == [0, 1, 2, 3, 4, 5] and pages(cache, 3) == [6, 7, 8]  # the first run's start
+
+    cache = aj.create(dataclasses.replace(LAYOUT, num_pages=6))
+    cache = reserve(cache, [0, 1, 2, 3], [4, 4, 4, 4])
+    cache = reserve(cache, [1], [4])  # the page after its last is taken: the lowest free
+    assert [pages(cache, s) for s in range(4)] == [[0], [1, 4], [2], [3]]
+    cache = aj.release(cache, [0, 2])  # free: 0, 2, 5 (no two in a row)
+    cache = reserve(cache, [0], [8])  # no run holds the block: the lowest free pages
+    assert pages(cache, 0) == [0, 2] and free(cache) == [5]
+
+
 def test_in_page_extension_is_served_when_pages_run_out():
     cache = aj.create(LAYOUT)
     cache, _ = aj.reserve(cache, [0, 1, 2], jnp.array([2, 16, 12]))  # 1 + 4 + 3 pages: arena full

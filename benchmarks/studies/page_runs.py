@@ -11,16 +11,19 @@ lognormal around 1,000 tokens (64-6,000), outputs around 256 (16-1,500), 32 slot
 1,600 tokens a slot (admission waits for pages), one prompt admitted a step (its whole prefill
 reserved at once), every running sequence growing by one token a step. Every 20 steps it looks
 at each running sequence's whole blocks of `--block` keys: the share whose pages ascend one by
-one ("runs"), and of those the share whose first page starts a scale row (128 / S pages a
+one with their scale rows, and one more, inside the arena ("runs": what the kernel reads as one,
+`run_blocks`), and of those the share whose first page starts a scale row (128 / S pages a
 row: "aligned"; the scale rows of `pallas_kernels.tpu.common.scale_rows`).
 
 `--policy` picks the allocator: `arena` (default) is ours, run on the device, as it serves most
 arenas; `stack` a numpy model of it (a LIFO stack of free pages, a fresh one popping 0, 1, 2, ...,
 freed pages pushed in ascending order: it gives `arena`'s counts exactly, `tests/test_page_runs.py`);
 `arena-runs` ours as it serves arenas of 8-bit scale rows (`reserve_impl(..., run_pages=True)`,
-`_run_pages`: a decode row takes the page after its last when free, a prefill the first run of
-free pages that holds it, the rest the lowest free pages) and `first-fit` a numpy model of that
-(the same counts, `tests/test_page_runs.py`); `runs` a numpy
+`_run_pages`, a block of `allocator.RUN_BLOCK_KEYS` at a time: a decode row inside a block takes
+the page after its last when free; a prefill a whole block from the end of the first free run
+that holds it, its last, partial block a block from the end of the first free run of two blocks;
+the rest the lowest free pages) and `first-fit` a numpy model of that (the same pages,
+`tests/test_page_runs.py`); `runs` a numpy
 model of an allocator that keeps a sequence's pages consecutive: a decode row takes the page after
 its last when that page is free, else a page from the smallest free run; a prefill takes the
 smallest free run that holds it (from a scale-row boundary when the run leaves room), else the
@@ -55,15 +58,19 @@ class Workload:
     max_len: int = 8192
 
 
-def block_runs(page_map_row, length: int, page_size: int, block: int) -> tuple[int, int, int]:
+def block_runs(page_map_row, length: int, page_size: int, block: int, num_pages: int | None = None) -> tuple[int, int, int]:
     """(whole blocks, runs, aligned runs) of one sequence: its first length // block blocks of
-    block / page_size pages each; a run's pages ascend by one; an aligned run's first page
-    starts a 128-lane scale row (a multiple of 128 / page_size; every page at 128 or more)."""
+    block / page_size pages each; a run's pages ascend by one (and, given the arena's
+    `num_pages`, its scale rows lie in the arena as the kernel's run needs: `run_blocks`); an
+    aligned run's first page starts a 128-lane scale row (a multiple of 128 / page_size; every
+    page at 128 or more)."""
     ppb, per_row = block // page_size, max(1, 128 // page_size)
     blocks = runs = aligned = 0
     for j in range(length // block):
         pages = np.asarray(page_map_row[j * ppb:(j + 1) * ppb])
         run = bool(np.all(np.diff(pages) == 1))
+        if num_pages is not None and page_size < 128:
+            run &= pages[0] >= 0 and pages[0] // per_row + ppb // per_row + 1 <= num_pages // per_row
         blocks, runs, aligned = blocks + 1, runs + run, aligned + (run and pages[0] % per_row == 0)
     return blocks, runs, aligned
 
@@ -140,22 +147,44 @@ class NumpyPages:
         return got
 
     def _first_fit(self, served) -> None:
-        """`allocator._run_pages` for the served rows [(slot, pages)]: rows taking one page take
-        the page after their last when free (the first such row wins), then rows taking more
-        the first free run that holds them, in turn; then the rest the lowest free pages, in order."""
-        got = {}
+        """`allocator._run_pages` for the served rows [(slot, pages)] (blocks of ppb =
+        RUN_BLOCK_KEYS / S pages): rows taking one page inside a block take the page after their
+        last when free (the first such row wins); then rows taking more, block by block, in turn:
+        a block they continue from the page after their last when the pages there are free; a
+        block's first part short of the block, a block from the end of the first free run of two
+        blocks or more; else the first free run that holds the part (a whole block at that run's
+        end unless the run ends the arena), else the lowest free pages; then the rest the
+        lowest free pages, in order."""
+        got, size = {}, self.free.size
+        ppb = max(1, allocator.RUN_BLOCK_KEYS // self.page_size)
         for slot, need in served:
             last = self.pages[slot][-1] if self.pages[slot] else None
-            if need == 1 and last is not None and last + 1 < self.free.size and self.free[last + 1]:
+            if need == 1 and len(self.pages[slot]) % ppb and last + 1 < size and self.free[last + 1]:
                 got[slot] = [last + 1]
                 self.free[last + 1] = False
         for slot, need in served:
-            if need >= 2:
-                starts, lengths = self._free_runs()
-                fits = np.flatnonzero(lengths >= need)
-                if fits.size:
-                    got[slot] = list(range(starts[fits[0]], starts[fits[0]] + need))
-                    self.free[got[slot]] = False
+            if need < 2:
+                continue
+            got[slot], have = [], len(self.pages[slot])
+            last = self.pages[slot][-1] if self.pages[slot] else None
+            for a in range(have, have + need):
+                if a != have and a % ppb:
+                    continue  # inside a block placed whole
+                k = min(have + need, (a // ppb + 1) * ppb) - a
+                at = None
+                if a % ppb and last + k < size and self.free[last + 1:last + 1 + k].all():
+                    at = last + 1
+                else:
+                    starts, lengths = self._free_runs()
+                    fits, wide = np.flatnonzero(lengths >= k), np.flatnonzero(lengths >= 2 * ppb)
+                    if a % ppb == 0 and k < ppb and wide.size:  # a block's first part: the block's room after it
+                        at = starts[wide[0]] + lengths[wide[0]] - ppb
+                    elif fits.size:
+                        at, run_end = starts[fits[0]], starts[fits[0]] + lengths[fits[0]]
+                        at = run_end - k if k == ppb and run_end < size else at
+                pages = list(range(at, at + k)) if at is not None else list(np.flatnonzero(self.free)[:k])
+                self.free[pages] = False
+                got[slot] += pages
         for slot, need in served:
             if need and slot not in got:
                 got[slot] = list(np.flatnonzero(self.free)[:need])
@@ -204,9 +233,10 @@ POLICIES = ("arena", "stack", "arena-runs", "first-fit", "runs")
 
 
 def simulate(page_size: int = 32, steps: int = 4000, seed: int = 0, block: int = 512, w: Workload = Workload(),
-             every: int = 20, policy: str = "arena") -> dict:  # fmt: skip
+             every: int = 20, policy: str = "arena", looks: list | None = None) -> dict:  # fmt: skip
     """Drive the allocator (`policy`: `POLICIES`) with `w`; returns {blocks, runs, aligned,
-    steps}: counts summed over the looks (every `every` steps)."""
+    steps}: counts summed over the looks (every `every` steps). `looks`: a list to which each
+    look appends {slot: its mapped pages} of the running sequences."""
     num_pages = w.max_seqs * w.tokens_a_slot // page_size
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -243,8 +273,10 @@ def simulate(page_size: int = 32, steps: int = 4000, seed: int = 0, block: int =
                 slot_of[r], left[r] = s, int(output[r])
         if t % every == 0 and slot_of:
             page_map, lengths = pages.rows()
+            if looks is not None:
+                looks.append({s: page_map[s, :-(-int(lengths[s]) // page_size)].tolist() for s in sorted(slot_of.values())})
             for s in slot_of.values():
-                b, runs, aligned = block_runs(page_map[s], int(lengths[s]), page_size, block)
+                b, runs, aligned = block_runs(page_map[s], int(lengths[s]), page_size, block, num_pages)
                 totals["blocks"] += b
                 totals["runs"] += runs
                 totals["aligned"] += aligned
