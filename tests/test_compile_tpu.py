@@ -151,6 +151,29 @@ def test_scale_rows_reach_the_kernel_without_a_copy(tooling, page_size):
     assert "scale_rows" in tpu_unsupported_reason(**common)
 
 
+def test_a_mixed_call_over_scale_rows_reads_runs_without_a_copy(tooling):
+    """The mixed call (decode rows and a prompt chunk in one kernel) over 8-bit scale rows, pages of
+    32: its decode part reads runs (the `_runs` kernel: the arenas also passed as rows) and it
+    compiles for v6e with neither the arena nor the scales copied."""
+    from pallas_kernels.tpu.mixed import tpu_paged_attention_mixed
+
+    sds = jax.ShapeDtypeStruct
+    arena = sds((2, 8, 2048, 32, 128), jnp.int8)
+    scale = sds((2, 8, 2048 * 32 // 128, 128), jnp.float32)
+    i32 = jnp.int32
+
+    def fn(qd, qp, ka, va, ks, vs, pmd, nd, td, pmp, np_, tp):
+        return tpu_paged_attention_mixed(qd, qp, ka, va, 1, pmd, nd, td, pmp, np_, tp, k_scale=ks, v_scale=vs,
+                                         interpret=False)
+
+    args = (sds((8, 1, 32, 128), jnp.bfloat16), sds((1, 128, 32, 128), jnp.bfloat16), arena, arena, scale, scale,
+            sds((8, 64), i32), sds((8,), i32), sds((8,), i32), sds((1, 64), i32), sds((1,), i32), sds((1,), i32))
+    compiled = tpu_compile.compile_for_tpu(fn, args, target="tpu-v6e")
+    facts = tpu_compile.module_facts(compiled, big=scale.size * 4)  # the scales' bytes (the chunk's q regrouped: less)
+    assert facts.big_copies == (), facts.big_copies
+    assert [k.name.split(".")[0] for k in facts.kernels] == ["tpu_paged_attention_mixed_bt128_g4_bk512x2_d128_int8_runs"]
+
+
 @pytest.mark.parametrize("page_size,tokens", [(16, 1), (32, 256)], ids=str)
 def test_append_over_scale_rows_compiles_in_place(tooling, page_size, tokens):
     """The append kernel over scale rows (`scale_rows`: rows shared by 128 / S pages, merged in

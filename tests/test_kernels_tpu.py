@@ -747,6 +747,48 @@ def test_mixed_call_equals_its_two_calls(dtype, window, soft_cap):
     COUNTS["mixed call (decode rows + chunks)"] += 1
 
 
+def test_mixed_call_reads_runs_in_its_decode_part(monkeypatch):
+    """A mixed call over 8-bit scale rows (pages of 32): its decode rows read runs of pages one DMA
+    a buffer as a decode call does (`run_blocks`: runs, scattered blocks, a run from a scale row's
+    middle, one past the arena's scale rows), its chunks page by page: each part == its own call,
+    bit for bit, runs on or off, and close to the reference; the kernel is the `_runs` one."""
+    from pallas_kernels.tpu import attention as tpu_attention
+    from pallas_kernels.tpu.common import scale_rows
+    from pallas_kernels.tpu.mixed import tpu_paged_attention_mixed
+
+    page_size, ppb, num_pages = 32, 4, 256
+    lengths, pm = run_table(page_size, ppb, num_pages)
+    case = quantized_case(seed=11, dtype=jnp.dtype("int8"), lengths=lengths, num_tokens=(1, 1, 1, 7, 5), tokens=7,
+                          q_heads=8, kv_heads=2, page_size=page_size, head_dim=128, q_dtype=jnp.bfloat16,
+                          num_pages=num_pages, page_map=pm)
+    rows = {k: scale_rows(case[k]) for k in ("k_scale", "v_scale")}
+    arena = dict(k_arena=case["k_arena"], v_arena=case["v_arena"], layer=case["layer"], **rows)
+    q, pm, lengths, counts = case["q"], case["page_map"], case["lengths"], case["num_tokens"]
+    dec, pre = slice(0, 3), slice(3, 5)
+    blocks, chunk_blocks = BlockSizes(pages_per_block=ppb), BlockSizes(pages_per_block=ppb, block_tokens=4)
+
+    def mixed(runs):
+        monkeypatch.setattr(tpu_attention, "RUNS", runs)
+        args = (q[dec, :1], q[pre], arena["k_arena"], arena["v_arena"], arena["layer"], pm[dec], lengths[dec],
+                counts[dec], pm[pre], lengths[pre], counts[pre])
+        text = str(jax.make_jaxpr(lambda *a: tpu_paged_attention_mixed(*a, **rows, interpret=True,
+                                                                      block_sizes=chunk_blocks))(*args))
+        assert ("_runs" in text) == runs
+        return tpu_paged_attention_mixed(*args, **rows, interpret=True, block_sizes=chunk_blocks)
+
+    got_dec, got_pre = mixed(True)
+    for got, part, q_part, block_sizes in ((got_dec, dec, q[dec, :1], blocks), (got_pre, pre, q[pre], chunk_blocks)):
+        part_rows = dict(page_map=pm[part], lengths=lengths[part], num_tokens=counts[part])
+        want = tpu_paged_attention(q_part, **arena, **part_rows, interpret=True, block_sizes=block_sizes)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert np.isfinite(np.asarray(got, np.float32)).all()
+        ref_arena = dict(arena, k_scale=case["k_scale"], v_scale=case["v_scale"])
+        assert_close(got, attention_ref(q_part, **ref_arena, **part_rows), jnp.bfloat16)
+    for got, want in zip((got_dec, got_pre), mixed(False)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    COUNTS["mixed call (decode rows + chunks)"] += 1
+
+
 def test_api_attend_mixed_is_one_call_equal_to_attend_per_part():
     """aj.attend_mixed on the TPU kernels (interpret mode): a decode part and a chunk part in
     one kernel call == aj.attend on each part, bit for bit; other combinations (two decode

@@ -16,6 +16,10 @@ other's block index does not change; Pallas then neither fetches nor writes it b
 those programs, and the last program to write a block is the one that owns it. The grid
 runs in order (both dimensions "arbitrary").
 
+Over 8-bit scale rows the decode part reads a block whose pages are a run one DMA a buffer, as
+a decode call does (`attention.reads_runs`: the run flags a sixth scalar table, the arenas also
+passed as rows); the chunks read page by page, as a prefill call.
+
 Contract: the decode part == `tpu_paged_attention` on (q_dec, page_map_dec, lengths_dec,
 num_tokens_dec) and the chunk part == `tpu_paged_attention` on the chunk arguments, bit for
 bit (the same body, the same tiles); `tests/test_kernels_tpu.py` checks both and the reference.
@@ -31,18 +35,23 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._common import BlockSizes, check_arena, check_layer, check_rows, check_tokens
 from pallas_kernels.tpu.attention import (TpuAttentionTiles, _attention_kernel, _meta, check_geometry, flat_pages,
-                                          flat_scales, grouped, hole_ends, scale_bytes, scale_shifts, slot_scratch,
-                                          ungrouped, FAST_BLOCKS)
+                                          flat_scales, grouped, hole_ends, reads_runs, row_pages, run_blocks,
+                                          scale_bytes, scale_shifts, slot_scratch, ungrouped, FAST_BLOCKS)
 from pallas_kernels.tpu.common import check_smem_tables, logical_scales, resolve_tpu_interpret
 
 __all__ = ["tpu_paged_attention_mixed"]
 
 
-def _mixed_kernel(meta_ref, lengths_ref, num_tokens_ref, page_map_ref, hole_end_ref, q_dec_ref, q_pre_ref, k_hbm,
-                  v_hbm, zero_page_hbm, *refs, quantized: bool, num_decode: int, decode: dict, prefill: dict):
+def _mixed_kernel(meta_ref, lengths_ref, num_tokens_ref, page_map_ref, hole_end_ref, *refs, quantized: bool,
+                  num_decode: int, decode: dict, prefill: dict, runs: bool = False):
+    # refs: (runs: the run flags, scalar-prefetched), q_dec, q_pre, K, V, zero page, (8-bit: the scales,
+    # scale rows: + shifts), (runs: K and V as rows), the two outputs, then scratch
+    run_ref, refs = (refs[0], refs[1:]) if runs else (None, refs)
+    q_dec_ref, q_pre_ref, k_hbm, v_hbm, zero_page_hbm, *refs = refs
     scales = refs[:(2 if k_hbm.shape[1] % 128 == 0 else 3)] if quantized else ()  # (+ scale shifts: scale rows)
-    o_dec_ref, o_pre_ref = refs[len(scales): len(scales) + 2]
-    *scratch, sem = refs[len(scales) + 2:]
+    refs = refs[len(scales):]
+    row_views, refs = (refs[:2], refs[2:]) if runs else (None, refs)
+    o_dec_ref, o_pre_ref, *scratch, sem = refs
     n = len(scratch) // 3  # the decode part's buffers (2 slots each, static) and the chunk's (one allocation)
     dec_scratch, pre_scratch = (*scratch[: 2 * n], sem), (*scratch[2 * n:], sem)
     b, rb = pl.program_id(0), pl.program_id(1)
@@ -51,7 +60,7 @@ def _mixed_kernel(meta_ref, lengths_ref, num_tokens_ref, page_map_ref, hole_end_
     @pl.when((b < num_decode) & (rb == 0))
     def _():
         _attention_kernel(*common, q_dec_ref, k_hbm, v_hbm, zero_page_hbm, *scales, o_dec_ref, *dec_scratch, row=b,
-                          row_block=0, quantized=quantized, **decode)
+                          row_block=0, quantized=quantized, run_ref=run_ref, row_views=row_views, **decode)
 
     @pl.when(b >= num_decode)
     def _():
@@ -59,9 +68,9 @@ def _mixed_kernel(meta_ref, lengths_ref, num_tokens_ref, page_map_ref, hole_end_
                           row_block=rb, quantized=quantized, **prefill)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "has_window", "soft_cap", "tiles", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "has_window", "soft_cap", "tiles", "interpret", "runs"))
 def _mixed_call(q_dec, q_pre, k_arena, v_arena, meta, page_map, lengths, num_tokens, k_scale, v_scale, *, sm_scale,
-                has_window, soft_cap, tiles, interpret):
+                has_window, soft_cap, tiles, interpret, runs=False):
     num_decode, _, num_q_heads, head_dim = q_dec.shape
     num_chunks, tokens = q_pre.shape[:2]
     _, num_kv_heads, _, page_size, _ = k_arena.shape
@@ -74,7 +83,7 @@ def _mixed_call(q_dec, q_pre, k_arena, v_arena, meta, page_map, lengths, num_tok
     static = dict(sm_scale=sm_scale, has_window=has_window, soft_cap=soft_cap, group=group,
                   max_pages=page_map.shape[1], compute=jnp.dtype(q_dec.dtype), num_kv_heads=num_kv_heads,
                   num_pages=k_arena.shape[2])
-    kernel = functools.partial(_mixed_kernel, quantized=quantized, num_decode=num_decode,
+    kernel = functools.partial(_mixed_kernel, quantized=quantized, num_decode=num_decode, runs=runs,
                                decode=dict(static, block_tokens=1, tokens=1),
                                prefill=dict(static, block_tokens=block_tokens, tokens=tokens))
     dec_spec = pl.BlockSpec((None, num_kv_heads, group, head_dim),
@@ -93,6 +102,11 @@ def _mixed_call(q_dec, q_pre, k_arena, v_arena, meta, page_map, lengths, num_tok
         shifts = scale_shifts(page_map, page_size, k_arena.shape[2], block_k // page_size)
         extra += (shifts,)
         extra_specs.append(pl.BlockSpec((None, *shifts.shape[1:]), lambda b, rb, *_: (b, 0, 0)))
+    prefetch = [meta, lengths, num_tokens, page_map.reshape(-1), hole_ends(page_map, lengths, page_size)]
+    if runs:  # the run flags of every row's blocks (the decode rows' are read) and the arenas as rows
+        prefetch.append(run_blocks(page_map, page_size, k_arena.shape[2], block_k // page_size))
+        extra += (row_pages(k_arena), row_pages(v_arena))
+        extra_specs += [hbm, hbm]
     zero_page = jnp.zeros((page_size, head_dim), k_arena.dtype)
     rows = num_decode + num_chunks
     keys = page_map.shape[1] * page_size
@@ -108,10 +122,12 @@ def _mixed_call(q_dec, q_pre, k_arena, v_arena, meta, page_map, lengths, num_tok
     name = f"tpu_paged_attention_mixed_bt{block_tokens}_g{group}_bk{block_k}x{FAST_BLOCKS}_d{head_dim}"
     if quantized:
         name += f"_{jnp.dtype(k_arena.dtype).name}"
+    if runs:
+        name += "_runs"
     o_dec, o_pre = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5,
+            num_scalar_prefetch=len(prefetch),
             grid=(rows, row_blocks),
             in_specs=[dec_spec, pre_spec, hbm, hbm, hbm] + extra_specs,
             out_specs=[dec_spec, pre_spec],
@@ -123,8 +139,7 @@ def _mixed_call(q_dec, q_pre, k_arena, v_arena, meta, page_map, lengths, num_tok
         interpret=interpret,
         name=name,
         cost_estimate=cost,
-    )(meta, lengths, num_tokens, page_map.reshape(-1), hole_ends(page_map, lengths, page_size), qd, qp,
-      flat_pages(k_arena), flat_pages(v_arena), zero_page, *extra)
+    )(*prefetch, qd, qp, flat_pages(k_arena), flat_pages(v_arena), zero_page, *extra)
     return ungrouped(o_dec, 1, num_q_heads), ungrouped(o_pre, tokens, num_q_heads)
 
 
@@ -183,4 +198,7 @@ def tpu_paged_attention_mixed(
         q_dec, q_pre, k_arena, v_arena, meta, page_map, lengths, num_tokens, k_scale, v_scale,
         sm_scale=float(head_dim**-0.5 if sm_scale is None else sm_scale), has_window=sliding_window is not None,
         soft_cap=None if logits_soft_cap is None else float(logits_soft_cap), tiles=tiles,
-        interpret=resolve_tpu_interpret(interpret))
+        interpret=resolve_tpu_interpret(interpret),
+        # The decode part reads runs of pages one DMA a buffer where a decode call would.
+        runs=reads_runs(quantized=k_scale is not None, page_size=page_size, block_k=tiles.block_k, block_tokens=1,
+                        num_pages=k_arena.shape[2]))
