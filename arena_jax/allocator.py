@@ -203,7 +203,7 @@ def _allocate_and_map(page_size: int, table: PageTable, counts, slots, idx, live
     row = table.page_map[idx]  # [B, M]
     free = table.refcount == 0 if runs else None
     ok, new_row, cow_page, total, no_page, ref_pages, ref_delta, stack = _allocate(table.free_stack, table.num_free, rows,
-                                                                                   row, free, page_size)
+                                                                                   row, page_size, free)
     if stack is not None:  # the pages left free, the lowest on top
         table = table.replace(page_words=table.page_words.at[0].set(stack))
     # One scatter: +1 for each popped page (new pages and COW copies: free, so refcount 0 -> 1),
@@ -235,7 +235,7 @@ def _like_rows(rows_value, value, shape):
     return jnp.broadcast_to(jnp.where(jnp.any(rows_value == rows_value), value, value), shape)
 
 
-def _allocate(free_stack, num_free, rows: _ReserveRows, row, free=None, page_size: int = 1):
+def _allocate(free_stack, num_free, rows: _ReserveRows, row, page_size: int, free=None):
     """The allocator: pages popped first come first served, copy-on-write of shared last pages.
     row i32[B, M]: the slots' page-table rows. `free` bool[P] (the pages of refcount 0): which
     rows are served is the same, their pages are chosen by `_run_pages` (its blocks counted in
@@ -341,15 +341,15 @@ def _run_pages(free, num_left, granted, do_cow, have, row, page_size: int):
         cont = (rem_nonneg(a, ppb) != 0) & (last[b] >= 0) & (last[b] + 1 < num_pages)  # (only a row's first block)
         cont &= room[jnp.clip(last[b] + 1, 0, num_pages - 1)] >= k
         fits = room >= k
-        first = jnp.argmax(fits).astype(jnp.int32)  # the first free run that holds the part
-        at = jnp.where((k == ppb) & (next_used[first] < num_pages), next_used[first] - k, first)
+        fit = jnp.argmax(fits).astype(jnp.int32)  # the first free run that holds the part
+        at = jnp.where((k == ppb) & (next_used[fit] < num_pages), next_used[fit] - k, fit)
         roomy = room >= 2 * ppb
         wide = jnp.argmax(roomy).astype(jnp.int32)  # the first free run of two blocks or more
         tail = (rem_nonneg(a, ppb) == 0) & (k < ppb) & roomy[wide]  # a block's first part, the block's room after it
         at = jnp.where(tail, next_used[wide] - ppb, at)
         at = jnp.where(cont, last[b] + 1, at)
         lowest = jnp.searchsorted(jnp.cumsum(free.astype(jnp.int32)), j + 1).astype(jnp.int32)  # [ppb]
-        pages = jnp.where(cont | fits[first], at + j, lowest)
+        pages = jnp.where(cont | fits[fit], at + j, lowest)
         take = j < k
         free = free.at[jnp.where(take, pages, num_pages)].set(False, mode="drop")
         placed = placed.at[b, jnp.where(take, a + j, max_pages)].set(pages, mode="drop")
