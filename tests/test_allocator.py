@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -130,10 +131,13 @@ def test_run_keeping_pages_fill_blocks_and_put_a_whole_block_at_its_runs_end(mon
     top."""
     from arena_jax import allocator
 
-    monkeypatch.setattr(allocator, "RUN_BLOCK_KEYS", 8)  # read per call: reserve_impl runs eagerly here
+    monkeypatch.setattr(allocator, "RUN_BLOCK_KEYS", 8)  # read when traced: a jit of this test's own
+    reserve_runs = jax.jit(functools.partial(allocator.reserve_impl, run_pages=True))
 
-    def reserve(cache, slots, tokens):
-        cache, ok = allocator.reserve_impl(cache, jnp.array(slots), jnp.array(tokens), run_pages=True)
+    def reserve(cache, slots, tokens):  # padded to 4 rows: one compile per arena size
+        pad = 4 - len(slots)
+        slots, tokens = jnp.array(slots + [aj.PAD_SLOT] * pad), jnp.array(tokens + [0] * pad)
+        cache, ok = reserve_runs(cache, slots, tokens)
         assert np.asarray(ok).all()
         return cache
 
