@@ -334,6 +334,7 @@ CASES = tuple(
     + [BundleCase(k, "int8", p) for p in (16, 32, 64, 128) for k in ("ours", "jax")]
     + [BundleCase("ragged", "bfloat16", p) for p in (16, 128)]
     + [BundleCase(k, "bfloat16", p, chunk=CHUNK) for p in (16, 128) for k in ("mixed", "ragged")]
+    + [BundleCase("mixed", "int8", 32, chunk=CHUNK)]  # its decode part reads runs (`_runs`): three loops
 )
 
 
@@ -382,11 +383,19 @@ def _case_call(case: BundleCase):
         from pallas_kernels.tpu.mixed import tpu_paged_attention_mixed
 
         kv = S((1, Hkv, P, page, D), dt)
+        rows = (S((B, M), i32), S((B,), i32), S((B,), i32), S((1, M), i32), S((1,), i32), S((1,), i32))
+        qs = (S((B, 1, Hq, D), jnp.bfloat16), S((1, case.chunk, Hq, D), jnp.bfloat16))
+        if quantized:  # pages under 128: scales as rows of 128 lanes
+            scale = S((1, Hkv, P * page // 128, 128) if page < 128 else (1, Hkv, P, page), jnp.float32)
+
+            def fn(qd, qp, k, v, ks, vs, pmd, nd, td, pmp, np_, tp):
+                return tpu_paged_attention_mixed(qd, qp, k, v, 0, pmd, nd, td, pmp, np_, tp, k_scale=ks, v_scale=vs,
+                                                 interpret=False)
+            return fn, (*qs, kv, kv, scale, scale, *rows)
 
         def fn(qd, qp, k, v, pmd, nd, td, pmp, np_, tp):
             return tpu_paged_attention_mixed(qd, qp, k, v, 0, pmd, nd, td, pmp, np_, tp, interpret=False)
-        return fn, (S((B, 1, Hq, D), jnp.bfloat16), S((1, case.chunk, Hq, D), jnp.bfloat16), kv, kv, S((B, M), i32),
-                    S((B,), i32), S((B,), i32), S((1, M), i32), S((1,), i32), S((1,), i32))
+        return fn, (*qs, kv, kv, *rows)
     if case.kernel == "ragged":
         from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 
@@ -438,10 +447,11 @@ def _bytes_per_key_head(case: BundleCase, part: str | None = None) -> int:
     item = jnp.dtype(case.dtype).itemsize
     row = case.head_dim * item
     if case.dtype == "int8":
-        # ours: f32 per row (pages under 128: the 512-byte scale row a page's DMA moves, 512 / S a
-        # row; a run's scale rows hold its pages alone); JAX: bf16 scales broadcast to D
-        whole_rows = case.page_size >= 128 or part == "runs"
-        row += (4 if whole_rows else 512 // case.page_size) if case.kernel == "ours" else case.head_dim * 2
+        # ours (and our mixed call): f32 per row (pages under 128: the 512-byte scale row a page's
+        # DMA moves, 512 / S a row; a run's scale rows hold its pages alone); JAX: bf16 scales
+        # broadcast to D
+        whole_rows = case.page_size >= 128 or part in ("runs", "decode runs")
+        row += (4 if whole_rows else 512 // case.page_size) if case.kernel in ("ours", "mixed") else case.head_dim * 2
     return 2 * row
 
 
@@ -472,9 +482,10 @@ def _loop_figures(case: BundleCase, target: str, loop: LoopFacts, keys: int, hea
 
 def _row(case: BundleCase, target: str, new_files: list[str], dump_dir: str, seconds: float) -> list[dict]:
     """The case's rows: one, or for our mixed call one per part (its per-block loops in program
-    order: `_mixed_kernel` runs the decode part's body first, then the chunk's), or for our decode
-    over 8-bit scale rows that reads runs (`_runs` in its name) one per steady state: blocks a DMA
-    a page, then blocks of aligned runs of pages (`attention.start_run`)."""
+    order: `_mixed_kernel` runs the decode part's body first, then the chunk's; over 8-bit scale
+    rows the decode part's two, pages then runs), or for our decode over 8-bit scale rows that
+    reads runs (`_runs` in its name) one per steady state: blocks a DMA a page, then blocks of
+    runs of pages (`attention.start_run`)."""
     row = dict(label=case.label, kernel=KERNEL_NAMES[case.kernel], dtype=case.dtype, page_size=case.page_size,
                head_dim=case.head_dim, chunk=case.chunk, compile_s=round(seconds, 1))
     names = {f: _NAME.match(f).group(1) for f in new_files if _NAME.match(f)}
@@ -489,13 +500,17 @@ def _row(case: BundleCase, target: str, new_files: list[str], dump_dir: str, sec
         return [dict(row, status=f"failed: no loop with MXU ops in {hlo_name} ({len(bundles)} bundles)", hlo_name=hlo_name)]
     keys, heads = _keys_heads(case, hlo_name)
     done = dict(row, status="ok", hlo_name=hlo_name, file_bundles=len(bundles))
-    parts = ("decode", "chunk") if case.kernel == "mixed" else ("pages", "runs") if re.search(r"_runs(\.\d+)?$", hlo_name) else None
+    runs = re.search(r"_runs(\.\d+)?$", hlo_name)
+    if case.kernel == "mixed":
+        parts = ("decode", "decode runs", "chunk") if runs else ("decode", "chunk")
+    else:
+        parts = ("pages", "runs") if runs else None
     if parts is None:
         loop = max(found, key=lambda lp: lp.bundles)
         return [dict(done, **_loop_figures(case, target, loop, keys, heads, _query_tokens(case, hlo_name, None),
                                            general_path(bundles, loop)))]
-    if len(found) != 2:
-        return [dict(row, status=f"failed: {len(found)} loops with MXU ops in {hlo_name}, not 2 {parts}",
+    if len(found) != len(parts):
+        return [dict(row, status=f"failed: {len(found)} loops with MXU ops in {hlo_name}, not {len(parts)} {parts}",
                      hlo_name=hlo_name)]  # fmt: skip
     return [dict(done, label=f"{case.label} {part}" if part != "pages" else case.label, part=part,
                  **_loop_figures(case, target, lp, *_keys_heads(case, hlo_name, part),
