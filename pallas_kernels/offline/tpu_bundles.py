@@ -349,6 +349,8 @@ def _case_call(case: BundleCase):
     P = B * M * ARENA_SPARE  # pages in the arena (`ARENA_SPARE`)
     dt, i32 = jnp.dtype(case.dtype), jnp.int32
     quantized = dt == jnp.int8
+    # Our kernels' 8-bit scales: rows of 128 lanes under pages of 128 (`tpu.common.scale_rows`), else [L, Hkv, P, S]
+    scale = S((1, Hkv, P * page // 128, 128) if page < 128 else (1, Hkv, P, page), jnp.float32)
     if case.kernel == "ours":
         from pallas_kernels.tpu.attention import tpu_paged_attention
         from pallas_kernels.tpu.common import tpu_unsupported_reason
@@ -359,7 +361,6 @@ def _case_call(case: BundleCase):
         if why:
             return why
         q, kv = S((B, 1, Hq, D), jnp.bfloat16), S((1, Hkv, P, page, D), dt)  # q [B, T, Hq, D], arena [L, Hkv, P, S, D]
-        scale = S((1, Hkv, P * page // 128, 128) if rows else (1, Hkv, P, page), jnp.float32)  # [L, Hkv, P, S]
         if quantized:
             def fn(q, k, v, ks, vs, pm, n, t):
                 return tpu_paged_attention(q, k, v, 0, pm, n, t, k_scale=ks, v_scale=vs, interpret=False)
@@ -385,9 +386,7 @@ def _case_call(case: BundleCase):
         kv = S((1, Hkv, P, page, D), dt)
         rows = (S((B, M), i32), S((B,), i32), S((B,), i32), S((1, M), i32), S((1,), i32), S((1,), i32))
         qs = (S((B, 1, Hq, D), jnp.bfloat16), S((1, case.chunk, Hq, D), jnp.bfloat16))
-        if quantized:  # pages under 128: scales as rows of 128 lanes
-            scale = S((1, Hkv, P * page // 128, 128) if page < 128 else (1, Hkv, P, page), jnp.float32)
-
+        if quantized:
             def fn(qd, qp, k, v, ks, vs, pmd, nd, td, pmp, np_, tp):
                 return tpu_paged_attention_mixed(qd, qp, k, v, 0, pmd, nd, td, pmp, np_, tp, k_scale=ks, v_scale=vs,
                                                  interpret=False)
@@ -450,7 +449,7 @@ def _bytes_per_key_head(case: BundleCase, part: str | None = None) -> int:
         # ours (and our mixed call): f32 per row (pages under 128: the 512-byte scale row a page's
         # DMA moves, 512 / S a row; a run's scale rows hold its pages alone); JAX: bf16 scales
         # broadcast to D
-        whole_rows = case.page_size >= 128 or part in ("runs", "decode runs")
+        whole_rows = case.page_size >= 128 or (part or "").endswith("runs")  # "runs", a mixed call's "decode runs"
         row += (4 if whole_rows else 512 // case.page_size) if case.kernel in ("ours", "mixed") else case.head_dim * 2
     return 2 * row
 
