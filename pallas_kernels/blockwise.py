@@ -20,6 +20,14 @@ So a decode step costs O(batch * longest context) and a sliding window O(batch *
 whatever `max_pages_per_seq` is: `generate`, which sizes its layout by the longest prompt +
 `max_new_tokens`, no longer charges every step for the capacity.
 
+A decode step (one query a row) computes its first big block straight-line, outside the loops,
+which then start after it: a context that fits one block, a decode step's usual case whatever
+the capacity, runs no loop iteration (at the tiny model, capacity 336, context 128, batch 8,
+the step's tokens/s went from 1.09x to 1.16-1.20x the dense cache's: benchmarks/RESULTS.md,
+"The first block straight-line"). Over a float arena decode checks no V row in any block: a
+poisoned live V row leaves its query heads non-finite through every rescale, and those heads
+are NaN'd whole at the end (as the one-block path below does).
+
 When a row's whole capacity fits one big block (`max_pages_per_seq * page_size <= block_keys`),
 there is no loop: one straight-line block over every page (the keys no query sees masked). That
 costs at most `block_keys` keys per row, and compiles one block's graph instead of the two loop
@@ -298,7 +306,6 @@ def paged_attention_blockwise(
     lo, hi = _key_range(q_pos, q_valid, window, max_keys)
     start = lo // small * small
     keys = jnp.maximum(0, (hi + small - 1) // small * small - start)  # whole tail blocks from start
-    num_big = keys // big
 
     every_live_key_seen = tokens == 1 and window is None  # (static) a valid query sees every live key up to it
     qg = q.reshape(batch, tokens, num_kv_heads, group, head_dim).astype(compute).astype(f32)
@@ -342,14 +349,26 @@ def paged_attention_blockwise(
         m_use = jnp.where(jnp.isfinite(m), m, 0.0)
         return jnp.where(poisoned, jnp.nan, jnp.exp(s - m_use[..., None])), m_use
 
-    def step(first_key, num_pages, state):
+    def step(first_key, num_pages, state, defer_v_check=False):
         m, l, acc = state  # [B, Hkv, G, T], same, [B, Hkv, G, T, D]
-        s, poisoned, values, _ = block(first_key, num_pages)
+        s, poisoned, values, _ = block(first_key, num_pages, defer_v_check)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p, m_use = weights(s, poisoned, m_new)
         alpha = jnp.exp(m - m_use)  # 0 while nothing was seen (m = -inf); NaN * alpha stays NaN
         l = alpha * l + jnp.sum(p, axis=-1)
         return m_new, l, alpha[..., None] * acc + values(p)
+
+    def poison_non_finite(l, acc):
+        """A float arena, one query a row and no window (`every_live_key_seen`), its V rows
+        unchecked (zeroed only where not live): every live key up to the query's position is in
+        its mask (a row whose query is not valid is zeroed at the end) and has a weight (finite,
+        or NaN where its score is poisoned; 0 * inf and 0 * NaN are NaN), so a poisoned V row
+        leaves exactly the query heads of its KV head non-finite, through every rescale of the
+        online softmax. NaN those heads whole, as a check of the V rows would, with no pass
+        over them and no conditional (its branch and copies cost a tiny decode step ~3%:
+        RESULTS.md, session 33). A head whose finite rows overflow f32 is NaN here, inf there."""
+        bad = ~jnp.all(jnp.isfinite(acc), axis=-1)
+        return jnp.where(bad, jnp.nan, l), jnp.where(bad[..., None], jnp.nan, acc)
 
     if max_pages * page_size <= block_keys_or_default(block_keys):
         # The whole capacity fits one block: one straight-line block over every page (no loop:
@@ -362,15 +381,7 @@ def paged_attention_blockwise(
         p, _ = weights(s, poisoned, jnp.max(s, axis=-1))
         l, acc = jnp.sum(p, axis=-1), values(p)
         if v_check is not None and every_live_key_seen:
-            # A float arena, one query a row and no window: every live key up to the query's
-            # position is in its mask (a row whose query is not valid is zeroed at the end), so
-            # a poisoned V row (zeroed where not live) reaches exactly the query heads of its KV
-            # head and leaves their P @ V non-finite. Those heads are the non-finite ones: NaN
-            # them whole, as the check below would, with no conditional (its branch and copies
-            # cost a tiny decode step ~3%: RESULTS.md, session 33). A head whose finite rows
-            # overflow f32 is NaN here, inf there.
-            bad = ~jnp.all(jnp.isfinite(acc), axis=-1)
-            l, acc = jnp.where(bad, jnp.nan, l), jnp.where(bad[..., None], jnp.nan, acc)
+            l, acc = poison_non_finite(l, acc)
         elif v_check is not None:
             # A float arena's V rows are checked only when the output may hold their poison.
             # Every live key's V row enters P @ V for every query (a masked pair with weight 0:
@@ -386,16 +397,28 @@ def paged_attention_blockwise(
 
             l, acc = lax.cond(jnp.all(jnp.isfinite(acc)), lambda: (l, acc), checked)
     else:
+        # Decode: the first big block from `start` straight-line, then the loops over the rest (a
+        # context that fits one block, a decode step's usual case, runs no loop iteration), and
+        # over a float arena no V row checked (`poison_non_finite`). Longer queries loop from
+        # `start` (a block more to compile, for their loop overhead against their work).
+        unchecked_v = every_live_key_seen and jnp.dtype(k_arena.dtype) in _FLOAT_ARENAS
         shape = (batch, num_kv_heads, group, tokens)
         state = (jnp.full(shape, -jnp.inf, f32), jnp.zeros(shape, f32), jnp.zeros((*shape, head_dim), f32))
         state = _varying_like(state, q, k_arena, v_arena, k_scale, v_scale, layer, page_map, lengths, num_tokens, window)
-        if big > small:  # whole big blocks first, then at most big / small - 1 tail blocks
-            state = lax.fori_loop(0, num_big, lambda j, st: step(start + j * big, big_pages, st), state)
-        else:
-            num_big = 0
-        tail = start + num_big * big
-        _, l, acc = lax.fori_loop(0, (keys - num_big * big) // small,
-                                  lambda j, st: step(tail + j * small, small_pages, st), state)  # fmt: skip
+        first = start
+        if tokens == 1:
+            page_map = jnp.pad(page_map, ((0, 0), (0, big_pages)), constant_values=-1)  # the first block past `keys`
+            state = step(start, big_pages, state, unchecked_v)
+            first = start + big
+        rest = jnp.maximum(start + keys - first, 0)
+        num_big = rest // big if big > small else 0  # whole big blocks, then at most big / small - 1 tail blocks
+        if big > small:
+            state = lax.fori_loop(0, num_big, lambda j, st: step(first + j * big, big_pages, st, unchecked_v), state)
+        tail = first + num_big * big
+        _, l, acc = lax.fori_loop(0, (rest - num_big * big) // small,
+                                  lambda j, st: step(tail + j * small, small_pages, st, unchecked_v), state)
+        if unchecked_v:
+            l, acc = poison_non_finite(l, acc)
     seen = (l != 0)[..., None]  # NaN != 0: a poisoned row stays NaN
     out = jnp.where(seen, acc / jnp.where(seen, l[..., None], 1.0), 0.0)  # [B, Hkv, G, T, D]
     out = out.transpose(0, 3, 1, 2, 4)  # [B, T, Hkv, G, D]

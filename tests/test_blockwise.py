@@ -131,6 +131,18 @@ RAGGED = {
 }
 
 
+def test_decode_with_a_window_past_the_first_blocks():
+    """Decode whose window starts past every row's first blocks (the batch's first key 21, blocks
+    of 8 keys, tails of 4): the first block, computed straight-line, starts there and the loops
+    after it cover the rest of the window, equal to the reference."""
+    case = ragged_case(np.random.default_rng(11), page=4, max_pages=12, lengths=(40, 37, 33), num_new=(1, 1, 1),
+                       q_heads=4, kv_heads=2)
+    want = np.asarray(reference(**case, sliding_window=13, logits_soft_cap=None))
+    for sizes in (dict(block_keys=8, tail_keys=4), dict(block_keys=4, tail_keys=4)):
+        got = np.asarray(blockwise(**case, sliding_window=13, **sizes))
+        np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize("name", list(RAGGED))
 def test_ragged_lengths_with_nan_stale_pages(name):
     page, max_pages, lengths, num_new, q_heads, kv_heads = RAGGED[name]
@@ -145,12 +157,15 @@ def test_ragged_lengths_with_nan_stale_pages(name):
             assert not got[b, n:].any(), "padded query tokens give zeros"
 
 
-def test_one_query_without_a_window_poisons_exactly_the_heads_a_bad_v_row_reaches():
-    """The one-block decode path (one query a row, no window) finds poisoned V rows by its output
-    alone, with no conditional: NaN or inf in one lane of a live V row NaNs exactly the query heads
-    of that row's KV head, whole, as the reference does; a row whose query is not valid (no new
-    token) reads nothing over a poisoned row (zero), stale NaN pages are never read, and every
-    other lane is bit for bit a clean arena's."""
+@pytest.mark.parametrize("sizes", [{}, dict(block_keys=8, tail_keys=4)], ids=["one-block", "loop"])
+def test_one_query_without_a_window_poisons_exactly_the_heads_a_bad_v_row_reaches(sizes):
+    """Decode (one query a row, no window) finds poisoned V rows by its output alone, with no
+    conditional, on the one-block path and through the loop's online softmax (blocks of 8 keys:
+    the poisoned positions 3, 5 and 9 lie in its first, straight-line block and in a loop block):
+    NaN or inf in one lane of a live V row NaNs exactly the query heads of that row's KV head,
+    whole, as the reference does; a row whose query is not valid (no new token) reads nothing over
+    a poisoned row (zero), stale NaN pages are never read, and every other lane is bit for bit a
+    clean arena's."""
     page, group = 4, 4
     case = ragged_case(np.random.default_rng(7), page=page, max_pages=6, lengths=(24, 10, 13, 7), num_new=(1, 1, 0, 1),
                        q_heads=8, kv_heads=2)  # fmt: skip
@@ -158,19 +173,19 @@ def test_one_query_without_a_window_poisons_exactly_the_heads_a_bad_v_row_reache
     for b, kv_head, pos, lanes, value in ((0, 1, 5, 3, np.nan), (1, 0, 9, 0, np.inf), (2, 0, 3, slice(None), np.nan)):
         v[1, kv_head, page_map[b, pos // page], pos % page, lanes] = value  # layer 1, live positions
     poisoned = dict(case, v_arena=jnp.asarray(v))
-    got = np.asarray(paged_attention_blockwise(**poisoned))  # [B, 1, Hq, D]
+    got = np.asarray(paged_attention_blockwise(**poisoned, **sizes))  # [B, 1, Hq, D]
     expected = np.zeros(got.shape, bool)
     expected[0, 0, 1 * group:2 * group] = True  # row 0, KV head 1's query heads
     expected[1, 0, 0:group] = True  # row 1, KV head 0's
     np.testing.assert_array_equal(np.isnan(got), expected)
     np.testing.assert_array_equal(np.isnan(np.asarray(reference(**poisoned))), expected)
-    clean = np.asarray(paged_attention_blockwise(**case))
+    clean = np.asarray(paged_attention_blockwise(**case, **sizes))
     np.testing.assert_array_equal(got[~expected], clean[~expected])
     assert not got[2].any()  # no query: nothing read
     # A row asking 3 new tokens of a 1-token call (garbage a traced call may pass): its query sits
     # at position lengths - 3, so row 1's poisoned position 9 (of 10) is past it and unseen.
     past = dict(poisoned, num_tokens=jnp.asarray((1, 3, 0, 1), jnp.int32))
-    got, want = np.asarray(paged_attention_blockwise(**past)), np.asarray(reference(**past))
+    got, want = np.asarray(paged_attention_blockwise(**past, **sizes)), np.asarray(reference(**past))
     expected[1] = False
     np.testing.assert_array_equal(np.isnan(got), expected)
     np.testing.assert_array_equal(np.isnan(want), expected)
