@@ -23,15 +23,20 @@ whatever `max_pages_per_seq` is: `generate`, which sizes its layout by the longe
 A decode step (one query a row) computes its first big block straight-line, outside the loops,
 which then start after it: a context that fits one block, a decode step's usual case whatever
 the capacity, runs no loop iteration (at the tiny model, capacity 336, context 128, batch 8,
-the step's tokens/s went from 1.09x to 1.16-1.20x the dense cache's: benchmarks/RESULTS.md,
-"The first block straight-line"). Over a float arena decode checks no V row in any block: a
+the step's tokens/s went from 1.09x to 1.16-1.20x the dense cache's, measured when the one-block
+path below ended at 256 keys: benchmarks/RESULTS.md, "The first block straight-line"). Over a float arena decode checks no V row in any block: a
 poisoned live V row leaves its query heads non-finite through every rescale, and those heads
 are NaN'd whole at the end (as the one-block path below does).
 
-When a row's whole capacity fits one big block (`max_pages_per_seq * page_size <= block_keys`),
-there is no loop: one straight-line block over every page (the keys no query sees masked). That
-costs at most `block_keys` keys per row, and compiles one block's graph instead of the two loop
-bodies (big blocks, tail blocks): the tiny model's decode step lost about a third of its HLO.
+When a row's whole capacity fits one block (`one_block`: 256 keys, or up to 512 where the
+batch's extra keys are few; `block_keys` when a caller gives it), there is no loop: one
+straight-line block over every page (the keys no query sees masked). That compiles one block's
+graph instead of the loops': the tiny model's decode step lost about a third of its HLO. On a
+CPU a loop or conditional in a layer costs a small decode step more than a few hundred masked
+keys (tiny model, one row, capacity 496, context 128: 1.00x the dense cache's tokens/s in one
+block of 496 keys, 0.89x with the first block of 256 straight-line and the loops after it), a
+large one less (mid model, 8 rows, capacity 384-496: 0.99-1.04x in one block against
+1.07-1.23x in the loops; benchmarks/RESULTS.md, "The first block straight-line").
 Over a float arena that block checks its V rows for poison (below) only when its output is not
 all finite (a conditional): a V row that is not finite always reaches the output (a zero weight
 times inf or NaN is NaN), so a finite output means the check would flag nothing.
@@ -86,9 +91,14 @@ from pallas_kernels.quant import dequantize_rows, is_quantized
 from pallas_kernels.quant4 import GROUP, arena_format, unpack_codes
 from pallas_kernels.reference import _window, token_positions
 
-__all__ = ["paged_attention_blockwise", "DEFAULT_BLOCK_KEYS", "block_geometry"]
+__all__ = ["paged_attention_blockwise", "DEFAULT_BLOCK_KEYS", "ONE_BLOCK_KEYS", "block_geometry", "one_block"]
 
 DEFAULT_BLOCK_KEYS = 256
+# One straight-line block, no loop, for capacities up to 256 keys a row, and up to 512 where the
+# keys it reads past 256 (batch x KV heads x head_dim x keys) stay under ONE_BLOCK_EXTRA: on a CPU
+# a loop in a layer costs a small decode step more than those keys (`one_block`).
+ONE_BLOCK_KEYS = 512
+ONE_BLOCK_EXTRA = 2**15
 TAIL_FRACTION = 4
 _FLOAT_ARENAS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 _HIGHEST = lax.Precision.HIGHEST
@@ -108,6 +118,20 @@ def block_geometry(page_size: int, max_pages: int, block_keys: int | None = None
     small_pages = max(1, min(max_pages, small // page_size))
     big_pages = max(small_pages, min(max_pages, big // page_size)) // small_pages * small_pages
     return big_pages, small_pages, -(-max_pages // small_pages) * small_pages
+
+
+def one_block(capacity: int, batch: int, kv_heads: int, head_dim: int, block_keys: int | None = None) -> bool:
+    """Whether attention over rows of `capacity` keys runs as one straight-line block (no loop):
+    up to `block_keys` keys when a caller gives it; else up to `DEFAULT_BLOCK_KEYS`, and up to
+    `ONE_BLOCK_KEYS` while the keys past `DEFAULT_BLOCK_KEYS` it reads, batch x kv_heads x
+    head_dim x keys, stay under `ONE_BLOCK_EXTRA` (measured on a CPU, benchmarks/RESULTS.md,
+    "The first block straight-line": the tiny model, one row, capacity 496, 1.00x the dense
+    cache's tokens/s in one block against 0.89x in the loops; the mid model, 8 rows, capacity
+    384-496, 0.99-1.04x against 1.07-1.23x)."""
+    if block_keys is not None:
+        return capacity <= int(block_keys)
+    extra = batch * kv_heads * head_dim * (capacity - DEFAULT_BLOCK_KEYS)
+    return capacity <= DEFAULT_BLOCK_KEYS or (capacity <= ONE_BLOCK_KEYS and extra <= ONE_BLOCK_EXTRA)
 
 
 def block_keys_or_default(block_keys: int | None) -> int:
@@ -370,7 +394,7 @@ def paged_attention_blockwise(
         bad = ~jnp.all(jnp.isfinite(acc), axis=-1)
         return jnp.where(bad, jnp.nan, l), jnp.where(bad[..., None], jnp.nan, acc)
 
-    if max_pages * page_size <= block_keys_or_default(block_keys):
+    if one_block(max_pages * page_size, batch, num_kv_heads, head_dim, block_keys):
         # The whole capacity fits one block: one straight-line block over every page (no loop:
         # half the graph of the two loop bodies below, no while-loop overhead; the keys no
         # query sees are masked, contributing exactly nothing), and a plain softmax: `step`

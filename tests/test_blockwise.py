@@ -27,6 +27,7 @@ import pytest
 
 import arena_jax as aj
 from pallas_kernels import paged_attention_reference
+from pallas_kernels import blockwise as bw
 from pallas_kernels.blockwise import _key_range, block_geometry, paged_attention_blockwise
 from test_kernels_options import CASES, HEAD_DIM, _OptionsTest, close, make_case, oracle, reference
 
@@ -269,6 +270,11 @@ def test_key_range_and_block_geometry():
     none = _key_range(q_pos, jnp.zeros_like(q_valid), None, 1000)
     assert int(none[1]) == 0
     assert block_geometry(16, 512) == (16, 4, 512)  # 256 keys a block, 64 a tail
+    # one straight-line block: up to 256 keys always, up to 512 while the extra keys read are few
+    assert bw.one_block(256, 64, 8, 128) and bw.one_block(496, 1, 2, 16) and bw.one_block(384, 8, 2, 16)
+    assert not bw.one_block(496, 8, 2, 16) and not bw.one_block(384, 8, 2, 64)  # the tiny, the mid model's 8 rows
+    assert not bw.one_block(520, 1, 1, 16)  # past 512 keys
+    assert bw.one_block(40, 8, 8, 128, block_keys=40) and not bw.one_block(48, 1, 1, 16, block_keys=40)
     assert block_geometry(256, 3) == (1, 1, 3)  # a page is the smallest block
     assert block_geometry(1, 10, 256, 64) == (10, 10, 10)  # at most the row's pages
     assert block_geometry(4, 9, 20, 8) == (4, 2, 10)  # big blocks are whole tails; the map padded to tails

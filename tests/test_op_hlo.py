@@ -1,6 +1,6 @@
 """benchmarks/studies/op_hlo.py: its HLO counter reads a stored module right, and what it measures
-holds: blockwise attention compiles no loop when a row's capacity fits one block, and the loops
-when it does not; reserve's copy-on-write sits under a conditional (issue 39, item 4)."""
+holds: blockwise attention compiles no loop when a row's capacity fits one block
+(`ONE_BLOCK_KEYS`), and the loops when it does not; reserve's copy-on-write sits under a conditional (issue 39, item 4)."""
 from __future__ import annotations
 
 import jax
@@ -10,6 +10,7 @@ import pytest
 
 import arena_jax as aj
 from arena_jax import api
+from pallas_kernels import blockwise
 from arena_jax.benchmarks.studies.op_hlo import (hlo_counts, kernel_signatures, kernels_by_part, measure,
                                                  widest_loop_start)
 
@@ -64,8 +65,9 @@ def _attend_loops(max_pages: int, page_size: int = 8) -> int:
 
 
 def test_one_block_compiles_no_loop_and_a_longer_capacity_the_loops():
-    assert _attend_loops(max_pages=32) == 0  # 256 keys: one block
-    assert _attend_loops(max_pages=33) >= 1  # 264 keys: blocks in a loop
+    pages = blockwise.ONE_BLOCK_KEYS // 8
+    assert _attend_loops(max_pages=pages) == 0  # 512 keys: one block
+    assert _attend_loops(max_pages=pages + 1) >= 1  # 520 keys: blocks in a loop
 
 
 def test_the_study_reports_every_program():

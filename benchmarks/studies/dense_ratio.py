@@ -19,7 +19,8 @@ every call, ~2.5 us a call charged to the arena only; it now does so for the fir
 
 Both caches hold context + `--repeats` + 2 tokens a row, rounded up to whole pages (the steps
 timed fit), printed as "tokens a row": `--repeats` changes what attention reads, and past 256
-tokens a row the arena's attention takes its loop path instead of one block
+tokens a row (512 where the batch is small: `blockwise.one_block`) the arena's attention takes
+its loop path instead of one block
 (benchmarks/RESULTS.md, "The page table in four arrays").
 Each figure is the median of `--repeats` timed calls after one untimed warm-up (compile),
 `block_until_ready` before the clock is read; "arena / dense" is the median of the per-pair
