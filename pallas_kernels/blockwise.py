@@ -23,10 +23,11 @@ whatever `max_pages_per_seq` is: `generate`, which sizes its layout by the longe
 A decode step (one query a row) computes its first big block straight-line, outside the loops,
 which then start after it: a context that fits one block, a decode step's usual case whatever
 the capacity, runs no loop iteration (at the tiny model, capacity 336, context 128, batch 8,
-the step's tokens/s went from 1.09x to 1.16-1.20x the dense cache's, measured when the one-block
-path below ended at 256 keys: benchmarks/RESULTS.md, "The first block straight-line"). Over a float arena decode checks no V row in any block: a
-poisoned live V row leaves its query heads non-finite through every rescale, and those heads
-are NaN'd whole at the end (as the one-block path below does).
+the step's tokens/s went from 1.09x to 1.16-1.20x the dense cache's, measured when the
+one-block path below ended at 256 keys: benchmarks/RESULTS.md, "The first block
+straight-line"). Over a float arena decode checks no V row in any block: a poisoned live V row
+leaves its query heads non-finite through every rescale, and those heads are NaN'd whole at the
+end (as the one-block path below does).
 
 When a row's whole capacity fits one block (`one_block`: 256 keys, or up to 512 where the
 batch's extra keys are few; `block_keys` when a caller gives it), there is no loop: one

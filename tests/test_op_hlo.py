@@ -1,6 +1,7 @@
 """benchmarks/studies/op_hlo.py: its HLO counter reads a stored module right, and what it measures
 holds: blockwise attention compiles no loop when a row's capacity fits one block
-(`ONE_BLOCK_KEYS`), and the loops when it does not; reserve's copy-on-write sits under a conditional (issue 39, item 4)."""
+(`blockwise.one_block`), and the loops when it does not; reserve's copy-on-write sits under a
+conditional (issue 39, item 4)."""
 from __future__ import annotations
 
 import jax
