@@ -396,8 +396,8 @@ def paged_attention_blockwise(
         return jnp.where(bad, jnp.nan, l), jnp.where(bad[..., None], jnp.nan, acc)
 
     if one_block(max_pages * page_size, batch, num_kv_heads, head_dim, block_keys):
-        # The whole capacity fits one block: one straight-line block over every page (no loop:
-        # half the graph of the two loop bodies below, no while-loop overhead; the keys no
+        # The whole capacity fits one block (`one_block`): one straight-line block over every
+        # page (no loop: one block's graph against the loops' below, no control flow; the keys no
         # query sees are masked, contributing exactly nothing), and a plain softmax: `step`
         # from the empty state without its rescaling (alpha = 0) of a zero sum and accumulator.
         # The row's own `max_pages`, not the page map padded to whole tail blocks (at 10 pages
