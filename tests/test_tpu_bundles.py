@@ -231,3 +231,15 @@ def test_dma_bound_variants_follow_the_kernel(dmas):
     if dmas != 4:  # its anchors are gone from the copy: applied again, the variant fails loudly
         with pytest.raises(ValueError, match="matches 0 times"):
             bounds.patched(copy, dmas)
+
+
+def test_heads_dma_study_kernel_is_attention():
+    """`benchmarks.studies.tpu_heads_dma` (RESULTS.md, "A page of every KV head in one DMA")
+    counts the bundles of a decode kernel that reads page p of all KV heads in one strided DMA:
+    its figures mean something only if that kernel computes attention. In TPU interpret mode, on
+    fresh random pages (bf16 and int8 over scale rows, page 32, a shuffled arena), it matches
+    `paged_attention_reference` to bf16's rounding. No libtpu needed."""
+    from arena_jax.benchmarks.studies import tpu_heads_dma
+
+    lines = tpu_heads_dma.check(32, seed=3, batch=1)
+    assert [line.split(":")[0] for line in lines] == ["bfloat16 p32", "int8 p32"]
