@@ -485,15 +485,15 @@ def _cmd_tpu_compile_report(args, console, progress) -> dict:
                   "rows written. Static facts, not timings.")
     if result["bundle_rows"]:
         print(format_bundles_table(result["bundle_rows"], result["bundle_figures"]))
-        console.print("  one iteration of the innermost loop with MXU ops (ours: decode two blocks of block_k keys of one "
-                      "KV head, a chunk one; JAX paged: pages_per_compute_block x page keys of one head; ragged: a KV "
+        console.print("  one iteration of the innermost loop with MXU ops (ours: decode two blocks of block_k keys of "
+                      "every KV head, a chunk one block of one head; JAX paged: pages_per_compute_block x page keys of one head; ragged: a KV "
                       "block of all heads of its head block). Static count: every bundle once, both arms of each "
                       "branch; a nested loop with a constant trip count x that count; a register-bound nested loop "
                       "(reg) not in the iteration but under 'cold bundles' (ours: a row's first / last block or a block "
                       "with a hole; an interior block runs none). 'general-path bundles': the loop around it with MXU "
-                      "ops of its own, less it (ours: the pairs the steady-state loop does not take: a row's first and "
+                      "ops of its own, less it (ours: the blocks the steady-state loop does not take: a row's first and "
                       "last block, the block before a partial one, a chunk's diagonal, a block before a hole; in decode "
-                      "two pairs served alone, each by the general or the fast step), static, both arms of each branch. "
+                      "two blocks served alone, each by the general or the fast step), static, both arms of each branch. "
                       "issue = bundles / clock, HBM = K + V (+ scales) of the iteration's keys / bandwidth; both per 512 "
                       "keys of one head.")
     if result["steps"]:

@@ -145,7 +145,7 @@ def test_scale_rows_reach_the_kernel_without_a_copy(tooling, page_size):
     facts = tpu_compile.module_facts(compiled, big=scale.size * 4 // 4)
     assert facts.big_copies == (), facts.big_copies
     runs = "_runs" if page_size in RUN_PAGE_SIZES else ""  # (blocks of aligned runs read from the arena as rows)
-    assert [k.name.split(".")[0] for k in facts.kernels] == [f"tpu_paged_attention_bt1_g4_bk512x2_d128_int8{runs}"]
+    assert [k.name.split(".")[0] for k in facts.kernels] == [f"tpu_paged_attention_bt1_g4_bk512x2_h8_d128_int8{runs}"]
     common = dict(head_dim=128, page_size=page_size, dtype=jnp.int8, scale_dtype=jnp.float32)
     assert tpu_unsupported_reason(**common, scale_rows=True) is None
     assert "scale_rows" in tpu_unsupported_reason(**common)
@@ -171,7 +171,7 @@ def test_a_mixed_call_over_scale_rows_reads_runs_without_a_copy(tooling):
     compiled = tpu_compile.compile_for_tpu(fn, args, target="tpu-v6e")
     facts = tpu_compile.module_facts(compiled, big=scale.size * 4)  # the scales' bytes (the chunk's q regrouped: less)
     assert facts.big_copies == (), facts.big_copies
-    assert [k.name.split(".")[0] for k in facts.kernels] == ["tpu_paged_attention_mixed_bt128_g4_bk512x2_d128_int8_runs"]
+    assert [k.name.split(".")[0] for k in facts.kernels] == ["tpu_paged_attention_mixed_bt128_g4_bk512x2_h8_d128_int8_runs"]
 
 
 @pytest.mark.parametrize("page_size,tokens", [(16, 1), (32, 256)], ids=str)

@@ -104,6 +104,7 @@ ATTENTION_CI = [
     (2, 2, 8, 128, "float32", 1, 5, 16),  # decode, GQA 1, blocks of 2 pages, a window
     (8, 1, 256, 256, "bfloat16", 1, None, None),  # GQA 8, 256-token pages, head 256
     (4, 1, 8, 128, "float32", 6, 10, 16),  # prefill: 6 tokens in row blocks of 4 tokens x 4 heads, a window
+    (10, 10, 16, 128, "bfloat16", 1, None, 32),  # decode over more KV heads than it unrolls: a loop over heads
 ]
 ATTENTION_FULL = [
     (g * kv, kv, s, d, dt, t, w, None)

@@ -166,21 +166,22 @@ def test_capture_ours_and_jax_for_v5e(tooling):
     assert decode["keys_per_iter"] == 1024 and chunk["keys_per_iter"] == 512  # decode's loop: two blocks an iteration
     # a chunk's iteration streams its 128 x 4 query rows through the MXU: more matmul pushes than decode's 4 rows
     assert chunk["query_tokens_per_iter"] == 128 and chunk["per_iter"]["matmuls"] > decode["per_iter"]["matmuls"]
-    # ours: two 512-key blocks an iteration of its steady-state loop (`_bk512x2_`); JAX's: one
-    for row, keys in ((ours, 1024), (jax_row, 512)):
+    # ours: two 512-key blocks of all 8 KV heads an iteration of its steady-state loop
+    # (`_bk512x2_h8_`); JAX's: 512 keys of one head
+    for row, keys, heads in ((ours, 1024, 8), (jax_row, 512, 1)):
         assert row["status"] == "ok", row
         assert row["loop"]["mxu_pushes"] > 0 and row["loop"]["matmuls"] > 0
-        assert row["per_iter"]["dma_starts"] > 0 and row["keys_per_iter"] == keys and row["heads_per_iter"] == 1
-        assert row["bytes_per_iter"] == keys * 2 * 128 * 2  # K and V, bf16, one head
+        assert row["per_iter"]["dma_starts"] > 0 and row["keys_per_iter"] == keys and row["heads_per_iter"] == heads
+        assert row["bytes_per_iter"] == keys * heads * 2 * 128 * 2  # K and V, bf16
         assert row["issue_ns"] > 0 and row["hbm_ns"] == pytest.approx(512 * 2 * 128 * 2 / 819e9 * 1e9)
-    assert ours["per_iter"]["dma_starts"] == 2 * 2 * 512 // 128  # K and V of each page of both blocks
-    assert ours["hlo_name"].startswith("tpu_paged_attention_") and "_bk512x2_" in ours["hlo_name"]
+    assert ours["per_iter"]["dma_starts"] == 2 * 2 * 512 // 128  # K and V of each page of both blocks, every head in one
+    assert ours["hlo_name"].startswith("tpu_paged_attention_") and "_bk512x2_h8_" in ours["hlo_name"]
     assert jax_row["hlo_name"].startswith("paged_attention")
 
 
 def test_capture_ours_over_8_bit_scale_rows_has_a_steady_state_for_runs(tooling):
-    """int8 pages of 32 (scale rows): two steady-state loops, two rows. Blocks a DMA a page: K, V
-    and both scale rows of each of a block's 16 pages; blocks of aligned runs of pages
+    """int8 pages of 32 (scale rows): two steady-state loops, two rows. Blocks a DMA a page (every
+    KV head in each): K, V and both scale rows of each of a block's 16 pages; blocks of aligned runs of pages
     (`attention.start_run`): K, V and the run's scale rows one DMA each, and fewer bytes (the
     run's scale rows hold its pages alone: 4 bytes a key, not a 512-byte row a page)."""
     pages, runs = tb.capture("tpu-v5e", cases=[tb.BundleCase("ours", "int8", 32)])
@@ -188,7 +189,8 @@ def test_capture_ours_over_8_bit_scale_rows_has_a_steady_state_for_runs(tooling)
     assert pages["label"] == "ours int8 d128 p32" and runs["label"] == "ours int8 d128 p32 runs"
     assert pages["hlo_name"] == runs["hlo_name"] and "_runs" in pages["hlo_name"]
     assert pages["per_iter"]["dma_starts"] == 2 * 16 * 4 and runs["per_iter"]["dma_starts"] == 2 * 4
-    assert pages["bytes_per_iter"] == 1024 * 2 * (128 + 512 // 32) and runs["bytes_per_iter"] == 1024 * 2 * (128 + 4)
+    assert pages["bytes_per_iter"] == 8 * 1024 * 2 * (128 + 512 // 32)  # 8 KV heads
+    assert runs["bytes_per_iter"] == 8 * 1024 * 2 * (128 + 4)
     assert runs["per_iter"]["bundles"] < pages["per_iter"]["bundles"]
 
 
@@ -209,37 +211,3 @@ def test_compile_report_prints_and_saves_the_bundle_rows(tooling, tmp_path, caps
     assert res["rows"] == [] and [r["label"] for r in res["bundle_rows"]] == ["jax paged bf16 d128 p128"]
     assert res["bundle_rows"][0]["status"] == "ok" and res["bundle_figures"]["hbm_gb_per_s"] == 819.0
 
-
-@pytest.mark.parametrize("dmas", [4, 3, 2, 1])
-def test_dma_bound_variants_follow_the_kernel(dmas):
-    """`benchmarks.studies.tpu_dma_bounds` (RESULTS.md, "How far fewer DMAs a page can take int8 at
-    pages 32 and 64") patches the TPU attention kernel's source: each variant's anchors still
-    match it, each turns the runs of pages off (`RUNS`) and drops the DMA starts it says (a page's
-    K, V and two scale rows: 4, 3, 2, 1 kept), and the copy still parses. No libtpu needed: the
-    compile is the study's to run."""
-    import ast
-
-    from arena_jax.benchmarks.studies import tpu_dma_bounds as bounds
-
-    source = (bounds.CHECKOUT / bounds.KERNEL).read_text()
-    copy = bounds.patched(source, dmas)
-    ast.parse(copy)
-    assert "\nRUNS = False  #" in copy and "\nRUNS = True  #" in source
-    page = lambda text: text[text.index("    def start_page("):text.index("    def is_run(")]  # noqa: E731
-    assert page(source).count(").start()") == 4  # K, V, K scale row, V scale row
-    assert page(copy).count(").start()") == dmas
-    if dmas != 4:  # its anchors are gone from the copy: applied again, the variant fails loudly
-        with pytest.raises(ValueError, match="matches 0 times"):
-            bounds.patched(copy, dmas)
-
-
-def test_heads_dma_study_kernel_is_attention():
-    """`benchmarks.studies.tpu_heads_dma` (RESULTS.md, "A page of every KV head in one DMA")
-    counts the bundles of a decode kernel that reads page p of all KV heads in one strided DMA:
-    its figures mean something only if that kernel computes attention. In TPU interpret mode, on
-    fresh random pages (bf16 and int8 over scale rows, page 32, a shuffled arena), it matches
-    `paged_attention_reference` to bf16's rounding. No libtpu needed."""
-    from arena_jax.benchmarks.studies import tpu_heads_dma
-
-    lines = tpu_heads_dma.check(32, seed=3, batch=1)
-    assert [line.split(":")[0] for line in lines] == ["bfloat16 p32", "int8 p32"]

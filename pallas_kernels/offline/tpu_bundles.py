@@ -32,8 +32,8 @@ runs the same), maps each compile's new `*-final_bundles.txt` files to its case,
 kernel's, and returns one plain dict per case, normalized per (KV head x 512 keys):
 
 - ours, `pallas_kernels.tpu.attention.tpu_paged_attention`: one loop iteration is two blocks
-  of `block_k` keys of one KV head (`..._bk512x2_...` in the kernel's name: keys a block,
-  blocks an iteration);
+  of `block_k` keys of every KV head (`..._bk512x2_h8_...` in the kernel's name: keys a block,
+  blocks an iteration, heads a block);
 - JAX's `jax.experimental.pallas.ops.tpu.paged_attention` (grid (cores, batch, KV heads), a
   fori_loop over blocks inside, `inline_seq_dim=True`): `pages_per_compute_block * page_size`
   keys of one KV head, `pages_per_compute_block = 512 // page_size`;
@@ -42,7 +42,9 @@ kernel's, and returns one plain dict per case, normalized per (KV head x 512 key
 
 The mixed cases (`chunk` > 0: BATCH decode rows and one prompt chunk of `chunk` tokens in one
 call) compile ours, `pallas_kernels.tpu.mixed.tpu_paged_attention_mixed`, whose two per-block
-loops (`block_loops`, in program order: the decode part's, then the chunk's) give a row each,
+loops (`block_loops`, in program order: the decode part's, then the chunk's; the chunk's is its
+loop over heads in the fast step, one block of one head an iteration, after the general step's
+own loop over heads, which is not reported) give a row each,
 and `ragged_paged_attention` on the same tokens packed (`RAGGED_QUERIES_PER_BLOCK` query tokens a
 block). A chunk loop's iteration serves `query_tokens_per_iter` query tokens (ours: the chunk's
 row block, `_bt<tokens>_`), so compare chunk loops per query token too.
@@ -414,10 +416,14 @@ def _keys_heads(case: BundleCase, hlo_name: str, part: str | None = None) -> tup
     """(keys, KV heads) one iteration of the case's per-block loop processes (`part`: a mixed
     call's loop, "decode" or "chunk")."""
     if case.kernel in ("ours", "mixed"):
-        m = re.search(r"_bk(\d+)(?:x(\d+))?_", hlo_name)  # keys a block, blocks an iteration of decode's loop
+        # keys a block, blocks an iteration of decode's loop, KV heads a block (decode unrolls them;
+        # a chunk's innermost loop with MXU ops is its loop over heads, one an iteration)
+        m = re.search(r"_bk(\d+)(?:x(\d+))?_(?:h(\d+)_)?", hlo_name)
         if not m:
             raise ValueError(f"kernel name {hlo_name!r} has no _bk<keys>_")
-        return int(m.group(1)) * (1 if part == "chunk" else int(m.group(2) or 1)), 1
+        if part == "chunk":
+            return int(m.group(1)), 1
+        return int(m.group(1)) * int(m.group(2) or 1), int(m.group(3) or 1)
     if case.kernel == "jax":
         return BLOCK_KEYS // case.page_size * case.page_size, 1
     import jax.numpy as jnp
@@ -500,12 +506,14 @@ def _row(case: BundleCase, target: str, new_files: list[str], dump_dir: str, sec
     keys, heads = _keys_heads(case, hlo_name)
     done = dict(row, status="ok", hlo_name=hlo_name, file_bundles=len(bundles))
     runs = re.search(r"_runs(\.\d+)?$", hlo_name)
-    if case.kernel == "mixed":
-        parts = ("decode", "decode runs", "chunk") if runs else ("decode", "chunk")
+    if case.kernel == "mixed":  # (a chunk's general step loops over the heads too: its loop is not reported)
+        parts = ("decode", "decode runs", "chunk general", "chunk") if runs else ("decode", "chunk general", "chunk")
     else:
         parts = ("pages", "runs") if runs else None
     if parts is None:
-        loop = max(found, key=lambda lp: lp.bundles)
+        # The steady state: a loop with no register-bound loop inside (ours: the fast loop, which
+        # libtpu may lay out apart from the general loop around it; then both are innermost).
+        loop = max(found, key=lambda lp: (per_iteration(lp)["cold"] == 0, lp.bundles))
         return [dict(done, **_loop_figures(case, target, loop, keys, heads, _query_tokens(case, hlo_name, None),
                                            general_path(bundles, loop)))]
     if len(found) != len(parts):
@@ -514,7 +522,7 @@ def _row(case: BundleCase, target: str, new_files: list[str], dump_dir: str, sec
     return [dict(done, label=f"{case.label} {part}" if part != "pages" else case.label, part=part,
                  **_loop_figures(case, target, lp, *_keys_heads(case, hlo_name, part),
                                  _query_tokens(case, hlo_name, part), general_path(bundles, lp), part))
-            for part, lp in zip(parts, found)]  # fmt: skip
+            for part, lp in zip(parts, found) if part != "chunk general"]  # fmt: skip
 
 
 def _one_line(exc: BaseException) -> str:

@@ -34,9 +34,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._common import BlockSizes, check_arena, check_layer, check_rows, check_tokens
-from pallas_kernels.tpu.attention import (TpuAttentionTiles, _attention_kernel, _meta, check_geometry, flat_pages,
-                                          flat_scales, grouped, hole_ends, reads_runs, row_pages, run_blocks,
-                                          scale_bytes, scale_shifts, slot_scratch, ungrouped, FAST_BLOCKS)
+from pallas_kernels.tpu.attention import (TpuAttentionTiles, _attention_kernel, _meta, check_geometry, grouped,
+                                          hole_ends, reads_runs, row_pages, run_blocks, scale_bytes, scale_shifts,
+                                          scale_views, slot_scratch, ungrouped, FAST_BLOCKS)
 from pallas_kernels.tpu.common import check_smem_tables, logical_scales, resolve_tpu_interpret
 
 __all__ = ["tpu_paged_attention_mixed"]
@@ -48,12 +48,14 @@ def _mixed_kernel(meta_ref, lengths_ref, num_tokens_ref, page_map_ref, hole_end_
     # scale rows: + shifts), (runs: K and V as rows), the two outputs, then scratch
     run_ref, refs = (refs[0], refs[1:]) if runs else (None, refs)
     q_dec_ref, q_pre_ref, k_hbm, v_hbm, zero_page_hbm, *refs = refs
-    scales = refs[:(2 if k_hbm.shape[1] % 128 == 0 else 3)] if quantized else ()  # (+ scale shifts: scale rows)
+    scales = refs[:(2 if k_hbm.shape[3] % 128 == 0 else 3)] if quantized else ()  # (+ scale shifts: scale rows)
     refs = refs[len(scales):]
     row_views, refs = (refs[:2], refs[2:]) if runs else (None, refs)
     o_dec_ref, o_pre_ref, *scratch, sem = refs
-    n = len(scratch) // 3  # the decode part's buffers (2 slots each, static) and the chunk's (one allocation)
-    dec_scratch, pre_scratch = (*scratch[: 2 * n], sem), (*scratch[2 * n:], sem)
+    # The decode part's scratch (its buffers' 2 slots each, static, then 2 state arrays) and the chunk's
+    # (one allocation a buffer, then 2 state arrays).
+    n = (len(scratch) - 4) // 3
+    dec_scratch, pre_scratch = (*scratch[: 2 * n + 2], sem), (*scratch[2 * n + 2:], sem)
     b, rb = pl.program_id(0), pl.program_id(1)
     common = (meta_ref, lengths_ref, num_tokens_ref, page_map_ref, hole_end_ref)
 
@@ -93,10 +95,11 @@ def _mixed_call(q_dec, q_pre, k_arena, v_arena, meta, page_map, lengths, num_tok
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     # Each part its own buffers: decode's slots allocations of their own (static slot numbers),
     # the chunk's one allocation (`attention.Slots`); one pair of DMA semaphores.
-    scratch = [ref for static in (True, False)
-               for ref in slot_scratch(block_k, head_dim, k_arena.dtype, page_size, quantized, static=static)]
+    scratch = [ref for static, rows in ((True, group), (False, block_tokens * group))
+               for ref in slot_scratch(block_k, head_dim, k_arena.dtype, page_size, quantized, static=static,
+                                       num_kv_heads=num_kv_heads, rows=rows)]
     scratch.append(pltpu.SemaphoreType.DMA((2,)))
-    extra = (flat_scales(k_scale, page_size), flat_scales(v_scale, page_size)) if quantized else ()
+    extra = (scale_views(k_scale, page_size), scale_views(v_scale, page_size)) if quantized else ()
     extra_specs = [hbm] * len(extra)
     if quantized and page_size % 128:
         shifts = scale_shifts(page_map, page_size, k_arena.shape[2], block_k // page_size)
@@ -107,7 +110,7 @@ def _mixed_call(q_dec, q_pre, k_arena, v_arena, meta, page_map, lengths, num_tok
         prefetch.append(run_blocks(page_map, page_size, k_arena.shape[2], block_k // page_size))
         extra += (row_pages(k_arena), row_pages(v_arena))
         extra_specs += [hbm, hbm]
-    zero_page = jnp.zeros((page_size, head_dim), k_arena.dtype)
+    zero_page = jnp.zeros((num_kv_heads, page_size, head_dim), k_arena.dtype)
     rows = num_decode + num_chunks
     keys = page_map.shape[1] * page_size
     scale_page_bytes = scale_bytes(page_size) if quantized else 0
@@ -119,7 +122,7 @@ def _mixed_call(q_dec, q_pre, k_arena, v_arena, meta, page_map, lengths, num_tok
         bytes_accessed=int(programs * page_map.shape[1] * page_bytes
                            + 2 * (qd.size + qp.size) * qd.dtype.itemsize),
     )
-    name = f"tpu_paged_attention_mixed_bt{block_tokens}_g{group}_bk{block_k}x{FAST_BLOCKS}_d{head_dim}"
+    name = f"tpu_paged_attention_mixed_bt{block_tokens}_g{group}_bk{block_k}x{FAST_BLOCKS}_h{num_kv_heads}_d{head_dim}"
     if quantized:
         name += f"_{jnp.dtype(k_arena.dtype).name}"
     if runs:
@@ -139,7 +142,7 @@ def _mixed_call(q_dec, q_pre, k_arena, v_arena, meta, page_map, lengths, num_tok
         interpret=interpret,
         name=name,
         cost_estimate=cost,
-    )(*prefetch, qd, qp, flat_pages(k_arena), flat_pages(v_arena), zero_page, *extra)
+    )(*prefetch, qd, qp, k_arena, v_arena, zero_page, *extra)
     return ungrouped(o_dec, 1, num_q_heads), ungrouped(o_pre, tokens, num_q_heads)
 
 
@@ -193,7 +196,8 @@ def tpu_paged_attention_mixed(
     meta = _meta(layer, num_layers, sliding_window, logits_soft_cap, page_map.shape[1] * page_size)
     tiles = TpuAttentionTiles.choose(tokens=tokens, group=num_q_heads // num_kv_heads, page_size=page_size,
                                      max_pages=page_map.shape[1], block_sizes=block_sizes, num_kv_heads=num_kv_heads,
-                                     head_dim=head_dim, itemsize=jnp.dtype(q_dec.dtype).itemsize)
+                                     head_dim=head_dim, itemsize=jnp.dtype(q_dec.dtype).itemsize,
+                                     arena_itemsize=jnp.dtype(k_arena.dtype).itemsize)
     return _mixed_call(
         q_dec, q_pre, k_arena, v_arena, meta, page_map, lengths, num_tokens, k_scale, v_scale,
         sm_scale=float(head_dim**-0.5 if sm_scale is None else sm_scale), has_window=sliding_window is not None,
