@@ -43,7 +43,7 @@ __all__ = ["tpu_paged_attention_mixed"]
 
 
 def _mixed_kernel(meta_ref, lengths_ref, num_tokens_ref, page_map_ref, hole_end_ref, *refs, quantized: bool,
-                  num_decode: int, decode: dict, prefill: dict, runs: bool = False):
+                  num_decode: int, decode: dict, prefill: dict, decode_scratch: int, runs: bool = False):
     # refs: (runs: the run flags, scalar-prefetched), q_dec, q_pre, K, V, zero page, (8-bit: the scales,
     # scale rows: + shifts), (runs: K and V as rows), the two outputs, then scratch
     run_ref, refs = (refs[0], refs[1:]) if runs else (None, refs)
@@ -52,10 +52,8 @@ def _mixed_kernel(meta_ref, lengths_ref, num_tokens_ref, page_map_ref, hole_end_
     refs = refs[len(scales):]
     row_views, refs = (refs[:2], refs[2:]) if runs else (None, refs)
     o_dec_ref, o_pre_ref, *scratch, sem = refs
-    # The decode part's scratch (its buffers' 2 slots each, static, then 2 state arrays) and the chunk's
-    # (one allocation a buffer, then 2 state arrays).
-    n = (len(scratch) - 4) // 3
-    dec_scratch, pre_scratch = (*scratch[: 2 * n + 2], sem), (*scratch[2 * n + 2:], sem)
+    # The decode part's scratch (its first `decode_scratch` refs, `slot_scratch`) and the chunk's.
+    dec_scratch, pre_scratch = (*scratch[:decode_scratch], sem), (*scratch[decode_scratch:], sem)
     b, rb = pl.program_id(0), pl.program_id(1)
     common = (meta_ref, lengths_ref, num_tokens_ref, page_map_ref, hole_end_ref)
 
@@ -95,10 +93,11 @@ def _mixed_call(q_dec, q_pre, k_arena, v_arena, meta, page_map, lengths, num_tok
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     # Each part its own buffers: decode's slots allocations of their own (static slot numbers),
     # the chunk's one allocation (`attention.Slots`); one pair of DMA semaphores.
-    scratch = [ref for static, rows in ((True, group), (False, block_tokens * group))
-               for ref in slot_scratch(block_k, head_dim, k_arena.dtype, page_size, quantized, static=static,
-                                       num_kv_heads=num_kv_heads, rows=rows)]
-    scratch.append(pltpu.SemaphoreType.DMA((2,)))
+    dec_scratch, pre_scratch = (slot_scratch(block_k, head_dim, k_arena.dtype, page_size, quantized, static=static,
+                                             num_kv_heads=num_kv_heads, rows=rows)
+                                for static, rows in ((True, group), (False, block_tokens * group)))
+    scratch = [*dec_scratch, *pre_scratch, pltpu.SemaphoreType.DMA((2,))]
+    kernel = functools.partial(kernel, decode_scratch=len(dec_scratch))
     extra = (scale_views(k_scale, page_size), scale_views(v_scale, page_size)) if quantized else ()
     extra_specs = [hbm] * len(extra)
     if quantized and page_size % 128:
