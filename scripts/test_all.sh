@@ -70,9 +70,10 @@ run_line() {  # $1: line name; pytest in its venv ($2...: extra pytest arguments
     esac
     # Seconds per test file, for scripts/test_changed.sh's estimates (tests/conftest.py writes them).
     env+=(ARENA_COMPILE_GRID="${ARENA_COMPILE_GRID:-$grid}" ARENA_DURATIONS_JSON="$PWD/$LOGS/$line.durations.json")
-    # -rs: every skip with its reason; `time`: the line's CPU time (load-independent), on stderr
+    # -rfEs: every failure, error and skip (with its reason) in the short summary (-rs alone would
+    # drop the failures from it); `time`: the line's CPU time (load-independent), on stderr
     local TIMEFORMAT="[$line] pytest: %R s wall, %U s user + %S s system CPU"
-    time env "${env[@]}" ".venv-$line/bin/python" -m pytest -p no:cacheprovider -rs "$@"
+    time env "${env[@]}" ".venv-$line/bin/python" -m pytest -p no:cacheprovider -rfEs "$@"
 }
 
 start=$SECONDS
@@ -105,6 +106,14 @@ else
         [[ -f "$LOGS/$line.log" ]] || continue
         echo "==================== [$line] pytest (tail of $LOGS/$line.log) ===================="
         tail -40 "$LOGS/$line.log"
+    done
+    # A failure's name and its assertion lines, which the tails' skip reasons can push out of view
+    for line in $LINES; do
+        [[ -f "$LOGS/$line.log" ]] || continue
+        if grep -qE '^(FAILED|ERROR) ' "$LOGS/$line.log"; then
+            echo "==================== [$line] failures (from $LOGS/$line.log) ===================="
+            grep -E '^(FAILED|ERROR) |^E   |^_{3,} .* _{3,}$' "$LOGS/$line.log" | head -80
+        fi
     done
 fi
 for line in $LINES; do read -r rcs[$line] secs[$line] < "$LOGS/$line.rc"; done

@@ -60,7 +60,7 @@ def test_the_suite_compiles_at_backend_optimization_level_0_unless_told_otherwis
 
     assert (TEST_XLA_FLAGS in os.environ["XLA_FLAGS"]) != LEVEL_FROM_USER
     script = (ROOT / "scripts" / "test_all.sh").read_text()
-    assert "ARENA_GRID_SHARE" not in script and "-m pytest -p no:cacheprovider -rs \"$@\"" in script
+    assert "ARENA_GRID_SHARE" not in script and "-m pytest -p no:cacheprovider -rfEs \"$@\"" in script
 
 
 def test_optimization_level_0_compiles_the_same_optimized_hlo(tmp_path):
