@@ -131,8 +131,13 @@ def main(argv=None) -> int:
     app = create_app(engine, tokenizer, name, api_key=args.api_key)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.grace_period)  # fmt: skip
+    server = _Server.make(config)
     try:
-        _Server.make(config).run()
+        # Bound here, not inside `run`, so that the port actually bound (any free one with --port 0)
+        # is printed whatever the log level: a launcher reads this line to know where to connect.
+        sock = config.bind_socket()  # a port in use: uvicorn's error and exit status 3 (STARTUP_FAILURE)
+        print(f"arena-serve: listening on http://{args.host}:{sock.getsockname()[1]}", flush=True)
+        server.run(sockets=[sock])
     finally:
         engine.stop()
     return 0

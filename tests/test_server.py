@@ -35,19 +35,17 @@ ROOT = Path(__file__).resolve().parents[1]
 MAX_LEN = 96
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Served:
-    """An app on a free port in a thread."""
+    """An app on a free port in a thread. The socket is bound here and handed to uvicorn: a port
+    picked free and bound later could be taken in between (the other CI line's servers and client
+    connections use the same ephemeral range)."""
 
     def __init__(self, app):
-        self.port = _free_port()
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs=dict(sockets=[sock]), daemon=True)
         self.thread.start()
         while not self.server.started:
             time.sleep(0.02)
@@ -460,14 +458,22 @@ def test_stopped_engine_holds_no_page(setup):
 
 def test_sigterm_drains_and_exits_zero():
     """`arena-serve` as a process: after its warm-up a request compiles nothing (its /metrics);
-    SIGTERM with a stream in flight lets it finish, then the process exits 0."""
-    port = _free_port()
+    SIGTERM with a stream in flight lets it finish, then the process exits 0. It takes any free
+    port (--port 0) and says which on stdout once bound, whatever the log level."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "arena_jax.server.cli", "--model", "tiny", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "arena_jax.server.cli", "--model", "tiny", "--port", "0",
                              "--max-seqs", "2", "--max-model-len", "64", "--chunk-size", "16", "--grace-period", "20",
                              "--log-level", "warning"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
     try:
+        printed = []
+        for line in proc.stdout:  # (the warm-up first: tens of seconds; the suite's timeout bounds it)
+            printed.append(line.decode())
+            if printed[-1].startswith("arena-serve: listening on http://127.0.0.1:"):
+                break
+        else:
+            raise AssertionError(f"arena-serve exited {proc.wait()} before it listened:\n{''.join(printed)[-3000:]}")
+        url = printed[-1].split()[-1]
+        assert int(url.rsplit(":", 1)[1]) > 0
         deadline = time.time() + 240
         while True:
             try:
