@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import os
 import random
+import re
 import shutil
 import socket
 import statistics
@@ -56,24 +57,36 @@ def _free_port() -> int:
 
 
 class _Process:
-    """A server process on a free port; `stop` ends it."""
+    """A server process; `stop` ends it. `port`: the one it was told (a free one picked before it
+    started), or None: it prints the port it bound (`arena-serve --port 0`: no other process can
+    take the port in between)."""
 
-    def __init__(self, name: str, argv: list[str], port: int, timeout: float, env: dict | None = None):
-        self.name, self.port, self.url = name, port, f"http://127.0.0.1:{port}"
+    def __init__(self, name: str, argv: list[str], port: int | None, timeout: float, env: dict | None = None):
+        self.name, self.url = name, (f"http://127.0.0.1:{port}" if port else None)
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         deadline = time.time() + timeout
         while True:
+            self.url = self.url or self._printed_url()
             try:
-                urllib.request.urlopen(f"{self.url}/health", timeout=5)
-                return
+                if self.url:
+                    urllib.request.urlopen(f"{self.url}/health", timeout=5)
+                    return
             except OSError:
-                if self.proc.poll() is not None or time.time() > deadline:
-                    self.log.seek(0)
-                    tail = self.log.read().decode(errors="replace")[-3000:]
-                    self.stop()
-                    raise RuntimeError(f"{name} did not start:\n{tail}") from None
-                time.sleep(0.3)
+                pass
+            if self.proc.poll() is not None or time.time() > deadline:
+                tail = self._output()[-3000:]
+                self.stop()
+                raise RuntimeError(f"{name} did not start:\n{tail}")
+            time.sleep(0.3)
+
+    def _output(self) -> str:
+        # pread: the child writes through the same file offset, which a seek here would move
+        return os.pread(self.log.fileno(), 1 << 24, 0).decode(errors="replace")
+
+    def _printed_url(self) -> str | None:
+        found = re.search(r"^arena-serve: listening on (http://\S+)$", self._output(), re.M)
+        return found.group(1) if found else None
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -157,16 +170,15 @@ def run_http(settings: HttpSettings, progress=None) -> dict:
                          "arena_jax.benchmarks.demo_checkpoint")  # fmt: skip
         env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
         longest = 256  # prompt + max_tokens, in tokens: the default prompts are at most ~130
-        servers = {}
-        port = _free_port()
-        servers["arena-serve"] = _Process("arena-serve", [
-            sys.executable, "-m", "arena_jax.server.cli", "--model-dir", folder, "--served-model-name", "m",
-            "--port", str(port), "--max-seqs", str(settings.max_seqs), "--max-model-len", str(longest),
-            "--dtype", "float32", "--log-level", "warning"], port, settings.timeout, env)  # fmt: skip
         peer = settings.peer
         why = _peer_available() if peer != "none" else "--peer none"
-        if peer == "transformers" and why:
+        if peer == "transformers" and why:  # (before any server starts: none is left running)
             raise RuntimeError(f"--peer transformers: {why}")
+        servers = {}
+        servers["arena-serve"] = _Process("arena-serve", [
+            sys.executable, "-m", "arena_jax.server.cli", "--model-dir", folder, "--served-model-name", "m",
+            "--port", "0", "--max-seqs", str(settings.max_seqs), "--max-model-len", str(longest),
+            "--dtype", "float32", "--log-level", "warning"], None, settings.timeout, env)  # fmt: skip
         try:
             if why is None:
                 port = _free_port()
