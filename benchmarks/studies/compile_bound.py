@@ -1,0 +1,248 @@
+"""How low a paged decode step's first compile can go on XLA's CPU backend (issue 39, item 4).
+
+    python -m arena_jax.benchmarks.studies.compile_bound [--rounds 3] [--capacity 64] [--toy 30]
+
+Item 4 asks for the paged decode step's compile <= 1.5x the dense step's (the cache's share
+<= 0.5x). This study bounds what any reservation could reach. It compiles each step in three
+variants, fresh each time (`jax.clear_caches()`), variants alternated round by round, and
+prints the least CPU time of the rounds with the step's distinct kernels (`op_hlo`):
+
+- **as built**;
+- **in-place branch only** (unsafe): `reserve`'s allocator branch swapped for its in-place
+  branch (`_grow_in_place`): lengths and counters, no page popped, no copy-on-write. What any
+  allocator branch, however lean, could save;
+- **no reserve** (unsafe): `reserve` returns the cache as it got it. What the whole of
+  reservation could save;
+
+for the tiny model's decode step (`models.decode_step`, a layer scan) against the dense
+baseline's (`dense_baseline.dense_decode`), and for `examples/tiny_decoder.py`'s step (a model
+outside `models/`, its layers a Python loop, `aj.begin_step`) against its own dense cache. The
+unsafe variants exist only inside `unsafe_variant`'s block and give wrong caches whenever a row
+needs a page: they are bounds, not options.
+
+A toy program of `--toy` independent one-line kernels (each a constant of its own, behind an
+optimization barrier) gives what one distinct kernel costs to compile here, whatever it does.
+Compile time follows distinct kernels (RESULTS.md, "One compile for every layer's cache ops").
+
+`--by-part`: where the tiny steps' compile goes, from XLA's own timers. A child process
+compiles them with XLA CPU's per-module logs on (`TF_CPP_VMODULE=ir_compiler=2,
+fusion_compiler=2`: each kernel's LLVM and MLIR code generation, in ms), and each kernel's time
+is summed under the part of the step its op_name names (`PARTS`).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import arena_jax as aj
+from arena_jax import allocator, models
+from arena_jax.benchmarks.studies.op_hlo import PARTS as OP_PARTS
+from arena_jax.benchmarks.studies.op_hlo import example_steps, hlo_counts
+from arena_jax.models import dense_baseline, steps
+
+__all__ = ["VARIANTS", "PARTS", "unsafe_variant", "kernel_cost", "measure", "module_times", "ms_by_part",
+           "compile_ms_by_part", "main"]
+
+VARIANTS = ("as built", "in-place branch only", "no reserve")
+# A kernel's part of the step: the first of these names in its op_name (`op_hlo.PARTS`, and the
+# step's plan, `arena_jax.plan`); "model" for any other op_name, "no op_name" for none.
+PARTS = (*OP_PARTS[:3], ("plan", "jit(_plan)"), *OP_PARTS[3:])
+
+
+def _in_place_only(page_size, table, counts, slots, idx, live, n, length, *, runs=False):
+    del runs
+    return allocator._grow_in_place(page_size, table, counts, slots, idx, live, n, length)
+
+
+def _no_reserve(cache, slots, num_tokens, *, run_pages=None):
+    del num_tokens, run_pages
+    return cache, slots == slots
+
+
+@contextlib.contextmanager
+def unsafe_variant(variant: str):
+    """Inside the block, `reserve` is traced as `variant` says (`VARIANTS`); JAX's caches are
+    cleared on the way in and out, so nothing traced inside outlives it."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    name, swap = {"as built": (None, None), "in-place branch only": ("_allocate_and_map", _in_place_only),
+                  "no reserve": ("reserve_impl", _no_reserve)}[variant]  # fmt: skip
+    saved = getattr(allocator, name) if name else None
+    jax.clear_caches()
+    if name:
+        setattr(allocator, name, swap)
+    try:
+        yield
+    finally:
+        if name:
+            setattr(allocator, name, saved)
+        jax.clear_caches()
+
+
+def _compiled(lowered) -> tuple[float, int]:
+    """(compile CPU seconds, distinct kernels) of a lowered program."""
+    start = time.process_time()
+    text = lowered.compile().as_text()
+    return time.process_time() - start, hlo_counts(text)["distinct_kernels"]
+
+
+def _programs(batch: int, capacity: int, page_size: int, example: bool = True) -> dict:
+    """{(model, step): lowered}: the tiny model's paged and dense decode steps, the example
+    decoder's (where the checkout has it), lowered as `reserve` is now."""
+    model = models.init_random(models.LlamaConfig.tiny(), seed=0)
+    graphdef, state = nnx.split(model)
+    tokens, slots = jnp.zeros((batch,), jnp.int32), jnp.arange(batch, dtype=jnp.int32)
+    cache = aj.create(models.default_layout(model, batch, capacity, page_size=page_size))
+    dense = dense_baseline.init_dense_cache(model.config, batch, capacity)
+    out = {("tiny model", "paged"): steps.decode_step.lower(graphdef, state, cache, tokens, slots),
+           ("tiny model", "dense"): dense_baseline.dense_decode.lower(graphdef, state, dense, tokens)}  # fmt: skip
+    for name, lowered in example_steps(batch, capacity, page_size) if example else ():
+        out[("example decoder", "paged" if "paged" in name else "dense")] = lowered
+    return out
+
+
+def kernel_cost(count: int = 30) -> float:
+    """Compile CPU seconds per distinct kernel: a program of `count` one-line kernels, each
+    adding its own constant behind an optimization barrier (so none fuses or folds into
+    another), less a program of one."""
+    x = jnp.arange(4, dtype=jnp.int32)
+
+    def toy(n):
+        return jax.jit(lambda x: [jax.lax.optimization_barrier(jnp.where(x > c, x * c, x - c)) for c in range(3, 3 + n)])
+
+    jax.clear_caches()
+    many, _ = _compiled(toy(count).lower(x))
+    one, _ = _compiled(toy(1).lower(x))
+    return (many - one) / (count - 1)
+
+
+def measure(rounds: int = 3, batch: int = 4, capacity: int = 64, page_size: int = 8) -> list[dict]:
+    """One row per (model, variant): the least compile CPU seconds of `rounds` and the distinct
+    kernels; the dense steps as variant "dense". Variants alternate within each round."""
+    best: dict = {}
+    for _ in range(rounds):
+        for variant in VARIANTS:
+            with unsafe_variant(variant):
+                for (model, step), lowered in _programs(batch, capacity, page_size).items():
+                    if step == "dense" and variant != "as built":
+                        continue  # the dense steps call no cache op
+                    key = (model, "dense" if step == "dense" else variant)
+                    seconds, distinct = _compiled(lowered)
+                    old = best.get(key)
+                    best[key] = dict(model=model, variant=key[1], distinct_kernels=distinct,
+                                     compile_s=seconds if old is None else min(seconds, old["compile_s"]))
+    rows = list(best.values())
+    for row in rows:
+        dense = best[(row["model"], "dense")]
+        row["over_dense"] = row["compile_s"] / dense["compile_s"]
+        row["kernels_over_dense"] = row["distinct_kernels"] - dense["distinct_kernels"]
+    return rows
+
+
+_MODULE_TIME = re.compile(r"Compiled (?:LLVM|MLIR) module: (\S+) time: ([\d.]+) (us|ms|s)\b")
+_MARK = "compile_bound: compiling "
+
+
+def module_times(log: str) -> dict[str, dict[str, float]]:
+    """{program: {kernel: ms}} from a child's log: XLA CPU's per-module times (LLVM and MLIR,
+    summed per kernel), each under the last `_MARK` line before it. Module names are the
+    kernels' HLO names with XLA's prefixes and suffix taken off."""
+    out: dict[str, dict[str, float]] = {}
+    program = None
+    for line in log.splitlines():
+        if line.startswith(_MARK):
+            program = line[len(_MARK):].strip()
+            out[program] = {}
+            continue
+        m = _MODULE_TIME.search(line)
+        if m and program is not None:
+            name = m.group(1).replace("__compute_module_", "").removesuffix("_kernel_module")
+            ms = float(m.group(2)) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[m.group(3)]
+            out[program][name] = out[program].get(name, 0.0) + ms
+    return out
+
+
+def ms_by_part(times: dict[str, float], hlo_text: str) -> dict[str, float]:
+    """{part: ms}: each kernel's time (`module_times`) under the part its instruction's op_name
+    names in the optimized HLO (`PARTS`)."""
+    op_names = {}
+    for line in hlo_text.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = ", line)
+        if m:
+            name = re.search(r'op_name="([^"]+)"', line)
+            op_names[m.group(1)] = name.group(1) if name else None
+    parts = dict.fromkeys([name for name, _ in PARTS] + ["model", "no op_name"], 0.0)
+    for kernel, ms in times.items():
+        op_name = op_names.get(kernel)
+        part = "no op_name" if op_name is None else next((p for p, key in PARTS if key in op_name), "model")
+        parts[part] += ms
+    return parts
+
+
+def _child(folder: str, batch: int, capacity: int, page_size: int) -> None:
+    """Compile the tiny steps, each after a `_MARK` line on stderr, its optimized HLO to `folder`."""
+    for (_, step), lowered in _programs(batch, capacity, page_size, example=False).items():
+        print(_MARK + step, file=sys.stderr, flush=True)
+        (pathlib.Path(folder) / f"{step}.hlo").write_text(lowered.compile().as_text())
+        print(_MARK + "(done)", file=sys.stderr, flush=True)
+
+
+def compile_ms_by_part(batch: int = 4, capacity: int = 64, page_size: int = 8) -> dict[str, dict[str, float]]:
+    """{"paged" / "dense": {part: ms}}: the tiny steps' kernel code generation by part, from XLA's
+    own timers in a child process (its logs must be on before XLA loads)."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="ir_compiler=2,fusion_compiler=2")
+    with tempfile.TemporaryDirectory() as folder:
+        args = ["--child", folder, "--batch", str(batch), "--capacity", str(capacity), "--page-size", str(page_size)]
+        proc = subprocess.run([sys.executable, "-m", "arena_jax.benchmarks.studies.compile_bound", *args], env=env, capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"the compile child failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+        times = module_times(proc.stderr)
+        return {step: ms_by_part(times.get(step, {}), (pathlib.Path(folder) / f"{step}.hlo").read_text())
+                for step in ("paged", "dense")}  # fmt: skip
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m arena_jax.benchmarks.studies.compile_bound",
+                                description=__doc__.split("\n\n")[0])  # fmt: skip
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--capacity", type=int, default=64, help="tokens per sequence (default: 64, the tour's)")
+    p.add_argument("--page-size", type=int, default=8)
+    p.add_argument("--toy", type=int, default=30, help="kernels in the per-kernel cost's toy (default: 30)")
+    p.add_argument("--by-part", action="store_true", help="also the tiny steps' code generation by part (XLA's timers)")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        return _child(args.child, args.batch, args.capacity, args.page_size)
+    print(f"jax {jax.__version__}, {jax.devices()[0].platform}; batch {args.batch}, capacity {args.capacity}, "
+          f"page {args.page_size}; least of {args.rounds} rounds")
+    print("| model | variant | distinct kernels | over dense | compile CPU s | / dense |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    for r in measure(args.rounds, args.batch, args.capacity, args.page_size):
+        print(f"| {r['model']} | {r['variant']} | {r['distinct_kernels']} | {r['kernels_over_dense']:+d} "
+              f"| {r['compile_s']:.2f} | {r['over_dense']:.2f}x |")
+    print(f"one distinct kernel: {1e3 * kernel_cost(args.toy):.1f} ms of compile CPU time "
+          f"({args.toy} one-line kernels against one)")
+    if args.by_part:
+        parts = compile_ms_by_part(args.batch, args.capacity, args.page_size)
+        print("\nthe tiny steps' kernel code generation (LLVM + MLIR, XLA's timers), ms by part:")
+        print("| part | paged | dense |")
+        print("| --- | ---: | ---: |")
+        for part in parts["paged"]:
+            print(f"| {part} | {parts['paged'][part]:.0f} | {parts['dense'][part]:.0f} |")
+        print(f"| all | {sum(parts['paged'].values()):.0f} | {sum(parts['dense'].values()):.0f} |")
+
+
+if __name__ == "__main__":
+    main()
