@@ -84,3 +84,11 @@ def test_module_times_and_parts_from_xla_logs():
     assert parts["model"] == pytest.approx(1500.0)
     assert parts["no op_name"] == pytest.approx(2.0)
     assert sum(parts.values()) == pytest.approx(sum(times["paged"].values()))
+
+
+def test_xla_timers_by_part_from_a_child_process():
+    # the logs' format as this JAX line's XLA prints it, end to end: a change there leaves parts at 0
+    parts = compile_bound.compile_ms_by_part(batch=2, capacity=16, page_size=4)
+    paged, dense = parts["paged"], parts["dense"]
+    assert all(paged[p] > 0 for p in ("reserve", "plan", "attend", "append", "model"))
+    assert dense["model"] > 0 and all(dense[p] == 0 for p in ("reserve", "plan", "attend", "append"))
