@@ -48,7 +48,7 @@ from flax import nnx
 import arena_jax as aj
 from arena_jax import allocator, models
 from arena_jax.benchmarks.studies.op_hlo import PARTS as OP_PARTS
-from arena_jax.benchmarks.studies.op_hlo import example_steps, hlo_counts
+from arena_jax.benchmarks.studies.op_hlo import example_steps, hlo_counts, part_of
 from arena_jax.models import dense_baseline, steps
 
 __all__ = ["VARIANTS", "PARTS", "unsafe_variant", "kernel_cost", "measure", "module_times", "ms_by_part",
@@ -176,17 +176,14 @@ def module_times(log: str) -> dict[str, dict[str, float]]:
 def ms_by_part(times: dict[str, float], hlo_text: str) -> dict[str, float]:
     """{part: ms}: each kernel's time (`module_times`) under the part its instruction's op_name
     names in the optimized HLO (`PARTS`)."""
-    op_names = {}
+    part = {}  # instruction name -> its part
     for line in hlo_text.splitlines():
         m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = ", line)
         if m:
-            name = re.search(r'op_name="([^"]+)"', line)
-            op_names[m.group(1)] = name.group(1) if name else None
+            part[m.group(1)] = part_of(line, PARTS)
     parts = dict.fromkeys([name for name, _ in PARTS] + ["model", "no op_name"], 0.0)
     for kernel, ms in times.items():
-        op_name = op_names.get(kernel)
-        part = "no op_name" if op_name is None else next((p for p, key in PARTS if key in op_name), "model")
-        parts[part] += ms
+        parts[part.get(kernel, "no op_name")] += ms
     return parts
 
 
@@ -204,7 +201,8 @@ def compile_ms_by_part(batch: int = 4, capacity: int = 64, page_size: int = 8) -
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="ir_compiler=2,fusion_compiler=2")
     with tempfile.TemporaryDirectory() as folder:
         args = ["--child", folder, "--batch", str(batch), "--capacity", str(capacity), "--page-size", str(page_size)]
-        proc = subprocess.run([sys.executable, "-m", "arena_jax.benchmarks.studies.compile_bound", *args], env=env, capture_output=True, text=True)
+        argv = [sys.executable, "-m", "arena_jax.benchmarks.studies.compile_bound", *args]
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True)
         if proc.returncode:
             raise RuntimeError(f"the compile child failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
         times = module_times(proc.stderr)

@@ -37,7 +37,7 @@ import arena_jax as aj
 from arena_jax import api, models
 from arena_jax.models import dense_baseline, steps
 
-__all__ = ["hlo_counts", "kernel_signatures", "kernels_by_part", "measure", "widest_loop_start"]
+__all__ = ["hlo_counts", "kernel_signatures", "kernels_by_part", "measure", "part_of", "widest_loop_start"]
 
 _NOT_KERNELS = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast"}
 
@@ -167,18 +167,22 @@ PARTS = (("reserve", "jit(_reserve)"), ("append", "jit(_append)"), ("attend", "j
          ("layer weights sliced", "jit(dynamic_index_in_dim)"))  # fmt: skip
 
 
+def part_of(line: str, parts=PARTS) -> str:
+    """The part of the step an instruction line belongs to: the first of `parts` whose key its
+    op_name contains, "model" for any other op_name, "no op_name" without one (copies and the
+    like that XLA adds)."""
+    name = re.search(r'op_name="([^"]+)"', line)
+    if name is None:
+        return "no op_name"
+    return next((part for part, key in parts if key in name.group(1)), "model")
+
+
 def kernels_by_part(hlo_text: str) -> dict:
-    """The kernels `hlo_counts` counts, by part of the step (`PARTS`; "model": any other op of
-    the program, "no op_name": copies and the like that XLA adds without one)."""
+    """The kernels `hlo_counts` counts, by part of the step (`part_of`)."""
     parts = dict.fromkeys([name for name, _ in PARTS] + ["model", "no op_name"], 0)
     for _, _, line, kernel in _instructions(hlo_text):
-        if not kernel:
-            continue
-        name = re.search(r'op_name="([^"]+)"', line)
-        if name is None:
-            parts["no op_name"] += 1
-            continue
-        parts[next((part for part, key in PARTS if key in name.group(1)), "model")] += 1
+        if kernel:
+            parts[part_of(line)] += 1
     return parts
 
 
