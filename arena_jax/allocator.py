@@ -28,6 +28,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax import lax
 
@@ -60,14 +61,24 @@ def slot_rows(table: PageTable, slots):
     return ok & (first == jnp.arange(slots.shape[0], dtype=jnp.int32)), idx
 
 
+# Batches up to this many rows find each row's first occurrence by comparing every pair of rows
+# (one fused kernel, B^2 compares); larger ones by a scatter-min over the slots (a few kernels,
+# linear in B and max_seqs). Static: B is a shape. Both give the same `first_rows`.
+PAIRWISE_ROWS = 64
+
+
 def first_rows(table: PageTable, slots):
     """(in range bool[B], gather index i32[B], first i32[B]): first[b] is the first row of the
     batch naming row b's slot (b itself for a live row; B where the slot is out of range)."""
     max_seqs = table.page_map.shape[0]
     ok, idx = in_range_rows(table, slots)
-    row = jnp.arange(slots.shape[0], dtype=jnp.int32)
-    first = jnp.full((max_seqs,), slots.shape[0], jnp.int32).at[jnp.where(ok, slots, max_seqs)].min(row, mode="drop")
-    return ok, idx, jnp.where(ok, first[idx], slots.shape[0])
+    batch = slots.shape[0]
+    row = jnp.arange(batch, dtype=jnp.int32)
+    if batch <= PAIRWISE_ROWS:
+        same = slots[:, None] == slots[None, :]  # [B, B]: row j names row b's slot (in range if b is)
+        return ok, idx, jnp.where(ok, jnp.min(jnp.where(same, row[None, :], batch), axis=1), batch)
+    first = jnp.full((max_seqs,), batch, jnp.int32).at[jnp.where(ok, slots, max_seqs)].min(row, mode="drop")
+    return ok, idx, jnp.where(ok, first[idx], batch)
 
 
 def _page_rows(num_pages: int, pages):
@@ -124,16 +135,18 @@ def reserve_impl(cache: KVCache, slots, num_tokens, *, run_pages: bool | None = 
 
     Most calls pop no page: a decode step's rows cross a page boundary once every page_size
     tokens. When every served row grows inside the last page it holds alone, a conditional
-    takes the short branch (`_grow_in_place`: lengths, flags and counters only); the allocator
-    (`_allocate_and_map`: first come first served, copy-on-write, the free stack, then the page table's
-    scatters) runs otherwise. Both branches give the same result on such calls. The rows are
-    classified before them (slot, length, served or not); what only the allocator needs (pages
-    mapped and needed, the last page's holders) it works out in its own branch, so the short one
-    pays nothing for it (XLA's CPU backend runs a kernel per array passed into a branch). The
-    page copies of copy-on-write run after the conditional."""
+    takes the short branch (`_grow_in_place`: the table as it is, every live row served); the
+    allocator (`_allocate_and_map`: first come first served, copy-on-write, the free stack, then
+    the page map's and refcounts' scatters) runs otherwise. Both branches give the same result
+    on such calls. The rows are classified before them (slot, length, served or not); what only
+    the allocator needs (pages mapped and needed, the last page's holders) it works out in its
+    own branch, so the short one pays nothing for it (XLA's CPU backend runs a kernel per array
+    passed into or out of a branch: the branches return their rows' results packed in one).
+    What both branches would write, the served rows' lengths and flags and the counters, is
+    written after the conditional, once; so are the page copies of copy-on-write."""
     table = cache.table
-    max_pages = table.page_map.shape[1]
-    page_size = cache.k.shape[3]
+    max_seqs, max_pages = table.page_map.shape
+    num_pages, page_size = table.refcount.shape[0], cache.k.shape[3]
     pad = slots == PAD_SLOT
     live, idx = slot_rows(table, slots)
     length = jnp.where(live, table.lengths[idx], 0)
@@ -142,17 +155,31 @@ def reserve_impl(cache: KVCache, slots, num_tokens, *, run_pages: bool | None = 
     n = jnp.where(live, num_tokens, 0)
     rows = _reserve_rows(table, page_size, idx, live, n, length)
     in_place = jnp.all(~live | ((rows.need == rows.have) & ~rows.wants_cow))
-    # The table and the counters go through the conditional, the arena does not (`_copy_pages`).
+    # The table goes through the conditional, the arena does not (`_copy_pages`).
     grow = functools.partial(_grow_in_place, page_size)
     if run_pages is None:
         run_pages = cache.scale_rows if RUN_PAGES is None else RUN_PAGES
     allocate = functools.partial(_allocate_and_map, page_size, runs=run_pages)  # (`_run_pages`)
-    table, counts, ok, cow_src, cow_dst = lax.cond(in_place, grow, allocate, table, cache.stats.counts, slots, idx, live,
-                                                   n, length)  # fmt: skip
+    table, served = lax.cond(in_place, grow, allocate, table, slots, idx, live, n, length)
+    ok, no_page, granted, cow_src, cow_dst = served[0] != 0, served[1] != 0, served[2], served[3], served[4]
+    table = table.set_slots(jnp.where(ok, slots, max_seqs), lengths=length + n, active=1)  # only served rows change
+    stats = CacheStats(counts=cache.stats.counts).bump(
+        pages_allocated=granted,
+        cow_copies=cow_dst < num_pages,
+        metadata_ops=ok & (n > 0) & no_page,
+        failed_reservations=live & ~ok,
+        rejected_rows=~pad & ~live,
+    )
     # The private copy of a shared page, all layers and heads: [L, H, B, S, D] (and an 8-bit
     # arena's scales, [L, H, B, S]: a page's values mean nothing without them).
     k, v, scales = _copy_pages(cache, cow_src, cow_dst)
-    return cache.replace(k=k, v=v, table=table, stats=CacheStats(counts=counts), **scales), ok | pad
+    return cache.replace(k=k, v=v, table=table, stats=stats, **scales), ok | pad
+
+
+def _served(ok, no_page, granted, cow_src, cow_dst):
+    """A branch's rows, packed i32[5, B] (one array out of the conditional): served, popped no
+    page, pages popped, copy-on-write source and target (num_pages: none)."""
+    return jnp.stack([ok.astype(jnp.int32), no_page.astype(jnp.int32), granted, cow_src, cow_dst])
 
 
 @struct.dataclass
@@ -183,27 +210,26 @@ def _reserve_rows(table: PageTable, page_size: int, idx, live, n, length) -> _Re
                         wants_cow=live & (n > 0) & (rem_nonneg(length, page_size) != 0) & (last_refs > 1))  # fmt: skip
 
 
-def _grow_in_place(page_size: int, table: PageTable, counts, slots, idx, live, n, length):
-    """`reserve`'s branch when no live row needs a page (nor a copy): lengths, flags and
-    counters only. Returns what `_allocate_and_map` does: (table, counts, ok [B], copy-on-write
-    sources and targets [B]: num_pages, none)."""
-    del page_size, idx
+def _grow_in_place(page_size: int, table: PageTable, slots, idx, live, n, length):
+    """`reserve`'s branch when no live row needs a page (nor a copy): the table as it is, every
+    live row served, no page popped (`reserve` sets the lengths and flags). Returns what
+    `_allocate_and_map` does: (table, `_served` rows)."""
+    del page_size, slots, idx, length
     num_pages = table.refcount.shape[0]
-    target = jnp.where(live, slots, table.page_map.shape[0])  # only live rows change
-    table = table.set_slots(target, lengths=length + n, active=1)
-    stats = CacheStats(counts=counts).bump(metadata_ops=live & (n > 0), rejected_rows=(slots != PAD_SLOT) & ~live)
-    return table, stats.counts, live, _like_rows(n, 0, n.shape), _like_rows(n, num_pages, n.shape)
+    return table, _served(live, _like_rows(n, True, n.shape), _like_rows(n, 0, n.shape), _like_rows(n, 0, n.shape),
+                          _like_rows(n, num_pages, n.shape))  # fmt: skip
 
 
-def _allocate_and_map(page_size: int, table: PageTable, counts, slots, idx, live, n, length, *, runs: bool = False):
-    """`reserve`'s allocator branch: `_allocate`, then the page table's scatters and the counters.
+def _allocate_and_map(page_size: int, table: PageTable, slots, idx, live, n, length, *, runs: bool = False):
+    """`reserve`'s allocator branch: `_allocate`, then the page map's, refcounts' and free
+    stack's updates (`reserve` sets the lengths and flags). Returns (table, `_served` rows).
     `runs` (static): pages chosen to keep each slot's pages consecutive (`_run_pages`)."""
     num_pages = table.refcount.shape[0]
     rows = _reserve_rows(table, page_size, idx, live, n, length)
     row = table.page_map[idx]  # [B, M]
     free = table.refcount == 0 if runs else None
-    ok, new_row, cow_page, total, no_page, ref_pages, ref_delta, stack = _allocate(table.free_stack, table.num_free, rows,
-                                                                                   row, page_size, free)
+    ok, new_row, cow_page, granted, no_page, ref_pages, ref_delta, stack = _allocate(
+        table.free_stack, table.num_free, rows, row, page_size, free)
     if stack is not None:  # the pages left free, the lowest on top
         table = table.replace(page_words=table.page_words.at[0].set(stack))
     # One scatter: +1 for each popped page (new pages and COW copies: free, so refcount 0 -> 1),
@@ -216,16 +242,9 @@ def _allocate_and_map(page_size: int, table: PageTable, counts, slots, idx, live
     table = table.replace(
         page_map=table.page_map.at[target].set(new_row, mode="drop"),
         page_words=table.page_words.at[1, ref_pages].add(ref_delta, mode="drop"),  # refcount
-        words=table.words.at[0].add(-total),  # num_free
-    ).set_slots(target, lengths=rows.new_length, active=1)
-    stats = CacheStats(counts=counts).bump(
-        pages_allocated=total,
-        cow_copies=cow_page < num_pages,
-        metadata_ops=ok & (rows.n > 0) & no_page,
-        failed_reservations=rows.live & ~ok,
-        rejected_rows=(slots != PAD_SLOT) & ~live,
+        words=table.words.at[0].add(-jnp.sum(granted)),  # num_free
     )
-    return table, stats.counts, ok, jnp.where(cow_page < num_pages, rows.last_page, 0), cow_page
+    return table, _served(ok, no_page, granted, jnp.where(cow_page < num_pages, rows.last_page, 0), cow_page)
 
 
 def _like_rows(rows_value, value, shape):
@@ -246,8 +265,8 @@ def _allocate(free_stack, num_free, rows: _ReserveRows, row, page_size: int, fre
     last_lp, last_page, last_refs, wants_cow = rows.last_lp, rows.last_page, rows.last_refs, rows.wants_cow
     # When every holder of that page is in this batch and wants to write, the first one keeps it.
     same = wants_cow[:, None] & wants_cow[None, :] & (last_page[:, None] == last_page[None, :])  # [B, B]
-    rank = jnp.sum(jnp.tril(same, k=-1), axis=1)
-    holders_here = jnp.sum(same, axis=1)
+    before = np.tril(np.ones(same.shape, bool), k=-1)  # [B, B]: row j comes before row b
+    rank, holders_here = jnp.sum(jnp.stack([same & before, same]), axis=2, dtype=jnp.int32)  # one reduction
     keeper = (rank == 0) & (holders_here == last_refs)
     cow = wants_cow & ~keeper
 
@@ -284,7 +303,7 @@ def _allocate(free_stack, num_free, rows: _ReserveRows, row, page_size: int, fre
     ref_pages = jnp.concatenate([jnp.where(is_new, new_page, num_pages).reshape(-1), cow_page,
                                  jnp.where(do_cow, last_page, num_pages)])  # fmt: skip
     ref_delta = jnp.concatenate([jnp.ones(is_new.size + cow_page.size, jnp.int32), jnp.full(cow_page.shape, -1, jnp.int32)])
-    return ok, new_row, cow_page, total, demand == 0, ref_pages, ref_delta, stack
+    return ok, new_row, cow_page, granted, demand == 0, ref_pages, ref_delta, stack
 
 
 def _run_pages(free, num_left, granted, do_cow, have, row, page_size: int):

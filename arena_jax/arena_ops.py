@@ -100,17 +100,21 @@ def page_rows(table, slots):
     return table.page_map[in_range_rows(table, slots)[1]]
 
 
-def append_rows(table, page_size: int, layer, slots, num_tokens, tokens: int, rows) -> AppendRows:
-    """`append_impl`'s classification at `layer` (the rules in its docstring; rows: `page_rows`)."""
+def append_rows(table, page_size: int, layer, slots, num_tokens, tokens: int, rows, words=None,
+                written=None) -> AppendRows:  # fmt: skip
+    """`append_impl`'s classification at `layer` (the rules in its docstring; rows: `page_rows`).
+    words i32[B, 2 + L], written i32[B]: the rows' slot words (`PageTable.slot_words` at their
+    gather index) and watermarks at `layer`, where the caller has them (default: read here)."""
     max_seqs, max_pages = table.page_map.shape
     num_pages = table.refcount.shape[0]
     layer_ok, layer_c = _layer(table, layer)
     live, idx = slot_rows(table, slots)
     good = live & layer_ok & (num_tokens >= 0) & (num_tokens <= tokens)
     n = jnp.where(good, num_tokens, 0)
-    start = jnp.where(good, table.written[layer_c, idx], 0)
-    reserved = jnp.where(good, table.lengths[idx], 0)
-    fits = table.active[idx] & (n <= reserved - start)  # start <= reserved: no overflow
+    words = table.slot_words[idx] if words is None else words
+    start = jnp.where(good, table.written[layer_c, idx] if written is None else written, 0)
+    reserved = jnp.where(good, words[:, 0], 0)
+    fits = (words[:, 1] != 0) & (n <= reserved - start)  # start <= reserved: no overflow
 
     t = jnp.arange(tokens, dtype=jnp.int32)[None, :]
     pos = start[:, None] + t  # [B, T]

@@ -151,12 +151,14 @@ def _plan(cache: KVCache, slots, num_tokens, width: int, deferred: bool = False)
     num_pages, page_size = cache.k.shape[2], cache.k.shape[3]
     rows = page_rows(table, slots)
     layers = np.arange(num_layers + 1, dtype=np.int32)  # the last: out of range (numpy: a constant XLA folds into its users)
-    append = jax.vmap(lambda layer: append_rows(table, page_size, layer, slots, num_tokens, width, rows))(layers)
+    _, idx, first = first_rows(table, slots)
+    words = table.slot_words[idx]  # [B, 2 + L]
+    written = jnp.concatenate([words[:, 2:].T, jnp.zeros_like(idx)[None]])  # [L + 1, B]
+    append = jax.vmap(lambda layer, w: append_rows(table, page_size, layer, slots, num_tokens, width, rows, words, w))(
+        layers, written)
     # What each row's attention reads after its layer's append: the slot's watermark plus what
     # the batch's row that writes that slot (its first) appended (`append_impl` advances it so).
-    _, idx, first = first_rows(table, slots)
     first = jnp.minimum(first, slots.shape[0] - 1)  # out-of-range rows: read nothing anyway
-    written = jnp.concatenate([table.written[:, idx], jnp.zeros_like(idx)[None]])  # [L + 1, B]
     after = written + jnp.take(append.accepted, first, axis=1)
     attend = jax.vmap(lambda layer, w: attend_rows(table, layer, slots, num_tokens, width, written=w))(layers, after)
     tokens = jnp.where(append.ok, append.page * page_size + rem_nonneg(append.pos, page_size), num_pages * page_size)

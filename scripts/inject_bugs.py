@@ -127,7 +127,7 @@ MUTANTS = {
     "reserve: the allocator's refcounts land in the held row": ("arena_jax/allocator.py",
         "page_words=table.page_words.at[1, ref_pages]", "page_words=table.page_words.at[2, ref_pages]"),
     "reserve: the allocator pops pages without taking them off the free count": ("arena_jax/allocator.py",
-        "words=table.words.at[0].add(-total)", "words=table.words.at[0].add(0 * total)"),
+        "words=table.words.at[0].add(-jnp.sum(granted))", "words=table.words.at[0].add(0 * jnp.sum(granted))"),
     "release: freed pages not pushed on the free stack": ("arena_jax/allocator.py",
         "jnp.where(freed, 0, 3), jnp.where(freed, slot_in_stack, 0)", "jnp.where(freed, 3, 3), jnp.where(freed, slot_in_stack, 0)"),
     "fork: the shared pages' refcounts left as they were": ("arena_jax/allocator.py",
@@ -135,16 +135,15 @@ MUTANTS = {
     "truncate: the layers' watermarks not cut to the new length": ("arena_jax/allocator.py",
         "jnp.minimum(words[:, 2:], new_length[:, None])", "words[:, 2:]"),
     # the TPU attention kernel's steady-state loop (issue 42)
-    "tpu attention: the fast loop starts this head's next block, not the next pair's": (
-        "pallas_kernels/tpu/attention.py", "start_whole(h_next, j_next, 1 - slot)", "start_whole(h, j_next, 1 - slot)"),
+    "tpu attention: the fast loop starts this block again, not the next one": (
+        "pallas_kernels/tpu/attention.py", "start_whole(j_next, 1 - slot, run_next)", "start_whole(j, 1 - slot, run_next)"),
     "tpu attention: the fast loop takes a block with a hole": ("pallas_kernels/tpu/attention.py",
         "fast_lo = jnp.maximum(fast_lo, lax.div(hole_end + block_k - 1, block_k))", "fast_lo = fast_lo"),
     "tpu attention: the general step misses a hole in the block that ends at the row's last hole": (
         "pallas_kernels/tpu/attention.py", "jnp.where(j * block_k < hole_end, p1, p0)",
         "jnp.where(j * block_k + block_k < hole_end, p1, p0)"),
     "tpu attention: the fast loop's second pair is not checked": ("pallas_kernels/tpu/attention.py",
-        "return in_fast(j) & in_fast(jnp.where(j + 1 == blk_end, blk_lo, j + 1)) & (i + 2 < total)",
-        "return in_fast(j) & (i + 2 < total)"),
+        "return in_fast(j) & in_fast(j + 1) & (i + 2 < total)", "return in_fast(j) & (i + 2 < total)"),
     "tpu attention: a fast prefill block misses a non-finite V row": ("pallas_kernels/tpu/attention.py",
         "bad_blk = jnp.maximum(bad_s, jnp.max(jnp.where(v_ok_col, 0.0, 1.0)))", "bad_blk = bad_s"),
     "tpu attention: the fast loop takes a block the first query cannot see whole": ("pallas_kernels/tpu/attention.py",
@@ -162,7 +161,7 @@ MUTANTS = {
     "blockwise: one block never checks its V rows": ("pallas_kernels/blockwise.py",
         "l, acc = lax.cond(jnp.all(jnp.isfinite(acc)), lambda: (l, acc), checked)", "pass"),
     "blockwise: decode leaves a poisoned head's finite lanes": ("pallas_kernels/blockwise.py",
-        "l, acc = jnp.where(bad, jnp.nan, l), jnp.where(bad[..., None], jnp.nan, acc)", "pass"),
+        "return jnp.where(bad, jnp.nan, l), jnp.where(bad[..., None], jnp.nan, acc)", "return l, acc"),
     "blockwise: decode reads the keys past its query": ("pallas_kernels/blockwise.py",
         "key_live &= key_pos[None, :] <= q_pos[:, :1]", "pass"),
 }

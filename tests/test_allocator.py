@@ -523,3 +523,23 @@ def test_a_cache_is_one_pytree_node_with_its_arrays_as_leaves():
     jax.tree_util.tree_map(np.testing.assert_array_equal, restored, back)
     with pytest.raises(ValueError, match="missing fields"):
         serialization.from_state_dict(cache, {k: v for k, v in state.items() if k != "stats"})
+
+
+def test_first_rows_pairwise_equals_the_scatter_min_on_random_batches(monkeypatch):
+    """`first_rows` compares every pair of rows for batches up to `allocator.PAIRWISE_ROWS`, and
+    scatters a min over the slots for larger ones: both give the same (in range, gather index,
+    first row) on fresh random batches of duplicate, padded and out-of-range slots."""
+    from arena_jax import allocator
+
+    table = aj.create(LAYOUT).table
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    values = np.array([aj.PAD_SLOT, -5, LAYOUT.max_seqs, LAYOUT.max_seqs + 3, 2**31 - 1, *range(LAYOUT.max_seqs)])
+    for _ in range(60):
+        slots = jnp.asarray(rng.choice(values, size=int(rng.integers(1, 13))), jnp.int32)
+        monkeypatch.setattr(allocator, "PAIRWISE_ROWS", 64)
+        pairwise = allocator.first_rows(table, slots)
+        monkeypatch.setattr(allocator, "PAIRWISE_ROWS", 0)
+        scattered = allocator.first_rows(table, slots)
+        for got, want in zip(pairwise, scattered):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"seed {seed}, slots {slots}")

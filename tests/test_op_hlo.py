@@ -4,6 +4,8 @@ holds: blockwise attention compiles no loop when a row's capacity fits one block
 conditional (issue 39, item 4)."""
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,8 +14,8 @@ import pytest
 import arena_jax as aj
 from arena_jax import api
 from pallas_kernels import blockwise
-from arena_jax.benchmarks.studies.op_hlo import (hlo_counts, kernel_signatures, kernels_by_part, measure,
-                                                 widest_loop_start)
+from arena_jax.benchmarks.studies.op_hlo import (_instructions, hlo_counts, kernel_signatures, kernels_by_part,
+                                                 measure, widest_loop_start)
 
 SMALL_MODULE = """HloModule m
 
@@ -226,3 +228,27 @@ def test_reserve_copies_pages_only_under_a_conditional():
     slots = jnp.arange(2, dtype=jnp.int32)
     text = api._reserve.lower(aj.create(layout), slots, jnp.ones((2,), jnp.int32)).compile().as_text()
     assert " conditional(" in text
+
+
+def _branch_kernels(text: str) -> list[int]:
+    """The kernels in each branch of the (one) conditional of an optimized HLO module's entry."""
+    per_computation: dict = {}
+    for computation, _, _, kernel in _instructions(text):
+        per_computation[computation] = per_computation.get(computation, 0) + kernel
+    line = next(line for line in text.splitlines() if " conditional(" in line)
+    names = re.search(r"branch_computations=\{([^}]*)\}", line).group(1)
+    return [per_computation.get(name.strip().lstrip("%"), 0) for name in names.split(",")]
+
+
+def test_reserve_s_in_place_branch_runs_almost_nothing():
+    """A decode step's usual `reserve` (no page popped) takes the conditional's in-place branch:
+    it returns the table as it is and its rows packed in one array, so it runs a kernel or two
+    (it ran 8 when each branch wrote lengths, flags and counters of its own and returned them
+    apart; RESULTS.md, session 41)."""
+    layout = aj.KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, page_size=8, num_pages=32, max_seqs=4,
+                         max_pages_per_seq=8, dtype=jnp.float32)  # fmt: skip
+    slots = jnp.arange(4, dtype=jnp.int32)
+    text = api._reserve.lower(aj.create(layout), slots, jnp.ones((4,), jnp.int32)).compile().as_text()
+    in_place, allocator = sorted(_branch_kernels(text))
+    assert in_place <= 2, in_place
+    assert allocator >= 10  # (the other branch: the allocator's classification, pops and scatter)

@@ -9,7 +9,7 @@ prints the least CPU time of the rounds with the step's distinct kernels (`op_hl
 
 - **as built**;
 - **in-place branch only** (unsafe): `reserve`'s allocator branch swapped for its in-place
-  branch (`_grow_in_place`): lengths and counters, no page popped, no copy-on-write. What any
+  branch (`_grow_in_place`): every live row served, no page popped, no copy-on-write. What any
   allocator branch, however lean, could save;
 - **no reserve** (unsafe): `reserve` returns the cache as it got it. What the whole of
   reservation could save;
@@ -60,9 +60,9 @@ VARIANTS = ("as built", "in-place branch only", "no reserve")
 PARTS = (*OP_PARTS[:3], ("plan", "jit(_plan)"), *OP_PARTS[3:])
 
 
-def _in_place_only(page_size, table, counts, slots, idx, live, n, length, *, runs=False):
+def _in_place_only(page_size, table, slots, idx, live, n, length, *, runs=False):
     del runs
-    return allocator._grow_in_place(page_size, table, counts, slots, idx, live, n, length)
+    return allocator._grow_in_place(page_size, table, slots, idx, live, n, length)
 
 
 def _no_reserve(cache, slots, num_tokens, *, run_pages=None):
