@@ -215,9 +215,8 @@ def _grow_in_place(page_size: int, table: PageTable, slots, idx, live, n, length
     live row served, no page popped (`reserve` sets the lengths and flags). Returns what
     `_allocate_and_map` does: (table, `_served` rows)."""
     del page_size, slots, idx, length
-    num_pages = table.refcount.shape[0]
-    return table, _served(live, _like_rows(n, True, n.shape), _like_rows(n, 0, n.shape), _like_rows(n, 0, n.shape),
-                          _like_rows(n, num_pages, n.shape))  # fmt: skip
+    zeros = _like_rows(n, 0, n.shape)
+    return table, _served(live, zeros == 0, zeros, zeros, zeros + table.refcount.shape[0])
 
 
 def _allocate_and_map(page_size: int, table: PageTable, slots, idx, live, n, length, *, runs: bool = False):
