@@ -15,6 +15,9 @@ token, one thread each on a CPU (torch by `torch.set_num_threads(1)`, XLA by the
           own KV cache, eager attention (what `arena-bench decode --hf on` builds: `hf_peer`);
 - hf-static: the same `generate` with `cache_implementation="static"` (a preallocated cache;
           transformers compiles its decode forward with `torch.compile` where it can, on a GPU);
+- arena-unrolled (`--unrolled`): `models.generate` on the same weights as a list of layers run by
+          a Python loop (`scan_layers=False`): no per-step copy of each layer's weights out of
+          the stack (XLA's CPU compiler copies a layer scan's weight slices before its matmuls);
 - hf-cb:  transformers' continuous batching, `model.generate_batch(...)` (paged attention
           on its own cache), where the installed transformers has it.
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -33,6 +37,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from arena_jax import models
 from arena_jax.benchmarks.studies.context_cost import Settings
@@ -50,6 +55,17 @@ def _hf_model(model, device: str, attention: str):
     return hf
 
 
+def unrolled(model):
+    """The same model as a list of layers run by a Python loop (`scan_layers=False`), its weights
+    copied from `model`'s stacks layer by layer."""
+    out = models.init_random(model.config, seed=0, dtype=model.dtype, scan_layers=False)
+    for i, block in enumerate(out.layers):
+        nnx.update(block, nnx.state(model.layer(i)))
+    rest = {name: value for name, value in nnx.state(model).items() if name != "layers"}
+    nnx.update(out, nnx.State(rest))
+    return out
+
+
 def _timed(fn):
     t0 = time.perf_counter()
     out = fn()
@@ -65,7 +81,7 @@ def _config(model: str, capacity: int):
 
 
 def run(batch: int = 32, prompt_len: int = 128, new_tokens: int = 64, rounds: int = 3, seed: int = 0, model_name: str = "mid",
-        dtype: str = "float32", peers=("hf", "hf-cb"), log=print) -> dict:  # fmt: skip
+        dtype: str = "float32", peers=("hf", "hf-cb"), log=print, with_unrolled: bool = False) -> dict:  # fmt: skip
     import torch
 
     on_gpu = jax.default_backend() == "gpu" and torch.cuda.is_available()
@@ -82,8 +98,8 @@ def run(batch: int = 32, prompt_len: int = 128, new_tokens: int = 64, rounds: in
             torch.cuda.synchronize()
         return out
 
-    def arena():
-        out = models.generate(model, prompts.tolist(), new_tokens, batch_size=batch)
+    def arena(m=model):
+        out = models.generate(m, prompts.tolist(), new_tokens, batch_size=batch)
         return np.asarray([list(t) for t in out.tokens])
 
     def hf_generate(**cache):
@@ -102,17 +118,18 @@ def run(batch: int = 32, prompt_len: int = 128, new_tokens: int = 64, rounds: in
             out = synced(hf.generate_batch(inputs=prompts.tolist(), generation_config=gen, progress_bar=False))
         return np.asarray([out[k].generated_tokens for k in sorted(out, key=lambda k: int(str(k).split("_")[-1]))])
 
-    paths = {"arena": arena, "hf": hf_generate, "hf-static": lambda: hf_generate(cache_implementation="static")}
+    paths = {"arena": arena, **({"arena-unrolled": functools.partial(arena, unrolled(model))} if with_unrolled else {}),
+             "hf": hf_generate, "hf-static": lambda: hf_generate(cache_implementation="static")}
     if hasattr(hf, "generate_batch"):
         paths["hf-cb"] = hf_cb
-    paths = {name: fn for name, fn in paths.items() if name == "arena" or name in peers}
+    paths = {name: fn for name, fn in paths.items() if name.startswith("arena") or name in peers}
     tokens, skipped = {}, {}
     for name, fn in list(paths.items()):  # untimed: compile / warm
         try:
             tokens[name], seconds = _timed(fn)
             log(f"# {name}: untimed first call {seconds:.1f} s")
         except Exception as exc:  # noqa: BLE001  (a peer that cannot run here is reported, not fatal)
-            if name == "arena":
+            if name.startswith("arena"):
                 raise
             skipped[name] = f"{type(exc).__name__}: {exc}"[:300]
             del paths[name]
@@ -146,6 +163,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--peers", default="hf,hf-cb", help="comma-separated: hf (generate), hf-static (generate, static cache), "
                    "hf-cb (generate_batch)")
+    p.add_argument("--unrolled", action="store_true", help="also the arena on the same weights as a list of layers "
+                   "(scan_layers=False: no per-step copy of the layers' weights on a CPU)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     import torch
@@ -157,7 +176,7 @@ def main(argv=None) -> int:
     print("| path | seconds (median) | generated tokens/s | arena speedup | tokens equal to the arena's |")
     print("|---|---:|---:|---:|---:|")
     result = run(a.batch, a.prompt_len, a.new_tokens, a.rounds, model_name=a.model, dtype=a.dtype,
-                 peers=tuple(a.peers.split(",")))  # fmt: skip
+                 peers=tuple(a.peers.split(",")), with_unrolled=a.unrolled)  # fmt: skip
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)
