@@ -41,7 +41,7 @@ from arena_jax.models.generate import Generation, default_decode_block, default_
 from arena_jax.models.host_tier import SwapPolicy
 from arena_jax.models.key_calibration import calibrate_key_factors
 from arena_jax.models.layers import MLP, Attention, Embedder, RMSNorm, apply_rope, rope_frequencies
-from arena_jax.models.llama import Block, Llama, init_random, token_positions
+from arena_jax.models.llama import CPU_LIST_LAYER_BYTES, Block, Llama, default_scan_layers, init_random, token_positions
 from arena_jax.models.options import Parallelism, Serving
 from arena_jax.models.parallel import shard_model, weights_mesh
 from arena_jax.models.hub import checkpoint_dir
@@ -61,6 +61,8 @@ __all__ = [
     "Llama",
     "Block",
     "init_random",
+    "default_scan_layers",
+    "CPU_LIST_LAYER_BYTES",
     "shard_model",
     "weights_mesh",
     "Attention",

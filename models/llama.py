@@ -29,7 +29,8 @@ from arena_jax.models.checks import check_int, check_number
 from arena_jax.models.config import LlamaConfig
 from arena_jax.models.layers import _FROM_CONFIG, MLP, Attention, Embedder, RMSNorm, layer_inv_freq, layer_windows, one_row_safe_einsum
 
-__all__ = ["Block", "Llama", "init_random", "token_positions", "layer_inputs", "run_layers"]
+__all__ = ["Block", "Llama", "init_random", "token_positions", "layer_inputs", "run_layers", "default_scan_layers",
+           "CPU_LIST_LAYER_BYTES"]
 
 _List = getattr(nnx, "List", list)  # flax >= 0.12 wants nnx.List for lists of modules
 
@@ -90,6 +91,27 @@ def layer_inputs(config: LlamaConfig) -> tuple[dict, dict]:
     else:
         scanned["inv_freq"] = jnp.asarray(inv_freq)
     return scanned, fixed
+
+
+# On a CPU, layers holding at least this many bytes of weights each run as a list of layers by
+# default (`default_scan_layers`): XLA's CPU compiler copies a layer scan's weight slices out
+# of the stack before each matmul, every step (the mid model, 11.5 MiB a layer: batch-1 decode
+# 1.63x slower under the scan; tiny layers of ~150 KiB: no difference; benchmarks/RESULTS.md,
+# "The layer scan's weight copies on a CPU").
+CPU_LIST_LAYER_BYTES = 2**20
+
+
+def default_scan_layers(config: LlamaConfig, param_dtype=jnp.float32, platform: str | None = None) -> bool:
+    """Whether a model of `config` (weights stored in `param_dtype`) runs its layers by a scan
+    by default on `platform` (default: JAX's default backend): yes, except on a CPU for layers of
+    `CPU_LIST_LAYER_BYTES` or more each, which there run as a list of layers (read in place
+    by their matmuls; the step's compile then grows with depth). `load_pretrained` asks it."""
+    platform = jax.default_backend() if platform is None else platform
+    if platform != "cpu":
+        return True
+    block = nnx.eval_shape(lambda: Block(config, dtype=param_dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0)))
+    layer_bytes = sum(a.size * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(nnx.state(block, nnx.Param)))
+    return layer_bytes < CPU_LIST_LAYER_BYTES
 
 
 def run_layers(model: "Llama", x, carry, body):

@@ -25,7 +25,7 @@ from flax import nnx
 
 from arena_jax.models.config import LlamaConfig
 from arena_jax.models.hub import checkpoint_dir
-from arena_jax.models.llama import Llama
+from arena_jax.models.llama import Llama, default_scan_layers
 
 __all__ = [
     "Pretrained",
@@ -255,13 +255,15 @@ def load_tokenizer(model_dir: str):
 
 def load_pretrained(
     model_dir, *, dtype=jnp.bfloat16, param_dtype=None, mesh=None, tensor_axis: str | None = "tensor",
-    scan_layers: bool = True,
+    scan_layers: bool | None = None,
 ) -> Pretrained:
     """Build a `Llama` from a Hugging Face folder; weights cast to `param_dtype` (default `dtype`).
     `model_dir`: the folder, or a Hugging Face name ("org/name") already in the local Hugging Face
     cache (`models.checkpoint_dir`: nothing is downloaded; a name not there is a FileNotFoundError
-    saying how to download it). `scan_layers`: stacked layers run by a scan (default) or a list
-    of layers (see `Llama`).
+    saying how to download it). `scan_layers`: stacked layers run by a scan (True) or a list of
+    layers (False; see `Llama`); None (default): `models.default_scan_layers` on the platform the
+    weights go to (a scan, except on a CPU for layers of 1 MiB of weights or more: a scan's
+    matmuls there copy every layer's weights every step).
 
     With a `mesh`, each tensor goes from the host straight to its devices, split Megatron style
     over `tensor_axis` (`models.parallel`): no device ever holds the whole model. The layers'
@@ -276,6 +278,11 @@ def load_pretrained(
     model_dir = checkpoint_dir(model_dir)
     config = LlamaConfig.from_hf(model_dir)
     param_dtype = jnp.dtype(dtype if param_dtype is None else param_dtype)
+    if scan_layers is None:
+        platform = None if mesh is None else mesh.devices.flat[0].platform
+        scan_layers = default_scan_layers(config, param_dtype, platform)
+    elif not isinstance(scan_layers, bool):
+        raise ValueError(f"scan_layers must be a bool or None (the platform's default), got {scan_layers!r}")
     expected = hf_tensor_map(config, scan_layers=scan_layers)
     where = read_safetensors(model_dir)
     _check_tensor_names(model_dir, where, expected, config.tie_word_embeddings)

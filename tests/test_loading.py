@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
 from arena_jax import models
+from arena_jax.models import llama as llama_module
 from arena_jax.models.cli import main as generate_main
 from hf_folders import save_hf_folder
 
@@ -140,3 +142,25 @@ def test_generation_config_gives_the_stop_tokens(tmp_path, model, tensors):
     assert _load(path).model.config.eos_token_ids == (5,)
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9], "bos_token_id": 1}))
     assert _load(path).model.config.eos_token_ids == (7, 9)
+
+
+def test_a_checkpoint_of_big_layers_loads_as_a_list_on_a_cpu(tmp_path, monkeypatch):
+    """`scan_layers=None` (the default): a scan, except on a CPU for layers of
+    `CPU_LIST_LAYER_BYTES` or more (a layer scan there copies every layer's weights every step);
+    True / False as asked; anything else a ValueError naming it. Both load the same weights and
+    decode the same tokens."""
+    src = models.init_random(models.LlamaConfig.tiny(num_layers=2), seed=5)
+    path = _save(tmp_path / "two", src.config.to_hf(), models.export_hf_tensors(src))
+    assert _load(path).model.scan_layers  # a tiny layer (~150 KiB): the scan
+    layer_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(src.layer(0)))
+    monkeypatch.setattr(llama_module, "CPU_LIST_LAYER_BYTES", layer_bytes)  # this layer is now "big"
+    assert not models.default_scan_layers(src.config) and models.default_scan_layers(src.config, platform="gpu")
+    listed = _load(path).model
+    assert not listed.scan_layers and len(listed.layers) == 2
+    assert models.load_pretrained(path, dtype=jnp.float32, scan_layers=True).model.scan_layers
+    monkeypatch.setattr(llama_module, "CPU_LIST_LAYER_BYTES", layer_bytes + 1)
+    assert _load(path).model.scan_layers
+    with pytest.raises(ValueError, match="scan_layers must be a bool or None"):
+        models.load_pretrained(path, dtype=jnp.float32, scan_layers="yes")
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    assert models.generate(listed, prompts, 4).tokens == models.generate(src, prompts, 4).tokens
