@@ -215,13 +215,17 @@ class LlamaConfig:
         period = next(p for p in range(1, len(types) + 1) if all(types[i] == types[i % p] for i in range(len(types))))
         return dataclasses.replace(self, num_layers=num_layers, layer_types=tuple(types[i % period] for i in range(num_layers)))
 
-    def num_params(self) -> int:
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer (attention, MLP, norms)."""
         e, f, d, n, k = self.hidden_size, self.intermediate_size, self.head_dim, self.num_heads, self.num_kv_heads
         attn = e * d * (2 * n + 2 * k) + (self.qkv_bias and (n + 2 * k) * d) + (self.o_bias and e)
         norms = (4 if self.gemma else 2) * e + (2 * d if self.qk_norm else 0)
-        per_layer = attn + 3 * e * f + norms
+        return attn + 3 * e * f + norms
+
+    def num_params(self) -> int:
+        e = self.hidden_size
         head = 0 if self.tie_word_embeddings else self.vocab_size * e
-        return self.vocab_size * e + self.num_layers * per_layer + e + head
+        return self.vocab_size * e + self.num_layers * self.layer_params() + e + head
 
     # ---- the cache geometry for this model ------------------------------------------------
     def kv_layout(

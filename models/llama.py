@@ -107,11 +107,7 @@ def default_scan_layers(config: LlamaConfig, param_dtype=jnp.float32, platform: 
     `CPU_LIST_LAYER_BYTES` or more each, which there run as a list of layers (read in place
     by their matmuls; the step's compile then grows with depth). `load_pretrained` asks it."""
     platform = jax.default_backend() if platform is None else platform
-    if platform != "cpu":
-        return True
-    block = nnx.eval_shape(lambda: Block(config, dtype=param_dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0)))
-    layer_bytes = sum(a.size * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(nnx.state(block, nnx.Param)))
-    return layer_bytes < CPU_LIST_LAYER_BYTES
+    return platform != "cpu" or config.layer_params() * jnp.dtype(param_dtype).itemsize < CPU_LIST_LAYER_BYTES
 
 
 def run_layers(model: "Llama", x, carry, body):
