@@ -37,7 +37,7 @@ if __name__ == "models":  # imported by its old top-level name (a source checkou
 from arena_jax.models import presets
 from arena_jax.models.config import LlamaConfig, RopeScaling
 from arena_jax.models.dense_baseline import DenseCache, dense_decode, dense_generate, dense_prefill, init_dense_cache
-from arena_jax.models.generate import Generation, default_decode_block, default_layout, generate, length_bucket
+from arena_jax.models.generate import Generation, default_chunk_size, default_decode_block, default_layout, generate, length_bucket
 from arena_jax.models.host_tier import SwapPolicy
 from arena_jax.models.key_calibration import calibrate_key_factors
 from arena_jax.models.layers import MLP, Attention, Embedder, RMSNorm, apply_rope, rope_frequencies
@@ -98,6 +98,7 @@ __all__ = [
     "Parallelism",
     "default_layout",
     "default_decode_block",
+    "default_chunk_size",
     "length_bucket",
     "SwapPolicy",
     "calibrate_key_factors",

@@ -71,7 +71,7 @@ from arena_jax.models.options import Parallelism, Serving, options_from_keywords
 from arena_jax.models.sampling import Sampling
 from arena_jax.models.scheduler import Scheduler, Seq, fetch
 
-__all__ = ["Generation", "generate", "default_layout", "length_bucket", "default_decode_block"]
+__all__ = ["Generation", "generate", "default_layout", "length_bucket", "default_decode_block", "default_chunk_size"]
 
 
 @dataclasses.dataclass
@@ -320,6 +320,8 @@ def generate(
             raise ValueError(f"the layout's {field}={getattr(layout, field)} does not match the model's {want}")
     if batch_size > layout.max_seqs:
         raise ValueError(f"batch_size={batch_size} exceeds the layout's max_seqs={layout.max_seqs}")
+    if chunk_size is None:
+        chunk_size = default_chunk_size(online=arrivals_given, mixed_steps=serving.mixed_steps)
     chunk_size = min(chunk_size, layout.max_seq_len)  # no sequence is longer: a longer chunk is pure padding
     if cache is None:
         if mesh is not None and data_axis is not None and data_axis not in mesh.shape:
@@ -428,6 +430,22 @@ def generate(
         proposed_tokens=runner.proposed_tokens,
         accepted_tokens=runner.accepted_tokens,
     )
+
+
+# generate's prompt tokens a row per prefill call when not given (`default_chunk_size`).
+OFFLINE_CHUNK_SIZE = 128
+ONLINE_CHUNK_SIZE = 32
+
+
+def default_chunk_size(online: bool = False, mixed_steps: bool = False) -> int:
+    """generate's prefill chunk when not given: 128 tokens a row per call, or 32 for an online
+    workload (arrivals: a prompt that arrives mid-run stalls the running rows for a call, whose
+    other rows are padding) or with mixed steps (a step carries the decode rows and chunks: its
+    size is their latency). Every prefill call reads all of the model's weights, so chunks of 32
+    run a small batch's prefill at the weights' bandwidth: on a CPU, the mid model's prefill of
+    one 512-token prompt took 0.68 s in chunks of 32 and 0.32 s in chunks of 128 (256 and 512:
+    no faster; 8 prompts: 2.53 -> 2.30 s; benchmarks/RESULTS.md, session 43)."""
+    return ONLINE_CHUNK_SIZE if online or mixed_steps else OFFLINE_CHUNK_SIZE
 
 
 def default_decode_block(cache: aj.KVCache, online: bool = False) -> int:

@@ -39,8 +39,9 @@ class Serving:
 
     batch_size: int = 4
     """Rows run at once (row r uses cache slot r); at most the layout's max_seqs. vLLM: max_num_seqs."""
-    chunk_size: int = 32
-    """Prompt tokens a row feeds per prefill call (chunked prefill: one compiled prefill)."""
+    chunk_size: int | None = None
+    """Prompt tokens a row feeds per prefill call (chunked prefill: one compiled prefill); None:
+    `default_chunk_size` (128; 32 with arrivals or mixed steps)."""
     layout: aj.KVLayout | None = None
     """The arena's layout; None: generate sizes it (every row at full length, `length_bucket`)."""
     kv_dtype: Any = None
@@ -64,7 +65,8 @@ class Serving:
 
     def __post_init__(self):
         object.__setattr__(self, "batch_size", check_int("batch_size", self.batch_size, low=1))
-        object.__setattr__(self, "chunk_size", check_int("chunk_size", self.chunk_size, low=1))
+        if self.chunk_size is not None:
+            object.__setattr__(self, "chunk_size", check_int("chunk_size", self.chunk_size, low=1))
         object.__setattr__(self, "host_pages", check_int("host_pages", self.host_pages, low=0))
         if self.decode_block is not None:
             object.__setattr__(self, "decode_block", check_int("decode_block", self.decode_block, low=1, high=MAX_DECODE_BLOCK))

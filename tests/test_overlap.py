@@ -247,6 +247,24 @@ def test_decode_block_steps_equal_decode_step_calls(model, layouts):
     assert np.asarray(out.cache.table.lengths)[:2].tolist() == [48, 45]  # nothing reserved past the refusal
 
 
+def test_default_chunk_size_by_workload(model):
+    """128 prompt tokens a row per prefill call offline, 32 with arrivals (a prompt arriving
+    mid-run stalls the running rows for a call) or mixed steps; a chunk given is kept; the same
+    tokens."""
+    assert models.default_chunk_size() == 128 and models.default_chunk_size(online=True) == 32
+    assert models.default_chunk_size(mixed_steps=True) == 32
+    assert models.Serving().chunk_size is None
+    prompts = np.random.default_rng(5).integers(0, 128, (2, 100)).tolist()
+    offline = models.generate(model, prompts, 4, batch_size=2)
+    assert offline.prefill_calls == 1  # 100 tokens: one chunk of 128 (generate's layout holds 128 a row)
+    chunked = models.generate(model, prompts, 4, batch_size=2, chunk_size=32)
+    assert chunked.prefill_calls == 4 and chunked.tokens == offline.tokens
+    online = models.generate(model, prompts, 4, batch_size=2, arrivals=[0.0, 0.0])
+    assert online.prefill_calls == 4 and online.tokens == offline.tokens
+    mixed = models.generate(model, prompts, 4, batch_size=2, mixed_steps=True)  # budget: 2 rows + one chunk of 32
+    assert mixed.mixed_calls == 8 and mixed.tokens == offline.tokens  # 2 prompts x 4 chunks, one a step
+
+
 def test_default_decode_block_by_workload_and_platform(model):
     """8 offline on this CPU; 1 for an online workload (tokens read back as sampled) and for a
     cache on a TPU (XLA's TPU compile of the block program: RESULTS, "Decode blocks"); the

@@ -18,6 +18,8 @@ token, one thread each on a CPU (torch by `torch.set_num_threads(1)`, XLA by the
 - arena-unrolled (`--unrolled`): `models.generate` on the same weights as a list of layers run by
           a Python loop (`scan_layers=False`): no per-step copy of each layer's weights out of
           the stack (XLA's CPU compiler copies a layer scan's weight slices before its matmuls);
+- arena-chunkN (`--chunk-sizes N,...`): `models.generate` with `Serving(chunk_size=N)`, against
+          the default chunk (`models.default_chunk_size`);
 - hf-cb:  transformers' continuous batching, `model.generate_batch(...)` (paged attention
           on its own cache), where the installed transformers has it.
 
@@ -81,7 +83,8 @@ def _config(model: str, capacity: int):
 
 
 def run(batch: int = 32, prompt_len: int = 128, new_tokens: int = 64, rounds: int = 3, seed: int = 0, model_name: str = "mid",
-        dtype: str = "float32", peers=("hf", "hf-cb"), log=print, with_unrolled: bool = False) -> dict:  # fmt: skip
+        dtype: str = "float32", peers=("hf", "hf-cb"), log=print, with_unrolled: bool = False,
+        chunk_sizes=()) -> dict:  # fmt: skip
     import torch
 
     on_gpu = jax.default_backend() == "gpu" and torch.cuda.is_available()
@@ -98,8 +101,8 @@ def run(batch: int = 32, prompt_len: int = 128, new_tokens: int = 64, rounds: in
             torch.cuda.synchronize()
         return out
 
-    def arena(m=model):
-        out = models.generate(m, prompts.tolist(), new_tokens, batch_size=batch)
+    def arena(m=model, chunk_size=None):
+        out = models.generate(m, prompts.tolist(), new_tokens, serving=models.Serving(batch_size=batch, chunk_size=chunk_size))
         return np.asarray([list(t) for t in out.tokens])
 
     def hf_generate(**cache):
@@ -119,6 +122,7 @@ def run(batch: int = 32, prompt_len: int = 128, new_tokens: int = 64, rounds: in
         return np.asarray([out[k].generated_tokens for k in sorted(out, key=lambda k: int(str(k).split("_")[-1]))])
 
     paths = {"arena": arena, **({"arena-unrolled": functools.partial(arena, unrolled(model))} if with_unrolled else {}),
+             **{f"arena-chunk{c}": functools.partial(arena, chunk_size=c) for c in chunk_sizes},
              "hf": hf_generate, "hf-static": lambda: hf_generate(cache_implementation="static")}
     if hasattr(hf, "generate_batch"):
         paths["hf-cb"] = hf_cb
@@ -165,6 +169,8 @@ def main(argv=None) -> int:
                    "hf-cb (generate_batch)")
     p.add_argument("--unrolled", action="store_true", help="also the arena on the same weights as a list of layers "
                    "(scan_layers=False: no per-step copy of the layers' weights on a CPU)")
+    p.add_argument("--chunk-sizes", default="", help="comma-separated prefill chunks: also the arena with each "
+                   "(Serving(chunk_size=N); the 'arena' path runs models.default_chunk_size)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     import torch
@@ -176,7 +182,8 @@ def main(argv=None) -> int:
     print("| path | seconds (median) | generated tokens/s | arena speedup | tokens equal to the arena's |")
     print("|---|---:|---:|---:|---:|")
     result = run(a.batch, a.prompt_len, a.new_tokens, a.rounds, model_name=a.model, dtype=a.dtype,
-                 peers=tuple(a.peers.split(",")), with_unrolled=a.unrolled)  # fmt: skip
+                 peers=tuple(a.peers.split(",")), with_unrolled=a.unrolled,
+                 chunk_sizes=tuple(int(c) for c in a.chunk_sizes.split(",") if c))  # fmt: skip
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)
