@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not stop at the checkpoint's eos tokens (generation_config.json / config.json)")  # fmt: skip
     p.add_argument("--batch", type=positive_int, default=4, help="batch rows decoded together")
     p.add_argument("--chunk-size", type=positive_int, default=None,
-                   help="prefill chunk (tokens per prefill call); default: models.default_chunk_size (128; 32 with --mixed-steps)")  # fmt: skip
+                   help="prefill chunk (tokens per prefill call); default: models.default_chunk_size (the prompt's length rounded up to a power of two, 32 to 128; 32 with --mixed-steps)")  # fmt: skip
     p.add_argument("--page-size", type=positive_int, default=16, help="tokens per page of the KV arena")
     p.add_argument("--num-pages", type=positive_int, default=None, help="arena pages (default: every row at full length)")
     p.add_argument("--max-seq-len", type=positive_int, default=None, help="per-sequence limit (default: prompt + new tokens, rounded up to a power of two)")
@@ -219,7 +219,7 @@ def main(argv=None) -> int:
         except ValueError as exc:  # memory.TooLarge included: the bucket failing falls back to the exact length
             if i + 1 == len(lengths):
                 parser.error(f"{sizes}: {exc}")
-    chunk_size = min(args.chunk_size or models.default_chunk_size(mixed_steps=args.mixed_steps), layout.max_seq_len)  # generate's: no sequence is longer
+    chunk_size = min(args.chunk_size or models.default_chunk_size(mixed_steps=args.mixed_steps, longest_prompt=len(prompt)), layout.max_seq_len)  # generate's: no sequence is longer
     if args.mixed_steps and args.token_budget is not None and args.token_budget < args.batch + chunk_size:
         parser.error(f"--token-budget {args.token_budget}: token_budget={args.token_budget} must hold the batch's decode "
                      f"tokens (--batch {args.batch}) plus at least one prompt chunk (--chunk-size {chunk_size}): at least "

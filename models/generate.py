@@ -177,8 +177,10 @@ def generate(
     `batch_size` rows run at once (row r uses cache slot r); give `layout` (or a `cache`,
     reused and returned) to bound the arena, else it holds every row at full length, the
     longest prompt + `max_new_tokens` rounded up to a power of two (`length_bucket`), so that
-    later calls with other lengths in that bucket compile nothing. A given layout or cache is
-    compiled for once: any prompts and max_new_tokens that fit it reuse its steps.
+    later calls with other lengths in that bucket compile nothing (with the default `chunk_size`,
+    `default_chunk_size`: their longest prompts in the same class, up to 32, 64 or more tokens,
+    as the prefill's width follows it). A given layout or cache is compiled for once: any
+    prompts and max_new_tokens that fit it reuse its steps (the same proviso).
     temperature 0 is greedy; top_k / top_p filter; `seed` (an int32) makes sampling reproducible.
     A sequence stops after a token in `stop_tokens` (kept in its output). The default, None,
     means the model's `config.eos_token_ids` (a checkpoint's eos tokens, as transformers'
@@ -321,7 +323,8 @@ def generate(
     if batch_size > layout.max_seqs:
         raise ValueError(f"batch_size={batch_size} exceeds the layout's max_seqs={layout.max_seqs}")
     if chunk_size is None:
-        chunk_size = default_chunk_size(online=arrivals_given, mixed_steps=serving.mixed_steps)
+        chunk_size = default_chunk_size(online=arrivals_given, mixed_steps=serving.mixed_steps,
+                                        longest_prompt=max((len(p) for p in prompts), default=1))  # fmt: skip
     chunk_size = min(chunk_size, layout.max_seq_len)  # no sequence is longer: a longer chunk is pure padding
     if cache is None:
         if mesh is not None and data_axis is not None and data_axis not in mesh.shape:
@@ -437,15 +440,23 @@ OFFLINE_CHUNK_SIZE = 128
 ONLINE_CHUNK_SIZE = 32
 
 
-def default_chunk_size(online: bool = False, mixed_steps: bool = False) -> int:
-    """generate's prefill chunk when not given: 128 tokens a row per call, or 32 for an online
-    workload (arrivals: a prompt that arrives mid-run stalls the running rows for a call, whose
-    other rows are padding) or with mixed steps (a step carries the decode rows and chunks: its
-    size is their latency). Every prefill call reads all of the model's weights, so chunks of 32
-    run a small batch's prefill at the weights' bandwidth: on a CPU, the mid model's prefill of
-    one 512-token prompt took 0.68 s in chunks of 32 and 0.32 s in chunks of 128 (256 and 512:
-    no faster; 8 prompts: 2.53 -> 2.30 s; benchmarks/RESULTS.md, session 43)."""
-    return ONLINE_CHUNK_SIZE if online or mixed_steps else OFFLINE_CHUNK_SIZE
+def default_chunk_size(online: bool = False, mixed_steps: bool = False, longest_prompt: int | None = None) -> int:
+    """generate's prefill chunk when not given: up to 128 tokens a row per call, or 32 for an
+    online workload (arrivals: a prompt that arrives mid-run stalls the running rows for a call,
+    whose other rows are padding) or with mixed steps (a mixed step's size is the decode rows'
+    latency). Given the longest prompt, no wider than it rounded up to a power of two (at least
+    32): a chunk is computed whole, padding included, so short prompts keep chunks of 32.
+
+    Every prefill call reads all of the model's weights, so chunks of 32 run a small batch's
+    prefill at the weights' bandwidth: on a CPU, the mid model's prefill of one 512-token prompt
+    took 0.68 s in chunks of 32 and 0.32 s in chunks of 128 (256 and 512: no faster; 8 prompts:
+    2.53 -> 2.30 s); 32 prompts of 16 tokens + 128 new ran 1.27x slower with a chunk of 128 than
+    of 32 (benchmarks/RESULTS.md, session 43)."""
+    if online or mixed_steps:
+        return ONLINE_CHUNK_SIZE
+    if longest_prompt is None:
+        return OFFLINE_CHUNK_SIZE
+    return min(OFFLINE_CHUNK_SIZE, max(ONLINE_CHUNK_SIZE, 1 << max(0, int(longest_prompt) - 1).bit_length()))
 
 
 def default_decode_block(cache: aj.KVCache, online: bool = False) -> int:

@@ -41,7 +41,8 @@ class Serving:
     """Rows run at once (row r uses cache slot r); at most the layout's max_seqs. vLLM: max_num_seqs."""
     chunk_size: int | None = None
     """Prompt tokens a row feeds per prefill call (chunked prefill: one compiled prefill); None:
-    `default_chunk_size` (128; 32 with arrivals or mixed steps)."""
+    `default_chunk_size` (the longest prompt rounded up to a power of two, 32 to 128; 32 with
+    arrivals or mixed steps)."""
     layout: aj.KVLayout | None = None
     """The arena's layout; None: generate sizes it (every row at full length, `length_bucket`)."""
     kv_dtype: Any = None

@@ -247,22 +247,36 @@ def test_decode_block_steps_equal_decode_step_calls(model, layouts):
     assert np.asarray(out.cache.table.lengths)[:2].tolist() == [48, 45]  # nothing reserved past the refusal
 
 
-def test_default_chunk_size_by_workload(model):
-    """128 prompt tokens a row per prefill call offline, 32 with arrivals (a prompt arriving
-    mid-run stalls the running rows for a call) or mixed steps; a chunk given is kept; the same
-    tokens."""
+def test_default_chunk_size_by_workload(model, monkeypatch):
+    """Up to 128 prompt tokens a row per prefill call offline, no wider than the longest prompt
+    rounded up to a power of two (at least 32: a chunk is computed whole), 32 with arrivals (a
+    prompt arriving mid-run stalls the running rows for a call) or mixed steps; a chunk given
+    is kept; the same tokens every way."""
     assert models.default_chunk_size() == 128 and models.default_chunk_size(online=True) == 32
-    assert models.default_chunk_size(mixed_steps=True) == 32
+    assert models.default_chunk_size(mixed_steps=True, longest_prompt=500) == 32
+    assert [models.default_chunk_size(longest_prompt=n) for n in (1, 32, 33, 64, 65, 128, 129, 4096)] == [
+        32, 32, 64, 64, 128, 128, 128, 128]
     assert models.Serving().chunk_size is None
+    widths = []  # the chunk each generate call's scheduler runs
+    scheduler_init = Scheduler.__init__
+
+    def spy(self, model, cache, layout, batch_size, chunk_size, *args):
+        widths.append(chunk_size)
+        scheduler_init(self, model, cache, layout, batch_size, chunk_size, *args)
+
+    monkeypatch.setattr(Scheduler, "__init__", spy)
     prompts = np.random.default_rng(5).integers(0, 128, (2, 100)).tolist()
     offline = models.generate(model, prompts, 4, batch_size=2)
-    assert offline.prefill_calls == 1  # 100 tokens: one chunk of 128 (generate's layout holds 128 a row)
+    assert offline.prefill_calls == 1 and widths[-1] == 128  # 100 tokens: one chunk (the 128 bucket)
     chunked = models.generate(model, prompts, 4, batch_size=2, chunk_size=32)
-    assert chunked.prefill_calls == 4 and chunked.tokens == offline.tokens
+    assert chunked.prefill_calls == 4 and widths[-1] == 32 and chunked.tokens == offline.tokens
     online = models.generate(model, prompts, 4, batch_size=2, arrivals=[0.0, 0.0])
-    assert online.prefill_calls == 4 and online.tokens == offline.tokens
+    assert online.prefill_calls == 4 and widths[-1] == 32 and online.tokens == offline.tokens
     mixed = models.generate(model, prompts, 4, batch_size=2, mixed_steps=True)  # budget: 2 rows + one chunk of 32
-    assert mixed.mixed_calls == 8 and mixed.tokens == offline.tokens  # 2 prompts x 4 chunks, one a step
+    assert mixed.mixed_calls == 8 and widths[-1] == 32 and mixed.tokens == offline.tokens  # 2 x 4 chunks, one a step
+    short = models.generate(model, [p[:40] for p in prompts], 60, batch_size=2)  # the 128 bucket, 40-token prompts
+    assert short.prefill_calls == 1 and widths[-1] == 64
+    assert short.tokens == models.generate(model, [p[:40] for p in prompts], 60, batch_size=2, chunk_size=128).tokens
 
 
 def test_default_decode_block_by_workload_and_platform(model):
