@@ -456,7 +456,7 @@ def default_chunk_size(online: bool = False, mixed_steps: bool = False, longest_
         return ONLINE_CHUNK_SIZE
     if longest_prompt is None:
         return OFFLINE_CHUNK_SIZE
-    return min(OFFLINE_CHUNK_SIZE, max(ONLINE_CHUNK_SIZE, 1 << max(0, int(longest_prompt) - 1).bit_length()))
+    return min(OFFLINE_CHUNK_SIZE, length_bucket(longest_prompt, ONLINE_CHUNK_SIZE))  # a power of two, at least 32
 
 
 def default_decode_block(cache: aj.KVCache, online: bool = False) -> int:
