@@ -160,11 +160,16 @@ def _gather_block(arena, layer, pages):
 def _scores(qg, k):
     """q . k: qg f32 [B, Hkv, G, T, D], k f32 [B, Hkv, N, D] -> f32 [B, Hkv, G, T, N].
 
-    K is the dot's left operand, so the dot reads its rows as gathered (D minor). Written as
-    `einsum("BKGTD,BKND->BKGTN", qg, k)`, XLA's CPU backend fused the K gather with a transpose
-    to [B, Hkv, D, N]: a strided gather that took longer than the dot (benchmarks/RESULTS.md,
-    "One block of attention"). The transposed result is small: G * T scores a key."""
+    Up to D queries a KV head (G * T <= D: decode, short verify chunks), K is the dot's left
+    operand, so the dot reads its rows as gathered (D minor) and the result is transposed.
+    Written as `einsum("BKGTD,BKND->BKGTN", qg, k)`, XLA's CPU backend fused the K gather with
+    a transpose to [B, Hkv, D, N]: a strided gather that took longer than the dot
+    (benchmarks/RESULTS.md, "One block of attention"). Past D queries (prefill chunks) the
+    transposed scores, G * T a key, outgrow that transposed K, D a key: the einsum form
+    (a 32 x 128-token prefill of the mid model 1.08-1.13x faster on a CPU; RESULTS.md, session 44)."""
     b, kh, g, t, d = qg.shape
+    if g * t > d:
+        return jnp.einsum("BKGTD,BKND->BKGTN", qg, k, precision=_HIGHEST)
     s = lax.dot_general(k, qg.reshape(b, kh, g * t, d), (((3,), (3,)), ((0, 1), (0, 1))),
                         precision=_HIGHEST)  # [B, Hkv, N, G*T]
     return jnp.swapaxes(s, 2, 3).reshape(b, kh, g, t, k.shape[2])

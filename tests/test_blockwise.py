@@ -258,6 +258,19 @@ def test_int4_pages_equal_the_reference(head_dim, q_heads, kv_heads, page_size, 
     np.testing.assert_array_equal(np.isnan(np.asarray(reference(**poisoned), np.float32)), expected)
 
 
+@pytest.mark.parametrize("group,tokens", [(4, 1), (2, 8), (4, 5), (8, 16)])
+def test_scores_in_either_form_equal_a_float64_product(group, tokens):
+    """`_scores` takes K as the dot's left operand up to head_dim queries a KV head (G * T <=
+    D: 4, 16) and the einsum form past it (20, 128): both equal q . k in float64, fresh data."""
+    rng = np.random.default_rng()
+    qg = rng.standard_normal((3, 2, group, tokens, HEAD_DIM)).astype(np.float32)
+    k = rng.standard_normal((3, 2, 11, HEAD_DIM)).astype(np.float32)
+    got = np.asarray(jax.jit(bw._scores)(jnp.asarray(qg), jnp.asarray(k)), np.float64)
+    want = np.einsum("bkgtd,bknd->bkgtn", qg.astype(np.float64), k.astype(np.float64))
+    assert got.shape == want.shape == (3, 2, group, tokens, 11)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_key_range_and_block_geometry():
     """The loop covers exactly the keys valid queries may see: rows without queries do not
     extend it, windows move its start, a window <= 0 empties it."""
