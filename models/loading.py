@@ -114,7 +114,7 @@ def hf_tensor_map(config: LlamaConfig, *, scan_layers: bool = True) -> dict[str,
                 out[hf + name] = TensorSpec(("layers", i) + path, shape, to_ours, to_hf)
     out["model.norm.weight"] = TensorSpec(("norm", "scale"), (e,), same, same)
     if not config.tie_word_embeddings:
-        out["lm_head.weight"] = TensorSpec(("lm_head",), (v, e), t, t)
+        out["lm_head.weight"] = TensorSpec(("lm_head",), (v, e), same, same)
     return out
 
 

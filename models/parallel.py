@@ -18,7 +18,7 @@ its own devices their parts). Each attention and MLP block is column- then row-p
     o [N, H, E]  -> P(tensor, None, None)     row-parallel: partial sums, one all-reduce
     gate, up [E, F] -> P(None, tensor)        column-parallel (F % tp == 0)
     down [F, E]  -> P(tensor, None)           row-parallel: one all-reduce
-    embedding [V, E], lm_head [E, V]          vocabulary split when V % tp == 0, else replicated
+    embedding [V, E], lm_head [V, E]          vocabulary split when V % tp == 0, else replicated
     q_bias [N, H], k_bias, v_bias [K, H]      split like their projection's output heads
     o_bias [E]                                replicated (added after the all-reduce)
     norm scales (q/k norms included)          replicated
@@ -86,7 +86,7 @@ def param_spec(name: str, config, tp: int, tensor_axis) -> P:
         "v_bias": P(kv, None),
         "o_bias": P(None),
         "embedding": P(vocab, None),
-        "lm_head": P(None, vocab),
+        "lm_head": P(vocab, None),
         "scale": P(),
     }
     if name not in specs:

@@ -172,7 +172,7 @@ def test_megatron_rules_and_limits():
     assert param_spec("k", cfg, 4, "tensor") == P(None, None, None)  # ...or replicated when fewer than tp
     assert param_spec("o", cfg, 4, "tensor") == P("tensor", None, None)  # row-parallel
     assert param_spec("down", cfg, 4, "tensor") == P("tensor", None)
-    assert param_spec("lm_head", cfg, 4, "tensor") == P(None, "tensor")  # vocabulary split
+    assert param_spec("lm_head", cfg, 4, "tensor") == P("tensor", None)  # vocabulary split
     assert param_spec("lm_head", models.LlamaConfig.tiny(vocab_size=130), 4, "tensor") == P(None, None)
     check_tensor_parallel(cfg, 4, "tensor")
     # the families' own parameters: biases split like their projection's heads, q/k norms replicated

@@ -79,7 +79,7 @@ def compile_step(step: str, batch: int, tokens: int, layers: int, dump: str):
     config = dataclasses.replace(LlamaConfig.llama3_8b(), num_layers=layers)
     graphdef, state = nnx.split(nnx.eval_shape(
         lambda: Llama(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))
-    state = place(state)  # layer weights stacked [L, ...]; embed [128256, 4096], lm_head [4096, 128256]
+    state = place(state)  # layer weights stacked [L, ...]; embed [128256, 4096], lm_head [128256, 4096]
     layout = config.kv_layout(page_size=PAGE_SIZE, num_pages=NUM_PAGES, max_seqs=batch, max_seq_len=MAX_SEQ_LEN,
                               dtype="bfloat16")
     cache = place(jax.eval_shape(lambda: aj.create(layout)))  # k, v: bf16[L, 8, 8192, 16, 128]
