@@ -1,5 +1,5 @@
-"""benchmarks/studies/hf_generate.py (issue 39, items 1 and 3): its `arena-unrolled` path runs the
-same weights as the layer scan, as a list of layers."""
+"""benchmarks/studies/hf_generate.py (issue 39, items 1 and 3): its list-of-layers model (the
+`arena` path on a CPU, `arena-list` elsewhere) runs the same weights as the layer scan."""
 from __future__ import annotations
 
 import jax

@@ -10,14 +10,17 @@ token, one thread each on a CPU (torch by `torch.set_num_threads(1)`, XLA by the
 `--model llama3-8b --dtype bfloat16` on a GPU: both on the GPU, transformers with SDPA attention:
 
 - arena:  `models.generate(model, prompts, new_tokens, batch_size=batch)` (its defaults otherwise:
-          chunked prefill, decode blocks, the paged arena sized by the call);
+          chunked prefill, decode blocks, the paged arena sized by the call), the model's layers
+          in the form `load_pretrained` gives a checkpoint of these weights on this platform
+          (`models.default_scan_layers`: on a CPU the mid model's layers, 3 MiB each, are a list
+          run by a Python loop, read in place by their matmuls; a layer scan elsewhere);
 - hf:     transformers' `model.generate(input_ids, do_sample=False, max_new_tokens=...)` with its
           own KV cache, eager attention (what `arena-bench decode --hf on` builds: `hf_peer`);
 - hf-static: the same `generate` with `cache_implementation="static"` (a preallocated cache;
           transformers compiles its decode forward with `torch.compile` where it can, on a GPU);
-- arena-unrolled (`--unrolled`): `models.generate` on the same weights as a list of layers run by
-          a Python loop (`scan_layers=False`): no per-step copy of each layer's weights out of
-          the stack (XLA's CPU compiler copies a layer scan's weight slices before its matmuls);
+- arena-scan / arena-list (`--other-layers`): `models.generate` on the same weights in the other
+          form: stacked and run by a layer scan (XLA's CPU compiler copies each layer's weight
+          slices out of the stacks every step), or a list of layers (`scan_layers=False`);
 - arena-chunkN (`--chunk-sizes N,...`): `models.generate` with `Serving(chunk_size=N)`, against
           the default chunk (`models.default_chunk_size`);
 - hf-cb:  transformers' continuous batching, `model.generate_batch(...)` (paged attention
@@ -83,7 +86,7 @@ def _config(model: str, capacity: int):
 
 
 def run(batch: int = 32, prompt_len: int = 128, new_tokens: int = 64, rounds: int = 3, seed: int = 0, model_name: str = "mid",
-        dtype: str = "float32", peers=("hf", "hf-cb"), log=print, with_unrolled: bool = False,
+        dtype: str = "float32", peers=("hf", "hf-cb"), log=print, other_layers: bool = False,
         chunk_sizes=()) -> dict:  # fmt: skip
     import torch
 
@@ -92,7 +95,10 @@ def run(batch: int = 32, prompt_len: int = 128, new_tokens: int = 64, rounds: in
     if not on_gpu:
         torch.set_num_threads(1)
     cfg = _config(model_name, prompt_len + new_tokens)
-    model = models.init_random(cfg, seed=seed, dtype=jnp.dtype(dtype))
+    model = models.init_random(cfg, seed=seed, dtype=jnp.dtype(dtype))  # stacked layers
+    scan = models.default_scan_layers(cfg, jnp.dtype(dtype))
+    listed = unrolled(model) if other_layers or not scan else None  # a second copy of the weights: only if run
+    default, other = (model, listed) if scan else (listed, model)
     prompts = np.random.default_rng(seed).integers(1, cfg.vocab_size, (batch, prompt_len)).astype(np.int64)
     hf = _hf_model(model, device, "sdpa" if on_gpu else "eager")
 
@@ -101,7 +107,7 @@ def run(batch: int = 32, prompt_len: int = 128, new_tokens: int = 64, rounds: in
             torch.cuda.synchronize()
         return out
 
-    def arena(m=model, chunk_size=None):
+    def arena(m=default, chunk_size=None):
         out = models.generate(m, prompts.tolist(), new_tokens, serving=models.Serving(batch_size=batch, chunk_size=chunk_size))
         return np.asarray([list(t) for t in out.tokens])
 
@@ -121,7 +127,9 @@ def run(batch: int = 32, prompt_len: int = 128, new_tokens: int = 64, rounds: in
             out = synced(hf.generate_batch(inputs=prompts.tolist(), generation_config=gen, progress_bar=False))
         return np.asarray([out[k].generated_tokens for k in sorted(out, key=lambda k: int(str(k).split("_")[-1]))])
 
-    paths = {"arena": arena, **({"arena-unrolled": functools.partial(arena, unrolled(model))} if with_unrolled else {}),
+    other_name = "arena-list" if scan else "arena-scan"
+    log(f"# arena: {'a layer scan' if scan else 'a list of layers'} (models.default_scan_layers)")
+    paths = {"arena": arena, **({other_name: functools.partial(arena, other)} if other_layers else {}),
              **{f"arena-chunk{c}": functools.partial(arena, chunk_size=c) for c in chunk_sizes},
              "hf": hf_generate, "hf-static": lambda: hf_generate(cache_implementation="static")}
     if hasattr(hf, "generate_batch"):
@@ -167,8 +175,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--peers", default="hf,hf-cb", help="comma-separated: hf (generate), hf-static (generate, static cache), "
                    "hf-cb (generate_batch)")
-    p.add_argument("--unrolled", action="store_true", help="also the arena on the same weights as a list of layers "
-                   "(scan_layers=False: no per-step copy of the layers' weights on a CPU)")
+    p.add_argument("--other-layers", action="store_true", help="also the arena on the same weights with its layers in "
+                   "the other form: a layer scan where models.default_scan_layers gives a list (a CPU), else a list")
     p.add_argument("--chunk-sizes", default="", help="comma-separated prefill chunks: also the arena with each "
                    "(Serving(chunk_size=N); the 'arena' path runs models.default_chunk_size)")
     p.add_argument("--json", default=None)
@@ -182,7 +190,7 @@ def main(argv=None) -> int:
     print("| path | seconds (median) | generated tokens/s | arena speedup | tokens equal to the arena's |")
     print("|---|---:|---:|---:|---:|")
     result = run(a.batch, a.prompt_len, a.new_tokens, a.rounds, model_name=a.model, dtype=a.dtype,
-                 peers=tuple(a.peers.split(",")), with_unrolled=a.unrolled,
+                 peers=tuple(a.peers.split(",")), other_layers=a.other_layers,
                  chunk_sizes=tuple(int(c) for c in a.chunk_sizes.split(",") if c))  # fmt: skip
     if a.json:
         with open(a.json, "w") as f:
