@@ -175,9 +175,9 @@ class Llama(nnx.Module):
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            # [V, E], as transformers stores it: XLA's CPU dots read it 1.3-1.5x faster than [E, V]
-            # at 8-32 rows (benchmarks/RESULTS.md, session 45); drawn [E, V] (its layout before)
-            # so that a seed gives the same weights.
+            # [V, E], as transformers stores it: XLA's CPU dots read it 1.1-1.6x faster than [E, V]
+            # at 2-32 rows, 0.83x at one row (benchmarks/RESULTS.md, session 45); drawn [E, V]
+            # (its layout before) so that a seed gives the same weights.
             self.lm_head = nnx.Param(
                 nnx.initializers.normal(0.02)(rngs.params(), (config.hidden_size, config.vocab_size), param_dtype).T
             )
