@@ -12,7 +12,7 @@ token, one thread each on a CPU (torch by `torch.set_num_threads(1)`, XLA by the
 - arena:  `models.generate(model, prompts, new_tokens, batch_size=batch)` (its defaults otherwise:
           chunked prefill, decode blocks, the paged arena sized by the call), the model's layers
           in the form `load_pretrained` gives a checkpoint of these weights on this platform
-          (`models.default_scan_layers`: on a CPU the mid model's layers, 3 MiB each, are a list
+          (`models.default_scan_layers`: on a CPU the mid model's layers, 12 MiB each, are a list
           run by a Python loop, read in place by their matmuls; a layer scan elsewhere);
 - hf:     transformers' `model.generate(input_ids, do_sample=False, max_new_tokens=...)` with its
           own KV cache, eager attention (what `arena-bench decode --hf on` builds: `hf_peer`);
