@@ -107,6 +107,15 @@ class StepPlan:
         return cache.replace(table=table.set_slot_words(target, layers, end),
                              stats=cache.stats.replace(counts=cache.stats.counts + counts))
 
+    def last_query(self) -> "StepPlan":
+        """This plan for an attention of ONE query token a row, each row's last new token (q
+        [B, 1, N, H], num_tokens min(n, 1)): a forward pass that needs only that token past the
+        last layer's K/V (`models.Llama.hidden(..., last_only=True)`). For `aj.attend` only:
+        the layer's append runs under the plan itself, with all its tokens."""
+        n = self.rows4[..., 3]
+        return self.replace(rows4=self.rows4.at[..., 3].set(jnp.minimum(n, 1)),
+                            num_tokens=jnp.minimum(self.num_tokens, 1), width=1)  # fmt: skip
+
     def attend_at(self, layer, table, after=None) -> AttendRows:
         """Layer `layer`'s attention rows, as they stand after its append; `after`: the arena
         after that append."""

@@ -46,6 +46,7 @@ from flax import nnx, struct
 
 from arena_jax.models.checks import token_ids
 from arena_jax.models.config import LlamaConfig
+from arena_jax.models.layers import take_tokens
 from arena_jax.models.llama import Llama, run_layers
 from arena_jax.models.sampling import first_argmax
 
@@ -93,8 +94,10 @@ def _attention(q, k, v, q_pos, key_pos, window, sm_scale, soft_cap):
     return out.reshape(b, t, n, h).astype(q.dtype)
 
 
-def _forward(model: Llama, cache: DenseCache, tokens, num_tokens):
-    """tokens [B, T] at positions lengths + t; returns (hidden [B, T, E], cache)."""
+def _forward(model: Llama, cache: DenseCache, tokens, num_tokens, last_only: bool = False):
+    """tokens [B, T] at positions lengths + t; returns (hidden [B, T, E], cache). `last_only`:
+    hidden [B, 1, E] of each row's last new token, the last layer running its query, attention
+    and the rest for that token alone (as the paged model's `hidden(..., last_only=True)`)."""
     cfg = model.config
     t = tokens.shape[1]
     steps = jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -103,19 +106,25 @@ def _forward(model: Llama, cache: DenseCache, tokens, num_tokens):
     key_pos = jax.lax.dynamic_update_slice(cache.positions, slot_pos, (0, cache.end))  # [B, S]
     zero = jnp.zeros((), jnp.int32)
 
-    def body(block, x, kv, layer, window, inv_freq):
+    def body(block, x, kv, layer, window, inv_freq, last=None):
         k_all, v_all = kv
-        q, k, v = block.attn.project(block.attn_norm(x), q_pos, inv_freq)
+        h = block.attn_norm(x)
+        _, k, v = block.attn.project(h, q_pos, inv_freq)
+        q_at = q_pos if last is None else take_tokens(q_pos, last)  # [B, T] or [B, 1]
+        q, _, _ = block.attn.project(h if last is None else take_tokens(h, last), q_at, inv_freq)
         at = (layer, zero, zero, cache.end, zero)
         heads_major = lambda x, like: jnp.swapaxes(x, 1, 2)[None].astype(like.dtype)  # noqa: E731  [B, T, K, H] -> [1, B, K, T, H]
         k_all = jax.lax.dynamic_update_slice(k_all, heads_major(k, k_all), at)
         v_all = jax.lax.dynamic_update_slice(v_all, heads_major(v, v_all), at)
         k_layer = jax.lax.dynamic_index_in_dim(k_all, layer, keepdims=False)  # [B, K, S, H]
         v_layer = jax.lax.dynamic_index_in_dim(v_all, layer, keepdims=False)
-        o = _attention(q, k_layer, v_layer, q_pos, key_pos, window, cfg.sm_scale, cfg.attn_logit_softcapping)
-        return block.finish(x, block.attn.output(o)), (k_all, v_all)
+        o = _attention(q, k_layer, v_layer, q_at, key_pos, window, cfg.sm_scale, cfg.attn_logit_softcapping)
+        return block.finish(x if last is None else take_tokens(x, last), block.attn.output(o)), (k_all, v_all)
 
-    x, (k_all, v_all) = run_layers(model, model.embed(tokens), (cache.k, cache.v), body)
+    last_body = None
+    if last_only and t > 1:
+        last_body = functools.partial(body, last=jnp.maximum(num_tokens - 1, 0))
+    x, (k_all, v_all) = run_layers(model, model.embed(tokens), (cache.k, cache.v), body, last_body)
     cache = DenseCache(k=k_all, v=v_all, lengths=cache.lengths + num_tokens, positions=key_pos, end=cache.end + t)
     return model.norm(x), cache
 
@@ -124,10 +133,8 @@ def _forward(model: Llama, cache: DenseCache, tokens, num_tokens):
 def dense_prefill(graphdef, state, cache: DenseCache, tokens, num_tokens):
     """Greedy next token after each row's first num_tokens[b] tokens of tokens [B, T]."""
     model = nnx.merge(graphdef, state)
-    x, cache = _forward(model, cache, tokens, num_tokens)
-    last = jnp.maximum(num_tokens - 1, 0)
-    logits = model.logits(jnp.take_along_axis(x, last[:, None, None], axis=1))[:, 0]
-    return first_argmax(logits), cache
+    x, cache = _forward(model, cache, tokens, num_tokens, last_only=True)  # [B, 1, E]: each row's last token
+    return first_argmax(model.logits(x)[:, 0]), cache
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))

@@ -25,6 +25,7 @@ from arena_jax.models.config import NO_WINDOW, LlamaConfig, RopeScaling
 
 __all__ = [
     "Embedder", "RMSNorm", "MLP", "Attention", "rope_frequencies", "apply_rope", "layer_inv_freq", "layer_windows",
+    "take_tokens",
 ]
 
 _init = nnx.initializers.normal(stddev=0.02)
@@ -50,6 +51,11 @@ def one_row_safe_einsum(spec: str, x, w, **kwargs):
         return plain(jnp.concatenate([x, jnp.zeros_like(x)]), w)[:1]
 
     return jax.lax.platform_dependent(x, w, cuda=two_rows, rocm=two_rows, default=plain)
+
+
+def take_tokens(x, index):
+    """x [B, T, ...] -> [B, 1, ...]: row b's token index[b] (i32[B])."""
+    return jnp.take_along_axis(x, index.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)
 
 
 class Embedder(nnx.Module):
@@ -240,6 +246,21 @@ class Attention(nnx.Module):
             k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
         cache = aj.append(cache, layer, slots, k, v, num_tokens=num_tokens, plan=plan)
         o = aj.attend(q, cache, layer, slots, num_tokens=num_tokens, plan=plan, **self.attend_options(layer, window))
+        return self.output(o), cache
+
+    def last_token(self, x, positions, cache: aj.KVCache, layer, slots, num_tokens, last, *, window=_FROM_CONFIG,
+                   inv_freq=None, plan=None):  # fmt: skip
+        """`__call__` for a forward pass that needs one token a row past this layer, token last[b]
+        (i32[B], its last new token) of row b: every token's K/V appended, the query, attention
+        and output for that token alone. Returns (out [B, 1, E], cache)."""
+        _, k, v = self.project(x, positions, inv_freq, layer=layer)  # (XLA drops the unused q and k / v below)
+        q, _, _ = self.project(take_tokens(x, last), take_tokens(positions, last), inv_freq, layer=layer)  # [B, 1, N, H]
+        if cache.k_scale is None:
+            k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
+        cache = aj.append(cache, layer, slots, k, v, num_tokens=num_tokens, plan=plan)
+        # Row b's one query is the last token written at this layer: its last new token.
+        o = aj.attend(q, cache, layer, slots, num_tokens=jnp.minimum(num_tokens, 1),
+                      plan=None if plan is None else plan.last_query(), **self.attend_options(layer, window))  # fmt: skip
         return self.output(o), cache
 
     def mixed(self, x, positions, cache: aj.KVCache, layer, groups, *, window=_FROM_CONFIG, inv_freq=None):

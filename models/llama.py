@@ -27,7 +27,8 @@ import arena_jax as aj
 from arena_jax.sharding import shard_rows, slot_lengths
 from arena_jax.models.checks import check_int, check_number
 from arena_jax.models.config import LlamaConfig
-from arena_jax.models.layers import _FROM_CONFIG, MLP, Attention, Embedder, RMSNorm, layer_inv_freq, layer_windows, one_row_safe_einsum
+from arena_jax.models.layers import (_FROM_CONFIG, MLP, Attention, Embedder, RMSNorm, layer_inv_freq, layer_windows,
+                                     one_row_safe_einsum, take_tokens)
 
 __all__ = ["Block", "Llama", "init_random", "token_positions", "layer_inputs", "run_layers", "default_scan_layers",
            "CPU_LIST_LAYER_BYTES"]
@@ -67,6 +68,15 @@ class Block(nnx.Module):
         h, cache = self.attn(self.attn_norm(x), positions, cache, layer, slots, num_tokens, window=window,
                              inv_freq=inv_freq, plan=plan)
         return self.finish(x, h), cache
+
+    def last_token(self, x, positions, cache, layer, slots, num_tokens, last, *, window=_FROM_CONFIG, inv_freq=None,
+                   plan=None):  # fmt: skip
+        """The layer for a forward pass that needs one token a row past it, token last[b] of row
+        b (i32[B]): every token's K/V appended, the rest for that token alone. x [B, T, E] ->
+        ([B, 1, E], cache)."""
+        h, cache = self.attn.last_token(self.attn_norm(x), positions, cache, layer, slots, num_tokens, last,
+                                        window=window, inv_freq=inv_freq, plan=plan)  # fmt: skip
+        return self.finish(take_tokens(x, last), h), cache
 
     def mixed(self, x, positions, cache, layer, groups, *, window=_FROM_CONFIG, inv_freq=None):
         """One layer over row groups packed flat (x [1, N, E]; see `Attention.mixed`)."""
@@ -110,21 +120,27 @@ def default_scan_layers(config: LlamaConfig, param_dtype=jnp.float32, platform: 
     return platform != "cpu" or config.layer_params() * jnp.dtype(param_dtype).itemsize < CPU_LIST_LAYER_BYTES
 
 
-def run_layers(model: "Llama", x, carry, body):
+def run_layers(model: "Llama", x, carry, body, last_body=None):
     """Run `body(block, x, carry, layer, window, inv_freq) -> (x, carry)` over the model's layers;
-    returns (x, carry).
+    returns (x, carry). `last_body` (the same signature; its x may come back in another shape):
+    what the last layer runs instead of `body`.
 
     Stacked layers (`scan_layers=True`): one `jax.lax.scan`, the per-layer data
-    (`layer_inputs`) scanned with the parameters. A list of layers: a Python loop, each layer
-    with its static index, window (None or an int) and RoPE frequencies (a constant)."""
+    (`layer_inputs`) scanned with the parameters (with a `last_body`, the scan runs the layers
+    before the last, each indexing the stacks as the scan would, and the last runs after it).
+    A list of layers: a Python loop, each layer with its static index, window (None or an int)
+    and RoPE frequencies (a constant)."""
     config = model.config
     if not model.scan_layers:
         windows, inv_freq = config.layer_windows(), layer_inv_freq(config)
         for i, block in enumerate(model.layers):
-            x, carry = body(block, x, carry, i, windows[i], inv_freq[i])
+            fn = last_body if last_body is not None and i == len(model.layers) - 1 else body
+            x, carry = fn(block, x, carry, i, windows[i], inv_freq[i])
         return x, carry
     graphdef, state = nnx.split(model.layers)
     scanned, fixed = layer_inputs(config)
+    if last_body is not None:
+        return _scan_then_last(graphdef, state, scanned, fixed, config.num_layers, x, carry, body, last_body)
 
     def step(c, xs):
         x, carry = c
@@ -134,6 +150,25 @@ def run_layers(model: "Llama", x, carry, body):
 
     (x, carry), _ = jax.lax.scan(step, (x, carry), dict(scanned, state=state))
     return x, carry
+
+
+def _scan_then_last(graphdef, state, scanned, fixed, num_layers: int, x, carry, body, last_body):
+    """`run_layers` of stacked layers with a `last_body`: a scan over the layers before the last
+    (each trip indexes the stacks, as a scan over them does: no slice of the stacks is made),
+    then the last layer."""
+
+    def layer_at(i):
+        per_layer = dict(fixed, **{k: v[i] for k, v in scanned.items()})
+        block = nnx.merge(graphdef, jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), state))
+        return block, per_layer["layer"], per_layer["window"], per_layer["inv_freq"]
+
+    def step(c, i):
+        block, layer, window, inv_freq = layer_at(i)
+        return body(block, *c, layer, window, inv_freq), None
+
+    (x, carry), _ = jax.lax.scan(step, (x, carry), jnp.arange(num_layers - 1, dtype=jnp.int32))
+    block, layer, window, inv_freq = layer_at(num_layers - 1)
+    return last_body(block, x, carry, layer, window, inv_freq)
 
 
 class Llama(nnx.Module):
@@ -190,8 +225,16 @@ class Llama(nnx.Module):
         graphdef, state = nnx.split(self.layers)
         return nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
 
-    def hidden(self, tokens, positions, cache: aj.KVCache, slots, num_tokens):
-        """tokens i32[B, T] -> final-normed hidden states [B, T, E] and the updated cache."""
+    def hidden(self, tokens, positions, cache: aj.KVCache, slots, num_tokens, *, last_only: bool = False):
+        """tokens i32[B, T] -> final-normed hidden states [B, T, E] and the updated cache.
+
+        `last_only=True`: only each row's last new token's hidden state, [B, 1, E] (token
+        max(num_tokens[b] - 1, 0) of row b: what a prefill samples from). The last layer then
+        appends every token's K/V but runs its query, attention, output and MLP for that token
+        alone, the model's last norm too: a T-token chunk skips (T - 1) / T of the last layer's
+        dense work."""
+        if not isinstance(last_only, bool):
+            raise ValueError(f"last_only must be a bool, got {last_only!r}")
         x = shard_rows(self.embed(tokens), cache)  # a sharded cache: rows over data, replicated over tensor
         # Every layer's page bookkeeping, once, before the layers: the rows classified, the
         # watermarks and counters set where the layers' appends leave them (every layer appends
@@ -204,7 +247,13 @@ class Llama(nnx.Module):
             x, cache = block(x, positions, cache, layer, slots, num_tokens, window=window, inv_freq=inv_freq, plan=plan)
             return shard_rows(x, cache), cache
 
-        x, cache = run_layers(self, x, cache, body)
+        def last_body(block, x, cache, layer, window, inv_freq):
+            x, cache = block.last_token(x, positions, cache, layer, slots, num_tokens, jnp.maximum(num_tokens - 1, 0),
+                                        window=window, inv_freq=inv_freq, plan=plan)  # fmt: skip
+            return shard_rows(x, cache), cache
+
+        last_only &= tokens.shape[1] > 1  # one token a row: the same pass either way
+        x, cache = run_layers(self, x, cache, body, last_body if last_only else None)
         return self.norm(x), cache
 
     def hidden_mixed(self, groups, cache: aj.KVCache):

@@ -91,14 +91,14 @@ def _reserve_rows(model, cache, tokens, slots, num_tokens):
 def _step(graphdef, state, cache, tokens, slots, num_tokens, seq_ids, seed, sampling, all_logits):
     model = nnx.merge(graphdef, state)
     cache, ok, slots, num_tokens, positions = _reserve_rows(model, cache, tokens, slots, num_tokens)
-    x, cache = model.hidden(tokens, positions, cache, slots, num_tokens)  # [B, T, E]
+    # [B, T, E]; without all_logits [B, 1, E]: each row's last token (the last layer runs that token alone)
+    x, cache = model.hidden(tokens, positions, cache, slots, num_tokens, last_only=not all_logits)
     last = jnp.maximum(num_tokens - 1, 0)
     if all_logits:
         every = model.logits(x)  # [B, T, V]
         logits = jnp.take_along_axis(every, last[:, None, None], axis=1)[:, 0]
     else:
-        logits = model.logits(jnp.take_along_axis(x, last[:, None, None], axis=1))[:, 0]  # [B, V]
-        every = logits
+        logits = every = model.logits(x)[:, 0]  # [B, V]
     new_position = jnp.take_along_axis(positions, last[:, None], axis=1)[:, 0] + 1
     seq_ids = slots if seq_ids is None else seq_ids
     next_tokens = sample(logits, sampling, seed, seq_ids, new_position)
