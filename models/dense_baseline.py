@@ -96,8 +96,8 @@ def _attention(q, k, v, q_pos, key_pos, window, sm_scale, soft_cap):
 
 def _forward(model: Llama, cache: DenseCache, tokens, num_tokens, last_only: bool = False):
     """tokens [B, T] at positions lengths + t; returns (hidden [B, T, E], cache). `last_only`:
-    hidden [B, 1, E] of each row's last new token, the last layer running its query, attention
-    and the rest for that token alone (as the paged model's `hidden(..., last_only=True)`)."""
+    hidden [B, 1, E] of each row's last new token (a list of layers runs the last layer's query,
+    attention and the rest for that token alone, as the paged model's `hidden(..., last_only=True)`)."""
     cfg = model.config
     t = tokens.shape[1]
     steps = jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -121,10 +121,11 @@ def _forward(model: Llama, cache: DenseCache, tokens, num_tokens, last_only: boo
         o = _attention(q, k_layer, v_layer, q_at, key_pos, window, cfg.sm_scale, cfg.attn_logit_softcapping)
         return block.finish(x if last is None else take_tokens(x, last), block.attn.output(o)), (k_all, v_all)
 
-    last_body = None
-    if last_only and t > 1:
-        last_body = functools.partial(body, last=jnp.maximum(num_tokens - 1, 0))
+    last = jnp.maximum(num_tokens - 1, 0)
+    last_body = functools.partial(body, last=last) if last_only and t > 1 and not model.scan_layers else None
     x, (k_all, v_all) = run_layers(model, model.embed(tokens), (cache.k, cache.v), body, last_body)
+    if last_only and x.shape[1] > 1:
+        x = take_tokens(x, last)
     cache = DenseCache(k=k_all, v=v_all, lengths=cache.lengths + num_tokens, positions=key_pos, end=cache.end + t)
     return model.norm(x), cache
 

@@ -123,13 +123,11 @@ def default_scan_layers(config: LlamaConfig, param_dtype=jnp.float32, platform: 
 def run_layers(model: "Llama", x, carry, body, last_body=None):
     """Run `body(block, x, carry, layer, window, inv_freq) -> (x, carry)` over the model's layers;
     returns (x, carry). `last_body` (the same signature; its x may come back in another shape):
-    what the last layer runs instead of `body`.
+    what the last layer runs instead of `body`, for a list of layers only.
 
     Stacked layers (`scan_layers=True`): one `jax.lax.scan`, the per-layer data
-    (`layer_inputs`) scanned with the parameters (with a `last_body`, the scan runs the layers
-    before the last, each indexing the stacks as the scan would, and the last runs after it).
-    A list of layers: a Python loop, each layer with its static index, window (None or an int)
-    and RoPE frequencies (a constant)."""
+    (`layer_inputs`) scanned with the parameters. A list of layers: a Python loop, each layer
+    with its static index, window (None or an int) and RoPE frequencies (a constant)."""
     config = model.config
     if not model.scan_layers:
         windows, inv_freq = config.layer_windows(), layer_inv_freq(config)
@@ -137,10 +135,12 @@ def run_layers(model: "Llama", x, carry, body, last_body=None):
             fn = last_body if last_body is not None and i == len(model.layers) - 1 else body
             x, carry = fn(block, x, carry, i, windows[i], inv_freq[i])
         return x, carry
+    if last_body is not None:
+        # Outside the scan, the last layer's weights would be sliced out of the stacks: a copy of
+        # them on a TPU, and a second layer body to compile.
+        raise ValueError("last_body needs a list of layers (scan_layers=False)")
     graphdef, state = nnx.split(model.layers)
     scanned, fixed = layer_inputs(config)
-    if last_body is not None:
-        return _scan_then_last(graphdef, state, scanned, fixed, config.num_layers, x, carry, body, last_body)
 
     def step(c, xs):
         x, carry = c
@@ -150,25 +150,6 @@ def run_layers(model: "Llama", x, carry, body, last_body=None):
 
     (x, carry), _ = jax.lax.scan(step, (x, carry), dict(scanned, state=state))
     return x, carry
-
-
-def _scan_then_last(graphdef, state, scanned, fixed, num_layers: int, x, carry, body, last_body):
-    """`run_layers` of stacked layers with a `last_body`: a scan over the layers before the last
-    (each trip indexes the stacks, as a scan over them does: no slice of the stacks is made),
-    then the last layer."""
-
-    def layer_at(i):
-        per_layer = dict(fixed, **{k: v[i] for k, v in scanned.items()})
-        block = nnx.merge(graphdef, jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), state))
-        return block, per_layer["layer"], per_layer["window"], per_layer["inv_freq"]
-
-    def step(c, i):
-        block, layer, window, inv_freq = layer_at(i)
-        return body(block, *c, layer, window, inv_freq), None
-
-    (x, carry), _ = jax.lax.scan(step, (x, carry), jnp.arange(num_layers - 1, dtype=jnp.int32))
-    block, layer, window, inv_freq = layer_at(num_layers - 1)
-    return last_body(block, x, carry, layer, window, inv_freq)
 
 
 class Llama(nnx.Module):
@@ -229,10 +210,11 @@ class Llama(nnx.Module):
         """tokens i32[B, T] -> final-normed hidden states [B, T, E] and the updated cache.
 
         `last_only=True`: only each row's last new token's hidden state, [B, 1, E] (token
-        max(num_tokens[b] - 1, 0) of row b: what a prefill samples from). The last layer then
-        appends every token's K/V but runs its query, attention, output and MLP for that token
-        alone, the model's last norm too: a T-token chunk skips (T - 1) / T of the last layer's
-        dense work."""
+        max(num_tokens[b] - 1, 0) of row b: what a prefill samples from). With a list of layers
+        the last layer then appends every token's K/V but runs its query, attention, output and
+        MLP for that token alone, the model's last norm too: a T-token chunk skips (T - 1) / T
+        of the last layer's dense work. Stacked layers run every layer in full (`run_layers`)
+        and take the token after the last norm."""
         if not isinstance(last_only, bool):
             raise ValueError(f"last_only must be a bool, got {last_only!r}")
         x = shard_rows(self.embed(tokens), cache)  # a sharded cache: rows over data, replicated over tensor
@@ -248,13 +230,17 @@ class Llama(nnx.Module):
             return shard_rows(x, cache), cache
 
         def last_body(block, x, cache, layer, window, inv_freq):
-            x, cache = block.last_token(x, positions, cache, layer, slots, num_tokens, jnp.maximum(num_tokens - 1, 0),
-                                        window=window, inv_freq=inv_freq, plan=plan)  # fmt: skip
+            x, cache = block.last_token(x, positions, cache, layer, slots, num_tokens, last, window=window,
+                                        inv_freq=inv_freq, plan=plan)  # fmt: skip
             return shard_rows(x, cache), cache
 
-        last_only &= tokens.shape[1] > 1  # one token a row: the same pass either way
-        x, cache = run_layers(self, x, cache, body, last_body if last_only else None)
-        return self.norm(x), cache
+        last = jnp.maximum(num_tokens - 1, 0)
+        if last_only and tokens.shape[1] > 1 and not self.scan_layers:
+            x, cache = run_layers(self, x, cache, body, last_body)  # [B, 1, E]
+        else:
+            x, cache = run_layers(self, x, cache, body)
+        x = self.norm(x)
+        return (take_tokens(x, last) if last_only and x.shape[1] > 1 else x), cache
 
     def hidden_mixed(self, groups, cache: aj.KVCache):
         """A mixed step's forward: groups of rows, each (tokens i32[R, T], positions i32[R, T],

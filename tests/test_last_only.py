@@ -1,7 +1,8 @@
 """A forward pass that needs one token a row past the last layer (`Llama.hidden(...,
-last_only=True)`, what `prefill` samples from; the dense baseline's `dense_prefill` the same):
-its hidden state equals the full pass's at each row's last new token, and the cache it leaves
-equals the full pass's, on fresh random weights and prompts."""
+last_only=True)`, what `prefill` samples from; the dense baseline's `dense_prefill` the same;
+a list of layers runs the last layer for that token alone, stacked layers take it after a full
+pass): its hidden state equals the full pass's at each row's last new token, and the cache it
+leaves equals the full pass's, on fresh random weights and prompts."""
 from __future__ import annotations
 
 import dataclasses
@@ -69,8 +70,15 @@ def test_last_only_equals_the_full_pass_at_each_rows_last_token(scan, window, dt
     assert bool(jnp.all(full_cache.stats.counts == last_cache.stats.counts))
 
 
-def test_one_token_a_row_is_the_same_pass():
+def test_stacked_layers_take_no_last_body():
     model = _model(True, None, 0)
+    with pytest.raises(ValueError, match="last_body needs a list of layers"):
+        models.llama.run_layers(model, None, None, None, last_body=lambda *a: a)
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_one_token_a_row_is_the_same_pass(scan):
+    model = _model(scan, None, 0)
     cache = aj.create(models.default_layout(model, BATCH, 64, page_size=8))
     slots = jnp.arange(BATCH, dtype=jnp.int32)
     tokens, counts = jnp.ones((BATCH, 1), jnp.int32), jnp.ones((BATCH,), jnp.int32)
