@@ -109,9 +109,11 @@ def _forward(model: Llama, cache: DenseCache, tokens, num_tokens, last_only: boo
     def body(block, x, kv, layer, window, inv_freq, last=None):
         k_all, v_all = kv
         h = block.attn_norm(x)
-        _, k, v = block.attn.project(h, q_pos, inv_freq)
-        q_at = q_pos if last is None else take_tokens(q_pos, last)  # [B, T] or [B, 1]
-        q, _, _ = block.attn.project(h if last is None else take_tokens(h, last), q_at, inv_freq)
+        q, k, v = block.attn.project(h, q_pos, inv_freq)
+        q_at = q_pos
+        if last is not None:  # row b's token last[b] alone past its K/V (XLA drops the unused q above)
+            q_at = take_tokens(q_pos, last)  # [B, 1]
+            q, _, _ = block.attn.project(take_tokens(h, last), q_at, inv_freq)
         at = (layer, zero, zero, cache.end, zero)
         heads_major = lambda x, like: jnp.swapaxes(x, 1, 2)[None].astype(like.dtype)  # noqa: E731  [B, T, K, H] -> [1, B, K, T, H]
         k_all = jax.lax.dynamic_update_slice(k_all, heads_major(k, k_all), at)
