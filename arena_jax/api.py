@@ -491,6 +491,8 @@ def append(cache: KVCache, layer, slots, k, v, *, num_tokens=None, backend: str 
         raise ValueError(f"num_tokens={int(n.max())} exceeds the {tokens} tokens given in k and v")
     _check_reserved(cache, slots, n, layer)
     _check_plan(cache, plan, slots, num_tokens, tokens)
+    if plan is not None and plan.attend_only:
+        raise ValueError("plan: made by StepPlan.last_query, for aj.attend only (append under the step's own plan)")
     layer = _opaque_layer(cache, given_layer, layer)
     backend = _resolve_backend(backend, layout, scale_rows=cache.scale_rows)
     return _append(cache, layer, slots, jnp.asarray(k), jnp.asarray(v), num_tokens, backend, plan)

@@ -68,6 +68,7 @@ class StepPlan:
     width: int = struct.field(pytree_node=False)
     page_size: int = struct.field(pytree_node=False)
     deferred: bool = struct.field(pytree_node=False, default=False)
+    attend_only: bool = struct.field(pytree_node=False, default=False)  # `last_query`'s: no append takes it
 
     def _index(self, layer, table, after):
         """Entry `layer`; entry L for a layer out of range or a table at another epoch. Read
@@ -114,7 +115,7 @@ class StepPlan:
         the layer's append runs under the plan itself, with all its tokens."""
         n = self.rows4[..., 3]
         return self.replace(rows4=self.rows4.at[..., 3].set(jnp.minimum(n, 1)),
-                            num_tokens=jnp.minimum(self.num_tokens, 1), width=1)  # fmt: skip
+                            num_tokens=jnp.minimum(self.num_tokens, 1), width=1, attend_only=True)  # fmt: skip
 
     def attend_at(self, layer, table, after=None) -> AttendRows:
         """Layer `layer`'s attention rows, as they stand after its append; `after`: the arena

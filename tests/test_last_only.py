@@ -111,3 +111,15 @@ def test_the_dense_prefill_equals_its_full_pass(scan):
     want = jnp.take_along_axis(full, (counts - 1)[:, None, None], axis=1)
     np.testing.assert_allclose(np.asarray(last), np.asarray(want), rtol=2e-5, atol=2e-5, err_msg=f"seed {seed}")
     assert bool(jnp.all(full_cache.k == last_cache.k)) and bool(jnp.all(full_cache.v == last_cache.v))
+
+
+def test_a_last_query_plan_is_for_attention_only():
+    model = _model(False, None, 0)
+    config = model.config
+    cache = aj.create(models.default_layout(model, BATCH, 64, page_size=8))
+    slots, counts = jnp.arange(BATCH, dtype=jnp.int32), jnp.full((BATCH,), 3, jnp.int32)
+    cache, _ = aj.reserve(cache, slots, counts)
+    plan = aj.plan_step(cache, slots, counts, 3).last_query()
+    kv = jnp.zeros((BATCH, 1, config.num_kv_heads, config.head_dim), jnp.float32)
+    with pytest.raises(ValueError, match="for aj.attend only"):
+        aj.append(cache, 0, slots, kv, kv, num_tokens=jnp.minimum(counts, 1), plan=plan)
