@@ -214,7 +214,7 @@ class Llama(nnx.Module):
         the last layer then appends every token's K/V but runs its query, attention, output and
         MLP for that token alone, the model's last norm too: a T-token chunk skips (T - 1) / T
         of the last layer's dense work. Stacked layers run every layer in full (`run_layers`)
-        and take the token after the last norm."""
+        and take the token before the last norm."""
         if not isinstance(last_only, bool):
             raise ValueError(f"last_only must be a bool, got {last_only!r}")
         x = shard_rows(self.embed(tokens), cache)  # a sharded cache: rows over data, replicated over tensor
@@ -235,12 +235,11 @@ class Llama(nnx.Module):
             return shard_rows(x, cache), cache
 
         last = jnp.maximum(num_tokens - 1, 0)
-        if last_only and tokens.shape[1] > 1 and not self.scan_layers:
-            x, cache = run_layers(self, x, cache, body, last_body)  # [B, 1, E]
-        else:
-            x, cache = run_layers(self, x, cache, body)
-        x = self.norm(x)
-        return (take_tokens(x, last) if last_only and x.shape[1] > 1 else x), cache
+        last_only &= tokens.shape[1] > 1  # one token a row: the same pass either way
+        x, cache = run_layers(self, x, cache, body, last_body if last_only and not self.scan_layers else None)
+        if last_only and x.shape[1] > 1:  # stacked layers: the token taken before the (per-token) norm
+            x = take_tokens(x, last)
+        return self.norm(x), cache
 
     def hidden_mixed(self, groups, cache: aj.KVCache):
         """A mixed step's forward: groups of rows, each (tokens i32[R, T], positions i32[R, T],

@@ -35,6 +35,7 @@ from flax import nnx
 
 import arena_jax as aj
 from arena_jax.models.checks import check_shape
+from arena_jax.models.layers import take_tokens
 from arena_jax.models.llama import token_positions
 from arena_jax.models.sampling import SamplingParams, sample
 
@@ -96,7 +97,7 @@ def _step(graphdef, state, cache, tokens, slots, num_tokens, seq_ids, seed, samp
     last = jnp.maximum(num_tokens - 1, 0)
     if all_logits:
         every = model.logits(x)  # [B, T, V]
-        logits = jnp.take_along_axis(every, last[:, None, None], axis=1)[:, 0]
+        logits = take_tokens(every, last)[:, 0]
     else:
         logits = every = model.logits(x)[:, 0]  # [B, V]
     new_position = jnp.take_along_axis(positions, last[:, None], axis=1)[:, 0] + 1
@@ -183,7 +184,7 @@ def _mixed(graphdef, state, cache, tokens, slots, chunks, chunk_slots, chunk_cou
         [(tokens[:, None], d_pos, d_slots, d_counts), (chunks, p_pos, p_slots, p_counts)], cache
     )  # [B, 1, E], [P, T, E]
     last = jnp.maximum(p_counts - 1, 0)
-    h = jnp.concatenate([xd, jnp.take_along_axis(xp, last[:, None, None], axis=1)])  # [B + P, 1, E]
+    h = jnp.concatenate([xd, take_tokens(xp, last)])  # [B + P, 1, E]
     logits = model.logits(h)[:, 0]  # [B + P, V]
     position = jnp.concatenate([d_pos[:, 0], jnp.take_along_axis(p_pos, last[:, None], axis=1)[:, 0]]) + 1
     where = jnp.where((chunk_rows >= 0) & (chunk_slots >= 0), chunk_rows, batch)  # [P] each chunk's batch row (batch: none)
