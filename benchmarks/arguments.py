@@ -121,9 +121,14 @@ def _add_decode_args(p: argparse.ArgumentParser, defaults: dict) -> None:
                                        "instead of random weights")
     g.add_argument("--num-layers", type=positive_int,
                    help="override the preset's depth (e.g. llama3-8b geometry on a CPU; mixed layer types keep their pattern)")
-    g.add_argument("--no-scan-layers", action="store_true",
-                   help="a list of layers run by a Python loop instead of stacked layers in a scan (compiles with depth; "
-                        "no per-layer weight slice copies)")  # fmt: skip
+    form = g.add_mutually_exclusive_group()
+    form.add_argument("--no-scan-layers", action="store_true",
+                      help="a list of layers run by a Python loop (compiles with depth; no per-layer weight slice "
+                           "copies). Default: as load_pretrained builds the model here (models.default_scan_layers: "
+                           "a list on a CPU for layers of 1 MiB of weights or more, else stacked layers in a scan)")  # fmt: skip
+    form.add_argument("--scan-layers", action="store_true",
+                      help="stacked layers run by a scan, whatever the default (on a CPU the scan slices each layer's "
+                           "weights out of the stacks, a copy every step)")  # fmt: skip
     g.add_argument("--batch", type=positive_int, default=defaults["batch"], help="sequences decoded together")
     g.add_argument("--prompt-len", type=positive_int, default=defaults["prompt_len"], help="random prompt tokens per sequence")
     g.add_argument("--new-tokens", type=int_in(2), default=defaults["new_tokens"],

@@ -300,7 +300,7 @@ def _decode_settings(args):
         num_layers=args.num_layers,
         seed=args.seed,
         mesh=getattr(args, "mesh", None),
-        scan_layers=not getattr(args, "no_scan_layers", False),
+        scan_layers=False if getattr(args, "no_scan_layers", False) else True if getattr(args, "scan_layers", False) else None,
     )
 
 

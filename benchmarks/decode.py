@@ -63,7 +63,10 @@ class DecodeSettings:
     num_layers: int | None = None  # override the preset's depth (random weights only)
     seed: int = 0
     mesh: tuple[int, int] | None = None  # (data-parallel, tensor-parallel) degrees; None: one device
-    scan_layers: bool = True  # layers stacked and run by a scan (False: a list run by a Python loop)
+    # layers stacked and run by a scan (True) or a list run by a Python loop (False); None: as
+    # `load_pretrained` builds them on this platform (`models.default_scan_layers`: a list on a
+    # CPU for layers of 1 MiB of weights or more, whose matmuls then read them in place)
+    scan_layers: bool | None = None
     hf: bool = False  # also run transformers on the same weights (CPU, one device; benchmarks.hf_peer)
     hf_threads: int = 1  # torch threads for the transformers run
 
@@ -141,10 +144,17 @@ def build_model(s: DecodeSettings, mesh=None):
     cfg, dtype = config_and_dtype(s)
     if s.model_dir:
         model, _tok = models.load_pretrained(s.model_dir, dtype=dtype, mesh=mesh, scan_layers=s.scan_layers)
-        return model, f"checkpoint {s.model_dir}"
-    model = models.init_random(cfg, seed=s.seed, dtype=dtype, mesh=mesh, scan_layers=s.scan_layers)
+        return model, f"checkpoint {s.model_dir}, {_layer_form(model, s.scan_layers)}"
+    scan = models.default_scan_layers(cfg, dtype) if s.scan_layers is None else s.scan_layers
+    model = models.init_random(cfg, seed=s.seed, dtype=dtype, mesh=mesh, scan_layers=scan)
     depth = f", {cfg.num_layers} of {preset(s.model).num_layers} layers" if s.num_layers else ""
-    return model, f"random weights{depth}"
+    return model, f"random weights{depth}, {_layer_form(model, s.scan_layers)}"
+
+
+def _layer_form(model, asked: bool | None) -> str:
+    """How the model runs its layers, and why (for the report's weights line)."""
+    form = "layers in a scan" if model.scan_layers else "a list of layers"
+    return form + (" (models.default_scan_layers)" if asked is None else "")
 
 
 def _device_name() -> str:

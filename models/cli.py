@@ -76,8 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=_DTYPES, default=None, help="default: bfloat16 for checkpoints, float32 for tiny")
     p.add_argument("--no-scan-layers", action="store_true",
                    help="run the layers as a Python loop over a list (compile time grows with depth; no per-layer "
-                        "weight slice copies) instead of one scan over stacked layers (a checkpoint's default: "
-                        "models.default_scan_layers, a list on a CPU for layers of 1 MiB of weights or more)")  # fmt: skip
+                        "weight slice copies) instead of one scan over stacked layers (the default: as "
+                        "load_pretrained builds the model here, models.default_scan_layers: a list on a CPU for layers "
+                        "of 1 MiB of weights or more)")  # fmt: skip
     p.add_argument("--kv-dtype", choices=_KV_DTYPES, default=None,
                    help="the KV arena's dtype (default: --dtype); int8 / float8_* store 8-bit values + a float32 scale "
                         "per token and KV head, int4 two 4-bit values a byte + a bf16 scale per 32 lanes (the model's "
@@ -248,7 +249,8 @@ def main(argv=None) -> int:
         except (OSError, ValueError) as exc:
             parser.error(f"--model-dir {args.model_dir}: {exc}")
     else:
-        model = models.init_random(config, seed=args.seed, dtype=dtype, scan_layers=not args.no_scan_layers)
+        scan = False if args.no_scan_layers else models.default_scan_layers(config, dtype)  # as load_pretrained's
+        model = models.init_random(config, seed=args.seed, dtype=dtype, scan_layers=scan)
     prompts = [prompt] * num_prompts
     if cache_dir is not None:  # only once the arguments and the model are known to be good
         _enable_compile_cache(cache_dir, given=args.compile_cache is not None)

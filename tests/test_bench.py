@@ -117,6 +117,29 @@ def test_decode(tmp_path, capsys):
     assert "greedy tokens: match" in capsys.readouterr().out
 
 
+def test_decode_builds_the_layers_as_load_pretrained_does(monkeypatch):
+    """`arena-bench decode` runs random weights as `load_pretrained` would build the model on this
+    platform (`models.default_scan_layers`: a list on a CPU for layers of 1 MiB or more, whose
+    matmuls read them in place; stacked otherwise); --scan-layers / --no-scan-layers choose, not both."""
+    from arena_jax.benchmarks import decode
+
+    parse = lambda *flags: cli._decode_settings(cli.build_parser().parse_args(["decode", *flags]))  # noqa: E731
+    assert (parse().scan_layers, parse("--scan-layers").scan_layers, parse("--no-scan-layers").scan_layers) == (None, True, False)
+    with pytest.raises(SystemExit):
+        parse("--scan-layers", "--no-scan-layers")
+    asked = []
+    for default in (True, False):
+        monkeypatch.setattr(models, "default_scan_layers", lambda cfg, dtype, d=default: asked.append(cfg.num_layers) or d)
+        model, text = decode.build_model(parse())
+        assert model.scan_layers is default and text.endswith("(models.default_scan_layers)")
+        assert ("layers in a scan" if default else "a list of layers") in text
+    assert asked == [models.LlamaConfig.tiny().num_layers] * 2
+    model, text = decode.build_model(parse("--no-scan-layers"))
+    assert model.scan_layers is False and text.endswith("a list of layers")
+    monkeypatch.undo()
+    assert models.default_scan_layers(models.LlamaConfig.tiny(), np.float32, "cpu")  # the tiny preset: stacked on a CPU
+
+
 def test_decode_another_family(tmp_path):
     """A Gemma 3 preset (5 local : 1 global layers, windows of 8 shorter than the 12-token prompts,
     two RoPE bases): arena and dense baseline give the same greedy tokens."""

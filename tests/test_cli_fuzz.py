@@ -152,6 +152,7 @@ SPECS = {
         Flag("--model-dir", "dir", (), ("{tmp}/missing", "{tmp}/empty", "{tmp}/lengths.csv")),
         _ints("--num-layers", ("1", "2")),
         _bool("--no-scan-layers"),
+        _bool("--scan-layers"),
         _ints("--batch", ("1", "2")),
         _ints("--prompt-len", ("1", "8")),
         _ints("--new-tokens", ("2", "3"), ("1", "600")),

@@ -26,6 +26,8 @@ def test_a_case_reports_both_steps_and_their_ratio():
     assert row["capacity"] >= 16 + 2 + 2  # the context and the steps timed fit
     assert row["arena_ms"] > 0 and row["dense_ms"] > 0
     assert row["tokens_per_s_ratio"] == pytest.approx(1 / row["arena_over_dense_time"])
+    assert row["layers"] == "scan"  # the tiny model's small layers: stacked, as load_pretrained builds them
+    assert dense_ratio.measure("tiny", batch=1, context=8, repeats=1, scan_layers=False)["layers"] == "list"
 
 
 def test_cases_name_a_known_model():

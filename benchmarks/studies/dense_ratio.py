@@ -10,6 +10,12 @@ row holds), two decode steps alternate call by call in one process:
 - dense: `models.dense_baseline.dense_decode` on a dense cache of the same capacity, every row
          holding c tokens (positions set, K/V zeros: a step's cost does not depend on the values).
 
+Both run one model, built as `load_pretrained` would build it here (`models.default_scan_layers`:
+on a CPU the mid model's 12 MiB layers are a list, read in place by their matmuls; the tiny
+model's stay stacked in a scan); `--scan-layers` / `--no-scan-layers` choose. Until 2026-12-02
+(session 47) both ran stacked layers, whose weights a CPU's scan copies out every step (about
+half of the mid model's batch-1 step, in both).
+
 Both are jits of our own over the model's state, its graphdef closed over: neither hashes the
 graphdef per call as the module-level jits (static `graphdef`) do. Until 2026-11-28 (session 21)
 only the arena's was; the dense step paid that hash, ~40-50 us a call on this CPU, which
@@ -82,10 +88,15 @@ class DenseRunner:
         return self.tokens
 
 
-def measure(model_name: str, batch: int, context: int, repeats: int = 15, seed: int = 0) -> dict:
+def measure(model_name: str, batch: int, context: int, repeats: int = 15, seed: int = 0,
+            scan_layers: bool | None = None) -> dict:  # fmt: skip
+    """One case, both steps alternated. `scan_layers`: the model's layers stacked in a scan or
+    a list; None: as `load_pretrained` builds them here (`models.default_scan_layers`)."""
     s = _settings(model_name, batch, context, repeats)
     cfg = s.config()
-    model = models.init_random(cfg, seed=seed, dtype=jnp.dtype(s.dtype))
+    dtype = jnp.dtype(s.dtype)
+    scan = models.default_scan_layers(cfg, dtype) if scan_layers is None else scan_layers
+    model = models.init_random(cfg, seed=seed, dtype=dtype, scan_layers=scan)
     arena_cache = _filled_cache(s, _layout(s, cfg, s.capacity, s.layers), context, np.random.default_rng(seed))
     runners = {"arena": _Runner(s, "step", "xla", arena_cache, model),
                "dense": DenseRunner(model, batch, context, arena_cache.layout.max_seq_len)}  # fmt: skip
@@ -98,6 +109,7 @@ def measure(model_name: str, batch: int, context: int, repeats: int = 15, seed: 
     arena, dense = np.asarray(times["arena"]), np.asarray(times["dense"])
     ratio = float(np.median(arena / dense))
     return {"model": model_name, "batch": batch, "context": context, "capacity": int(arena_cache.layout.max_seq_len),
+            "layers": "scan" if scan else "list",
             "arena_ms": float(np.median(arena) * 1e3),
             "dense_ms": float(np.median(dense) * 1e3), "arena_over_dense_time": ratio,
             "tokens_per_s_ratio": 1.0 / ratio}  # fmt: skip
@@ -110,12 +122,13 @@ def _case(text: str) -> tuple[str, int, int]:
     return model, int(batch), int(context)
 
 
-def run(cases=CASES, repeats: int = 15, log=print) -> list[dict]:
+def run(cases=CASES, repeats: int = 15, log=print, scan_layers: bool | None = None) -> list[dict]:
     rows = []
     for model_name, batch, context in cases:
-        row = measure(model_name, batch, context, repeats)
+        row = measure(model_name, batch, context, repeats, scan_layers=scan_layers)
         rows.append(row)
-        log(f"| {model_name} | {batch} | {context} | {row['capacity']} | {row['arena_ms']:.3f} | {row['dense_ms']:.3f} "
+        log(f"| {model_name} | {row['layers']} | {batch} | {context} | {row['capacity']} | {row['arena_ms']:.3f} "
+            f"| {row['dense_ms']:.3f} "
             f"| {row['arena_over_dense_time']:.2f} | {row['tokens_per_s_ratio']:.2f}x |")  # fmt: skip
     return rows
 
@@ -126,12 +139,18 @@ def main(argv=None) -> int:
                    help="comma-separated model:batch:context (default: issue 39's goals)")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--json", default=None, help="write the rows here")
+    form = p.add_mutually_exclusive_group()
+    form.add_argument("--scan-layers", dest="scan_layers", action="store_const", const=True, default=None,
+                      help="stacked layers in a scan for every model (default: as load_pretrained builds each here, "
+                           "models.default_scan_layers: the mid model's 12 MiB layers a list on a CPU)")  # fmt: skip
+    form.add_argument("--no-scan-layers", dest="scan_layers", action="store_const", const=False,
+                      help="a list of layers for every model")
     a = p.parse_args(argv)
     print(f"# {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}, {os.cpu_count()} cores")
-    print("| model | batch | context | tokens a row (both caches) | arena step ms | dense step ms | arena / dense (time) "
-          "| tokens/s ratio |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    rows = run(a.cases, a.repeats)
+    print("| model | layers | batch | context | tokens a row (both caches) | arena step ms | dense step ms "
+          "| arena / dense (time) | tokens/s ratio |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    rows = run(a.cases, a.repeats, scan_layers=a.scan_layers)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"cases": [list(c) for c in a.cases], "repeats": a.repeats, "rows": rows}, f, indent=1)
