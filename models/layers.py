@@ -25,7 +25,7 @@ from arena_jax.models.config import NO_WINDOW, LlamaConfig, RopeScaling
 
 __all__ = [
     "Embedder", "RMSNorm", "MLP", "Attention", "rope_frequencies", "apply_rope", "layer_inv_freq", "layer_windows",
-    "take_tokens",
+    "take_tokens", "mixed_token_index",
 ]
 
 _init = nnx.initializers.normal(stddev=0.02)
@@ -56,6 +56,18 @@ def one_row_safe_einsum(spec: str, x, w, **kwargs):
 def take_tokens(x, index):
     """x [B, T, ...] -> [B, 1, ...]: row b's token index[b] (i32[B])."""
     return jnp.take_along_axis(x, index.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)
+
+
+def mixed_token_index(groups, last):
+    """i32[M]: where token last[i][r] of row r of group i lies among a mixed step's tokens packed
+    flat (groups: (slots i32[R_i], num_tokens, T_i) each, their [R_i, T_i] tokens one group after
+    the other; M = sum R_i). An index past a row's T_i is clipped to its last token."""
+    index, start = [], 0
+    for (slots, _, width), idx in zip(groups, last):
+        rows = slots.shape[0]
+        index.append(start + jnp.arange(rows, dtype=jnp.int32) * width + jnp.clip(idx.astype(jnp.int32), 0, width - 1))
+        start += rows * width
+    return jnp.concatenate(index)
 
 
 class Embedder(nnx.Module):
@@ -263,7 +275,7 @@ class Attention(nnx.Module):
                       plan=None if plan is None else plan.last_query(), **self.attend_options(layer, window))  # fmt: skip
         return self.output(o), cache
 
-    def mixed(self, x, positions, cache: aj.KVCache, layer, groups, *, window=_FROM_CONFIG, inv_freq=None):
+    def mixed(self, x, positions, cache: aj.KVCache, layer, groups, *, window=_FROM_CONFIG, inv_freq=None, last=None):
         """One layer's attention for a mixed step: the tokens of several row groups packed flat.
 
         x [1, N, E], positions i32[1, N]: the groups' [R_i, T_i] tokens flattened one after the
@@ -275,19 +287,31 @@ class Attention(nnx.Module):
         attends (the groups' slots differ, so no group reads what another writes): the arena's
         writes form one chain that XLA updates in place, with no read between them that would
         make it copy the arena. Returns (out [1, N, E], cache).
+
+        `last` (one i32[R_i] a group, or None): for a forward pass that needs one token a row past
+        this layer, token last[i][r] of row r of group i (its last new token): every token's K/V
+        appended, the query, attention and output for those tokens alone, out [1, M, E] (M = sum
+        R_i, group after group; `mixed_token_index`).
         """
         q, k, v = self.project(x, positions, inv_freq, layer=layer)  # [1, N, ., H]
+        if last is not None:  # (XLA drops the unused q above)
+            index = mixed_token_index(groups, last)
+            q, _, _ = self.project(x[:, index], positions[:, index], inv_freq, layer=layer)  # [1, M, N, H]
         if cache.k_scale is None:  # a float arena stores its own dtype; an 8-bit one quantizes k, v as computed
             k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
-        parts, start = [], 0
+        parts, start, q_start = [], 0, 0
         for slots, num_tokens, width in groups:
             rows, size = slots.shape[0], slots.shape[0] * width
-            parts.append([a[0, start : start + size].reshape(rows, width, *a.shape[2:]) for a in (q, k, v)])
-            start += size
+            q_width = width if last is None else 1
+            q_part = q[0, q_start : q_start + rows * q_width].reshape(rows, q_width, *q.shape[2:])
+            parts.append([q_part] + [a[0, start : start + size].reshape(rows, width, *a.shape[2:]) for a in (k, v)])
+            start, q_start = start + size, q_start + rows * q_width
         for (_, k_part, v_part), (slots, num_tokens, _) in zip(parts, groups):
             cache = aj.append(cache, layer, slots, k_part, v_part, num_tokens=num_tokens)
         # One call for all groups: on the TPU kernels a decode group and a chunk group share one
         # kernel launch (`aj.attend_mixed`); elsewhere each group attends as a batch of its own.
-        outs = aj.attend_mixed([(q_part, slots, num_tokens) for (q_part, _, _), (slots, num_tokens, _) in zip(parts, groups)],
-                               cache, layer, **self.attend_options(layer, window))
+        # With `last`, row r's one query is the last token written at this layer: its last new token.
+        queries = [(q_part, slots, num_tokens if last is None else jnp.minimum(num_tokens, 1))
+                   for (q_part, _, _), (slots, num_tokens, _) in zip(parts, groups)]  # fmt: skip
+        outs = aj.attend_mixed(queries, cache, layer, **self.attend_options(layer, window))
         return self.output(jnp.concatenate([o.reshape(1, -1, *q.shape[2:]) for o in outs], axis=1)), cache

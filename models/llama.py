@@ -28,7 +28,7 @@ from arena_jax.sharding import shard_rows, slot_lengths
 from arena_jax.models.checks import check_int, check_number
 from arena_jax.models.config import LlamaConfig
 from arena_jax.models.layers import (_FROM_CONFIG, MLP, Attention, Embedder, RMSNorm, layer_inv_freq, layer_windows,
-                                     one_row_safe_einsum, take_tokens)
+                                     mixed_token_index, one_row_safe_einsum, take_tokens)
 
 __all__ = ["Block", "Llama", "init_random", "token_positions", "layer_inputs", "run_layers", "default_scan_layers",
            "CPU_LIST_LAYER_BYTES"]
@@ -78,9 +78,13 @@ class Block(nnx.Module):
                                         window=window, inv_freq=inv_freq, plan=plan)  # fmt: skip
         return self.finish(take_tokens(x, last), h), cache
 
-    def mixed(self, x, positions, cache, layer, groups, *, window=_FROM_CONFIG, inv_freq=None):
-        """One layer over row groups packed flat (x [1, N, E]; see `Attention.mixed`)."""
-        h, cache = self.attn.mixed(self.attn_norm(x), positions, cache, layer, groups, window=window, inv_freq=inv_freq)
+    def mixed(self, x, positions, cache, layer, groups, *, window=_FROM_CONFIG, inv_freq=None, last=None):
+        """One layer over row groups packed flat (x [1, N, E]; see `Attention.mixed`). `last`: the
+        one token a row the pass needs past this layer (`Attention.mixed`): out [1, M, E]."""
+        h, cache = self.attn.mixed(self.attn_norm(x), positions, cache, layer, groups, window=window, inv_freq=inv_freq,
+                                   last=last)  # fmt: skip
+        if last is not None:
+            x = x[:, mixed_token_index(groups, last)]
         return self.finish(x, h), cache
 
 
@@ -241,26 +245,42 @@ class Llama(nnx.Module):
             x = take_tokens(x, last)
         return self.norm(x), cache
 
-    def hidden_mixed(self, groups, cache: aj.KVCache):
+    def hidden_mixed(self, groups, cache: aj.KVCache, *, last_only: bool = False):
         """A mixed step's forward: groups of rows, each (tokens i32[R, T], positions i32[R, T],
         slots i32[R], num_tokens i32[R]), e.g. decode rows (T = 1) and prefill chunks. Their
         tokens run packed flat through the dense parts (N = sum R * T tokens: the cost follows
         the tokens, not a [rows, widest] padding) and each group attends with its own kernel.
-        Returns the final-normed hidden states per group ([R, T, E] each) and the updated cache."""
+        Returns the final-normed hidden states per group ([R, T, E] each) and the updated cache.
+
+        `last_only=True`: only each row's last new token's state, [R, 1, E] a group (token
+        max(num_tokens[r] - 1, 0): what a mixed step samples from). With a list of layers the
+        last layer appends every token's K/V and runs the rest for those tokens alone, as
+        `hidden(..., last_only=True)` does; stacked layers run in full and take the tokens."""
+        if not isinstance(last_only, bool):
+            raise ValueError(f"last_only must be a bool, got {last_only!r}")
         shapes = [g[0].shape for g in groups]
         flat = lambda i: jnp.concatenate([g[i].reshape(1, -1) for g in groups], axis=1)  # noqa: E731
         x = shard_rows(self.embed(flat(0)), cache)  # [1, N, E]
         positions = flat(1)  # i32[1, N]
         meta = [(g[2], g[3], s[1]) for g, s in zip(groups, shapes)]
+        last = [jnp.maximum(g[3] - 1, 0) for g in groups]
 
         def body(block, x, cache, layer, window, inv_freq):
             x, cache = block.mixed(x, positions, cache, layer, meta, window=window, inv_freq=inv_freq)
             return shard_rows(x, cache), cache
 
-        x, cache = run_layers(self, x, cache, body)
+        def last_body(block, x, cache, layer, window, inv_freq):
+            x, cache = block.mixed(x, positions, cache, layer, meta, window=window, inv_freq=inv_freq, last=last)
+            return shard_rows(x, cache), cache
+
+        last_only &= any(width > 1 for _, width in shapes)  # one token a row: the same pass either way
+        x, cache = run_layers(self, x, cache, body, last_body if last_only and not self.scan_layers else None)
+        if last_only and self.scan_layers:  # stacked layers: the tokens taken before the (per-token) norm
+            x = x[:, mixed_token_index(meta, last)]
         x = self.norm(x)
         out, start = [], 0
         for rows, width in shapes:
+            width = 1 if last_only else width
             out.append(x[0, start : start + rows * width].reshape(rows, width, -1))
             start += rows * width
         return out, cache

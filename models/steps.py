@@ -180,11 +180,12 @@ def _mixed(graphdef, state, cache, tokens, slots, chunks, chunk_slots, chunk_cou
     (d_slots, p_slots), (d_counts, p_counts), (d_ok, p_ok) = (_unblock(dp, a, batch) for a in (rows, counts, ok))
     ok = jnp.concatenate([d_ok, p_ok])  # [B + P] in part order, as below
     d_pos, p_pos = token_positions(cache, d_slots, d_counts, 1), token_positions(cache, p_slots, p_counts, width)
+    # [B, 1, E], [P, 1, E]: each chunk's last token (with a list of layers the last layer runs those tokens alone)
     (xd, xp), cache = model.hidden_mixed(
-        [(tokens[:, None], d_pos, d_slots, d_counts), (chunks, p_pos, p_slots, p_counts)], cache
-    )  # [B, 1, E], [P, T, E]
+        [(tokens[:, None], d_pos, d_slots, d_counts), (chunks, p_pos, p_slots, p_counts)], cache, last_only=True
+    )
     last = jnp.maximum(p_counts - 1, 0)
-    h = jnp.concatenate([xd, take_tokens(xp, last)])  # [B + P, 1, E]
+    h = jnp.concatenate([xd, xp])  # [B + P, 1, E]
     logits = model.logits(h)[:, 0]  # [B + P, V]
     position = jnp.concatenate([d_pos[:, 0], jnp.take_along_axis(p_pos, last[:, None], axis=1)[:, 0]]) + 1
     where = jnp.where((chunk_rows >= 0) & (chunk_slots >= 0), chunk_rows, batch)  # [P] each chunk's batch row (batch: none)

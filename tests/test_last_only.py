@@ -123,3 +123,54 @@ def test_a_last_query_plan_is_for_attention_only():
     kv = jnp.zeros((BATCH, 1, config.num_kv_heads, config.head_dim), jnp.float32)
     with pytest.raises(ValueError, match="for aj.attend only"):
         aj.append(cache, 0, slots, kv, kv, num_tokens=jnp.minimum(counts, 1), plan=plan)
+
+
+def _mixed_forward(model, cache, decode, chunks, last_only):
+    """A mixed step's reservation and forward: decode rows (tokens i32[R], slots, counts 0 / 1)
+    and prompt chunks (tokens i32[P, T], slots, counts)."""
+    (d_tokens, d_slots, d_counts), (p_tokens, p_slots, p_counts) = decode, chunks
+    cache, ok = aj.reserve(cache, jnp.concatenate([d_slots, p_slots]), jnp.concatenate([d_counts, p_counts]))
+    d_pos = token_positions(cache, d_slots, d_counts, 1)
+    p_pos = token_positions(cache, p_slots, p_counts, p_tokens.shape[1])
+    groups = [(d_tokens[:, None], d_pos, d_slots, d_counts), (p_tokens, p_pos, p_slots, p_counts)]
+    out, cache = model.hidden_mixed(groups, cache, last_only=last_only)
+    return out, cache, ok
+
+
+@pytest.mark.parametrize("scan, dtype", [(True, None), (False, None), (False, "int8")])
+def test_a_mixed_step_last_only_equals_its_full_pass(scan, dtype):
+    """`hidden_mixed(..., last_only=True)` (what `mixed_step` samples from): each decode row's
+    state and each chunk row's at its last new token equal the full pass's, and the cache is
+    left the same, on fresh random weights, prompts and counts (rows continuing past a first
+    chunk, a padded decode row)."""
+    seed = int(np.random.default_rng().integers(2**31))
+    rng = np.random.default_rng(seed)
+    model = _model(scan, None, seed)
+    cache = aj.create(models.default_layout(model, BATCH + 2, 64, page_size=8, dtype=dtype))
+    graphdef = nnx.graphdef(model)
+    prefill = jax.jit(lambda state, *args: _forward(nnx.merge(graphdef, state), *args), static_argnums=5)
+    mixed = jax.jit(lambda state, *args: _mixed_forward(nnx.merge(graphdef, state), *args), static_argnums=4)
+    vocab, slots = model.config.vocab_size, jnp.arange(BATCH + 2, dtype=jnp.int32)
+    first = jnp.asarray(rng.integers(1, WIDTH + 1, BATCH + 2), jnp.int32)
+    tokens = jnp.asarray(rng.integers(0, vocab, (BATCH + 2, WIDTH)), jnp.int32)
+    _, cache, ok = prefill(nnx.state(model), cache, tokens, slots, first, False)
+    assert bool(jnp.all(ok))
+    # Slots 0-2 decode (slot 2's row padded), slots 3-5 take a chunk each.
+    d_slots = jnp.asarray([0, 1, aj.PAD_SLOT], jnp.int32)
+    decode = (jnp.asarray(rng.integers(0, vocab, 3), jnp.int32), d_slots, (d_slots >= 0).astype(jnp.int32))
+    p_counts = jnp.asarray(rng.integers(1, WIDTH + 1, 3), jnp.int32).at[0].set(WIDTH)
+    chunks = (jnp.asarray(rng.integers(0, vocab, (3, WIDTH)), jnp.int32), slots[3:], p_counts)
+    (full_d, full_p), full_cache, ok = mixed(nnx.state(model), cache, decode, chunks, False)
+    (last_d, last_p), last_cache, _ = mixed(nnx.state(model), cache, decode, chunks, True)
+    assert bool(jnp.all(ok))
+    assert last_d.shape == full_d.shape == (3, 1, model.config.hidden_size) and last_p.shape == (3, 1, model.config.hidden_size)
+    close = dict(rtol=2e-5, atol=2e-5, err_msg=f"seed {seed}")
+    np.testing.assert_allclose(np.asarray(last_d)[:2], np.asarray(full_d)[:2], **close)
+    np.testing.assert_allclose(np.asarray(last_p), np.asarray(jnp.take_along_axis(full_p, (p_counts - 1)[:, None, None], axis=1)), **close)
+    for name in ("k", "v", "k_scale", "v_scale"):
+        a, b = getattr(full_cache, name), getattr(last_cache, name)
+        assert (a is None) == (b is None) and (a is None or bool(jnp.all(a == b))), name
+    assert bool(jnp.all(full_cache.table.packed == last_cache.table.packed))
+    assert bool(jnp.all(full_cache.stats.counts == last_cache.stats.counts))
+    with pytest.raises(ValueError, match="last_only must be a bool"):
+        model.hidden_mixed([], cache, last_only=1)
