@@ -284,6 +284,8 @@ def _decode_settings(args):
         if reason is not None and hf_mode == "on":
             raise _Fail(f"--hf on: {reason}")
         hf = reason is None
+    # the layers' form: --scan-layers, --no-scan-layers, or (None) as load_pretrained builds them here
+    scan_layers = True if getattr(args, "scan_layers", False) else False if getattr(args, "no_scan_layers", False) else None
     return DecodeSettings(
         hf=hf,
         hf_threads=getattr(args, "hf_threads", 1),
@@ -300,7 +302,7 @@ def _decode_settings(args):
         num_layers=args.num_layers,
         seed=args.seed,
         mesh=getattr(args, "mesh", None),
-        scan_layers=False if getattr(args, "no_scan_layers", False) else True if getattr(args, "scan_layers", False) else None,
+        scan_layers=scan_layers,
     )
 
 
