@@ -24,8 +24,8 @@ import arena_jax as aj
 from arena_jax.models.config import NO_WINDOW, LlamaConfig, RopeScaling
 
 __all__ = [
-    "Embedder", "RMSNorm", "MLP", "Attention", "rope_frequencies", "apply_rope", "layer_inv_freq", "layer_windows",
-    "take_tokens", "mixed_token_index",
+    "Embedder", "RMSNorm", "MLP", "Attention", "rope_frequencies", "apply_rope", "rope_tables", "rotate",
+    "layer_inv_freq", "layer_windows", "take_tokens", "mixed_token_index",
 ]
 
 _init = nnx.initializers.normal(stddev=0.02)
@@ -153,14 +153,35 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = 
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x, positions, inv_freq):
-    """Rotate halves (Hugging Face layout): x [B, T, N, H], positions i32[B, T], inv_freq f32[H/2]."""
+def rope_tables(positions, inv_freq):
+    """RoPE's cos and sin at `positions` i32[B, T] for inv_freq f32[H/2]: f32[B, T, H/2] each,
+    the halves' shared values (`rotate` repeats them over both halves and every head).
+
+    Computed once for a layer's q and k (`Attention.project`), and for a pass of more than one
+    token a row materialized (`lax.optimization_barrier`): computed in each `apply_rope` call, a
+    cos or sin with one consumer was fused into it and evaluated once per head (a 32 x 128-token
+    prefill of the mid model, layers as a list: the query's rotation and transpose ~19 ms a
+    layer on a CPU, most of it trigonometry; benchmarks/RESULTS.md, session 48). One token a
+    row keeps them fusible: a layer scan hoists them out of its loop as they are."""
     angles = positions.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq)[None, None, :]  # [B, T, H/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, H]
-    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if positions.shape[1] > 1:
+        cos, sin = jax.lax.optimization_barrier((cos, sin))
+    return cos, sin
+
+
+def rotate(x, cos, sin):
+    """Rotate halves (Hugging Face layout): x [B, T, N, H] by `rope_tables`' cos, sin f32[B, T, H/2]
+    (rounded to x's dtype, as transformers rounds its cos and sin)."""
+    cos, sin = (jnp.concatenate([a, a], axis=-1)[:, :, None, :].astype(x.dtype) for a in (cos, sin))  # [B, T, 1, H]
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated * sin
+
+
+def apply_rope(x, positions, inv_freq):
+    """Rotate halves (Hugging Face layout): x [B, T, N, H], positions i32[B, T], inv_freq f32[H/2]."""
+    return rotate(x, *rope_tables(positions, inv_freq))
 
 
 def layer_inv_freq(config: LlamaConfig) -> np.ndarray:
@@ -225,8 +246,8 @@ class Attention(nnx.Module):
             q, k, v = q + self._weight("q_bias"), k + self._weight("k_bias"), v + self._weight("v_bias")
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        inv_freq = self._layer_inv_freq(layer, inv_freq)
-        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+        tables = rope_tables(positions, self._layer_inv_freq(layer, inv_freq))  # once for q and k
+        return rotate(q, *tables), rotate(k, *tables), v
 
     def output(self, o):  # [B, T, N, H] -> [B, T, E]
         out = jnp.einsum("BTNH,NHE->BTE", o, self._weight("o"))
