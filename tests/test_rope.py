@@ -1,7 +1,7 @@
 """RoPE as the models apply it (`models.layers.rope_tables` + `rotate`): equal to the rotation
 written out (cos and sin of the repeated angles, transformers' layout) on fresh random inputs,
-and, for a pass of more than one token a row, compiled with each cos / sin evaluated once per
-(token, frequency), not once per head (XLA fused them into every head's rotation before:
+and, for a pass of more than one token a row, compiled with each cos / sin evaluated at most
+once per (token, lane), not once per head (XLA fused them into every head's rotation before:
 benchmarks/RESULTS.md, session 48)."""
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ def test_rope_equals_the_rotation_written_out(dtype, tokens):
     got = jax.jit(apply_rope)(x, positions, inv_freq)
     tables = jax.jit(rope_tables)(positions, inv_freq)
     assert tables[0].shape == (3, tokens, head_dim // 2) and tables[0].dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=0, atol=1e-6 if dtype == "float32" else 2e-2,
+    tol = 1e-6 if dtype == "float32" else 1e-2  # bf16: an ulp or two of rounding apart, at most
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol,
                                err_msg=f"seed {seed}")  # fmt: skip
     np.testing.assert_array_equal(np.asarray(jax.jit(rotate)(x, *tables)), np.asarray(got), err_msg=f"seed {seed}")
 
