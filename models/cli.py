@@ -24,19 +24,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
-import tempfile
 import time
 
+from arena_jax.models import compile_cache
 from arena_jax.models.argtypes import MAX_DECODE_BLOCK, HelpWithDefaults, float_in, int_in, non_negative_float, positive_int, seed
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _KV_DTYPES = _DTYPES + ("int8", "float8_e4m3fn", "float8_e5m2", "int4")
-CACHE_ENV = "ARENA_JAX_COMPILE_CACHE"
+CACHE_ENV = compile_cache.CACHE_ENV
 TINY_MODELS = {"tiny": "llama", "tiny-mistral": "mistral", "tiny-qwen2": "qwen2", "tiny-qwen3": "qwen3",
                "tiny-gemma2": "gemma2", "tiny-gemma3": "gemma3_text"}  # fmt: skip
-DEFAULT_CACHE = os.path.join("~", ".cache", "arena-jax", "xla")
+DEFAULT_CACHE = compile_cache.DEFAULT_CACHE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,12 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the KV arena's dtype (default: --dtype); int8 / float8_* store 8-bit values + a float32 scale "
                         "per token and KV head, int4 two 4-bit values a byte + a bf16 scale per 32 lanes (the model's "
                         "head_dim a multiple of 32: among the tiny models, tiny-qwen3); quantized on write")  # fmt: skip
-    p.add_argument(
-        "--compile-cache", metavar="DIR",
-        help=f"JAX persistent compilation cache folder, so later runs skip compiling; created if missing, refused if it "
-             f"cannot be written (default ${CACHE_ENV}, empty: none, or {DEFAULT_CACHE})",
-    )  # fmt: skip
-    p.add_argument("--no-compile-cache", action="store_true", help="do not use a persistent compilation cache")
+    compile_cache.add_flags(p)
     p.add_argument("--mixed-steps", action="store_true",
                    help="feed prompt chunks together with the decoding rows' tokens, one call per step")  # fmt: skip
     p.add_argument("--token-budget", type=positive_int, default=None,
@@ -99,42 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _compile_cache(args, parser) -> str | None:
-    """The compilation cache folder to use (None: none): --compile-cache, else $ARENA_JAX_COMPILE_CACHE
-    (empty: none), else ~/.cache/arena-jax/xla; created here, refused unless a file can be written
-    in it (JAX itself only warns, then compiles every run again)."""
-    if args.no_compile_cache:
-        if args.compile_cache is not None:
-            parser.error(f"--compile-cache {args.compile_cache} and --no-compile-cache: give one")
-        return None
-    if args.compile_cache is not None:
-        path, flag = args.compile_cache, "--compile-cache"
-        if not path:
-            parser.error("--compile-cache '': an empty folder name (--no-compile-cache: no cache)")
-    elif CACHE_ENV in os.environ:
-        path, flag = os.environ[CACHE_ENV], f"${CACHE_ENV} (the default --compile-cache)"
-        if not path:
-            return None
-    else:
-        path, flag = os.path.expanduser(DEFAULT_CACHE), "the default --compile-cache"
-    try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):  # really written (as root, os.access says yes to read-only mounts)
-            pass
-    except OSError as exc:
-        parser.error(f"{flag} {path!r}: cannot write a compilation cache there ({exc.strerror or exc}); "
-                     "--no-compile-cache runs without one")
-    return path
-
-
-def _enable_compile_cache(path: str, given: bool = False) -> None:
-    """Use `path`; unless `given` (--compile-cache), a folder the user configured JAX with wins."""
-    import jax
-
-    if jax.config.jax_compilation_cache_dir and not given:  # the user configured one already
-        return
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+# (the names tests and callers use; `arena_jax.models.compile_cache` holds them)
+_compile_cache = compile_cache.folder
+_enable_compile_cache = compile_cache.enable
 
 
 def main(argv=None) -> int:

@@ -5,7 +5,9 @@ model, for demos) on the paged cache.
     arena-serve --model tiny                                   # a random-weight tiny model
 
 Every program is compiled before the port opens (a warm-up), so serving compiles nothing
-(`/metrics`: arena_compiles_since_warm_up). SIGTERM or Ctrl-C: stop taking requests, let the
+(`/metrics`: arena_compiles_since_warm_up). The compiled programs are kept in a JAX persistent
+compilation cache (`--compile-cache`, off with `--no-compile-cache`), so a restart on the same
+machine reads them back instead of compiling them again. SIGTERM or Ctrl-C: stop taking requests, let the
 ones in flight finish for --grace-period seconds, abort the rest, exit 0.
 """
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import logging
 import sys
 
+from arena_jax.models import compile_cache
 from arena_jax.models.argtypes import HelpWithDefaults, int_in, positive_int
 
 TINY = ("tiny", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3")
@@ -90,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight requests get to finish on shutdown")
     p.add_argument("--seed", type=int_in(0, 2**31 - 1), default=0, help="the tiny model's weights and unseeded sampling")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    compile_cache.add_flags(p)
     return p
 
 
@@ -98,7 +102,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.model_dir and args.model != "tiny":
         parser.error(f"--model {args.model} has no effect with --model-dir")
+    cache_dir = compile_cache.folder(args, parser)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import jax
     import jax.numpy as jnp
     import uvicorn
 
@@ -118,6 +124,8 @@ def main(argv=None) -> int:
             config = models.LlamaConfig.tiny_family(_FAMILY[args.model])
             model = models.init_random(config, seed=args.seed, dtype=jnp.dtype(args.dtype or "float32"))
             name = args.served_model_name or args.model
+        if cache_dir is not None:  # only once the arguments and the model are known to be good
+            compile_cache.enable(cache_dir, given=args.compile_cache is not None)
         engine = Engine(model, max_seqs=args.max_seqs, max_model_len=args.max_model_len, page_size=args.page_size,
                         kv_memory=args.kv_memory, kv_dtype=args.kv_dtype, chunk_size=args.chunk_size,
                         decode_block=args.decode_block, max_queue=args.max_queue, seed=args.seed,
@@ -125,7 +133,8 @@ def main(argv=None) -> int:
     except (OSError, ValueError) as exc:
         parser.error(str(exc))
     log = logging.getLogger("arena_jax.server")
-    log.info("warming up (compiling every program) ...")
+    log.info("warming up (compiling every program%s) ...",
+             f"; compilation cache {jax.config.jax_compilation_cache_dir}" if cache_dir else "")  # fmt: skip
     log.info("warm-up done in %.1f s; KV arena %d pages of %d tokens", engine.warm_up(), engine.layout.num_pages,
              engine.layout.page_size)  # fmt: skip
     app = create_app(engine, tokenizer, name, api_key=args.api_key)

@@ -1,5 +1,5 @@
-"""`arena-generate`'s flags refused before any work (issue 37): the compilation cache folder,
-flags a greedy or non-mixed run would ignore, --model beside --model-dir. The model is never
+"""`arena-generate`'s flags refused before any work (issue 37): the compilation cache folder
+(and `arena-serve`'s), flags a greedy or non-mixed run would ignore, --model beside --model-dir. The model is never
 built (`models.init_random` fails the test if called), so nothing compiles."""
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ import pytest
 
 from arena_jax import models
 from arena_jax.models import cli as generate_cli
+from arena_jax.models import compile_cache
+from arena_jax.server import cli as serve_cli
+from arena_jax.server import engine as serve_engine
 
 
 class _ReachedWork(Exception):
@@ -19,45 +22,64 @@ class _ReachedWork(Exception):
 def no_model(monkeypatch):
     monkeypatch.setattr(models, "init_random", lambda *a, **k: pytest.fail("the model was built"))
     monkeypatch.setattr(generate_cli, "_enable_compile_cache", lambda *args, **kwargs: None)  # never this process's JAX
+    monkeypatch.setattr(compile_cache, "enable", lambda *args, **kwargs: None)
 
 
-def _generate_error(argv, capsys) -> str:
+def _cli_error(prog, argv, capsys) -> str:
     with pytest.raises(SystemExit) as exc:
-        generate_cli.main(argv)
+        CLIS[prog].main(argv)
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "arena-generate: error:" in err and "Traceback" not in err
+    assert f"{prog}: error:" in err and "Traceback" not in err
     return err
 
 
+def _generate_error(argv, capsys) -> str:
+    return _cli_error("arena-generate", argv, capsys)
+
+
+# Both command-line tools that compile a model's programs keep them in the same cache
+# (`arena_jax.models.compile_cache`), with the same flags and refusals.
+CLIS = {"arena-generate": generate_cli, "arena-serve": serve_cli}
+
+
+@pytest.mark.parametrize("prog", CLIS)
 @pytest.mark.parametrize("path", ["/proc/no/cache", "/proc/version", "{tmp}/file", "{tmp}/file/cache"])
-def test_refuses_an_unwritable_compile_cache(path, tmp_path, capsys, monkeypatch, no_model):
+def test_refuses_an_unwritable_compile_cache(prog, path, tmp_path, capsys, monkeypatch, no_model):
     """Issue 37: `arena-generate --compile-cache <unwritable>` was ignored without a word (JAX warns at
-    most, then compiles every run again). Refused before any work, naming the flag and the way out."""
+    most, then compiles every run again). Refused before any work, naming the flag and the way out;
+    `arena-serve` the same (issue 39: it had no cache, and compiled every program at every start)."""
     (tmp_path / "file").write_text("")
     path = path.replace("{tmp}", str(tmp_path))
-    err = _generate_error(["--compile-cache", path], capsys)
+    err = _cli_error(prog, ["--compile-cache", path], capsys)
     assert f"--compile-cache {path!r}: cannot write a compilation cache there" in err and "--no-compile-cache" in err
-    monkeypatch.setenv(generate_cli.CACHE_ENV, path)  # the default, from the environment: the same
-    assert f"${generate_cli.CACHE_ENV} (the default --compile-cache) {path!r}: cannot write" in _generate_error([], capsys)
+    monkeypatch.setenv(compile_cache.CACHE_ENV, path)  # the default, from the environment: the same
+    assert f"${compile_cache.CACHE_ENV} (the default --compile-cache) {path!r}: cannot write" in _cli_error(prog, [], capsys)
 
 
-def test_creates_a_missing_compile_cache_folder(tmp_path, capsys, monkeypatch, no_model):
-    """A writable path in missing folders is created (and then used); --no-compile-cache beside
-    --compile-cache contradicts it; an empty $ARENA_JAX_COMPILE_CACHE is no cache."""
+@pytest.mark.parametrize("prog", CLIS)
+def test_creates_a_missing_compile_cache_folder(prog, tmp_path, capsys, monkeypatch, no_model):
+    """A writable path in missing folders is created and then used, once the arguments are good
+    and before the model's programs compile; --no-compile-cache beside --compile-cache
+    contradicts it; an empty $ARENA_JAX_COMPILE_CACHE is no cache."""
     folder = tmp_path / "new" / "deeper"
+    enabled = []
+    monkeypatch.setattr(generate_cli, "_enable_compile_cache", lambda *args, **kwargs: enabled.append((args, kwargs)))
+    monkeypatch.setattr(compile_cache, "enable", lambda *args, **kwargs: enabled.append((args, kwargs)))
 
     def reached(*args, **kwargs):
         raise _ReachedWork
 
-    monkeypatch.setattr(models, "init_random", reached)
-    with pytest.raises(_ReachedWork):
-        generate_cli.main(["--compile-cache", str(folder)])
+    monkeypatch.setattr(models, "init_random", lambda *args, **kwargs: object())  # no model built
+    monkeypatch.setattr(*{"arena-generate": (models, "generate"), "arena-serve": (serve_engine, "Engine")}[prog], reached)
+    with pytest.raises(_ReachedWork):  # reached the first call that compiles
+        CLIS[prog].main(["--compile-cache", str(folder)])
     assert folder.is_dir() and list(folder.iterdir()) == []  # the write probe left nothing behind
-    err = _generate_error(["--compile-cache", str(folder), "--no-compile-cache"], capsys)
+    assert enabled == [((str(folder),), {"given": True})]
+    err = _cli_error(prog, ["--compile-cache", str(folder), "--no-compile-cache"], capsys)
     assert f"--compile-cache {folder} and --no-compile-cache: give one" in err
-    monkeypatch.setenv(generate_cli.CACHE_ENV, "")
-    assert generate_cli._compile_cache(generate_cli.build_parser().parse_args([]), None) is None
+    monkeypatch.setenv(compile_cache.CACHE_ENV, "")
+    assert compile_cache.folder(CLIS[prog].build_parser().parse_args([]), None) is None
 
 
 @pytest.mark.parametrize(

@@ -456,11 +456,14 @@ def test_stopped_engine_holds_no_page(setup):
     assert health["pages_in_use"] == 0 and health["active_sequences"] == 0
 
 
-def test_sigterm_drains_and_exits_zero():
+def test_sigterm_drains_and_exits_zero(tmp_path):
     """`arena-serve` as a process: after its warm-up a request compiles nothing (its /metrics);
     SIGTERM with a stream in flight lets it finish, then the process exits 0. It takes any free
-    port (--port 0) and says which on stdout once bound, whatever the log level."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    port (--port 0) and says which on stdout once bound, whatever the log level. Its warm-up
+    wrote the programs it compiled to its persistent compilation cache (the default folder, from
+    $ARENA_JAX_COMPILE_CACHE: here a fresh one, never the user's)."""
+    folder = tmp_path / "compiled"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), ARENA_JAX_COMPILE_CACHE=str(folder))
     proc = subprocess.Popen([sys.executable, "-m", "arena_jax.server.cli", "--model", "tiny", "--port", "0",
                              "--max-seqs", "2", "--max-model-len", "64", "--chunk-size", "16", "--grace-period", "20",
                              "--log-level", "warning"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
@@ -474,6 +477,7 @@ def test_sigterm_drains_and_exits_zero():
             raise AssertionError(f"arena-serve exited {proc.wait()} before it listened:\n{''.join(printed)[-3000:]}")
         url = printed[-1].split()[-1]
         assert int(url.rsplit(":", 1)[1]) > 0
+        assert any(folder.iterdir()), "the warm-up wrote nothing to the compilation cache"
         deadline = time.time() + 240
         while True:
             try:
