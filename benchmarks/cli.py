@@ -337,6 +337,7 @@ def _cmd_decode(args, console, progress) -> dict:
     if getattr(args, "explain_ratio", False):  # the tour: what that ratio means on a tiny model
         for line in report.decode_ratio_lines(result):
             note(line)
+        note(report.compile_ratio_line(result))
     if result["same_tokens"]:
         note(f"greedy tokens: [green]match[/green] (arena == dense on every run; first tokens {result['tokens_sample']})")
     elif result["arena_quantized"]:

@@ -29,6 +29,7 @@ __all__ = [
     "goal_lines",
     "decode_table",
     "decode_ratio_lines",
+    "compile_ratio_line",
     "prefix_table",
     "prefix_notes",
     "plot_prefix",
@@ -386,6 +387,22 @@ def decode_ratio_lines(result: dict) -> list[str]:
         f"{'a CPU' if result['device'] == 'cpu' else result['device']}, at {context} tokens of context, does not amortize.",
         elsewhere,
     ]
+
+
+COMPILE_SECTION = "One compile for every layer's cache ops (issue 39, item 4; session 28)"  # in benchmarks/RESULTS.md
+
+
+def compile_ratio_line(result: dict) -> str:
+    """The tour's word on its compile row: this run's first-call seconds, what the arena's extra
+    is made of, and that the command-line tools keep compiled programs (`models.compile_cache`)."""
+    arena, dense = result["arena"]["compile_s"], result["dense"]["compile_s"]
+    if arena <= dense:
+        return f"Compile: the first calls took {arena:.2f} s on the arena and {dense:.2f} s on the dense cache."
+    return (f"Compile: the first calls (a prefill and a decode step) took {arena:.2f} s on the arena and {dense:.2f} s on "
+            f"the dense cache. The {arena - dense:.2f} s more compiles the cache's own ops into each program (reserving "
+            f"pages, the step's plan of the page table, paged attention): a cost that does not grow with the model's "
+            f"depth (benchmarks/RESULTS.md, '{COMPILE_SECTION}'). arena-generate and arena-serve keep compiled programs "
+            f"in a persistent compilation cache, so only a machine's first run pays it.")
 
 
 _PREFIX_ROWS = [

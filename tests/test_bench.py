@@ -365,6 +365,20 @@ def test_decode_ratio_lines_follow_the_step_times(arena, dense):
         assert f"The {arena - dense:.3f} ms more" in text
 
 
+@pytest.mark.parametrize("arena, dense", [(2.94, 0.98), (0.9, 1.1)])
+def test_compile_ratio_line_quotes_the_runs_first_calls(arena, dense):
+    """The tour's compile row (issue 39, item 4: 2-3x on the tiny model) gets a line: this run's
+    seconds, the difference and what it is made of where the arena took longer, the RESULTS
+    section it points at (which exists), and the tools' persistent compilation cache."""
+    from arena_jax.benchmarks import report
+
+    text = report.compile_ratio_line({"arena": {"compile_s": arena}, "dense": {"compile_s": dense}})
+    assert f"took {arena:.2f} s on the arena and {dense:.2f} s on the dense cache" in text
+    assert (f"The {arena - dense:.2f} s more" in text) == (arena > dense) == ("persistent compilation cache" in text)
+    results_md = os.path.join(os.path.dirname(report.__file__), "RESULTS.md")
+    assert f"\n### {report.COMPILE_SECTION}\n" in open(results_md, encoding="utf-8").read()
+
+
 def test_help_says_what_each_subcommand_does(capsys):
     """Issue 40, item 6: `arena-bench --help` showed the internal docstring of the module that
     builds the parser. Now a paragraph for users naming the subcommands; each subcommand's --help
