@@ -7,8 +7,8 @@ model, for demos) on the paged cache.
 Every program is compiled before the port opens (a warm-up), so serving compiles nothing
 (`/metrics`: arena_compiles_since_warm_up). The compiled programs are kept in a JAX persistent
 compilation cache (`--compile-cache`, off with `--no-compile-cache`), so a restart on the same
-machine reads them back instead of compiling them again. SIGTERM or Ctrl-C: stop taking requests, let the
-ones in flight finish for --grace-period seconds, abort the rest, exit 0.
+machine reads them back instead of compiling them again. SIGTERM or Ctrl-C: stop taking
+requests, let the ones in flight finish for --grace-period seconds, abort the rest, exit 0.
 """
 from __future__ import annotations
 
