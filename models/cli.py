@@ -93,15 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# (the names tests and callers use; `arena_jax.models.compile_cache` holds them)
-_compile_cache = compile_cache.folder
-_enable_compile_cache = compile_cache.enable
-
-
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    cache_dir = _compile_cache(args, parser)
+    cache_dir = compile_cache.folder(args, parser)
     if args.model_dir and args.model != parser.get_default("model"):
         parser.error(f"--model {args.model} has no effect with --model-dir (the checkpoint is the model)")
     if args.token_budget is not None and not args.mixed_steps:
@@ -214,7 +209,7 @@ def main(argv=None) -> int:
         model = models.init_random(config, seed=args.seed, dtype=dtype, scan_layers=scan)
     prompts = [prompt] * num_prompts
     if cache_dir is not None:  # only once the arguments and the model are known to be good
-        _enable_compile_cache(cache_dir, given=args.compile_cache is not None)
+        compile_cache.enable(cache_dir, given=args.compile_cache is not None)
     try:
         # The options as generate's objects (models.options), built once from the flags.
         sampling = models.Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,

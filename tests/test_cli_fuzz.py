@@ -46,6 +46,7 @@ import arena_jax
 from arena_jax import models
 from arena_jax.benchmarks import cli as bench_cli
 from arena_jax.models import cli as generate_cli
+from arena_jax.models import compile_cache
 
 SEED = int(os.environ.get("ARENA_CLI_FUZZ_SEED", "37"))
 DRAWS = int(os.environ.get("ARENA_CLI_FUZZ_DRAWS", "1000"))
@@ -417,7 +418,7 @@ def _fill(argv, tmp) -> list[str]:
 def quiet_caches(monkeypatch):
     """No persistent compilation cache: arena-bench's off, arena-generate's never set in this process."""
     monkeypatch.setenv(bench_cli.CACHE_ENV, "")
-    monkeypatch.setattr(generate_cli, "_enable_compile_cache", lambda *args, **kwargs: None)
+    monkeypatch.setattr(compile_cache, "enable", lambda *args, **kwargs: None)
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """`arena-generate`'s flags refused before any work (issue 37): the compilation cache folder
-(and `arena-serve`'s), flags a greedy or non-mixed run would ignore, --model beside --model-dir. The model is never
-built (`models.init_random` fails the test if called), so nothing compiles."""
+(and `arena-serve`'s), flags a greedy or non-mixed run would ignore, --model beside
+--model-dir. The model is never built (`models.init_random` fails the test if called), so
+nothing compiles."""
 from __future__ import annotations
 
 import re
@@ -21,8 +22,7 @@ class _ReachedWork(Exception):
 @pytest.fixture
 def no_model(monkeypatch):
     monkeypatch.setattr(models, "init_random", lambda *a, **k: pytest.fail("the model was built"))
-    monkeypatch.setattr(generate_cli, "_enable_compile_cache", lambda *args, **kwargs: None)  # never this process's JAX
-    monkeypatch.setattr(compile_cache, "enable", lambda *args, **kwargs: None)
+    monkeypatch.setattr(compile_cache, "enable", lambda *args, **kwargs: None)  # never this process's JAX
 
 
 def _cli_error(prog, argv, capsys) -> str:
@@ -64,7 +64,6 @@ def test_creates_a_missing_compile_cache_folder(prog, tmp_path, capsys, monkeypa
     contradicts it; an empty $ARENA_JAX_COMPILE_CACHE is no cache."""
     folder = tmp_path / "new" / "deeper"
     enabled = []
-    monkeypatch.setattr(generate_cli, "_enable_compile_cache", lambda *args, **kwargs: enabled.append((args, kwargs)))
     monkeypatch.setattr(compile_cache, "enable", lambda *args, **kwargs: enabled.append((args, kwargs)))
 
     def reached(*args, **kwargs):

@@ -16,6 +16,7 @@ from hf_folders import save_hf_folder
 
 from arena_jax import models
 from arena_jax.models import cli as generate_cli
+from arena_jax.models import compile_cache
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -104,7 +105,7 @@ def test_folders_files_and_paths_that_are_not_names(tmp_path, hub):
 
 
 def test_arena_generate_takes_a_name_and_refuses_one_not_in_the_cache(hub, capsys, monkeypatch):
-    monkeypatch.setattr(generate_cli, "_enable_compile_cache", lambda *args, **kwargs: None)
+    monkeypatch.setattr(compile_cache, "enable", lambda *args, **kwargs: None)
     with pytest.raises(SystemExit) as exc:
         generate_cli.main(["--model-dir", "arena-test/absent"])
     err = capsys.readouterr().err
