@@ -48,6 +48,7 @@ from arena_jax.models.checks import token_ids
 from arena_jax.models.config import LlamaConfig
 from arena_jax.models.layers import take_tokens
 from arena_jax.models.llama import Llama, run_layers
+from arena_jax.models.model_jit import model_jit
 from arena_jax.models.sampling import first_argmax
 
 __all__ = ["DenseCache", "init_dense_cache", "dense_prefill", "dense_decode", "dense_generate"]
@@ -132,7 +133,7 @@ def _forward(model: Llama, cache: DenseCache, tokens, num_tokens, last_only: boo
     return model.norm(x), cache
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+@model_jit(donate_argnames=("cache",))
 def dense_prefill(graphdef, state, cache: DenseCache, tokens, num_tokens):
     """Greedy next token after each row's first num_tokens[b] tokens of tokens [B, T]."""
     model = nnx.merge(graphdef, state)
@@ -140,7 +141,7 @@ def dense_prefill(graphdef, state, cache: DenseCache, tokens, num_tokens):
     return first_argmax(model.logits(x)[:, 0]), cache
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+@model_jit(donate_argnames=("cache",))
 def dense_decode(graphdef, state, cache: DenseCache, tokens):
     """Feed tokens i32[B] (one per row), return the greedy next tokens."""
     model = nnx.merge(graphdef, state)
