@@ -184,7 +184,7 @@ class _ArenaRun:
     def run(self):
         """(tokens i32[B, new_tokens], prefill seconds, [decode step seconds])."""
         t0 = time.perf_counter()
-        out = models.prefill(self.graphdef, self.state, self.cache, self.tokens, self.slots, self.counts, self.slots, 0)
+        out = models.prefill(self.graphdef, self.state, self.cache, self.tokens, self.slots, self.counts)
         _block(out)
         prefill_s = time.perf_counter() - t0
         if not bool(np.all(jax.device_get(out.ok))):
@@ -192,7 +192,7 @@ class _ArenaRun:
         toks, steps = [out.tokens], []
         for _ in range(self.steps):
             t0 = time.perf_counter()
-            out = models.decode_step(self.graphdef, self.state, out.cache, out.tokens, self.slots, self.slots, 0)
+            out = models.decode_step(self.graphdef, self.state, out.cache, out.tokens, self.slots)
             _block(out)
             steps.append(time.perf_counter() - t0)
             toks.append(out.tokens)

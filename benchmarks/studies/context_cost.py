@@ -116,7 +116,7 @@ class _Runner:
     def call(self):
         if self.part == "attend":
             return self.fn(self.q, self.cache)
-        args = (self.state, self.cache, self.tokens, self.slots, self.slots, 0)
+        args = (self.state, self.cache, self.tokens, self.slots)  # seq_ids, seed: defaults
         if self.traced:  # the backend is fixed in the trace: later calls time the step alone
             out = self.fn(*args)
         else:  # the first call traces: the backend is read from the environment then

@@ -17,7 +17,8 @@ model's stay stacked in a scan); `--scan-layers` / `--no-scan-layers` choose. Un
 half of the mid model's batch-1 step, in both).
 
 Both are jits of our own over the model's state, its graphdef closed over: neither hashes the
-graphdef per call as the module-level jits (static `graphdef`) do. Until 2026-11-28 (session 21)
+graphdef per call, as the module-level jits (static `graphdef`) did until 2026-12-02 (session 51:
+`models.model_jit`). Until 2026-11-28 (session 21)
 only the arena's was; the dense step paid that hash, ~40-50 us a call on this CPU, which
 inflated the tiny model's ratio from about 0.6x to 0.8x (benchmarks/RESULTS.md). Until
 2026-11-29 (session 26) the arena's runner also set the backend's environment variable around
