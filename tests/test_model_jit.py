@@ -117,3 +117,14 @@ def test_dense_decode_matches_the_static_graphdef_jit(tiny):
             seq.append(nxt)
         got.append(np.stack(seq))
     np.testing.assert_array_equal(got[0], got[1])
+
+
+def test_the_graphdef_hash_study_times_all_four_calls(capsys):
+    """benchmarks/studies/graphdef_hash.py: both steps through both jits, and their table."""
+    from arena_jax.benchmarks.studies import graphdef_hash
+
+    row = graphdef_hash.measure(layers=2, scan=True, calls=3)
+    assert (row["layers"], row["form"]) == (2, "scan") and row["hash_us"] > 0
+    assert all(row[f"{step}, {jit}"] > 0 for step in ("paged", "dense") for jit in ("jax.jit", "model_jit"))
+    assert graphdef_hash.main(["--calls", "2", "--layers", "1"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("| 1 | list |")
