@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import threading
 
 import jax
 
@@ -33,6 +34,7 @@ class ModelJit:
         self._jit = jax.jit(fn, static_argnames=("graphdef", *self._static), donate_argnames=self._donate)
         self._by_id: collections.OrderedDict = collections.OrderedDict()  # id(graphdef) -> (graphdef, bound jit)
         self._by_value: collections.OrderedDict = collections.OrderedDict()  # graphdef -> bound jit
+        self._lock = threading.Lock()  # callers on several threads share the two tables
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
@@ -43,17 +45,18 @@ class ModelJit:
         return self._bound(graphdef)(*args, **kwargs)
 
     def _bound(self, graphdef):
-        entry = self._by_id.get(id(graphdef))
-        if entry is not None and entry[0] is graphdef:
-            self._by_id.move_to_end(id(graphdef))
-            return entry[1]
-        bound = self._by_value.get(graphdef)  # hashed here, once per graphdef object
-        if bound is None:
-            bound = jax.jit(functools.partial(self._fn, graphdef), static_argnames=self._static,
-                            donate_argnames=self._donate)  # fmt: skip
-            _remember(self._by_value, graphdef, bound)
-        _remember(self._by_id, id(graphdef), (graphdef, bound))  # holds the graphdef: its id stays its own
-        return bound
+        with self._lock:
+            entry = self._by_id.get(id(graphdef))
+            if entry is not None and entry[0] is graphdef:
+                self._by_id.move_to_end(id(graphdef))
+                return entry[1]
+            bound = self._by_value.get(graphdef)  # hashed here, once per graphdef object
+            if bound is None:
+                bound = jax.jit(functools.partial(self._fn, graphdef), static_argnames=self._static,
+                                donate_argnames=self._donate)  # fmt: skip
+                _remember(self._by_value, graphdef, bound)
+            _remember(self._by_id, id(graphdef), (graphdef, bound))  # holds the graphdef: its id stays its own
+            return bound
 
     def __getattr__(self, name):  # lower, trace, eval_shape, _cache_size, ...: the static-graphdef jit's
         return getattr(self._jit, name)

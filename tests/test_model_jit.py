@@ -128,3 +128,17 @@ def test_the_graphdef_hash_study_times_all_four_calls(capsys):
     assert all(row[f"{step}, {jit}"] > 0 for step in ("paged", "dense") for jit in ("jax.jit", "model_jit"))
     assert graphdef_hash.main(["--calls", "2", "--layers", "1"]) == 0
     assert capsys.readouterr().out.splitlines()[-1].startswith("| 1 | list |")
+
+
+def test_calls_from_several_threads_share_one_program():
+    import concurrent.futures
+
+    traces.clear()
+    graphs = [Graph(7.0) for _ in range(4)]  # equal: one program
+    x = jnp.arange(3.0)
+    scaled(Graph(7.0), jnp.zeros(3), x)  # traced once here (JAX may trace twice under a race of first calls)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda i: scaled(graphs[i % 4], jnp.zeros(3), x), range(64)))
+    for r in results:
+        np.testing.assert_array_equal(r, 7 * np.arange(3.0))
+    assert traces == [7.0]
