@@ -7,7 +7,8 @@ Figures, all in one process (a tiny random-weight `LlamaConfig.tiny()`, float32,
 - **Step time**: `generate`'s decode step (`Generation.decode_step_seconds`: the wall time of
   each scheduler iteration that only decoded, over its decode steps) against a bare loop of
   the jitted one-step program (`models.steps.bound_steps`' `decode_step`; and the public
-  `models.decode_step`, which hashes its graphdef per call) run `chunk` steps at a time with
+  `models.decode_step`, which flattens the model's state per call, and until session 51 hashed
+  its graphdef per call too: `models.model_jit`) run `chunk` steps at a time with
   the tokens fed back on the device and one read back at the end. Three `generate` loops:
   its default (decode blocks of 8 steps per call, run-ahead), one step per call
   (`decode_block=1`, run-ahead), and one step with run-ahead off (`Scheduler.RUN_AHEAD =
