@@ -40,8 +40,10 @@ class ModelJit:
     def __call__(self, *args, **kwargs):
         if args:
             graphdef, args = args[0], args[1:]
-        else:
+        elif "graphdef" in kwargs:
             graphdef = kwargs.pop("graphdef")
+        else:
+            raise TypeError(f"{self.__name__}() missing its first argument, graphdef (nnx.split(model)[0])")
         return self._bound(graphdef)(*args, **kwargs)
 
     def _bound(self, graphdef):
@@ -50,7 +52,11 @@ class ModelJit:
             if entry is not None and entry[0] is graphdef:
                 self._by_id.move_to_end(id(graphdef))
                 return entry[1]
-            bound = self._by_value.get(graphdef)  # hashed here, once per graphdef object
+            try:
+                bound = self._by_value.get(graphdef)  # hashed here, once per graphdef object
+            except TypeError:
+                raise ValueError(f"{self.__name__}: graphdef must be hashable (nnx.split(model)[0]), got a "
+                                 f"{type(graphdef).__name__}") from None  # fmt: skip
             if bound is None:
                 bound = jax.jit(functools.partial(self._fn, graphdef), static_argnames=self._static,
                                 donate_argnames=self._donate)  # fmt: skip
@@ -59,6 +65,8 @@ class ModelJit:
             return bound
 
     def __getattr__(self, name):  # lower, trace, eval_shape, _cache_size, ...: the static-graphdef jit's
+        if name == "_jit":  # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
         return getattr(self._jit, name)
 
 

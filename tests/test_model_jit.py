@@ -142,3 +142,10 @@ def test_calls_from_several_threads_share_one_program():
     for r in results:
         np.testing.assert_array_equal(r, 7 * np.arange(3.0))
     assert traces == [7.0]
+
+
+def test_a_missing_or_unhashable_graphdef_is_named():
+    with pytest.raises(TypeError, match="scaled.. missing its first argument, graphdef"):
+        scaled()
+    with pytest.raises(ValueError, match="scaled: graphdef must be hashable .* got a dict"):
+        scaled({"not": "a graphdef"}, jnp.zeros(2), jnp.ones(2))
