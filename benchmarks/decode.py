@@ -242,8 +242,15 @@ class _DenseRun:
         return np.stack(jax.device_get(toks), axis=1), prefill_s, steps
 
 
+# A run's first decode steps after its prefill start cold (the CPU idled while the host read the
+# prefill back) and take up to ~3x a settled step; from the fifth they settle (benchmarks/RESULTS.md,
+# "The module-level steps' graphdef hash"). `warm_step_ms_p50`: the median of the later steps.
+COLD_STEPS = 4
+
+
 def _summary(prefills, step_lists, batch, first_prefill, first_steps) -> dict:
     steps_ms = np.concatenate([np.asarray(x) for x in step_lists]) * 1e3
+    warm_ms = [1e3 * t for x in step_lists for t in x[COLD_STEPS:]]
     per_repeat_tps = [batch * len(x) / sum(x) for x in step_lists]
     med_prefill = float(np.median(prefills))
     med_step = float(np.median(steps_ms)) / 1e3
@@ -257,6 +264,8 @@ def _summary(prefills, step_lists, batch, first_prefill, first_steps) -> dict:
         "step_ms_mean": 1e3 * batch / tokens_per_s,
         "step_ms_p50": float(np.percentile(steps_ms, 50)),
         "step_ms_p99": float(np.percentile(steps_ms, 99)),
+        "warm_step_ms_p50": float(np.median(warm_ms)) if warm_ms else None,  # each run's steps past COLD_STEPS
+        "cold_steps": COLD_STEPS,
         "step_ms": steps_ms.tolist(),
         "prefill_ms": med_prefill * 1e3,
         "compile_s": compile_s,

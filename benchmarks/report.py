@@ -379,12 +379,19 @@ def decode_ratio_lines(result: dict) -> list[str]:
     if ratio >= 1:
         return [f"What {ratio:.2f}x means: the arena decoded {ratio:.2f} tokens for each token of the dense cache in "
                 f"the same time (a step {arena:.3f} ms vs {dense:.3f} ms, mean)."]
+    warm = [result[k].get("warm_step_ms_p50") for k in ("arena", "dense")]
+    settled = ""
+    if None not in warm:
+        settled = (f" Past each run's first {result['arena']['cold_steps']} decode steps, which start cold after its prefill and cost the "
+                   f"longer step more, the median steps are {warm[0]:.3f} and {warm[1]:.3f} ms "
+                   f"({warm[1] / warm[0]:.2f}x).")
     return [
         f"What {ratio:.2f}x means: a decode step took {arena:.3f} ms on the arena and {dense:.3f} ms on the dense "
         f"cache (mean). The {arena - dense:.3f} ms more is the paged cache's own work in every step (passing its page "
         f"table and counters into and out of the call, reserving pages, reading the page table, gathering each row's pages "
         f"for attention and checking their values for NaN poison), which a tiny model's short step on "
-        f"{'a CPU' if result['device'] == 'cpu' else result['device']}, at {context} tokens of context, does not amortize.",
+        f"{'a CPU' if result['device'] == 'cpu' else result['device']}, at {context} tokens of context, does not amortize."
+        + settled,
         elsewhere,
     ]
 

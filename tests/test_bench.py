@@ -112,6 +112,7 @@ def test_decode(tmp_path, capsys):
         assert r["tokens_per_s"] > 0 and r["step_ms_p99"] >= r["step_ms_p50"] > 0
         assert len(r["tokens_per_s_repeats"]) == 2 and len(r["step_ms"]) == 2 * 4
         assert r["compile_s"] >= 0
+        assert r["warm_step_ms_p50"] is None and r["cold_steps"] == 4  # 4 steps a run: none settled
     assert res["arena"]["kv_bytes_per_token"] == res["dense"]["kv_bytes_per_token"] > 0
     assert res["speedup_tokens_per_s"] == pytest.approx(res["arena"]["tokens_per_s"] / res["dense"]["tokens_per_s"])
     assert "greedy tokens: match" in capsys.readouterr().out
@@ -347,6 +348,15 @@ def test_tour(tmp_path, monkeypatch, capsys):
     assert "\n### Layer weights read in place: the step time on an H200 (issue 39, item 1)\n" in open(results_md, encoding="utf-8").read()
 
 
+def test_warm_steps_are_each_runs_steps_past_its_cold_ones():
+    from arena_jax.benchmarks import decode
+
+    runs = [[0.9, 0.5, 0.4, 0.3, 0.1, 0.2], [0.8, 0.6, 0.5, 0.4, 0.3]]  # seconds; each run's first steps cold
+    s = decode._summary([0.01, 0.01], runs, batch=2, first_prefill=1.0, first_steps=[1.0])
+    assert decode.COLD_STEPS == s["cold_steps"] == 4
+    assert s["warm_step_ms_p50"] == pytest.approx(200.0)  # the median of 100, 200 and 300 ms
+
+
 @pytest.mark.parametrize("arena, dense", [(0.5, 0.4), (0.33, 0.33), (0.3, 0.36)])
 def test_decode_ratio_lines_follow_the_step_times(arena, dense):
     """The tour's word on its ratio quotes the ratio's own step times (the runs' mean steps, batch
@@ -363,6 +373,13 @@ def test_decode_ratio_lines_follow_the_step_times(arena, dense):
     assert ("does not amortize" in text) == (ratio < 1) == ("benchmarks/RESULTS.md" in text)
     if ratio < 1:
         assert f"The {arena - dense:.3f} ms more" in text
+        assert "Past each run's first" not in text  # no warm steps measured: no word on them
+        result["arena"].update(warm_step_ms_p50=0.8 * arena, cold_steps=4)
+        result["dense"].update(warm_step_ms_p50=0.9 * dense, cold_steps=4)
+        text = " ".join(report.decode_ratio_lines(result))
+        assert (f"Past each run's first 4 decode steps, which start cold after its prefill and cost the longer step "
+                f"more, the median steps are {0.8 * arena:.3f} and {0.9 * dense:.3f} ms "
+                f"({0.9 * dense / (0.8 * arena):.2f}x).") in text
 
 
 @pytest.mark.parametrize("arena, dense", [(2.94, 0.98), (0.9, 1.1)])
