@@ -242,9 +242,10 @@ class _DenseRun:
         return np.stack(jax.device_get(toks), axis=1), prefill_s, steps
 
 
-# A run's first decode steps after its prefill start cold (the CPU idled while the host read the
-# prefill back) and take up to ~3x a settled step; from the fifth they settle (benchmarks/RESULTS.md,
-# "The module-level steps' graphdef hash"). `warm_step_ms_p50`: the median of the later steps.
+# A run's first decode steps after its prefill start cold, as any step after a pause does (1 ms of
+# idling suffices on a CPU), and take up to ~3x a settled step; from the fifth they settle
+# (benchmarks/RESULTS.md, "The module-level steps' graphdef hash"). `warm_step_ms_p50`: the median
+# of the later steps.
 COLD_STEPS = 4
 
 

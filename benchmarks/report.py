@@ -382,8 +382,8 @@ def decode_ratio_lines(result: dict) -> list[str]:
     warm = [result[k].get("warm_step_ms_p50") for k in ("arena", "dense")]
     settled = ""
     if None not in warm:
-        settled = (f" Past each run's first {result['arena']['cold_steps']} decode steps, which start cold after its prefill and cost the "
-                   f"longer step more, the median steps are {warm[0]:.3f} and {warm[1]:.3f} ms "
+        settled = (f" Past each run's first {result['arena']['cold_steps']} decode steps, which start cold after its "
+                   f"prefill and cost the longer step more, the median steps are {warm[0]:.3f} and {warm[1]:.3f} ms "
                    f"({warm[1] / warm[0]:.2f}x).")
     return [
         f"What {ratio:.2f}x means: a decode step took {arena:.3f} ms on the arena and {dense:.3f} ms on the dense "
