@@ -268,8 +268,8 @@ class BoundSteps(NamedTuple):
     in one call, the tokens fed back on the device: `_decode_block`) with the model's static
     parts bound once (`bound_steps`):
     called with the state's leaves (a list, flattened by JAX's C++ fast path; an nnx State is
-    flattened in Python, ~7 us a layer of a list of layers) and no graphdef. Same traces, same results, and
-    beside the StepOutput the sampled tokens and `ok` packed in one i32[2, B] array (one
+    flattened in Python, ~7 us a layer of a list of layers) and no graphdef. Same traces, same
+    results, and beside the StepOutput the sampled tokens and `ok` packed in one i32[2, B] array (one
     transfer for a host that reads both back)."""
 
     prefill: object  # (leaves, cache, tokens, slots, num_tokens, seq_ids, seed, sampling, all_logits=False) -> (StepOutput, i32[2, B])
