@@ -541,8 +541,12 @@ def _copy_pages(cache, src, dst):
 
 
 def _copying_row(copies, i):
-    """The i-th row whose `copies` (bool[B]) is set: a copy loop's trip i (no sort before the loop)."""
-    return jnp.argmax(jnp.cumsum(copies) > i)
+    """The i-th row whose `copies` (bool[B]) is set: a copy loop's trip i (no sort before the loop;
+    i < the rows set). A min over the rows, not an argmax: XLA's CPU runtime makes a buffer entry
+    per execution for every value of a reduction's computation, taken or not, and an argmax's
+    (value, index) pairs are 11 of them against a min's 3 (benchmarks/RESULTS.md, session 53)."""
+    rows = jnp.arange(copies.shape[0], dtype=jnp.int32)
+    return jnp.min(jnp.where(jnp.cumsum(copies) > i, rows, copies.shape[0] - 1))
 
 
 def _copy_scale_lanes(cache, src, dst) -> dict:

@@ -543,3 +543,18 @@ def test_first_rows_pairwise_equals_the_scatter_min_on_random_batches(monkeypatc
         scattered = allocator.first_rows(table, slots)
         for got, want in zip(pairwise, scattered):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"seed {seed}, slots {slots}")
+
+
+def test_copying_row_is_the_ith_row_set_on_random_masks():
+    """A copy loop's trip i copies `_copying_row(copies, i)`: the i-th row whose flag is set, for
+    every trip the loop runs (i below the rows set), on fresh random masks of 1 to 12 rows."""
+    from arena_jax import allocator
+
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    row_of = jax.jit(allocator._copying_row)
+    for _ in range(40):
+        copies = rng.random(int(rng.integers(1, 13))) < rng.random()
+        for i, want in enumerate(np.flatnonzero(copies)):
+            got = int(row_of(jnp.asarray(copies), jnp.int32(i)))
+            assert got == want, f"seed {seed}, copies {copies.astype(int)}, trip {i}: row {got}, want {want}"
