@@ -93,17 +93,19 @@ def op_cost(ops: int = 40, calls: int = 3000) -> list[dict]:
     return rows
 
 
-def _programs(s: decode.DecodeSettings):
-    """(arena k-step jit, its args, dense k-step jit, its args, compiled HLO texts) for the case."""
+def _programs(s: decode.DecodeSettings, steps: int):
+    """(arena k-step jit, its args, dense k-step jit, its args, compiled HLO texts) for the case,
+    both caches sized to the prompt plus `steps` decode steps or its new tokens, the more."""
+    capacity = s.prompt_len + max(steps, s.new_tokens)
     model, _ = decode.build_model(s)
     graphdef, state = nnx.split(model)
     rng = np.random.default_rng(s.seed)
     prompts = jnp.asarray(rng.integers(0, model.config.vocab_size, size=(s.batch, s.prompt_len), dtype=np.int32))
     slots = jnp.arange(s.batch, dtype=jnp.int32)
     counts = jnp.full((s.batch,), s.prompt_len, jnp.int32)
-    layout = models.default_layout(model, s.batch, s.prompt_len + s.new_tokens, page_size=s.page_size)
+    layout = models.default_layout(model, s.batch, capacity, page_size=s.page_size)
     out = models.prefill(graphdef, state, aj.create(layout), prompts, slots, counts)
-    dense = dense_baseline.init_dense_cache(model.config, s.batch, s.prompt_len + s.new_tokens, model.dtype)
+    dense = dense_baseline.init_dense_cache(model.config, s.batch, capacity, model.dtype)
     first, dense = dense_baseline.dense_prefill(graphdef, state, dense, prompts, counts)
     step, dense_step = models.decode_step.__wrapped__, dense_baseline.dense_decode.__wrapped__
 
@@ -129,13 +131,14 @@ def _programs(s: decode.DecodeSettings):
 
 def step_cost(ks=(1, 2, 4, 8), rounds: int = 40, s: decode.DecodeSettings | None = None) -> dict:
     """{side: {"k": [median us a call], "per step": us, "per call": us, "embedded computations": n}}."""
-    arena_fn, arena_args, dense_fn, dense_args, texts = _programs(s or decode.DecodeSettings())
+    calls = 3  # a round's calls in a row from a fresh copy of the prefilled caches, the last two timed
+    arena_fn, arena_args, dense_fn, dense_args, texts = _programs(s or decode.DecodeSettings(), calls * max(ks))
     sides = {"arena": (arena_fn, arena_args), "dense": (dense_fn, dense_args)}
     times = {(side, k): [] for side in sides for k in ks}
     for r in range(rounds + 1):  # the first round compiles
         for k in ks:
             state = {side: (args[0], jax.tree.map(jnp.copy, args[1]), args[2]) for side, (_, args) in sides.items()}
-            for call in range(3):  # three calls in a row from a fresh copy; the last two timed
+            for call in range(calls):
                 for side, (fn, _) in sides.items():
                     st, cache, tokens = state[side]
                     t0 = time.perf_counter()
