@@ -35,6 +35,7 @@ from flax import nnx
 import arena_jax as aj
 from arena_jax import models
 from arena_jax.benchmarks import decode
+from arena_jax.benchmarks.studies.context_cost import _timed
 from arena_jax.models import dense_baseline
 
 __all__ = ["OPS", "embedded_computations", "op_cost", "step_cost", "main"]
@@ -57,12 +58,7 @@ def embedded_computations(hlo_text: str) -> int:
 
 
 def _median_call(fn, args, calls: int) -> float:
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    return float(np.median([_timed(lambda: fn(*args)) for _ in range(calls)]))
 
 
 def op_cost(ops: int = 40, calls: int = 3000) -> list[dict]:
@@ -137,16 +133,15 @@ def step_cost(ks=(1, 2, 4, 8), rounds: int = 40, s: decode.DecodeSettings | None
     times = {(side, k): [] for side in sides for k in ks}
     for r in range(rounds + 1):  # the first round compiles
         for k in ks:
-            state = {side: (args[0], jax.tree.map(jnp.copy, args[1]), args[2]) for side, (_, args) in sides.items()}
+            trips = jnp.int32(k)
+            carry = {side: (jax.tree.map(jnp.copy, args[1]), args[2]) for side, (_, args) in sides.items()}  # (cache, tokens)
             for call in range(calls):
-                for side, (fn, _) in sides.items():
-                    st, cache, tokens = state[side]
+                for side, (fn, args) in sides.items():
                     t0 = time.perf_counter()
-                    cache, tokens = fn(st, cache, tokens, jnp.int32(k))
-                    jax.block_until_ready(tokens)
+                    carry[side] = fn(args[0], *carry[side], trips)
+                    jax.block_until_ready(carry[side][1])
                     if r and call:
                         times[(side, k)].append(time.perf_counter() - t0)
-                    state[side] = (st, cache, tokens)
     out = {}
     for side in sides:
         medians = [float(np.median(times[(side, k)])) * 1e6 for k in ks]
