@@ -34,6 +34,7 @@ from jax import lax
 
 from pallas_kernels.index_math import ceil_div_nonneg, div_nonneg, rem_nonneg
 from arena_jax.kv_cache import PAD_SLOT, CacheStats, KVCache, PageTable
+from arena_jax.unrolled import small_all, small_cumsum, small_min, small_sum
 
 __all__ = ["reserve_impl", "release_impl", "fork_impl", "truncate_impl", "slot_rows", "in_range_rows", "first_rows"]
 
@@ -76,7 +77,7 @@ def first_rows(table: PageTable, slots):
     row = jnp.arange(batch, dtype=jnp.int32)
     if batch <= PAIRWISE_ROWS:
         same = slots[:, None] == slots[None, :]  # [B, B]: row j names row b's slot (in range if b is)
-        return ok, idx, jnp.where(ok, jnp.min(jnp.where(same, row[None, :], batch), axis=1), batch)
+        return ok, idx, jnp.where(ok, small_min(jnp.where(same, row[None, :], batch), axis=1), batch)
     first = jnp.full((max_seqs,), batch, jnp.int32).at[jnp.where(ok, slots, max_seqs)].min(row, mode="drop")
     return ok, idx, jnp.where(ok, first[idx], batch)
 
@@ -154,7 +155,7 @@ def reserve_impl(cache: KVCache, slots, num_tokens, *, run_pages: bool | None = 
     live &= (num_tokens >= 0) & (num_tokens <= max_pages * page_size - length)
     n = jnp.where(live, num_tokens, 0)
     rows = _reserve_rows(table, page_size, idx, live, n, length)
-    in_place = jnp.all(~live | ((rows.need == rows.have) & ~rows.wants_cow))
+    in_place = small_all(~live | ((rows.need == rows.have) & ~rows.wants_cow))
     # The table goes through the conditional, the arena does not (`_copy_pages`).
     grow = functools.partial(_grow_in_place, page_size)
     if run_pages is None:
@@ -533,7 +534,7 @@ def _copy_pages(cache, src, dst):
             return [lax.dynamic_update_slice_in_dim(x, lax.dynamic_slice_in_dim(x, s, 1, axis=2), d, axis=2)
                     for x in arrays]  # fmt: skip
 
-        arrays = lax.fori_loop(0, jnp.sum(copies), copy_one, arrays)
+        arrays = lax.fori_loop(0, small_sum(copies), copy_one, arrays)
     if cache.scale_rows:
         return arrays[0], arrays[1], _copy_scale_lanes(cache, src, dst)
     scales = {} if cache.k_scale is None else {"k_scale": arrays[2], "v_scale": arrays[3]}
@@ -546,7 +547,7 @@ def _copying_row(copies, i):
     per execution for every value of a reduction's computation, taken or not, and an argmax's
     (value, index) pairs are 11 of them against a min's 3 (benchmarks/RESULTS.md, session 53)."""
     rows = jnp.arange(copies.shape[0], dtype=jnp.int32)
-    return jnp.min(jnp.where(jnp.cumsum(copies) > i, rows, copies.shape[0] - 1))
+    return small_min(jnp.where(small_cumsum(copies) > i, rows, copies.shape[0] - 1))
 
 
 def _copy_scale_lanes(cache, src, dst) -> dict:

@@ -18,6 +18,7 @@ import numpy as np
 from flax import serialization, struct
 
 from arena_jax.layout import KVLayout
+from arena_jax.unrolled import small_sum
 
 __all__ = ["PageTable", "PAGE_TABLE_FIELDS", "CacheStats", "STAT_NAMES", "KVCache", "PAD_SLOT", "PAD_PAGE", "new_arena_id"]
 
@@ -420,7 +421,7 @@ class CacheStats:
 
     def bump(self, **deltas) -> "CacheStats":
         """Add each named count: an integer scalar, or per-row counts / flags (summed). Deltas of
-        one shape are summed in one reduction (e.g. a batch's bool[B] flags), and every count
+        one shape are summed in one sum (e.g. a batch's bool[B] flags), and every count
         lands in one add: an op's counting is a few XLA kernels, not two per counter."""
         unknown = sorted(set(deltas) - set(STAT_NAMES))
         if unknown:
@@ -435,9 +436,10 @@ class CacheStats:
                                  f"(B a multiple of {shards}, rows in shard order), got shape {shape} for {names}")
             flat = jnp.stack([values[n] for n in names]).reshape(len(names), shards, -1)  # [k, shards, rows]
             # Each count summed straight into its place of the [N] vector (a static one-hot
-            # [k, N]): one reduction whatever k, no per-counter slices to stack again.
+            # [k, N]): one sum whatever k, no per-counter slices to stack again; folded by
+            # elementwise ops where k * rows is short (`small_sum`: a decode step's counters).
             place = np.eye(len(STAT_NAMES), dtype=np.int32)[[_STAT_INDEX[n] for n in names]]
-            per_shard = jnp.sum(flat[:, :, :, None] * place[:, None, None, :], axis=(0, 2))  # [shards, N]
+            per_shard = small_sum(flat[:, :, :, None] * place[:, None, None, :], axis=(0, 2))  # [shards, N]
             counts = counts + (per_shard if counts.ndim == 2 else per_shard[0])
         return self.replace(counts=counts)
 
