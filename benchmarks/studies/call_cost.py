@@ -1,14 +1,16 @@
 """What a decode step costs per call beyond its work (issue 39, item 3: the tour's case).
 
-    python -m arena_jax.benchmarks.studies.call_cost [--rounds 40] [--ops 40]
+    python -m arena_jax.benchmarks.studies.call_cost [--rounds 40] [--ops 40] [--fold-limits 0]
 
 Two measurements, one process, one thread (run it with `XLA_FLAGS="--xla_cpu_multi_thread_eigen=false"`
 and `taskset -c 1` for figures that compare):
 
 - steps per call: `arena-bench decode`'s case (`decode.DecodeSettings()`: tiny model, batch 4, a
   32-token prompt, pages of 16), its arena and dense decode steps, k = 1, 2, 4, 8 of them inside
-  one jit (`lax.fori_loop`, the trip count an argument, the cache donated), the two sides
-  alternated call by call; each (side, k) the median of the calls. A straight line through
+  one jit (`lax.fori_loop`, the trip count an argument, the cache donated), the sides
+  alternated call by call in a fresh random order each round; each (side, k) the median of the
+  calls. `--fold-limits 0` adds an arena side whose short reductions are XLA's (`arena_jax.unrolled`
+  with `UNROLL_LIMIT = 0`, the step as it was before session 54), compiled in the same process. A straight line through
   the four medians splits a call into a cost per step (its slope: the steps' work) and a cost
   per call (its intercept: dispatch, the runtime's per-execution setup, and whatever a step
   run first in a call costs more than the next one).
@@ -33,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 import arena_jax as aj
-from arena_jax import models
+from arena_jax import models, unrolled
 from arena_jax.benchmarks import decode
 from arena_jax.benchmarks.studies.context_cost import _timed
 from arena_jax.models import dense_baseline
@@ -125,18 +127,47 @@ def _programs(s: decode.DecodeSettings, steps: int):
             jax.jit(dense_steps, donate_argnums=(1,)), (state, dense, first), texts)  # fmt: skip
 
 
-def step_cost(ks=(1, 2, 4, 8), rounds: int = 40, s: decode.DecodeSettings | None = None) -> dict:
-    """{side: {"k": [median us a call], "per step": us, "per call": us, "embedded computations": n}}."""
+def _compiled_sides(s: decode.DecodeSettings, steps: int, fold_limits) -> tuple[dict, dict]:
+    """({side: (compiled k-step program, args)}, {side: one step's optimized HLO}): the dense
+    side and an arena side per `arena_jax.unrolled.UNROLL_LIMIT` in `fold_limits` ("arena" for
+    None, the limit as built; "arena, folds <= n" else; 0: every short reduction left to XLA),
+    each traced and compiled with its limit (ahead of time: a compiled program keeps its limit)."""
+    sides, texts, built = {}, {}, unrolled.UNROLL_LIMIT
+    try:
+        for limit in fold_limits:
+            jax.clear_caches()
+            unrolled.UNROLL_LIMIT = built if limit is None else limit
+            arena_fn, arena_args, dense_fn, dense_args, text = _programs(s, steps)
+            name = "arena" if limit is None else f"arena, folds <= {limit}"
+            sides[name] = (arena_fn.lower(*arena_args, jnp.int32(1)).compile(), arena_args)
+            texts[name] = text["arena"]
+            if "dense" not in sides:
+                sides["dense"] = (dense_fn.lower(*dense_args, jnp.int32(1)).compile(), dense_args)
+                texts["dense"] = text["dense"]
+    finally:
+        unrolled.UNROLL_LIMIT = built
+        jax.clear_caches()
+    return sides, texts
+
+
+def step_cost(ks=(1, 2, 4, 8), rounds: int = 40, s: decode.DecodeSettings | None = None, fold_limits=(None,)) -> dict:
+    """{side: {"k": [median us a call], "per step": us, "per call": us, "embedded computations": n}}.
+    `fold_limits`: an arena side per `UNROLL_LIMIT` (`_compiled_sides`); the sides run in a fresh
+    random order each round (the first call after a round's cache copies runs cold)."""
     calls = 3  # a round's calls in a row from a fresh copy of the prefilled caches, the last two timed
-    arena_fn, arena_args, dense_fn, dense_args, texts = _programs(s or decode.DecodeSettings(), calls * max(ks))
-    sides = {"arena": (arena_fn, arena_args), "dense": (dense_fn, dense_args)}
+    sides, texts = _compiled_sides(s or decode.DecodeSettings(), calls * max(ks), fold_limits)
     times = {(side, k): [] for side in sides for k in ks}
-    for r in range(rounds + 1):  # the first round compiles
+    order = np.random.default_rng(0)
+    for r in range(rounds + 1):  # the first round warms up
+        names = list(sides)
+        order.shuffle(names)
         for k in ks:
             trips = jnp.int32(k)
             carry = {side: (jax.tree.map(jnp.copy, args[1]), args[2]) for side, (_, args) in sides.items()}  # (cache, tokens)
+            jax.block_until_ready(carry)
             for call in range(calls):
-                for side, (fn, args) in sides.items():
+                for side in names:
+                    fn, args = sides[side]
                     t0 = time.perf_counter()
                     carry[side] = fn(args[0], *carry[side], trips)
                     jax.block_until_ready(carry[side][1])
@@ -155,9 +186,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m arena_jax.benchmarks.studies.call_cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=40, help="rounds of the steps-per-call measurement")
     p.add_argument("--ops", type=int, default=40, help="copies of each op in the op-cost programs")
+    p.add_argument("--fold-limits", default="", help="also arena sides built with these `arena_jax.unrolled.UNROLL_LIMIT`s, "
+                   "comma-separated (0: every short reduction left to XLA, as before session 54)")
     a = p.parse_args(argv)
     print(f"# {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}")
-    cost = step_cost(rounds=a.rounds)
+    limits = (None,) + tuple(int(x) for x in a.fold_limits.split(",") if x)
+    cost = step_cost(rounds=a.rounds, fold_limits=limits)
     ks = list(cost["arena"]["k"])
     print("| side | " + " | ".join(f"k = {k} (us a call)" for k in ks) + " | per step (slope) | per call (intercept) "
           "| `to_apply` computations of one step |")  # fmt: skip
