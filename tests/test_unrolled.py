@@ -12,8 +12,9 @@ import pytest
 
 from arena_jax import unrolled
 
-# (shape, axis): short axes (folded), a tuple of axes, None, a long axis and an empty one (XLA's).
-CASES = [((5,), 0), ((4, 6), 1), ((4, 6), 0), ((3, 1, 4, 21), (0, 2)), ((2, 3), None), ((2, 40), 1), ((0, 3), 0),
+# (shape, axis): short axes (folded), a tuple of axes, None, a long axis (alone or beside a short one)
+# and an empty one (those two: XLA's reductions).
+CASES = [((5,), 0), ((4, 6), 1), ((4, 6), 0), ((3, 1, 4, 21), (0, 2)), ((2, 3), None), ((2, 40), 1), ((20, 3, 4), (0, 2)), ((0, 3), 0),
          ((3, 0), 1), ((7,), -1)]  # fmt: skip
 
 
