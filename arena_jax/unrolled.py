@@ -7,10 +7,11 @@ each value of its reducer computation, run or not. Folded over static slices ins
 reduction is elementwise work that fuses into the kernels that read it: same values, bit for
 bit (integer and boolean folds are exact in any order), no reducer computation. The tiny decode
 step's in-place path (`reserve` outside its allocator branch, the plan, the counters) has no
-reduction left: 14 fewer reducer computations, ~15 us less a call on a CPU, ~5% more compile
-(the folds are copied into each kernel that reads them; benchmarks/RESULTS.md, session 54). The
-allocator branch keeps XLA's reductions: folded, its kernels grew and compiled ~15% slower for
-a branch that runs once every page_size steps.
+reduction left: 9 fewer reducer computations (37 -> 28), a one-step call 9-29 us faster on a
+CPU (0.82-0.89x -> 0.93x the dense step's call), compile within the machine's spread (the folds
+are copied into each kernel that reads them; benchmarks/RESULTS.md, "Short reductions folded").
+The allocator branch keeps XLA's reductions: folded too, its kernels grew and the step compiled
+~20% slower, for a branch that runs once every page_size steps.
 
 A reduction over an axis longer than `UNROLL_LIMIT`, or an empty one, is XLA's as before: the
 folded form grows with the axis, the reduction does not (folded, a batch of 32 rows compiled its
