@@ -421,7 +421,7 @@ class CacheStats:
 
     def bump(self, **deltas) -> "CacheStats":
         """Add each named count: an integer scalar, or per-row counts / flags (summed). Deltas of
-        one shape are summed in one sum (e.g. a batch's bool[B] flags), and every count
+        one shape are summed together (e.g. a batch's bool[B] flags), and every count
         lands in one add: an op's counting is a few XLA kernels, not two per counter."""
         unknown = sorted(set(deltas) - set(STAT_NAMES))
         if unknown:
@@ -437,7 +437,7 @@ class CacheStats:
             flat = jnp.stack([values[n] for n in names]).reshape(len(names), shards, -1)  # [k, shards, rows]
             # Each count summed straight into its place of the [N] vector (a static one-hot
             # [k, N]): one sum whatever k, no per-counter slices to stack again; folded by
-            # elementwise ops where k * rows is short (`small_sum`: a decode step's counters).
+            # elementwise ops where k and the rows are short (`small_sum`: a decode step's counters).
             place = np.eye(len(STAT_NAMES), dtype=np.int32)[[_STAT_INDEX[n] for n in names]]
             per_shard = small_sum(flat[:, :, :, None] * place[:, None, None, :], axis=(0, 2))  # [shards, N]
             counts = counts + (per_shard if counts.ndim == 2 else per_shard[0])
