@@ -34,7 +34,6 @@ from flax import struct
 from arena_jax.allocator import first_rows
 from arena_jax.arena_ops import AppendRows, AttendRows, append_rows, attend_rows, page_rows, waits_for
 from arena_jax.kv_cache import KVCache
-from arena_jax.unrolled import small_sum
 from arena_jax.validate import check_cache_arrays, check_counts, check_slots
 from pallas_kernels.index_math import div_nonneg, rem_nonneg
 
@@ -105,7 +104,7 @@ class StepPlan:
         end, accepted = self.rows4[:num_layers, :, 0], self.rows4[:num_layers, :, 1]  # [L, B]
         layers = np.broadcast_to(np.arange(2, 2 + num_layers, dtype=np.int32)[:, None], end.shape)  # written[l]'s column
         target = jnp.where(usable & (accepted >= 0), self.slots[None, :], table.slots_shape[0])  # [L, B]; out of range: none
-        counts = jnp.where(usable, small_sum(self.counts[:num_layers], axis=0), num_layers * self.counts[num_layers])
+        counts = jnp.where(usable, jnp.sum(self.counts[:num_layers], axis=0), num_layers * self.counts[num_layers])
         return cache.replace(table=table.set_slot_words(target, layers, end),
                              stats=cache.stats.replace(counts=cache.stats.counts + counts))
 

@@ -1,17 +1,19 @@
 """Reductions over short static axes as chains of elementwise ops (integers and flags only).
 
-The cache's bookkeeping reduces over a batch's rows, a step's layers or a few counters: axes of
-a handful of entries, known when the step is traced. As an XLA reduction each is a kernel of
-its own, launched every step, and XLA's CPU runtime makes a buffer entry at every execution for
-each value of its reducer computation, run or not. Folded over static slices instead, the
-reduction is elementwise work that fuses into the kernels that read it: same values, bit for
-bit (integer and boolean folds are exact in any order), no reducer computation. The tiny decode
-step's in-place path (`reserve` outside its allocator branch, the plan, the counters) has no
-reduction left: 9 fewer reducer computations (37 -> 28), a one-step call 9-29 us faster on a
-CPU (0.82-0.89x -> 0.93x the dense step's call), compile within the machine's spread (the folds
-are copied into each kernel that reads them; benchmarks/RESULTS.md, "Short reductions folded").
-The allocator branch keeps XLA's reductions: folded too, its kernels grew and the step compiled
-~20% slower, for a branch that runs once every page_size steps.
+The cache's bookkeeping reduces over a batch's rows or a few counters: axes of a handful of
+entries, known when the step is traced. (Never over a model's layers: a folded sum over them
+makes the step's program grow with depth, which the layer loop exists to prevent.) As an XLA
+reduction each is a kernel of its own, launched every step, and XLA's CPU runtime makes a
+buffer entry at every execution for each value of its reducer computation, run or not. Folded
+over static slices instead, the reduction is elementwise work that fuses into the kernels that
+read it: same values, bit for bit (integer and boolean folds are exact in any order), no
+reducer computation. The tiny decode step's in-place path (`reserve` outside its allocator
+branch, the plan's rows, the counters) has no reduction left but the plan's sum over layers:
+8 fewer reducer computations (37 -> 29), a one-step call 9-29 us faster on a CPU (0.82-0.89x
+-> 0.93x the dense step's call), compile within the machine's spread (the folds are copied into
+each kernel that reads them; benchmarks/RESULTS.md, "Short reductions folded"). The allocator
+branch keeps XLA's reductions: folded too, its kernels grew and the step compiled ~20% slower,
+for a branch that runs once every page_size steps.
 
 A reduction over an axis longer than `UNROLL_LIMIT`, or an empty one, is XLA's as before: the
 folded form grows with the axis, the reduction does not (folded, a batch of 32 rows compiled its
@@ -24,7 +26,7 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["UNROLL_LIMIT", "small_sum", "small_all", "small_any", "small_min", "small_max", "small_cumsum"]
+__all__ = ["UNROLL_LIMIT", "small_sum", "small_all", "small_min", "small_cumsum"]
 
 # The longest axis folded by elementwise ops (each reduced axis; a reduction over a longer one
 # is XLA's). Static: shapes are.
@@ -66,19 +68,9 @@ def small_all(x, axis=None):
     return _fold(jnp.asarray(x, jnp.bool_), axis, lax.bitwise_and, jnp.all)
 
 
-def small_any(x, axis=None):
-    """`jnp.any(x, axis)` for a bool x."""
-    return _fold(jnp.asarray(x, jnp.bool_), axis, lax.bitwise_or, jnp.any)
-
-
 def small_min(x, axis=None):
     """`jnp.min(x, axis)` for an integer x."""
     return _fold(jnp.asarray(x), axis, lax.min, jnp.min)
-
-
-def small_max(x, axis=None):
-    """`jnp.max(x, axis)` for an integer x."""
-    return _fold(jnp.asarray(x), axis, lax.max, jnp.max)
 
 
 def small_cumsum(x, axis: int = 0, dtype=None):

@@ -35,11 +35,9 @@ def test_each_fold_equals_jnps_reduction_on_random_data(shape, axis):
         (unrolled.small_sum(small, axis), jnp.sum(small, axis, dtype=jnp.int32)),
         (unrolled.small_sum(flags, axis, dtype=jnp.int32), jnp.sum(flags, axis, dtype=jnp.int32)),
         (unrolled.small_all(flags, axis), jnp.all(flags, axis)),
-        (unrolled.small_any(flags, axis), jnp.any(flags, axis)),
     ]
-    if 0 not in shape:  # min / max of nothing is an error in jnp too
-        pairs += [(unrolled.small_min(ints, axis), jnp.min(ints, axis)),
-                  (unrolled.small_max(ints, axis), jnp.max(ints, axis))]  # fmt: skip
+    if 0 not in shape:  # the min of nothing is an error in jnp too
+        pairs.append((unrolled.small_min(ints, axis), jnp.min(ints, axis)))
     if isinstance(axis, int):
         pairs += [(unrolled.small_cumsum(ints, axis), jnp.cumsum(ints, axis)),
                   (unrolled.small_cumsum(flags, axis), jnp.cumsum(flags, axis, dtype=jnp.int32))]  # fmt: skip
