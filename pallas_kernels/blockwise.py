@@ -25,9 +25,10 @@ which then start after it: a context that fits one block, a decode step's usual 
 the capacity, runs no loop iteration (at the tiny model, capacity 336, context 128, batch 8,
 the step's tokens/s went from 1.09x to 1.16-1.20x the dense cache's, measured when the
 one-block path below ended at 256 keys: benchmarks/RESULTS.md, "The first block
-straight-line"). Over a float arena decode checks no V row in any block: a poisoned live V row
-leaves its query heads non-finite through every rescale, and those heads are NaN'd whole at the
-end (as the one-block path below does).
+straight-line"). Over a float arena decode checks no V row in any block: the V rows outside
+the row's one query's mask (window included) are zeroed, so a poisoned V row left leaves its
+query heads non-finite through every rescale, and those heads are NaN'd whole at the end (as
+the one-block path below does).
 
 When a row's whole capacity fits one block (`one_block`: 256 keys, or up to 512 where the
 batch's extra keys are few; `block_keys` when a caller gives it), there is no loop: one
@@ -38,9 +39,10 @@ keys (tiny model, one row, capacity 496, context 128: 1.00x the dense cache's to
 block of 496 keys, 0.89x with the first block of 256 straight-line and the loops after it), a
 large one less (mid model, 8 rows, capacity 384-496: 0.99-1.04x in one block against
 1.07-1.23x in the loops; benchmarks/RESULTS.md, "The first block straight-line").
-Over a float arena that block checks its V rows for poison (below) only when its output is not
-all finite (a conditional): a V row that is not finite always reaches the output (a zero weight
-times inf or NaN is NaN), so a finite output means the check would flag nothing.
+Over a float arena that block, past decode (several queries a row), checks its V rows for
+poison (below) only when its output is not all finite (a conditional): a V row that is not
+finite always reaches the output (a zero weight times inf or NaN is NaN), so a finite output
+means the check would flag nothing; decode NaNs the heads as the loops do, with no conditional.
 
 Design, and why:
 
@@ -337,7 +339,10 @@ def paged_attention_blockwise(
     start = lo // small * small
     keys = jnp.maximum(0, (hi + small - 1) // small * small - start)  # whole tail blocks from start
 
-    every_live_key_seen = tokens == 1 and window is None  # (static) a valid query sees every live key up to it
+    # (static) One query a row: its mask is the row's, so the V rows outside it (past the query,
+    # before its window) can be zeroed with the keys that do not exist: then every V row that
+    # enters P @ V is one the query attends to (`poison_non_finite`).
+    one_query = tokens == 1
     qg = q.reshape(batch, tokens, num_kv_heads, group, head_dim).astype(compute).astype(f32)
     qg = qg.transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
     q_ok = q_valid[:, :, None]  # [B, T, 1]: the mask's key-independent part
@@ -351,8 +356,10 @@ def paged_attention_blockwise(
         cols = lax.dynamic_slice_in_dim(page_map, first_key // page_size, num_pages, axis=1)  # [B, P]
         key_pos = first_key + jnp.arange(num_pages * page_size, dtype=jnp.int32)  # [N]
         key_live = (key_pos[None, :] < lengths[:, None]) & jnp.repeat(cols >= 0, page_size, axis=1)  # [B, N]
-        if every_live_key_seen:  # the keys past the query too (only where num_tokens > 1 asks for them)
+        if one_query:  # the keys past the query, and before its window, too (`one_query`)
             key_live &= key_pos[None, :] <= q_pos[:, :1]
+            if window is not None:
+                key_live &= key_pos[None, :] > q_pos[:, :1] - window
         live = key_live[:, None, :]  # [B, 1, N]: per key, for every KV head
         scores, v_ok, values = _block_operands(
             k_arena, v_arena, k_scale, v_scale, layer, jnp.maximum(cols, 0), live, compute, sm_scale, defer_v_check)
@@ -389,14 +396,15 @@ def paged_attention_blockwise(
         return m_new, l, alpha[..., None] * acc + values(p)
 
     def poison_non_finite(l, acc):
-        """A float arena, one query a row and no window (`every_live_key_seen`), its V rows
-        unchecked (zeroed only where not live): every live key up to the query's position is in
-        its mask (a row whose query is not valid is zeroed at the end) and has a weight (finite,
-        or NaN where its score is poisoned; 0 * inf and 0 * NaN are NaN), so a poisoned V row
-        leaves exactly the query heads of its KV head non-finite, through every rescale of the
-        online softmax. NaN those heads whole, as a check of the V rows would, with no pass
-        over them and no conditional (its branch and copies cost a tiny decode step ~3%:
-        RESULTS.md, session 33). A head whose finite rows overflow f32 is NaN here, inf there."""
+        """A float arena, one query a row (`one_query`), its V rows unchecked (zeroed only
+        outside the row's mask): every V row left is a key the query attends to (a row whose
+        query is not valid is zeroed at the end) and has a weight (finite, or NaN where its score
+        is poisoned; 0 * inf and 0 * NaN are NaN), so a poisoned V row leaves exactly the query
+        heads of its KV head non-finite, through every rescale of the online softmax. NaN those
+        heads whole, as a check of the V rows would, with no pass over them and no conditional
+        (its branch and copies cost a tiny decode step ~3%: RESULTS.md, session 33; in windowed
+        layers, 15 of the example decoder's 127 distinct kernels to compile: session 57). A head
+        whose finite rows overflow f32 is NaN here, inf there."""
         bad = ~jnp.all(jnp.isfinite(acc), axis=-1)
         return jnp.where(bad, jnp.nan, l), jnp.where(bad[..., None], jnp.nan, acc)
 
@@ -410,7 +418,7 @@ def paged_attention_blockwise(
         s, poisoned, values, v_check = block(0, max_pages, defer_v_check=True)
         p, _ = weights(s, poisoned, jnp.max(s, axis=-1))
         l, acc = jnp.sum(p, axis=-1), values(p)
-        if v_check is not None and every_live_key_seen:
+        if v_check is not None and one_query:
             l, acc = poison_non_finite(l, acc)
         elif v_check is not None:
             # A float arena's V rows are checked only when the output may hold their poison.
@@ -431,7 +439,7 @@ def paged_attention_blockwise(
         # context that fits one block, a decode step's usual case, runs no loop iteration), and
         # over a float arena no V row checked (`poison_non_finite`). Longer queries loop from
         # `start` (a block more to compile, for their loop overhead against their work).
-        unchecked_v = every_live_key_seen and jnp.dtype(k_arena.dtype) in _FLOAT_ARENAS
+        unchecked_v = one_query and jnp.dtype(k_arena.dtype) in _FLOAT_ARENAS
         shape = (batch, num_kv_heads, group, tokens)
         state = (jnp.full(shape, -jnp.inf, f32), jnp.zeros(shape, f32), jnp.zeros((*shape, head_dim), f32))
         state = _varying_like(state, q, k_arena, v_arena, k_scale, v_scale, layer, page_map, lengths, num_tokens, window)

@@ -193,6 +193,34 @@ def test_one_query_without_a_window_poisons_exactly_the_heads_a_bad_v_row_reache
     np.testing.assert_allclose(got[~expected], want[~expected], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("sizes", [{}, dict(block_keys=8, tail_keys=4)], ids=["one-block", "loop"])
+@pytest.mark.parametrize("traced", [False, True], ids=["static", "traced"])
+def test_one_query_with_a_window_poisons_only_what_the_window_sees(sizes, traced):
+    """Decode with a window finds poisoned V rows by its output alone too (no conditional): a
+    poisoned live V row before the query's window (or past the query) changes nothing, one
+    inside it NaNs exactly the query heads of its KV head, as the reference says. Window 6:
+    row 0 (query at 23) sees keys 18-23, row 1 (query at 9) keys 4-9."""
+    page, group, window = 4, 4, 6
+    case = ragged_case(np.random.default_rng(8), page=page, max_pages=6, lengths=(24, 10, 13), num_new=(1, 1, 1),
+                       q_heads=8, kv_heads=2)  # fmt: skip
+    v, page_map = np.asarray(case["v_arena"]).copy(), np.asarray(case["page_map"])
+    # (row, KV head, position, value): row 0 before its window (5, 17) and inside it (20, head 0);
+    # row 1 inside (4, head 1: its window's first key); row 2 before its window (6, both heads).
+    for b, kv_head, pos, value in ((0, 1, 5, np.nan), (0, 1, 17, np.inf), (0, 0, 20, np.nan), (1, 1, 4, -np.inf),
+                                   (2, 0, 6, np.nan), (2, 1, 6, np.inf)):  # fmt: skip
+        v[1, kv_head, page_map[b, pos // page], pos % page, 2] = value
+    poisoned = dict(case, v_arena=jnp.asarray(v))
+    w = jnp.int32(window) if traced else window
+    got = np.asarray(jax.jit(functools.partial(paged_attention_blockwise, **sizes))(**poisoned, sliding_window=w))
+    want = np.asarray(reference(**poisoned, sliding_window=window, logits_soft_cap=None))
+    expected = np.zeros(got.shape, bool)
+    expected[0, 0, 0:group] = True  # row 0, KV head 0's query heads
+    expected[1, 0, group:2 * group] = True  # row 1, KV head 1's
+    np.testing.assert_array_equal(np.isnan(want), expected)
+    np.testing.assert_array_equal(np.isnan(got), expected)
+    np.testing.assert_allclose(got[~expected], want[~expected], atol=1e-5, rtol=1e-5)
+
+
 def test_every_arena_dtype_is_read():
     """Each dtype an arena can hold (`arena_jax.layout.ARENA_DTYPES`) is read by the blockwise
     path (traced for each; a new storage format must be taught to it as to the reference), and
