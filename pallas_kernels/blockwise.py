@@ -183,8 +183,9 @@ def _block_operands(k_arena, v_arena, k_scale, v_scale, layer, pages, live, comp
     soft-cap and mask; v_ok bool[B, Hkv, N] is False where a V row is poisoned; `values(p)` maps
     the f32 weights [B, Hkv, G, T, N] (zero where masked) to P @ V f32 [B, Hkv, G, T, D].
 
-    `live` bool[B, 1, N]: the key exists (below the row's length, page mapped). The
-    reference's conversions, key for key (`paged_attention_reference`: "Dtypes").
+    `live` bool[B, 1, N]: the V rows kept (the key exists: below the row's length, page mapped;
+    with one query a row, also in its mask). The reference's conversions, key for key
+    (`paged_attention_reference`: "Dtypes").
 
     `defer_v_check` (float arenas; others ignore it): v_ok is instead a function giving
     (v_ok, values) as without it, and `values` zeroes only the rows not live (the one-block
@@ -356,20 +357,18 @@ def paged_attention_blockwise(
         cols = lax.dynamic_slice_in_dim(page_map, first_key // page_size, num_pages, axis=1)  # [B, P]
         key_pos = first_key + jnp.arange(num_pages * page_size, dtype=jnp.int32)  # [N]
         key_live = (key_pos[None, :] < lengths[:, None]) & jnp.repeat(cols >= 0, page_size, axis=1)  # [B, N]
-        if one_query:  # the keys past the query, and before its window, too (`one_query`)
-            key_live &= key_pos[None, :] <= q_pos[:, :1]
-            if window is not None:
-                key_live &= key_pos[None, :] > q_pos[:, :1] - window
-        live = key_live[:, None, :]  # [B, 1, N]: per key, for every KV head
+        mask = key_live[:, None, :] & (key_pos[None, None, :] <= q_pos[:, :, None]) & q_ok  # [B, T, N]
+        if window is not None:
+            mask &= key_pos[None, None, :] > (q_pos[:, :, None] - window)
+        # The V rows kept, per key for every KV head [B, 1, N]: one query a row keeps only its
+        # mask's (`one_query`), more keep every live key.
+        live = mask if one_query else key_live[:, None, :]
         scores, v_ok, values = _block_operands(
             k_arena, v_arena, k_scale, v_scale, layer, jnp.maximum(cols, 0), live, compute, sm_scale, defer_v_check)
         s = scores(qg)  # [B, Hkv, G, T, N] f32
         s_ok = jnp.isfinite(s)
         if logits_soft_cap is not None:
             s = jnp.tanh(s / logits_soft_cap) * logits_soft_cap
-        mask = key_live[:, None, :] & (key_pos[None, None, :] <= q_pos[:, :, None]) & q_ok  # [B, T, N]
-        if window is not None:
-            mask &= key_pos[None, None, :] > (q_pos[:, :, None] - window)
         mask = mask[:, None, None]  # [B, 1, 1, T, N]
 
         s = jnp.where(mask & s_ok, s, -jnp.inf)
