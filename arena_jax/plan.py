@@ -14,7 +14,7 @@ models pass it): the per-layer work is the writes, the reads, one watermark scat
 counter add. Results equal the unplanned calls' exactly, layers in any order
 (tests/test_plan.py). A forward pass that appends every layer once can defer the watermarks
 and counters too (`deferred=True`, `StepPlan.commit`: one scatter and one add a step, as our
-models do).
+models and, inside jit, `aj.begin_step`'s `CacheStep` do).
 
 A plan answers for the slots and counts it was made for, one append per layer. Inside jit,
 misuse stays total: a layer appended twice writes the same positions again and leaves the
@@ -89,13 +89,18 @@ class StepPlan:
                           accepted=jnp.maximum(accepted, 0), end=end, target=jnp.where(writable, self.slots, max_seqs),
                           counts=self.counts[i])  # fmt: skip
 
-    def commit(self, cache: KVCache) -> KVCache:
+    def commit(self, cache: KVCache, appended=None) -> KVCache:
         """A deferred plan's bookkeeping for every layer (`plan_step(..., deferred=True)`: once
         per forward pass, whose layers each append once under this plan): each layer's written
         watermark set where its append leaves it, and the appends' counters added, as the
         layers' own appends would do one by one. A plan that is not deferred: the cache
         unchanged (its appends do it). A table at another epoch than the plan's: its appends
-        write nothing, so no watermark moves and only their rejections are counted."""
+        write nothing, so no watermark moves and only their rejections are counted.
+
+        `appended` i32[L + 1]: how many appends each layer took (entry L: layers out of range),
+        for a forward pass that may skip or repeat layers (`CacheStep` counts them): only the
+        layers appended move their watermark, and each append's counters are added once per
+        append. None: every layer once."""
         if not self.deferred:
             return cache
         table = cache.table
@@ -103,8 +108,18 @@ class StepPlan:
         usable = table.epoch == self.epoch
         end, accepted = self.rows4[:num_layers, :, 0], self.rows4[:num_layers, :, 1]  # [L, B]
         layers = np.broadcast_to(np.arange(2, 2 + num_layers, dtype=np.int32)[:, None], end.shape)  # written[l]'s column
-        target = jnp.where(usable & (accepted >= 0), self.slots[None, :], table.slots_shape[0])  # [L, B]; out of range: none
-        counts = jnp.where(usable, jnp.sum(self.counts[:num_layers], axis=0), num_layers * self.counts[num_layers])
+        moves = usable & (accepted >= 0)
+        if appended is None:
+            counts = jnp.where(usable, jnp.sum(self.counts[:num_layers], axis=0), num_layers * self.counts[num_layers])
+        else:
+            appended = jnp.maximum(jnp.asarray(appended, jnp.int32), 0)
+            if appended.shape != (num_layers + 1,):
+                raise ValueError(f"appended must be i32[{num_layers + 1}] (appends per layer, then those out of range), "
+                                 f"got shape {appended.shape}")
+            moves &= appended[:num_layers, None] > 0
+            counts = jnp.where(usable, jnp.sum(appended[:, None] * self.counts, axis=0),
+                               jnp.sum(appended) * self.counts[num_layers])  # fmt: skip
+        target = jnp.where(moves, self.slots[None, :], table.slots_shape[0])  # [L, B]; out of range: none
         return cache.replace(table=table.set_slot_words(target, layers, end),
                              stats=cache.stats.replace(counts=cache.stats.counts + counts))
 
@@ -141,7 +156,8 @@ def plan_step(cache: KVCache, slots, num_tokens, width: int, *, deferred: bool =
     plan reads the plan's lengths, so the order does not matter; the cache after the forward
     pass equals the per-layer appends' (tests/test_plan.py). Outside that contract it is not:
     a layer left out would be marked written over bytes it never wrote, and a deferred append
-    at a layer out of range counts nothing."""
+    at a layer out of range counts nothing. `aj.CacheStep` keeps the contract for any model: it
+    counts each layer's appends and commits those (`StepPlan.commit(cache, appended)`)."""
     layout = check_cache_arrays(cache)
     if isinstance(width, bool) or not isinstance(width, int) or width < 1:
         raise ValueError(f"width must be a positive Python int (the tokens axis of the step), got {width!r}")

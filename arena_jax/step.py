@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from arena_jax import api
@@ -95,22 +96,77 @@ class CacheStep:
 
     slots i32[B] (rows whose reservation failed are PAD_SLOT), num_tokens i32[B] (0 for those
     rows), positions i32[B, T]; plan: the rows classified once for every layer
-    (`aj.plan_step`; None on a sharded cache)."""
+    (`aj.plan_step`; None on a sharded cache).
 
-    cache: KVCache
+    `cache` is the arena as the layers have left it. Under `begin_step`'s plan (deferred) each
+    layer's `attend` writes its K/V into `pending_cache` and counts the append in `appended`
+    (i32[L + 1], per plan entry); the watermarks and counters of every layer appended are set
+    once, when `cache` is read (`StepPlan.commit`): one scatter a step, not one a layer, and a
+    layer the model skips moves no watermark. `replace(cache=c)` sets the arena as given, with
+    nothing pending. (Setting `pending_cache` yourself to an arena at another epoch and back
+    between layers is outside the contract: an append at the other epoch writes nothing, yet its
+    layer's watermark would move at the commit.) Outside jit the plan is not deferred: each
+    layer's append sets its own watermark, so that the next op's host checks see it."""
+
+    pending_cache: KVCache
     slots: jax.Array
     num_tokens: jax.Array
     positions: jax.Array
     plan: StepPlan | None = None
+    appended: jax.Array | None = None
+
+    @property
+    def cache(self) -> KVCache:
+        """The arena after the layers run so far: their K/V, watermarks and counters."""
+        if self.plan is None or not self.plan.deferred:
+            return self.pending_cache
+        return self.plan.commit(self.pending_cache, self._appended())
+
+    def _appended(self):
+        if self.appended is not None:
+            return self.appended
+        return jnp.zeros((self.plan.counts.shape[0],), jnp.int32)
 
     def attend(self, layer, q, k, v, *, backend: str | None = None, **attend_options):
         """append + attend at `layer` (see `append_attend`); k, v are cast to a float arena's
         dtype (an 8-bit arena quantizes them as given). Returns (the next CacheStep, out)."""
-        if self.cache.k_scale is None:
-            k, v = k.astype(self.cache.k.dtype), v.astype(self.cache.v.dtype)
-        cache, out = append_attend(q, k, v, self.cache, layer, self.slots, num_tokens=self.num_tokens, backend=backend,
-                                   plan=self.plan, **attend_options)  # fmt: skip
-        return self.replace(cache=cache), out
+        if self.pending_cache.k_scale is None:
+            k, v = k.astype(self.pending_cache.k.dtype), v.astype(self.pending_cache.v.dtype)
+        cache, out = append_attend(q, k, v, self.pending_cache, layer, self.slots, num_tokens=self.num_tokens,
+                                   backend=backend, plan=self.plan, **attend_options)  # fmt: skip
+        if self.plan is None or not self.plan.deferred:
+            return _replace(self, pending_cache=cache), out
+        return _replace(self, pending_cache=cache, appended=self._appended() + _one_append(self.plan, layer)), out
+
+
+def _one_append(plan: StepPlan, layer):
+    """i32[L + 1]: one append at `layer`, counted at its plan entry (L: out of range). A layer
+    known when traced (a Python loop's) gives a constant, which XLA folds into the step's
+    count (no kernel a layer); a traced one (a layer scan's counter) a one-hot."""
+    num_layers = plan.counts.shape[0] - 1
+    given = concrete(layer) if not isinstance(layer, jax.core.Tracer) else None
+    if given is not None and given.shape == () and np.issubdtype(given.dtype, np.integer):
+        entry = int(given) if 0 <= int(given) < num_layers else num_layers
+        return np.eye(num_layers + 1, dtype=np.int32)[entry]
+    layer = jnp.asarray(layer)
+    entry = jnp.where((layer >= 0) & (layer < num_layers), layer, num_layers)
+    return (jnp.arange(num_layers + 1, dtype=jnp.int32) == entry).astype(jnp.int32)
+
+
+_replace = CacheStep.replace
+
+
+def _replace_cache(self, **changes) -> CacheStep:
+    """`dataclasses.replace`, where `cache=` sets the arena as given: its watermarks and
+    counters are the ones it holds (nothing pending)."""
+    if "cache" in changes:
+        changes["pending_cache"] = changes.pop("cache")
+        if self.plan is not None and self.plan.deferred:
+            changes["appended"] = jnp.zeros((self.plan.counts.shape[0],), jnp.int32)
+    return _replace(self, **changes)
+
+
+CacheStep.replace = _replace_cache
 
 
 def begin_step(cache: KVCache, slots, num_tokens, *, width: int | None = None) -> tuple[CacheStep, jax.Array]:
@@ -130,5 +186,10 @@ def begin_step(cache: KVCache, slots, num_tokens, *, width: int | None = None) -
     cache, ok = api.reserve(cache, slots, jnp.where(num_tokens > width, -1, num_tokens))
     slots = jnp.where(ok, slots, PAD_SLOT)
     num_tokens = jnp.where(ok, num_tokens, 0)
-    plan = plan_step(cache, slots, num_tokens, width)  # every layer's bookkeeping, once
-    return CacheStep(cache, slots, num_tokens, _positions(cache, slots, num_tokens, width), plan), ok
+    # Every layer's bookkeeping, once: the rows classified now and, inside jit, the watermarks
+    # set when the step's cache is read (`CacheStep.cache`). Outside jit each layer's append sets
+    # its own, so that the next op's host checks see what was written.
+    traced = isinstance(cache.table.packed, jax.core.Tracer)
+    plan = plan_step(cache, slots, num_tokens, width, deferred=traced)
+    appended = None if plan is None else jnp.zeros((plan.counts.shape[0],), jnp.int32)
+    return CacheStep(cache, slots, num_tokens, _positions(cache, slots, num_tokens, width), plan, appended), ok

@@ -120,3 +120,85 @@ def test_a_step_refuses_rows_past_its_width():
     assert np.asarray(step.cache.table.lengths).tolist() == [6, 3, 9, 0]
     assert int(step.cache.stats.rejected_rows) == int(cache.stats.rejected_rows) + 1
     assert aj.health(step.cache)["free_pages"] == 10  # slot 0's 6th token fits its second page
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_a_step_inside_jit_sets_the_watermarks_of_the_layers_it_appended(scan):
+    """Inside jit, `begin_step`'s plan is deferred: each layer's `attend` writes K/V only and
+    counts its append, and the watermarks and counters of the layers appended are set once, when
+    `step.cache` is read. A forward pass that skips layer 0, appends layer 1 twice and names a
+    layer out of range (traced, or a scan's counter) leaves the cache and outputs that the same
+    calls give with the plan's per-layer bookkeeping (fresh random data): layer 0's watermark
+    does not move, the repeat and the stray layer count what their appends count."""
+    cache, slots = _prefilled([5, 3, 8])
+    new = jnp.asarray([2, 1, 3], jnp.int32)
+    data = [(_rand(3, 3, 4, 16), _rand(3, 3, 2, 16), _rand(3, 3, 2, 16)) for _ in range(4)]
+    layers = jnp.asarray([1, 1, 7, 1], jnp.int32)  # traced: the scan's counter, and the stray 7
+
+    def order(traced):  # a Python loop's layers: ints where they can be, the stray one traced
+        return [1, 1, traced[2], 1] if not scan else None
+
+    @jax.jit
+    def per_layer(cache, layers):
+        cache, ok = aj.reserve(cache, slots, new)
+        plan = aj.plan_step(cache, slots, new, 3)  # not deferred: each append sets its watermark
+        outs = []
+        for layer, (q, k, v) in zip([layers[i] for i in range(4)], data):
+            cache = aj.append(cache, layer, slots, k, v, num_tokens=new, plan=plan)
+            outs.append(aj.attend(q, cache, layer, slots, num_tokens=new, sliding_window=3, plan=plan))
+        return cache, ok, outs
+
+    @jax.jit
+    def stepped(cache, layers):
+        step, ok = aj.begin_step(cache, slots, new, width=3)
+        assert step.plan.deferred
+        if scan:
+            qs, ks, vs = (jnp.stack(x) for x in zip(*data))
+
+            def body(step, xs):
+                layer, q, k, v = xs
+                return step.attend(layer, q, k, v, sliding_window=3)
+
+            step, outs = jax.lax.scan(body, step, (layers, qs, ks, vs))
+            outs = list(outs)
+        else:
+            outs = []
+            for layer, (q, k, v) in zip(order(layers), data):
+                step, out = step.attend(layer, q, k, v, sliding_window=3)
+                outs.append(out)
+        return step.cache, ok, outs
+
+    want_cache, want_ok, want = per_layer(_prefilled([5, 3, 8])[0], layers)
+    got_cache, ok, got = stepped(cache, layers)
+    np.testing.assert_array_equal(ok, want_ok)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    for name in ("k", "v"):
+        np.testing.assert_array_equal(getattr(got_cache, name), getattr(want_cache, name))
+    np.testing.assert_array_equal(got_cache.table.packed[:-1], want_cache.table.packed[:-1])  # (last: the arena's id)
+    np.testing.assert_array_equal(got_cache.stats.counts, want_cache.stats.counts)
+    written = np.asarray(got_cache.table.written)
+    np.testing.assert_array_equal(written[0, :3], [5, 3, 8])  # layer 0 skipped: its watermark stayed
+    np.testing.assert_array_equal(written[1, :3], [7, 4, 11])
+    assert int(got_cache.stats.rejected_rows) > 0  # the stray layer's rows, counted
+
+
+def test_a_step_cache_replaced_has_nothing_pending():
+    """`step.replace(cache=c)` sets the arena as given, watermarks and counters included: the
+    layers appended before it are the new cache's business, the ones after are counted anew."""
+    cache, slots = _prefilled([5, 3, 8])
+    new = jnp.asarray([1, 1, 1], jnp.int32)
+    q, k, v = _rand(3, 1, 4, 16), _rand(3, 1, 2, 16), _rand(3, 1, 2, 16)
+
+    @jax.jit
+    def forward(cache):
+        step, _ = aj.begin_step(cache, slots, new, width=1)
+        step, _ = step.attend(0, q, k, v)
+        step = step.replace(cache=step.cache)  # layer 0 committed here
+        step, _ = step.attend(1, q, k, v)
+        return step.cache
+
+    before = int(cache.stats.tokens_written)
+    out = forward(cache)
+    np.testing.assert_array_equal(np.asarray(out.table.written)[:, :3], [[6, 4, 9], [6, 4, 9]])
+    assert int(out.stats.tokens_written) == before + 3  # layer 0's append counted once (tokens count there)
