@@ -252,3 +252,29 @@ def test_reserve_s_in_place_branch_runs_almost_nothing():
     in_place, allocator = sorted(_branch_kernels(text))
     assert in_place <= 2, in_place
     assert allocator >= 10  # (the other branch: the allocator's classification, pops and scatter)
+
+
+def test_a_python_loop_of_layers_writes_the_page_table_as_often_whatever_its_depth():
+    """Inside jit, `CacheStep` sets every layer's watermark at the commit (`step.cache`), not in
+    each layer's append: the kernels that write the page table (`s32[W]`, its one array) are as
+    many for 4 layers as for 2 (before: 2 more a layer, a watermark scatter and a copy)."""
+    def table_writes(num_layers):
+        layout = aj.KVLayout(num_layers=num_layers, num_kv_heads=2, head_dim=16, page_size=8, num_pages=16,
+                             max_seqs=2, max_pages_per_seq=4, dtype=jnp.float32)  # fmt: skip
+        slots, ones = jnp.arange(2, dtype=jnp.int32), jnp.ones((2,), jnp.int32)
+        rng = np.random.default_rng()
+        q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((2, 1, 4, 16), (2, 1, 2, 16), (2, 1, 2, 16)))
+
+        def step(cache):
+            step, _ = aj.begin_step(cache, slots, ones, width=1)
+            for layer in range(num_layers):
+                step, _ = step.attend(layer, q, k, v)
+            return step.cache
+
+        cache = aj.create(layout)
+        width = cache.table.packed.shape[0]
+        text = jax.jit(step).lower(cache).compile().as_text()
+        return sum(kernel and line.partition(" = ")[2].startswith(f"s32[{width}]") for _, _, line, kernel in _instructions(text))
+
+    two, four = table_writes(2), table_writes(4)
+    assert two > 0 and four == two
