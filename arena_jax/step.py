@@ -132,11 +132,14 @@ class CacheStep:
         dtype (an 8-bit arena quantizes them as given). Returns (the next CacheStep, out)."""
         if self.pending_cache.k_scale is None:
             k, v = k.astype(self.pending_cache.k.dtype), v.astype(self.pending_cache.v.dtype)
+        plan = self.plan
+        if plan is not None and plan.deferred and not isinstance(self.pending_cache.table.packed, jax.core.Tracer):
+            plan = plan.replace(deferred=False)  # a step made in a jit, run on outside it: this layer's own watermark
         cache, out = append_attend(q, k, v, self.pending_cache, layer, self.slots, num_tokens=self.num_tokens,
-                                   backend=backend, plan=self.plan, **attend_options)  # fmt: skip
-        if self.plan is None or not self.plan.deferred:
+                                   backend=backend, plan=plan, **attend_options)  # fmt: skip
+        if plan is None or not plan.deferred:
             return _replace(self, pending_cache=cache), out
-        return _replace(self, pending_cache=cache, appended=self._appended() + _one_append(self.plan, layer)), out
+        return _replace(self, pending_cache=cache, appended=self._appended() + _one_append(plan, layer)), out
 
 
 def _one_append(plan: StepPlan, layer):

@@ -202,3 +202,31 @@ def test_a_step_cache_replaced_has_nothing_pending():
     out = forward(cache)
     np.testing.assert_array_equal(np.asarray(out.table.written)[:, :3], [[6, 4, 9], [6, 4, 9]])
     assert int(out.stats.tokens_written) == before + 3  # layer 0's append counted once (tokens count there)
+
+
+def test_a_step_made_inside_jit_runs_on_outside_it():
+    """A `CacheStep` returned by a jit (its plan deferred) and run on outside it: each eager
+    layer sets its own watermark, so the eager ops' host checks pass, and the cache equals the
+    per-layer calls' (the jitted layer's watermark set at the commit). Slot 2 starts empty: an
+    eager attention over a layer whose watermark waited for the commit would be refused."""
+    cache, slots = _prefilled([5, 3, 0])
+    new = jnp.asarray([2, 1, 3], jnp.int32)
+    data = [(_rand(3, 3, 4, 16), _rand(3, 3, 2, 16), _rand(3, 3, 2, 16)) for _ in range(2)]
+
+    @jax.jit
+    def first_layer(cache):
+        step, _ = aj.begin_step(cache, slots, new, width=3)
+        return step.attend(0, *data[0])
+
+    step, out0 = first_layer(cache)
+    step, out1 = step.attend(1, *data[1])
+    want, _ = _prefilled([5, 3, 0])
+    want, _ = aj.reserve(want, slots, new)
+    for layer, (q, k, v) in enumerate(data):
+        want = aj.append(want, layer, slots, k, v, num_tokens=new)
+        np.testing.assert_array_equal([out0, out1][layer], aj.attend(q, want, layer, slots, num_tokens=new))
+    got = step.cache
+    for name in ("k", "v"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name))
+    np.testing.assert_array_equal(got.table.packed[:-1], want.table.packed[:-1])
+    np.testing.assert_array_equal(got.stats.counts, want.stats.counts)
