@@ -125,7 +125,7 @@ class CacheStep:
     def _appended(self):
         if self.appended is not None:
             return self.appended
-        return jnp.zeros((self.plan.counts.shape[0],), jnp.int32)
+        return _no_appends(self.plan)
 
     def attend(self, layer, q, k, v, *, backend: str | None = None, **attend_options):
         """append + attend at `layer` (see `append_attend`); k, v are cast to a float arena's
@@ -140,6 +140,11 @@ class CacheStep:
         if plan is None or not plan.deferred:
             return _replace(self, pending_cache=cache), out
         return _replace(self, pending_cache=cache, appended=self._appended() + _one_append(plan, layer)), out
+
+
+def _no_appends(plan: StepPlan):
+    """i32[L + 1] zeros: no layer appended yet under `plan`."""
+    return jnp.zeros((plan.counts.shape[0],), jnp.int32)
 
 
 def _one_append(plan: StepPlan, layer):
@@ -165,7 +170,7 @@ def _replace_cache(self, **changes) -> CacheStep:
     if "cache" in changes:
         changes["pending_cache"] = changes.pop("cache")
         if self.plan is not None and self.plan.deferred:
-            changes["appended"] = jnp.zeros((self.plan.counts.shape[0],), jnp.int32)
+            changes["appended"] = _no_appends(self.plan)
     return _replace(self, **changes)
 
 
@@ -194,5 +199,5 @@ def begin_step(cache: KVCache, slots, num_tokens, *, width: int | None = None) -
     # its own, so that the next op's host checks see what was written.
     traced = isinstance(cache.table.packed, jax.core.Tracer)
     plan = plan_step(cache, slots, num_tokens, width, deferred=traced)
-    appended = None if plan is None else jnp.zeros((plan.counts.shape[0],), jnp.int32)
+    appended = None if plan is None else _no_appends(plan)
     return CacheStep(cache, slots, num_tokens, _positions(cache, slots, num_tokens, width), plan, appended), ok
