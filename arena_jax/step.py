@@ -105,7 +105,7 @@ class CacheStep:
     layer the model skips moves no watermark. `replace(cache=c)` sets the arena as given, with
     nothing pending. (Setting `pending_cache` yourself to an arena at another epoch and back
     between layers is outside the contract: an append at the other epoch writes nothing, yet its
-    layer's watermark would move at the commit.) Outside jit the plan is not deferred: each
+    layer's watermark would move at the commit.) Outside jit `attend` does not defer: each
     layer's append sets its own watermark, so that the next op's host checks see it."""
 
     pending_cache: KVCache
@@ -134,7 +134,7 @@ class CacheStep:
             k, v = k.astype(self.pending_cache.k.dtype), v.astype(self.pending_cache.v.dtype)
         plan = self.plan
         if plan is not None and plan.deferred and not isinstance(self.pending_cache.table.packed, jax.core.Tracer):
-            plan = plan.replace(deferred=False)  # a step made in a jit, run on outside it: this layer's own watermark
+            plan = plan.replace(deferred=False)  # outside jit: this layer's own watermark, for the host checks
         cache, out = append_attend(q, k, v, self.pending_cache, layer, self.slots, num_tokens=self.num_tokens,
                                    backend=backend, plan=plan, **attend_options)  # fmt: skip
         if plan is None or not plan.deferred:
@@ -195,9 +195,8 @@ def begin_step(cache: KVCache, slots, num_tokens, *, width: int | None = None) -
     slots = jnp.where(ok, slots, PAD_SLOT)
     num_tokens = jnp.where(ok, num_tokens, 0)
     # Every layer's bookkeeping, once: the rows classified now and, inside jit, the watermarks
-    # set when the step's cache is read (`CacheStep.cache`). Outside jit each layer's append sets
-    # its own, so that the next op's host checks see what was written.
-    traced = isinstance(cache.table.packed, jax.core.Tracer)
-    plan = plan_step(cache, slots, num_tokens, width, deferred=traced)
+    # set when the step's cache is read (`CacheStep.cache`; outside jit `attend` sets each
+    # layer's own, so that the next op's host checks see what was written).
+    plan = plan_step(cache, slots, num_tokens, width, deferred=True)
     appended = None if plan is None else _no_appends(plan)
     return CacheStep(cache, slots, num_tokens, _positions(cache, slots, num_tokens, width), plan, appended), ok
