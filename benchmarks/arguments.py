@@ -77,7 +77,13 @@ def _models():
     return list(PRESETS)
 
 
-_DTYPE_HELP = "the model's compute dtype (default: float32 for the tiny presets, else bfloat16)"
+def _cpu_models():
+    from arena_jax.benchmarks.presets import CPU_PRESETS
+
+    return CPU_PRESETS
+
+
+_DTYPE_HELP = "the model's compute dtype (default: float32 for the CPU presets, tiny* and mid, else bfloat16)"
 KV_DTYPES = ("bfloat16", "float16", "float32", "int8", "float8_e4m3fn", "float8_e5m2")
 SIZED_KV_DTYPES = KV_DTYPES + ("int4",)  # layout / capacity: sizes only (bytes per token, scales counted)
 
@@ -90,7 +96,7 @@ def _add_kv_dtype(g, default="bfloat16", flag="--kv-dtype"):
 
 def _add_capacity_args(p: argparse.ArgumentParser, defaults: dict) -> None:
     g = p.add_argument_group("capacity")
-    g.add_argument("--model", choices=[m for m in _models() if not m.startswith("tiny")], default="mistral-7b",
+    g.add_argument("--model", choices=[m for m in _models() if m not in _cpu_models()], default="mistral-7b",
                    help="preset whose KV bytes per token size the budget (mistral-7b: 131,072 B/token)")  # fmt: skip
     g.add_argument("--budget-gib", type=_budget_gib, default=defaults["budget_gib"], help="KV memory budget in GiB")
     g.add_argument("--requests", type=positive_int, default=defaults["requests"], help="requests in the synthetic workload")
@@ -116,7 +122,8 @@ def _add_decode_args(p: argparse.ArgumentParser, defaults: dict) -> None:
     g = p.add_argument_group("decode")
     g.add_argument("--model", choices=_models(), default="tiny",
                    help="preset with random weights (tiny-gqa: 8 query / 2 KV heads, for --mesh up to tp=8; "
-                        "tiny-<family>: a tiny Mistral / Qwen 2 / Qwen 3 / Gemma 2 / Gemma 3)")  # fmt: skip
+                        "tiny-<family>: a tiny Mistral / Qwen 2 / Qwen 3 / Gemma 2 / Gemma 3; mid: hidden 512, "
+                        "8 layers, 8 query / 2 KV heads, vocab 32,000)")  # fmt: skip
     g.add_argument("--model-dir", help="a Hugging Face checkpoint folder (Llama, Mistral, Qwen 2 / 3, Gemma 2 / 3 text) "
                                        "instead of random weights")
     g.add_argument("--num-layers", type=positive_int,

@@ -38,7 +38,7 @@ from flax import nnx
 import arena_jax as aj
 from arena_jax import models
 from arena_jax.models import dense_baseline
-from arena_jax.benchmarks.presets import preset
+from arena_jax.benchmarks.presets import default_dtype, preset
 from arena_jax.models.memory import TooLarge, cache_bytes, check_fits, host_memory_limit, weight_bytes
 
 __all__ = ["DecodeSettings", "run_decode", "build_model", "check_memory", "ModelTooLarge"]
@@ -58,7 +58,7 @@ class DecodeSettings:
     repeats: int = 5
     warmup: int = 1
     page_size: int = 16
-    dtype: str | None = None  # default: float32 for tiny, bfloat16 otherwise
+    dtype: str | None = None  # default: float32 for the CPU presets (tiny*, mid), bfloat16 otherwise
     kv_dtype: str | None = None  # the paged arena's; default: dtype (8-bit: int8, float8_e4m3fn, float8_e5m2)
     num_layers: int | None = None  # override the preset's depth (random weights only)
     seed: int = 0
@@ -79,7 +79,7 @@ def config_and_dtype(s):
     cfg = preset(s.model)
     if s.num_layers:
         cfg = cfg.with_num_layers(s.num_layers)
-    return cfg, jnp.dtype(s.dtype or ("float32" if s.model.startswith("tiny") else "bfloat16"))
+    return cfg, jnp.dtype(s.dtype or default_dtype(s.model))
 
 
 def make_mesh(s: DecodeSettings):

@@ -66,7 +66,7 @@ class PrefixSettings:
     model: str = "tiny"
     model_dir: str | None = None
     num_layers: int | None = None
-    dtype: str | None = None  # default: float32 for tiny, bfloat16 otherwise
+    dtype: str | None = None  # default: float32 for the CPU presets (tiny*, mid), bfloat16 otherwise
     system_prompts: int = 4
     system_len: int = 160
     conversations: int = 16

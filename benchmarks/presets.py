@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from arena_jax.models.config import LlamaConfig
 
-__all__ = ["PRESETS", "LAYOUT_MODELS", "preset", "layout_report"]
+__all__ = ["PRESETS", "CPU_PRESETS", "LAYOUT_MODELS", "preset", "default_dtype", "layout_report"]
 
 def tiny_gqa() -> LlamaConfig:
     """The tiny model with 8 query / 2 KV heads: it shards over any tensor degree up to 8 (KV heads
@@ -21,6 +21,7 @@ def _tiny(model_type: str):
 
 PRESETS = {
     "tiny": LlamaConfig.tiny,
+    "mid": LlamaConfig.mid,
     "tiny-gqa": tiny_gqa,
     "tiny-mistral": _tiny("mistral"),
     "tiny-qwen2": _tiny("qwen2"),
@@ -37,10 +38,18 @@ PRESETS = {
     "gemma3-4b-text": LlamaConfig.gemma3_4b_text,
 }
 LAYOUT_MODELS = ("mistral-7b", "llama3-8b", "llama3-70b")
+# The presets a CPU runs whole (random weights, float32 by default): the tiny ones and "mid"
+# (hidden 512, 8 layers: the model of issue 39's mid goals, `benchmarks/RESULTS.md`).
+CPU_PRESETS = tuple(name for name in PRESETS if name.startswith("tiny") or name == "mid")
 
 
 def preset(name: str) -> LlamaConfig:
     return PRESETS[name]()
+
+
+def default_dtype(name: str) -> str:
+    """A preset's compute dtype when none is given: float32 for `CPU_PRESETS`, else bfloat16."""
+    return "float32" if name in CPU_PRESETS else "bfloat16"
 
 
 def layout_report(budget_bytes: int, *, page_size: int = 16, dtype: str = "bfloat16", models=LAYOUT_MODELS) -> list[dict]:

@@ -338,6 +338,12 @@ class LlamaConfig:
         return cls(**preset_table.tiny(**overrides))
 
     @classmethod
+    def mid(cls, **overrides) -> "LlamaConfig":
+        """A mid-size random-weight Llama for CPU benchmarks (hidden 512, 8 layers, GQA 8/2,
+        head_dim 64, vocab 32,000; `arena-bench decode --model mid`)."""
+        return cls(**preset_table.mid(**overrides))
+
+    @classmethod
     def tiny_family(cls, model_type: str, **overrides) -> "LlamaConfig":
         """A tiny model of `model_type` with its family's features on (see `models.preset_table._TINY`);
         `overrides` replace any field (give `layer_types` again when changing `num_layers` of a mixed model)."""

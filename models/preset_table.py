@@ -10,7 +10,7 @@ from arena_jax.models.config_fields import MODEL_TYPES, RopeScaling
 
 __all__ = [
     "llama3_8b", "llama3_70b", "mistral_7b", "qwen2_5_7b", "qwen3_8b", "gemma2_9b", "gemma3_1b", "gemma3_4b_text",
-    "tiny", "tiny_family", "alternating", "every_nth_global",
+    "tiny", "mid", "tiny_family", "alternating", "every_nth_global",
 ]
 
 
@@ -102,6 +102,18 @@ def tiny(**overrides) -> dict:
     base = dict(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
         rms_norm_eps=1e-6, max_position_embeddings=512,
+    )
+    base.update(overrides)
+    return base
+
+
+def mid(**overrides) -> dict:
+    """A mid-size random-weight Llama a CPU decodes in milliseconds a token (hidden 512, 8 layers,
+    8 query / 2 KV heads, head_dim 64, vocab 32,000: the "mid" model of the benchmarks' studies,
+    `benchmarks.studies.context_cost`)."""
+    base = dict(
+        vocab_size=32000, hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8, num_kv_heads=2,
+        max_position_embeddings=8192,
     )
     base.update(overrides)
     return base

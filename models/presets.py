@@ -14,7 +14,7 @@ from arena_jax.models.preset_table import _TINY, alternating, every_nth_global  
 
 __all__ = [
     "llama3_8b", "llama3_70b", "mistral_7b", "qwen2_5_7b", "qwen3_8b", "gemma2_9b", "gemma3_1b", "gemma3_4b_text",
-    "tiny", "tiny_family", "alternating", "every_nth_global",
+    "tiny", "mid", "tiny_family", "alternating", "every_nth_global",
 ]
 
 # Module-level names for the presets (the classmethods of `LlamaConfig`, bound).
@@ -27,4 +27,5 @@ gemma2_9b = LlamaConfig.gemma2_9b
 gemma3_1b = LlamaConfig.gemma3_1b
 gemma3_4b_text = LlamaConfig.gemma3_4b_text
 tiny = LlamaConfig.tiny
+mid = LlamaConfig.mid
 tiny_family = LlamaConfig.tiny_family

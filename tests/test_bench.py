@@ -149,6 +149,25 @@ def test_decode_another_family(tmp_path):
     assert res["same_tokens"] is True and res["first_mismatch"] is None
 
 
+def test_decode_mid_preset_is_the_studies_mid_model(tmp_path):
+    """`--model mid`: the mid model of RESULTS.md's figures (the studies' `context_cost` geometry),
+    in float32 by default as the tiny presets; one of its layers runs, arena and dense agree."""
+    from arena_jax.benchmarks.presets import CPU_PRESETS, default_dtype, preset
+    from arena_jax.benchmarks.studies.context_cost import Settings
+
+    shape = lambda cfg: {k: v for k, v in vars(cfg).items() if k != "max_position_embeddings"}  # noqa: E731
+    assert shape(preset("mid")) == shape(Settings().config())
+    assert "mid" in CPU_PRESETS and default_dtype("mid") == default_dtype("tiny-qwen3") == "float32"
+    assert default_dtype("llama3-8b") == "bfloat16"
+    with pytest.raises(SystemExit):  # capacity sizes by the real models' KV only
+        cli.build_parser().parse_args(["capacity", "--model", "mid"])
+    res = _run(["decode", "--model", "mid", "--num-layers", "1", "--batch", "1", "--prompt-len", "4", "--new-tokens", "2",
+                "--repeats", "1", "--hf", "off"], tmp_path)["results"]  # fmt: skip
+    assert res["settings"]["dtype"] == "float32" and res["settings"]["config"]["hidden_size"] == 512
+    assert res["arena"]["kv_bytes_per_token"] == 1 * 2 * 2 * 64 * 4  # 1 layer, K and V, 2 KV heads, head_dim 64, f32
+    assert res["same_tokens"] is True and res["first_mismatch"] is None
+
+
 @pytest.mark.usefixtures("hf_reference")
 def test_decode_against_transformers(tmp_path, capsys):
     """The second peer: transformers' own Gemma 2 model (soft-caps, a window of 8 on every other
