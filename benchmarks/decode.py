@@ -11,8 +11,8 @@ loop-carried cache, in place). Any model family (`--model`, `--model-dir`).
 
 Timing: each call is followed by `jax.block_until_ready` before the clock is read. The first
 (warm-up) runs compile and are excluded; compile time is reported separately as the first
-calls' time minus the median warm call. Arena and dense repeats alternate, so drift on a
-shared machine hits both. Tokens/s is the median over repeats of batch * decode steps /
+calls' time minus the median warm call. Arena and dense repeats alternate, the order flipping
+every repeat, so drift on a shared machine, and whatever running first costs, hit both. Tokens/s is the median over repeats of batch * decode steps /
 decode time; step latencies p50/p99 are over all timed steps.
 
 `mesh=(dp, tp)`: the same run sharded over dp * tp devices. The model's weights are placed
@@ -309,7 +309,9 @@ def run_decode(s: DecodeSettings, progress=None) -> dict:
     results = {name: ([], [], []) for name in runners}  # tokens, prefills, step lists
     first = {}
     for i in range(s.warmup + s.repeats):
-        for name, runner in runners.items():
+        # The order flips every repeat (the first warm-up runs arena first): whatever running
+        # first or second costs, each side pays it as often.
+        for name, runner in (list(runners.items()) if i % 2 == 0 else list(runners.items())[::-1]):
             toks, pre, steps = runner.run()
             if i == 0:
                 first[name] = (pre, steps)
