@@ -358,6 +358,7 @@ _DECODE_ROWS = [
     ("step latency p99", "step_ms_p99", lambda v: f"{v:.3f} ms", True),
     ("prefill (median)", "prefill_ms", lambda v: f"{v:.2f} ms", True),
     ("compile (first calls)", "compile_s", lambda v: f"{v:.2f} s", True),
+    ("  of which the decode step", "compile_decode_s", lambda v: f"{v:.2f} s", True),
     ("KV bytes / token", "kv_bytes_per_token", lambda v: f"{v:,}", False),
     ("KV bytes reserved", "kv_bytes_reserved", fmt_bytes, True),
     ("reserved / token held", "kv_bytes_reserved_per_token", lambda v: f"{v:,.0f} B", True),

@@ -111,11 +111,13 @@ def test_decode(tmp_path, capsys):
         r = res[side]
         assert r["tokens_per_s"] > 0 and r["step_ms_p99"] >= r["step_ms_p50"] > 0
         assert len(r["tokens_per_s_repeats"]) == 2 and len(r["step_ms"]) == 2 * 4
-        assert r["compile_s"] >= 0
+        assert r["compile_prefill_s"] >= 0 and r["compile_decode_s"] >= 0
+        assert r["compile_s"] == r["compile_prefill_s"] + r["compile_decode_s"]
         assert r["warm_step_ms_p50"] is None and r["cold_steps"] == 4  # 4 steps a run: none settled
     assert res["arena"]["kv_bytes_per_token"] == res["dense"]["kv_bytes_per_token"] > 0
     assert res["speedup_tokens_per_s"] == pytest.approx(res["arena"]["tokens_per_s"] / res["dense"]["tokens_per_s"])
-    assert "greedy tokens: match" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "greedy tokens: match" in out and "of which the decode step" in out
 
 
 def test_decode_builds_the_layers_as_load_pretrained_does(monkeypatch):
