@@ -314,10 +314,11 @@ def run_decode(s: DecodeSettings, progress=None) -> dict:
     advance = progress.add_task("decode: warm-up + repeats", total=len(runners) * (s.warmup + s.repeats)) if progress else None
     results = {name: ([], [], []) for name in runners}  # tokens, prefills, step lists
     first = {}
+    in_order = list(runners.items())
     for i in range(s.warmup + s.repeats):
         # The order flips every repeat (the first warm-up runs arena first): whatever running
         # first or second costs, each side pays it as often.
-        for name, runner in (list(runners.items()) if i % 2 == 0 else list(runners.items())[::-1]):
+        for name, runner in (in_order if i % 2 == 0 else in_order[::-1]):
             toks, pre, steps = runner.run()
             if i == 0:
                 first[name] = (pre, steps)
