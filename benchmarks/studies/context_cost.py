@@ -38,11 +38,13 @@ from flax import nnx
 
 import arena_jax as aj
 from arena_jax import models
+from arena_jax.models import preset_table
 from arena_jax.models import steps as model_steps
 
 __all__ = ["Settings", "run", "main"]
 
 PARTS = ("step", "attend")
+_MID = preset_table.mid()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,12 +53,13 @@ class Settings:
     capacity: int = 8192
     batch: int = 8
     page_size: int = 16
-    hidden: int = 512
-    intermediate: int = 1536
-    layers: int = 8
-    q_heads: int = 8
-    kv_heads: int = 2
-    vocab: int = 32000
+    # The mid model's geometry (`models.LlamaConfig.mid()`, `arena-bench decode --model mid`).
+    hidden: int = _MID["hidden_size"]
+    intermediate: int = _MID["intermediate_size"]
+    layers: int = _MID["num_layers"]
+    q_heads: int = _MID["num_heads"]
+    kv_heads: int = _MID["num_kv_heads"]
+    vocab: int = _MID["vocab_size"]
     dtype: str = "float32"
     kv_dtype: str | None = None  # the arena's dtype (None: `dtype`, the model's)
     repeats: int = 7
