@@ -92,3 +92,24 @@ def test_xla_timers_by_part_from_a_child_process():
     paged, dense = parts["paged"], parts["dense"]
     assert all(paged[p] > 0 for p in ("reserve", "plan", "attend", "append", "model"))
     assert dense["model"] > 0 and all(dense[p] == 0 for p in ("reserve", "plan", "attend", "append"))
+
+
+def test_the_h100_target_compiles_the_presets_steps_without_a_gpu():
+    """`--target h100`: the tiny preset's paged step (its attention and append the Triton kernels,
+    as on a GPU) and the dense one, by XLA's deviceless GPU compiler, each variant fewer distinct
+    kernels. Needs the sm_90a tooling (`tests/test_compile_sm90.py`'s gate: fails under CI)."""
+    from pallas_kernels.offline import sm90
+    from test_compile_sm90 import IN_CI, gate
+
+    action = gate(sm90.tooling_problem(), IN_CI)
+    if action is not None:
+        (pytest.fail if action[0] == "fail" else pytest.skip)(action[1])
+    programs = compile_bound._h100_programs("tiny", batch=2, capacity=16, page_size=8)
+    assert "xla.gpu.triton" in programs[("tiny model", "paged")].as_text()
+    assert "xla.gpu.triton" not in programs[("tiny model", "dense")].as_text()
+    rows = {r["variant"]: r for r in compile_bound.measure(rounds=1, batch=2, capacity=16, page_size=8, target="h100")}
+    assert set(rows) == {*compile_bound.VARIANTS, "dense"} and all(r["model"] == "tiny model" for r in rows.values())
+    kernels = {variant: row["distinct_kernels"] for variant, row in rows.items()}
+    assert kernels["as built"] > kernels["in-place branch only"] >= kernels["no reserve"] > kernels["dense"]
+    with pytest.raises(ValueError, match="target must be one of"):
+        compile_bound.measure(rounds=1, target="tpu")

@@ -1,6 +1,7 @@
 """How low a paged decode step's first compile can go on XLA's CPU backend (issue 39, item 4).
 
     python -m arena_jax.benchmarks.studies.compile_bound [--rounds 3] [--capacity 64] [--toy 30]
+    python -m arena_jax.benchmarks.studies.compile_bound --target h100 [--model tiny|mid] [--batch 4]
 
 Item 4 asks for the paged decode step's compile <= 1.5x the dense step's (the cache's share
 <= 0.5x). This study bounds what any reservation could reach. It compiles each step in three
@@ -23,6 +24,13 @@ needs a page: they are bounds, not options.
 A toy program of `--toy` independent one-line kernels (each a constant of its own, behind an
 optimization barrier) gives what one distinct kernel costs to compile here, whatever it does.
 Compile time follows distinct kernels (RESULTS.md, "One compile for every layer's cache ops").
+
+`--target h100`: the same variants compiled for an H100 (sm_90a) by XLA's deviceless GPU
+compiler, on this host, no GPU (`scripts/install_sm90_tools.sh`; `pallas_kernels.offline.sm90`):
+the `--model` preset's paged decode step, its attention and append the Triton kernels as on a
+GPU, and the dense baseline's, bf16 (`_h100_programs`). A GPU's XLA fuses the bookkeeping outside
+`reserve`'s allocator branch into a few kernels, so there the branch is most of the cache's
+compile (benchmarks/RESULTS.md, "Item 4 on the H100 target").
 
 `--by-part`: where the tiny steps' compile goes, from XLA's own timers. A child process
 compiles them with XLA CPU's per-module logs on (`TF_CPP_VMODULE=ir_compiler=2,
@@ -51,10 +59,11 @@ from arena_jax.benchmarks.studies.op_hlo import PARTS as OP_PARTS
 from arena_jax.benchmarks.studies.op_hlo import example_steps, hlo_counts, part_of
 from arena_jax.models import dense_baseline, steps
 
-__all__ = ["VARIANTS", "PARTS", "unsafe_variant", "kernel_cost", "measure", "module_times", "ms_by_part",
+__all__ = ["VARIANTS", "TARGETS", "PARTS", "unsafe_variant", "kernel_cost", "measure", "module_times", "ms_by_part",
            "compile_ms_by_part", "main"]
 
 VARIANTS = ("as built", "in-place branch only", "no reserve")
+TARGETS = ("cpu", "h100")
 # A kernel's part of the step: the first of these names in its op_name (`op_hlo.PARTS`, and the
 # step's plan, `arena_jax.plan`); "model" for any other op_name, "no op_name" for none.
 PARTS = (*OP_PARTS[:3], ("plan", "jit(_plan)"), *OP_PARTS[3:])
@@ -90,10 +99,10 @@ def unsafe_variant(variant: str):
         jax.clear_caches()
 
 
-def _compiled(lowered) -> tuple[float, int]:
-    """(compile CPU seconds, distinct kernels) of a lowered program."""
+def _compiled(lowered, options=None) -> tuple[float, int]:
+    """(compile CPU seconds, distinct kernels) of a lowered program (`options`: XLA's)."""
     start = time.process_time()
-    text = lowered.compile().as_text()
+    text = lowered.compile(options).as_text()
     return time.process_time() - start, hlo_counts(text)["distinct_kernels"]
 
 
@@ -112,6 +121,35 @@ def _programs(batch: int, capacity: int, page_size: int, example: bool = True) -
     return out
 
 
+def _h100_programs(model: str, batch: int, capacity: int, page_size: int) -> dict:
+    """{(model, step): lowered} for an H100 (sm_90a), for XLA's deviceless GPU compiler (no GPU
+    needed: `pallas_kernels.offline.sm90`): the preset's paged decode step (`models.decode_step`,
+    backend "pallas": the Triton kernels, as on a GPU) and the dense baseline's, bf16 weights and
+    caches, as ShapeDtypeStructs on a compile-only H100."""
+    from arena_jax.benchmarks.studies.sm90_steps import _h100
+    from pallas_kernels.offline import sm90, sm90_compat
+
+    device = sm90_compat.cuda_topology(sm90.H100_TARGET_CONFIG).devices[0]
+    on_h100 = jax.sharding.SingleDeviceSharding(device)
+
+    def place(tree):
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_h100), tree)
+
+    config = getattr(models.LlamaConfig, model)()
+    graphdef, state = nnx.split(nnx.eval_shape(
+        lambda: models.Llama(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))
+    state, rows = place(state), jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=on_h100)  # tokens, slots i32[B]
+    layout = config.kv_layout(page_size=page_size, num_pages=batch * -(-capacity // page_size), max_seqs=batch,
+                              max_seq_len=capacity, dtype="bfloat16")  # fmt: skip
+    cache = place(jax.eval_shape(lambda: aj.create(layout)))
+    dense = place(jax.eval_shape(lambda: dense_baseline.init_dense_cache(config, batch, capacity, jnp.bfloat16)))
+    with _h100(device):
+        paged = steps.decode_step.trace(graphdef, state, cache, rows, rows).lower()
+    with jax.default_device(device):
+        dense_step = dense_baseline.dense_decode.trace(graphdef, state, dense, rows).lower()
+    return {(f"{model} model", "paged"): paged, (f"{model} model", "dense"): dense_step}
+
+
 def kernel_cost(count: int = 30) -> float:
     """Compile CPU seconds per distinct kernel: a program of `count` one-line kernels, each
     adding its own constant behind an optimization barrier (so none fuses or folds into
@@ -127,20 +165,32 @@ def kernel_cost(count: int = 30) -> float:
     return (many - one) / (count - 1)
 
 
-def measure(rounds: int = 3, batch: int = 4, capacity: int = 64, page_size: int = 8) -> list[dict]:
+def measure(rounds: int = 3, batch: int = 4, capacity: int = 64, page_size: int = 8, target: str = "cpu",
+            model: str = "tiny") -> list[dict]:
     """One row per (model, variant): the least compile CPU seconds of `rounds` and the distinct
-    kernels; the dense steps as variant "dense". Variants alternate within each round."""
+    kernels; the dense steps as variant "dense". Variants alternate within each round.
+    `target`: "cpu" (this host; the tiny model and the example decoder) or "h100" (XLA's
+    deviceless compile for an H100: the `model` preset, `_h100_programs`)."""
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    options = None
+    if target == "h100":
+        from pallas_kernels.offline import sm90
+
+        options = dict(sm90.DEFAULT_OPTIMIZATION)
     best: dict = {}
     for _ in range(rounds):
         for variant in VARIANTS:
             with unsafe_variant(variant):
-                for (model, step), lowered in _programs(batch, capacity, page_size).items():
+                programs = (_programs(batch, capacity, page_size) if target == "cpu"
+                            else _h100_programs(model, batch, capacity, page_size))  # fmt: skip
+                for (name, step), lowered in programs.items():
                     if step == "dense" and variant != "as built":
                         continue  # the dense steps call no cache op
-                    key = (model, "dense" if step == "dense" else variant)
-                    seconds, distinct = _compiled(lowered)
+                    key = (name, "dense" if step == "dense" else variant)
+                    seconds, distinct = _compiled(lowered, options)
                     old = best.get(key)
-                    best[key] = dict(model=model, variant=key[1], distinct_kernels=distinct,
+                    best[key] = dict(model=name, variant=key[1], distinct_kernels=distinct,
                                      compile_s=seconds if old is None else min(seconds, old["compile_s"]))
     rows = list(best.values())
     for row in rows:
@@ -219,19 +269,30 @@ def main(argv=None) -> None:
     p.add_argument("--page-size", type=int, default=8)
     p.add_argument("--toy", type=int, default=30, help="kernels in the per-kernel cost's toy (default: 30)")
     p.add_argument("--by-part", action="store_true", help="also the tiny steps' code generation by part (XLA's timers)")
+    p.add_argument("--target", choices=TARGETS, default="cpu",
+                   help="cpu (default): this host's XLA; h100: XLA's deviceless compile for an H100 (sm_90a; "
+                        "needs scripts/install_sm90_tools.sh)")
+    p.add_argument("--model", choices=("tiny", "mid"), default="tiny", help="the preset compiled for --target h100")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         return _child(args.child, args.batch, args.capacity, args.page_size)
-    print(f"jax {jax.__version__}, {jax.devices()[0].platform}; batch {args.batch}, capacity {args.capacity}, "
+    if args.target != "cpu" and args.by_part:
+        p.error("--by-part reads XLA CPU's timers: it takes --target cpu")
+    if args.target == "cpu" and args.model != "tiny":
+        p.error("--model picks the preset of --target h100 (--target cpu compiles the tiny model and the example decoder)")
+    where = (jax.devices()[0].platform if args.target == "cpu"
+             else f"an H100 (sm_90a, deviceless), the {args.model} preset, bf16")  # fmt: skip
+    print(f"jax {jax.__version__}, {where}; batch {args.batch}, capacity {args.capacity}, "
           f"page {args.page_size}; least of {args.rounds} rounds")
     print("| model | variant | distinct kernels | over dense | compile CPU s | / dense |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
-    for r in measure(args.rounds, args.batch, args.capacity, args.page_size):
+    for r in measure(args.rounds, args.batch, args.capacity, args.page_size, args.target, args.model):
         print(f"| {r['model']} | {r['variant']} | {r['distinct_kernels']} | {r['kernels_over_dense']:+d} "
               f"| {r['compile_s']:.2f} | {r['over_dense']:.2f}x |")
-    print(f"one distinct kernel: {1e3 * kernel_cost(args.toy):.1f} ms of compile CPU time "
-          f"({args.toy} one-line kernels against one)")
+    if args.target == "cpu":
+        print(f"one distinct kernel: {1e3 * kernel_cost(args.toy):.1f} ms of compile CPU time "
+              f"({args.toy} one-line kernels against one)")
     if args.by_part:
         parts = compile_ms_by_part(args.batch, args.capacity, args.page_size)
         print("\nthe tiny steps' kernel code generation (LLVM + MLIR, XLA's timers), ms by part:")
