@@ -94,22 +94,44 @@ def test_xla_timers_by_part_from_a_child_process():
     assert dense["model"] > 0 and all(dense[p] == 0 for p in ("reserve", "plan", "attend", "append"))
 
 
-def test_the_h100_target_compiles_the_presets_steps_without_a_gpu():
-    """`--target h100`: the tiny preset's paged step (its attention and append the Triton kernels,
-    as on a GPU) and the dense one, by XLA's deviceless GPU compiler, each variant fewer distinct
-    kernels. Needs the sm_90a tooling (`tests/test_compile_sm90.py`'s gate: fails under CI)."""
-    from pallas_kernels.offline import sm90
-    from test_compile_sm90 import IN_CI, gate
-
-    action = gate(sm90.tooling_problem(), IN_CI)
+def _require(action):
+    """A device compile tooling gate's verdict (`gate` of tests/test_compile_sm90.py or
+    tests/test_compile_tpu.py): missing tooling fails under CI, skips elsewhere."""
     if action is not None:
         (pytest.fail if action[0] == "fail" else pytest.skip)(action[1])
-    programs = compile_bound._h100_programs("tiny", batch=2, capacity=16, page_size=8)
-    assert "xla.gpu.triton" in programs[("tiny model", "paged")].as_text()
-    assert "xla.gpu.triton" not in programs[("tiny model", "dense")].as_text()
-    rows = {r["variant"]: r for r in compile_bound.measure(rounds=1, batch=2, capacity=16, page_size=8, target="h100")}
+
+
+def _kernels_fall_variant_by_variant(target: str):
+    rows = {r["variant"]: r for r in compile_bound.measure(rounds=1, batch=2, capacity=16, page_size=8, target=target)}
     assert set(rows) == {*compile_bound.VARIANTS, "dense"} and all(r["model"] == "tiny model" for r in rows.values())
     kernels = {variant: row["distinct_kernels"] for variant, row in rows.items()}
     assert kernels["as built"] > kernels["in-place branch only"] >= kernels["no reserve"] > kernels["dense"]
+
+
+def test_the_h100_target_compiles_the_presets_steps_without_a_gpu():
+    """`--target h100`: the tiny preset's paged step (its attention and append the Triton kernels,
+    as on a GPU) and the dense one, by XLA's deviceless GPU compiler, each variant fewer distinct
+    kernels."""
+    import test_compile_sm90 as gpu
+
+    _require(gpu.gate(gpu.sm90.tooling_problem(), gpu.IN_CI))
+    programs = compile_bound._device_programs("h100", "tiny", batch=2, capacity=16, page_size=8)
+    assert "xla.gpu.triton" in programs[("tiny model", "paged")].as_text()
+    assert "xla.gpu.triton" not in programs[("tiny model", "dense")].as_text()
+    _kernels_fall_variant_by_variant("h100")
     with pytest.raises(ValueError, match="target must be one of"):
         compile_bound.measure(rounds=1, target="tpu")
+
+
+def test_the_tpu_target_compiles_the_presets_steps_without_a_tpu():
+    """`--target tpu-v5e`: a head_dim-128 preset's paged step holds the Mosaic kernels (lowered
+    only), the dense one none; the tiny preset (head_dim 16: the jnp path on a TPU, with a
+    warning) compiled by libtpu, each variant fewer distinct kernels."""
+    import test_compile_tpu as tpu
+
+    _require(tpu.gate(tpu.tpu_compile.tooling_problem(), tpu.IN_CI))
+    programs = compile_bound._device_programs("tpu-v5e", "llama3_8b", batch=2, capacity=32, page_size=16)
+    assert "tpu_custom_call" in programs[("llama3_8b model", "paged")].as_text()
+    assert "tpu_custom_call" not in programs[("llama3_8b model", "dense")].as_text()
+    with pytest.warns(RuntimeWarning, match="the Pallas kernels cannot take this layout"):
+        _kernels_fall_variant_by_variant("tpu-v5e")

@@ -1,7 +1,7 @@
 """How low a paged decode step's first compile can go on XLA's CPU backend (issue 39, item 4).
 
     python -m arena_jax.benchmarks.studies.compile_bound [--rounds 3] [--capacity 64] [--toy 30]
-    python -m arena_jax.benchmarks.studies.compile_bound --target h100 [--model tiny|mid] [--batch 4]
+    python -m arena_jax.benchmarks.studies.compile_bound --target h100|tpu-v5e [--model tiny|mid|llama3_8b]
 
 Item 4 asks for the paged decode step's compile <= 1.5x the dense step's (the cache's share
 <= 0.5x). This study bounds what any reservation could reach. It compiles each step in three
@@ -25,12 +25,14 @@ A toy program of `--toy` independent one-line kernels (each a constant of its ow
 optimization barrier) gives what one distinct kernel costs to compile here, whatever it does.
 Compile time follows distinct kernels (RESULTS.md, "One compile for every layer's cache ops").
 
-`--target h100`: the same variants compiled for an H100 (sm_90a) by XLA's deviceless GPU
-compiler, on this host, no GPU (`scripts/install_sm90_tools.sh`; `pallas_kernels.offline.sm90`):
-the `--model` preset's paged decode step, its attention and append the Triton kernels as on a
-GPU, and the dense baseline's, bf16 (`_h100_programs`). A GPU's XLA fuses the bookkeeping outside
-`reserve`'s allocator branch into a few kernels, so there the branch is most of the cache's
-compile (benchmarks/RESULTS.md, "Item 4 on the H100 target").
+`--target h100` / `--target tpu-v5e`: the same variants compiled for an H100 (sm_90a) or one TPU
+v5e chip by XLA's deviceless compilers, on this host, no device (`scripts/install_sm90_tools.sh`,
+`scripts/install_tpu_tools.sh`; `pallas_kernels.offline`): the `--model` preset's paged decode
+step, its attention and append the Triton or Mosaic kernels as on the device (a TPU's take
+head_dim 128: `llama3_8b`), and the dense baseline's, bf16 (`_device_programs`). A GPU's XLA fuses
+the bookkeeping outside `reserve`'s allocator branch into a few kernels, so there the branch is
+most of the cache's compile; a TPU's compiles an 8B-shaped step in about the dense step's time
+(benchmarks/RESULTS.md, "Item 4 on the H100 and TPU targets").
 
 `--by-part`: where the tiny steps' compile goes, from XLA's own timers. A child process
 compiles them with XLA CPU's per-module logs on (`TF_CPP_VMODULE=ir_compiler=2,
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import pathlib
 import re
@@ -63,7 +66,8 @@ __all__ = ["VARIANTS", "TARGETS", "PARTS", "unsafe_variant", "kernel_cost", "mea
            "compile_ms_by_part", "main"]
 
 VARIANTS = ("as built", "in-place branch only", "no reserve")
-TARGETS = ("cpu", "h100")
+TARGETS = ("cpu", "h100", "tpu-v5e")
+DEVICE_PRESETS = ("tiny", "mid", "llama3_8b")  # --model for the device targets
 # A kernel's part of the step: the first of these names in its op_name (`op_hlo.PARTS`, and the
 # step's plan, `arena_jax.plan`); "model" for any other op_name, "no op_name" for none.
 PARTS = (*OP_PARTS[:3], ("plan", "jit(_plan)"), *OP_PARTS[3:])
@@ -121,33 +125,59 @@ def _programs(batch: int, capacity: int, page_size: int, example: bool = True) -
     return out
 
 
-def _h100_programs(model: str, batch: int, capacity: int, page_size: int) -> dict:
-    """{(model, step): lowered} for an H100 (sm_90a), for XLA's deviceless GPU compiler (no GPU
-    needed: `pallas_kernels.offline.sm90`): the preset's paged decode step (`models.decode_step`,
-    backend "pallas": the Triton kernels, as on a GPU) and the dense baseline's, bf16 weights and
-    caches, as ShapeDtypeStructs on a compile-only H100."""
-    from arena_jax.benchmarks.studies.sm90_steps import _h100
-    from pallas_kernels.offline import sm90, sm90_compat
+def _device_programs(target: str, model: str, batch: int, capacity: int, page_size: int,
+                     layers: int | None = None) -> dict:
+    """{(model, step): lowered} for a device this host lacks, for XLA's deviceless compiler: "h100"
+    (sm_90a, `pallas_kernels.offline.sm90`) or "tpu-v5e" (one chip, `pallas_kernels.offline.tpu`).
+    The preset's paged decode step (`models.decode_step`, backend "pallas": the Triton or Mosaic
+    kernels, as on the device) and the dense baseline's, bf16 weights and caches, as
+    ShapeDtypeStructs on a compile-only device. `model`: a `models.LlamaConfig` preset ("tiny",
+    "mid", "llama3_8b"), its layers scanned, as on a device; `layers`: its depth, if not the
+    preset's (a scan compiles its body once; an 8B-shaped model of 32 layers does not fit one
+    v5e chip's 16 GB: XLA refuses it)."""
+    if target == "h100":
+        from arena_jax.benchmarks.studies.sm90_steps import _h100
+        from pallas_kernels.offline import sm90, sm90_compat
 
-    device = sm90_compat.cuda_topology(sm90.H100_TARGET_CONFIG).devices[0]
-    on_h100 = jax.sharding.SingleDeviceSharding(device)
+        device = sm90_compat.cuda_topology(sm90.H100_TARGET_CONFIG).devices[0]
+        paged_context, dense_context = _h100(device), jax.default_device(device)
+    else:
+        from pallas_kernels.offline import tpu
+
+        device = tpu.tpu_devices(target)[0]
+        paged_context, dense_context = _platform_backend(tpu.tpu_lowering(target)), tpu.tpu_lowering(target)
+    on_device = jax.sharding.SingleDeviceSharding(device)
 
     def place(tree):
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_h100), tree)
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_device), tree)
 
     config = getattr(models.LlamaConfig, model)()
+    config = config if layers is None else dataclasses.replace(config, num_layers=layers)
     graphdef, state = nnx.split(nnx.eval_shape(
         lambda: models.Llama(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))
-    state, rows = place(state), jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=on_h100)  # tokens, slots i32[B]
+    state, rows = place(state), jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=on_device)  # tokens, slots i32[B]
     layout = config.kv_layout(page_size=page_size, num_pages=batch * -(-capacity // page_size), max_seqs=batch,
                               max_seq_len=capacity, dtype="bfloat16")  # fmt: skip
     cache = place(jax.eval_shape(lambda: aj.create(layout)))
     dense = place(jax.eval_shape(lambda: dense_baseline.init_dense_cache(config, batch, capacity, jnp.bfloat16)))
-    with _h100(device):
+    with paged_context:
         paged = steps.decode_step.trace(graphdef, state, cache, rows, rows).lower()
-    with jax.default_device(device):
+    with dense_context:
         dense_step = dense_baseline.dense_decode.trace(graphdef, state, dense, rows).lower()
     return {(f"{model} model", "paged"): paged, (f"{model} model", "dense"): dense_step}
+
+
+@contextlib.contextmanager
+def _platform_backend(context):
+    """`context`, with the arena ops on their platform's default backend (`aj.BACKEND_ENV` unset
+    inside: Mosaic on a TPU)."""
+    saved = os.environ.pop(aj.BACKEND_ENV, None)
+    try:
+        with context:
+            yield
+    finally:
+        if saved is not None:
+            os.environ[aj.BACKEND_ENV] = saved
 
 
 def kernel_cost(count: int = 30) -> float:
@@ -166,24 +196,25 @@ def kernel_cost(count: int = 30) -> float:
 
 
 def measure(rounds: int = 3, batch: int = 4, capacity: int = 64, page_size: int = 8, target: str = "cpu",
-            model: str = "tiny") -> list[dict]:
+            model: str = "tiny", layers: int | None = None) -> list[dict]:
     """One row per (model, variant): the least compile CPU seconds of `rounds` and the distinct
     kernels; the dense steps as variant "dense". Variants alternate within each round.
-    `target`: "cpu" (this host; the tiny model and the example decoder) or "h100" (XLA's
-    deviceless compile for an H100: the `model` preset, `_h100_programs`)."""
+    `target`: "cpu" (this host; the tiny model and the example decoder), "h100" or "tpu-v5e"
+    (XLA's deviceless compile for that device: the `model` preset, `layers` deep if given,
+    `_device_programs`)."""
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
     options = None
     if target == "h100":
         from pallas_kernels.offline import sm90
 
-        options = dict(sm90.DEFAULT_OPTIMIZATION)
+        options = dict(sm90.DEFAULT_OPTIMIZATION)  # as the sm_90a checks compile
     best: dict = {}
     for _ in range(rounds):
         for variant in VARIANTS:
             with unsafe_variant(variant):
                 programs = (_programs(batch, capacity, page_size) if target == "cpu"
-                            else _h100_programs(model, batch, capacity, page_size))  # fmt: skip
+                            else _device_programs(target, model, batch, capacity, page_size, layers))  # fmt: skip
                 for (name, step), lowered in programs.items():
                     if step == "dense" and variant != "as built":
                         continue  # the dense steps call no cache op
@@ -270,9 +301,14 @@ def main(argv=None) -> None:
     p.add_argument("--toy", type=int, default=30, help="kernels in the per-kernel cost's toy (default: 30)")
     p.add_argument("--by-part", action="store_true", help="also the tiny steps' code generation by part (XLA's timers)")
     p.add_argument("--target", choices=TARGETS, default="cpu",
-                   help="cpu (default): this host's XLA; h100: XLA's deviceless compile for an H100 (sm_90a; "
-                        "needs scripts/install_sm90_tools.sh)")
-    p.add_argument("--model", choices=("tiny", "mid"), default="tiny", help="the preset compiled for --target h100")
+                   help="cpu (default): this host's XLA; h100 / tpu-v5e: XLA's deviceless compile for that device "
+                        "(needs scripts/install_sm90_tools.sh / scripts/install_tpu_tools.sh)")
+    p.add_argument("--model", choices=DEVICE_PRESETS, default="tiny",
+                   help="the preset compiled for --target h100 / tpu-v5e (a TPU's kernels take head_dim 128: "
+                        "llama3_8b; tiny and mid run the jnp path there)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="the --model preset's depth, if not its own (layers are scanned: the compile does not "
+                        "grow with them; llama3_8b on tpu-v5e needs 2 to fit one chip)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -280,14 +316,18 @@ def main(argv=None) -> None:
     if args.target != "cpu" and args.by_part:
         p.error("--by-part reads XLA CPU's timers: it takes --target cpu")
     if args.target == "cpu" and args.model != "tiny":
-        p.error("--model picks the preset of --target h100 (--target cpu compiles the tiny model and the example decoder)")
+        p.error("--model picks the preset of --target h100 / tpu-v5e (--target cpu compiles the tiny model and the "
+                "example decoder)")
     where = (jax.devices()[0].platform if args.target == "cpu"
-             else f"an H100 (sm_90a, deviceless), the {args.model} preset, bf16")  # fmt: skip
+             else f"{args.target} (deviceless), the {args.model} preset"
+                  f"{'' if args.layers is None else f' at {args.layers} layers'}, bf16")  # fmt: skip
     print(f"jax {jax.__version__}, {where}; batch {args.batch}, capacity {args.capacity}, "
           f"page {args.page_size}; least of {args.rounds} rounds")
     print("| model | variant | distinct kernels | over dense | compile CPU s | / dense |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
-    for r in measure(args.rounds, args.batch, args.capacity, args.page_size, args.target, args.model):
+    if args.target == "cpu" and args.layers is not None:
+        p.error("--layers sets the depth of --target h100 / tpu-v5e's preset")
+    for r in measure(args.rounds, args.batch, args.capacity, args.page_size, args.target, args.model, args.layers):
         print(f"| {r['model']} | {r['variant']} | {r['distinct_kernels']} | {r['kernels_over_dense']:+d} "
               f"| {r['compile_s']:.2f} | {r['over_dense']:.2f}x |")
     if args.target == "cpu":
