@@ -1,4 +1,5 @@
-"""How low a paged decode step's first compile can go on XLA's CPU backend (issue 39, item 4).
+"""How low a paged decode step's first compile can go on XLA's CPU backend, and on an H100 or a
+TPU v5e by their deviceless compilers (issue 39, item 4).
 
     python -m arena_jax.benchmarks.studies.compile_bound [--rounds 3] [--capacity 64] [--toy 30]
     python -m arena_jax.benchmarks.studies.compile_bound --target h100|tpu-v5e [--model tiny|mid|llama3_8b]
@@ -318,6 +319,8 @@ def main(argv=None) -> None:
     if args.target == "cpu" and args.model != "tiny":
         p.error("--model picks the preset of --target h100 / tpu-v5e (--target cpu compiles the tiny model and the "
                 "example decoder)")
+    if args.target == "cpu" and args.layers is not None:
+        p.error("--layers sets the depth of --target h100 / tpu-v5e's preset")
     where = (jax.devices()[0].platform if args.target == "cpu"
              else f"{args.target} (deviceless), the {args.model} preset"
                   f"{'' if args.layers is None else f' at {args.layers} layers'}, bf16")  # fmt: skip
@@ -325,8 +328,6 @@ def main(argv=None) -> None:
           f"page {args.page_size}; least of {args.rounds} rounds")
     print("| model | variant | distinct kernels | over dense | compile CPU s | / dense |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
-    if args.target == "cpu" and args.layers is not None:
-        p.error("--layers sets the depth of --target h100 / tpu-v5e's preset")
     for r in measure(args.rounds, args.batch, args.capacity, args.page_size, args.target, args.model, args.layers):
         print(f"| {r['model']} | {r['variant']} | {r['distinct_kernels']} | {r['kernels_over_dense']:+d} "
               f"| {r['compile_s']:.2f} | {r['over_dense']:.2f}x |")
