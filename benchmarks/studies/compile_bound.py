@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import os
 import pathlib
 import re
@@ -136,6 +137,8 @@ def _device_programs(target: str, model: str, batch: int, capacity: int, page_si
     "mid", "llama3_8b"), its layers scanned, as on a device; `layers`: its depth, if not the
     preset's (a scan compiles its body once; an 8B-shaped model of 32 layers does not fit one
     v5e chip's 16 GB: XLA refuses it)."""
+    from pallas_kernels.offline.tpu import placed
+
     if target == "h100":
         from arena_jax.benchmarks.studies.sm90_steps import _h100
         from pallas_kernels.offline import sm90, sm90_compat
@@ -148,9 +151,7 @@ def _device_programs(target: str, model: str, batch: int, capacity: int, page_si
         device = tpu.tpu_devices(target)[0]
         paged_context, dense_context = _platform_backend(tpu.tpu_lowering(target)), tpu.tpu_lowering(target)
     on_device = jax.sharding.SingleDeviceSharding(device)
-
-    def place(tree):
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_device), tree)
+    place = functools.partial(placed, sharding=on_device)
 
     config = getattr(models.LlamaConfig, model)()
     config = config if layers is None else dataclasses.replace(config, num_layers=layers)
