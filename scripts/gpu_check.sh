@@ -25,6 +25,9 @@ for s in ${@:-tests kernels decode kernels_int8}; do case $s in
   splits) step splits ${T_SPLITS:-200} $PY -m arena_jax.benchmarks.studies.gpu_step --cases 1:512,8:512,32:512 --capacity 4096 --variants arena,arena-1split,dense --json "$OUT/gpu_step_splits.json" ;;
   plan) step plan ${T_PLAN:-200} $PY -m arena_jax.benchmarks.studies.gpu_step --cases 1:512,8:512,32:512 --variants arena,arena-noplan,dense --json "$OUT/gpu_step_plan.json" ;;
   hf_static) step hf_static ${T_HF_STATIC:-240} $PY -m arena_jax.benchmarks.studies.hf_generate --model llama3-8b --dtype bfloat16 --batch 8 --prompt-len 512 --new-tokens 64 --rounds 2 --peers hf,hf-static --json "$OUT/hf_static.json" ;;
+  bound) step bound ${T_BOUND:-120} $PY -m arena_jax.benchmarks.studies.compile_bound --rounds 2 ;;
+  presets) step presets ${T_PRESETS:-170} bash -c 'for c in tiny:4:32 tiny:1:128 mid:1:128 mid:8:128 mid:8:1024; do IFS=: read m b p <<< "$c"; echo "--- $m / $b / $p"; '"$BENCH"' decode --no-progress --model $m --batch $b --prompt-len $p --new-tokens 32 --repeats 6 --hf off; done' ;;
+  long) step long ${T_LONG:-130} bash -c 'for p in 1024 4096; do echo "--- llama3-8b / 8 / $p"; '"$BENCH"' decode --no-progress --model llama3-8b --batch 8 --prompt-len $p --new-tokens 32 --repeats 3 --hf off; done' ;;
   kernels_int8) step kernels_int8 ${T_INT8:-60} $BENCH kernels --no-progress --dtype int8 --batches 8,64 --contexts 4096 --json "$OUT/kernels_int8.json" ;;
   *) echo "unknown step $s"; exit 2 ;;
 esac; done
