@@ -43,6 +43,17 @@ __all__ = ["reserve_impl", "release_impl", "fork_impl", "truncate_impl", "slot_r
 # kernel reads a run of pages one DMA a buffer); True / False: every arena / none (tests and
 # studies; read when `reserve` is traced: clear JAX's caches after changing it).
 RUN_PAGES: bool | None = None
+# Whether `reserve`'s table work (the rows' classification, both branches with no conditional,
+# the lengths and flags, the counters, a float arena's copy-on-write copies) runs as one Pallas
+# kernel, `pallas_kernels.gpu.allocate` (`_reserve_by_kernel`), where it applies: one data shard
+# (not inside the sharded ops), no run-keeping, up to its MAX_ROWS rows. False (default): XLA's
+# ops. True: the kernel (compiled on a GPU, interpreted elsewhere: tests). "gpu": the kernel on a
+# GPU whose JAX has the Pallas Triton lowering. For an H100 it takes the tiny, mid and 8B-shaped
+# decode steps' compile from 1.63-1.97x to 1.27-1.57x the dense step's (benchmarks/RESULTS.md,
+# session 61); off by default until a GPU run checks it against the jnp ops and times the step
+# (`scripts/gpu_check.sh reserve`). `aj.reserve` reads it on each call (a static argument of its
+# jitted body); a step compiled before a change keeps what it traced.
+RESERVE_KERNEL: bool | str = False
 # The keys of a block whose pages `_run_pages` makes a run: the TPU decode kernel's block
 # (`pallas_kernels.tpu.attention.DEFAULT_BLOCK_K`; a test keeps them equal).
 RUN_BLOCK_KEYS = 512
@@ -130,9 +141,11 @@ def _drop_refs(table: PageTable, pages):
     return table.scatter_region("words", 0, 0, count, add=True), count
 
 
-def reserve_impl(cache: KVCache, slots, num_tokens, *, run_pages: bool | None = None):
+def reserve_impl(cache: KVCache, slots, num_tokens, *, run_pages: bool | None = None, kernel: bool | str | None = None):
     """Grow each slot by num_tokens[b]; see `arena_jax.reserve`. Returns (cache, ok bool[B]).
     `run_pages`: keep each slot's pages consecutive (`_run_pages`); None: as `RUN_PAGES` says.
+    `kernel`: the table work as one Pallas kernel (`_reserve_by_kernel`) where it applies;
+    None: as `RESERVE_KERNEL` says.
 
     Most calls pop no page: a decode step's rows cross a page boundary once every page_size
     tokens. When every served row grows inside the last page it holds alone, a conditional
@@ -145,6 +158,10 @@ def reserve_impl(cache: KVCache, slots, num_tokens, *, run_pages: bool | None = 
     passed into or out of a branch: the branches return their rows' results packed in one).
     What both branches would write, the served rows' lengths and flags and the counters, is
     written after the conditional, once; so are the page copies of copy-on-write."""
+    if run_pages is None:
+        run_pages = cache.scale_rows if RUN_PAGES is None else RUN_PAGES
+    if _reserves_by_kernel(cache, slots, run_pages, RESERVE_KERNEL if kernel is None else kernel):
+        return _reserve_by_kernel(cache, slots, num_tokens)
     table = cache.table
     max_seqs, max_pages = table.page_map.shape
     num_pages, page_size = table.refcount.shape[0], cache.k.shape[3]
@@ -158,8 +175,6 @@ def reserve_impl(cache: KVCache, slots, num_tokens, *, run_pages: bool | None = 
     in_place = small_all(~live | ((rows.need == rows.have) & ~rows.wants_cow))
     # The table goes through the conditional, the arena does not (`_copy_pages`).
     grow = functools.partial(_grow_in_place, page_size)
-    if run_pages is None:
-        run_pages = cache.scale_rows if RUN_PAGES is None else RUN_PAGES
     allocate = functools.partial(_allocate_and_map, page_size, runs=run_pages)  # (`_run_pages`)
     table, served = lax.cond(in_place, grow, allocate, table, slots, idx, live, n, length)
     ok, no_page, granted, cow_src, cow_dst = served[0] != 0, served[1] != 0, served[2], served[3], served[4]
@@ -175,6 +190,48 @@ def reserve_impl(cache: KVCache, slots, num_tokens, *, run_pages: bool | None = 
     # arena's scales, [L, H, B, S]: a page's values mean nothing without them).
     k, v, scales = _copy_pages(cache, cow_src, cow_dst)
     return cache.replace(k=k, v=v, table=table, stats=stats, **scales), ok | pad
+
+
+def _reserves_by_kernel(cache: KVCache, slots, run_pages: bool, kernel: bool | str) -> bool:
+    """Whether this `reserve` runs as `_reserve_by_kernel` (`kernel`: a `RESERVE_KERNEL` value)."""
+    from pallas_kernels.gpu.allocate import MAX_ROWS
+
+    if kernel not in (True, False, "gpu"):
+        raise ValueError(f"RESERVE_KERNEL must be True, False or 'gpu', got {kernel!r}")
+    if run_pages or cache.table.packed.ndim != 1 or slots.shape[0] > MAX_ROWS or kernel is False:
+        return False
+    from pallas_kernels import triton_lowering_problem
+    from pallas_kernels.tpu.common import target_platform
+
+    if kernel == "gpu":
+        return target_platform() == "gpu" and triton_lowering_problem() is None
+    if target_platform() == "tpu":
+        raise ValueError("RESERVE_KERNEL=True: the reserve kernel is a Triton (GPU) kernel; on a TPU set it to 'gpu' "
+                         "(GPUs only) or False")  # fmt: skip
+    return True
+
+
+def _reserve_by_kernel(cache: KVCache, slots, num_tokens):
+    """`reserve_impl` with its table work, counting and (a float arena's) copy-on-write page copies
+    in one Pallas kernel (`pallas_kernels.gpu.allocate.reserve_pages`: the same rules,
+    tests/test_kernels_allocate.py); an 8-bit or int4 arena's copies by `_copy_pages` after it.
+    Returns (cache, ok bool[B])."""
+    from arena_jax.kv_cache import _STAT_INDEX, _regions
+    from pallas_kernels.gpu.allocate import reserve_pages
+
+    table = cache.table
+    at = _regions(table.geometry)
+    counters = ("pages_allocated", "cow_copies", "metadata_ops", "failed_reservations", "rejected_rows")
+    float_arena = cache.k_scale is None  # the kernel copies its pages too; scales: `_copy_pages` after it
+    packed, counts, arenas, ok, cow_src, cow_dst = reserve_pages(
+        slots, num_tokens, table.packed, cache.stats.counts, page_size=cache.k.shape[3], geometry=table.geometry,
+        offsets=tuple(at[r][0] for r in ("page_map", "slot_words", "page_words", "words")), pad_slot=PAD_SLOT,
+        counters=tuple(_STAT_INDEX[c] for c in counters), arenas=(cache.k, cache.v) if float_arena else ())  # fmt: skip
+    cache = cache.replace(table=table.replace(packed=packed), stats=CacheStats(counts=counts))
+    if float_arena:
+        return cache.replace(k=arenas[0], v=arenas[1]), ok
+    k, v, scales = _copy_pages(cache, cow_src, cow_dst)
+    return cache.replace(k=k, v=v, **scales), ok
 
 
 def _served(ok, no_page, granted, cow_src, cow_dst):

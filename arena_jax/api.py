@@ -157,11 +157,11 @@ def _check_shards(cache, num_q_heads=None, **rows):
 # ---- allocator ---------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, donate_argnames=("cache",))
-def _reserve(cache, slots, num_tokens):
+@functools.partial(jax.jit, donate_argnames=("cache",), static_argnames=("kernel",))
+def _reserve(cache, slots, num_tokens, kernel=False):
     if cache.sharding is not None:
         return sharding.reserve(cache, slots, num_tokens)
-    return allocator.reserve_impl(cache, slots, num_tokens)
+    return allocator.reserve_impl(cache, slots, num_tokens, kernel=kernel)
 
 
 def reserve(cache: KVCache, slots, num_tokens) -> tuple[KVCache, jax.Array]:
@@ -187,7 +187,7 @@ def reserve(cache: KVCache, slots, num_tokens) -> tuple[KVCache, jax.Array]:
                 f"num_tokens would grow slot {int(slot_values[live][grown.argmax()])} to {int(grown.max())} tokens, "
                 f"beyond max_pages_per_seq * page_size = {layout.max_seq_len}"
             )
-    return _reserve(cache, slots, num_tokens)
+    return _reserve(cache, slots, num_tokens, kernel=allocator.RESERVE_KERNEL)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))

@@ -388,7 +388,7 @@ def reserve(cache: KVCache, slots, num_tokens):
     sh = cache.sharding
 
     def body(local, max_seqs, slots, num_tokens):
-        return reserve_impl(local, _local_slots(sh, slots, max_seqs), num_tokens)
+        return reserve_impl(local, _local_slots(sh, slots, max_seqs), num_tokens, kernel=False)  # (XLA's ops per shard)
 
     # The TPU page-copy kernel (copy-on-write) carries no vma types, like the other Pallas paths.
     cache, (ok,) = _run(cache, body, (slots, num_tokens), (sh.rows_spec,) * 2, (sh.rows_spec,),

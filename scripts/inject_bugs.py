@@ -134,6 +134,15 @@ MUTANTS = {
         "jnp.where(shared, 1, 3)", "jnp.where(shared, 3, 3)"),
     "truncate: the layers' watermarks not cut to the new length": ("arena_jax/allocator.py",
         "jnp.minimum(words[:, 2:], new_length[:, None])", "words[:, 2:]"),
+    # reserve's table work as one GPU kernel (pallas_kernels/gpu/allocate.py; issue 39, item 4)
+    "reserve kernel: a keeper served though its co-holder's copy was refused": ("pallas_kernels/gpu/allocate.py",
+        "    ok &= ~(wants_cow & keeper & (count(same & refused[None, :]) > 0))\n", "\n"),
+    "reserve kernel: a row's new pages past the first loop trip not mapped": ("pallas_kernels/gpu/allocate.py",
+        "(highest + page_lanes - 1) // page_lanes, new_pages, 0)", "highest // page_lanes, new_pages, 0)"),
+    "reserve kernel: a slot named twice served twice": ("pallas_kernels/gpu/allocate.py",
+        "live = first_named & (asked >= 0)", "live = in_range & (asked >= 0)"),
+    "reserve kernel: copy-on-write copies the first layer's page only": ("pallas_kernels/gpu/allocate.py",
+        "lax.fori_loop(0, num_layers * num_heads, one_page, carry)", "lax.fori_loop(0, num_heads, one_page, carry)"),
     # the TPU attention kernel's steady-state loop (issue 42)
     "tpu attention: the fast loop starts this block again, not the next one": (
         "pallas_kernels/tpu/attention.py", "start_whole(j_next, 1 - slot, run_next)", "start_whole(j, 1 - slot, run_next)"),
@@ -185,6 +194,7 @@ TESTS = {
     "pallas_kernels/tpu/attention.py": ["tests/test_kernels_tpu.py"],
     "pallas_kernels/tpu/append.py": ["tests/test_kernels_tpu.py"],
     "pallas_kernels/blockwise.py": ["tests/test_blockwise.py"],
+    "pallas_kernels/gpu/allocate.py": ["tests/test_kernels_allocate.py"],
 }
 
 

@@ -103,9 +103,12 @@ def _require(action):
 
 def _kernels_fall_variant_by_variant(target: str):
     rows = {r["variant"]: r for r in compile_bound.measure(rounds=1, batch=2, capacity=16, page_size=8, target=target)}
-    assert set(rows) == {*compile_bound.VARIANTS, "dense"} and all(r["model"] == "tiny model" for r in rows.values())
+    extra = compile_bound.KERNEL_VARIANTS if target == "h100" else ()
+    assert set(rows) == {*compile_bound.VARIANTS, *extra, "dense"} and all(r["model"] == "tiny model" for r in rows.values())
     kernels = {variant: row["distinct_kernels"] for variant, row in rows.items()}
     assert kernels["as built"] > kernels["in-place branch only"] >= kernels["no reserve"] > kernels["dense"]
+    if extra:  # reserve as one Pallas kernel: fewer kernels than as built, about as few as no allocator branch
+        assert kernels["as built"] > kernels["reserve kernel"] and kernels["reserve kernel"] <= kernels["in-place branch only"] + 1
 
 
 def test_the_h100_target_compiles_the_presets_steps_without_a_gpu():
@@ -118,6 +121,9 @@ def test_the_h100_target_compiles_the_presets_steps_without_a_gpu():
     programs = compile_bound._device_programs("h100", "tiny", batch=2, capacity=16, page_size=8)
     assert "xla.gpu.triton" in programs[("tiny model", "paged")].as_text()
     assert "xla.gpu.triton" not in programs[("tiny model", "dense")].as_text()
+    with compile_bound.unsafe_variant("reserve kernel"):
+        paged = compile_bound._device_programs("h100", "tiny", batch=2, capacity=16, page_size=8)[("tiny model", "paged")]
+        assert "reserve_pages_b2" in paged.as_text()  # the kernel, lowered for the GPU (not interpreted)
     _kernels_fall_variant_by_variant("h100")
     with pytest.raises(ValueError, match="target must be one of"):
         compile_bound.measure(rounds=1, target="tpu")

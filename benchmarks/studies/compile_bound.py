@@ -6,7 +6,7 @@ TPU v5e by their deviceless compilers (issue 39, item 4).
 
 Item 4 asks for the paged decode step's compile <= 1.5x the dense step's (the cache's share
 <= 0.5x). This study bounds what any reservation could reach. It compiles each step in three
-variants, fresh each time (`jax.clear_caches()`), variants alternated round by round, and
+variants (four on a GPU or for an H100), fresh each time (`jax.clear_caches()`), variants alternated round by round, and
 prints the least CPU time of the rounds with the step's distinct kernels (`op_hlo`):
 
 - **as built**;
@@ -15,6 +15,9 @@ prints the least CPU time of the rounds with the step's distinct kernels (`op_hl
   allocator branch, however lean, could save;
 - **no reserve** (unsafe): `reserve` returns the cache as it got it. What the whole of
   reservation could save;
+- **reserve kernel** (on a GPU and `--target h100`; safe): `allocator.RESERVE_KERNEL` on,
+  `reserve`'s table work as one Pallas kernel, both branches and no conditional
+  (`pallas_kernels.gpu.allocate`; its results are the jnp ops': tests/test_kernels_allocate.py);
 
 for the tiny model's decode step (`models.decode_step`, a layer scan) against the dense
 baseline's (`dense_baseline.dense_decode`), and for `examples/tiny_decoder.py`'s step (a model
@@ -68,6 +71,7 @@ __all__ = ["VARIANTS", "TARGETS", "PARTS", "unsafe_variant", "kernel_cost", "mea
            "compile_ms_by_part", "main"]
 
 VARIANTS = ("as built", "in-place branch only", "no reserve")
+KERNEL_VARIANTS = ("reserve kernel",)  # on a GPU and --target h100 only: the GPU's Pallas lowering
 TARGETS = ("cpu", "h100", "tpu-v5e")
 DEVICE_PRESETS = ("tiny", "mid", "llama3_8b")  # --model for the device targets
 # A kernel's part of the step: the first of these names in its op_name (`op_hlo.PARTS`, and the
@@ -80,8 +84,8 @@ def _in_place_only(page_size, table, slots, idx, live, n, length, *, runs=False)
     return allocator._grow_in_place(page_size, table, slots, idx, live, n, length)
 
 
-def _no_reserve(cache, slots, num_tokens, *, run_pages=None):
-    del num_tokens, run_pages
+def _no_reserve(cache, slots, num_tokens, *, run_pages=None, kernel=None):
+    del num_tokens, run_pages, kernel
     return cache, slots == slots
 
 
@@ -89,10 +93,11 @@ def _no_reserve(cache, slots, num_tokens, *, run_pages=None):
 def unsafe_variant(variant: str):
     """Inside the block, `reserve` is traced as `variant` says (`VARIANTS`); JAX's caches are
     cleared on the way in and out, so nothing traced inside outlives it."""
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    if variant not in VARIANTS + KERNEL_VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS + KERNEL_VARIANTS}, got {variant!r}")
     name, swap = {"as built": (None, None), "in-place branch only": ("_allocate_and_map", _in_place_only),
-                  "no reserve": ("reserve_impl", _no_reserve)}[variant]  # fmt: skip
+                  "no reserve": ("reserve_impl", _no_reserve),
+                  "reserve kernel": ("RESERVE_KERNEL", True)}[variant]  # fmt: skip
     saved = getattr(allocator, name) if name else None
     jax.clear_caches()
     if name:
@@ -212,8 +217,9 @@ def measure(rounds: int = 3, batch: int = 4, capacity: int = 64, page_size: int 
 
         options = dict(sm90.DEFAULT_OPTIMIZATION)  # as the sm_90a checks compile
     best: dict = {}
+    on_gpu = target == "h100" or (target == "cpu" and jax.default_backend() == "gpu")
     for _ in range(rounds):
-        for variant in VARIANTS:
+        for variant in VARIANTS + (KERNEL_VARIANTS if on_gpu else ()):
             with unsafe_variant(variant):
                 programs = (_programs(batch, capacity, page_size) if target == "cpu"
                             else _device_programs(target, model, batch, capacity, page_size, layers))  # fmt: skip

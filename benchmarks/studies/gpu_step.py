@@ -25,6 +25,8 @@ donated. Variants, alternated call by call in one process:
                   num_splits` = 1: one program per (row, KV head) reads the whole context, no
                   log-sum-exp merge), where the default splits until the device holds two waves of
                   programs (up to 64, from the page table's capacity, `--capacity`);
+- arena-reserve-kernel: the arena step with `allocator.RESERVE_KERNEL` on (`reserve`'s table work
+                  as one Pallas kernel every step, no conditional; issue 39, item 4);
 - arena-noplan:   the arena step without the step's plan (`aj.plan_step` traced as returning
                   None): every layer's append and attend classify their rows again, as before
                   the plan (issue 39, item 2; `sm90_steps` counts the kernels either way).
@@ -60,7 +62,7 @@ from arena_jax.models import steps as model_steps
 __all__ = ["VARIANTS", "run", "main"]
 
 VARIANTS = ("arena", "arena-triton", "arena-cublas-only", "dense", "dense-triton", "arena-unrolled", "arena-1split",
-            "arena-noplan")
+            "arena-noplan", "arena-reserve-kernel")
 
 
 def copy_bandwidth(nbytes: int | None = None, repeats: int = 10) -> float:
@@ -141,8 +143,17 @@ def _no_plan():
         yield
 
 
+@contextlib.contextmanager
+def _reserve_kernel():
+    """Trace with `allocator.RESERVE_KERNEL` on: `reserve`'s table work as one Pallas kernel."""
+    from arena_jax import allocator
+
+    with mock.patch.object(allocator, "RESERVE_KERNEL", True):
+        yield
+
+
 _TRACE_CONTEXTS = {"arena-cublas-only": _one_row_dots_plain, "arena-1split": _one_split,
-                   "arena-noplan": _no_plan}  # how a variant traces  # fmt: skip
+                   "arena-noplan": _no_plan, "arena-reserve-kernel": _reserve_kernel}  # how a variant traces  # fmt: skip
 
 
 def filled_arena(layout: aj.KVLayout, batch: int, context: int, seed: int) -> aj.KVCache:
@@ -236,7 +247,8 @@ class Settings:
     layers: int | None = None
     dtype: str = "bfloat16"
     cases: tuple[tuple[int, int], ...] = ((8, 512), (32, 512), (1, 512))
-    variants: tuple[str, ...] = tuple(v for v in VARIANTS if v != "arena-noplan")  # (gpu_check.sh's `plan` step runs it)
+    # (gpu_check.sh's `plan` and `reserve` steps run the last two variants)
+    variants: tuple[str, ...] = tuple(v for v in VARIANTS if v not in ("arena-noplan", "arena-reserve-kernel"))
     unrolled_batches: tuple[int, ...] = (1,)
     repeats: int = 20
     page_size: int = 16

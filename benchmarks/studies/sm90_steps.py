@@ -55,7 +55,7 @@ def _h100(device):
     never = lambda interpret: bool(interpret)  # noqa: E731  (None -> False: compile for the GPU)
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.dict(os.environ, {aj.BACKEND_ENV: "pallas"}))
-        for module in ("pallas_kernels.gpu.attention", "pallas_kernels.gpu.append"):
+        for module in ("pallas_kernels.gpu.attention", "pallas_kernels.gpu.append", "pallas_kernels.gpu.allocate"):
             stack.enter_context(mock.patch(f"{module}.resolve_interpret", never))
         stack.enter_context(sm90_compat.h100_target())
         stack.enter_context(jax.default_device(device))
