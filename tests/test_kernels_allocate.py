@@ -34,6 +34,8 @@ def _created(rng, layout=LAYOUT):
         return cache
     noise = lambda: jnp.asarray(rng.standard_normal(cache.k.shape), cache.k.dtype)  # noqa: E731
     return cache.replace(k=noise(), v=noise())
+
+
 _reserve = jax.jit(allocator.reserve_impl)
 
 
