@@ -50,9 +50,9 @@ RUN_PAGES: bool | None = None
 # ops. True: the kernel (compiled on a GPU, interpreted elsewhere: tests). "gpu": the kernel on a
 # GPU whose JAX has the Pallas Triton lowering. For an H100 it takes the tiny, mid and 8B-shaped
 # decode steps' compile from 1.63-1.97x to 1.27-1.57x the dense step's (benchmarks/RESULTS.md,
-# session 61); off by default until a GPU run checks it against the jnp ops and times the step
-# (`scripts/gpu_check.sh reserve`). `aj.reserve` reads it on each call (a static argument of its
-# jitted body); a step compiled before a change keeps what it traced.
+# session 61). An H200 ran it compiled (`scripts/gpu_check.sh reserve`: the jnp ops' results, the
+# 8B step 1-2% faster); off by default until a CI run with it on. `aj.reserve` reads it on each
+# call (a static argument of its jitted body); a step compiled before a change keeps what it traced.
 RESERVE_KERNEL: bool | str = False
 # The keys of a block whose pages `_run_pages` makes a run: the TPU decode kernel's block
 # (`pallas_kernels.tpu.attention.DEFAULT_BLOCK_K`; a test keeps them equal).
