@@ -182,10 +182,9 @@ def test_the_kernel_compiles_for_an_h100_without_spills(batch, max_pages, num_pa
     64 rows of 512 pages spill nothing (pages go PAGE_LANES a loop trip; 64 rows take 8 warps).
     Like the other device compile checks: under CI=true a missing toolchain fails, elsewhere skips."""
     import test_compile_sm90 as gpu
+    from test_compile_bound import _require
 
-    action = gpu.gate(gpu.sm90.tooling_problem(), gpu.IN_CI)
-    if action is not None:
-        (pytest.fail if action[0] == "fail" else pytest.skip)(action[1])
+    _require(gpu.gate(gpu.sm90.tooling_problem(), gpu.IN_CI))
     from arena_jax.kv_cache import _regions
 
     layout = aj.KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, page_size=16, num_pages=num_pages,
