@@ -44,16 +44,21 @@ __all__ = ["reserve_impl", "release_impl", "fork_impl", "truncate_impl", "slot_r
 # studies; read when `reserve` is traced: clear JAX's caches after changing it).
 RUN_PAGES: bool | None = None
 # Whether `reserve`'s table work (the rows' classification, both branches with no conditional,
-# the lengths and flags, the counters, a float arena's copy-on-write copies) runs as one Pallas
-# kernel, `pallas_kernels.gpu.allocate` (`_reserve_by_kernel`), where it applies: one data shard
-# (not inside the sharded ops), no run-keeping, up to its MAX_ROWS rows. False (default): XLA's
-# ops. True: the kernel (compiled on a GPU, interpreted elsewhere: tests). "gpu": the kernel on a
-# GPU whose JAX has the Pallas Triton lowering. For an H100 it takes the tiny, mid and 8B-shaped
-# decode steps' compile from 1.63-1.97x to 1.27-1.57x the dense step's (benchmarks/RESULTS.md,
-# session 61). An H200 ran it compiled (`scripts/gpu_check.sh reserve`: the jnp ops' results, the
-# 8B step 1-2% faster); off by default until a CI run with it on. `aj.reserve` reads it on each
-# call (a static argument of its jitted body); a step compiled before a change keeps what it traced.
-RESERVE_KERNEL: bool | str = False
+# the lengths and flags, the counters, a float arena's copy-on-write copies) runs as one kernel
+# (`_reserve_by_kernel`) where it applies: one data shard (not inside the sharded ops), no
+# run-keeping, up to the kernel's MAX_ROWS rows. On a GPU the Triton kernel
+# `pallas_kernels.gpu.allocate` (with the Pallas Triton lowering), on a CPU the native call
+# `pallas_kernels.cpu.allocate` (built on first use; without a C++ compiler, XLA's ops).
+# "auto" (default): the GPU's kernel on a GPU, the CPU's on a CPU, XLA's ops on a TPU. "gpu" /
+# "cpu": that platform's kernel only. True: the Triton kernel on any platform but a TPU
+# (interpreted off a GPU: tests). False: XLA's ops. They take a decode step's compile from
+# 1.63-1.97x the dense step's to 1.27-1.57x on an H100 (session 61) and from ~2.4x to ~1.6x on a
+# CPU (benchmarks/RESULTS.md, session 62); an H200 ran the Triton one compiled
+# (`scripts/gpu_check.sh reserve`: the jnp ops' results, the 8B step 1-2% faster). `aj.reserve`
+# reads it on each call (a static argument of its jitted body); a step compiled before a change
+# keeps what it traced.
+RESERVE_KERNEL: bool | str = "auto"
+RESERVE_KERNEL_VALUES = (True, False, "auto", "gpu", "cpu")
 # The keys of a block whose pages `_run_pages` makes a run: the TPU decode kernel's block
 # (`pallas_kernels.tpu.attention.DEFAULT_BLOCK_K`; a test keeps them equal).
 RUN_BLOCK_KEYS = 512
@@ -160,8 +165,9 @@ def reserve_impl(cache: KVCache, slots, num_tokens, *, run_pages: bool | None = 
     written after the conditional, once; so are the page copies of copy-on-write."""
     if run_pages is None:
         run_pages = cache.scale_rows if RUN_PAGES is None else RUN_PAGES
-    if _reserves_by_kernel(cache, slots, run_pages, RESERVE_KERNEL if kernel is None else kernel):
-        return _reserve_by_kernel(cache, slots, num_tokens)
+    which = _reserves_by_kernel(cache, slots, run_pages, RESERVE_KERNEL if kernel is None else kernel)
+    if which is not None:
+        return _reserve_by_kernel(cache, slots, num_tokens, native=which == "native")
     table = cache.table
     max_seqs, max_pages = table.page_map.shape
     num_pages, page_size = table.refcount.shape[0], cache.k.shape[3]
@@ -192,32 +198,49 @@ def reserve_impl(cache: KVCache, slots, num_tokens, *, run_pages: bool | None = 
     return cache.replace(k=k, v=v, table=table, stats=stats, **scales), ok | pad
 
 
-def _reserves_by_kernel(cache: KVCache, slots, run_pages: bool, kernel: bool | str) -> bool:
-    """Whether this `reserve` runs as `_reserve_by_kernel` (`kernel`: a `RESERVE_KERNEL` value)."""
-    from pallas_kernels.gpu.allocate import MAX_ROWS
-
-    if kernel not in (True, False, "gpu"):
-        raise ValueError(f"RESERVE_KERNEL must be True, False or 'gpu', got {kernel!r}")
-    if run_pages or cache.table.packed.ndim != 1 or slots.shape[0] > MAX_ROWS or kernel is False:
-        return False
-    from pallas_kernels import triton_lowering_problem
+def _reserves_by_kernel(cache: KVCache, slots, run_pages: bool, kernel: bool | str) -> str | None:
+    """Which kernel this `reserve` runs as (`_reserve_by_kernel`): "triton", "native" or None
+    (XLA's ops). `kernel`: a `RESERVE_KERNEL` value."""
+    if not any(kernel is v or (isinstance(v, str) and kernel == v) for v in RESERVE_KERNEL_VALUES):
+        raise ValueError(f"RESERVE_KERNEL must be one of {RESERVE_KERNEL_VALUES}, got {kernel!r}")
+    if run_pages or cache.table.packed.ndim != 1 or kernel is False:
+        return None
     from pallas_kernels.tpu.common import target_platform
 
-    if kernel == "gpu":
-        return target_platform() == "gpu" and triton_lowering_problem() is None
-    if target_platform() == "tpu":
-        raise ValueError("RESERVE_KERNEL=True: the reserve kernel is a Triton (GPU) kernel; on a TPU set it to 'gpu' "
-                         "(GPUs only) or False")  # fmt: skip
-    return True
+    platform = target_platform()
+    if kernel is True:
+        if platform == "tpu":
+            raise ValueError("RESERVE_KERNEL=True: the reserve kernel is a Triton (GPU) kernel; on a TPU set it to "
+                             "'auto' (XLA's ops there) or False")  # fmt: skip
+        which = "triton"
+    elif platform == "gpu" and kernel in ("auto", "gpu"):
+        from pallas_kernels import triton_lowering_problem
+
+        which = "triton" if triton_lowering_problem() is None else None
+    elif platform == "cpu" and kernel in ("auto", "cpu"):
+        from pallas_kernels.cpu.allocate import native_problem
+
+        which = "native" if native_problem() is None else None
+    else:
+        return None
+    if which == "triton":
+        from pallas_kernels.gpu.allocate import MAX_ROWS
+    else:
+        from pallas_kernels.cpu.allocate import MAX_ROWS
+    return which if which is not None and slots.shape[0] <= MAX_ROWS else None
 
 
-def _reserve_by_kernel(cache: KVCache, slots, num_tokens):
+def _reserve_by_kernel(cache: KVCache, slots, num_tokens, *, native: bool = False):
     """`reserve_impl` with its table work, counting and (a float arena's) copy-on-write page copies
-    in one Pallas kernel (`pallas_kernels.gpu.allocate.reserve_pages`: the same rules,
-    tests/test_kernels_allocate.py); an 8-bit or int4 arena's copies by `_copy_pages` after it.
-    Returns (cache, ok bool[B])."""
+    in one kernel (`pallas_kernels.gpu.allocate.reserve_pages`, the Triton one, or with `native`
+    `pallas_kernels.cpu.allocate.reserve_pages`: the same rules, tests/test_kernels_allocate.py);
+    an 8-bit or int4 arena's copies by `_copy_pages` after it. Returns (cache, ok bool[B])."""
     from arena_jax.kv_cache import _STAT_INDEX, _regions
-    from pallas_kernels.gpu.allocate import reserve_pages
+
+    if native:
+        from pallas_kernels.cpu.allocate import reserve_pages
+    else:
+        from pallas_kernels.gpu.allocate import reserve_pages
 
     table = cache.table
     at = _regions(table.geometry)

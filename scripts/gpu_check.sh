@@ -28,7 +28,7 @@ for s in ${@:-tests kernels decode kernels_int8}; do case $s in
   bound) step bound ${T_BOUND:-120} $PY -m arena_jax.benchmarks.studies.compile_bound --rounds 2 ;;
   presets) step presets ${T_PRESETS:-170} bash -c 'for c in tiny:4:32 tiny:1:128 mid:1:128 mid:8:128 mid:8:1024; do IFS=: read m b p <<< "$c"; echo "--- $m / $b / $p"; '"$BENCH"' decode --no-progress --model $m --batch $b --prompt-len $p --new-tokens 32 --repeats 6 --hf off; done' ;;
   long) step long ${T_LONG:-130} bash -c 'for p in 1024 4096; do echo "--- llama3-8b / 8 / $p"; '"$BENCH"' decode --no-progress --model llama3-8b --batch 8 --prompt-len $p --new-tokens 32 --repeats 3 --hf off; done' ;;
-  reserve) step reserve ${T_RESERVE:-300} bash -c "$PY -m pytest -p no:cacheprovider --timeout 200 -rfs tests/test_kernels_allocate.py && $PY -m arena_jax.benchmarks.studies.compile_bound --rounds 2 && $PY -m arena_jax.benchmarks.studies.gpu_step --cases 1:512,8:512,32:512 --variants arena,arena-reserve-kernel,dense --json $OUT/gpu_step_reserve.json" ;;
+  reserve) step reserve ${T_RESERVE:-300} bash -c "$PY -m pytest -p no:cacheprovider --timeout 200 -rfs tests/test_kernels_allocate.py && $PY -m arena_jax.benchmarks.studies.compile_bound --rounds 2 && $PY -m arena_jax.benchmarks.studies.gpu_step --cases 1:512,8:512,32:512 --variants arena,arena-xla-reserve,dense --json $OUT/gpu_step_reserve.json" ;;
   kernels_int8) step kernels_int8 ${T_INT8:-60} $BENCH kernels --no-progress --dtype int8 --batches 8,64 --contexts 4096 --json "$OUT/kernels_int8.json" ;;
   *) echo "unknown step $s"; exit 2 ;;
 esac; done

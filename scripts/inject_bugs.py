@@ -4,7 +4,7 @@
     JAX_PLATFORMS=cpu python scripts/inject_bugs.py "twice"    # those whose name contains a word
 
 Each bug is a one-line edit of the page table's packed array, the prefix cache (device ops, index, scheduler), the host tier
-(its ops, its binding to its cache), the smoothed keys' factors (fixed at create) or a step's
+(its ops, its binding to its cache), reserve (its jnp ops, the GPU kernel, the CPU's native call), the smoothed keys' factors (fixed at create) or a step's
 plan (`arena_jax.plan`: its epoch, its watermarks), the TPU attention kernel's steady-state
 loop and its 8-bit scale rows, the TPU append's merge of shared scale rows, or the "xla" backend's one-block attention (its V rows' deferred check, decode's select). The tests that
 should catch it run in a copy of the tracked files (this checkout is never modified), with the
@@ -143,6 +143,15 @@ MUTANTS = {
         "live = first_named & (asked >= 0)", "live = in_range & (asked >= 0)"),
     "reserve kernel: copy-on-write copies the first layer's page only": ("pallas_kernels/gpu/allocate.py",
         "lax.fori_loop(0, num_layers * num_heads, one_page, carry)", "lax.fori_loop(0, num_heads, one_page, carry)"),
+    # reserve's table work as one native call on a CPU (pallas_kernels/cpu/allocate.cc; rebuilt by its hash)
+    "native reserve: a keeper served though its co-holder's copy was refused": ("pallas_kernels/cpu/allocate.cc",
+        "    ok[b] = ok[b] && !(wants_cow[b] && keeper[b] && holder_refused);\n", "\n"),
+    "native reserve: a slot named twice served twice": ("pallas_kernels/cpu/allocate.cc",
+        "const bool first_named = in_range && !named_before;", "const bool first_named = in_range;"),
+    "native reserve: copy-on-write copies the first layer's page only": ("pallas_kernels/cpu/allocate.cc",
+        "lh < pages_per_arena / P; lh++", "lh < pages_per_arena / P / g.num_layers; lh++"),
+    "native reserve: rows refused for want of pages not counted": ("pallas_kernels/cpu/allocate.cc",
+        "events[3] += live[b] && !ok[b];", "events[3] += 0;"),
     # the TPU attention kernel's steady-state loop (issue 42)
     "tpu attention: the fast loop starts this block again, not the next one": (
         "pallas_kernels/tpu/attention.py", "start_whole(j_next, 1 - slot, run_next)", "start_whole(j, 1 - slot, run_next)"),
@@ -190,11 +199,13 @@ TESTS = {
     "arena_jax/plan.py": ["tests/test_plan.py", "tests/test_op_hlo.py"],
     "arena_jax/api.py": ["tests/test_op_hlo.py"],
     "arena_jax/kv_cache.py": ["tests/test_allocator.py", "tests/test_allocator_model.py"],
-    "arena_jax/allocator.py": ["tests/test_plan.py", "tests/test_allocator_model.py", "tests/test_allocator.py"],
+    "arena_jax/allocator.py": ["tests/test_plan.py", "tests/test_allocator_model.py", "tests/test_allocator.py",
+                               "tests/test_kernels_allocate.py"],  # (reserve's jnp ops against the kernels)
     "pallas_kernels/tpu/attention.py": ["tests/test_kernels_tpu.py"],
     "pallas_kernels/tpu/append.py": ["tests/test_kernels_tpu.py"],
     "pallas_kernels/blockwise.py": ["tests/test_blockwise.py"],
     "pallas_kernels/gpu/allocate.py": ["tests/test_kernels_allocate.py"],
+    "pallas_kernels/cpu/allocate.cc": ["tests/test_kernels_allocate.py"],
 }
 
 
@@ -205,7 +216,7 @@ def main(argv) -> int:
         for f in files:
             os.makedirs(os.path.join(tmp, os.path.dirname(f)), exist_ok=True)
             shutil.copy2(os.path.join(ROOT, f), os.path.join(tmp, f))
-        env = dict(os.environ, PYTHONPATH=tmp, HYPOTHESIS_PROFILE="find")
+        env = dict(os.environ, PYTHONPATH=tmp, HYPOTHESIS_PROFILE="find", ARENA_JAX_NATIVE_DIR=os.path.join(tmp, ".native"))
         where = subprocess.run([sys.executable, "-c", "import arena_jax, models; print(arena_jax.__file__, models.__file__)"],
                                cwd=tmp, env=env, capture_output=True, text=True).stdout  # fmt: skip
         if where.count(tmp) != 2:  # else a "caught" could be another checkout's import error

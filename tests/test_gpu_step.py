@@ -34,8 +34,8 @@ def test_a_case_runs_every_variant_at_the_capacity_asked():
     config = models.LlamaConfig.tiny()
     by_kind = {"scan": models.init_random(config, seed=0)}
     with mock.patch.object(gpu_step, "DenseRunner", wraps=gpu_step.DenseRunner) as dense:
-        rows = gpu_step.measure(by_kind, batch=2, context=16, variants=("arena", "arena-1split", "arena-noplan", "arena-reserve-kernel", "dense"), repeats=2,
+        rows = gpu_step.measure(by_kind, batch=2, context=16, variants=("arena", "arena-1split", "arena-noplan", "arena-xla-reserve", "dense"), repeats=2,
                                 page_size=16, seed=0, log=lambda *_: None, capacity=128)  # fmt: skip
     assert dense.call_args.args[3] == 128  # the dense cache's length: the page table's capacity
-    assert [r["variant"] for r in rows] == ["arena", "arena-1split", "arena-noplan", "arena-reserve-kernel", "dense"]
+    assert [r["variant"] for r in rows] == ["arena", "arena-1split", "arena-noplan", "arena-xla-reserve", "dense"]
     assert all(r["step_ms"] > 0 and r["batch"] == 2 and r["context"] == 16 for r in rows)

@@ -1,14 +1,17 @@
-"""pallas_kernels/gpu/allocate.py: `reserve`'s table work as one kernel (issue 39, item 4).
+"""pallas_kernels/gpu/allocate.py and pallas_kernels/cpu/allocate.py: `reserve`'s table work
+as one kernel (issue 39, item 4).
 
-`allocator.reserve_impl` with `RESERVE_KERNEL` on (the kernel: interpreted on a CPU, compiled
-on a GPU, `scripts/gpu_check.sh reserve`; for an H100 by tests/test_compile_bound.py) against
-it with the flag off (XLA's ops) on the tables random histories leave: pages held,
-shared by forks (copy-on-write), the free stack running out; duplicate, out-of-range, padded
-and over-long rows. Equal tables, counters, arenas and flags.
+`allocator.reserve_impl` with each kernel (the Triton one, `kernel=True`: interpreted on a CPU,
+compiled on a GPU, `scripts/gpu_check.sh reserve`, for an H100 by tests/test_compile_bound.py;
+the CPU's native call, `kernel="cpu"`: compiled here) against it with XLA's ops (`kernel=False`)
+on the tables random histories leave: pages held, shared by forks (copy-on-write), the free
+stack running out; duplicate, out-of-range, padded and over-long rows. Equal tables, counters,
+arenas and flags.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from unittest import mock
 
 import jax
@@ -19,8 +22,11 @@ import pytest
 import arena_jax as aj
 from arena_jax import allocator
 from arena_jax.kv_cache import PAD_SLOT
+from pallas_kernels.cpu import allocate as native
 from pallas_kernels.gpu import allocate
 from pallas_kernels.gpu.allocate import MAX_ROWS, reserve_pages
+
+KERNELS = [True, "cpu"]  # the Triton kernel (interpreted here), the native call
 
 SLOTS, MAX_PAGES, PAGE, PAGES, BATCH, DIM, HEADS = 6, 5, 4, 9, 5, 48, 2  # head_dim 48: lanes 48-63 masked
 LAYOUT = aj.KVLayout(num_layers=2, num_kv_heads=HEADS, head_dim=DIM, page_size=PAGE, num_pages=PAGES, max_seqs=SLOTS,
@@ -36,13 +42,14 @@ def _created(rng, layout=LAYOUT):
     return cache.replace(k=noise(), v=noise())
 
 
-_reserve = jax.jit(allocator.reserve_impl)
+_reserve = jax.jit(functools.partial(allocator.reserve_impl, kernel=False))
 
 
 def _written(cache, slots, asked, rng):
     """`reserve` then its tokens written (random K/V), as a step does: forks need written slots."""
     cache, ok = _reserve(cache, jnp.asarray(slots), jnp.asarray(asked))
-    kv = jnp.asarray(rng.standard_normal((len(slots), int(max(asked)) or 1, HEADS, DIM)), jnp.float32)
+    dtype = cache.k.dtype if cache.k_scale is None else jnp.float32  # (an 8-bit arena quantizes f32)
+    kv = jnp.asarray(rng.standard_normal((len(slots), int(max(asked)) or 1, HEADS, DIM)), dtype)
     tokens = jnp.where(ok & (jnp.asarray(slots) != PAD_SLOT), jnp.asarray(asked), 0)
     for layer in range(cache.k.shape[0]):
         cache = aj.append(cache, layer, jnp.asarray(slots), kv, kv, num_tokens=tokens)
@@ -69,12 +76,12 @@ def _history(rng):
     return cache
 
 
-def _assert_same(cache, slots, asked):
+def _assert_same(cache, slots, asked, kernel=True):
     """The kernel's `reserve` and the jnp one from `cache`: equal everywhere. Returns the counters."""
-    want, want_ok = allocator.reserve_impl(cache, slots, asked)
-    with mock.patch.object(allocator, "_reserve_by_kernel", wraps=allocator._reserve_by_kernel) as kernel:
-        got, got_ok = allocator.reserve_impl(cache, slots, asked, kernel=True)
-    assert kernel.call_count == 1
+    want, want_ok = allocator.reserve_impl(cache, slots, asked, kernel=False)
+    with mock.patch.object(allocator, "_reserve_by_kernel", wraps=allocator._reserve_by_kernel) as called:
+        got, got_ok = allocator.reserve_impl(cache, slots, asked, kernel=kernel)
+    assert called.call_count == 1 and called.call_args.kwargs["native"] == (kernel == "cpu")
     np.testing.assert_array_equal(np.asarray(got_ok), np.asarray(want_ok))
     np.testing.assert_array_equal(np.asarray(got.table.packed), np.asarray(want.table.packed))
     np.testing.assert_array_equal(np.asarray(got.stats.counts), np.asarray(want.stats.counts))
@@ -87,18 +94,20 @@ def _assert_same(cache, slots, asked):
             for name in ("pages_allocated", "cow_copies", "failed_reservations", "rejected_rows")}  # fmt: skip
 
 
-@pytest.mark.parametrize("page_lanes", [None, 2])  # 2: a row's new pages span several loop trips
-def test_the_kernel_reserves_as_the_jnp_reserve_on_random_tables(page_lanes, monkeypatch):
+@pytest.mark.parametrize("kernel, page_lanes", [(True, None), (True, 2), ("cpu", None)])  # 2: pages over loop trips
+def test_the_kernel_reserves_as_the_jnp_reserve_on_random_tables(kernel, page_lanes, monkeypatch):
     if page_lanes is not None:
         monkeypatch.setattr(allocate, "PAGE_LANES", page_lanes)
         jax.clear_caches()  # PAGE_LANES is read when the kernel is traced
-    rng = np.random.default_rng(20261204)
+    seed = 20261204 if kernel is True else np.random.SeedSequence().entropy  # the native call: fresh tables each run
+    print(f"seed {seed}")
+    rng = np.random.default_rng(seed)
     seen = dict.fromkeys(("pages_allocated", "cow_copies", "failed_reservations", "rejected_rows"), 0)
-    for _ in range(40 if page_lanes is None else 25):
+    for _ in range({True: 40, "cpu": 150}[kernel] if page_lanes is None else 25):
         cache = _history(rng)
         slots = rng.integers(-1, SLOTS + 1, BATCH).astype(np.int32)  # out of range, duplicates
         slots[rng.random(BATCH) < 0.15] = PAD_SLOT
-        counts = _assert_same(cache, jnp.asarray(slots), jnp.asarray(rng.integers(-1, 9, BATCH), jnp.int32))
+        counts = _assert_same(cache, jnp.asarray(slots), jnp.asarray(rng.integers(-1, 9, BATCH), jnp.int32), kernel)
         for name, delta in counts.items():
             seen[name] += delta > 0
     if page_lanes is not None:  # pops across loop trips (copy-on-write: the other case and its own test)
@@ -106,7 +115,8 @@ def test_the_kernel_reserves_as_the_jnp_reserve_on_random_tables(page_lanes, mon
     assert min(seen.values()) >= 2, seen  # the cases drew pops, copy-on-write, refusals and rejections
 
 
-def test_a_keeper_is_refused_with_the_copier_it_shares_with():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_keeper_is_refused_with_the_copier_it_shares_with(kernel):
     """Slots 0 and 1 share a partly filled page and both write; no page is free for 1's copy, so
     0 (the keeper) is refused too: it would write into a page 1 still holds."""
     rng = np.random.default_rng(0)
@@ -114,20 +124,22 @@ def test_a_keeper_is_refused_with_the_copier_it_shares_with():
     cache = aj.fork(cache, jnp.asarray([0], jnp.int32), jnp.asarray([1], jnp.int32))
     assert int(cache.table.num_free) == 0
     slots = jnp.asarray([0, 1, PAD_SLOT, PAD_SLOT, PAD_SLOT], jnp.int32)
-    assert _assert_same(cache, slots, jnp.asarray([1, 1, 0, 0, 0], jnp.int32))["failed_reservations"] == 2
+    assert _assert_same(cache, slots, jnp.asarray([1, 1, 0, 0, 0], jnp.int32), kernel)["failed_reservations"] == 2
 
 
-@pytest.mark.parametrize("dtype", ["float32", "int8"])  # int8: the kernel maps, `_copy_pages` copies values and scales
-def test_a_copy_on_write_copies_the_shared_page(dtype):
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])  # int8: the kernel maps, `_copy_pages` copies
+def test_a_copy_on_write_copies_the_shared_page(dtype, kernel):
     rng = np.random.default_rng(1)
     layout = dataclasses.replace(LAYOUT, dtype=dtype)
     cache = _written(_created(rng, layout), np.asarray([0], np.int32), np.asarray([2], np.int32), rng)
     cache = aj.fork(cache, jnp.asarray([0], jnp.int32), jnp.asarray([1], jnp.int32))
-    assert _assert_same(cache, jnp.asarray([1], jnp.int32), jnp.asarray([3], jnp.int32))["cow_copies"] == 1
+    assert _assert_same(cache, jnp.asarray([1], jnp.int32), jnp.asarray([3], jnp.int32), kernel)["cow_copies"] == 1
 
 
-def test_bad_rows_are_refused_with_the_limit():
-    cache = aj.create(LAYOUT)
+@pytest.mark.parametrize("module", [allocate, native], ids=["triton", "native"])
+def test_bad_rows_are_refused_with_the_limit(module):
+    cache, reserve_pages, MAX_ROWS = aj.create(LAYOUT), module.reserve_pages, module.MAX_ROWS
     packed, counts = cache.table.packed, cache.stats.counts
     kwargs = dict(page_size=PAGE, geometry=(SLOTS, MAX_PAGES, 1, PAGES), offsets=(0, 0, 0, 0), pad_slot=PAD_SLOT,
                   counters=(0, 1, 2, 3, 4))  # fmt: skip
@@ -136,40 +148,88 @@ def test_bad_rows_are_refused_with_the_limit():
                       **kwargs)  # fmt: skip
     with pytest.raises(ValueError, match="one table row"):
         reserve_pages(jnp.zeros((2,), jnp.int32), jnp.zeros((2,), jnp.int32), packed[None], counts, **kwargs)
+    if module is native:  # the call checks the regions fit the table before it touches it
+        with pytest.raises(Exception, match="geometry and offsets do not fit"):
+            reserve_pages(jnp.zeros((2,), jnp.int32), jnp.zeros((2,), jnp.int32), packed, counts,
+                          **{**kwargs, "geometry": (SLOTS, MAX_PAGES, 1, packed.shape[0])}).block_until_ready()
 
 
 def test_where_the_kernel_reserves():
-    """Off by default; asked, for one data shard and up to MAX_ROWS rows, no run-keeping; "gpu": a
-    GPU's only (this host has none); anything else refused."""
+    """"auto" by default: the native call on a CPU (this host), the Triton kernel on a GPU, XLA's ops
+    on a TPU; "gpu" / "cpu": that platform's only; True: the Triton kernel off a TPU; for one data
+    shard, up to the kernel's MAX_ROWS rows, no run-keeping; anything else refused."""
     cache, slots = aj.create(LAYOUT), jnp.zeros((3,), jnp.int32)
-    assert allocator.RESERVE_KERNEL is False
-    assert allocator._reserves_by_kernel(cache, slots, False, "gpu") == (jax.default_backend() == "gpu")
-    assert allocator._reserves_by_kernel(cache, slots, False, True)
-    assert not allocator._reserves_by_kernel(cache, slots, True, True)
-    assert not allocator._reserves_by_kernel(cache, jnp.zeros((MAX_ROWS + 1,), jnp.int32), False, True)
-    with pytest.raises(ValueError, match="RESERVE_KERNEL must be True, False or 'gpu'"):
-        allocator._reserves_by_kernel(cache, slots, False, "yes")
+    where = functools.partial(allocator._reserves_by_kernel, cache, slots, False)
+    assert allocator.RESERVE_KERNEL == "auto" and jax.default_backend() == "cpu"
+    assert (where("auto"), where("cpu"), where("gpu"), where(True), where(False)) == ("native", "native", None, "triton", None)
+    assert allocator._reserves_by_kernel(cache, slots, True, "auto") is None  # run-keeping
+    assert allocator._reserves_by_kernel(cache, jnp.zeros((MAX_ROWS + 1,), jnp.int32), False, True) is None
+    assert allocator._reserves_by_kernel(cache, jnp.zeros((MAX_ROWS + 1,), jnp.int32), False, "auto") == "native"
+    assert allocator._reserves_by_kernel(cache, jnp.zeros((native.MAX_ROWS + 1,), jnp.int32), False, "auto") is None
+    with pytest.raises(ValueError, match="RESERVE_KERNEL must be one of"):
+        where("yes")
+    with mock.patch.object(native, "native_problem", return_value="no C++ compiler found"):
+        assert where("auto") is None and where("cpu") is None  # XLA's ops, as before the native call
     with mock.patch("pallas_kernels.tpu.common.target_platform", return_value="tpu"):
-        assert not allocator._reserves_by_kernel(cache, slots, False, "gpu")
+        assert where("auto") is None and where("gpu") is None and where("cpu") is None
         with pytest.raises(ValueError, match="Triton \\(GPU\\) kernel; on a TPU"):
-            allocator._reserves_by_kernel(cache, slots, False, True)
+            where(True)
+    with mock.patch("pallas_kernels.tpu.common.target_platform", return_value="gpu"):
+        assert where("cpu") is None and where("auto") == where("gpu")
 
 
-def test_generate_with_the_kernel_decodes_the_same_tokens():
+def test_the_native_call_reserves_in_place():
+    """`aj.reserve` on a donated cache: the native call writes the table, counters and arena where
+    they lie (XLA aliases them into the call); nothing is copied."""
+    cache = _written(_created(np.random.default_rng(2)), np.asarray([0], np.int32), np.asarray([2], np.int32),
+                     np.random.default_rng(2))  # fmt: skip
+    cache = aj.fork(cache, jnp.asarray([0], jnp.int32), jnp.asarray([1], jnp.int32))
+    before = [x.unsafe_buffer_pointer() for x in (cache.table.packed, cache.stats.counts, cache.k, cache.v)]
+    with mock.patch.object(allocator, "_reserve_by_kernel", wraps=allocator._reserve_by_kernel) as called:
+        cache, ok = aj.reserve(cache, jnp.asarray([1], jnp.int32), jnp.asarray([3], jnp.int32))  # a copy-on-write
+    assert called.call_args.kwargs["native"] and bool(ok.all()) and int(cache.stats.as_dict()["cow_copies"]) == 1
+    assert [x.unsafe_buffer_pointer() for x in (cache.table.packed, cache.stats.counts, cache.k, cache.v)] == before
+
+
+def test_the_native_call_is_built_once_and_its_absence_is_named(tmp_path, monkeypatch):
+    """The library is built into $ARENA_JAX_NATIVE_DIR, keyed by its source and jaxlib; with no
+    compiler, `native_problem` says so and `reserve_pages` refuses with it."""
+    monkeypatch.setenv("ARENA_JAX_NATIVE_DIR", str(tmp_path))
+    native._library.cache_clear()
+    try:
+        assert native.native_problem() is None
+        assert [p.suffix for p in tmp_path.iterdir()] == [".so"]
+        native._library.cache_clear()
+        monkeypatch.setenv("CXX", "")
+        with mock.patch("shutil.which", return_value=None):
+            assert native.native_problem() == "no C++ compiler found ($CXX, g++, c++ or clang++)"
+            with pytest.raises(RuntimeError, match="native reserve is not available: no C\\+\\+ compiler"):
+                native.reserve_pages(jnp.zeros((2,), jnp.int32), jnp.zeros((2,), jnp.int32), jnp.zeros((64,), jnp.int32),
+                                     jnp.zeros((8,), jnp.int32), page_size=4, geometry=(2, 2, 1, 4), offsets=(0, 4, 12, 20),
+                                     pad_slot=PAD_SLOT, counters=(0, 1, 2, 3, 4))  # fmt: skip
+    finally:
+        native._library.cache_clear()
+
+
+@pytest.mark.parametrize("kernel", [True, "auto"])  # the Triton kernel interpreted; the default: the native call
+def test_generate_with_the_kernel_decodes_the_same_tokens(kernel):
     """End to end: `models.generate`'s prefill chunks and decode steps reserve through the kernel
-    (interpreted here) and give the jnp ops' greedy tokens and counters."""
+    and give the jnp ops' greedy tokens and counters."""
     from arena_jax import models
 
     model = models.init_random(models.LlamaConfig.tiny(), seed=0, std=0.2)
     prompts = np.random.default_rng(3).integers(0, model.config.vocab_size, (3, 11)).tolist()
-    with mock.patch.object(allocator, "_reserve_by_kernel", wraps=allocator._reserve_by_kernel) as kernel:
-        want = models.generate(model, prompts, 12, batch_size=2, chunk_size=8)
-        assert kernel.call_count == 0
+    jax.clear_caches()
+    with mock.patch.object(allocator, "_reserve_by_kernel", wraps=allocator._reserve_by_kernel) as called:
+        with mock.patch.object(allocator, "RESERVE_KERNEL", False):
+            want = models.generate(model, prompts, 12, batch_size=2, chunk_size=8)
+        assert called.call_count == 0
         jax.clear_caches()  # generate's steps were compiled with the flag off
-        with mock.patch.object(allocator, "RESERVE_KERNEL", True):
+        with mock.patch.object(allocator, "RESERVE_KERNEL", kernel):
             got = models.generate(model, prompts, 12, batch_size=2, chunk_size=8)
         jax.clear_caches()
-    assert kernel.call_count >= 1  # `aj.reserve` traced with it, for prefill and decode rows alike
+    assert called.call_count >= 1  # `aj.reserve` traced with it, for prefill and decode rows alike
+    assert {c.kwargs["native"] for c in called.call_args_list} == {kernel == "auto"}
     assert got.tokens == want.tokens and [len(t) for t in got.tokens] == [12] * 3
     np.testing.assert_array_equal(np.asarray(got.cache.stats.counts), np.asarray(want.cache.stats.counts))
     same = lambda table: np.asarray(table.packed)[:-1]  # noqa: E731  (the last word: each cache's random arena id)

@@ -5,19 +5,20 @@ TPU v5e by their deviceless compilers (issue 39, item 4).
     python -m arena_jax.benchmarks.studies.compile_bound --target h100|tpu-v5e [--model tiny|mid|llama3_8b]
 
 Item 4 asks for the paged decode step's compile <= 1.5x the dense step's (the cache's share
-<= 0.5x). This study bounds what any reservation could reach. It compiles each step in three
-variants (four on a GPU or for an H100), fresh each time (`jax.clear_caches()`), variants alternated round by round, and
+<= 0.5x). This study bounds what any reservation could reach. It compiles each step in four
+variants, fresh each time (`jax.clear_caches()`), variants alternated round by round, and
 prints the least CPU time of the rounds with the step's distinct kernels (`op_hlo`):
 
-- **as built**;
-- **in-place branch only** (unsafe): `reserve`'s allocator branch swapped for its in-place
+- **as built**: `reserve`'s table work as one kernel where the platform has one
+  (`allocator.RESERVE_KERNEL` "auto": the native call on a CPU, the Triton kernel on a GPU and
+  for `--target h100`; XLA's ops on a TPU);
+- **XLA's reserve**: `RESERVE_KERNEL` False, `reserve` as XLA's ops (what "as built" was up to
+  session 61);
+- **in-place branch only** (unsafe; XLA's reserve): `reserve`'s allocator branch swapped for its in-place
   branch (`_grow_in_place`): every live row served, no page popped, no copy-on-write. What any
   allocator branch, however lean, could save;
 - **no reserve** (unsafe): `reserve` returns the cache as it got it. What the whole of
   reservation could save;
-- **reserve kernel** (on a GPU and `--target h100`; safe): `allocator.RESERVE_KERNEL` on,
-  `reserve`'s table work as one Pallas kernel, both branches and no conditional
-  (`pallas_kernels.gpu.allocate`; its results are the jnp ops': tests/test_kernels_allocate.py);
 
 for the tiny model's decode step (`models.decode_step`, a layer scan) against the dense
 baseline's (`dense_baseline.dense_decode`), and for `examples/tiny_decoder.py`'s step (a model
@@ -70,8 +71,7 @@ from arena_jax.models import dense_baseline, steps
 __all__ = ["VARIANTS", "TARGETS", "PARTS", "unsafe_variant", "kernel_cost", "measure", "module_times", "ms_by_part",
            "compile_ms_by_part", "main"]
 
-VARIANTS = ("as built", "in-place branch only", "no reserve")
-KERNEL_VARIANTS = ("reserve kernel",)  # on a GPU and --target h100 only: the GPU's Pallas lowering
+VARIANTS = ("as built", "XLA's reserve", "in-place branch only", "no reserve")
 TARGETS = ("cpu", "h100", "tpu-v5e")
 DEVICE_PRESETS = ("tiny", "mid", "llama3_8b")  # --model for the device targets
 # A kernel's part of the step: the first of these names in its op_name (`op_hlo.PARTS`, and the
@@ -93,20 +93,20 @@ def _no_reserve(cache, slots, num_tokens, *, run_pages=None, kernel=None):
 def unsafe_variant(variant: str):
     """Inside the block, `reserve` is traced as `variant` says (`VARIANTS`); JAX's caches are
     cleared on the way in and out, so nothing traced inside outlives it."""
-    if variant not in VARIANTS + KERNEL_VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS + KERNEL_VARIANTS}, got {variant!r}")
-    name, swap = {"as built": (None, None), "in-place branch only": ("_allocate_and_map", _in_place_only),
-                  "no reserve": ("reserve_impl", _no_reserve),
-                  "reserve kernel": ("RESERVE_KERNEL", True)}[variant]  # fmt: skip
-    saved = getattr(allocator, name) if name else None
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    xla = ("RESERVE_KERNEL", False)
+    swaps = {"as built": (), "XLA's reserve": (xla,), "in-place branch only": (xla, ("_allocate_and_map", _in_place_only)),
+             "no reserve": (("reserve_impl", _no_reserve),)}[variant]  # fmt: skip
+    saved = [(name, getattr(allocator, name)) for name, _ in swaps]
     jax.clear_caches()
-    if name:
+    for name, swap in swaps:
         setattr(allocator, name, swap)
     try:
         yield
     finally:
-        if name:
-            setattr(allocator, name, saved)
+        for name, value in saved:
+            setattr(allocator, name, value)
         jax.clear_caches()
 
 
@@ -217,9 +217,8 @@ def measure(rounds: int = 3, batch: int = 4, capacity: int = 64, page_size: int 
 
         options = dict(sm90.DEFAULT_OPTIMIZATION)  # as the sm_90a checks compile
     best: dict = {}
-    on_gpu = target == "h100" or (target == "cpu" and jax.default_backend() == "gpu")
     for _ in range(rounds):
-        for variant in VARIANTS + (KERNEL_VARIANTS if on_gpu else ()):
+        for variant in VARIANTS:
             with unsafe_variant(variant):
                 programs = (_programs(batch, capacity, page_size) if target == "cpu"
                             else _device_programs(target, model, batch, capacity, page_size, layers))  # fmt: skip

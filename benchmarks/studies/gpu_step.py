@@ -25,8 +25,9 @@ donated. Variants, alternated call by call in one process:
                   num_splits` = 1: one program per (row, KV head) reads the whole context, no
                   log-sum-exp merge), where the default splits until the device holds two waves of
                   programs (up to 64, from the page table's capacity, `--capacity`);
-- arena-reserve-kernel: the arena step with `allocator.RESERVE_KERNEL` on (`reserve`'s table work
-                  as one Pallas kernel every step, no conditional; issue 39, item 4);
+- arena-xla-reserve: the arena step with `allocator.RESERVE_KERNEL` off: `reserve` as XLA's ops
+                  (a conditional between its branches), where "arena" runs its table work as one
+                  Pallas kernel every step (the default since session 62; issue 39, item 4);
 - arena-noplan:   the arena step without the step's plan (`aj.plan_step` traced as returning
                   None): every layer's append and attend classify their rows again, as before
                   the plan (issue 39, item 2; `sm90_steps` counts the kernels either way).
@@ -62,7 +63,7 @@ from arena_jax.models import steps as model_steps
 __all__ = ["VARIANTS", "run", "main"]
 
 VARIANTS = ("arena", "arena-triton", "arena-cublas-only", "dense", "dense-triton", "arena-unrolled", "arena-1split",
-            "arena-noplan", "arena-reserve-kernel")
+            "arena-noplan", "arena-xla-reserve")
 
 
 def copy_bandwidth(nbytes: int | None = None, repeats: int = 10) -> float:
@@ -144,16 +145,16 @@ def _no_plan():
 
 
 @contextlib.contextmanager
-def _reserve_kernel():
-    """Trace with `allocator.RESERVE_KERNEL` on: `reserve`'s table work as one Pallas kernel."""
+def _xla_reserve():
+    """Trace with `allocator.RESERVE_KERNEL` off: `reserve` as XLA's ops."""
     from arena_jax import allocator
 
-    with mock.patch.object(allocator, "RESERVE_KERNEL", True):
+    with mock.patch.object(allocator, "RESERVE_KERNEL", False):
         yield
 
 
 _TRACE_CONTEXTS = {"arena-cublas-only": _one_row_dots_plain, "arena-1split": _one_split,
-                   "arena-noplan": _no_plan, "arena-reserve-kernel": _reserve_kernel}  # how a variant traces  # fmt: skip
+                   "arena-noplan": _no_plan, "arena-xla-reserve": _xla_reserve}  # how a variant traces  # fmt: skip
 
 
 def filled_arena(layout: aj.KVLayout, batch: int, context: int, seed: int) -> aj.KVCache:
@@ -248,7 +249,7 @@ class Settings:
     dtype: str = "bfloat16"
     cases: tuple[tuple[int, int], ...] = ((8, 512), (32, 512), (1, 512))
     # (gpu_check.sh's `plan` and `reserve` steps run the last two variants)
-    variants: tuple[str, ...] = tuple(v for v in VARIANTS if v not in ("arena-noplan", "arena-reserve-kernel"))
+    variants: tuple[str, ...] = tuple(v for v in VARIANTS if v not in ("arena-noplan", "arena-xla-reserve"))
     unrolled_batches: tuple[int, ...] = (1,)
     repeats: int = 20
     page_size: int = 16

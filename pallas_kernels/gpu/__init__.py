@@ -5,5 +5,5 @@
 shared in-kernel pieces; `mosaic_decode` is the experimental Mosaic GPU decode kernel (Hopper,
 backend "mosaic", opt-in). The contract they follow is `pallas_kernels.reference`. `allocate`
 (`reserve_pages`) is `reserve`'s table work as one kernel, its contract `arena_jax.allocator`'s
-jnp ops (opt-in: `arena_jax.allocator.RESERVE_KERNEL`).
+jnp ops (`arena_jax.allocator.RESERVE_KERNEL`, default "auto").
 """

@@ -11,7 +11,8 @@ and with no conditional:
 
 Those jnp ops are its reference: `tests/test_kernels_allocate.py` compares the two on random
 tables (interpret mode on a CPU; compiled on an H200 by `scripts/gpu_check.sh reserve`, session
-61). `arena_jax.allocator.RESERVE_KERNEL` dispatches it (off by default, for now).
+61). `arena_jax.allocator.RESERVE_KERNEL` dispatches it on a GPU (default "auto"); on a CPU its
+sibling `pallas_kernels.cpu.allocate` does the same work as a native call.
 
 Why: on a GPU, XLA compiles `reserve` into about 29 kernels, most of what the cache adds to a decode
 step's compile. As one kernel, the H100 step compiles in 1.27-1.57x the dense step's time

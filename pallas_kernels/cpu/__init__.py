@@ -1,0 +1,6 @@
+"""The CPU kernels: native code XLA's CPU backend calls through its FFI.
+
+`allocate` (`reserve_pages`) is `reserve`'s table work as one C++ call, built on first use
+against the installed jaxlib's FFI headers; its contract is `arena_jax.allocator`'s jnp ops,
+the same as the GPU's Triton kernel (`pallas_kernels.gpu.allocate`).
+"""

@@ -1,0 +1,130 @@
+"""`reserve`'s table work as one native call on a CPU (`allocate.cc`, through XLA's FFI).
+
+`reserve_pages` takes and returns what `pallas_kernels.gpu.allocate.reserve_pages` does: the
+rows' classification, both branches with no conditional, lengths and flags, the counters and a
+float arena's copy-on-write copies, in place on the packed table, the counters and the arena.
+Its reference is `arena_jax.allocator.reserve_impl`'s jnp ops; `tests/test_kernels_allocate.py`
+compares them on random tables. `arena_jax.allocator.RESERVE_KERNEL` dispatches it.
+
+Why: XLA's CPU backend compiles `reserve` into about 46 distinct kernels (~10 ms of compile
+each), as many as a tiny model's whole dense step; one custom call compiles as one, and runs
+a decode step's few rows in well under a microsecond (benchmarks/RESULTS.md, session 62).
+
+The library is built once per source and jaxlib version with the C++ compiler (`$CXX`, else
+`g++` or `c++`; C++17) into `$ARENA_JAX_NATIVE_DIR` (default `~/.cache/arena_jax/native`), in
+about 3-5 s, and loaded with ctypes. Without a compiler `native_problem()` says why, and the
+dispatch keeps XLA's ops.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["reserve_pages", "native_problem", "MAX_ROWS"]
+
+MAX_ROWS = 4096  # its rules are pairwise: O(B^2) compares a call
+SOURCE = Path(__file__).with_name("allocate.cc")
+_TARGETS = {False: ("arena_reserve_pages", "ArenaReservePages"), True: ("arena_reserve_pages_copy", "ArenaReservePagesCopy")}
+
+
+_REGISTERED: dict[str, ctypes.CDLL] = {}  # FFI target -> the library whose handler XLA holds
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _build_dir() -> Path:
+    return Path(os.environ.get("ARENA_JAX_NATIVE_DIR") or Path.home() / ".cache" / "arena_jax" / "native")
+
+
+@functools.lru_cache(maxsize=None)
+def _library() -> ctypes.CDLL | str:
+    """The loaded library with its FFI targets registered, or why it is not available."""
+    import jaxlib
+
+    compiler = _compiler()
+    if compiler is None:
+        return "no C++ compiler found ($CXX, g++, c++ or clang++)"
+    include = jax.ffi.include_dir()
+    key = hashlib.sha256(SOURCE.read_bytes() + f"{jaxlib.__version__}|{include}|{compiler}".encode()).hexdigest()[:16]
+    target = _build_dir() / f"arena_allocate_{key}.so"
+    try:
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then renamed: atomic
+                built = Path(tmp) / target.name
+                cmd = [compiler, "-std=c++17", "-O2", "-shared", "-fPIC", "-w", f"-I{include}", str(SOURCE), "-o",
+                       str(built)]  # fmt: skip
+                run = subprocess.run(cmd, capture_output=True, text=True)
+                if run.returncode != 0:
+                    return f"building {SOURCE.name} failed ({' '.join(cmd)}):\n{run.stderr[-2000:]}"
+                os.replace(built, target)
+        lib = ctypes.cdll.LoadLibrary(str(target))
+    except OSError as e:  # an unwritable cache folder, a library that does not load
+        return f"building or loading {target} failed: {e}"
+    for name, symbol in _TARGETS.values():
+        if name not in _REGISTERED:  # XLA takes a target's handler once a process
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+            _REGISTERED[name] = lib
+    return lib
+
+
+def native_problem() -> str | None:
+    """Why the native reserve cannot run here (no compiler, a failed build), or None."""
+    lib = _library()
+    return lib if isinstance(lib, str) else None
+
+
+def reserve_pages(slots, num_tokens, packed, counts, *, page_size: int, geometry: tuple[int, int, int, int],
+                  offsets: tuple[int, int, int, int], pad_slot: int, counters: tuple[int, ...], arenas=()):
+    """`reserve`'s table work and counting over a page table's packed array, in place (on a CPU).
+
+    The arguments and results are `pallas_kernels.gpu.allocate.reserve_pages`'s: slots,
+    num_tokens i32[B] (B <= `MAX_ROWS`); packed i32[W] (one data shard) with its geometry
+    (max_seqs, max_pages_per_seq, num_layers, num_pages) and region offsets (page map, slot
+    words, page words, words); counts i32[N] and the five counters' places; arenas () or a
+    float arena's (k, v) [L, H, P, S, D], whose copy-on-write copies are made here too. Returns
+    (packed, counts, arenas, ok bool[B], copy-on-write source i32[B] (0: none), target i32[B]
+    (num_pages: none)).
+    """
+    if slots.ndim != 1 or not 0 < slots.shape[0] <= MAX_ROWS or num_tokens.shape != slots.shape:
+        raise ValueError(f"slots and num_tokens must be i32[B] with 0 < B <= {MAX_ROWS}, got shapes "
+                         f"{slots.shape} and {num_tokens.shape}")  # fmt: skip
+    if packed.ndim != 1 or counts.ndim != 1 or packed.dtype != jnp.int32 or counts.dtype != jnp.int32:
+        raise ValueError(f"packed and counts must be one table row i32[W] and its counters i32[N] (one data shard), "
+                         f"got {packed.dtype}{list(packed.shape)} and {counts.dtype}{list(counts.shape)}")  # fmt: skip
+    if len(arenas) not in (0, 2) or any(a.ndim != 5 or a.shape[2] != geometry[3] for a in arenas):
+        raise ValueError(f"arenas must be () or (k, v) [L, H, num_pages={geometry[3]}, S, D], got "
+                         f"{[getattr(a, 'shape', a) for a in arenas]}")  # fmt: skip
+    if len(counters) != 5:
+        raise ValueError(f"counters must name 5 places in counts, got {counters!r}")
+    problem = native_problem()
+    if problem is not None:
+        raise RuntimeError(f"the native reserve is not available: {problem}")
+    batch = slots.shape[0]
+    row = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (packed, counts, *arenas)]
+    max_seqs, max_pages, num_layers, num_pages = (int(x) for x in geometry)
+    outs = jax.ffi.ffi_call(_TARGETS[bool(arenas)][0], (*shapes, row, row, row),
+                            input_output_aliases={2 + i: i for i in range(len(shapes))})(
+        slots.astype(jnp.int32), num_tokens.astype(jnp.int32), packed, counts, *arenas,
+        max_seqs=np.int64(max_seqs), max_pages=np.int64(max_pages), num_layers=np.int64(num_layers),
+        num_pages=np.int64(num_pages), page_size=np.int64(page_size), page_map_at=np.int64(offsets[0]),
+        slot_words_at=np.int64(offsets[1]), page_words_at=np.int64(offsets[2]), words_at=np.int64(offsets[3]),
+        pad_slot=np.int64(pad_slot), counters=np.asarray(counters, np.int64))  # fmt: skip
+    served, cow_src, cow_dst = outs[-3:]
+    return outs[0], outs[1], tuple(outs[2:-3]), served != 0, cow_src, cow_dst
