@@ -52,8 +52,9 @@ RUN_PAGES: bool | None = None
 # "auto" (default): the GPU's kernel on a GPU, the CPU's on a CPU, XLA's ops on a TPU. "gpu" /
 # "cpu": that platform's kernel only. True: the Triton kernel on any platform but a TPU
 # (interpreted off a GPU: tests). False: XLA's ops. They take a decode step's compile from
-# 1.63-1.97x the dense step's to 1.27-1.57x on an H100 (session 61) and from ~2.4x to ~1.6x on a
-# CPU (benchmarks/RESULTS.md, session 62); an H200 ran the Triton one compiled
+# 1.63-1.97x the dense step's to 1.27-1.57x on an H100 (session 61) and from ~2.5x to ~1.7x on a
+# CPU (1.25-1.31x with the plan native too, `arena_jax.plan.PLAN_KERNEL`; benchmarks/RESULTS.md,
+# session 62); an H200 ran the Triton one compiled
 # (`scripts/gpu_check.sh reserve`: the jnp ops' results, the 8B step 1-2% faster). `aj.reserve`
 # reads it on each call (a static argument of its jitted body); a step compiled before a change
 # keeps what it traced.

@@ -33,11 +33,17 @@ from flax import struct
 
 from arena_jax.allocator import first_rows
 from arena_jax.arena_ops import AppendRows, AttendRows, append_rows, attend_rows, page_rows, waits_for
-from arena_jax.kv_cache import KVCache
+from arena_jax.kv_cache import PAD_SLOT, KVCache
 from arena_jax.validate import check_cache_arrays, check_counts, check_slots
 from pallas_kernels.index_math import div_nonneg, rem_nonneg
 
-__all__ = ["StepPlan", "plan_step"]
+__all__ = ["StepPlan", "plan_step", "PLAN_KERNEL"]
+
+# Whether `plan_step` makes the plan as one native call on a CPU (`pallas_kernels.cpu.plan`,
+# built on first use; without a C++ compiler, XLA's ops): "auto" (default) / "cpu": on a CPU;
+# False: XLA's ops everywhere (the reference). Other platforms always run XLA's ops. Read on
+# each `plan_step` call (a static argument of its jitted body).
+PLAN_KERNEL: bool | str = "auto"
 
 
 @struct.dataclass
@@ -167,11 +173,25 @@ def plan_step(cache: KVCache, slots, num_tokens, width: int, *, deferred: bool =
         return None
     if not isinstance(deferred, bool):
         raise ValueError(f"deferred must be a bool, got {deferred!r}")
-    return _plan(cache, slots, num_tokens, width, deferred)
+    return _plan(cache, slots, num_tokens, width, deferred, _plans_natively(PLAN_KERNEL))
 
 
-@functools.partial(jax.jit, static_argnames=("width", "deferred"))
-def _plan(cache: KVCache, slots, num_tokens, width: int, deferred: bool = False) -> StepPlan:
+def _plans_natively(kernel: bool | str) -> bool:
+    """Whether `_plan` runs as the native call (`kernel`: a `PLAN_KERNEL` value)."""
+    if kernel not in (False, "auto", "cpu") or kernel is True:
+        raise ValueError(f"PLAN_KERNEL must be 'auto', 'cpu' or False, got {kernel!r}")
+    if kernel is False:
+        return False
+    from pallas_kernels.cpu.plan import native_problem
+    from pallas_kernels.tpu.common import target_platform
+
+    return target_platform() == "cpu" and native_problem() is None
+
+
+@functools.partial(jax.jit, static_argnames=("width", "deferred", "native"))
+def _plan(cache: KVCache, slots, num_tokens, width: int, deferred: bool = False, native: bool = False) -> StepPlan:
+    if native:
+        return _native_plan(cache, slots, num_tokens, width, deferred)
     table = cache.table
     num_layers = table.written.shape[0]
     num_pages, page_size = cache.k.shape[2], cache.k.shape[3]
@@ -192,3 +212,19 @@ def _plan(cache: KVCache, slots, num_tokens, width: int, deferred: bool = False)
                        jnp.where(attend.good, attend.num_tokens, -1)], axis=-1)  # fmt: skip
     return StepPlan(slots=slots, num_tokens=num_tokens, rows=rows, tokens=tokens, rows4=rows4, counts=append.counts,
                     epoch=table.epoch, width=width, page_size=page_size, deferred=deferred)
+
+
+def _native_plan(cache: KVCache, slots, num_tokens, width: int, deferred: bool) -> StepPlan:
+    """`_plan`'s arrays from one native call over the packed table (`pallas_kernels.cpu.plan`)."""
+    from arena_jax.kv_cache import _STAT_INDEX, STAT_NAMES, _regions
+    from pallas_kernels.cpu.plan import plan_rows
+
+    table = cache.table
+    at = _regions(table.geometry)
+    rows, tokens, rows4, counts, epoch = plan_rows(
+        slots, num_tokens, table.packed, page_size=cache.k.shape[3], geometry=table.geometry,
+        offsets=tuple(at[r][0] for r in ("page_map", "slot_words", "page_words", "words")), pad_slot=PAD_SLOT,
+        width=width, counters=tuple(_STAT_INDEX[c] for c in ("tokens_written", "dropped_writes", "rejected_rows")),
+        num_counts=len(STAT_NAMES))  # fmt: skip
+    return StepPlan(slots=slots, num_tokens=num_tokens, rows=rows, tokens=tokens, rows4=rows4, counts=counts,
+                    epoch=epoch, width=width, page_size=cache.k.shape[3], deferred=deferred)

@@ -4,7 +4,7 @@
     JAX_PLATFORMS=cpu python scripts/inject_bugs.py "twice"    # those whose name contains a word
 
 Each bug is a one-line edit of the page table's packed array, the prefix cache (device ops, index, scheduler), the host tier
-(its ops, its binding to its cache), reserve (its jnp ops, the GPU kernel, the CPU's native call), the smoothed keys' factors (fixed at create) or a step's
+(its ops, its binding to its cache), reserve (its jnp ops, the GPU kernel, the CPU's native call), the native plan, the smoothed keys' factors (fixed at create) or a step's
 plan (`arena_jax.plan`: its epoch, its watermarks), the TPU attention kernel's steady-state
 loop and its 8-bit scale rows, the TPU append's merge of shared scale rows, or the "xla" backend's one-block attention (its V rows' deferred check, decode's select). The tests that
 should catch it run in a copy of the tracked files (this checkout is never modified), with the
@@ -152,6 +152,15 @@ MUTANTS = {
         "lh < pages_per_arena / P; lh++", "lh < pages_per_arena / P / g.num_layers; lh++"),
     "native reserve: rows refused for want of pages not counted": ("pallas_kernels/cpu/allocate.cc",
         "events[3] += live[b] && !ok[b];", "events[3] += 0;"),
+    # a step's plan as one native call on a CPU (pallas_kernels/cpu/plan.cc)
+    "native plan: a shared page taken as private": ("pallas_kernels/cpu/plan.cc",
+        "writable = page >= 0 && at(refcount_at + clip(page, 0, P - 1)) == 1;", "writable = page >= 0;"),
+    "native plan: attention reads the watermark before the layer's append": ("pallas_kernels/cpu/plan.cc",
+        "const int32_t after = add32(written[b], accepted[std::min(first[b], B - 1)]);", "const int32_t after = written[b];"),
+    "native plan: tokens written counted at every layer": ("pallas_kernels/cpu/plan.cc",
+        "sums[0] += (layer_ok && l == 0) ?", "sums[0] += layer_ok ?"),
+    "native plan: a row written past its slot's reservation": ("pallas_kernels/cpu/plan.cc",
+        "const bool fits = at(words + 1) != 0 && nn <= sub32(reserved, start);", "const bool fits = at(words + 1) != 0;"),
     # the TPU attention kernel's steady-state loop (issue 42)
     "tpu attention: the fast loop starts this block again, not the next one": (
         "pallas_kernels/tpu/attention.py", "start_whole(j_next, 1 - slot, run_next)", "start_whole(j, 1 - slot, run_next)"),
@@ -196,7 +205,7 @@ TESTS = {
     "arena_jax/state.py": ["tests/test_key_factors.py"],
     "arena_jax/arena_ops.py": ["tests/test_key_factors.py", "tests/test_allocator_model.py", "tests/test_plan.py",
                                "tests/test_op_hlo.py"],
-    "arena_jax/plan.py": ["tests/test_plan.py", "tests/test_op_hlo.py"],
+    "arena_jax/plan.py": ["tests/test_plan.py", "tests/test_op_hlo.py", "tests/test_plan_native.py"],
     "arena_jax/api.py": ["tests/test_op_hlo.py"],
     "arena_jax/kv_cache.py": ["tests/test_allocator.py", "tests/test_allocator_model.py"],
     "arena_jax/allocator.py": ["tests/test_plan.py", "tests/test_allocator_model.py", "tests/test_allocator.py",
@@ -206,6 +215,7 @@ TESTS = {
     "pallas_kernels/blockwise.py": ["tests/test_blockwise.py"],
     "pallas_kernels/gpu/allocate.py": ["tests/test_kernels_allocate.py"],
     "pallas_kernels/cpu/allocate.cc": ["tests/test_kernels_allocate.py"],
+    "pallas_kernels/cpu/plan.cc": ["tests/test_plan_native.py"],
 }
 
 

@@ -1,5 +1,5 @@
-"""pallas_kernels/gpu/allocate.py and pallas_kernels/cpu/allocate.py: `reserve`'s table work
-as one kernel (issue 39, item 4).
+"""pallas_kernels/gpu/allocate.py and pallas_kernels/cpu/allocate.py (allocate.cc): `reserve`'s
+table work as one kernel (issue 39, item 4).
 
 `allocator.reserve_impl` with each kernel (the Triton one, `kernel=True`: interpreted on a CPU,
 compiled on a GPU, `scripts/gpu_check.sh reserve`, for an H100 by tests/test_compile_bound.py;
@@ -22,6 +22,7 @@ import pytest
 import arena_jax as aj
 from arena_jax import allocator
 from arena_jax.kv_cache import PAD_SLOT
+from pallas_kernels.cpu import _build
 from pallas_kernels.cpu import allocate as native
 from pallas_kernels.gpu import allocate
 from pallas_kernels.gpu.allocate import MAX_ROWS, reserve_pages
@@ -195,11 +196,11 @@ def test_the_native_call_is_built_once_and_its_absence_is_named(tmp_path, monkey
     """The library is built into $ARENA_JAX_NATIVE_DIR, keyed by its source and jaxlib; with no
     compiler, `native_problem` says so and `reserve_pages` refuses with it."""
     monkeypatch.setenv("ARENA_JAX_NATIVE_DIR", str(tmp_path))
-    native._library.cache_clear()
+    _build.library.cache_clear()
     try:
         assert native.native_problem() is None
         assert [p.suffix for p in tmp_path.iterdir()] == [".so"]
-        native._library.cache_clear()
+        _build.library.cache_clear()
         monkeypatch.setenv("CXX", "")
         with mock.patch("shutil.which", return_value=None):
             assert native.native_problem() == "no C++ compiler found ($CXX, g++, c++ or clang++)"
@@ -208,7 +209,7 @@ def test_the_native_call_is_built_once_and_its_absence_is_named(tmp_path, monkey
                                      jnp.zeros((8,), jnp.int32), page_size=4, geometry=(2, 2, 1, 4), offsets=(0, 4, 12, 20),
                                      pad_slot=PAD_SLOT, counters=(0, 1, 2, 3, 4))  # fmt: skip
     finally:
-        native._library.cache_clear()
+        _build.library.cache_clear()
 
 
 @pytest.mark.parametrize("kernel", [True, "auto"])  # the Triton kernel interpreted; the default: the native call

@@ -5,19 +5,20 @@ TPU v5e by their deviceless compilers (issue 39, item 4).
     python -m arena_jax.benchmarks.studies.compile_bound --target h100|tpu-v5e [--model tiny|mid|llama3_8b]
 
 Item 4 asks for the paged decode step's compile <= 1.5x the dense step's (the cache's share
-<= 0.5x). This study bounds what any reservation could reach. It compiles each step in four
+<= 0.5x). This study bounds what any reservation could reach. It compiles each step in five
 variants, fresh each time (`jax.clear_caches()`), variants alternated round by round, and
 prints the least CPU time of the rounds with the step's distinct kernels (`op_hlo`):
 
 - **as built**: `reserve`'s table work as one kernel where the platform has one
   (`allocator.RESERVE_KERNEL` "auto": the native call on a CPU, the Triton kernel on a GPU and
-  for `--target h100`; XLA's ops on a TPU);
-- **XLA's reserve**: `RESERVE_KERNEL` False, `reserve` as XLA's ops (what "as built" was up to
-  session 61);
-- **in-place branch only** (unsafe; XLA's reserve): `reserve`'s allocator branch swapped for its in-place
+  for `--target h100`; XLA's ops on a TPU), and on a CPU the step's plan as one native call
+  (`plan.PLAN_KERNEL` "auto");
+- **XLA's plan**: the plan as XLA's ops (`PLAN_KERNEL` False), reserve as built;
+- **XLA's ops**: reserve and the plan as XLA's ops (what "as built" was up to session 61);
+- **in-place branch only** (unsafe; XLA's ops): `reserve`'s allocator branch swapped for its in-place
   branch (`_grow_in_place`): every live row served, no page popped, no copy-on-write. What any
   allocator branch, however lean, could save;
-- **no reserve** (unsafe): `reserve` returns the cache as it got it. What the whole of
+- **no reserve** (unsafe; the plan as XLA's ops): `reserve` returns the cache as it got it. What the whole of
   reservation could save;
 
 for the tiny model's decode step (`models.decode_step`, a layer scan) against the dense
@@ -64,6 +65,7 @@ from flax import nnx
 
 import arena_jax as aj
 from arena_jax import allocator, models
+from arena_jax import plan as plan_lib
 from arena_jax.benchmarks.studies.op_hlo import PARTS as OP_PARTS
 from arena_jax.benchmarks.studies.op_hlo import example_steps, hlo_counts, part_of
 from arena_jax.models import dense_baseline, steps
@@ -71,7 +73,7 @@ from arena_jax.models import dense_baseline, steps
 __all__ = ["VARIANTS", "TARGETS", "PARTS", "unsafe_variant", "kernel_cost", "measure", "module_times", "ms_by_part",
            "compile_ms_by_part", "main"]
 
-VARIANTS = ("as built", "XLA's reserve", "in-place branch only", "no reserve")
+VARIANTS = ("as built", "XLA's plan", "XLA's ops", "in-place branch only", "no reserve")
 TARGETS = ("cpu", "h100", "tpu-v5e")
 DEVICE_PRESETS = ("tiny", "mid", "llama3_8b")  # --model for the device targets
 # A kernel's part of the step: the first of these names in its op_name (`op_hlo.PARTS`, and the
@@ -95,18 +97,19 @@ def unsafe_variant(variant: str):
     cleared on the way in and out, so nothing traced inside outlives it."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-    xla = ("RESERVE_KERNEL", False)
-    swaps = {"as built": (), "XLA's reserve": (xla,), "in-place branch only": (xla, ("_allocate_and_map", _in_place_only)),
-             "no reserve": (("reserve_impl", _no_reserve),)}[variant]  # fmt: skip
-    saved = [(name, getattr(allocator, name)) for name, _ in swaps]
+    xla = ((allocator, "RESERVE_KERNEL", False), (plan_lib, "PLAN_KERNEL", False))
+    swaps = {"as built": (), "XLA's plan": xla[1:], "XLA's ops": xla,
+             "in-place branch only": (*xla, (allocator, "_allocate_and_map", _in_place_only)),
+             "no reserve": (xla[1], (allocator, "reserve_impl", _no_reserve))}[variant]  # fmt: skip
+    saved = [(module, name, getattr(module, name)) for module, name, _ in swaps]
     jax.clear_caches()
-    for name, swap in swaps:
-        setattr(allocator, name, swap)
+    for module, name, swap in swaps:
+        setattr(module, name, swap)
     try:
         yield
     finally:
-        for name, value in saved:
-            setattr(allocator, name, value)
+        for module, name, value in saved:
+            setattr(module, name, value)
         jax.clear_caches()
 
 

@@ -3,24 +3,20 @@
 // reference: `arena_jax.allocator.reserve_impl`'s jnp ops; tests/test_kernels_allocate.py compares
 // the three). Built on first use by `pallas_kernels/cpu/allocate.py` against the installed jaxlib's
 // FFI headers. Every index is clipped into its region: any table leaves memory untouched outside it.
-#include <algorithm>
-#include <cstdint>
 #include <cstring>
 #include <vector>
 
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
+#include "table.h"
 
 namespace {
+
+using namespace arena_native;
 
 struct Geometry {
   int64_t max_seqs, max_pages, num_layers, num_pages, page_size;
   int64_t page_map_at, slot_words_at, page_words_at, words_at, pad_slot;
   int64_t counters[5];  // pages_allocated, cow_copies, metadata_ops, failed_reservations, rejected_rows
 };
-
-int64_t clip(int64_t x, int64_t lo, int64_t hi) { return std::min(std::max(x, lo), hi); }
 
 // Returns an error message, or nullptr. `packed` / `counts`: the table and counters, updated in place.
 const char* Reserve(const Geometry& g, int64_t batch, const int32_t* slots, const int32_t* asked, int32_t* packed,
@@ -168,11 +164,11 @@ void Alias(const void* from, void* to, size_t bytes) {  // outputs alias inputs;
   if (from != to) std::memmove(to, from, bytes);
 }
 
-ffi::Error Run(const Geometry& g, ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> asked,
-               ffi::Buffer<ffi::S32> packed_in, ffi::Buffer<ffi::S32> counts_in, ffi::AnyBuffer* k_in,
-               ffi::AnyBuffer* v_in, ffi::Result<ffi::Buffer<ffi::S32>>& packed, ffi::Result<ffi::Buffer<ffi::S32>>& counts,
-               ffi::Result<ffi::AnyBuffer>* k, ffi::Result<ffi::AnyBuffer>* v, ffi::Result<ffi::Buffer<ffi::S32>>& served,
-               ffi::Result<ffi::Buffer<ffi::S32>>& cow_src, ffi::Result<ffi::Buffer<ffi::S32>>& cow_dst) {
+ffi::Error Run(const Geometry& g, I32 slots, I32 asked,
+               I32 packed_in, I32 counts_in, ffi::AnyBuffer* k_in,
+               ffi::AnyBuffer* v_in, I32Out& packed, I32Out& counts,
+               ffi::Result<ffi::AnyBuffer>* k, ffi::Result<ffi::AnyBuffer>* v, I32Out& served,
+               I32Out& cow_src, I32Out& cow_dst) {
   const int64_t batch = slots.element_count();
   if (static_cast<int64_t>(asked.element_count()) != batch || static_cast<int64_t>(served->element_count()) != batch)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "reserve_pages: slots, num_tokens and rows differ in length");
@@ -199,16 +195,10 @@ ffi::Error Run(const Geometry& g, ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::
   return ffi::Error::Success();
 }
 
-#define GEOMETRY_ATTRS                                                                                        \
-  .Attr<int64_t>("max_seqs").Attr<int64_t>("max_pages").Attr<int64_t>("num_layers").Attr<int64_t>("num_pages") \
-      .Attr<int64_t>("page_size").Attr<int64_t>("page_map_at").Attr<int64_t>("slot_words_at")                  \
-      .Attr<int64_t>("page_words_at").Attr<int64_t>("words_at").Attr<int64_t>("pad_slot")                      \
-      .Attr<ffi::Span<const int64_t>>("counters")
-
-ffi::Error ReserveTable(ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> asked, ffi::Buffer<ffi::S32> packed_in,
-                        ffi::Buffer<ffi::S32> counts_in, ffi::Result<ffi::Buffer<ffi::S32>> packed,
-                        ffi::Result<ffi::Buffer<ffi::S32>> counts, ffi::Result<ffi::Buffer<ffi::S32>> served,
-                        ffi::Result<ffi::Buffer<ffi::S32>> cow_src, ffi::Result<ffi::Buffer<ffi::S32>> cow_dst,
+ffi::Error ReserveTable(I32 slots, I32 asked, I32 packed_in,
+                        I32 counts_in, I32Out packed,
+                        I32Out counts, I32Out served,
+                        I32Out cow_src, I32Out cow_dst,
                         int64_t max_seqs, int64_t max_pages, int64_t num_layers, int64_t num_pages, int64_t page_size,
                         int64_t page_map_at, int64_t slot_words_at, int64_t page_words_at, int64_t words_at,
                         int64_t pad_slot, ffi::Span<const int64_t> counters) {
@@ -218,12 +208,12 @@ ffi::Error ReserveTable(ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> asked
              cow_src, cow_dst);
 }
 
-ffi::Error ReserveTableAndCopy(ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> asked,
-                               ffi::Buffer<ffi::S32> packed_in, ffi::Buffer<ffi::S32> counts_in, ffi::AnyBuffer k_in,
-                               ffi::AnyBuffer v_in, ffi::Result<ffi::Buffer<ffi::S32>> packed,
-                               ffi::Result<ffi::Buffer<ffi::S32>> counts, ffi::Result<ffi::AnyBuffer> k,
-                               ffi::Result<ffi::AnyBuffer> v, ffi::Result<ffi::Buffer<ffi::S32>> served,
-                               ffi::Result<ffi::Buffer<ffi::S32>> cow_src, ffi::Result<ffi::Buffer<ffi::S32>> cow_dst,
+ffi::Error ReserveTableAndCopy(I32 slots, I32 asked,
+                               I32 packed_in, I32 counts_in, ffi::AnyBuffer k_in,
+                               ffi::AnyBuffer v_in, I32Out packed,
+                               I32Out counts, ffi::Result<ffi::AnyBuffer> k,
+                               ffi::Result<ffi::AnyBuffer> v, I32Out served,
+                               I32Out cow_src, I32Out cow_dst,
                                int64_t max_seqs, int64_t max_pages, int64_t num_layers, int64_t num_pages,
                                int64_t page_size, int64_t page_map_at, int64_t slot_words_at, int64_t page_words_at,
                                int64_t words_at, int64_t pad_slot, ffi::Span<const int64_t> counters) {
@@ -234,30 +224,15 @@ ffi::Error ReserveTableAndCopy(ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32
 
 }  // namespace
 
+// Arguments: slots, num_tokens, packed, counts (and k, v); results: packed, counts (k, v), served, cow_src, cow_dst.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ArenaReservePages, ReserveTable,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>() GEOMETRY_ATTRS);
+                              ffi::Ffi::Bind().Arg<I32>().Arg<I32>().Arg<I32>().Arg<I32>()
+                                  .Ret<I32>().Ret<I32>().Ret<I32>().Ret<I32>().Ret<I32>()
+                                  ARENA_TABLE_ATTRS.Attr<ffi::Span<const int64_t>>("counters"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ArenaReservePagesCopy, ReserveTableAndCopy,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>() GEOMETRY_ATTRS);
+                              ffi::Ffi::Bind().Arg<I32>().Arg<I32>().Arg<I32>().Arg<I32>()
+                                  .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+                                  .Ret<I32>().Ret<I32>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
+                                  .Ret<I32>().Ret<I32>().Ret<I32>()
+                                  ARENA_TABLE_ATTRS.Attr<ffi::Span<const int64_t>>("counters"));

@@ -7,86 +7,30 @@ Its reference is `arena_jax.allocator.reserve_impl`'s jnp ops; `tests/test_kerne
 compares them on random tables. `arena_jax.allocator.RESERVE_KERNEL` dispatches it.
 
 Why: XLA's CPU backend compiles `reserve` into about 46 distinct kernels (~10 ms of compile
-each), as many as a tiny model's whole dense step; one custom call compiles as one, and runs
-a decode step's few rows in well under a microsecond (benchmarks/RESULTS.md, session 62).
+each), as many as a tiny model's whole dense step; one custom call compiles as one
+(benchmarks/RESULTS.md, "`reserve` as one native call on a CPU").
 
-The library is built once per source and jaxlib version with the C++ compiler (`$CXX`, else
-`g++` or `c++`; C++17) into `$ARENA_JAX_NATIVE_DIR` (default `~/.cache/arena_jax/native`), in
-about 3-5 s, and loaded with ctypes. Without a compiler `native_problem()` says why, and the
-dispatch keeps XLA's ops.
+The library is built on first use (`pallas_kernels.cpu._build`: once per source and jaxlib
+version, about 5 s, cached under `~/.cache/arena_jax/native`). Without a C++ compiler
+`native_problem()` says why, and the dispatch keeps XLA's ops.
 """
 from __future__ import annotations
-
-import ctypes
-import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.cpu import _build
+
 __all__ = ["reserve_pages", "native_problem", "MAX_ROWS"]
 
 MAX_ROWS = 4096  # its rules are pairwise: O(B^2) compares a call
-SOURCE = Path(__file__).with_name("allocate.cc")
-_TARGETS = {False: ("arena_reserve_pages", "ArenaReservePages"), True: ("arena_reserve_pages_copy", "ArenaReservePagesCopy")}
-
-
-_REGISTERED: dict[str, ctypes.CDLL] = {}  # FFI target -> the library whose handler XLA holds
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def _build_dir() -> Path:
-    return Path(os.environ.get("ARENA_JAX_NATIVE_DIR") or Path.home() / ".cache" / "arena_jax" / "native")
-
-
-@functools.lru_cache(maxsize=None)
-def _library() -> ctypes.CDLL | str:
-    """The loaded library with its FFI targets registered, or why it is not available."""
-    import jaxlib
-
-    compiler = _compiler()
-    if compiler is None:
-        return "no C++ compiler found ($CXX, g++, c++ or clang++)"
-    include = jax.ffi.include_dir()
-    key = hashlib.sha256(SOURCE.read_bytes() + f"{jaxlib.__version__}|{include}|{compiler}".encode()).hexdigest()[:16]
-    target = _build_dir() / f"arena_allocate_{key}.so"
-    try:
-        if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then renamed: atomic
-                built = Path(tmp) / target.name
-                cmd = [compiler, "-std=c++17", "-O2", "-shared", "-fPIC", "-w", f"-I{include}", str(SOURCE), "-o",
-                       str(built)]  # fmt: skip
-                run = subprocess.run(cmd, capture_output=True, text=True)
-                if run.returncode != 0:
-                    return f"building {SOURCE.name} failed ({' '.join(cmd)}):\n{run.stderr[-2000:]}"
-                os.replace(built, target)
-        lib = ctypes.cdll.LoadLibrary(str(target))
-    except OSError as e:  # an unwritable cache folder, a library that does not load
-        return f"building or loading {target} failed: {e}"
-    for name, symbol in _TARGETS.values():
-        if name not in _REGISTERED:  # XLA takes a target's handler once a process
-            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-            _REGISTERED[name] = lib
-    return lib
+_TARGETS = {False: "arena_reserve_pages", True: "arena_reserve_pages_copy"}  # with a float arena's copies
 
 
 def native_problem() -> str | None:
     """Why the native reserve cannot run here (no compiler, a failed build), or None."""
-    lib = _library()
-    return lib if isinstance(lib, str) else None
+    return _build.native_problem()
 
 
 def reserve_pages(slots, num_tokens, packed, counts, *, page_size: int, geometry: tuple[int, int, int, int],
@@ -119,7 +63,7 @@ def reserve_pages(slots, num_tokens, packed, counts, *, page_size: int, geometry
     row = jax.ShapeDtypeStruct((batch,), jnp.int32)
     shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (packed, counts, *arenas)]
     max_seqs, max_pages, num_layers, num_pages = (int(x) for x in geometry)
-    outs = jax.ffi.ffi_call(_TARGETS[bool(arenas)][0], (*shapes, row, row, row),
+    outs = jax.ffi.ffi_call(_TARGETS[bool(arenas)], (*shapes, row, row, row),
                             input_output_aliases={2 + i: i for i in range(len(shapes))})(
         slots.astype(jnp.int32), num_tokens.astype(jnp.int32), packed, counts, *arenas,
         max_seqs=np.int64(max_seqs), max_pages=np.int64(max_pages), num_layers=np.int64(num_layers),
