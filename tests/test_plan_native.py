@@ -104,3 +104,23 @@ def test_generate_with_the_native_plan_decodes_the_same_tokens():
     assert native.call_count == 0
     assert got.tokens == want.tokens and [len(t) for t in got.tokens] == [10] * 3
     np.testing.assert_array_equal(np.asarray(got.cache.stats.counts), np.asarray(want.cache.stats.counts))
+
+
+def test_a_row_that_would_write_a_shared_page_is_planned_as_refused():
+    """A slot with reserved room in a page it shares (not reachable through the checked ops; a
+    table edited by hand) writes nothing under either plan, and its dropped write is counted."""
+    from arena_jax.kv_cache import _regions
+
+    cache, _ = aj.reserve(aj.create(LAYOUT), jnp.asarray([0], jnp.int32), jnp.asarray([6], jnp.int32))
+    kv = jnp.ones((1, 6, HEADS, DIM), jnp.float32)
+    for layer in range(LAYERS):
+        cache = aj.append(cache, layer, jnp.asarray([0], jnp.int32), kv, kv)
+    cache = aj.fork(cache, jnp.asarray([0], jnp.int32), jnp.asarray([1], jnp.int32))  # pages shared, the last half full
+    lengths_at = _regions(cache.table.geometry)["slot_words"][0] + 1 * (2 + LAYERS)
+    cache = cache.replace(table=cache.table.replace(packed=cache.table.packed.at[lengths_at].set(8)))  # room in it
+    args = (cache, jnp.asarray([1], jnp.int32), jnp.asarray([2], jnp.int32), 2, False)
+    want, got = plan_lib._plan(*args, native=False), plan_lib._plan(*args, native=True)
+    for name in ("rows", "tokens", "rows4", "counts"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), err_msg=name)
+    assert np.asarray(got.rows4)[:LAYERS, 0, 1].tolist() == [-1] * LAYERS  # refused at every layer
+    assert aj.CacheStats(counts=jnp.asarray(np.asarray(got.counts).sum(axis=0))).as_dict()["dropped_writes"] == LAYERS
