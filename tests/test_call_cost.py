@@ -3,9 +3,13 @@ programs measure what they say, on tiny settings."""
 from __future__ import annotations
 
 import dataclasses
+from unittest import mock
 
+import jax
 import numpy as np
 
+from arena_jax import allocator
+from arena_jax import plan as plan_lib
 from arena_jax.benchmarks import decode
 from arena_jax.benchmarks.studies import call_cost
 
@@ -15,7 +19,11 @@ def test_the_step_cost_fits_a_line_through_each_sides_calls():
 
     built = unrolled.UNROLL_LIMIT
     s = dataclasses.replace(decode.DecodeSettings(), batch=2, prompt_len=8, new_tokens=8)
-    cost = call_cost.step_cost(ks=(1, 3), rounds=1, s=s, fold_limits=(None, 0))
+    # reserve and the plan as XLA's ops (a TPU's): on a CPU they are native calls, with no reduction to fold
+    jax.clear_caches()
+    with mock.patch.object(allocator, "RESERVE_KERNEL", False), mock.patch.object(plan_lib, "PLAN_KERNEL", False):
+        cost = call_cost.step_cost(ks=(1, 3), rounds=1, s=s, fold_limits=(None, 0))
+    jax.clear_caches()
     assert set(cost) == {"arena", "arena, folds <= 0", "dense"}
     for side, row in cost.items():
         assert set(row["k"]) == {1, 3} and all(t > 0 for t in row["k"].values()), side
