@@ -118,7 +118,7 @@ MUTANTS = {
         "return jnp.where((rows >= 0) & (rows < num_rows), start + rows * width + cols, self.packed.shape[0])",
         "return start + rows * width + cols"),
     "plan: a deferred plan of another epoch commits its watermarks": ("arena_jax/plan.py",
-        "target = jnp.where(usable & (accepted >= 0), self.slots[None, :]", "target = jnp.where(accepted >= 0, self.slots[None, :]"),
+        "        moves = usable & (accepted >= 0)\n", "        moves = accepted >= 0\n"),
     "page table: a layer's watermark written into the previous layer's column": ("arena_jax/kv_cache.py",
         "            cols.append(2 + layer)\n", "            cols.append(1 + layer)\n"),
     "page table: replace keeps the old value of a field it is given": ("arena_jax/kv_cache.py",
