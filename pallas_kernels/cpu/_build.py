@@ -19,8 +19,9 @@ import tempfile
 from pathlib import Path
 
 import jax
+import numpy as np
 
-__all__ = ["library", "native_problem", "TARGETS"]
+__all__ = ["library", "native_problem", "table_attrs", "TARGETS"]
 
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cc")))
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
@@ -79,3 +80,11 @@ def native_problem() -> str | None:
     """Why the native kernels cannot run here (no compiler, a failed build), or None."""
     lib = library()
     return lib if isinstance(lib, str) else None
+
+
+def table_attrs(geometry, offsets, page_size: int, pad_slot: int) -> dict:
+    """The packed table's FFI attributes (`table.h`'s ARENA_TABLE_ATTRS), as int64 scalars."""
+    names = ("max_seqs", "max_pages", "num_layers", "num_pages", "page_map_at", "slot_words_at", "page_words_at",
+             "words_at")  # fmt: skip
+    attrs = dict(zip(names, (*geometry, *offsets), strict=True), page_size=page_size, pad_slot=pad_slot)
+    return {name: np.int64(int(value)) for name, value in attrs.items()}

@@ -62,13 +62,9 @@ def reserve_pages(slots, num_tokens, packed, counts, *, page_size: int, geometry
     batch = slots.shape[0]
     row = jax.ShapeDtypeStruct((batch,), jnp.int32)
     shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (packed, counts, *arenas)]
-    max_seqs, max_pages, num_layers, num_pages = (int(x) for x in geometry)
     outs = jax.ffi.ffi_call(_TARGETS[bool(arenas)], (*shapes, row, row, row),
                             input_output_aliases={2 + i: i for i in range(len(shapes))})(
         slots.astype(jnp.int32), num_tokens.astype(jnp.int32), packed, counts, *arenas,
-        max_seqs=np.int64(max_seqs), max_pages=np.int64(max_pages), num_layers=np.int64(num_layers),
-        num_pages=np.int64(num_pages), page_size=np.int64(page_size), page_map_at=np.int64(offsets[0]),
-        slot_words_at=np.int64(offsets[1]), page_words_at=np.int64(offsets[2]), words_at=np.int64(offsets[3]),
-        pad_slot=np.int64(pad_slot), counters=np.asarray(counters, np.int64))  # fmt: skip
+        **_build.table_attrs(geometry, offsets, page_size, pad_slot), counters=np.asarray(counters, np.int64))
     served, cow_src, cow_dst = outs[-3:]
     return outs[0], outs[1], tuple(outs[2:-3]), served != 0, cow_src, cow_dst

@@ -40,14 +40,11 @@ def plan_rows(slots, num_tokens, packed, *, page_size: int, geometry: tuple[int,
     problem = native_problem()
     if problem is not None:
         raise RuntimeError(f"the native plan is not available: {problem}")
-    max_seqs, max_pages, num_layers, num_pages = (int(x) for x in geometry)
+    max_pages, num_layers = int(geometry[1]), int(geometry[2])
     batch, i32 = slots.shape[0], jnp.int32
     shapes = (jax.ShapeDtypeStruct((batch, max_pages), i32), jax.ShapeDtypeStruct((num_layers + 1, batch, width), i32),
               jax.ShapeDtypeStruct((num_layers + 1, batch, 4), i32),
               jax.ShapeDtypeStruct((num_layers + 1, num_counts), i32), jax.ShapeDtypeStruct((), i32))  # fmt: skip
     return jax.ffi.ffi_call("arena_plan_rows", shapes)(
-        slots.astype(i32), num_tokens.astype(i32), packed, max_seqs=np.int64(max_seqs), max_pages=np.int64(max_pages),
-        num_layers=np.int64(num_layers), num_pages=np.int64(num_pages), page_size=np.int64(page_size),
-        page_map_at=np.int64(offsets[0]), slot_words_at=np.int64(offsets[1]), page_words_at=np.int64(offsets[2]),
-        words_at=np.int64(offsets[3]), pad_slot=np.int64(pad_slot), width=np.int64(width),
-        counters=np.asarray(counters, np.int64))  # fmt: skip
+        slots.astype(i32), num_tokens.astype(i32), packed, **_build.table_attrs(geometry, offsets, page_size, pad_slot),
+        width=np.int64(width), counters=np.asarray(counters, np.int64))  # fmt: skip
