@@ -498,14 +498,21 @@ def append(cache: KVCache, layer, slots, k, v, *, num_tokens=None, backend: str 
     return _append(cache, layer, slots, jnp.asarray(k), jnp.asarray(v), num_tokens, backend, plan)
 
 
-@functools.partial(jax.jit, static_argnames=("backend", "sliding_window", "sm_scale", "logits_soft_cap"))
-def _attend(q, cache, layer, slots, num_tokens, window, backend, sliding_window, sm_scale, logits_soft_cap, plan=None):
-    """`sliding_window`: a static window or None; `window`: a traced one (i32[]) or None."""
+@functools.partial(jax.jit, static_argnames=("backend", "sliding_window", "sm_scale", "logits_soft_cap", "native"))
+def _attend(q, cache, layer, slots, num_tokens, window, backend, sliding_window, sm_scale, logits_soft_cap, plan=None,
+            native=False):
+    """`sliding_window`: a static window or None; `window`: a traced one (i32[]) or None;
+    `native`: `arena_ops.attends_natively`."""
     sliding_window = sliding_window if window is None else window
     if cache.sharding is not None:
         return sharding.attend(q, cache, layer, slots, num_tokens, backend, sliding_window, sm_scale, logits_soft_cap)
     return arena_ops.attend_impl(q, cache, layer, slots, num_tokens, backend, sliding_window, sm_scale,
-                                 logits_soft_cap, plan)
+                                 logits_soft_cap, plan, native)
+
+
+def _native(args) -> bool:
+    """Whether `_attend(*args)` runs the native decode attention (`arena_ops.ATTEND_KERNEL`)."""
+    return arena_ops.attends_natively(arena_ops.ATTEND_KERNEL, args[6], args[0], args[1])
 
 
 def attend(
@@ -547,7 +554,7 @@ def attend(
     """
     args = _attend_args(q, cache, layer, slots, num_tokens, sliding_window, sm_scale, logits_soft_cap, backend)
     _check_plan(cache, plan, args[3], args[4], q.shape[1])
-    return _attend(*args, plan)
+    return _attend(*args, plan, native=_native(args))
 
 
 def _attend_args(q, cache, layer, slots, num_tokens, sliding_window, sm_scale, logits_soft_cap, backend):
@@ -602,7 +609,7 @@ def attend_mixed(parts, cache: KVCache, layer, *, sliding_window=None, sm_scale:
     one_call = (len(args) == 2 and all(a[6] == "pallas_tpu" for a in args) and args[0][0].shape[1] == 1
                 and args[1][0].shape[1] > 1)
     if not one_call:
-        return [_attend(*a) for a in args]
+        return [_attend(*a, native=_native(a)) for a in args]
     (q_dec, _, _, slots_dec, n_dec, window, _, static_window, _, _), (q_pre, _, _, slots_pre, n_pre, *_) = args
     mixed = sharding.attend_mixed if cache.sharding is not None else arena_ops.attend_mixed_impl
     return list(mixed(q_dec, slots_dec, n_dec, q_pre, slots_pre, n_pre, cache, args[0][2],

@@ -41,7 +41,18 @@ from pallas_kernels.reference import paged_attention_reference, write_tokens
 from pallas_kernels.scatter import upcasts
 from pallas_kernels.tpu.common import target_platform
 
-__all__ = ["append_impl", "attend_impl", "warn_if_appends_copy"]
+__all__ = ["append_impl", "attend_impl", "attends_natively", "warn_if_appends_copy", "ATTEND_KERNEL"]
+
+# Whether the "xla" backend's decode attention (one query a row, a float32 or bfloat16 arena read
+# by queries of its dtype) runs as one native call a layer on a CPU (`pallas_kernels.cpu.attention`,
+# built on first use; without a C++ compiler, the blockwise jnp path): False (default): the
+# blockwise path, `paged_attention_blockwise` (the native call's reference); "auto": the native call
+# on a CPU where it is the faster per call (`attention.worthwhile`: short rows, small batches);
+# "cpu": on a CPU always. Opt-in: inside a `lax.scan` of layers XLA's CPU runtime then runs the
+# loop's body on its thread pool, a thread hop a layer that costs a tiny decode step more than the
+# call saves (benchmarks/RESULTS.md, session 63). Read as `aj.attend` is traced (a static argument
+# of its jitted body).
+ATTEND_KERNEL: bool | str = False
 
 _WRITE_COPY_WARNED: set = set()  # the dtypes (and "int4 on tpu", `state`'s) warned about, once each
 
@@ -230,12 +241,36 @@ def _kernel_q(q, cache: KVCache, layer_c, backend: str):
     return q
 
 
+def attends_natively(kernel, backend: str, q, cache: KVCache) -> bool:
+    """Whether `attend_impl` runs q over `cache` as the native call (`kernel`: an `ATTEND_KERNEL`
+    value): the "xla" backend on a CPU, an unsharded cache, operands `decode_attention` takes."""
+    if kernel not in (False, "auto", "cpu") or kernel is True:
+        raise ValueError(f"ATTEND_KERNEL must be 'auto', 'cpu' or False, got {kernel!r}")
+    if kernel is False or backend != "xla" or cache.sharding is not None or target_platform() != "cpu":
+        return False
+    from pallas_kernels.cpu import attention
+
+    capacity = cache.table.geometry[1] * cache.k.shape[3]  # max_pages_per_seq * page_size
+    return (attention.supports(q, cache.k, cache.v, cache.k_scale) and (kernel == "cpu" or attention.worthwhile(
+        q.shape[0], cache.k.shape[1], capacity, cache.k.shape[4])) and attention.native_problem() is None)  # fmt: skip
+
+
 def attend_impl(q, cache: KVCache, layer, slots, num_tokens, backend: str, sliding_window, sm_scale,
-                logits_soft_cap=None, plan=None):
+                logits_soft_cap=None, plan=None, native: bool = False):
     """Attention of q [B, T, Hq, D], the last num_tokens[b] tokens written at `layer` in row b's
     slot, over that slot's tokens written at `layer`. Rows whose slot is out of range, or that
     ask for more query tokens than T or than the slot has written, give zeros. `sliding_window`:
-    None, a static int, or a traced integer scalar (a value <= 0 admits no key: zeros)."""
+    None, a static int, or a traced integer scalar (a value <= 0 admits no key: zeros). `native`
+    (static; `attends_natively`): the "xla" backend's decode as one native call."""
+    if native and plan is not None:  # the plan's rows read inside the call (`decode_attention_rows`)
+        from pallas_kernels.cpu.attention import decode_attention_rows
+
+        # The layer goes in unclipped (the call clips it): a clip here would be one more kernel ready
+        # as a scan's iteration starts (`waits_for`); the key factors' index waits for q.
+        q = _kernel_q(q, cache, _layer(cache.table, layer)[1] if cache.key_factors is not None else layer, backend)
+        return decode_attention_rows(q, cache.k, cache.v, layer, plan.rows,
+                                     plan.rows4, plan._index(layer, cache.table, after=cache.k), sm_scale=sm_scale,
+                                     sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)  # fmt: skip
     layer_c, page_map, lengths, n = _attend_rows(cache, layer, slots, num_tokens, q.shape[1], plan)
     k_scale, v_scale = (cache.k_scale, cache.v_scale) if backend == "pallas_tpu" else cache.page_scales()
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
@@ -245,6 +280,11 @@ def attend_impl(q, cache: KVCache, layer, slots, num_tokens, backend: str, slidi
         from pallas_kernels.tpu.attention import tpu_paged_attention
 
         return tpu_paged_attention(q, cache.k, cache.v, layer_c, page_map, lengths, n, **kwargs)
+    if native:  # reads the arena in place, after the layer's append (its operand)
+        from pallas_kernels.cpu.attention import decode_attention
+
+        return decode_attention(q, cache.k, cache.v, layer_c, page_map, lengths, n, sm_scale=sm_scale,
+                                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     if backend == "xla":  # blocks of pages up to the longest written context
         # The barrier makes the gathers read the arena as the append left it. Without it, XLA CPU
         # can fuse an append's update into the gather that follows (the gather then reads the old

@@ -4,7 +4,7 @@
     JAX_PLATFORMS=cpu python scripts/inject_bugs.py "twice"    # those whose name contains a word
 
 Each bug is a one-line edit of the page table's packed array, the prefix cache (device ops, index, scheduler), the host tier
-(its ops, its binding to its cache), reserve (its jnp ops, the GPU kernel, the CPU's native call), the native plan, the smoothed keys' factors (fixed at create) or a step's
+(its ops, its binding to its cache), reserve (its jnp ops, the GPU kernel, the CPU's native call), the native plan and decode attention, the smoothed keys' factors (fixed at create) or a step's
 plan (`arena_jax.plan`: its epoch, its watermarks), the TPU attention kernel's steady-state
 loop and its 8-bit scale rows, the TPU append's merge of shared scale rows, or the "xla" backend's one-block attention (its V rows' deferred check, decode's select). The tests that
 should catch it run in a copy of the tracked files (this checkout is never modified), with the
@@ -161,6 +161,18 @@ MUTANTS = {
         "sums[0] += (layer_ok && l == 0) ?", "sums[0] += layer_ok ?"),
     "native plan: a row written past its slot's reservation": ("pallas_kernels/cpu/plan.cc",
         "const bool fits = at(words + 1) != 0 && nn <= sub32(reserved, start);", "const bool fits = at(words + 1) != 0;"),
+    # decode attention as one native call a layer on a CPU (pallas_kernels/cpu/attention.cc)
+    "native attention: the window admits one key too many": ("pallas_kernels/cpu/attention.cc",
+        "int64_t lo = windowed ? std::max<int64_t>(0, pos - window + 1) : 0;",
+        "int64_t lo = windowed ? std::max<int64_t>(0, pos - window) : 0;"),
+    "native attention: an unmapped page read as page 0": ("pallas_kernels/cpu/attention.cc",
+        "if (page >= 0) keys.push_back((std::min<int64_t>(page, P - 1)", "keys.push_back((std::clamp<int64_t>(page, 0, P - 1)"),
+    "native attention: a poisoned score skipped, not NaN": ("pallas_kernels/cpu/attention.cc",
+        "            poisoned[g] = 1;\n            continue;", "            continue;"),
+    "native attention: a V row's overflow or poison left finite": ("pallas_kernels/cpu/attention.cc",
+        "bad = !std::isfinite(acc[g * D + d]);", "bad = false;"),
+    "native attention: the soft cap not applied": ("pallas_kernels/cpu/attention.cc",
+        "          if (soft_cap > 0) s = std::tanh(s / soft_cap) * soft_cap;\n", ""),
     # the TPU attention kernel's steady-state loop (issue 42)
     "tpu attention: the fast loop starts this block again, not the next one": (
         "pallas_kernels/tpu/attention.py", "start_whole(j_next, 1 - slot, run_next)", "start_whole(j, 1 - slot, run_next)"),
@@ -216,6 +228,7 @@ TESTS = {
     "pallas_kernels/gpu/allocate.py": ["tests/test_kernels_allocate.py"],
     "pallas_kernels/cpu/allocate.cc": ["tests/test_kernels_allocate.py"],
     "pallas_kernels/cpu/plan.cc": ["tests/test_plan_native.py"],
+    "pallas_kernels/cpu/attention.cc": ["tests/test_attention_native.py"],
 }
 
 

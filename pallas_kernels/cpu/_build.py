@@ -1,7 +1,8 @@
 """The CPU kernels' native library: built on first use, loaded, its FFI targets registered.
 
 Every `*.cc` file of this folder (with the `*.h` they include) goes into one shared library, built once per source and jaxlib
-version with the C++ compiler (`$CXX`, else `g++`, `c++` or `clang++`; C++17) against the
+version with the C++ compiler (`$CXX`, else `g++`, `c++` or `clang++`; C++17, `-O3 -march=native`:
+for this machine's CPU, which the build's name hashes with the rest) against the
 installed jaxlib's FFI headers (`jax.ffi.include_dir()`), in about 5 s, into
 `$ARENA_JAX_NATIVE_DIR` (default `~/.cache/arena_jax/native`); built aside and renamed, so
 processes building at once do not clash. Without a compiler, or when the build fails,
@@ -13,6 +14,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -27,7 +29,7 @@ SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cc")))
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
 # FFI target name -> the library's handler symbol
 TARGETS = {"arena_reserve_pages": "ArenaReservePages", "arena_reserve_pages_copy": "ArenaReservePagesCopy",
-           "arena_plan_rows": "ArenaPlanRows"}  # fmt: skip
+           "arena_plan_rows": "ArenaPlanRows", "arena_decode_attention": "ArenaDecodeAttention"}  # fmt: skip
 _REGISTERED: dict[str, ctypes.CDLL] = {}  # FFI target -> the library whose handler XLA holds (once a process)
 
 
@@ -36,6 +38,17 @@ def _compiler() -> str | None:
         if name and shutil.which(name):
             return shutil.which(name)
     return None
+
+
+def _cpu() -> str:
+    """The CPU the library is built for (`-march=native`): its model and feature flags where Linux
+    says, else the machine's name, so a build folder shared by other CPUs builds for each."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine() + platform.processor()
+    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags", "Features", "CPU part"))]
+    return platform.machine() + "|" + "|".join(sorted(set(lines)))
 
 
 def _build_dir() -> Path:
@@ -51,7 +64,7 @@ def library() -> ctypes.CDLL | str:
     if compiler is None:
         return "no C++ compiler found ($CXX, g++, c++ or clang++)"
     include = jax.ffi.include_dir()
-    digest = hashlib.sha256(f"{jaxlib.__version__}|{include}|{compiler}".encode())
+    digest = hashlib.sha256(f"{jaxlib.__version__}|{include}|{compiler}|{_cpu()}".encode())
     for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     target = _build_dir() / f"arena_native_{digest.hexdigest()[:16]}.so"
@@ -60,7 +73,7 @@ def library() -> ctypes.CDLL | str:
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then renamed: atomic
                 built = Path(tmp) / target.name
-                cmd = [compiler, "-std=c++17", "-O2", "-shared", "-fPIC", "-w", f"-I{include}",
+                cmd = [compiler, "-std=c++17", "-O3", "-march=native", "-shared", "-fPIC", "-w", f"-I{include}",
                        *map(str, SOURCES), "-o", str(built)]  # fmt: skip
                 run = subprocess.run(cmd, capture_output=True, text=True)
                 if run.returncode != 0:
