@@ -131,17 +131,20 @@ def test_attend_gives_the_same_with_the_native_call_under_a_scan_of_layers(dtype
     assert np.abs(np.asarray(want, np.float32)).max() > 0
 
 
-def test_a_model_step_with_the_native_call_keeps_the_arena_in_place_and_its_tokens():
-    """A Gemma-2-style model's decode step (a scan of layers, traced per-layer windows, a soft
-    cap) with ATTEND_KERNEL "cpu": one native call a layer, no copy of the arena, the donated
-    buffers back in place, the greedy tokens and cache those of the blockwise path."""
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_a_model_step_with_the_native_call_keeps_the_arena_in_place_and_its_tokens(scan_layers):
+    """A Gemma-2-style model's prefill and decode steps (traced per-layer windows in a scan of
+    layers, static ones in a list, whose last layer attends from each row's last token alone under
+    `StepPlan.last_query`; a soft cap) with ATTEND_KERNEL "cpu": one native call a layer in the
+    decode step, no copy of the arena, the donated buffers back in place, the greedy tokens, logits
+    and table those of the blockwise path."""
     import re
 
     from flax import nnx
 
     from arena_jax import models
 
-    model = models.init_random(models.LlamaConfig.tiny_family("gemma2"), seed=1)
+    model = models.init_random(models.LlamaConfig.tiny_family("gemma2"), seed=1, scan_layers=scan_layers)
     graphdef, state = nnx.split(model)
     layout = models.default_layout(model, 4, 40, page_size=8, dtype="float32")
     slots = jnp.arange(4, dtype=jnp.int32)
@@ -157,14 +160,16 @@ def test_a_model_step_with_the_native_call_keeps_the_arena_in_place_and_its_toke
             assert ("arena_decode_attention" in hlo) == (kernel == "cpu")
             assert not [line for line in hlo.splitlines() if re.search(r"= " + arena + r"\S* copy(-start)?\(", line)]
             tokens = [out.tokens]
+            logits = [np.asarray(out.logits)]
             for _ in range(6):
                 ptr = out.cache.k.unsafe_buffer_pointer()
                 out = models.decode_step(graphdef, state, out.cache, out.tokens, slots)
                 assert out.cache.k.unsafe_buffer_pointer() == ptr
                 tokens.append(out.tokens)
+                logits.append(np.asarray(out.logits))
             table = out.cache.table
             runs[kernel] = (np.stack(tokens), [np.asarray(x) for x in (table.lengths, table.written, table.page_map)],
-                            np.asarray(out.logits))  # fmt: skip
+                            np.stack(logits))  # fmt: skip
     np.testing.assert_array_equal(runs["cpu"][0], runs[False][0])
     for got, want in zip(runs["cpu"][1], runs[False][1], strict=True):  # the rows' lengths, watermarks, pages
         np.testing.assert_array_equal(got, want)
