@@ -6,9 +6,10 @@
 //
 // Row b's lengths and num_tokens come from rows4[index] (i32[R, B, 4], a plan's rows: entries 2 and
 // 3; index clipped into [0, R)), so a step's plan is read where it lies. Its query sits at position
-// lengths[b] - num_tokens[b] (valid when num_tokens[b] > 0) and attends to the keys j < lengths[b], j <= its position, j > position - window (when windowed),
-// whose page page_map[b, j / page_size] is mapped (>= 0; an id past the arena reads its last
-// page, as the gather clips it). Per query head: s = (q . k) * sm_scale in float32 (checked
+// lengths[b] - num_tokens[b] (valid when num_tokens[b] > 0) and attends to the keys j < lengths[b],
+// j <= its position, j > position - window (when windowed), whose page page_map[b, j / page_size]
+// is mapped (>= 0; an id past the arena reads its last page, as the gather clips it). Per query
+// head: s = (q . k) * sm_scale in float32 (checked
 // finite, then soft-capped: cap * tanh(s / cap)); a key whose score or V row is not finite makes
 // the head NaN; else softmax in float32, the weights rounded to the arena dtype for P @ V, the
 // output acc / l rounded to it (0 where the head sees no key, or the query is not valid).
@@ -144,8 +145,9 @@ const float* as_f32(const typename E::T* row, float* buf, int64_t n) {
 
 template <typename E>
 void Attend(const typename E::T* q, const typename E::T* k, const typename E::T* v, typename E::T* out,
-            int64_t layer, const int32_t* page_map, const int32_t* rows4, int64_t window, bool windowed, float sm_scale, float soft_cap, int64_t B, int64_t Hq, int64_t D,
-            int64_t Hkv, int64_t P, int64_t S, int64_t M) {
+            int64_t layer, const int32_t* page_map, const int32_t* rows4, int64_t window, bool windowed,
+            float sm_scale, float soft_cap, int64_t B, int64_t Hq, int64_t D, int64_t Hkv, int64_t P, int64_t S,
+            int64_t M) {
   const int64_t G = Hq / Hkv, max_keys = M * S;
   const float nan = std::numeric_limits<float>::quiet_NaN();
   std::vector<float> qf(G * D), row(D), scores, acc(G * D), m(G), l(G);
