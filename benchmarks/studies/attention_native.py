@@ -52,9 +52,11 @@ def measure(batch: int, kv_heads: int, group: int, head_dim: int, context: int, 
             f(q, k, v).block_until_ready()
             times[name].append(time.perf_counter() - t0)
     native, blockwise = (float(np.median(times[n]) * 1e6) for n in ("native", "blockwise"))
+    capacity = max_pages * PAGE_SIZE
     return {"batch": batch, "kv_heads": kv_heads, "group": group, "head_dim": head_dim, "context": context,
-            "keys_read": batch * kv_heads * max_pages * PAGE_SIZE * head_dim, "native_us": native,
-            "blockwise_us": blockwise, "max_abs_difference": err}  # fmt: skip
+            "capacity": capacity, "keys_read": batch * kv_heads * capacity * head_dim, "native_us": native,
+            "blockwise_us": blockwise, "max_abs_difference": err,
+            "worthwhile": attention.worthwhile(batch, kv_heads, capacity, head_dim)}  # fmt: skip
 
 
 def _case(text: str) -> tuple[int, ...]:
@@ -80,11 +82,9 @@ def main(argv=None) -> int:
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
     for case in a.cases:
         r = measure(*case, repeats=a.repeats)
-        chosen = attention.worthwhile(r["batch"], r["kv_heads"], r["keys_read"] // (r["batch"] * r["kv_heads"] * r["head_dim"]),
-                                      r["head_dim"])  # fmt: skip
         print(f"| {r['batch']} | {r['kv_heads']} | {r['group']} | {r['head_dim']} | {r['context']} | {r['keys_read']:,} "
               f"| {r['native_us']:.1f} | {r['blockwise_us']:.1f} | {r['native_us'] / r['blockwise_us']:.2f} "
-              f"| {'yes' if chosen else 'no'} | {r['max_abs_difference']:.1e} |")  # fmt: skip
+              f"| {'yes' if r['worthwhile'] else 'no'} | {r['max_abs_difference']:.1e} |")  # fmt: skip
     return 0
 
 
