@@ -45,14 +45,12 @@ __all__ = ["append_impl", "attend_impl", "attends_natively", "warn_if_appends_co
 
 # Whether the "xla" backend's decode attention (one query a row, a float32 or bfloat16 arena read
 # by queries of its dtype) runs as one native call a layer on a CPU (`pallas_kernels.cpu.attention`,
-# built on first use; without a C++ compiler, the blockwise jnp path): False (default): the
-# blockwise path, `paged_attention_blockwise` (the native call's reference); "auto": the native call
-# on a CPU where it is the faster per call (`attention.worthwhile`: short rows, small batches);
-# "cpu": on a CPU always. Opt-in: inside a `lax.scan` of layers XLA's CPU runtime then runs the
-# loop's body on its thread pool, a thread hop a layer that costs a tiny decode step more than the
-# call saves (benchmarks/RESULTS.md, session 63). Read as `aj.attend` is traced (a static argument
-# of its jitted body).
-ATTEND_KERNEL: bool | str = False
+# built on first use; without a C++ compiler, the blockwise jnp path): "auto" (default): the native
+# call on a CPU where it is the faster per call (`attention.worthwhile`: short rows, small batches);
+# "cpu": on a CPU always; False: the blockwise path, `paged_attention_blockwise` (the native call's
+# reference). Read as `aj.attend` is traced (a static argument of its jitted body): set it before a
+# step's first call (benchmarks/RESULTS.md, sessions 63-64).
+ATTEND_KERNEL: bool | str = "auto"
 
 _WRITE_COPY_WARNED: set = set()  # the dtypes (and "int4 on tpu", `state`'s) warned about, once each
 
@@ -265,10 +263,15 @@ def attend_impl(q, cache: KVCache, layer, slots, num_tokens, backend: str, slidi
     if native and plan is not None:  # the plan's rows read inside the call (`decode_attention_rows`)
         from pallas_kernels.cpu.attention import decode_attention_rows
 
-        # The layer goes in unclipped (the call clips it): a clip here would be one more kernel ready
-        # as a scan's iteration starts (`waits_for`); the key factors' index waits for q.
+        # The layer goes in unclipped (the call clips it); it and a traced window wait for q
+        # (`waits_for`): as the scan's own slices of its layers each would be one more kernel ready
+        # as an iteration starts, past 8 of them XLA's CPU executor runs the loop's body on its
+        # thread pool, a thread hop a layer that cost the tiny decode step 13% (benchmarks/RESULTS.md,
+        # session 64).
         q = _kernel_q(q, cache, _layer(cache.table, layer)[1] if cache.key_factors is not None else layer, backend)
-        return decode_attention_rows(q, cache.k, cache.v, layer, plan.rows,
+        if isinstance(sliding_window, jax.Array):
+            sliding_window = waits_for(sliding_window, q)
+        return decode_attention_rows(q, cache.k, cache.v, waits_for(layer, q), plan.rows,
                                      plan.rows4, plan._index(layer, cache.table, after=cache.k), sm_scale=sm_scale,
                                      sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)  # fmt: skip
     layer_c, page_map, lengths, n = _attend_rows(cache, layer, slots, num_tokens, q.shape[1], plan)

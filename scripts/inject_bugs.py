@@ -173,6 +173,11 @@ MUTANTS = {
         "bad = !std::isfinite(acc[g * D + d]);", "bad = false;"),
     "native attention: the soft cap not applied": ("pallas_kernels/cpu/attention.cc",
         "          if (soft_cap > 0) s = std::tanh(s / soft_cap) * soft_cap;\n", ""),
+    "native attention: the layer operand ready as the scan's iteration starts": ("arena_jax/arena_ops.py",
+        "decode_attention_rows(q, cache.k, cache.v, waits_for(layer, q), plan.rows,",
+        "decode_attention_rows(q, cache.k, cache.v, layer, plan.rows,"),
+    "native attention: a traced window ready as the scan's iteration starts": ("arena_jax/arena_ops.py",
+        "            sliding_window = waits_for(sliding_window, q)\n", "            pass\n"),
     # the TPU attention kernel's steady-state loop (issue 42)
     "tpu attention: the fast loop starts this block again, not the next one": (
         "pallas_kernels/tpu/attention.py", "start_whole(j_next, 1 - slot, run_next)", "start_whole(j, 1 - slot, run_next)"),
@@ -216,7 +221,7 @@ TESTS = {
     "models/generate.py": ["tests/test_schedule_invariance.py"],
     "arena_jax/state.py": ["tests/test_key_factors.py"],
     "arena_jax/arena_ops.py": ["tests/test_key_factors.py", "tests/test_allocator_model.py", "tests/test_plan.py",
-                               "tests/test_op_hlo.py"],
+                               "tests/test_op_hlo.py", "tests/test_attention_native.py"],
     "arena_jax/plan.py": ["tests/test_plan.py", "tests/test_op_hlo.py", "tests/test_plan_native.py"],
     "arena_jax/api.py": ["tests/test_op_hlo.py"],
     "arena_jax/kv_cache.py": ["tests/test_allocator.py", "tests/test_allocator_model.py"],

@@ -18,6 +18,7 @@ import pytest
 
 import arena_jax as aj
 from arena_jax import arena_ops
+from arena_jax.benchmarks.studies.op_hlo import widest_loop_start
 from pallas_kernels.blockwise import paged_attention_blockwise
 from pallas_kernels.cpu import attention
 from pallas_kernels.reference import paged_attention_reference
@@ -137,7 +138,9 @@ def test_a_model_step_with_the_native_call_keeps_the_arena_in_place_and_its_toke
     layers, static ones in a list, whose last layer attends from each row's last token alone under
     `StepPlan.last_query`; a soft cap) with ATTEND_KERNEL "cpu": one native call a layer in the
     decode step, no copy of the arena, the donated buffers back in place, the greedy tokens, logits
-    and table those of the blockwise path."""
+    and table those of the blockwise path. In the scan, at most 8 kernels wait at once as an
+    iteration starts (`op_hlo.widest_loop_start`): the call's layer operand waits for its q, else it
+    was a ninth and XLA ran the loop's body on its thread pool (`arena_ops.attend_impl`)."""
     import re
 
     from flax import nnx
@@ -158,6 +161,7 @@ def test_a_model_step_with_the_native_call_keeps_the_arena_in_place_and_its_toke
             out = models.prefill(graphdef, state, cache, prompts, slots, jnp.asarray([24, 20, 9, 1], jnp.int32))
             hlo = models.decode_step.lower(graphdef, state, out.cache, out.tokens, slots).compile().as_text()
             assert ("arena_decode_attention" in hlo) == (kernel == "cpu")
+            assert not scan_layers or 1 <= widest_loop_start(hlo) <= 8
             assert not [line for line in hlo.splitlines() if re.search(r"= " + arena + r"\S* copy(-start)?\(", line)]
             tokens = [out.tokens]
             logits = [np.asarray(out.logits)]

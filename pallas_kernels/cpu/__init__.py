@@ -4,5 +4,5 @@
 against the installed jaxlib's FFI headers; its contract is `arena_jax.allocator`'s jnp ops,
 the same as the GPU's Triton kernel (`pallas_kernels.gpu.allocate`). `plan` (`plan_rows`) is
 a step's plan, `attention` (`decode_attention`) decode attention over a float arena's pages
-(opt-in: `arena_jax.arena_ops.ATTEND_KERNEL`). All are built into one library (`_build`).
+(dispatched by `arena_jax.arena_ops.ATTEND_KERNEL`). All are built into one library (`_build`).
 """

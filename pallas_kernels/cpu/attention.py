@@ -10,12 +10,11 @@ compares them on random arenas).
 
 Why: on a CPU the blockwise path is about eleven small kernels a layer (page gathers, the
 score and P @ V dots, masks, the softmax's reductions), about 13 us a layer of a tiny model's
-decode step, more than the dense cache's attention. This call takes 7-10 us there, and the tiny
-decode step's compile drops from 1.46x to 1.03-1.08x the dense step's. Why it is opt-in: XLA's
-CPU runtime hands a custom call to its thread pool whenever other kernels are ready as it starts,
-which inside a scan of layers they always are; the thread hop makes a single decode step slower
-than with the blockwise kernels, while `generate`'s blocks of steps run 5-10% faster
-(benchmarks/RESULTS.md, session 63).
+decode step, more than the dense cache's attention. This call takes 7-10 us there: the tiny
+model's decode step runs 0.90-0.93x the dense step's tokens/s instead of 0.85-0.88x, and its
+compile drops from 1.33-1.38x to 0.95-1.02x the dense step's (benchmarks/RESULTS.md, sessions
+63-64). Past `worthwhile`'s keys read XLA's dots are as fast or faster, and the blockwise path
+runs.
 """
 from __future__ import annotations
 
