@@ -13,8 +13,9 @@ their layer's entry (`aj.append(..., plan=)`, `aj.attend(..., plan=)`; `CacheSte
 models pass it): the per-layer work is the writes, the reads, one watermark scatter and one
 counter add. Results equal the unplanned calls' exactly, layers in any order
 (tests/test_plan.py). A forward pass that appends every layer once can defer the watermarks
-and counters too (`deferred=True`, `StepPlan.commit`: one scatter and one add a step, as our
-models and, inside jit, `aj.begin_step`'s `CacheStep` do).
+and counters too (`deferred=True`, `StepPlan.commit`: one scatter and one add a step, as
+`aj.begin_step`'s `CacheStep` does inside jit; `plan_and_commit`, as our models do: on a CPU the
+plan and its commit as one native call).
 
 A plan answers for the slots and counts it was made for, one append per layer. Inside jit,
 misuse stays total: a layer appended twice writes the same positions again and leaves the
@@ -37,7 +38,7 @@ from arena_jax.kv_cache import PAD_SLOT, KVCache
 from arena_jax.validate import check_cache_arrays, check_counts, check_slots
 from pallas_kernels.index_math import div_nonneg, rem_nonneg
 
-__all__ = ["StepPlan", "plan_step", "PLAN_KERNEL"]
+__all__ = ["StepPlan", "plan_step", "plan_and_commit", "PLAN_KERNEL"]
 
 # Whether `plan_step` makes the plan as one native call on a CPU (`pallas_kernels.cpu.plan`,
 # built on first use; without a C++ compiler, XLA's ops): "auto" (default) / "cpu": on a CPU;
@@ -164,16 +165,36 @@ def plan_step(cache: KVCache, slots, num_tokens, width: int, *, deferred: bool =
     a layer left out would be marked written over bytes it never wrote, and a deferred append
     at a layer out of range counts nothing. `aj.CacheStep` keeps the contract for any model: it
     counts each layer's appends and commits those (`StepPlan.commit(cache, appended)`)."""
-    layout = check_cache_arrays(cache)
-    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
-        raise ValueError(f"width must be a positive Python int (the tokens axis of the step), got {width!r}")
-    slots = check_slots(layout, slots)
-    num_tokens = check_counts(layout, num_tokens, slots.shape[0], "num_tokens")
+    slots, num_tokens = _checked(cache, slots, num_tokens, width)
     if cache.sharding is not None:
         return None
     if not isinstance(deferred, bool):
         raise ValueError(f"deferred must be a bool, got {deferred!r}")
     return _plan(cache, slots, num_tokens, width, deferred, _plans_natively(PLAN_KERNEL))
+
+
+def plan_and_commit(cache: KVCache, slots, num_tokens, width: int) -> tuple[StepPlan | None, KVCache]:
+    """(plan, cache) as `plan = plan_step(cache, slots, num_tokens, width, deferred=True)` and
+    `cache = plan.commit(cache)` give them: for a forward pass whose layers each append once under
+    the plan, in the same jit (our models' `hidden`). On a CPU the native call makes both: the
+    commit's scatter, its index kernels and its add were about 4 kernels of a decode step
+    (benchmarks/RESULTS.md, session 64). A sharded cache: (None, cache)."""
+    slots, num_tokens = _checked(cache, slots, num_tokens, width)
+    if cache.sharding is not None:
+        return None, cache
+    if not _plans_natively(PLAN_KERNEL):
+        plan = _plan(cache, slots, num_tokens, width, True, False)
+        return plan, plan.commit(cache)
+    return _native_plan_and_commit(cache, slots, num_tokens, width)
+
+
+def _checked(cache: KVCache, slots, num_tokens, width: int):
+    """slots, num_tokens as the ops check them (on the host, a ValueError naming the argument)."""
+    layout = check_cache_arrays(cache)
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise ValueError(f"width must be a positive Python int (the tokens axis of the step), got {width!r}")
+    slots = check_slots(layout, slots)
+    return slots, check_counts(layout, num_tokens, slots.shape[0], "num_tokens")
 
 
 def _plans_natively(kernel: bool | str) -> bool:
@@ -214,17 +235,30 @@ def _plan(cache: KVCache, slots, num_tokens, width: int, deferred: bool = False,
                     epoch=table.epoch, width=width, page_size=page_size, deferred=deferred)
 
 
+@functools.partial(jax.jit, static_argnames=("width",))
+def _native_plan_and_commit(cache: KVCache, slots, num_tokens, width: int) -> tuple[StepPlan, KVCache]:
+    """A deferred plan and its `commit` of `cache` from one native call (`plan_rows(stats_counts=)`)."""
+    rows, tokens, rows4, counts, epoch, packed, stats = _plan_rows(cache, slots, num_tokens, width, cache.stats.counts)
+    plan = StepPlan(slots=slots, num_tokens=num_tokens, rows=rows, tokens=tokens, rows4=rows4, counts=counts,
+                    epoch=epoch, width=width, page_size=cache.k.shape[3], deferred=True)  # fmt: skip
+    return plan, cache.replace(table=cache.table.replace(packed=packed), stats=cache.stats.replace(counts=stats))
+
+
 def _native_plan(cache: KVCache, slots, num_tokens, width: int, deferred: bool) -> StepPlan:
     """`_plan`'s arrays from one native call over the packed table (`pallas_kernels.cpu.plan`)."""
+    rows, tokens, rows4, counts, epoch = _plan_rows(cache, slots, num_tokens, width)
+    return StepPlan(slots=slots, num_tokens=num_tokens, rows=rows, tokens=tokens, rows4=rows4, counts=counts,
+                    epoch=epoch, width=width, page_size=cache.k.shape[3], deferred=deferred)
+
+
+def _plan_rows(cache: KVCache, slots, num_tokens, width: int, stats_counts=None):
+    """`pallas_kernels.cpu.plan.plan_rows` over the cache's packed table."""
     from arena_jax.kv_cache import _STAT_INDEX, STAT_NAMES, _regions
     from pallas_kernels.cpu.plan import plan_rows
 
-    table = cache.table
-    at = _regions(table.geometry)
-    rows, tokens, rows4, counts, epoch = plan_rows(
-        slots, num_tokens, table.packed, page_size=cache.k.shape[3], geometry=table.geometry,
+    at = _regions(cache.table.geometry)
+    return plan_rows(
+        slots, num_tokens, cache.table.packed, page_size=cache.k.shape[3], geometry=cache.table.geometry,
         offsets=tuple(at[r][0] for r in ("page_map", "slot_words", "page_words", "words")), pad_slot=PAD_SLOT,
         width=width, counters=tuple(_STAT_INDEX[c] for c in ("tokens_written", "dropped_writes", "rejected_rows")),
-        num_counts=len(STAT_NAMES))  # fmt: skip
-    return StepPlan(slots=slots, num_tokens=num_tokens, rows=rows, tokens=tokens, rows4=rows4, counts=counts,
-                    epoch=epoch, width=width, page_size=cache.k.shape[3], deferred=deferred)
+        num_counts=len(STAT_NAMES), stats_counts=stats_counts)  # fmt: skip

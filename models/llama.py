@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 import arena_jax as aj
+from arena_jax.plan import plan_and_commit
 from arena_jax.sharding import shard_rows, slot_lengths
 from arena_jax.models.checks import check_int, check_number
 from arena_jax.models.config import LlamaConfig
@@ -225,9 +226,7 @@ class Llama(nnx.Module):
         # Every layer's page bookkeeping, once, before the layers: the rows classified, the
         # watermarks and counters set where the layers' appends leave them (every layer appends
         # once, in this same jit: `deferred`).
-        plan = aj.plan_step(cache, slots, num_tokens, tokens.shape[1], deferred=True)
-        if plan is not None:
-            cache = plan.commit(cache)
+        plan, cache = plan_and_commit(cache, slots, num_tokens, tokens.shape[1])
 
         def body(block, x, cache, layer, window, inv_freq):
             x, cache = block(x, positions, cache, layer, slots, num_tokens, window=window, inv_freq=inv_freq, plan=plan)

@@ -162,6 +162,10 @@ MUTANTS = {
     "native plan: a row written past its slot's reservation": ("pallas_kernels/cpu/plan.cc",
         "const bool fits = at(words + 1) != 0 && nn <= sub32(reserved, start);", "const bool fits = at(words + 1) != 0;"),
     # decode attention as one native call a layer on a CPU (pallas_kernels/cpu/attention.cc)
+    "native plan commit: a row that writes nothing sets its slot's watermark": ("pallas_kernels/cpu/plan.cc",
+        "if (r4[1] >= 0 && slots[b] >= 0 && slots[b] < S)", "if (slots[b] >= 0 && slots[b] < S)"),
+    "native plan commit: the out-of-range layer's counters added": ("pallas_kernels/cpu/plan.cc",
+        "for (int64_t l = 0; l < L; l++) sum +=", "for (int64_t l = 0; l <= L; l++) sum +="),
     "native attention: the window admits one key too many": ("pallas_kernels/cpu/attention.cc",
         "int64_t lo = windowed ? std::max<int64_t>(0, pos - window + 1) : 0;",
         "int64_t lo = windowed ? std::max<int64_t>(0, pos - window) : 0;"),

@@ -67,12 +67,43 @@ def test_the_native_plan_is_the_jnp_plan_on_random_tables():
         for name in ("slots", "num_tokens", "rows", "tokens", "rows4", "counts", "epoch"):
             np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), err_msg=name)
         assert (got.width, got.page_size, got.deferred) == (want.width, want.page_size, want.deferred)
+        if got.deferred:  # `plan_and_commit`'s one call: its plan, and its commit as the jnp plan's
+            plan, committed = plan_lib._native_plan_and_commit(*args[:4])
+            for name in ("rows", "tokens", "rows4", "counts", "epoch"):
+                np.testing.assert_array_equal(np.asarray(getattr(plan, name)), np.asarray(getattr(want, name)))
+            expected = want.commit(cache)
+            np.testing.assert_array_equal(np.asarray(committed.table.packed), np.asarray(expected.table.packed))
+            np.testing.assert_array_equal(np.asarray(committed.stats.counts), np.asarray(expected.stats.counts))
         counts = np.asarray(want.counts).sum(axis=0)
         stats = aj.CacheStats(counts=jnp.asarray(counts)).as_dict()
         seen["written"] += int(stats["tokens_written"]) > 0
         seen["dropped"] += int(stats["dropped_writes"]) > 0
         seen["rejected"] += int(stats["rejected_rows"]) > 0
     assert min(seen.values()) >= 3, seen  # the cases wrote, dropped writes and rejected rows
+
+
+def test_plan_and_commit_is_plan_step_then_commit():
+    """`plan_and_commit` (one native call) against `plan_step(deferred=True)` and `commit`, with the
+    native plan and with XLA's ops; on the host it checks its arguments as `plan_step` does."""
+    slots, counts = jnp.asarray([0, 2], jnp.int32), jnp.asarray([3, 1], jnp.int32)
+    cache, _ = aj.reserve(aj.create(LAYOUT), slots, counts)
+    want = aj.plan_step(cache, slots, counts, 3, deferred=True)
+    expected = want.commit(cache)
+    for kernel in ("auto", False):
+        with mock.patch.object(plan_lib, "PLAN_KERNEL", kernel), \
+                mock.patch.object(plan_lib, "_native_plan_and_commit", wraps=plan_lib._native_plan_and_commit) as one:
+            plan, got = plan_lib.plan_and_commit(cache, slots, counts, 3)
+        assert one.call_count == (kernel == "auto") and plan.deferred
+        for name in ("rows", "tokens", "rows4", "counts", "epoch"):
+            np.testing.assert_array_equal(np.asarray(getattr(plan, name)), np.asarray(getattr(want, name)))
+        np.testing.assert_array_equal(np.asarray(got.table.packed), np.asarray(expected.table.packed))
+        np.testing.assert_array_equal(np.asarray(got.stats.counts), np.asarray(expected.stats.counts))
+    written = np.asarray(got.table.written)
+    assert (written[:, 0] == 3).all() and (written[:, 2] == 1).all() and (written[:, 1] == 0).all()
+    with pytest.raises(ValueError, match="width"):
+        plan_lib.plan_and_commit(cache, slots, counts, 0)
+    with pytest.raises(ValueError, match="slots"):
+        plan_lib.plan_and_commit(cache, jnp.asarray([0, 9], jnp.int32), counts, 3)
 
 
 def test_where_the_plan_is_native():

@@ -29,7 +29,8 @@ SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cc")))
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
 # FFI target name -> the library's handler symbol
 TARGETS = {"arena_reserve_pages": "ArenaReservePages", "arena_reserve_pages_copy": "ArenaReservePagesCopy",
-           "arena_plan_rows": "ArenaPlanRows", "arena_decode_attention": "ArenaDecodeAttention"}  # fmt: skip
+           "arena_plan_rows": "ArenaPlanRows", "arena_plan_rows_commit": "ArenaPlanRowsCommit",
+           "arena_decode_attention": "ArenaDecodeAttention"}  # fmt: skip
 _REGISTERED: dict[str, ctypes.CDLL] = {}  # FFI target -> the library whose handler XLA holds (once a process)
 
 

@@ -106,10 +106,55 @@ ffi::Error PlanImpl(I32 slots_buf, I32 num_tokens_buf,
   return ffi::Error::Success();
 }
 
+// The plan, then what `StepPlan.commit(cache)` makes of it for a deferred plan whose layers each
+// append once, over the table and counters the plan was made from (the table's epoch is the
+// plan's): the packed table with every layer's watermark where its append leaves it (a row that
+// writes nothing, rows4[l, b, 1] < 0, leaves its slot's), and the counters plus every layer's.
+ffi::Error PlanCommitImpl(I32 slots_buf, I32 num_tokens_buf, I32 packed_buf, I32 stats_buf,
+                          I32Out rows_out, I32Out tokens_out, I32Out rows4_out, I32Out counts_out,
+                          I32Out epoch_out, I32Out packed_out, I32Out stats_out,
+                          int64_t max_seqs, int64_t max_pages, int64_t num_layers, int64_t num_pages,
+                          int64_t page_size, int64_t page_map_at, int64_t slot_words_at, int64_t page_words_at,
+                          int64_t words_at, int64_t pad_slot, int64_t width, ffi::Span<const int64_t> counters) {
+  const int64_t L = num_layers, S = max_seqs, B = slots_buf.element_count(), W = packed_buf.element_count();
+  const int64_t N = stats_buf.element_count();
+  if (static_cast<int64_t>(packed_out->element_count()) != W || static_cast<int64_t>(stats_out->element_count()) != N ||
+      static_cast<int64_t>(counts_out->element_count()) != (L + 1) * N)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "plan_rows: the committed table or counters do not fit");
+  ffi::Error error = PlanImpl(slots_buf, num_tokens_buf, packed_buf, rows_out, tokens_out, rows4_out, counts_out,
+                              epoch_out, max_seqs, max_pages, num_layers, num_pages, page_size, page_map_at,
+                              slot_words_at, page_words_at, words_at, pad_slot, width, counters);
+  if (error.failure()) return error;
+  const int32_t* slots = slots_buf.typed_data();
+  const int32_t* rows4 = rows4_out->typed_data();
+  const int32_t* counts = counts_out->typed_data();
+  int32_t* packed = packed_out->typed_data();
+  if (packed != packed_buf.typed_data()) std::copy(packed_buf.typed_data(), packed_buf.typed_data() + W, packed);
+  for (int64_t l = 0; l < L; l++)
+    for (int64_t b = 0; b < B; b++) {  // a writing row is its slot's first, its slot in range (PlanImpl)
+      const int32_t* r4 = rows4 + (l * B + b) * 4;
+      if (r4[1] >= 0 && slots[b] >= 0 && slots[b] < S) packed[slot_words_at + slots[b] * (2 + L) + 2 + l] = r4[0];
+    }
+  int32_t* stats = stats_out->typed_data();
+  for (int64_t i = 0; i < N; i++) {
+    uint32_t sum = static_cast<uint32_t>(stats_buf.typed_data()[i]);
+    for (int64_t l = 0; l < L; l++) sum += static_cast<uint32_t>(counts[l * N + i]);
+    stats[i] = static_cast<int32_t>(sum);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // Arguments: slots, num_tokens, packed; results: rows, tokens, rows4, counts, epoch.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ArenaPlanRows, PlanImpl,
                               ffi::Ffi::Bind().Arg<I32>().Arg<I32>().Arg<I32>()
                                   .Ret<I32>().Ret<I32>().Ret<I32>().Ret<I32>().Ret<I32>()
+                                  ARENA_TABLE_ATTRS.Attr<int64_t>("width").Attr<ffi::Span<const int64_t>>("counters"));
+
+// Arguments: slots, num_tokens, packed, the counters; results: rows, tokens, rows4, counts, epoch,
+// the committed packed table and counters.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ArenaPlanRowsCommit, PlanCommitImpl,
+                              ffi::Ffi::Bind().Arg<I32>().Arg<I32>().Arg<I32>().Arg<I32>()
+                                  .Ret<I32>().Ret<I32>().Ret<I32>().Ret<I32>().Ret<I32>().Ret<I32>().Ret<I32>()
                                   ARENA_TABLE_ATTRS.Attr<int64_t>("width").Attr<ffi::Span<const int64_t>>("counters"));
