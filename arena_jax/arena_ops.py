@@ -266,7 +266,7 @@ def attend_impl(q, cache: KVCache, layer, slots, num_tokens, backend: str, slidi
         # The layer goes in unclipped (the call clips it); it and a traced window wait for q
         # (`waits_for`): as the scan's own slices of its layers each would be one more kernel ready
         # as an iteration starts, past 8 of them XLA's CPU executor runs the loop's body on its
-        # thread pool, a thread hop a layer that cost the tiny decode step 13% (benchmarks/RESULTS.md,
+        # thread pool, a thread hop a layer that cost the tiny decode step 15-20% (benchmarks/RESULTS.md,
         # session 64).
         q = _kernel_q(q, cache, _layer(cache.table, layer)[1] if cache.key_factors is not None else layer, backend)
         if isinstance(sliding_window, jax.Array):
