@@ -161,11 +161,11 @@ MUTANTS = {
         "sums[0] += (layer_ok && l == 0) ?", "sums[0] += layer_ok ?"),
     "native plan: a row written past its slot's reservation": ("pallas_kernels/cpu/plan.cc",
         "const bool fits = at(words + 1) != 0 && nn <= sub32(reserved, start);", "const bool fits = at(words + 1) != 0;"),
-    # decode attention as one native call a layer on a CPU (pallas_kernels/cpu/attention.cc)
     "native plan commit: a row that writes nothing sets its slot's watermark": ("pallas_kernels/cpu/plan.cc",
         "if (r4[1] >= 0 && slots[b] >= 0 && slots[b] < S)", "if (slots[b] >= 0 && slots[b] < S)"),
     "native plan commit: the out-of-range layer's counters added": ("pallas_kernels/cpu/plan.cc",
         "for (int64_t l = 0; l < L; l++) sum +=", "for (int64_t l = 0; l <= L; l++) sum +="),
+    # decode attention as one native call a layer on a CPU (pallas_kernels/cpu/attention.cc)
     "native attention: the window admits one key too many": ("pallas_kernels/cpu/attention.cc",
         "int64_t lo = windowed ? std::max<int64_t>(0, pos - window + 1) : 0;",
         "int64_t lo = windowed ? std::max<int64_t>(0, pos - window) : 0;"),
@@ -211,7 +211,8 @@ MUTANTS = {
     "blockwise: decode leaves a poisoned head's finite lanes": ("pallas_kernels/blockwise.py",
         "return jnp.where(bad, jnp.nan, l), jnp.where(bad[..., None], jnp.nan, acc)", "return l, acc"),
     "blockwise: decode reads the keys past its query": ("pallas_kernels/blockwise.py",
-        "key_live &= key_pos[None, :] <= q_pos[:, :1]", "pass"),
+        "mask = key_live[:, None, :] & (key_pos[None, None, :] <= q_pos[:, :, None]) & q_ok",
+        "mask = key_live[:, None, :] & q_ok"),
 }
 TESTS = {
     "arena_jax/prefix/ops.py": ["tests/test_allocator_model.py", "tests/test_prefix.py"],
